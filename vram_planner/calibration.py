@@ -1,0 +1,82 @@
+"""Coefficients that real runs set: CUDA context, allocator overhead, activation constants.
+
+The defaults come from public measurements and from the modeling code, each with its source. `vram-plan probe`
+fits them on a real GPU and writes a profile that replaces the defaults for that GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vram_planner.errors import ProfileError
+from vram_planner.profiles import data_home, profile_dirs, read_json
+from vram_planner.units import GiB
+
+
+class Calibration(BaseModel):
+    """Memory-model coefficients. Bytes are bytes; `*_bytes_per_*` are per element of the named size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "default"
+    gpu: str | None = None  # catalog name this calibration was measured on; None for the defaults
+    source: str = ""
+    measured: dict[str, str] = Field(default_factory=dict)  # versions of GPU, driver, CUDA, torch, ...
+
+    # CUDA context and kernels: outside torch's allocator, seen by mem_get_info (0.3-0.6 GiB in public reports).
+    cuda_context_bytes: int = Field(default=int(0.5 * GiB), ge=0)
+    # Reserved-but-unallocated memory as a fraction of the allocated peak: ~11% in public reports, 17% in the
+    # seeds' laptop OOM (2.41 of 14.23 GiB reserved).
+    allocator_overhead_fraction: float = Field(default=0.12, ge=0, lt=1)
+
+    # Saved activations of one decoder layer under autocast, per token, in bytes per element of h (hidden),
+    # a*d (query width), k*d (key/value width), i (MLP width), a (heads). Derived from transformers 5.x
+    # modeling_llama with SDPA: RMSNorm keeps an fp32 upcast and its bf16 output; rotary keeps q, k before and
+    # after rotate_half; SDPA keeps q, k, v, its output and a float32 log-sum-exp per head; the SwiGLU MLP keeps
+    # gate, act(gate), up and their product.
+    act_hidden_bytes_bf16: float = 16.0
+    act_hidden_bytes_fp32: float = 30.0  # fp32 residual: fp32 norms plus a bf16 cast of the input per linear
+    act_query_bytes: float = 8.0
+    act_kv_bytes: float = 8.0
+    act_mlp_bytes: float = 8.0
+    act_head_bytes: float = 4.0
+    # Working set of a no-grad forward (generation prefill, log-prob scoring), per token, per element.
+    inference_hidden_bytes: float = 8.0
+    inference_mlp_bytes: float = 6.0
+    # Gradient buffers alive while one checkpointed layer is recomputed and back-propagated, per token.
+    backward_hidden_bytes: float = 8.0
+    backward_mlp_bytes: float = 4.0
+
+
+def default_calibration() -> Calibration:
+    return load_calibration_file(_shipped("default"))
+
+
+def _shipped(name: str) -> Path:
+    for folder in reversed(profile_dirs()):
+        path = folder / "calibrations" / f"{name}.json"
+        if path.is_file():
+            return path
+    raise ProfileError(f"no calibration named {name!r}")
+
+
+def load_calibration_file(path: Path) -> Calibration:
+    data = read_json(path)
+    try:
+        return Calibration.model_validate(data)
+    except ValueError as exc:
+        raise ProfileError(f"{path} is not a valid calibration: {exc}") from exc
+
+
+def calibration_for(gpu_name: str, explicit: Path | None = None) -> Calibration:
+    """An explicit file, else a probe's calibration for this GPU, else a shipped one for it, else the defaults."""
+    if explicit is not None:
+        return load_calibration_file(explicit)
+    candidates = [data_home() / "calibrations" / f"{gpu_name}.json"]
+    candidates += [folder / "calibrations" / f"{gpu_name}.json" for folder in reversed(profile_dirs())]
+    for path in candidates:
+        if path.is_file():
+            return load_calibration_file(path)
+    return default_calibration()

@@ -1,0 +1,72 @@
+"""Memory of the LM head and log-prob computation, which TRL releases do in different ways (profiles/trl.toml).
+
+fused_chunked (TRL >= 1.15, trl/kernels/chunked_logprob.py): logits are projected in [4096, 32768] tiles and
+never kept. Forward keeps per-token fp32 statistics; backward allocates an fp32 grad_hidden [N, h] and, when the
+head is trainable, an fp32 grad_weight [V, h]. full_logits (older TRL): [B, c+1, V] logits in the compute dtype
+plus accelerate's fp32 copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vram_planner.architecture import ModelArchitecture
+from vram_planner.memory import FP32_BYTES, sizes
+from vram_planner.spec import TrainingConfig
+from vram_planner.trl_releases import TrlRelease
+
+# Per-token fp32 statistics of the fused forward: running max, sum exp, x*exp sum, squared sum, z sum,
+# max before target, target logit (ChunkedLogProbFunction.forward).
+FUSED_FORWARD_STATS_PER_TOKEN = 7 * FP32_BYTES
+# Saved for backward per token: int64 target, fp32 log-normaliser and entropy.
+FUSED_SAVED_PER_TOKEN = 8 + 2 * FP32_BYTES
+# full_logits: bf16 logits plus accelerate's fp32 copy while scoring (6 B per logit); at the start of backward
+# the fp32 log-softmax and its gradient join them (10 B per logit). ../shared/design/grpo-memory.md.
+FULL_LOGITS_FORWARD_BYTES = 6
+FULL_LOGITS_BACKWARD_BYTES = 10
+
+
+@dataclass(frozen=True)
+class LmHeadMemory:
+    """Bytes of the LM head during one micro-batch."""
+
+    forward_transient: float  # alive only while the forward runs (tiles, statistics)
+    saved: float  # kept from forward to backward
+    backward_transient: float  # alive during the LM head's backward
+
+
+def _uses_fused_head(train: TrainingConfig, release: TrlRelease) -> bool:
+    if train.use_liger_kernel and release.liger in ("fused_loss", "chunked_logprobs"):
+        return True
+    return release.lm_head == "fused_chunked"
+
+
+def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease,
+                   sequences: int, with_grad: bool) -> LmHeadMemory:
+    """LM head memory for `sequences` sequences; N (scored tokens) is sequences x c."""
+    s = sizes(train)
+    scored = sequences * train.max_completion_length
+    h, vocab = arch.hidden_size, arch.vocab_size
+    if not _uses_fused_head(train, release):
+        logits = sequences * (train.max_completion_length + 1) * vocab
+        return LmHeadMemory(forward_transient=logits * FULL_LOGITS_FORWARD_BYTES,
+                            saved=logits * s.compute if with_grad else 0,
+                            backward_transient=logits * FULL_LOGITS_BACKWARD_BYTES if with_grad else 0)
+    tile_tokens = min(scored, release.lm_head_token_chunk)
+    tile = tile_tokens * min(vocab, release.lm_head_vocab_chunk) * s.compute
+    head_weight = s.weight if not train.load_in_4bit else 2
+    weight_cast = min(vocab, release.lm_head_vocab_chunk) * h * s.compute if head_weight != s.compute else 0
+    hidden_cast = tile_tokens * h * s.compute if s.residual != s.compute else 0
+    gathered_hidden = scored * h * s.residual  # hidden_states[mask] copies the scored positions
+    forward = gathered_hidden + scored * FUSED_FORWARD_STATS_PER_TOKEN + tile + weight_cast + hidden_cast
+    if not with_grad:
+        return LmHeadMemory(forward_transient=forward, saved=0, backward_transient=0)
+    head_trainable = not train.uses_lora
+    grad_weight = vocab * h * FP32_BYTES if head_trainable else 0
+    # the fp32 grad_weight is cast to the parameter's dtype before it lands in .grad
+    grad_weight_cast = vocab * h * s.trainable if head_trainable and s.trainable != FP32_BYTES else 0
+    tokens = sequences * train.sequence_length
+    backward = (scored * h * FP32_BYTES + grad_weight + grad_weight_cast + tile + weight_cast + hidden_cast
+                + tokens * h * s.residual)  # index backward scatters into a zero [B, L, h] gradient
+    return LmHeadMemory(forward_transient=forward, saved=gathered_hidden + scored * FUSED_SAVED_PER_TOKEN,
+                        backward_transient=backward)

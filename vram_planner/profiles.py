@@ -1,0 +1,192 @@
+"""Data files: the GPU catalog, the model catalog and where to find them.
+
+Shipped profiles live in the package (`vram_planner.profile_data`, the repository's `profiles/` folder). A folder
+named by $VRAM_PLAN_PROFILES may add or override entries with files of the same layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vram_planner.architecture import ModelArchitecture
+from vram_planner.errors import ProfileError, UnknownNameError
+from vram_planner.units import GiB, looks_like_size, parse_size_bytes
+
+PROFILES_ENV = "VRAM_PLAN_PROFILES"
+HOME_ENV = "VRAM_PLAN_HOME"
+
+
+class GpuProfile(BaseModel):
+    """One CUDA card as the CUDA runtime sees it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    aliases: list[str] = Field(default_factory=list)
+    cuda_name: str = ""
+    marketed_memory_gb: float | None = None
+    total_memory_gib: float = Field(gt=0)
+    compute_capability: str = ""
+    bf16: bool = True
+    flash_attention_2: bool = False
+    segment: Literal["consumer", "laptop", "workstation", "datacenter", "custom"] = "custom"
+    capacity_source: Literal["measured", "estimated", "user"] = "estimated"
+    source: str = ""
+
+    @property
+    def capacity_bytes(self) -> int:
+        return round(self.total_memory_gib * GiB)
+
+    @property
+    def label(self) -> str:
+        return self.cuda_name or self.name
+
+    @classmethod
+    def from_name(cls, name: str) -> GpuProfile:
+        """A catalog name or alias, `auto` (the local CUDA device) or a size such as `24GiB`."""
+        key = name.strip().lower()
+        if key == "auto":
+            from vram_planner.local_gpu import detect_local_gpu
+
+            return detect_local_gpu()
+        if looks_like_size(key):
+            size = parse_size_bytes(name)
+            return cls(name=name.strip(), total_memory_gib=size / GiB, bf16=True, flash_attention_2=True,
+                       source="size given on the command line (assumed bf16 and FlashAttention-2 capable)",
+                       capacity_source="user")
+        catalog = gpu_catalog()
+        if key in catalog:
+            return catalog[key]
+        raise UnknownNameError("GPU", name, sorted({g.name for g in catalog.values()}),
+                               hint="(`vram-plan gpus` lists them; a size like 24GiB works for any card)")
+
+
+class ModelEntry(BaseModel):
+    """One catalog model: where its config.json facts are and what it is called."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    hub_id: str
+    aliases: list[str] = Field(default_factory=list)
+    family: str = ""
+    params_label: str = ""
+    source: str = ""
+    config_path: Path
+
+    def architecture(self) -> ModelArchitecture:
+        return ModelArchitecture.from_config(read_json(self.config_path), name=self.name)
+
+
+def profile_dirs() -> list[Path]:
+    """Shipped profiles first, then the user's folder (later entries override earlier ones)."""
+    dirs = [Path(str(resources.files("vram_planner.profile_data")))]
+    user = os.environ.get(PROFILES_ENV)
+    if user:
+        dirs.append(Path(user).expanduser())
+    return dirs
+
+
+def data_home() -> Path:
+    """Where vram-plan writes what it measures (calibrations)."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "vram-plan"
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ProfileError(f"cannot read {path}: {exc}") from exc
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"cannot read {path}: {exc}") from exc
+
+
+def _validated(model: type[BaseModel], data: Any, where: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise ProfileError(f"{where}: {loc}: {first['msg']}") from exc
+
+
+@lru_cache(maxsize=1)
+def gpu_catalog() -> dict[str, GpuProfile]:
+    """Every catalog GPU by lower-case name and alias."""
+    by_key: dict[str, GpuProfile] = {}
+    for folder in profile_dirs():
+        path = folder / "gpus.toml"
+        if not path.is_file():
+            continue
+        for i, row in enumerate(read_toml(path).get("gpu", [])):
+            gpu = _validated(GpuProfile, row, f"{path} gpu #{i + 1}")
+            for key in [gpu.name, *gpu.aliases]:
+                by_key[key.lower()] = gpu
+    return by_key
+
+
+def gpus() -> list[GpuProfile]:
+    """Distinct catalog GPUs, smallest capacity first."""
+    unique = {g.name: g for g in gpu_catalog().values()}
+    return sorted(unique.values(), key=lambda g: (g.capacity_bytes, g.name))
+
+
+@lru_cache(maxsize=1)
+def model_catalog() -> dict[str, ModelEntry]:
+    """Every catalog model by lower-case name, alias and hub id."""
+    by_key: dict[str, ModelEntry] = {}
+    for folder in profile_dirs():
+        path = folder / "models.toml"
+        if not path.is_file():
+            continue
+        for i, row in enumerate(read_toml(path).get("model", [])):
+            entry = _validated(ModelEntry, {**row, "config_path": folder / "models" / f"{row.get('name')}.json"},
+                               f"{path} model #{i + 1}")
+            for key in [entry.name, entry.hub_id, *entry.aliases]:
+                by_key[key.lower()] = entry
+    return by_key
+
+
+def models() -> list[ModelEntry]:
+    unique = {m.name: m for m in model_catalog().values()}
+    return sorted(unique.values(), key=lambda m: m.name.lower())
+
+
+def resolve_model(name: str) -> ModelArchitecture:
+    """A catalog name or alias, a hub id, a config.json file or a model folder."""
+    text = name.strip()
+    entry = model_catalog().get(text.lower())
+    if entry is not None:
+        return entry.architecture()
+    path = Path(text).expanduser()
+    if path.exists():
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            raise ProfileError(f"{path} has no config.json")
+        config = read_json(config_file)
+        if not isinstance(config, dict):
+            raise ProfileError(f"{config_file} is not a config.json object")
+        return ModelArchitecture.from_config(config, name=str(path))
+    if text.count("/") == 1 and not text.startswith((".", "/")) and not text.endswith(".json"):
+        from vram_planner.hub import fetch_hub_config
+
+        return ModelArchitecture.from_config(fetch_hub_config(text), name=text)
+    raise UnknownNameError("model", name, sorted({m.name for m in model_catalog().values()}),
+                           hint="(`vram-plan models` lists them; a config.json, a model folder or a hub id works too)")

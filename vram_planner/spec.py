@@ -1,0 +1,193 @@
+"""The training configuration: knobs spelled like GRPOConfig fields, validated in one step."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from vram_planner.errors import ConfigError, closest_names
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class Optimizer(str, Enum):
+    """The transformers `optim` names the memory model knows."""
+
+    adamw_torch_fused = "adamw_torch_fused"
+    adamw_torch = "adamw_torch"
+    adamw_8bit = "adamw_8bit"
+    adamw_bnb_8bit = "adamw_bnb_8bit"
+    paged_adamw_8bit = "paged_adamw_8bit"
+    paged_adamw_32bit = "paged_adamw_32bit"
+    lion_8bit = "lion_8bit"
+    paged_lion_8bit = "paged_lion_8bit"
+    lion_32bit = "lion_32bit"
+    adafactor = "adafactor"
+    sgd = "sgd"
+    rmsprop = "rmsprop"
+    adagrad = "adagrad"
+
+    @property
+    def is_8bit(self) -> bool:
+        return "8bit" in self.value
+
+    @property
+    def needs_bitsandbytes(self) -> bool:
+        return "8bit" in self.value or self.value.startswith(("paged_", "lion_"))
+
+
+class TrainingConfig(BaseModel):
+    """Everything about the run except the model and the GPU. Defaults are TRL 1.16's GRPOConfig defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    per_device_train_batch_size: int = Field(8, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    steps_per_generation: int | None = Field(None, gt=0)
+    num_generations: int = 8
+    # TRL >= 0.28 no longer truncates prompts: this is the longest prompt of the dataset, in tokens.
+    max_prompt_length: int = Field(256, gt=0)
+    max_completion_length: int = Field(512, gt=0)
+    beta: float = Field(0.0, ge=0)
+    num_iterations: int = Field(1, gt=0)
+    optim: Optimizer = Optimizer.adamw_torch_fused
+    gradient_checkpointing: bool = True
+    dtype: Dtype = "float32"
+    mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    use_liger_kernel: bool = False
+    use_vllm: bool = False
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    vllm_enable_sleep_mode: bool = False
+    lora_r: int | None = Field(None, gt=0)
+    lora_alpha: int | None = Field(None, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: list[str] | None = None
+    load_in_4bit: bool = False
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] | None = None
+    bnb_4bit_use_double_quant: bool | None = None
+    num_gpus: int = Field(1, gt=0)
+    zero_stage: int | None = Field(None, ge=0, le=3)
+    fsdp: bool = False
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> TrainingConfig:
+        problems = cross_field_problems(self)
+        if problems:
+            raise ValueError(" | ".join(problems))
+        return self
+
+    # Derived quantities, named as TRL names them.
+    @property
+    def steps_per_generation_resolved(self) -> int:
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Global completions per generation round (TRL's generation_batch_size)."""
+        return self.per_device_train_batch_size * self.num_gpus * self.steps_per_generation_resolved
+
+    @property
+    def local_generation_batch_size(self) -> int:
+        """Completions each GPU generates at once."""
+        return self.per_device_train_batch_size * self.steps_per_generation_resolved
+
+    @property
+    def sequence_length(self) -> int:
+        return self.max_prompt_length + self.max_completion_length
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_r is not None
+
+    @property
+    def computes_old_logps(self) -> bool:
+        """TRL's condition in _generate_and_score_completions (plus vLLM importance sampling, on by default)."""
+        off_policy = self.gradient_accumulation_steps % (self.steps_per_generation_resolved * self.num_iterations) != 0
+        return off_policy or self.use_vllm
+
+    @property
+    def computes_ref_logps(self) -> bool:
+        return self.beta != 0.0
+
+    @property
+    def distributed(self) -> Literal["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]:
+        if self.fsdp:
+            return "fsdp"
+        if self.zero_stage:
+            return f"zero{self.zero_stage}"  # type: ignore[return-value]
+        return "ddp" if self.num_gpus > 1 else "single"
+
+    @property
+    def lora_targets(self) -> list[str] | None:
+        """None means every linear layer of the decoder (PEFT's 'all-linear')."""
+        if self.lora_target_modules in (None, ["all-linear"]):
+            return None
+        return self.lora_target_modules
+
+
+# The command-line flag for each field, for messages.
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def cross_field_problems(c: TrainingConfig) -> list[str]:
+    """Every rule that involves several fields, each naming the flags to change."""
+    problems = []
+    if c.num_generations < 2:
+        problems.append(f"--num-generations must be at least 2 (got {c.num_generations}): "
+                        "GRPO compares completions within a group")
+    if c.num_generations >= 2 and c.generation_batch_size % c.num_generations:
+        problems.append(
+            f"the generation batch (--per-device-train-batch-size {c.per_device_train_batch_size} x --num-gpus "
+            f"{c.num_gpus} x --steps-per-generation {c.steps_per_generation_resolved} = {c.generation_batch_size}) "
+            f"must be divisible by --num-generations {c.num_generations}")
+    if c.load_in_4bit and not c.uses_lora:
+        problems.append("--load-in-4bit needs LoRA (--lora-r): 4-bit weights cannot be trained directly")
+    if not c.load_in_4bit and (c.bnb_4bit_quant_type is not None or c.bnb_4bit_use_double_quant is not None):
+        problems.append("--bnb-4bit-quant-type / --bnb-4bit-use-double-quant need --load-in-4bit")
+    if not c.uses_lora and (c.lora_alpha is not None or c.lora_target_modules is not None or c.lora_dropout):
+        problems.append("--lora-alpha / --lora-target-modules / --lora-dropout need --lora-r")
+    if c.zero_stage is not None and c.fsdp:
+        problems.append("choose one of --zero-stage and --fsdp")
+    if c.dtype == "float16" and c.mixed_precision == "fp16" and not c.uses_lora:
+        problems.append("full fine-tuning of float16 weights with fp16 mixed precision fails in the grad scaler "
+                        "('Attempting to unscale FP16 gradients'); load float32 (--dtype float32) or use LoRA")
+    if c.vllm_mode == "server" and not c.use_vllm:
+        problems.append("--vllm-mode needs --use-vllm")
+    return problems
+
+
+def training_config(values: dict[str, Any]) -> TrainingConfig:
+    """Validate user values (from flags or a config file); every problem in one ConfigError."""
+    unknown = [k for k in values if k not in TrainingConfig.model_fields]
+    problems = []
+    for key in unknown:
+        near = closest_names(key, TrainingConfig.model_fields)
+        problems.append(f"unknown setting {flag(key)}" + (f" (did you mean {flag(near[0])}?)" if near else ""))
+    known = {k: v for k, v in values.items() if k in TrainingConfig.model_fields and v is not None}
+    try:
+        config = TrainingConfig(**known)
+    except ValidationError as exc:
+        problems.extend(_describe(exc))
+        raise ConfigError(problems) from exc
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _describe(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors():
+        if not err["loc"]:  # the cross-field validator
+            out.extend(str(err["ctx"]["error"]).split(" | ") if "ctx" in err else [err["msg"]])
+            continue
+        name = flag(str(err["loc"][0]))
+        value = err.get("input")
+        message = err["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
+        out.append(f"{name} should be {message} (got {value!r})")
+    return out
