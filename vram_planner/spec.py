@@ -191,3 +191,8 @@ def _describe(exc: ValidationError) -> list[str]:
         message = err["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
         out.append(f"{name} should be {message} (got {value!r})")
     return out
+
+
+def with_changes(train: TrainingConfig, **changes: Any) -> TrainingConfig:
+    """A copy with some fields changed, validated again (model_copy would skip the cross-field rules)."""
+    return TrainingConfig.model_validate({**train.model_dump(), **changes})

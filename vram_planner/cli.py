@@ -1,0 +1,178 @@
+"""The command line: parse, call the library, render. Exit 0 fits, 1 does not fit, 2 bad input or error."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vram_planner.errors import VramPlanError
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_ERROR = 0, 1, 2
+_PATH = click.Path(path_type=Path, dir_okay=False)
+
+# Knobs are spelled like GRPOConfig fields; unset ones take the TRL release's defaults (None = not given).
+_KNOBS = [
+    click.option("--per-device-train-batch-size", type=int),
+    click.option("--gradient-accumulation-steps", type=int),
+    click.option("--steps-per-generation", type=int),
+    click.option("--num-generations", type=int),
+    click.option("--max-prompt-length", type=int, help="Longest prompt of your dataset, in tokens (default 256)."),
+    click.option("--max-completion-length", type=int),
+    click.option("--beta", type=float),
+    click.option("--num-iterations", type=int),
+    click.option("--optim", help="transformers optimizer name, e.g. adamw_torch_fused, adamw_8bit."),
+    click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None),
+    click.option("--dtype", help="Weights' dtype: float32 (TRL's default), bfloat16, float16."),
+    click.option("--mixed-precision", help="bf16 (default), fp16 or no."),
+    click.option("--attn-implementation", help="sdpa (default), eager or flash_attention_2."),
+    click.option("--use-liger-kernel/--no-use-liger-kernel", default=None),
+    click.option("--use-vllm/--no-use-vllm", default=None),
+    click.option("--vllm-mode", help="colocate (default) or server."),
+    click.option("--vllm-gpu-memory-utilization", type=float),
+    click.option("--vllm-enable-sleep-mode/--no-vllm-enable-sleep-mode", default=None),
+    click.option("--lora-r", type=int),
+    click.option("--lora-alpha", type=int),
+    click.option("--lora-dropout", type=float),
+    click.option("--lora-target-modules", help="Comma-separated module names, or all-linear."),
+    click.option("--load-in-4bit/--no-load-in-4bit", default=None),
+    click.option("--bnb-4bit-quant-type", help="nf4 or fp4."),
+    click.option("--bnb-4bit-use-double-quant/--no-bnb-4bit-use-double-quant", default=None),
+    click.option("--num-gpus", type=int),
+    click.option("--zero-stage", type=int),
+    click.option("--fsdp/--no-fsdp", default=None),
+]
+_COMMON = [
+    click.option("--gpu", help="Catalog name, 'auto', or a size like 24GiB."),
+    click.option("--model", help="Catalog name, config.json, model folder or hub id."),
+    click.option("--config", "config_file", type=_PATH, help="YAML/JSON file with the same keys as the flags."),
+    click.option("--json", "json_output", is_flag=True, help="Print one JSON document."),
+    click.option("--plot", type=_PATH, help="Write stacked bars per phase to this PNG."),
+    click.option("--trl-version", help="Plan for this TRL release (default: the installed one)."),
+    click.option("--calibration", type=_PATH, help="Calibration profile to use."),
+    click.option("--safety-margin", type=click.FloatRange(0, 0.5), default=0.05, show_default=True,
+                 help="Share of the card kept free."),
+]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="vram-plan")
+def app() -> None:
+    """Plan the GPU memory of TRL GRPO fine-tuning: will it fit, where does the memory go, what fits best.
+
+    `vram-plan --gpu G --model M` is short for `vram-plan plan --gpu G --model M`.
+    """
+
+
+def _training_command(command: str, doc: str) -> None:
+    def run(**options: Any) -> None:
+        _execute(command, options)
+
+    run.__doc__ = doc
+    for option in reversed(_COMMON + _KNOBS):
+        run = option(run)
+    app.command(command)(run)
+
+
+_training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes.")
+_training_command("check", "The verdict for exactly this config.")
+
+_NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin")
+
+
+def _execute(command: str, options: dict[str, Any]) -> None:
+    from vram_planner import api
+    from vram_planner.settings_file import read_settings_file
+
+    settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
+    gpu = options["gpu"] or settings.pop("gpu", None)
+    model = options["model"] or settings.pop("model", None)
+    settings.pop("gpu", None), settings.pop("model", None)
+    if not gpu or not model:
+        missing = " and ".join(f"--{n}" for n, v in (("gpu", gpu), ("model", model)) if not v)
+        raise VramPlanError(f"{command} needs {missing} (e.g. vram-plan {command} --gpu rtx3080-mobile "
+                            "--model Llama-3.2-1B)")
+    flags = {k: v for k, v in options.items() if k not in _NOT_KNOBS and v is not None}
+    if isinstance(flags.get("lora_target_modules"), str):
+        flags["lora_target_modules"] = [t.strip() for t in flags["lora_target_modules"].split(",") if t.strip()]
+    context = api.make_context(model, gpu, trl_version=options["trl_version"], calibration=options["calibration"],
+                               safety_margin=options["safety_margin"])
+    train = api.make_training(context, {**settings, **flags})
+    from vram_planner import report as reports
+
+    if command == "plan":
+        from vram_planner.search import best_plan
+
+        result = best_plan(context, train)
+        report = reports.plan_report(result)
+        shown = (result.chosen or result.smallest).train
+    else:
+        from vram_planner.verdict import judge
+
+        report = reports.verdict_report(judge(context, train))
+        shown = train
+    if options["plot"]:
+        from vram_planner.plot import plot_phases
+
+        plot_phases(report, options["plot"])
+    if options["json_output"]:
+        click.echo(report.model_dump_json(indent=2))
+    else:
+        from vram_planner.render import render
+
+        render(report, context.gpu, shown)
+    raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
+
+
+@app.command("gpus")
+def list_gpus() -> None:
+    """The GPU catalog: capacity as CUDA reports it, bf16 and FlashAttention-2 support."""
+    from vram_planner.listing import print_gpus
+
+    print_gpus()
+
+
+@app.command("models")
+def list_models() -> None:
+    """The model catalog: parameters and architecture facts."""
+    from vram_planner.listing import print_models
+
+    print_models()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `vram-plan` script; returns the exit code."""
+    # pydantic's plugin discovery scans every installed distribution's entry points (~20 ms); a planner run has
+    # no use for observability plugins.
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    if args and args[0].startswith("-") and args[0] not in ("--help", "-h", "--version"):
+        args.insert(0, "plan")
+    try:
+        exit_code = app.main(args, prog_name="vram-plan", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except (VramPlanError, click.ClickException) as exc:
+        if debug:
+            raise
+        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        click.echo(f"error: {message}", err=True)
+        return EXIT_ERROR
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        return EXIT_ERROR
+    except Exception as exc:
+        if debug:
+            raise
+        click.echo(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True)
+        return EXIT_ERROR
+    return exit_code if isinstance(exit_code, int) else EXIT_FITS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

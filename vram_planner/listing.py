@@ -1,0 +1,31 @@
+"""`vram-plan gpus` and `vram-plan models`: the catalogs as tables."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from vram_planner.profiles import gpus, models
+
+
+def print_gpus(console: Console | None = None) -> None:
+    table = Table(title="GPU catalog (capacity as CUDA reports it)", title_justify="left", show_edge=False)
+    for column in ("name", "card", "GiB", "cc", "bf16", "FA2", "segment", "aliases"):
+        table.add_column(column, justify="right" if column == "GiB" else "left")
+    for g in gpus():
+        table.add_row(g.name, g.cuda_name, f"{g.total_memory_gib:.2f}", g.compute_capability,
+                      "yes" if g.bf16 else "no", "yes" if g.flash_attention_2 else "no", g.segment,
+                      ", ".join(g.aliases))
+    (console or Console()).print(table)
+
+
+def print_models(console: Console | None = None) -> None:
+    table = Table(title="Model catalog", title_justify="left", show_edge=False)
+    for column in ("name", "hub id", "params", "layers", "hidden", "heads/kv", "vocab", "tied"):
+        table.add_column(column, justify="left" if column in ("name", "hub id") else "right")
+    for entry in models():
+        a = entry.architecture()
+        table.add_row(entry.name, entry.hub_id, f"{a.params / 1e9:.2f}B", str(a.num_layers), str(a.hidden_size),
+                      f"{a.num_attention_heads}/{a.num_kv_heads}", str(a.vocab_size),
+                      "yes" if a.tie_word_embeddings else "no")
+    (console or Console()).print(table)

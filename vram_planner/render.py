@@ -1,0 +1,109 @@
+"""What people read: rich tables, a bar of the peak, the GRPOConfig snippet. GiB throughout."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from vram_planner.estimate import COMPONENTS, PHASE_TITLES
+from vram_planner.grpo_config import python_snippet
+from vram_planner.profiles import GpuProfile
+from vram_planner.report import Report
+from vram_planner.spec import TrainingConfig
+from vram_planner.units import GiB
+
+BAR_WIDTH = 40
+COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients": "magenta",
+                    "optimizer_states": "red", "kv_cache": "yellow", "activations": "green",
+                    "lm_head_buffers": "bright_green", "vllm_reservation": "bright_cyan",
+                    "cuda_context": "bright_black", "allocator_overhead": "white"}
+
+
+def _g(n_bytes: float) -> str:
+    return f"{n_bytes / GiB:.2f}"
+
+
+def headline(report: Report, gpu: GpuProfile) -> Text:
+    title = Text(f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB), TRL {report.trl_version} GRPO\n",
+                 style="bold")
+    peak_phase = PHASE_TITLES.get(report.peak_phase, report.peak_phase)
+    if report.fits:
+        title.append("✔ fits: ", style="bold green")
+        title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {_g(report.spare_bytes)} GiB spare "
+                     f"(a safety margin of {_g(report.safety_margin_bytes)} GiB is kept free)")
+    else:
+        title.append("✘ does not fit: ", style="bold red")
+        title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, "
+                     f"{_g(-report.spare_bytes)} GiB over the card" if report.spare_bytes < 0 else
+                     f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, inside the "
+                     f"{_g(report.safety_margin_bytes)} GiB safety margin")
+    return title
+
+
+def changes_table(report: Report) -> Table | Text:
+    if not report.changes:
+        return Text("Your config fits as it is." if report.fits else "")
+    table = Table(title=f"Changes to your config (it needs {_g(report.requested_peak_bytes or 0)} GiB)",
+                  title_justify="left", show_edge=False)
+    for column in ("knob", "from", "to", "saves GiB", "why"):
+        table.add_column(column, justify="right" if column == "saves GiB" else "left")
+    for c in report.changes:
+        table.add_row(c.knob, str(c.before), str(c.after), _g(c.saved_bytes), c.reason)
+    return table
+
+
+def breakdown_table(report: Report) -> Table:
+    table = Table(title="Memory by phase (GiB)", title_justify="left", show_edge=False)
+    table.add_column("component")
+    for phase in report.phases:
+        marker = " ◆" if phase.name == report.peak_phase else ""
+        table.add_column(PHASE_TITLES.get(phase.name, phase.name) + marker, justify="right")
+    for component in COMPONENTS:
+        values = [p.components.get(component, 0) for p in report.phases]
+        if any(values):
+            table.add_row(Text(component.replace("_", " "), style=COMPONENT_STYLES[component]),
+                          *(_g(v) for v in values))
+    table.add_row(Text("total", style="bold"), *(Text(_g(p.total_bytes), style="bold") for p in report.phases))
+    return table
+
+
+def peak_bar(report: Report) -> Text:
+    """One bar of the peak phase, coloured by component, against the card's capacity."""
+    peak = next(p for p in report.phases if p.name == report.peak_phase)
+    scale = max(report.capacity_bytes, peak.total_bytes)
+    bar = Text("peak  ")
+    used = 0
+    for component in COMPONENTS:
+        cells = round(peak.components.get(component, 0) / scale * BAR_WIDTH)
+        bar.append("█" * cells, style=COMPONENT_STYLES[component])
+        used += cells
+    bar.append("░" * max(BAR_WIDTH - used, 0), style="bright_black")
+    bar.append(f"  {_g(peak.total_bytes)} / {_g(report.capacity_bytes)} GiB")
+    return bar
+
+
+def footer(report: Report) -> Text:
+    lines = [f"Assumed: the longest prompt is {report.assumptions['max_prompt_length']} tokens "
+             "(set --max-prompt-length; TRL no longer truncates prompts). "
+             f"Calibration: {report.calibration}."]
+    lines += [f"Note: {n}" for n in report.notes]
+    if not report.grpo_config_valid:
+        lines += [f"GRPOConfig would reject this: {p}" for p in report.grpo_config_problems]
+    if not report.fits and report.command == "plan":
+        lines.append(f"Nothing fits on this card: the smallest config vram-plan knows needs "
+                     f"{_g(report.smallest_config_peak_bytes or 0)} GiB. "
+                     + (f"The smallest catalog card it fits is {report.smallest_fitting_gpu}."
+                        if report.smallest_fitting_gpu else "No catalog card holds it."))
+    return Text("\n".join(lines), style="dim")
+
+
+def render(report: Report, gpu: GpuProfile, train: TrainingConfig, console: Console | None = None) -> None:
+    console = console or Console()
+    parts = [headline(report, gpu), Text(""), changes_table(report), Text(""), breakdown_table(report),
+             peak_bar(report), Text("")]
+    if report.fits:
+        parts += [Text("GRPOConfig:", style="bold"),
+                  Text(python_snippet(train, report.model), style="cyan")]
+    parts.append(footer(report))
+    console.print(Group(*parts))
