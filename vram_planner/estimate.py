@@ -110,12 +110,11 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
     prefill = (m.inference_working_bytes(arch, train, cal, sequences * train.max_prompt_length)
                + m.padded_prefill_mask_bytes(train, sequences))
     decode = m.generation_logits_bytes(arch, sequences)
-    if prefill > decode + kv_growth:
-        # the peak is the prefill, when the cache holds only the prompt
-        prompt_kv = m.kv_cache_bytes(arch, train, sequences, train.max_prompt_length)
-        return Phase("generation", {**base, "kv_cache": prompt_kv, "activations": prefill}, "prefill")
-    return Phase("generation", {**base, "kv_cache": kv + kv_growth, "lm_head_buffers": decode},
-                 "last decoding step")
+    prompt_kv = m.kv_cache_bytes(arch, train, sequences, train.max_prompt_length)
+    prefill_moment = Phase("generation", {**base, "kv_cache": prompt_kv, "activations": prefill}, "prefill")
+    decode_moment = Phase("generation", {**base, "kv_cache": kv + kv_growth, "lm_head_buffers": decode},
+                          "last decoding step")
+    return max(prefill_moment, decode_moment, key=lambda p: p.total_bytes)
 
 
 def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,

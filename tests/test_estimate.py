@@ -1,0 +1,92 @@
+"""Which phases exist and what is alive in each, for the behaviours of the installed TRL."""
+
+from __future__ import annotations
+
+import pytest
+
+from vram_planner import memory as m
+from vram_planner.calibration import Calibration
+from vram_planner.estimate import estimate
+from vram_planner.spec import training_config
+from vram_planner.trl_releases import trl_release
+from vram_planner.units import GiB
+
+CAPACITY = 16 * GiB
+
+
+def run(arch, **kw):
+    return estimate(arch, training_config(kw), trl_release("1.16.0"), Calibration(), CAPACITY)
+
+
+def phase(est, name):
+    return next(p for p in est.phases if p.name == name)
+
+
+def test_default_step_has_no_scoring_pass(llama_1b):
+    # beta 0 and gradient_accumulation_steps % (steps_per_generation x num_iterations) == 0
+    assert [p.name for p in run(llama_1b).phases] == ["generation", "training", "optimizer"]
+
+
+@pytest.mark.parametrize("kw", [{"beta": 0.04}, {"num_iterations": 2}, {"steps_per_generation": 2},
+                                {"use_vllm": True}])
+def test_scoring_pass_when_trl_computes_old_or_reference_logps(llama_1b, kw):
+    assert "scoring" in [p.name for p in run(llama_1b, **kw).phases]
+
+
+def test_optimizer_states_persist_in_every_phase_and_gradients_do_not(llama_1b):
+    est = run(llama_1b, dtype="bfloat16")
+    states = m.optimizer_state_bytes(llama_1b, training_config({"dtype": "bfloat16"}))
+    assert all(p.components["optimizer_states"] == states for p in est.phases)
+    assert phase(est, "generation").components["gradients"] == 0
+    assert phase(est, "optimizer").components["gradients"] == 2 * llama_1b.params
+
+
+def test_generation_holds_the_kv_cache_of_the_whole_generation_batch(llama_1b):
+    est = run(llama_1b, dtype="bfloat16", per_device_train_batch_size=2, gradient_accumulation_steps=8)
+    full = m.kv_cache_bytes(llama_1b, training_config({"dtype": "bfloat16"}), 16, 256 + 512)
+    gen = phase(est, "generation").components["kv_cache"]
+    assert full <= gen <= full * (1 + 1 / 16)  # plus one layer's growth copy
+
+
+def test_accumulation_keeps_all_gradients_during_backward(llama_1b):
+    single = phase(run(llama_1b, dtype="bfloat16"), "training")
+    accumulating = phase(run(llama_1b, dtype="bfloat16", per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2), "training")
+    assert accumulating.components["gradients"] == 2 * llama_1b.params
+    assert single.components["gradients"] <= accumulating.components["gradients"]
+
+
+def test_overheads_are_added_to_every_phase(llama_1b):
+    cal = Calibration(cuda_context_bytes=123, allocator_overhead_fraction=0.5)
+    est = estimate(llama_1b, training_config({}), trl_release("1.16.0"), cal, CAPACITY)
+    for p in est.phases:
+        assert p.components["cuda_context"] == 123
+        assert p.components["allocator_overhead"] == pytest.approx(0.5 * p.tensor_bytes)
+    assert est.peak_bytes == max(p.total_bytes for p in est.phases)
+
+
+def test_vllm_colocate_reserves_its_share_unless_asleep(llama_1b):
+    awake = run(llama_1b, use_vllm=True, vllm_gpu_memory_utilization=0.25, dtype="bfloat16")
+    assert all(p.components["vllm_reservation"] == 0.25 * CAPACITY for p in awake.phases)
+    assert phase(awake, "generation").components["kv_cache"] == 0  # vLLM's cache is inside its reservation
+    asleep = run(llama_1b, use_vllm=True, vllm_enable_sleep_mode=True, dtype="bfloat16")
+    assert phase(asleep, "generation").components["vllm_reservation"] == 0.3 * CAPACITY
+    assert phase(asleep, "optimizer").components["vllm_reservation"] == 0
+    server = run(llama_1b, use_vllm=True, vllm_mode="server", dtype="bfloat16")
+    assert all(p.components["vllm_reservation"] == 0 for p in server.phases)
+
+
+def test_longer_completions_never_need_less(llama_1b):
+    peaks = [run(llama_1b, max_completion_length=c).peak_bytes for c in (128, 256, 512, 1024, 2048)]
+    assert peaks == sorted(peaks)
+
+
+def test_checkpointing_saves_activation_memory(llama_1b):
+    on = phase(run(llama_1b, dtype="bfloat16"), "training").components["activations"]
+    off = phase(run(llama_1b, dtype="bfloat16", gradient_checkpointing=False), "training").components["activations"]
+    assert off > 4 * on
+
+
+def test_prompt_longer_than_the_model_is_noted(llama_1b):
+    est = run(llama_1b, max_prompt_length=200_000)
+    assert any("max_position_embeddings" in n for n in est.notes)
