@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -186,11 +186,25 @@ def _describe(exc: ValidationError) -> list[str]:
         if not err["loc"]:  # the cross-field validator
             out.extend(str(err["ctx"]["error"]).split(" | ") if "ctx" in err else [err["msg"]])
             continue
-        name = flag(str(err["loc"][0]))
+        field = str(err["loc"][0])
         value = err.get("input")
+        allowed = _allowed_values(field)
+        if allowed and err["type"] in ("enum", "literal_error"):
+            near = closest_names(str(value), allowed)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            out.append(f"{flag(field)} {value!r} is not known; {hint}choose from {', '.join(allowed)}")
+            continue
         message = err["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
-        out.append(f"{name} should be {message} (got {value!r})")
+        out.append(f"{flag(field)} should be {message} (got {value!r})")
     return out
+
+
+def _allowed_values(field: str) -> list[str]:
+    annotation = TrainingConfig.model_fields[field].annotation
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return [member.value for member in annotation]
+    return [str(a) for a in get_args(annotation) if isinstance(a, str)] or [
+        str(x) for a in get_args(annotation) for x in get_args(a) if isinstance(x, str)]
 
 
 def with_changes(train: TrainingConfig, **changes: Any) -> TrainingConfig:

@@ -1,0 +1,110 @@
+"""Every shipped data file loads and validates; names resolve; user profiles extend the catalogs."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+
+from vram_planner import profiles
+from vram_planner.errors import ProfileError, UnknownNameError
+from vram_planner.profiles import GpuProfile, gpus, models, profile_dirs, resolve_model
+from vram_planner.units import GiB
+
+SHIPPED = profile_dirs()[0]
+
+
+def test_gpu_catalog_is_broad_and_valid():
+    cards = gpus()
+    assert len(cards) >= 30
+    segments = {g.segment for g in cards}
+    assert {"consumer", "laptop", "datacenter"} <= segments
+    raw = tomllib.loads((SHIPPED / "gpus.toml").read_text())["gpu"]
+    keys = [k.lower() for row in raw for k in [row["name"], *row.get("aliases", [])]]
+    assert len(keys) == len(set(keys)), "a name or alias is used twice"
+    for card in cards:
+        assert 2 < card.total_memory_gib < 200
+        if card.marketed_memory_gb:
+            # CUDA reports less than the box says, never more (GB on the box may be GiB-sized)
+            assert card.capacity_bytes <= card.marketed_memory_gb * GiB
+
+
+def test_the_seeds_laptop_card():
+    card = GpuProfile.from_name("rtx3080-mobile")
+    assert card.total_memory_gib == 15.73 and card.bf16
+    assert GpuProfile.from_name("rtx3080-mobile-8gb").total_memory_gib < 8
+
+
+@pytest.mark.parametrize("name", ["t4", "l4", "a10g", "a100-40gb", "a100-80gb", "h100", "h200", "rtx4090",
+                                  "rtx3090", "rtx5090", "rtx2080-ti"])
+def test_common_cards_resolve(name):
+    GpuProfile.from_name(name)
+
+
+def test_t4_has_no_bf16_and_no_flash_attention():
+    t4 = GpuProfile.from_name("t4")
+    assert not t4.bf16 and not t4.flash_attention_2
+
+
+def test_unknown_gpu_suggests_close_names():
+    with pytest.raises(UnknownNameError) as info:
+        GpuProfile.from_name("rtx3080-mobil")
+    assert "rtx3080-mobile" in str(info.value)
+
+
+def test_sizes_work_for_any_card():
+    assert GpuProfile.from_name("24GiB").capacity_bytes == 24 * GiB
+    assert GpuProfile.from_name("16GB").capacity_bytes == 16 * 10**9
+
+
+def test_model_catalog_is_broad():
+    names = {m.name for m in models()}
+    assert len(names) >= 20
+    for family in ("Llama-3.2-1B", "Qwen2.5-1.5B", "Qwen3-0.6B", "gemma-2-2b", "SmolLM2-135M",
+                   "Phi-3-mini-4k-instruct", "Mistral-7B-v0.3", "DeepSeek-R1-Distill-Qwen-1.5B"):
+        assert family in names
+
+
+def test_every_catalog_model_loads():
+    for entry in models():
+        arch = entry.architecture()
+        assert arch.exact, f"{entry.name}: model_type {arch.model_type} unknown to vram-plan"
+        assert arch.params > 10**8
+
+
+def test_models_resolve_by_name_alias_hub_id_and_path(llama_1b_file):
+    assert resolve_model("Llama-3.2-1B").params == 1_235_814_400
+    assert resolve_model("llama-3.2-1b").params == 1_235_814_400
+    assert resolve_model("meta-llama/Llama-3.2-1B").params == 1_235_814_400
+    assert resolve_model(str(llama_1b_file)).params == 1_235_814_400
+    assert resolve_model(str(llama_1b_file.parent)).params == 1_235_814_400
+
+
+def test_unknown_model_suggests():
+    with pytest.raises(UnknownNameError) as info:
+        resolve_model("Lama-3.2-1B")
+    assert "Llama-3.2-1B" in str(info.value)
+
+
+def test_user_profiles_extend_the_catalog(tmp_path, monkeypatch):
+    (tmp_path / "gpus.toml").write_text('[[gpu]]\nname = "my-card"\ntotal_memory_gib = 11.5\n')
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "Tiny.json").write_text(json.dumps(
+        {"model_type": "llama", "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+         "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (tmp_path / "models.toml").write_text('[[model]]\nname = "Tiny"\nhub_id = "me/tiny"\n')
+    monkeypatch.setenv(profiles.PROFILES_ENV, str(tmp_path))
+    profiles.gpu_catalog.cache_clear()
+    profiles.model_catalog.cache_clear()
+    assert GpuProfile.from_name("my-card").total_memory_gib == 11.5
+    assert GpuProfile.from_name("rtx3080-mobile").total_memory_gib == 15.73  # shipped ones stay
+    assert resolve_model("me/tiny").hidden_size == 16
+
+
+def test_malformed_user_profile_is_a_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "gpus.toml").write_text('[[gpu]]\nname = "bad"\ntotal_memory_gib = -1\n')
+    monkeypatch.setenv(profiles.PROFILES_ENV, str(tmp_path))
+    profiles.gpu_catalog.cache_clear()
+    with pytest.raises(ProfileError, match="total_memory_gib"):
+        GpuProfile.from_name("bad")
