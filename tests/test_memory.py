@@ -155,3 +155,11 @@ def test_fsdp_shards_everything(llama_1b):
     train = cfg(num_gpus=8, fsdp=True, per_device_train_batch_size=1)
     assert m.weight_bytes(llama_1b, train) == 4 * P / 8
     assert m.optimizer_state_bytes(llama_1b, train) == 8 * P / 8
+
+
+def test_liger_layer_kernels_keep_fewer_activations(llama_1b):
+    cal = Calibration()
+    plain = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16"), cal, 1000)
+    liger = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16", use_liger_kernel=True), cal, 1000)
+    expected = 1000 * (8 * H + 4 * 32 * 64 + 4 * KV_WIDTH + 6 * I + 4 * 32)
+    assert liger == expected and liger < plain

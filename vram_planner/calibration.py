@@ -42,6 +42,13 @@ class Calibration(BaseModel):
     act_kv_bytes: float = 8.0
     act_mlp_bytes: float = 8.0
     act_head_bytes: float = 4.0
+    # With use_liger_kernel (layer kernels: RMSNorm, SwiGLU, RoPE): RMSNorm keeps only its input and a per-row
+    # rstd, SwiGLU keeps gate and up and recomputes the activation, RoPE works in place (Liger-Kernel's
+    # ops/rms_norm.py, ops/swiglu.py, ops/rope.py). Per element, for a 2-byte residual stream.
+    liger_act_hidden_bytes: float = 8.0
+    liger_act_query_bytes: float = 4.0
+    liger_act_kv_bytes: float = 4.0
+    liger_act_mlp_bytes: float = 6.0
     # Working set of a no-grad forward (generation prefill, log-prob scoring), per token, per element.
     inference_hidden_bytes: float = 8.0
     inference_mlp_bytes: float = 6.0

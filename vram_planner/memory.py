@@ -179,12 +179,16 @@ def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: in
 def layer_activation_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
     """Tensors one decoder layer saves for backward over `tokens` tokens (no checkpointing)."""
     s = sizes(train)
-    hidden_coeff = cal.act_hidden_bytes_fp32 if s.residual == FP32_BYTES else cal.act_hidden_bytes_bf16
     scale = s.compute / 2  # coefficients are for a 2-byte compute dtype
+    if train.use_liger_kernel:
+        hidden_coeff = cal.liger_act_hidden_bytes * s.residual / 2
+        query, kv, mlp = cal.liger_act_query_bytes, cal.liger_act_kv_bytes, cal.liger_act_mlp_bytes
+    else:
+        hidden_coeff = cal.act_hidden_bytes_fp32 if s.residual == FP32_BYTES else cal.act_hidden_bytes_bf16
+        query, kv, mlp = cal.act_query_bytes, cal.act_kv_bytes, cal.act_mlp_bytes
     per_token = (hidden_coeff * arch.hidden_size
-                 + scale * (cal.act_query_bytes * arch.num_attention_heads * arch.head_dim
-                            + cal.act_kv_bytes * arch.num_kv_heads * arch.head_dim
-                            + cal.act_mlp_bytes * arch.intermediate_size)
+                 + scale * (query * arch.num_attention_heads * arch.head_dim
+                            + kv * arch.num_kv_heads * arch.head_dim + mlp * arch.intermediate_size)
                  + cal.act_head_bytes * arch.num_attention_heads)
     return tokens * per_token + _lora_activation_bytes(arch, train, tokens) + _attention_matrix_bytes(
         arch, train, tokens, saved=True)
