@@ -173,6 +173,3 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     return exit_code if isinstance(exit_code, int) else EXIT_FITS
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,13 +9,16 @@ from vram_planner.profiles import gpus, models
 
 
 def print_gpus(console: Console | None = None) -> None:
-    table = Table(title="GPU catalog (capacity as CUDA reports it)", title_justify="left", show_edge=False)
-    for column in ("name", "card", "GiB", "cc", "bf16", "FA2", "segment", "aliases"):
-        table.add_column(column, justify="right" if column == "GiB" else "left")
+    table = Table(title="GPU catalog (GiB as CUDA reports them; --gpu takes a name, an alias or a size)",
+                  title_justify="left", show_edge=False)
+    table.add_column("name", no_wrap=True)
+    table.add_column("GiB", justify="right")
+    for column in ("cc", "bf16", "FA2", "segment", "also"):
+        table.add_column(column)
     for g in gpus():
-        table.add_row(g.name, g.cuda_name, f"{g.total_memory_gib:.2f}", g.compute_capability,
-                      "yes" if g.bf16 else "no", "yes" if g.flash_attention_2 else "no", g.segment,
-                      ", ".join(g.aliases))
+        also = min(g.aliases, key=len, default="")
+        table.add_row(g.name, f"{g.total_memory_gib:.2f}", g.compute_capability, "yes" if g.bf16 else "no",
+                      "yes" if g.flash_attention_2 else "no", g.segment, also)
     (console or Console()).print(table)
 
 

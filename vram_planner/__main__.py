@@ -1,0 +1,5 @@
+import sys
+
+from vram_planner.cli import main
+
+sys.exit(main())
