@@ -57,6 +57,8 @@ def test_sliding_window_layers_keep_only_the_window():
 def test_multimodal_config_uses_its_text_config():
     wrapped = {"model_type": "some_vlm", "text_config": {**LLAMA_1B}}
     assert ModelArchitecture.from_config(wrapped).params == 1_235_814_400
+    unknown_tower = {**wrapped, "vision_config": {"model_type": "some_vit"}}
+    assert not ModelArchitecture.from_config(unknown_tower).exact
 
 
 def test_unknown_model_type_is_read_as_llama_and_flagged():

@@ -1,4 +1,4 @@
-"""Build a transformers model from a config dict on the meta device (no memory, no download)."""
+"""Build what TRL builds (AutoModelForCausalLM) from a config dict, on the meta device (no memory, no download)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ def build_on_meta(config: dict[str, Any]):
     import transformers
 
     cfg = transformers.AutoConfig.for_model(**config)
-    if hasattr(cfg, "text_config") and not hasattr(cfg, "vocab_size"):
-        cfg = cfg.text_config
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(cfg)
 

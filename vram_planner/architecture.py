@@ -81,12 +81,15 @@ class ModelArchitecture:
     sliding_layers: int = 0  # how many layers keep only `sliding_window` tokens of KV cache
     config_dtype: str | None = None
     mlp_bias: bool = False
+    vision_params: int = 0  # a multimodal model's vision tower and projector (idle in text-only GRPO)
     name: str = ""
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "") -> ModelArchitecture:
         """Read a transformers config.json dict (multimodal configs: their text_config)."""
+        vision_params, vision_known = 0, True
         if "text_config" in config and "hidden_size" not in config:
+            vision_params, vision_known = _vision_params(config)
             config = {**config["text_config"], "tie_word_embeddings": config.get(
                 "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", True))}
         model_type = str(config.get("model_type", ""))
@@ -115,13 +118,14 @@ class ModelArchitecture:
             intermediate_size=intermediate,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", default_tie)),
             family=_with_config_biases(family or Family(), config),
-            exact=family is not None,
+            exact=family is not None and vision_known,
             max_position_embeddings=config.get("max_position_embeddings"),
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
             config_dtype=config.get("dtype") or config.get("torch_dtype"),
             # phi's fc1/fc2 always carry biases; gated MLPs only when the config asks
             mlp_bias=bool(config.get("mlp_bias", False)) if (family or Family()).gated_mlp else True,
+            vision_params=vision_params,
             name=name,
         )
 
@@ -176,7 +180,7 @@ class ModelArchitecture:
     def params(self) -> int:
         """Total unique parameters, tied weights counted once (as `model.parameters()` does)."""
         return (self.embedding_params + self.num_layers * self.layer_params + self.norm_params
-                + self.lm_head_params)
+                + self.lm_head_params + self.vision_params)
 
     def lora_params(self, rank: int, target_modules: list[str] | None) -> int:
         """Trainable LoRA parameters: rank x (in + out) per targeted linear (None: every linear)."""
@@ -196,6 +200,23 @@ class ModelArchitecture:
         full = self.num_layers - self.sliding_layers
         window = min(sequence_tokens, self.sliding_window or sequence_tokens)
         return full * sequence_tokens + self.sliding_layers * window
+
+
+def _vision_params(config: dict[str, Any]) -> tuple[int, bool]:
+    """Parameters of a SigLIP vision tower and Gemma 3's projector (modeling_siglip, modeling_gemma3)."""
+    vision = config.get("vision_config") or {}
+    if not vision:
+        return 0, True
+    if vision.get("model_type") != "siglip_vision_model":
+        return 0, False
+    h, i, layers = vision["hidden_size"], vision["intermediate_size"], vision["num_hidden_layers"]
+    patch, channels = vision.get("patch_size", 14), vision.get("num_channels", 3)
+    patches = (vision.get("image_size", 224) // patch) ** 2
+    embeddings = h * channels * patch * patch + h + patches * h
+    per_layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h  # q, k, v, out; fc1, fc2; two LayerNorms
+    tower = embeddings + layers * per_layer + 2 * h  # post_layernorm
+    projector = h * config["text_config"]["hidden_size"] + h if config.get("model_type") == "gemma3" else 0
+    return tower + projector, True
 
 
 def _with_config_biases(family: Family, config: dict[str, Any]) -> Family:
