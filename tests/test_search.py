@@ -89,3 +89,13 @@ def test_more_memory_never_gives_a_worse_plan(small, extra, completion, beta, ga
     larger = best_plan(Context(arch, gpu(small + extra), release, cal), train)
     if smaller.fits:
         assert larger.fits and larger.rank <= smaller.rank
+
+
+def test_changes_that_cannot_stand_alone_are_reported_together(llama_1b_file):
+    # on a card without bf16, LoRA comes with float16 weights, which full fine-tuning cannot use alone
+    result = plan_for(llama_1b_file, 10, bf16=False, mixed_precision="fp16")
+    assert result.fits and result.chosen.train.dtype == "float16" and result.chosen.train.lora_r == 16
+    merged = [c for c in result.changes if c.knob == "dtype + lora_r"]
+    assert merged and merged[0].before == "float32, None" and merged[0].after == "float16, 16"
+    total_saved = sum(c.saved_bytes for c in result.changes)
+    assert result.requested.estimate.peak_bytes - total_saved == result.chosen.estimate.peak_bytes

@@ -83,9 +83,10 @@ class ModelArchitecture:
     mlp_bias: bool = False
     vision_params: int = 0  # a multimodal model's vision tower and projector (idle in text-only GRPO)
     name: str = ""
+    hub_id: str = ""  # what to pass to from_pretrained / GRPOTrainer(model=...)
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], name: str = "") -> ModelArchitecture:
+    def from_config(cls, config: dict[str, Any], name: str = "", hub_id: str = "") -> ModelArchitecture:
         """Read a transformers config.json dict (multimodal configs: their text_config)."""
         vision_params, vision_known = 0, True
         if "text_config" in config and "hidden_size" not in config:
@@ -127,6 +128,7 @@ class ModelArchitecture:
             mlp_bias=bool(config.get("mlp_bias", False)) if (family or Family()).gated_mlp else True,
             vision_params=vision_params,
             name=name,
+            hub_id=hub_id or name,
         )
 
     def layer_linears(self) -> list[Linear]:

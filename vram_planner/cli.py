@@ -123,7 +123,7 @@ def _execute(command: str, options: dict[str, Any]) -> None:
     else:
         from vram_planner.render import render
 
-        render(report, context.gpu, shown)
+        render(report, context.gpu, shown, context.arch.hub_id or model)
     raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
 
 

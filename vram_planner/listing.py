@@ -24,11 +24,12 @@ def print_gpus(console: Console | None = None) -> None:
 
 def print_models(console: Console | None = None) -> None:
     table = Table(title="Model catalog", title_justify="left", show_edge=False)
-    for column in ("name", "hub id", "params", "layers", "hidden", "heads/kv", "vocab", "tied"):
-        table.add_column(column, justify="left" if column in ("name", "hub id") else "right")
+    table.add_column("name (hub ids work too)", no_wrap=True)
+    for column in ("params", "layers", "heads/kv", "vocab", "tied"):
+        table.add_column(column, justify="right")
     for entry in models():
         a = entry.architecture()
-        table.add_row(entry.name, entry.hub_id, f"{a.params / 1e9:.2f}B", str(a.num_layers), str(a.hidden_size),
+        table.add_row(entry.name, f"{a.params / 1e9:.2f}B", str(a.num_layers),
                       f"{a.num_attention_heads}/{a.num_kv_heads}", str(a.vocab_size),
                       "yes" if a.tie_word_embeddings else "no")
     (console or Console()).print(table)

@@ -82,7 +82,7 @@ class ModelEntry(BaseModel):
     config_path: Path
 
     def architecture(self) -> ModelArchitecture:
-        return ModelArchitecture.from_config(read_json(self.config_path), name=self.name)
+        return ModelArchitecture.from_config(read_json(self.config_path), name=self.name, hub_id=self.hub_id)
 
 
 def profile_dirs() -> list[Path]:
@@ -188,6 +188,6 @@ def resolve_model(name: str) -> ModelArchitecture:
     if text.count("/") == 1 and not text.startswith((".", "/")) and not text.endswith(".json"):
         from vram_planner.hub import fetch_hub_config
 
-        return ModelArchitecture.from_config(fetch_hub_config(text), name=text)
+        return ModelArchitecture.from_config(fetch_hub_config(text), name=text, hub_id=text)
     raise UnknownNameError("model", name, sorted({m.name for m in model_catalog().values()}),
                            hint="(`vram-plan models` lists them; a config.json, a model folder or a hub id works too)")

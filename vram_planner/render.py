@@ -41,16 +41,16 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
     return title
 
 
-def changes_table(report: Report) -> Table | Text:
+def changes_text(report: Report) -> Text:
     if not report.changes:
         return Text("Your config fits as it is." if report.fits else "")
-    table = Table(title=f"Changes to your config (it needs {_g(report.requested_peak_bytes or 0)} GiB)",
-                  title_justify="left", show_edge=False)
-    for column in ("knob", "from", "to", "saves GiB", "why"):
-        table.add_column(column, justify="right" if column == "saves GiB" else "left")
+    text = Text(f"Changes to your config (as given it needs {_g(report.requested_peak_bytes or 0)} GiB):\n",
+                style="bold")
     for c in report.changes:
-        table.add_row(c.knob, str(c.before), str(c.after), _g(c.saved_bytes), c.reason)
-    return table
+        text.append(f"  {c.knob}: {c.before} → {c.after}", style="bold")
+        text.append(f"  saves {_g(c.saved_bytes)} GiB", style="green")
+        text.append(f"  ({c.reason})\n")
+    return text
 
 
 def breakdown_table(report: Report) -> Table:
@@ -98,12 +98,13 @@ def footer(report: Report) -> Text:
     return Text("\n".join(lines), style="dim")
 
 
-def render(report: Report, gpu: GpuProfile, train: TrainingConfig, console: Console | None = None) -> None:
+def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
+           console: Console | None = None) -> None:
     console = console or Console()
-    parts = [headline(report, gpu), Text(""), changes_table(report), Text(""), breakdown_table(report),
+    parts = [headline(report, gpu), Text(""), changes_text(report), breakdown_table(report),
              peak_bar(report), Text("")]
     if report.fits:
         parts += [Text("GRPOConfig:", style="bold"),
-                  Text(python_snippet(train, report.model), style="cyan")]
+                  Text(python_snippet(train, hub_id), style="cyan")]
     parts.append(footer(report))
     console.print(Group(*parts))

@@ -23,15 +23,15 @@ SHORTEST_COMPLETION_BEFORE_FEWER_GENERATIONS = 256
 FEWEST_GENERATIONS = 2
 
 REASONS = {
-    "per_device_train_batch_size": "smaller micro-batch, more accumulation: same generation and optimizer batch",
-    "gradient_checkpointing": "gradient checkpointing: keep only layer inputs, recompute the rest (~20% slower)",
-    "optim": "8-bit AdamW (bitsandbytes): 2 bytes of state per parameter instead of 8",
-    "dtype": "load the weights in bf16: half the bytes for weights, gradients and optimizer states",
-    "lora_r": "LoRA adapters: train a small fraction of the parameters",
-    "load_in_4bit": "QLoRA: 4-bit base weights under the LoRA adapters",
+    "per_device_train_batch_size": "same generation and optimizer batch, more accumulation",
+    "gradient_checkpointing": "keep layer inputs, recompute the rest (~20% slower)",
+    "optim": "bitsandbytes 8-bit states: 2 bytes/param, not 8",
+    "dtype": "16-bit weights: half the bytes of weights, grads, states",
+    "lora_r": "train LoRA adapters, not every weight",
+    "load_in_4bit": "4-bit base weights under the adapters (QLoRA)",
     "steps_per_generation": "smaller generation batch: fewer prompts per optimizer step",
     "max_completion_length": "shorter completions",
-    "num_generations": "fewer generations per prompt",
+    "num_generations": "smaller groups per prompt",
 }
 
 
@@ -44,7 +44,7 @@ class Change:
 
     @property
     def reason(self) -> str:
-        return REASONS.get(self.knob, "")
+        return "; ".join(REASONS.get(k, "") for k in self.knob.split(" + "))
 
 
 @dataclass(frozen=True)
@@ -162,29 +162,36 @@ COUPLED = {"per_device_train_batch_size": ("gradient_accumulation_steps", "steps
 
 
 def describe_changes(context: Context, user: TrainingConfig, chosen: TrainingConfig) -> tuple[Change, ...]:
-    """Each knob that differs, in ladder order, with the peak bytes it saved when applied after the previous ones."""
+    """Each knob that differs, in ladder order, with the peak bytes it saved when applied after the previous ones.
+
+    A change that is not valid on its own (float16 weights without LoRA, say) is made together with the next one.
+    """
     changes = []
     current = user
     before_peak = judge(context, current).estimate.peak_bytes
     chosen_values = chosen.model_dump()
+    pending: list[str] = []
     for knob in CHANGE_ORDER:
-        if knob == "steps_per_generation":
-            differs = current.generation_batch_size != chosen.generation_batch_size
-        else:
-            differs = getattr(current, knob) != getattr(chosen, knob)
-        if not differs:
+        if _value(current, knob) == _value(chosen, knob):
             continue
-        fields = (knob, *COUPLED.get(knob, ()))
+        pending.append(knob)
+        fields = [f for k in pending for f in (k, *COUPLED.get(k, ()))]
         step = _try(current, {f: chosen_values[f] for f in fields})
-        if step is None:  # e.g. a micro-batch that only divides the final generation batch
+        if step is None:
             continue
         after_peak = judge(context, step).estimate.peak_bytes
-        before = current.generation_batch_size if knob == "steps_per_generation" else getattr(current, knob)
-        after = step.generation_batch_size if knob == "steps_per_generation" else getattr(step, knob)
-        changes.append(Change(knob, _plain(before), _plain(after), before_peak - after_peak))
-        current, before_peak = step, after_peak
+        changes.append(Change(" + ".join(pending), _values(current, pending), _values(step, pending),
+                              before_peak - after_peak))
+        current, before_peak, pending = step, after_peak, []
     return tuple(changes)
 
 
-def _plain(value: Any) -> Any:
+def _value(train: TrainingConfig, knob: str) -> Any:
+    """The value a person compares: the generation batch stands for steps_per_generation."""
+    value = train.generation_batch_size if knob == "steps_per_generation" else getattr(train, knob)
     return value.value if isinstance(value, Optimizer) else value
+
+
+def _values(train: TrainingConfig, knobs: list[str]) -> Any:
+    values = [_value(train, k) for k in knobs]
+    return values[0] if len(values) == 1 else ", ".join(str(v) for v in values)
