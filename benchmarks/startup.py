@@ -1,6 +1,6 @@
 """Wall time of `vram-plan --gpu rtx3080-mobile --model Llama-3.2-1B` against `python -c "import torch"`.
 
-Run from a checkout with vram-plan installed: python benchmarks/startup.py [--runs N] [--out FILE]
+Run with torch importable: python benchmarks/startup.py [--runs N] [--vram-plan PATH] [--out FILE]
 Prints the median of N runs of each command and their ratio; the planner's target is under 0.3 s.
 """
 
@@ -32,8 +32,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--vram-plan", default=shutil.which("vram-plan") or "vram-plan",
+                        help="the vram-plan script to time (default: the one on PATH)")
     args = parser.parse_args()
-    plan_cmd = [shutil.which("vram-plan") or "vram-plan", *PLAN[1:]]
+    plan_cmd = [args.vram_plan, *PLAN[1:]]
     wall_times(plan_cmd, 1)  # warm the file cache
     plan = wall_times(plan_cmd, args.runs)
     torch = wall_times(TORCH, max(3, args.runs // 3))
