@@ -84,36 +84,8 @@ _NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version
 
 
 def _execute(command: str, options: dict[str, Any]) -> None:
-    from vram_planner import api
-    from vram_planner.settings_file import read_settings_file
-
-    settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
-    gpu = options["gpu"] or settings.pop("gpu", None)
-    model = options["model"] or settings.pop("model", None)
-    settings.pop("gpu", None), settings.pop("model", None)
-    if not gpu or not model:
-        missing = " and ".join(f"--{n}" for n, v in (("gpu", gpu), ("model", model)) if not v)
-        raise VramPlanError(f"{command} needs {missing} (e.g. vram-plan {command} --gpu rtx3080-mobile "
-                            "--model Llama-3.2-1B)")
-    flags = {k: v for k, v in options.items() if k not in _NOT_KNOBS and v is not None}
-    if isinstance(flags.get("lora_target_modules"), str):
-        flags["lora_target_modules"] = [t.strip() for t in flags["lora_target_modules"].split(",") if t.strip()]
-    context = api.make_context(model, gpu, trl_version=options["trl_version"], calibration=options["calibration"],
-                               safety_margin=options["safety_margin"])
-    train = api.make_training(context, {**settings, **flags})
-    from vram_planner import report as reports
-
-    if command == "plan":
-        from vram_planner.search import best_plan
-
-        result = best_plan(context, train)
-        report = reports.plan_report(result)
-        shown = (result.chosen or result.smallest).train
-    else:
-        from vram_planner.verdict import judge
-
-        report = reports.verdict_report(judge(context, train))
-        shown = train
+    context, train = _resolve(command, options)
+    report, shown = _judge(command, context, train)
     if options["plot"]:
         from vram_planner.plot import plot_phases
 
@@ -123,8 +95,41 @@ def _execute(command: str, options: dict[str, Any]) -> None:
     else:
         from vram_planner.render import render
 
-        render(report, context.gpu, shown, context.arch.hub_id or model)
+        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
     raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
+
+
+def _resolve(command: str, options: dict[str, Any]):
+    """The context and training config from the flags, over the --config file's values."""
+    from vram_planner import api
+    from vram_planner.settings_file import read_settings_file
+
+    settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
+    gpu = options["gpu"] or settings.get("gpu")
+    model = options["model"] or settings.get("model")
+    if not gpu or not model:
+        missing = " and ".join(f"--{n}" for n, v in (("gpu", gpu), ("model", model)) if not v)
+        raise VramPlanError(f"{command} needs {missing} (e.g. vram-plan {command} --gpu rtx3080-mobile "
+                            "--model Llama-3.2-1B)")
+    knobs = {k: v for k, v in settings.items() if k not in ("gpu", "model")}
+    knobs.update({k: v for k, v in options.items() if k not in _NOT_KNOBS and v is not None})
+    context = api.make_context(model, gpu, trl_version=options["trl_version"], calibration=options["calibration"],
+                               safety_margin=options["safety_margin"])
+    return context, api.make_training(context, knobs)
+
+
+def _judge(command: str, context, train):
+    """The report to print and the training config it describes."""
+    from vram_planner import report as reports
+
+    if command == "plan":
+        from vram_planner.search import best_plan
+
+        result = best_plan(context, train)
+        return reports.plan_report(result), (result.chosen or result.smallest).train
+    from vram_planner.verdict import judge
+
+    return reports.verdict_report(judge(context, train)), train
 
 
 @app.command("gpus")

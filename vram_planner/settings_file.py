@@ -10,7 +10,7 @@ from vram_planner.errors import ProfileError
 
 
 def read_settings_file(path: Path) -> dict[str, Any]:
-    """Keys may be spelled with dashes or underscores; `lora_target_modules` may be a list or a string."""
+    """Keys may be spelled with dashes or underscores."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -31,7 +31,4 @@ def read_settings_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ProfileError(f"--config {path} must hold a mapping of settings, not a {type(data).__name__}")
-    settings = {str(k).replace("-", "_"): v for k, v in data.items()}
-    if isinstance(settings.get("lora_target_modules"), str):
-        settings["lora_target_modules"] = [t.strip() for t in settings["lora_target_modules"].split(",")]
-    return settings
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

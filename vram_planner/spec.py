@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vram_planner.errors import ConfigError, closest_names
 
@@ -73,6 +73,14 @@ class TrainingConfig(BaseModel):
     num_gpus: int = Field(1, gt=0)
     zero_stage: int | None = Field(None, ge=0, le=3)
     fsdp: bool = False
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _split_module_names(cls, value: Any) -> Any:
+        """'q_proj,v_proj' from a flag or a config file is a list of module names."""
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> TrainingConfig:
