@@ -32,12 +32,17 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
         title.append("✔ fits: ", style="bold green")
         title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {_g(report.spare_bytes)} GiB spare "
                      f"(a safety margin of {_g(report.safety_margin_bytes)} GiB is kept free)")
+    elif report.command == "plan":
+        title.append("✘ nothing fits: ", style="bold red")
+        card = (f"the smallest catalog card it fits is {report.smallest_fitting_gpu}"
+                if report.smallest_fitting_gpu else "no catalog card holds it")
+        title.append(f"the smallest config vram-plan knows (below) needs {_g(report.peak_bytes)} GiB; {card}")
     else:
         title.append("✘ does not fit: ", style="bold red")
-        title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, "
-                     f"{_g(-report.spare_bytes)} GiB over the card" if report.spare_bytes < 0 else
-                     f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, inside the "
-                     f"{_g(report.safety_margin_bytes)} GiB safety margin")
+        over = (f"{_g(-report.spare_bytes)} GiB over the card" if report.spare_bytes < 0 else
+                f"inside the {_g(report.safety_margin_bytes)} GiB safety margin")
+        title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {over}; "
+                     "`vram-plan plan` with the same flags finds the best config that fits")
     return title
 
 
@@ -90,11 +95,6 @@ def footer(report: Report) -> Text:
     lines += [f"Note: {n}" for n in report.notes]
     if not report.grpo_config_valid:
         lines += [f"GRPOConfig would reject this: {p}" for p in report.grpo_config_problems]
-    if not report.fits and report.command == "plan":
-        lines.append(f"Nothing fits on this card: the smallest config vram-plan knows needs "
-                     f"{_g(report.smallest_config_peak_bytes or 0)} GiB. "
-                     + (f"The smallest catalog card it fits is {report.smallest_fitting_gpu}."
-                        if report.smallest_fitting_gpu else "No catalog card holds it."))
     return Text("\n".join(lines), style="dim")
 
 
@@ -103,8 +103,8 @@ def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
     console = console or Console()
     parts = [headline(report, gpu), Text(""), changes_text(report), breakdown_table(report),
              peak_bar(report), Text("")]
-    if report.fits:
-        parts += [Text("GRPOConfig:", style="bold"),
-                  Text(python_snippet(train, hub_id), style="cyan")]
+    if report.fits or report.command == "plan":
+        label = "GRPOConfig:" if report.fits else "The smallest config (it does not fit this card):"
+        parts += [Text(label, style="bold"), Text(python_snippet(train, hub_id), style="cyan")]
     parts.append(footer(report))
     console.print(Group(*parts))
