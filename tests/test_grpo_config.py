@@ -85,3 +85,11 @@ def test_config_for_a_card_without_bf16_uses_fp16(tmp_path, llama_1b_file):
 def test_generation_batch_rule_is_reported_with_flag_names():
     with pytest.raises(Exception, match="--num-generations 8"):
         training_config({"per_device_train_batch_size": 3})
+
+
+def test_smallest_config_on_a_card_without_bf16_loads_float16(llama_1b_file):
+    rtx2060 = GpuProfile(name="rtx2060", total_memory_gib=0.5, bf16=False, flash_attention_2=False)
+    result = api.plan(str(llama_1b_file), rtx2060)
+    assert not result.fits
+    kwargs = grpo_config_kwargs(result.smallest.train)
+    assert kwargs["model_init_kwargs"]["dtype"] == "float16" and kwargs["fp16"]

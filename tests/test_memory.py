@@ -63,13 +63,16 @@ def test_lora_adapters_are_fp32_with_their_own_grads_and_states(llama_1b):
 
 
 def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):
-    train = cfg(lora_r=16, load_in_4bit=True)
+    train = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16")
     t = llama_1b.lora_params(16, None)
     linear = llama_1b.linear_params
     per_weight = 0.5 + 1 / 64 + 4 / (64 * 256)  # double quantisation of the absmax
     assert m.weight_bytes(llama_1b, train) == pytest.approx(linear * per_weight + (P - linear) * 2 + 2 * t)
-    no_dq = cfg(lora_r=16, load_in_4bit=True, bnb_4bit_use_double_quant=False)
+    no_dq = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16", bnb_4bit_use_double_quant=False)
     assert m.weight_bytes(llama_1b, no_dq) == pytest.approx(linear * (0.5 + 4 / 64) + (P - linear) * 2 + 2 * t)
+    # TRL's default float32 loading keeps the unquantised embedding and norms in float32
+    fp32_rest = cfg(lora_r=16, load_in_4bit=True)
+    assert m.weight_bytes(llama_1b, fp32_rest) == pytest.approx(linear * per_weight + (P - linear) * 4 + 2 * t)
 
 
 def test_reference_model_only_with_beta_and_without_peft(llama_1b):

@@ -14,7 +14,7 @@ from vram_planner.spec import TrainingConfig
 
 def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
     """Keyword arguments for trl.GRPOConfig (besides output_dir) that reproduce this plan."""
-    model_init: dict[str, Any] = {"dtype": "bfloat16" if train.load_in_4bit else train.dtype}
+    model_init: dict[str, Any] = {"dtype": train.dtype}
     if train.attn_implementation != "sdpa":
         model_init["attn_implementation"] = train.attn_implementation
     kwargs: dict[str, Any] = {

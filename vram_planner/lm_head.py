@@ -54,8 +54,7 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
                             backward_transient=logits * FULL_LOGITS_BACKWARD_BYTES if with_grad else 0)
     tile_tokens = min(scored, release.lm_head_token_chunk)
     tile = tile_tokens * min(vocab, release.lm_head_vocab_chunk) * s.compute
-    head_weight = s.weight if not train.load_in_4bit else 2
-    weight_cast = min(vocab, release.lm_head_vocab_chunk) * h * s.compute if head_weight != s.compute else 0
+    weight_cast = min(vocab, release.lm_head_vocab_chunk) * h * s.compute if s.weight != s.compute else 0
     hidden_cast = tile_tokens * h * s.compute if s.residual != s.compute else 0
     gathered_hidden = scored * h * s.residual  # hidden_states[mask] copies the scored positions
     forward = gathered_hidden + scored * FUSED_FORWARD_STATS_PER_TOKEN + tile + weight_cast + hidden_cast

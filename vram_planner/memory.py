@@ -40,7 +40,7 @@ class Sizes:
 
 
 def sizes(train: TrainingConfig) -> Sizes:
-    weight = DTYPE_BYTES["bfloat16"] if train.load_in_4bit else DTYPE_BYTES[train.dtype]
+    weight = DTYPE_BYTES[train.dtype]  # with 4-bit loading: the modules bitsandbytes leaves unquantised
     compute = weight if train.mixed_precision == "no" else 2
     # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL keeps them in bf16 under ZeRO-3 and casts them
     # to bf16 over a 4-bit base.
