@@ -154,3 +154,24 @@ def test_plan_and_check_never_import_torch_transformers_or_trl(llama_1b_file):
             "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bare_command_shows_help(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0 and "Usage: vram-plan" in out and "plan" in out
+
+
+def test_catalogs_as_tables_and_json(capsys):
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0 and "rtx3080-mobile" in out and "15.73" in out
+    code, out, _ = run(capsys, "gpus", "--json")
+    cards = {g["name"]: g for g in json.loads(out)}
+    assert cards["rtx3080-mobile-16gb"]["total_memory_gib"] == 15.73
+    code, out, _ = run(capsys, "models", "--json")
+    models = {m["name"]: m for m in json.loads(out)}
+    assert models["Llama-3.2-1B"]["params"] == 1_235_814_400
+
+
+def test_unknown_gpu_suggests(capsys, llama_1b_file):
+    err = one_line_error(capsys, "--gpu", "rtx3080-mobil", "--model", str(llama_1b_file))
+    assert "did you mean" in err and "rtx3080-mobile" in err

@@ -133,19 +133,27 @@ def _judge(command: str, context, train):
 
 
 @app.command("gpus")
-def list_gpus() -> None:
+@click.option("--json", "json_output", is_flag=True, help="Print the catalog as JSON.")
+def list_gpus(json_output: bool) -> None:
     """The GPU catalog: capacity as CUDA reports it, bf16 and FlashAttention-2 support."""
-    from vram_planner.listing import print_gpus
+    from vram_planner.listing import gpus_json, print_gpus
 
-    print_gpus()
+    if json_output:
+        click.echo(gpus_json())
+    else:
+        print_gpus()
 
 
 @app.command("models")
-def list_models() -> None:
+@click.option("--json", "json_output", is_flag=True, help="Print the catalog as JSON.")
+def list_models(json_output: bool) -> None:
     """The model catalog: parameters and architecture facts."""
-    from vram_planner.listing import print_models
+    from vram_planner.listing import models_json, print_models
 
-    print_models()
+    if json_output:
+        click.echo(models_json())
+    else:
+        print_models()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     # pydantic's plugin discovery scans every installed distribution's entry points (~20 ms); a planner run has
     # no use for observability plugins.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv) or ["--help"]
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     if args and args[0].startswith("-") and args[0] not in ("--help", "-h", "--version"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from rich.console import Console
 from rich.table import Table
 
@@ -33,3 +35,18 @@ def print_models(console: Console | None = None) -> None:
                       f"{a.num_attention_heads}/{a.num_kv_heads}", str(a.vocab_size),
                       "yes" if a.tie_word_embeddings else "no")
     (console or Console()).print(table)
+
+
+def gpus_json() -> str:
+    return json.dumps([{**g.model_dump(), "capacity_bytes": g.capacity_bytes} for g in gpus()], indent=2)
+
+
+def models_json() -> str:
+    rows = []
+    for entry in models():
+        a = entry.architecture()
+        rows.append({"name": entry.name, "hub_id": entry.hub_id, "aliases": entry.aliases, "params": a.params,
+                     "model_type": a.model_type, "num_layers": a.num_layers, "hidden_size": a.hidden_size,
+                     "num_attention_heads": a.num_attention_heads, "num_kv_heads": a.num_kv_heads,
+                     "vocab_size": a.vocab_size, "tie_word_embeddings": a.tie_word_embeddings})
+    return json.dumps(rows, indent=2)
