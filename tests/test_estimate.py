@@ -90,3 +90,29 @@ def test_checkpointing_saves_activation_memory(llama_1b):
 def test_prompt_longer_than_the_model_is_noted(llama_1b):
     est = run(llama_1b, max_prompt_length=200_000)
     assert any("max_position_embeddings" in n for n in est.notes)
+
+
+def test_generation_phase_by_hand(llama_1b):
+    # B=8, S=1, p=256, c=512, float32 weights under bf16 autocast: keys fp32, values bf16
+    gen = phase(run(llama_1b), "generation")
+    kv = 8 * 768 * 16 * (8 * 64) * (4 + 2)
+    assert gen.moment == "last decoding step"
+    assert gen.components["kv_cache"] == kv + kv / 16 / 2  # plus one layer's keys while the cache grows
+    assert gen.components["lm_head_buffers"] == 8 * 128256 * (2 + 4 + 4)  # logits, fp32 copy, probabilities
+    assert gen.components["gradients"] == 0 and gen.components["activations"] == 0
+
+
+def test_scoring_phase_by_hand(llama_1b):
+    # beta 0.04: one no-grad pass for reference log-probs, in chunks of B=8 sequences of 768 tokens
+    scoring = phase(run(llama_1b, beta=0.04), "scoring")
+    cal = Calibration()
+    per_token = cal.inference_hidden_bytes * 2048 * 4 / 2 + cal.inference_mlp_bytes * 8192 * 2 / 2
+    kept_ref_logps = 8 * 512 * 4
+    assert scoring.components["activations"] == 8 * 768 * per_token + kept_ref_logps
+    scored = 8 * 512
+    fused_head = (scored * 2048 * 4  # the gathered completion hidden states (fp32 residual)
+                  + scored * 28  # seven fp32 statistics per token
+                  + 4096 * 32768 * 2  # one bf16 logits tile
+                  + 32768 * 2048 * 2  # a bf16 cast of one vocabulary chunk of the fp32 head
+                  + 4096 * 2048 * 2)  # a bf16 cast of one token chunk of hidden states
+    assert scoring.components["lm_head_buffers"] == fused_head
