@@ -166,3 +166,13 @@ def test_liger_layer_kernels_keep_fewer_activations(llama_1b):
     liger = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16", use_liger_kernel=True), cal, 1000)
     expected = 1000 * (8 * H + 4 * 32 * 64 + 4 * KV_WIDTH + 6 * I + 4 * 32)
     assert liger == expected and liger < plain
+
+
+def test_lora_keeps_the_rank_wide_intermediate_per_adapter(llama_1b):
+    cal = Calibration()
+    base = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16"), cal, 1000)
+    lora = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16", lora_r=16), cal, 1000)
+    assert lora - base == 1000 * 7 * 16 * 2  # seven adapted linears, r=16, bf16
+    dropout = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16", lora_r=16, lora_dropout=0.05), cal, 1000)
+    inputs = 4 * H + 2 * H + I  # q, k, v, gate, up read h wide; o reads a*d = h; down reads i
+    assert dropout - lora == 1000 * inputs * (2 + 1)  # a dropped bf16 copy and its boolean mask

@@ -200,7 +200,7 @@ def _lora_activation_bytes(arch: ModelArchitecture, train: TrainingConfig, token
         return 0
     s = sizes(train)
     targets = [lin for lin in arch.layer_linears() if lin.name in arch.resolve_lora_targets(train.lora_targets)]
-    per_token = sum((train.lora_r or 0) * s.trainable for _ in targets)
+    per_token = len(targets) * (train.lora_r or 0) * s.compute  # x @ A comes out of autocast in the compute dtype
     if train.lora_dropout:
         per_token += sum(lin.in_features * (s.compute + 1) for lin in targets)  # copy plus its boolean mask
     return tokens * per_token
