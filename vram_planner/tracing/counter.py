@@ -1,0 +1,226 @@
+"""Live tensor bytes by component: a dispatch mode that sees every allocation and free of a fake-tensor run.
+
+CUDA-free: it counts storages as torch.cuda.memory_allocated would (512-byte blocks), and answers the questions fake
+tensors cannot (values read on the host, sizes of boolean selections) with assumptions it records for the notes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+# The CUDA caching allocator rounds every block up to 512 bytes (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp);
+# torch.cuda.memory_allocated counts the rounded sizes.
+CUDA_BLOCK_BYTES = 512
+# Component tags, as vram_planner.estimate names them. Optimizer-step temporaries count as activations there.
+WEIGHTS, REFERENCE, GRADS, STATES = "weights", "reference_weights", "gradients", "optimizer_states"
+KV, ACTS, HEAD = "kv_cache", "activations", "lm_head_buffers"
+STEP = "optimizer_step"  # everything the optimizer step allocates, split into states and temporaries afterwards
+_TRACING_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _storage(t: Any) -> Any:
+    """The untyped storage behind a strided tensor, or None."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _same_layout_operands(args: Any, kwargs: dict[str, Any]) -> bool:
+    a, b = (args + (None, None))[:2]
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.is_contiguous() and kwargs.get("alpha", 1) == 1 and len(args) == 2)
+
+
+def _rounded(n_bytes: int) -> int:
+    return -(-n_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every live tensor storage by component tag, and the peak of their sum.
+
+    Entered inside a FakeTensorMode, it sees each op with fake inputs and fake outputs: a new storage is an
+    allocation, tagged with `self.tag`; a weakref callback on the storage is its free. It also answers the questions
+    fake tensors cannot (a value read on the host, the size of a boolean selection) with assumptions it records.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, list[Any]] = {}  # id(storage) -> [raw bytes, rounded bytes, tag, weakref]
+        self.by_tag: Counter[str] = Counter()
+        self.total = 0
+        self.tag = ACTS
+        self.moment = ""
+        self.peak = 0
+        self.peak_split: dict[str, int] = {}
+        self.peak_moment = ""
+        self.selected_tokens: tuple[int, int] | None = None  # (mask elements, selected elements) of a boolean index
+        self.assumptions: Counter[tuple[str, str]] = Counter()  # (what was assumed, file:line)
+        self.in_backward = False
+        self._peak_check_pending = False
+        self.assumed_number = 0
+
+    # Bookkeeping
+    def track(self, t: Any, tag: str | None = None) -> None:
+        """Count `t`'s storage (once) under `tag`, or retag it if it is already counted."""
+        st = _storage(t)
+        if st is None:
+            return
+        key = id(st)
+        record = self._live.get(key)
+        if record is None:
+            raw = st.nbytes()
+            ref = weakref.ref(st, self._freed_callback(key))
+            record = self._live[key] = [raw, _rounded(raw), tag or self.tag, ref]
+            self.by_tag[record[2]] += record[1]
+            self.total += record[1]
+            return
+        if st.nbytes() != record[0]:  # resized in place (resize_, set_)
+            grown = _rounded(st.nbytes()) - record[1]
+            record[0], record[1] = st.nbytes(), record[1] + grown
+            self.by_tag[record[2]] += grown
+            self.total += grown
+        if tag is not None and tag != record[2]:
+            self.by_tag[record[2]] -= record[1]
+            self.by_tag[tag] += record[1]
+            record[2] = tag
+
+    def _freed_callback(self, key: int) -> Callable[[Any], None]:
+        def freed(ref: Any) -> None:
+            record = self._live.get(key)
+            if record is not None and record[3] is ref:
+                del self._live[key]
+                self.by_tag[record[2]] -= record[1]
+                self.total -= record[1]
+        return freed
+
+    def bytes_of(self, tensors: list[Any]) -> int:
+        """Counted bytes of the distinct storages behind `tensors`."""
+        keys = {id(st) for st in map(_storage, tensors) if st is not None}
+        return sum(self._live[k][1] for k in keys if k in self._live)
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_split, self.peak_moment = self.total, dict(self.by_tag), self.moment
+
+    def _note_peak(self) -> None:
+        if self.total > self.peak:
+            self.peak, self.peak_split, self.peak_moment = self.total, dict(self.by_tag), self.moment
+
+    @contextlib.contextmanager
+    def tagged(self, tag: str, moment: str | None = None) -> Iterator[None]:
+        saved = self.tag, self.moment
+        self.tag, self.moment = tag, moment or self.moment
+        try:
+            yield
+        finally:
+            self.tag, self.moment = saved
+
+    # Dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self._peak_check_pending:
+            self._peak_check_pending = False
+            self._note_peak()
+        if func is aten._local_scalar_dense.default:
+            return self._assume_scalar(args[0])
+        if func is aten.index.Tensor and any(_is_mask(i) for i in args[1]):
+            args = (args[0], self._mask_to_positions(args[1]))
+        if func is aten.nonzero.default:
+            out = self._assume_selection(args[0])
+        elif func is aten.masked_select.default:
+            count = self._selected_count(torch.broadcast_shapes(args[0].shape, args[1].shape).numel())
+            out = args[0].new_empty((count,))
+        else:
+            out = func(*args, **kwargs)
+        if func is aten._to_copy.default and self._is_whole_weight(args[0]):
+            self.track(out, self._live[id(args[0].untyped_storage())][2])  # autocast's cast of a weight
+        for t in tree_flatten(out)[0]:
+            self.track(t)
+        if self.in_backward and func is aten.add.Tensor and _same_layout_operands(args, kwargs):
+            # Autograd sums the gradients that reach one input in place (InputBuffer::accumulate) when it holds the
+            # last reference, but never for tensor subclasses like FakeTensor, which get `old + new` instead. Look
+            # at the peak after the next op, when the old sum is gone if it was the last reference.
+            self._peak_check_pending = True
+        else:
+            self._note_peak()
+        return out
+
+    def _is_whole_weight(self, t: Any) -> bool:
+        # Autocast caches casts of whole fp32 leaf weights; TRL's LM head casts slices (views) of the weight.
+        if not isinstance(t, torch.Tensor) or t._is_view() or not t.is_floating_point():
+            return False
+        record = self._live.get(id(t.untyped_storage()))
+        return record is not None and record[2] in (WEIGHTS, REFERENCE)
+
+    def _assume_scalar(self, t: torch.Tensor) -> Any:
+        # A value read on the host (`.item()`, `if tensor:`). generate() asks "is there right padding?", "is every
+        # token attended?": False plans for padded batches. Numbers are `assumed_number` (the optimizer's step).
+        value = False if t.dtype == torch.bool else self.assumed_number
+        self.assumptions[(f"values read on the host were taken as {value}", _caller())] += 1
+        return float(value) if t.dtype.is_floating_point else value
+
+    def _selected_count(self, numel: int) -> int:
+        if self.selected_tokens is not None and self.selected_tokens[0] == numel:
+            return self.selected_tokens[1]
+        self.assumptions[(f"boolean selections of {numel} elements were taken to keep them all", _caller())] += 1
+        return numel
+
+    def _mask_to_positions(self, indices: list[Any]) -> list[Any]:
+        # Indexing with a boolean mask is indexing with the positions nonzero() finds, one tensor per mask dim.
+        positions: list[Any] = []
+        for index in indices:
+            if _is_mask(index):
+                found = self._assume_selection(index)
+                self.track(found)
+                positions.extend(found.unbind(1))
+            else:
+                positions.append(index)
+        return positions
+
+    def _assume_selection(self, mask: torch.Tensor) -> torch.Tensor:
+        # `hidden_states[mask]` asks nonzero() how many positions the mask keeps: the completion tokens.
+        count = self._selected_count(mask.numel())
+        return torch.empty((count, mask.dim()), dtype=torch.long, device=mask.device)
+
+
+def _caller() -> str:
+    """The innermost frame outside torch's dispatch machinery and this module, as file:line (for notes)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_TRACING_DIR) and not any(part in name for part in _MACHINERY):
+            return f"{name.split('site-packages/')[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+_MACHINERY = ("/torch/_", "/torch/utils/", "/torch/autograd/", "<")
+
+
+@dataclass
+class PhasePeak:
+    """The peak of one phase: total live bytes, their split by tag, and the moment it happened."""
+
+    name: str
+    peak_bytes: int
+    split: dict[str, int]
+    moment: str
+    seconds: float = 0.0

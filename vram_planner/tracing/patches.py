@@ -1,0 +1,130 @@
+"""Where TRL and transformers behave differently on CUDA than on the CPU, or read values fake tensors lack.
+
+Each patch is undone on exit. Fake tensors cannot live on a fake "cuda" device in a CPU-only torch build (autograd
+aborts the process in `InputMetadata` without a CUDA device guard), so the trace runs CPU kernels and patches the
+few places where a CUDA-only path changes memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from vram_planner.tracing.counter import ACTS, GRADS, HEAD, KV, LiveBytes
+from vram_planner.tracing.session import Session
+
+_HEAD_SUFFIX = ": LM head"
+
+
+@contextlib.contextmanager
+def cuda_like_behaviour(session: Session) -> Iterator[None]:
+    """Patches, undone on exit, that make the CPU run allocate what the CUDA run allocates.
+
+    - TRL's fused LM head scores only the completion tokens (`hidden_states[mask]`) where Triton runs, every
+      position elsewhere: take the Triton (CUDA) path.
+    - The Triton kernels fold each logits tile in place; their torch stand-ins allocate fp32 copies of the tile.
+      On CUDA `torch.addmm(..., out_dtype=float32, out=acc)` accumulates without the fp32 casts of the CPU path.
+    - generate() stops when every sequence has hit EOS, which fake tensors cannot tell: stop after the one step
+      each call is asked for.
+    """
+    import transformers.generation.utils as gen_utils
+    import trl.kernels.chunked_logprob as chunked
+    import trl.trainer.utils as trl_utils
+
+    patches = [(trl_utils, "_use_triton", lambda device: True),
+               (chunked, "_forward_tile", _in_place_kernel),
+               (chunked, "_backward_tile", _in_place_kernel),
+               (chunked, "_addmm_fp32", _in_place_kernel),
+               (gen_utils.StopCheck, "__call__", lambda self, unfinished, tokens, length: True)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        with _tagged_cache_updates(session.tracker), _head_gradients_tagged(session.tracker):
+            yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _in_place_kernel(*args: Any, **kwargs: Any) -> None:
+    """A Triton kernel (or cuBLAS addmm into an fp32 accumulator): works in place, allocates nothing."""
+
+
+@contextlib.contextmanager
+def _head_gradients_tagged(tracker: LiveBytes) -> Iterator[None]:
+    """The LM head's weight gradient leaves the fused backward as the parameter's gradient: count it as one."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    original = ChunkedLogProbFunction.backward
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        out = original(ctx, *grads)
+        for t in out[1:3]:  # grad_weight, grad_bias
+            tracker.track(t, GRADS)
+        return out
+
+    ChunkedLogProbFunction.backward = staticmethod(backward)
+    try:
+        yield
+    finally:
+        ChunkedLogProbFunction.backward = staticmethod(original)
+
+
+@contextlib.contextmanager
+def _tagged_cache_updates(tracker: LiveBytes) -> Iterator[None]:
+    """Count what the KV cache allocates and keeps as kv_cache."""
+    from transformers.cache_utils import Cache
+
+    original = Cache.update
+
+    def update(self: Any, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        with tracker.tagged(KV):
+            out = original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx] if hasattr(self, "layers") else None
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            tracker.track(t, KV)  # a layer may keep the incoming states themselves
+        return out
+
+    Cache.update = update
+    try:
+        yield
+    finally:
+        Cache.update = original
+
+
+@contextlib.contextmanager
+def head_tagging(session: Session) -> Iterator[None]:
+    """Tag what runs after the decoder stack (the LM head, sampling, the loss) as lm_head_buffers.
+
+    Forward: from the backbone's output to the next forward's start. Backward: from the loss until the gradient of
+    the backbone's output exists (the fused head's backward and the scatter of its gradient into [B, L, h]).
+    """
+    tracker = session.tracker
+
+    def forward_starts(module: Any, args: Any) -> None:
+        tracker.tag, tracker.moment = ACTS, tracker.moment.split(_HEAD_SUFFIX)[0]
+
+    def backbone_done(module: Any, args: Any, output: Any) -> None:
+        tracker.tag, tracker.moment = HEAD, tracker.moment.split(_HEAD_SUFFIX)[0] + _HEAD_SUFFIX
+        hidden = getattr(output, "last_hidden_state", None)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(_switch_to_backbone_backward(tracker))
+
+    handles = []
+    for top in (session.base_model, session.ref_model):
+        if top is not None:
+            handles.append(top.register_forward_pre_hook(forward_starts))
+            handles.append(top.base_model.register_forward_hook(backbone_done))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _switch_to_backbone_backward(tracker: LiveBytes) -> Callable[[Any], None]:
+    def hook(grad: Any) -> None:
+        tracker.tag, tracker.moment = ACTS, "backward through the decoder"
+    return hook

@@ -1,0 +1,193 @@
+"""The four phases of a traced GRPO step, run through the installed transformers and TRL code."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vram_planner.errors import VramPlanError
+from vram_planner.spec import Optimizer, TrainingConfig
+from vram_planner.tracing.counter import ACTS, GRADS, HEAD, STATES, STEP, PhasePeak
+from vram_planner.tracing.session import Session, set_checkpointing
+
+
+def _prompt(sequences: int, length: int) -> tuple[Any, Any]:
+    """Token ids and attention mask; values do not matter on fake tensors, only shapes."""
+    ids = torch.zeros((sequences, length), dtype=torch.long)
+    return ids, torch.ones((sequences, length), dtype=torch.long)
+
+
+def _generation_config(model: Any, max_new_tokens: int) -> Any:
+    """GRPOTrainer's generation settings (TRL 1.16 defaults), for `max_new_tokens` steps."""
+    from transformers import GenerationConfig
+    from trl import GRPOConfig
+
+    defaults = {name: GRPOConfig.__dataclass_fields__[name].default
+                for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    eos = model.config.eos_token_id
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos
+    pad = pad[0] if isinstance(pad, list) else pad  # TRL pads with the tokenizer's pad token, often the first EOS
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=pad, eos_token_id=eos,
+                            bos_token_id=model.config.bos_token_id, disable_compile=True, **defaults)
+
+
+def run_generation(session: Session) -> PhasePeak:
+    """model.generate on the B x S generation batch: the prefill, then the last decoding step at full length.
+
+    Running every decoding step would take c forward passes for the same answer: the KV cache only grows, so the
+    last step (cache of p + c - 1 tokens, growing by concatenation) is the largest decoding moment. It runs as
+    generate() resumed from a cache filled by an untraced forward over p + c - 2 tokens.
+    """
+    train, tracker, model = session.train, session.tracker, session.model
+    sequences, p, c = train.local_generation_batch_size, train.max_prompt_length, train.max_completion_length
+    config = _generation_config(session.base_model, 1)
+    tracker.reset_peak()
+    with torch.no_grad(), session.autocast(), tracker.tagged(ACTS, "prefill"):
+        ids, mask = _prompt(sequences, p)
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        del ids, mask
+    prefill = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
+    if c < 2:
+        return prefill
+    with torch.no_grad(), tracker.tagged(ACTS, "filling the cache"):
+        ids, mask = _prompt(sequences, p + c - 1)
+        with session.autocast():
+            cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
+                          logits_to_keep=1).past_key_values
+        tracker.reset_peak()
+        tracker.moment = "last decoding step"
+        with session.autocast():
+            model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=config)
+        del cache
+    last = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
+    return max(prefill, last, key=lambda phase: phase.peak_bytes)
+
+
+def _labels(ids: Any, mask: Any, completion: int) -> Any:
+    """TRL's labels: prompt and padding positions -100, completion tokens their ids."""
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-completion] = -100
+    return labels
+
+
+def _fused_forward(session: Session, model: Any, sequences: int) -> Any:
+    """One `model(..., labels=..., fused_lm_head=True)` call over `sequences` sequences, as TRL makes it."""
+    train = session.train
+    length, c = train.sequence_length, train.max_completion_length
+    ids, mask = _prompt(sequences, length)
+    labels = _labels(ids, mask, c)
+    # The fused head keeps labels[:, 1:] != -100: c positions per sequence when every completion runs to full length.
+    session.tracker.selected_tokens = (sequences * (length - 1), sequences * c)
+    with session.autocast():
+        return model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+
+
+def run_scoring(session: Session) -> PhasePeak:
+    """No-grad log-prob forwards over the generation batch in chunks of B (old and/or reference log-probs)."""
+    train, tracker = session.train, session.tracker
+    b = train.per_device_train_batch_size
+    scored = train.local_generation_batch_size * train.max_completion_length
+    tracker.reset_peak()
+    with torch.no_grad(), tracker.tagged(ACTS, "scoring forward"):
+        kept = []  # every chunk's log-probs stay until the whole batch is scored
+        for needed, model in _scoring_models(session):
+            if needed:
+                kept.append(torch.empty(scored, dtype=torch.float32))
+                with model() as scorer:
+                    out = _fused_forward(session, scorer, b)
+                    del out
+        del kept
+    return PhasePeak("scoring", tracker.peak, tracker.peak_split, tracker.peak_moment)
+
+
+def _scoring_models(session: Session) -> list[tuple[bool, Callable[[], Any]]]:
+    train = session.train
+
+    def policy() -> Any:
+        return contextlib.nullcontext(session.model)
+
+    @contextlib.contextmanager
+    def reference() -> Iterator[Any]:
+        if session.ref_model is not None:
+            yield session.ref_model
+        else:  # with LoRA the reference is the base model with the adapter disabled
+            with session.model.disable_adapter():
+                yield session.model
+
+    return [(train.computes_old_logps, policy), (train.computes_ref_logps, reference)]
+
+
+def run_training(session: Session) -> PhasePeak:
+    """The loss forward and backward of one micro-batch of B sequences (two when gradients accumulate)."""
+    train, tracker, model = session.train, session.tracker, session.model
+    set_checkpointing(model, train.gradient_checkpointing)
+    params = [p for p in model.parameters() if p.requires_grad]
+    handles = [p.register_post_accumulate_grad_hook(lambda q: tracker.track(q.grad, GRADS)) for p in params]
+    tracker.reset_peak()
+    try:
+        for _ in range(2 if train.gradient_accumulation_steps > 1 else 1):
+            # From the second micro-batch on, every gradient exists before the forward starts.
+            with tracker.tagged(ACTS, "forward"):
+                out = _fused_forward(session, model, train.per_device_train_batch_size)
+                loss = -out.log_probs[:, -train.max_completion_length:].sum()
+                del out
+            with tracker.tagged(HEAD, "LM head backward"):
+                tracker.in_backward = True
+                try:
+                    loss.backward()
+                finally:
+                    tracker.in_backward = False
+                del loss
+    finally:
+        for handle in handles:
+            handle.remove()
+        set_checkpointing(model, False)
+    return PhasePeak("training", tracker.peak, tracker.peak_split, tracker.peak_moment)
+
+
+def optimizer_recipe(train: TrainingConfig) -> tuple[type, dict[str, Any]]:
+    """transformers' optimizer class and arguments for `optim` (Trainer.get_optimizer_cls_and_kwargs).
+
+    Call it outside the fake-tensor world: TrainingArguments sets up accelerate's state.
+    """
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    optim = train.optim
+    if optim.needs_bitsandbytes:
+        raise VramPlanError(f"the trace cannot run --optim {optim.value}: bitsandbytes optimizers need CUDA kernels "
+                            "(use `vram-plan check` for its analytic estimate)")
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, optim=optim.value, report_to=[], use_cpu=True)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    if optim in (Optimizer.adamw_torch, Optimizer.rmsprop, Optimizer.adagrad, Optimizer.sgd):
+        # torch picks foreach kernels for CUDA parameters and a per-parameter loop for CPU ones: plan for CUDA.
+        kwargs = {**kwargs, "foreach": True}
+    return cls, kwargs
+
+
+def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> PhasePeak:
+    """The first optimizer step, which creates the states (their bytes go to `session.state_bytes`)."""
+    tracker = session.tracker
+    cls, kwargs = recipe
+    optimizer = cls([p for p in session.model.parameters() if p.requires_grad], **kwargs)
+    tracker.moment, tracker.assumed_number = "optimizer step", 1  # the step count, read for bias corrections
+    tracker.reset_peak()
+    with tracker.tagged(STEP):
+        optimizer.step()
+    tracker.assumed_number = 0
+    state_tensors = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    for t in state_tensors:
+        tracker.track(t, STATES)
+    session.state_bytes = states = tracker.bytes_of(state_tensors)
+    # At the step's peak the states exist already (created before the update); the rest it allocated are
+    # temporaries (foreach intermediates), which vram_planner.estimate counts as activations.
+    split = dict(tracker.peak_split)
+    in_step = split.pop(STEP, 0)
+    split[STATES] = split.get(STATES, 0) + min(states, in_step)
+    split[ACTS] = split.get(ACTS, 0) + max(in_step - states, 0)
+    return PhasePeak("optimizer", tracker.peak, split, tracker.peak_moment)

@@ -1,0 +1,137 @@
+"""The models of a traced step on fake tensors, built from a config.json as TRL 1.16 sets them up."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vram_planner.errors import VramPlanError
+from vram_planner.spec import TrainingConfig
+from vram_planner.tracing.counter import REFERENCE, WEIGHTS, LiveBytes
+
+
+@dataclass
+class Session:
+    """Everything the phases share: the fake-tensor world, the counter, the models and the run's shape."""
+
+    train: TrainingConfig
+    fake_mode: Any
+    tracker: LiveBytes
+    model: Any = None  # the policy (a PeftModel with LoRA)
+    ref_model: Any = None  # a second full model when beta != 0 without LoRA
+    state_bytes: int = 0  # the optimizer states the first step leaves behind
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.train.mixed_precision)
+
+    def autocast(self) -> Any:
+        """accelerate's autocast, on the CPU.
+
+        CPU autocast casts the same matmul-like ops (linear, matmul, SDPA) to the low-precision dtype, and caches
+        casts of fp32 leaf weights the same way; unlike CUDA's it does not upcast exp, log, softmax and a few
+        others to fp32, which a decoder's forward never feeds low-precision tensors (RMSNorm and rotary upcast
+        themselves, eager attention's softmax names its dtype).
+        """
+        dtype = self.autocast_dtype
+        return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+
+    @property
+    def base_model(self) -> Any:
+        """The transformers model under PEFT's wrappers: the one TRL patches with the fused LM head."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+
+def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session:
+    """Build the policy (and reference) model from a config.json dict on fake tensors, as TRL 1.16 sets it up.
+
+    The models are built on the meta device (no init compute, and PEFT's Module.to() calls work there; on fake
+    parameters they fail on the weakref FakeTensorMode keeps to each one), then every tensor is replaced by a fake
+    CPU tensor of the same shape, strides and dtype. Tied weights stay tied.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Real tensors passed in (module-level constants in modeling code) are small; let them through.
+    session = Session(train=train, fake_mode=FakeTensorMode(allow_non_fake_inputs=True), tracker=LiveBytes())
+    with torch.device("meta"):
+        model = _build_model(arch_config, train)
+        if train.uses_lora:
+            model = _add_lora(model, train)
+        if train.computes_ref_logps and not train.uses_lora:
+            session.ref_model = _build_model(arch_config, train)
+    session.model = _on_fake_tensors(model, session.fake_mode)
+    _add_fused_head(session.base_model, outputs=("log_probs", "entropy"))
+    for t in [*session.model.parameters(), *session.model.buffers()]:
+        session.tracker.track(t, WEIGHTS)
+    if session.ref_model is not None:
+        session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode)
+        _add_fused_head(session.ref_model, outputs=("log_probs",))
+        for t in [*session.ref_model.parameters(), *session.ref_model.buffers()]:
+            session.tracker.track(t, REFERENCE)
+    return session
+
+
+def _build_model(arch_config: dict[str, Any], train: TrainingConfig) -> Any:
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.for_model(**arch_config)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, train.dtype), attn_implementation=train.attn_implementation)
+    except (ValueError, KeyError) as exc:  # unknown model_type, an attention implementation the model lacks
+        raise VramPlanError(f"transformers cannot build this model for the trace: {exc}") from exc
+    model.train()  # GRPO generates and scores inside training_step, in train mode
+    return model
+
+
+def _add_lora(model: Any, train: TrainingConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    r = train.lora_r or 0
+    config = LoraConfig(r=r, lora_alpha=train.lora_alpha or 2 * r, lora_dropout=train.lora_dropout,
+                        target_modules=train.lora_targets or "all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)  # adapters upcast to fp32 (autocast_adapter_dtype=True), as in TRL
+
+
+def _on_fake_tensors(model: Any, fake_mode: Any) -> Any:
+    """Replace every meta tensor of `model` (parameters, buffers, tensor attributes) by a fake CPU tensor."""
+    made: dict[int, Any] = {}
+
+    def fake(t: torch.Tensor) -> Any:
+        if id(t) not in made:
+            with fake_mode:
+                data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            made[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = fake(t)
+        for name, value in vars(module).items():  # e.g. rotary embeddings' original_inv_freq
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(module, name, fake(value))
+    return model
+
+
+def _add_fused_head(model: Any, outputs: tuple[str, ...]) -> None:
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, temperature=1.0, outputs=outputs)
+
+
+def set_checkpointing(model: Any, enabled: bool) -> None:
+    """Gradient checkpointing as transformers' Trainer turns it on (non-reentrant, every layer)."""
+    if enabled:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
