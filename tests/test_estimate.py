@@ -43,7 +43,8 @@ def test_optimizer_states_persist_in_every_phase_and_gradients_do_not(llama_1b):
 
 def test_generation_holds_the_kv_cache_of_the_whole_generation_batch(llama_1b):
     est = run(llama_1b, dtype="bfloat16", per_device_train_batch_size=2, gradient_accumulation_steps=8)
-    full = m.kv_cache_bytes(llama_1b, training_config({"dtype": "bfloat16"}), 16, 256 + 512)
+    # the last decoding step feeds the last token with p + c - 1 tokens cached
+    full = m.kv_cache_bytes(llama_1b, training_config({"dtype": "bfloat16"}), 16, 256 + 512 - 1)
     gen = phase(est, "generation").components["kv_cache"]
     assert full <= gen <= full * (1 + 1 / 16)  # plus one layer's growth copy
 
@@ -93,26 +94,32 @@ def test_prompt_longer_than_the_model_is_noted(llama_1b):
 
 
 def test_generation_phase_by_hand(llama_1b):
-    # B=8, S=1, p=256, c=512, float32 weights under bf16 autocast: keys fp32, values bf16
+    # B=8, S=1, p=256, c=512, float32 weights under bf16 autocast: keys and values fp32
     gen = phase(run(llama_1b), "generation")
-    kv = 8 * 768 * 16 * (8 * 64) * (4 + 2)
-    assert gen.moment == "last decoding step"
-    assert gen.components["kv_cache"] == kv + kv / 16 / 2  # plus one layer's keys while the cache grows
+    kv = 8 * 767 * 16 * (8 * 64) * (4 + 4)
+    assert gen.moment == "last decoding step: LM head"
+    assert gen.components["kv_cache"] == kv
+    # autocast's cached bf16 copies of every decoder linear and of the output projection
+    assert gen.components["weights"] == 4 * llama_1b.params + 2 * llama_1b.linear_params + 2 * 128256 * 2048
     assert gen.components["lm_head_buffers"] == 8 * 128256 * (2 + 4 + 4)  # logits, fp32 copy, probabilities
     assert gen.components["gradients"] == 0 and gen.components["activations"] == 0
 
 
 def test_scoring_phase_by_hand(llama_1b):
-    # beta 0.04: one no-grad pass for reference log-probs, in chunks of B=8 sequences of 768 tokens
+    # beta 0.04: one no-grad pass of the reference model for its log-probs, in chunks of B=8 sequences of 768 tokens
     scoring = phase(run(llama_1b, beta=0.04), "scoring")
     cal = Calibration()
+    tokens, scored = 8 * 768, 8 * 512
+    kept_ref_logps = scored * 4
     per_token = cal.inference_hidden_bytes * 2048 * 4 / 2 + cal.inference_mlp_bytes * 8192 * 2 / 2
-    kept_ref_logps = 8 * 512 * 4
-    assert scoring.components["activations"] == 8 * 768 * per_token + kept_ref_logps
-    scored = 8 * 512
-    fused_head = (scored * 2048 * 4  # the gathered completion hidden states (fp32 residual)
+    decoder = tokens * per_token + 8 * 768 * 768 * (1 + 2)  # the boolean mask and one layer's bf16 copy
+    fused_head = (tokens * 2048 * 4  # the backbone's fp32 output
+                  + scored * 2048 * 4  # the gathered completion hidden states
                   + scored * 28  # seven fp32 statistics per token
                   + 4096 * 32768 * 2  # one bf16 logits tile
                   + 32768 * 2048 * 2  # a bf16 cast of one vocabulary chunk of the fp32 head
                   + 4096 * 2048 * 2)  # a bf16 cast of one token chunk of hidden states
-    assert scoring.components["lm_head_buffers"] == fused_head
+    assert scoring.tensor_bytes - scoring.components["reference_weights"] - 4 * llama_1b.params - 8 * llama_1b.params \
+        == kept_ref_logps + max(decoder, fused_head)
+    # the reference's weights require grad, so autocast caches their casts as the policy's
+    assert scoring.components["reference_weights"] == 4 * llama_1b.params + 2 * llama_1b.linear_params

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from vram_planner import memory as m
-from vram_planner.calibration import Calibration
 from vram_planner.lm_head import lm_head_memory
 from vram_planner.spec import training_config
 from vram_planner.trl_releases import trl_release
@@ -87,46 +86,57 @@ def test_kv_cache_bf16(llama_1b):
     assert m.kv_cache_bytes(llama_1b, train, 8, 768) == 2 * N_LAYERS * KV_WIDTH * 2 * 8 * 768
 
 
-def test_kv_cache_fp32_weights_under_autocast_keeps_fp32_keys(llama_1b):
-    assert m.kv_cache_bytes(llama_1b, cfg(), 8, 768) == N_LAYERS * KV_WIDTH * (4 + 2) * 8 * 768
+def test_kv_cache_of_fp32_weights_is_fp32_even_under_autocast(llama_1b):
+    # rotary's cos/sin follow the fp32 residual stream, and DynamicLayer starts values in the keys' dtype
+    assert m.kv_cache_bytes(llama_1b, cfg(), 8, 768) == N_LAYERS * KV_WIDTH * (4 + 4) * 8 * 768
     no_autocast = cfg(mixed_precision="no")
     assert m.kv_cache_bytes(llama_1b, no_autocast, 8, 768) == N_LAYERS * KV_WIDTH * (4 + 4) * 8 * 768
 
 
-def test_checkpointing_keeps_one_hidden_state_per_layer(llama_1b):
-    tokens = 4 * 768
-    assert m.checkpoint_bytes(llama_1b, cfg(dtype="bfloat16"), tokens) == N_LAYERS * tokens * H * 2
-    assert m.forward_saved_bytes(llama_1b, cfg(), Calibration(), tokens) == N_LAYERS * tokens * H * 4
+def test_autocast_copies_fp32_weights_but_not_bf16_or_sharded_ones(llama_1b):
+    linear = N_LAYERS * (4 * H * H // 1 - 2 * H * (H - KV_WIDTH) + 3 * H * I)  # q, o: h x h; k, v: h x 512
+    assert llama_1b.linear_params == linear
+    assert m.layer_weight_cast_bytes(llama_1b, cfg()) == 2 * linear
+    assert m.lm_head_cast_bytes(llama_1b, cfg()) == 2 * V * H
+    for no_copies in (cfg(dtype="bfloat16"), cfg(mixed_precision="no"),
+                      cfg(num_gpus=2, zero_stage=2, per_device_train_batch_size=4)):
+        assert m.layer_weight_cast_bytes(llama_1b, no_copies) == 0
+    assert m.adapter_cast_bytes(llama_1b, cfg(lora_r=16)) == 2 * llama_1b.lora_params(16, None)
 
 
-def test_layer_activations_follow_the_calibration(llama_1b):
-    cal = Calibration(act_hidden_bytes_bf16=10, act_query_bytes=1, act_kv_bytes=2, act_mlp_bytes=3, act_head_bytes=0)
-    tokens = 100
-    expected = tokens * (10 * H + 1 * 32 * 64 + 2 * KV_WIDTH + 3 * I)
-    train = cfg(dtype="bfloat16", gradient_checkpointing=False)
-    assert m.layer_activation_bytes(llama_1b, train, cal, tokens) == expected
-    assert m.forward_saved_bytes(llama_1b, train, cal, tokens) == N_LAYERS * expected
 
 
-def test_eager_attention_keeps_scores_and_probabilities(llama_1b):
-    train = cfg(dtype="bfloat16", attn_implementation="eager", max_prompt_length=100, max_completion_length=100)
-    sdpa = cfg(dtype="bfloat16", max_prompt_length=100, max_completion_length=100)
-    cal = Calibration()
-    extra = m.layer_activation_bytes(llama_1b, train, cal, 2 * 200) - m.layer_activation_bytes(llama_1b, sdpa, cal, 400)
-    assert extra == 2 * 32 * 200 * 200 * 2 * 2  # sequences x heads x L^2 x 2 bytes x (scores, probs)
+
+
 
 
 def test_fused_lm_head_never_materialises_logits(llama_1b):
     train = cfg(dtype="bfloat16", max_completion_length=512)
     release = trl_release("1.16.0")
     head = lm_head_memory(llama_1b, train, release, sequences=4, with_grad=True)
-    scored = 4 * 512
+    scored, tokens = 4 * 512, 4 * 768
     tile = min(scored, 4096) * 32768 * 2
-    assert head.forward_transient == scored * H * 2 + scored * 28 + tile
-    # fp32 grad_hidden, fp32 grad_weight (V x h) cast to bf16, the tile, and the scattered [B, L, h] gradient
-    assert head.backward_transient == scored * H * 4 + V * H * 4 + V * H * 2 + tile + 4 * 768 * H * 2
-    lora = lm_head_memory(llama_1b, cfg(lora_r=8, dtype="bfloat16"), release, sequences=4, with_grad=True)
-    assert lora.backward_transient == head.backward_transient - V * H * 6  # frozen head: no grad_weight
+    # the backbone's [B, L, h] output, the gathered completion rows, seven fp32 statistics per row, one tile
+    assert head.forward_transient == tokens * H * 2 + scored * H * 2 + scored * 28 + tile
+    # int64 target, fp32 log-normaliser and entropy, the (N, 2) int64 positions of the gather, and the rows
+    assert head.saved == scored * H * 2 + scored * (8 + 8 + 16)
+    # in the vocabulary loop: fp32 grad_hidden and grad_weight, the tile, fp32 logprob grads; bf16 weights need no
+    # cast, but on return both fp32 gradients are cast to bf16 while they still exist
+    in_loop = scored * H * 4 + V * H * 4 + tile + scored * 4
+    at_return = scored * H * 4 + V * H * 4 + scored * H * 2 + V * H * 2
+    assert head.backward_transient == max(in_loop, at_return)
+    lora = lm_head_memory(llama_1b, cfg(lora_r=8, dtype="bfloat16", max_completion_length=512), release,
+                          sequences=4, with_grad=True)
+    assert lora.backward_transient == scored * H * 4 + tile + scored * 4  # frozen head: no grad_weight
+
+
+def test_fused_lm_head_casts_two_vocabulary_chunks_of_fp32_weights_in_backward(llama_1b):
+    head = lm_head_memory(llama_1b, cfg(max_completion_length=512), trl_release("1.16.0"), sequences=4,
+                          with_grad=True)
+    scored = 4 * 512
+    # the tile stays a whole 32768-column chunk wide; the previous chunk's bf16 weight is alive with the next one's
+    assert head.backward_transient == (scored * H * 4 + V * H * 4 + scored * 32768 * 2 + 2 * 32768 * H * 2
+                                       + scored * H * 2 + scored * 4)
 
 
 def test_old_trl_materialises_full_logits(llama_1b):
@@ -160,19 +170,4 @@ def test_fsdp_shards_everything(llama_1b):
     assert m.optimizer_state_bytes(llama_1b, train) == 8 * P / 8
 
 
-def test_liger_layer_kernels_keep_fewer_activations(llama_1b):
-    cal = Calibration()
-    plain = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16"), cal, 1000)
-    liger = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16", use_liger_kernel=True), cal, 1000)
-    expected = 1000 * (8 * H + 4 * 32 * 64 + 4 * KV_WIDTH + 6 * I + 4 * 32)
-    assert liger == expected and liger < plain
 
-
-def test_lora_keeps_the_rank_wide_intermediate_per_adapter(llama_1b):
-    cal = Calibration()
-    base = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16"), cal, 1000)
-    lora = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16", lora_r=16), cal, 1000)
-    assert lora - base == 1000 * 7 * 16 * 2  # seven adapted linears, r=16, bf16
-    dropout = m.layer_activation_bytes(llama_1b, cfg(dtype="bfloat16", lora_r=16, lora_dropout=0.05), cal, 1000)
-    inputs = 4 * H + 2 * H + I  # q, k, v, gate, up read h wide; o reads a*d = h; down reads i
-    assert dropout - lora == 1000 * inputs * (2 + 1)  # a dropped bf16 copy and its boolean mask

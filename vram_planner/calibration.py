@@ -31,17 +31,9 @@ class Calibration(BaseModel):
     # seeds' laptop OOM (2.41 of 14.23 GiB reserved).
     allocator_overhead_fraction: float = Field(default=0.12, ge=0, lt=1)
 
-    # Saved activations of one decoder layer under autocast, per token, in bytes per element of h (hidden),
-    # a*d (query width), k*d (key/value width), i (MLP width), a (heads). Derived from transformers 5.x
-    # modeling_llama with SDPA: RMSNorm keeps an fp32 upcast and its bf16 output; rotary keeps q, k before and
-    # after rotate_half; SDPA keeps q, k, v, its output and a float32 log-sum-exp per head; the SwiGLU MLP keeps
-    # gate, act(gate), up and their product.
-    act_hidden_bytes_bf16: float = 16.0
-    act_hidden_bytes_fp32: float = 30.0  # fp32 residual: fp32 norms plus a bf16 cast of the input per linear
-    act_query_bytes: float = 8.0
-    act_kv_bytes: float = 8.0
-    act_mlp_bytes: float = 8.0
-    act_head_bytes: float = 4.0
+    # What a layer keeps for backward is counted tensor by tensor (vram_planner/activations.py, checked against
+    # the trace engine); only Liger's kernels, which the CPU trace cannot run, and the transient working sets below
+    # are coefficients.
     # With use_liger_kernel (layer kernels: RMSNorm, SwiGLU, RoPE): RMSNorm keeps only its input and a per-row
     # rstd, SwiGLU keeps gate and up and recomputes the activation, RoPE works in place (Liger-Kernel's
     # ops/rms_norm.py, ops/swiglu.py, ops/rope.py). Per element, for a 2-byte residual stream.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vram_planner import activations as act
 from vram_planner import memory as m
 from vram_planner.architecture import ModelArchitecture
 from vram_planner.calibration import Calibration
@@ -103,56 +104,127 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
     base = {**persistent, "weights": m.generation_weight_bytes(arch, train)}
     if train.use_vllm:
         return Phase("generation", base, "vLLM generates (its memory is the reservation)")
-    sequences, length = train.local_generation_batch_size, train.sequence_length
-    kv = m.kv_cache_bytes(arch, train, sequences, length)
-    # DynamicCache grows by concatenation: one layer's keys exist twice for a moment.
-    kv_growth = kv / max(arch.num_layers, 1) / 2
-    prefill = (m.inference_working_bytes(arch, train, cal, sequences * train.max_prompt_length)
-               + m.padded_prefill_mask_bytes(train, sequences))
-    decode = m.generation_logits_bytes(arch, sequences)
-    prompt_kv = m.kv_cache_bytes(arch, train, sequences, train.max_prompt_length)
-    prefill_moment = Phase("generation", {**base, "kv_cache": prompt_kv, "activations": prefill}, "prefill")
-    decode_moment = Phase("generation", {**base, "kv_cache": kv + kv_growth, "lm_head_buffers": decode},
-                          "last decoding step")
-    return max(prefill_moment, decode_moment, key=lambda p: p.total_bytes)
+    sequences, p = train.local_generation_batch_size, train.max_prompt_length
+    # The last decoding step feeds the last sampled token with p + c - 1 tokens cached.
+    kv = m.kv_cache_bytes(arch, train, sequences, train.sequence_length - 1)
+    # DynamicCache grows by concatenation: one layer's keys and values exist twice for a moment.
+    kv_growth = kv / max(arch.num_layers, 1)
+    # Autocast casts every weight once per forward; the casts of trainable weights stay cached to its end.
+    casts = m.layer_weight_cast_bytes(arch, train) if not train.uses_lora else 0
+    casts += m.adapter_cast_bytes(arch, train)
+    with_casts = {**base, "weights": base["weights"] + casts}
+    prefill = (m.inference_working_bytes(arch, train, cal, sequences * p, p)
+               + m.padded_mask_bytes(train, sequences, p))
+    prompt_kv = m.kv_cache_bytes(arch, train, sequences, p)
+    head = m.generation_logits_bytes(arch, sequences)
+    # ... and the output projection is cast at the LM head, cached or not.
+    head_weights = with_casts["weights"] + m.lm_head_cast_bytes(arch, train)
+    moments = [
+        Phase("generation", {**with_casts, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
+        Phase("generation", {**with_casts, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
+        Phase("generation", {**with_casts, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
+              "last decoding step: LM head"),
+    ]
+    return max(moments, key=lambda p: p.total_bytes)
 
 
 def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
              persistent: dict[str, float]) -> Phase:
-    """No-grad forward passes over the generation batch in chunks of B sequences."""
+    """No-grad forward passes over the generation batch in chunks of B sequences; the peak is in one chunk."""
     b, generated = train.per_device_train_batch_size, train.local_generation_batch_size
+    length = train.sequence_length
     head = lm_head_memory(arch, train, release, b, with_grad=False)
     kept_logps = generated * train.max_completion_length * m.FP32_BYTES * (
         int(train.computes_old_logps) + int(train.computes_ref_logps))
-    forward = m.inference_working_bytes(arch, train, cal, b * train.sequence_length)
-    return Phase("scoring", {**persistent, "activations": forward + kept_logps,
-                             "lm_head_buffers": head.forward_transient}, "LM head of a chunk")
+    layers = m.inference_working_bytes(arch, train, cal, b * length, length) + m.padded_mask_bytes(train, b, length)
+    casts = _scoring_casts(arch, train)
+    moments = [Phase("scoring", {**persistent, **casts, "activations": kept_logps + layers}, "decoder forward"),
+               Phase("scoring", {**persistent, **casts, "activations": kept_logps,
+                                 "lm_head_buffers": head.forward_transient}, "LM head of a chunk")]
+    return max(moments, key=lambda p: p.total_bytes)
+
+
+def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
+    """Cached weight casts of the model that scores last: the reference when there is one, else the policy."""
+    if train.computes_ref_logps and not train.uses_lora:
+        return {"reference_weights": m.reference_weight_bytes(arch, train) + m.layer_weight_cast_bytes(arch, train)}
+    if train.uses_lora:
+        return {"weights": m.weight_bytes(arch, train) + (m.adapter_cast_bytes(arch, train)
+                                                          if train.computes_old_logps else 0)}
+    return {"weights": m.weight_bytes(arch, train) + m.layer_weight_cast_bytes(arch, train)}
 
 
 def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
               persistent: dict[str, float], all_grads: float) -> Phase:
-    """The largest of three moments of one micro-batch's forward/backward."""
-    b = train.per_device_train_batch_size
-    tokens = b * train.sequence_length
+    """The largest moment of one micro-batch's forward and backward."""
+    b, length = train.per_device_train_batch_size, train.sequence_length
+    tokens = b * length
+    s = m.sizes(train)
     head = lm_head_memory(arch, train, release, b, with_grad=True)
-    saved = m.forward_saved_bytes(arch, train, cal, tokens)
-    # From the second micro-batch of an accumulation on, every gradient exists before backward starts. With one
-    # micro-batch, backward starts with none and fills them in while it frees the saved activations.
+    saved = act.decoder_saved_bytes(arch, train, cal, tokens)
+    final_norm = act.final_norm_saved_bytes(arch, train, tokens)
+    # Checkpointed layers keep the boolean mask as an input; otherwise each layer kept its own float copy.
+    mask = act.attention_mask_bytes(train, b, length) if train.gradient_checkpointing else 0
+    # From the second micro-batch of an accumulation on, every gradient exists before the forward starts.
     accumulating = train.gradient_accumulation_steps > 1
-    head_grads = all_grads if accumulating else (
-        0.0 if train.uses_lora else min(all_grads, arch.vocab_size * arch.hidden_size * m.sizes(train).trainable))
-    last_layer_saved = saved / max(arch.num_layers, 1)
+    grads_before = all_grads if accumulating else 0.0
+    forward_casts, backward_casts = _training_casts(arch, train)
+    weights = persistent["weights"]
+    one_layer = act.one_layer_saved_bytes(arch, train, cal, tokens)
+    layer_casts = m.layer_weight_cast_bytes(arch, train) / max(arch.num_layers, 1)
+    working = m.backward_working_bytes(arch, train, cal, tokens)
+    layer_input = tokens * arch.hidden_size * s.residual
+    # Backward through the last layer: only the head's gradients exist; through the first: all of them. A tied
+    # output projection's gradient waits in autograd's input buffer for the embedding's, next to the .grad that
+    # earlier micro-batches left.
+    tied = arch.tie_word_embeddings and not train.uses_lora
+    held = _head_gradient_bytes(arch, train) if tied and accumulating else 0.0
+    head_grads = all_grads if accumulating else _head_gradient_bytes(arch, train)
+    layer_backward_casts = layer_casts + m.adapter_cast_bytes(arch, train) / max(arch.num_layers, 1)
+    if train.gradient_checkpointing:
+        # the recomputed layer's first norm keeps the checkpointed input itself when it is float32
+        recompute = one_layer - (layer_input if s.residual == m.FP32_BYTES else 0)
+        last_layer = saved - final_norm + mask + recompute + working
+        first_layer = layer_input + mask + recompute + working
+        last_layer_casts = layer_backward_casts
+    else:
+        last_layer = saved - final_norm + working
+        first_layer = one_layer + working
+        last_layer_casts = backward_casts
     moments = [
-        Phase("training", {**persistent, "gradients": all_grads if accumulating else 0.0,
-                           "activations": saved, "lm_head_buffers": head.forward_transient + head.saved},
-              "LM head forward"),
-        Phase("training", {**persistent, "gradients": head_grads, "activations": saved,
-                           "lm_head_buffers": head.saved + head.backward_transient}, "LM head backward"),
-        Phase("training", {**persistent, "gradients": all_grads,
-                           "activations": last_layer_saved + m.backward_working_bytes(arch, train, cal, tokens)},
-              "backward through the first layer"),
+        Phase("training", {**persistent, "weights": weights + forward_casts, "gradients": grads_before,
+                           "activations": saved + mask, "lm_head_buffers": head.forward_transient},
+              "forward: LM head"),
+        Phase("training", {**persistent, "weights": weights + backward_casts, "gradients": grads_before,
+                           "activations": saved + mask, "lm_head_buffers": head.saved + head.backward_transient},
+              "LM head backward"),
+        Phase("training", {**persistent, "weights": weights + last_layer_casts, "gradients": head_grads + held,
+                           "activations": last_layer}, "backward through the last layer"),
+        Phase("training", {**persistent, "weights": weights + layer_backward_casts, "gradients": all_grads + held,
+                           "activations": first_layer}, "backward through the first layer"),
     ]
+    if tied:
+        # The embedding's dense gradient joins the output projection's before they are summed.
+        moments.append(Phase("training", {**persistent, "gradients": all_grads + held + _head_gradient_bytes(arch, train),
+                                           "activations": layer_input}, "embedding backward"))
     return max(moments, key=lambda p: p.total_bytes)
+
+
+def _training_casts(arch: ModelArchitecture, train: TrainingConfig) -> tuple[float, float]:
+    """Weight casts alive at the end of the forward (autocast's cache) and kept for backward."""
+    layers = m.layer_weight_cast_bytes(arch, train)
+    adapters = m.adapter_cast_bytes(arch, train)
+    if train.gradient_checkpointing:  # nothing is kept; the cache empties when the forward's autocast exits
+        return (0 if train.uses_lora else layers) + adapters, 0
+    # frozen weights are cast per use, not cached, but their linears keep the casts for backward
+    return layers + adapters, layers + adapters
+
+
+def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Gradients that exist when backward leaves the LM head: the output projection's (with full fine-tuning)."""
+    if train.uses_lora:
+        return 0
+    return arch.vocab_size * arch.hidden_size * m.sizes(train).trainable
 
 
 def _notes(arch: ModelArchitecture, train: TrainingConfig) -> tuple[str, ...]:

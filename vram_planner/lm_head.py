@@ -18,8 +18,9 @@ from vram_planner.trl_releases import TrlRelease
 # Per-token fp32 statistics of the fused forward: running max, sum exp, x*exp sum, squared sum, z sum,
 # max before target, target logit (ChunkedLogProbFunction.forward).
 FUSED_FORWARD_STATS_PER_TOKEN = 7 * FP32_BYTES
-# Saved for backward per token: int64 target, fp32 log-normaliser and entropy.
-FUSED_SAVED_PER_TOKEN = 8 + 2 * FP32_BYTES
+# Kept for backward per scored token: int64 target, fp32 log-normaliser and entropy, and the (N, 2) int64 positions
+# `hidden_states[mask]` keeps for its index backward.
+FUSED_SAVED_PER_TOKEN = 8 + 2 * FP32_BYTES + 2 * 8
 # full_logits: bf16 logits plus accelerate's fp32 copy while scoring (6 B per logit); at the start of backward
 # the fp32 log-softmax and its gradient join them (10 B per logit). ../shared/design/grpo-memory.md.
 FULL_LOGITS_FORWARD_BYTES = 6
@@ -52,20 +53,26 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
         return LmHeadMemory(forward_transient=logits * FULL_LOGITS_FORWARD_BYTES,
                             saved=logits * s.compute if with_grad else 0,
                             backward_transient=logits * FULL_LOGITS_BACKWARD_BYTES if with_grad else 0)
+    chunk = release.lm_head_vocab_chunk
     tile_tokens = min(scored, release.lm_head_token_chunk)
-    tile = tile_tokens * min(vocab, release.lm_head_vocab_chunk) * s.compute
-    weight_cast = min(vocab, release.lm_head_vocab_chunk) * h * s.compute if s.weight != s.compute else 0
+    tile = tile_tokens * chunk * s.compute  # the tile buffer is a whole vocabulary chunk wide, whatever V is
+    casts_weight = s.weight != s.compute and not train.load_in_4bit
+    weight_cast = min(vocab, chunk) * h * s.compute if casts_weight else 0
     hidden_cast = tile_tokens * h * s.compute if s.residual != s.compute else 0
     gathered_hidden = scored * h * s.residual  # hidden_states[mask] copies the scored positions
-    forward = gathered_hidden + scored * FUSED_FORWARD_STATS_PER_TOKEN + tile + weight_cast + hidden_cast
+    # The backbone's output stays referenced while the head runs.
+    backbone_output = sequences * train.sequence_length * h * s.residual
+    forward = (backbone_output + gathered_hidden + scored * FUSED_FORWARD_STATS_PER_TOKEN + tile + weight_cast
+               + hidden_cast)
     if not with_grad:
         return LmHeadMemory(forward_transient=forward, saved=0, backward_transient=0)
-    head_trainable = not train.uses_lora
-    grad_weight = vocab * h * FP32_BYTES if head_trainable else 0
-    # the fp32 grad_weight is cast to the parameter's dtype before it lands in .grad
-    grad_weight_cast = vocab * h * s.trainable if head_trainable and s.trainable != FP32_BYTES else 0
-    tokens = sequences * train.sequence_length
-    backward = (scored * h * FP32_BYTES + grad_weight + grad_weight_cast + tile + weight_cast + hidden_cast
-                + tokens * h * s.residual)  # index backward scatters into a zero [B, L, h] gradient
+    grad_weight = vocab * h * FP32_BYTES if not train.uses_lora else 0
+    grad_hidden = scored * h * FP32_BYTES  # accumulated in fp32 whatever the dtypes
+    # In the vocabulary loop the next chunk's weight cast is made while the previous one is still referenced.
+    two_weight_casts = min(vocab, 2 * chunk) * h * s.compute if casts_weight else 0
+    in_loop = grad_hidden + grad_weight + tile + two_weight_casts + hidden_cast + scored * FP32_BYTES
+    # On return both fp32 gradients are cast to their tensors' dtypes while the fp32 ones still exist.
+    at_return = (grad_hidden + grad_weight + (scored * h * s.residual if s.residual != FP32_BYTES else 0)
+                 + (vocab * h * s.trainable if grad_weight and s.trainable != FP32_BYTES else 0))
     return LmHeadMemory(forward_transient=forward, saved=gathered_hidden + scored * FUSED_SAVED_PER_TOKEN,
-                        backward_transient=backward)
+                        backward_transient=max(in_loop, at_return))

@@ -39,17 +39,46 @@ class Sizes:
 
 
 def sizes(train: TrainingConfig) -> Sizes:
-    weight = DTYPE_BYTES[train.dtype]  # with 4-bit loading: the modules bitsandbytes leaves unquantised
+    # DeepSpeed's bf16 engine casts the module to bf16; with 4-bit loading `dtype` is what bitsandbytes leaves
+    # unquantised.
+    weight = 2 if train.zero_stage is not None else DTYPE_BYTES[train.dtype]
     compute = weight if train.mixed_precision == "no" else 2
     # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL keeps them in bf16 under ZeRO-3 and casts them
     # to bf16 over a 4-bit base.
     if train.uses_lora:
         trainable = 2 if (train.load_in_4bit or train.zero_stage == 3) else FP32_BYTES
-    elif train.zero_stage is not None:
-        trainable = 2  # DeepSpeed runs the model in bf16 and keeps the fp32 master copy with the optimizer
     else:
         trainable = weight
     return Sizes(weight=weight, compute=compute, residual=weight, trainable=trainable)
+
+
+def autocast_casts_weights(train: TrainingConfig) -> bool:
+    """Autocast makes compute-dtype copies of float32 weights (none under DeepSpeed or FSDP, which hold bf16)."""
+    s = sizes(train)
+    return (train.mixed_precision != "no" and s.weight != s.compute and not train.load_in_4bit
+            and not train.fsdp and train.zero_stage is None)
+
+
+def layer_weight_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Compute-dtype copies of every decoder linear's weight, as autocast makes them during one forward.
+
+    Autocast caches the cast of a leaf that requires grad until the forward's autocast context exits (no_grad or
+    not); a frozen weight is cast anew on every use, and a linear keeps the cast for backward either way.
+    """
+    return arch.linear_params * sizes(train).compute if autocast_casts_weights(train) else 0
+
+
+def adapter_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Autocast's cached copies of float32 LoRA adapters."""
+    s = sizes(train)
+    if not train.uses_lora or train.mixed_precision == "no" or s.trainable == s.compute:
+        return 0
+    return trainable_params(arch, train) * s.compute
+
+
+def lm_head_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The compute-dtype copy of the output projection that generate()'s LM head makes under autocast."""
+    return arch.vocab_size * arch.hidden_size * sizes(train).compute if autocast_casts_weights(train) else 0
 
 
 def trainable_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
@@ -166,89 +195,40 @@ def _adafactor_state_elements(arch: ModelArchitecture, train: TrainingConfig) ->
 def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int) -> float:
     """Keys and values of every layer for `sequences` sequences of `tokens` tokens.
 
-    Under autocast with fp32 weights the rotary cos/sin stay fp32, so keys are cached in fp32 and values in bf16.
+    Keys come out of rotary in the residual stream's dtype (cos and sin follow it), and DynamicLayer starts values
+    from an empty tensor of the keys' dtype, so concatenation promotes them too: with float32 weights under autocast
+    both are float32.
     """
-    s = sizes(train)
-    key_bytes = FP32_BYTES if s.residual == FP32_BYTES and train.mixed_precision != "no" else s.residual
-    value_bytes = s.compute if train.mixed_precision != "no" else s.residual
-    per_token_layer = arch.num_kv_heads * arch.head_dim * (key_bytes + value_bytes)
+    per_token_layer = arch.num_kv_heads * arch.head_dim * 2 * sizes(train).residual
     return sequences * arch.kv_layers_tokens(tokens) * per_token_layer
 
 
-def layer_activation_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
-    """Tensors one decoder layer saves for backward over `tokens` tokens (no checkpointing)."""
-    s = sizes(train)
-    scale = s.compute / 2  # coefficients are for a 2-byte compute dtype
-    if train.use_liger_kernel:
-        hidden_coeff = cal.liger_act_hidden_bytes * s.residual / 2
-        query, kv, mlp = cal.liger_act_query_bytes, cal.liger_act_kv_bytes, cal.liger_act_mlp_bytes
-    else:
-        hidden_coeff = cal.act_hidden_bytes_fp32 if s.residual == FP32_BYTES else cal.act_hidden_bytes_bf16
-        query, kv, mlp = cal.act_query_bytes, cal.act_kv_bytes, cal.act_mlp_bytes
-    per_token = (hidden_coeff * arch.hidden_size
-                 + scale * (query * arch.num_attention_heads * arch.head_dim
-                            + kv * arch.num_kv_heads * arch.head_dim + mlp * arch.intermediate_size)
-                 + cal.act_head_bytes * arch.num_attention_heads)
-    return tokens * per_token + _lora_activation_bytes(arch, train, tokens) + _attention_matrix_bytes(
-        arch, train, tokens, saved=True)
-
-
-def _lora_activation_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
-    """LoRA keeps x @ A (rank wide) per adapter, and with dropout a dropped copy of the input."""
-    if not train.uses_lora:
-        return 0
-    s = sizes(train)
-    targets = [lin for lin in arch.layer_linears() if lin.name in arch.resolve_lora_targets(train.lora_targets)]
-    per_token = len(targets) * (train.lora_r or 0) * s.compute  # x @ A comes out of autocast in the compute dtype
-    if train.lora_dropout:
-        per_token += sum(lin.in_features * (s.compute + 1) for lin in targets)  # copy plus its boolean mask
-    return tokens * per_token
-
-
-def _attention_matrix_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int, saved: bool) -> float:
-    """Eager attention materialises [a, L, L] scores and probabilities per sequence; SDPA and FA2 do not."""
-    if train.attn_implementation != "eager":
-        return 0
-    length = train.sequence_length
-    sequences = tokens / length
-    copies = 2 if saved else 1  # softmax output kept for backward, plus the scores while computing it
-    return sequences * arch.num_attention_heads * length * length * sizes(train).compute * copies
-
-
-def checkpoint_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
-    """Layer inputs kept across the forward when gradient checkpointing is on."""
-    return arch.num_layers * tokens * arch.hidden_size * sizes(train).residual
-
-
-def forward_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
-    """Everything the decoder keeps from the forward for the backward of one micro-batch."""
-    if train.gradient_checkpointing:
-        return checkpoint_bytes(arch, train, tokens)
-    return arch.num_layers * layer_activation_bytes(arch, train, cal, tokens)
-
-
 def backward_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
-    """Gradient buffers of one layer's backward, plus that layer's recomputed activations under checkpointing."""
+    """Gradient buffers alive inside one layer's backward (the incoming hidden-state gradient and the MLP's)."""
     s = sizes(train)
-    grads = tokens * (cal.backward_hidden_bytes * arch.hidden_size * s.residual / 2
-                      + cal.backward_mlp_bytes * arch.intermediate_size * s.compute / 2)
-    recompute = layer_activation_bytes(arch, train, cal, tokens) if train.gradient_checkpointing else 0
-    return grads + recompute
+    return tokens * (cal.backward_hidden_bytes * arch.hidden_size * s.residual / 2
+                     + cal.backward_mlp_bytes * arch.intermediate_size * s.compute / 2)
 
 
-def inference_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
-    """Transient tensors of a no-grad forward over `tokens` tokens (one layer at a time)."""
+def inference_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int,
+                            length: int) -> float:
+    """Transient tensors of a no-grad forward over `tokens` tokens of sequences `length` long (one layer at a time)."""
     s = sizes(train)
     per_token = (cal.inference_hidden_bytes * arch.hidden_size * s.residual / 2
                  + cal.inference_mlp_bytes * arch.intermediate_size * s.compute / 2)
-    return tokens * per_token + _attention_matrix_bytes(arch, train, tokens, saved=False)
+    if train.attn_implementation == "eager":  # scores and their float32 softmax, [a, L] per query
+        per_token += arch.num_attention_heads * length * (s.compute + FP32_BYTES)
+    return tokens * per_token
 
 
-def padded_prefill_mask_bytes(train: TrainingConfig, sequences: int) -> float:
-    """SDPA with left-padded prompts builds a boolean [batch, 1, p, p] mask; FA2 unpads instead."""
+def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
+    """Padded batches under SDPA: the boolean [B, 1, L, L] mask and the compute-dtype copy SDPA makes of it per layer.
+
+    FlashAttention-2 unpads instead.
+    """
     if train.attn_implementation == "flash_attention_2":
         return 0
-    return sequences * train.max_prompt_length**2
+    return sequences * length * length * (1 + sizes(train).compute)
 
 
 def generation_logits_bytes(arch: ModelArchitecture, sequences: int) -> float:

@@ -1,0 +1,79 @@
+"""What a decoder layer keeps for backward, worked out tensor by tensor for Llama-3.2-1B.
+
+h 2048, 32 query heads and 8 key/value heads of 64 (q width 2048, kv width 512), MLP width 8192. The counts were
+read off `vram-plan trace` runs of the real modeling code (see vram_planner/activations.py for the why).
+"""
+
+from __future__ import annotations
+
+from vram_planner import activations as act
+from vram_planner.calibration import Calibration
+from vram_planner.spec import training_config
+
+H, Q, I, HEADS, LAYERS = 2048, 2048, 8192, 32, 16
+L = 256 + 512  # TRL's prompt and completion lengths
+
+
+def cfg(**kw):
+    return training_config(kw)
+
+
+def sdpa_core(compute_bytes=2):
+    # q, k and v repeated to all 32 heads, the output; fp32 log-sum-exp per head; a float mask row of L per token
+    return compute_bytes * 4 * Q + 4 * HEADS + compute_bytes * L
+
+
+def test_bf16_weights_full_fine_tuning(llama_1b):
+    norms = 2 * (4 * H + 4 + 2 * H)  # fp32 upcast of the input, rsqrt, bf16 normalised tensor (weight trains)
+    readers = 2 * H + 2 * H  # q/k/v share the bf16 norm output; gate/up share the other
+    mlp = 3 * 2 * I + 2 * I  # gate, up, act(gate); down's input
+    per_token = norms + readers + sdpa_core() + mlp
+    assert act.layer_saved_bytes(llama_1b, cfg(dtype="bfloat16"), 10) == 10 * per_token
+    assert per_token == 16 * H + 8 * Q + 8 * I + 8 + 4 * HEADS + 2 * L
+
+
+def test_fp32_weights_under_autocast_cast_the_norm_output_per_linear(llama_1b):
+    norms = 2 * (4 * H + 4 + 4 * H)  # the fp32 input itself, rsqrt, the fp32 normalised tensor
+    readers = 3 * 2 * H + 2 * 2 * H  # one bf16 cast per reading linear
+    per_token = norms + readers + sdpa_core() + 3 * 2 * I + 2 * I
+    assert act.layer_saved_bytes(llama_1b, cfg(), 10) == 10 * per_token
+    assert per_token == 26 * H + 8 * Q + 8 * I + 8 + 4 * HEADS + 2 * L
+
+
+def test_lora_keeps_casts_for_the_adapters_and_nothing_for_frozen_linears(llama_1b):
+    norms = 2 * (4 * H + 4)  # frozen norm weights: no normalised tensor
+    readers = 3 * 2 * H + 2 * 2 * H + 2 * Q + 2 * I  # lora_A of q, k, v, gate, up, o and down keeps a bf16 copy
+    rank = 7 * 16 * 2  # x @ A per adapter
+    per_token = norms + readers + sdpa_core() + 3 * 2 * I + rank
+    assert act.layer_saved_bytes(llama_1b, cfg(lora_r=16), 10) == 10 * per_token
+    only_q_v = cfg(lora_r=16, lora_target_modules="q_proj,v_proj")
+    assert act.layer_saved_bytes(llama_1b, only_q_v, 10) == 10 * (norms + 2 * 2 * H + sdpa_core() + 3 * 2 * I
+                                                                   + 2 * 16 * 2)
+
+
+def test_lora_dropout_adds_a_mask_per_adapter(llama_1b):
+    plain = act.layer_saved_bytes(llama_1b, cfg(lora_r=16, dtype="bfloat16"), 10)
+    dropout = act.layer_saved_bytes(llama_1b, cfg(lora_r=16, dtype="bfloat16", lora_dropout=0.05), 10)
+    assert dropout - plain == 10 * (5 * H + Q + I)  # one byte per element each adapter reads
+
+
+def test_eager_attention_keeps_the_probabilities_instead_of_the_mask(llama_1b):
+    sdpa = act.layer_saved_bytes(llama_1b, cfg(dtype="bfloat16"), 10)
+    eager = act.layer_saved_bytes(llama_1b, cfg(dtype="bfloat16", attn_implementation="eager"), 10)
+    assert eager - sdpa == 10 * (HEADS * L * (4 + 2) - 4 * HEADS - 2 * L)
+
+
+def test_checkpointing_keeps_each_layer_input_and_the_final_norm(llama_1b):
+    tokens = 4 * L
+    final_norm = tokens * (4 * H + 4 + 2 * H)
+    saved = act.decoder_saved_bytes(llama_1b, cfg(dtype="bfloat16"), Calibration(), tokens)
+    assert saved == LAYERS * tokens * H * 2 + final_norm
+    no_checkpointing = cfg(dtype="bfloat16", gradient_checkpointing=False)
+    assert act.decoder_saved_bytes(llama_1b, no_checkpointing, Calibration(), tokens) == (
+        LAYERS * act.layer_saved_bytes(llama_1b, no_checkpointing, tokens) + final_norm)
+
+
+def test_liger_keeps_less_than_the_plain_layer(llama_1b):
+    plain = act.one_layer_saved_bytes(llama_1b, cfg(dtype="bfloat16"), Calibration(), 1000)
+    liger = act.one_layer_saved_bytes(llama_1b, cfg(dtype="bfloat16", use_liger_kernel=True), Calibration(), 1000)
+    assert liger < plain
