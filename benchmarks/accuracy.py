@@ -102,6 +102,7 @@ def save_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
         tmp.write(text)
+    os.chmod(tmp.name, 0o644)
     os.replace(tmp.name, path)
 
 

@@ -120,14 +120,13 @@ def test_fused_lm_head_never_materialises_logits(llama_1b):
     assert head.forward_transient == tokens * H * 2 + scored * H * 2 + scored * 28 + tile
     # int64 target, fp32 log-normaliser and entropy, the (N, 2) int64 positions of the gather, and the rows
     assert head.saved == scored * H * 2 + scored * (8 + 8 + 16)
-    # in the vocabulary loop: fp32 grad_hidden and grad_weight, the tile, fp32 logprob grads; bf16 weights need no
-    # cast, but on return both fp32 gradients are cast to bf16 while they still exist
-    in_loop = scored * H * 4 + V * H * 4 + tile + scored * 4
-    at_return = scored * H * 4 + V * H * 4 + scored * H * 2 + V * H * 2
-    assert head.backward_transient == max(in_loop, at_return)
+    # all through backward: fp32 grad_hidden and grad_weight, the tile, fp32 logprob grads (bf16 weights need no
+    # casts in the loop); on return both fp32 gradients are cast to bf16 while they and the loop's locals still exist
+    throughout = scored * H * 4 + V * H * 4 + tile + scored * 4
+    assert head.backward_transient == throughout + scored * H * 2 + V * H * 2
     lora = lm_head_memory(llama_1b, cfg(lora_r=8, dtype="bfloat16", max_completion_length=512), release,
                           sequences=4, with_grad=True)
-    assert lora.backward_transient == scored * H * 4 + tile + scored * 4  # frozen head: no grad_weight
+    assert lora.backward_transient == scored * H * 4 + tile + scored * 4 + scored * H * 2  # frozen: no grad_weight
 
 
 def test_fused_lm_head_casts_two_vocabulary_chunks_of_fp32_weights_in_backward(llama_1b):
@@ -135,8 +134,13 @@ def test_fused_lm_head_casts_two_vocabulary_chunks_of_fp32_weights_in_backward(l
                           with_grad=True)
     scored = 4 * 512
     # the tile stays a whole 32768-column chunk wide; the previous chunk's bf16 weight is alive with the next one's
+    # (fp32 gradients need no cast on return)
     assert head.backward_transient == (scored * H * 4 + V * H * 4 + scored * 32768 * 2 + 2 * 32768 * H * 2
                                        + scored * H * 2 + scored * 4)
+    small_vocab = lm_head_memory(llama_1b.__class__(**{**llama_1b.__dict__, "vocab_size": 40000}),
+                                 cfg(max_completion_length=512), trl_release("1.16.0"), sequences=4, with_grad=True)
+    assert small_vocab.backward_transient == (scored * H * 4 + 40000 * H * 4 + scored * 32768 * 2 + 40000 * H * 2
+                                              + scored * H * 2 + scored * 4)
 
 
 def test_old_trl_materialises_full_logits(llama_1b):

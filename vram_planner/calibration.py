@@ -44,8 +44,9 @@ class Calibration(BaseModel):
     # Working set of a no-grad forward (generation prefill, log-prob scoring), per token, per element.
     inference_hidden_bytes: float = 8.0
     inference_mlp_bytes: float = 6.0
-    # Gradient buffers alive while one checkpointed layer is recomputed and back-propagated, per token.
-    backward_hidden_bytes: float = 8.0
+    # Gradient buffers alive at the peak of one layer's backward, per token: fitted by least squares to the
+    # trace engine over benchmarks/accuracy.py's grid (the peak moves inside the MLP's backward).
+    backward_hidden_bytes: float = 2.0
     backward_mlp_bytes: float = 4.0
 
 

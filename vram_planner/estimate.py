@@ -200,7 +200,9 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
               "LM head backward"),
         Phase("training", {**persistent, "weights": weights + last_layer_casts, "gradients": head_grads + held,
                            "activations": last_layer}, "backward through the last layer"),
-        Phase("training", {**persistent, "weights": weights + layer_backward_casts, "gradients": all_grads + held,
+        Phase("training", {**persistent, "weights": weights + layer_backward_casts,
+                           "gradients": held + (all_grads if accumulating else _first_layer_gradient_bytes(
+                               arch, train, all_grads)),
                            "activations": first_layer}, "backward through the first layer"),
     ]
     if tied:
@@ -218,6 +220,18 @@ def _training_casts(arch: ModelArchitecture, train: TrainingConfig) -> tuple[flo
         return (0 if train.uses_lora else layers) + adapters, 0
     # frozen weights are cast per use, not cached, but their linears keep the casts for backward
     return layers + adapters, layers + adapters
+
+
+def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, all_grads: float) -> float:
+    """Gradients that exist at the peak of the first layer's backward: every later layer's, and of its own only the
+    MLP output projection's (backward reaches it first; the peak comes as the MLP's input gradients form). The
+    embedding's comes last, unless it is tied to the output projection."""
+    if train.uses_lora:
+        return all_grads
+    missing = arch.layer_params - arch.layer_linears()[-1].params
+    if not arch.tie_word_embeddings:
+        missing += arch.embedding_params
+    return all_grads - m._shard(train, missing * m.sizes(train).trainable, 2)
 
 
 def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -68,11 +68,14 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
         return LmHeadMemory(forward_transient=forward, saved=0, backward_transient=0)
     grad_weight = vocab * h * FP32_BYTES if not train.uses_lora else 0
     grad_hidden = scored * h * FP32_BYTES  # accumulated in fp32 whatever the dtypes
-    # In the vocabulary loop the next chunk's weight cast is made while the previous one is still referenced.
+    # Alive through the whole backward, return included (the loop's locals live until the function returns).
+    base = grad_hidden + grad_weight + tile + hidden_cast + scored * FP32_BYTES
+    last_chunk = vocab - chunk * ((vocab - 1) // chunk)
+    # In the vocabulary loop the next chunk's weight cast is made while the previous one is still referenced; on
+    # return both fp32 gradients are cast to their tensors' dtypes while the fp32 ones still exist.
     two_weight_casts = min(vocab, 2 * chunk) * h * s.compute if casts_weight else 0
-    in_loop = grad_hidden + grad_weight + tile + two_weight_casts + hidden_cast + scored * FP32_BYTES
-    # On return both fp32 gradients are cast to their tensors' dtypes while the fp32 ones still exist.
-    at_return = (grad_hidden + grad_weight + (scored * h * s.residual if s.residual != FP32_BYTES else 0)
+    at_return = ((last_chunk * h * s.compute if casts_weight else 0)
+                 + (scored * h * s.residual if s.residual != FP32_BYTES else 0)
                  + (vocab * h * s.trainable if grad_weight and s.trainable != FP32_BYTES else 0))
     return LmHeadMemory(forward_transient=forward, saved=gathered_hidden + scored * FUSED_SAVED_PER_TOKEN,
-                        backward_transient=max(in_loop, at_return))
+                        backward_transient=base + max(two_weight_casts, at_return))

@@ -206,8 +206,20 @@ def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: in
 def backward_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
     """Gradient buffers alive inside one layer's backward (the incoming hidden-state gradient and the MLP's)."""
     s = sizes(train)
-    return tokens * (cal.backward_hidden_bytes * arch.hidden_size * s.residual / 2
-                     + cal.backward_mlp_bytes * arch.intermediate_size * s.compute / 2)
+    working = tokens * (cal.backward_hidden_bytes * arch.hidden_size * s.residual / 2
+                        + cal.backward_mlp_bytes * arch.intermediate_size * s.compute / 2)
+    # the gradient of PEFT's fp32 input copy is fp32 too
+    return working + _adapter_input_copy_bytes(arch, train, tokens)
+
+
+def _adapter_input_copy_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
+    """PEFT feeds fp32 adapters an fp32 copy of their compute-dtype input: the widest one, for `tokens` tokens."""
+    s = sizes(train)
+    if not train.uses_lora or train.mixed_precision == "no" or s.trainable == s.compute:
+        return 0
+    targets = arch.resolve_lora_targets(train.lora_targets)
+    widest = max((lin.in_features for lin in arch.layer_linears() if lin.name in targets), default=0)
+    return tokens * widest * FP32_BYTES
 
 
 def inference_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int,
@@ -218,7 +230,7 @@ def inference_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal:
                  + cal.inference_mlp_bytes * arch.intermediate_size * s.compute / 2)
     if train.attn_implementation == "eager":  # scores and their float32 softmax, [a, L] per query
         per_token += arch.num_attention_heads * length * (s.compute + FP32_BYTES)
-    return tokens * per_token
+    return tokens * per_token + _adapter_input_copy_bytes(arch, train, tokens)
 
 
 def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
