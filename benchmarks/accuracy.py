@@ -32,8 +32,8 @@ from vram_planner.units import GiB
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = ROOT / "profiles" / "models"
 RESULTS = ROOT / "benchmarks" / "results"
-# Different vocabularies (49k to 152k), GQA layouts (MHA-like 9/3 to 14/2 and 32/8), qk-norm, biases, tied and not.
-MODELS = ("SmolLM2-135M", "Qwen2.5-0.5B", "Qwen3-0.6B", "Llama-3.2-1B", "Mistral-7B-v0.3")
+# Vocabularies from 32k to 262k; GQA from 9/3 to 14/2 and 32/8, MQA (4/1); qk-norm, biases, Gemma norms, tied or not.
+MODELS = ("SmolLM2-135M", "Qwen2.5-0.5B", "Qwen3-0.6B", "Llama-3.2-1B", "gemma-3-1b-it", "Mistral-7B-v0.3")
 CAPACITY = 80 * GiB  # only vLLM's reservation depends on it, and the grid does not use vLLM
 SHORT = {"weights": "W", "reference_weights": "R", "gradients": "G", "optimizer_states": "O", "kv_cache": "KV",
          "activations": "A", "lm_head_buffers": "H"}

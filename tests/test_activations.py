@@ -77,3 +77,23 @@ def test_liger_keeps_less_than_the_plain_layer(llama_1b):
     plain = act.one_layer_saved_bytes(llama_1b, cfg(dtype="bfloat16"), Calibration(), 1000)
     liger = act.one_layer_saved_bytes(llama_1b, cfg(dtype="bfloat16", use_liger_kernel=True), Calibration(), 1000)
     assert liger < plain
+
+
+def test_one_key_value_head_repeats_as_a_view():
+    from vram_planner.profiles import resolve_model
+
+    gemma = resolve_model("gemma-3-1b-it")  # 4 query heads, 1 key/value head of 256
+    q_width, kv_width = 4 * 256, 256
+    # bf16 weights: k and v reach SDPA as expanded views of their kv-wide tensors
+    assert act._repeated_kv_saved_bytes(gemma, cfg(dtype="bfloat16")) == 2 * 2 * kv_width
+    # fp32 weights: k comes out of rotary in fp32, and autocast's cast of the expanded view is q wide
+    assert act._repeated_kv_saved_bytes(gemma, cfg()) == 2 * q_width + 2 * kv_width
+
+
+def test_gemma_norms_keep_the_normalised_tensor_in_fp32():
+    from vram_planner.profiles import resolve_model
+
+    gemma = resolve_model("gemma-3-1b-it")
+    assert act.norm_saved_bytes(gemma, 1152, 2, trainable=True) == 4 * 1152 + 4 + 4 * 1152
+    llama = resolve_model("Llama-3.2-1B")
+    assert act.norm_saved_bytes(llama, 2048, 2, trainable=True) == 4 * 2048 + 4 + 2 * 2048

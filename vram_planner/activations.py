@@ -9,7 +9,8 @@ Counted from the autograd graph that transformers 5.x builds for a Llama-style l
   for each linear that reads it; a frozen linear keeps no input at all. Under PEFT, `lora_A` reads a copy cast to the
   adapter's dtype and autocast casts that again, so every adapted linear keeps its own compute-dtype copy.
 - Rotary embeddings keep nothing large (cos and sin are shared). SDPA keeps q, k and v repeated to every query head
-  (transformers repeats k/v whenever an attention mask is passed, and GRPO batches are padded), its output and a
+  (transformers repeats k/v whenever an attention mask is passed, and GRPO batches are padded; with one key/value
+  head the repeat is a view), its output and a
   float32 log-sum-exp per head, plus a [B, 1, L, L] float mask in the compute dtype that each layer converts from the
   boolean one.
 - The gated MLP keeps the gate and up projections, the activation of the gate, and the product (down's input).
@@ -35,9 +36,14 @@ def _lora_targets(arch: ModelArchitecture, train: TrainingConfig) -> set[str]:
     return arch.resolve_lora_targets(train.lora_targets) if train.uses_lora else set()
 
 
-def norm_saved_bytes(width: int, input_bytes: int, trainable: bool, rows: int = 1) -> float:
-    """RMSNorm over `width` elements: its float32 input (or upcast copy), rsqrt per row, the normalised tensor."""
-    return FP32_BYTES * width + FP32_BYTES * rows + (input_bytes * width if trainable else 0)
+def norm_saved_bytes(arch: ModelArchitecture, width: int, input_bytes: int, trainable: bool, rows: int = 1) -> float:
+    """RMSNorm over `width` elements: its float32 input (or upcast copy), rsqrt per row, the normalised tensor.
+
+    Llama-style norms cast the normalised tensor back to the input's dtype before the weight multiplies it; Gemma's
+    multiply in float32.
+    """
+    normed_bytes = FP32_BYTES if arch.family.fp32_norm_scale else input_bytes
+    return FP32_BYTES * width + FP32_BYTES * rows + (normed_bytes * width if trainable else 0)
 
 
 def linear_inputs_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, readers: list[Linear],
@@ -76,14 +82,30 @@ def attention_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     full = not train.uses_lora
     total = 0.0
     if arch.family.qk_norm:  # per-head RMSNorm of q and k, on the projections' compute-dtype output
-        total += norm_saved_bytes(q_width, c, full, rows=a) + norm_saved_bytes(kv_width, c, full, rows=k)
+        total += norm_saved_bytes(arch, q_width, c, full, rows=a) + norm_saved_bytes(arch, kv_width, c, full, rows=k)
     if train.attn_implementation == "flash_attention_2":
         return total + c * (2 * q_width + 2 * kv_width) + FP32_BYTES * a  # q, k, v, output, log-sum-exp
-    total += c * 4 * q_width  # q, k and v repeated to every head, the output
+    total += c * 2 * q_width + _repeated_kv_saved_bytes(arch, train)  # q and the output; k and v
     if train.attn_implementation == "eager":
         # float32 softmax output (kept by softmax) and its compute-dtype cast (kept by the matmul with v), per query
         return total + a * train.sequence_length * (FP32_BYTES + c)
     return total + FP32_BYTES * a + c * train.sequence_length  # log-sum-exp per head; the float mask row
+
+
+def _repeated_kv_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Per token: k and v as SDPA keeps them, repeated to every query head by transformers' repeat_kv.
+
+    With one key/value head the repeat is a view (expand, then a reshape that needs no copy), so v stays kv wide; k
+    does too unless autocast has to cast it (its rotary output follows a float32 residual stream), and the cast of
+    the expanded view is q wide. The same holds for multi-head attention, where nothing repeats.
+    """
+    s = sizes(train)
+    c, k = s.compute, arch.num_kv_heads
+    q_width, kv_width = arch.num_attention_heads * arch.head_dim, k * arch.head_dim
+    if k > 1 and q_width != kv_width:
+        return 2 * c * q_width
+    key_cast = _autocast(train) and s.residual != c
+    return c * (q_width if key_cast else kv_width) + c * kv_width
 
 
 def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
@@ -99,13 +121,13 @@ def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: in
     mlp_in, mlp_out = [linears[n] for n in f.mlp_names[:-1]], linears[f.mlp_names[-1]]
     i = arch.intermediate_size
 
-    per_token = 2 * norm_saved_bytes(arch.hidden_size, r, full)
+    per_token = 2 * norm_saved_bytes(arch, arch.hidden_size, r, full)
     per_token += linear_inputs_saved_bytes(arch, train, attention_in, r)
     per_token += attention_saved_bytes(arch, train)
     if train.uses_lora:  # fully trained, o_proj keeps the attention output that the attention kept already
         per_token += linear_inputs_saved_bytes(arch, train, [out_proj], c)
     if f.norms_per_layer == 4:  # Gemma 2/3 also normalise each sublayer's compute-dtype output
-        per_token += 2 * norm_saved_bytes(arch.hidden_size, c, full)
+        per_token += 2 * norm_saved_bytes(arch, arch.hidden_size, c, full)
     # gated: gate and up outputs, the activation; plain: fc1's output kept by the activation
     per_token += c * i * (3 if f.gated_mlp else 1)
     per_token += linear_inputs_saved_bytes(arch, train, mlp_in, r)
@@ -141,7 +163,7 @@ def decoder_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Cal
 
 
 def final_norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
-    return tokens * norm_saved_bytes(arch.hidden_size, sizes(train).residual, not train.uses_lora)
+    return tokens * norm_saved_bytes(arch, arch.hidden_size, sizes(train).residual, not train.uses_lora)
 
 
 def one_layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:

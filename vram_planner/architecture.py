@@ -39,6 +39,7 @@ class Family:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
     layer_norm_bias: bool = False  # LayerNorm (weight and bias) instead of RMSNorm
     lm_head_bias: bool = False
+    fp32_norm_scale: bool = False  # Gemma's RMSNorm scales by (1 + weight) in fp32 and casts back at the end
     attention_out_name: str = "o_proj"
     mlp_names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 
@@ -48,9 +49,9 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(qkv_bias=False),
     "qwen2": Family(qkv_bias=True, o_bias=False),
     "qwen3": Family(qk_norm=True),
-    "gemma": Family(),
-    "gemma2": Family(norms_per_layer=4),
-    "gemma3_text": Family(norms_per_layer=4, qk_norm=True),
+    "gemma": Family(fp32_norm_scale=True),
+    "gemma2": Family(norms_per_layer=4, fp32_norm_scale=True),
+    "gemma3_text": Family(norms_per_layer=4, qk_norm=True, fp32_norm_scale=True),
     "phi3": Family(fused_qkv=True, fused_gate_up=True, qkv_bias=False),
     "phi": Family(
         gated_mlp=False, qkv_bias=True, norms_per_layer=1, layer_norm_bias=True, lm_head_bias=True,
