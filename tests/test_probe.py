@@ -1,0 +1,99 @@
+"""The probe pipeline: measure (here with the trace engine), keep points between runs, fit, write, get used."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FIXTURES
+from vram_planner import api
+from vram_planner.calibration import Calibration
+from vram_planner.estimate import estimate
+from vram_planner.profiles import data_home, resolve_model
+from vram_planner.probe import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
+                                SimulatedMeasurer, fit_calibration, fit_quality, measure_points, record_path,
+                                save_calibration)
+from vram_planner.spec import TrainingConfig
+from vram_planner.trl_releases import trl_release
+from vram_planner.units import GiB
+
+TINY = str(FIXTURES / "tiny-llama-headdim.json")
+
+
+def tiny_points(n=2):
+    configs = [{"gradient_checkpointing": True}, {"gradient_checkpointing": False, "lora_r": 8},
+               {"gradient_checkpointing": False}]
+    return [ProbePoint(TINY, TrainingConfig(per_device_train_batch_size=2, num_generations=2, max_prompt_length=16,
+                                            max_completion_length=32, **c)) for c in configs[:n]]
+
+
+def synthetic_record(truth: Calibration, points: list[ProbePoint], reserve: float, context: int) -> ProbeRecord:
+    """Measurements that a device behaving exactly like `truth` would report."""
+    measured = []
+    for point in points:
+        est = estimate(resolve_model(point.model), point.train, trl_release(), truth, 80 * GiB)
+        phases = [PhaseMeasurement(name=p.name, allocated_bytes=round(p.tensor_bytes),
+                                   reserved_bytes=round(p.tensor_bytes * (1 + reserve))) for p in est.phases]
+        measured.append(PointMeasurement(label=point.label, model=point.model,
+                                         settings=point.train.model_dump(mode="json", exclude_defaults=True),
+                                         phases=phases, seconds=0.0))
+    return ProbeRecord(device={"gpu": "test"}, context_bytes=context, points=measured)
+
+
+def test_the_fit_recovers_the_coefficients_a_device_behaves_by():
+    truth = Calibration(inference_hidden_bytes=5, inference_mlp_bytes=3, backward_hidden_bytes=6,
+                        backward_mlp_bytes=7)
+    # LoRA with checkpointing peaks in a layer's backward and long prompts in the prefill, where the coefficients
+    # act; fp32 and bf16 weights weigh the hidden and the MLP terms differently, so both are identifiable
+    points = [ProbePoint(model, TrainingConfig(per_device_train_batch_size=b, num_generations=b, max_prompt_length=p,
+                                               max_completion_length=64, lora_r=16, dtype=d))
+              for model in ("Qwen2.5-0.5B", "Llama-3.2-1B") for d in ("float32", "bfloat16")
+              for b, p in [(4, 128), (4, 2048), (8, 1024)]]
+    record = synthetic_record(truth, points, reserve=0.2, context=300 * 2**20)
+    fitted = fit_calibration(record, "test-gpu")
+    assert fitted.allocator_overhead_fraction == pytest.approx(0.2, abs=1e-4)
+    assert fitted.cuda_context_bytes == 300 * 2**20 and fitted.gpu == "test-gpu"
+    recovered = [c for c in FITTED_COEFFICIENTS if getattr(fitted, c) == pytest.approx(getattr(truth, c), abs=0.01)]
+    assert recovered == list(FITTED_COEFFICIENTS)
+    assert all(abs(row.error) < 1e-3 for row in fit_quality(record, fitted))
+
+
+@pytest.mark.slow
+def test_a_simulated_probe_writes_a_calibration_that_check_then_uses():
+    points = tiny_points(2)
+    measurer = SimulatedMeasurer("h100-80gb")
+    seen = []
+    record = measure_points(measurer, points, record_path("h100-80gb"), progress=lambda n, total, what: seen.append(n))
+    assert seen == [1, 2] and len(record.points) == 2
+    cal = fit_calibration(record, "h100-80gb")
+    assert cal.allocator_overhead_fraction == pytest.approx(0.10, abs=0.001)
+    written = save_calibration(cal, "h100-80gb")
+    assert json.loads(written[0].read_text())["name"] == "probe h100-80gb (simulated)"
+    verdict = api.check("Llama-3.2-1B", "h100-80gb")
+    assert verdict.context.calibration.name == "probe h100-80gb (simulated)"
+    assert api.check("Llama-3.2-1B", "a100-80gb").context.calibration.name == "default"
+
+
+class Interrupted(SimulatedMeasurer):
+    def __init__(self, stop_at: int) -> None:
+        super().__init__("l4")
+        self.stop_at, self.calls = stop_at, 0
+
+    def measure(self, point):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return super().measure(point)
+
+
+@pytest.mark.slow
+def test_an_interrupted_probe_keeps_its_points_and_continues():
+    points, path = tiny_points(3), record_path("l4")
+    with pytest.raises(KeyboardInterrupt):
+        measure_points(Interrupted(stop_at=2), points, path)
+    assert [p["label"] for p in json.loads(path.read_text())["points"]] == [points[0].label]
+    assert not (data_home() / "calibrations" / "l4.json").exists()
+    again = Interrupted(stop_at=99)
+    record = measure_points(again, points, path)
+    assert again.calls == 2 and [p.label for p in record.points] == [p.label for p in points]

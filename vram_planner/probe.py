@@ -1,0 +1,278 @@
+"""`vram-plan probe`: measure GRPO steps on a GPU, fit the calibration, and check the verdicts against what ran.
+
+The pipeline is the same whatever measures: `CudaMeasurer` (vram_planner.probe_cuda) runs real steps with random
+weights on the local CUDA device; `SimulatedMeasurer` asks the trace engine, so CI tests the whole path without a
+GPU. Measured points are kept in the data directory as they come in, so an interrupted probe continues where it
+stopped, and the calibration is written only at the end, atomically. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ValidationError
+
+from vram_planner.architecture import ModelArchitecture
+from vram_planner.calibration import Calibration, default_calibration
+from vram_planner.errors import VramPlanError
+from vram_planner.estimate import estimate
+from vram_planner.files import write_atomically
+from vram_planner.profiles import data_home, read_json, resolve_model
+from vram_planner.spec import TrainingConfig
+from vram_planner.trl_releases import trl_release
+from vram_planner.units import GiB
+
+# Coefficients of the analytic model that real runs set and the probe fits (the rest of it is counted exactly).
+FITTED_COEFFICIENTS = ("inference_hidden_bytes", "inference_mlp_bytes", "backward_hidden_bytes", "backward_mlp_bytes")
+# What the simulated device adds on top of the traced tensors: the caching allocator's reserve and the context.
+SIMULATED_ALLOCATOR_FRACTION = 0.10
+SIMULATED_CONTEXT_BYTES = int(0.5 * GiB)
+
+
+@dataclass(frozen=True)
+class ProbePoint:
+    model: str
+    train: TrainingConfig
+
+    @property
+    def label(self) -> str:
+        t = self.train
+        kind = f"lora{t.lora_r}" if t.uses_lora else "full"
+        shown = {"lora_r", "gradient_checkpointing", "max_prompt_length", "max_completion_length",
+                 "per_device_train_batch_size", "num_generations"}
+        extra = "".join(f" {k}={v}" for k, v in _settings(t).items() if k not in shown)
+        return (f"{self.model} {kind} gc={'on' if t.gradient_checkpointing else 'off'} "
+                f"p={t.max_prompt_length} c={t.max_completion_length} B={t.per_device_train_batch_size}{extra}")
+
+
+def probe_grid(models: Iterable[str] = ("Qwen2.5-0.5B", "Llama-3.2-1B"), completions: Iterable[int] = (128, 512),
+               batch: int = 4) -> list[ProbePoint]:
+    """Two sequence lengths, LoRA and full, checkpointing on and off, for each model."""
+    points = []
+    for model in models:
+        for completion in completions:
+            for lora in (None, 16):
+                for checkpointing in (True, False):
+                    train = TrainingConfig(per_device_train_batch_size=batch, num_generations=batch,
+                                           max_prompt_length=128, max_completion_length=completion,
+                                           gradient_checkpointing=checkpointing, lora_r=lora)
+                    points.append(ProbePoint(model, train))
+    return points
+
+
+class PhaseMeasurement(BaseModel):
+    name: str
+    allocated_bytes: int  # torch.cuda.max_memory_allocated over the phase
+    reserved_bytes: int  # torch.cuda.max_memory_reserved over the phase
+
+
+class PointMeasurement(BaseModel):
+    label: str
+    model: str
+    settings: dict[str, Any]
+    phases: list[PhaseMeasurement]
+    seconds: float
+
+
+class ProbeRecord(BaseModel):
+    """What the probe has measured on one device so far (kept between runs)."""
+
+    device: dict[str, str]
+    context_bytes: int
+    points: list[PointMeasurement] = []
+
+
+class Measurer(Protocol):
+    simulated: bool
+
+    def device(self) -> dict[str, str]: ...
+
+    def context_bytes(self) -> int: ...
+
+    def measure(self, point: ProbePoint) -> PointMeasurement: ...
+
+    def run_within(self, point: ProbePoint, capacity_bytes: int) -> tuple[bool, int]:
+        """Run one step with the process limited to `capacity_bytes`: (did it run, peak reserved bytes)."""
+        ...
+
+
+class SimulatedMeasurer:
+    """A device whose allocations are the trace engine's, plus a fixed allocator reserve and context."""
+
+    simulated = True
+
+    def __init__(self, gpu_name: str, allocator_fraction: float = SIMULATED_ALLOCATOR_FRACTION,
+                 context_bytes: int = SIMULATED_CONTEXT_BYTES) -> None:
+        self.gpu_name, self.allocator_fraction, self._context = gpu_name, allocator_fraction, context_bytes
+
+    def device(self) -> dict[str, str]:
+        import importlib.metadata as md
+
+        versions = {p: md.version(p) for p in ("torch", "transformers", "trl", "peft")}
+        return {"gpu": self.gpu_name, "simulated": "trace engine", **versions}
+
+    def context_bytes(self) -> int:
+        return self._context
+
+    def measure(self, point: ProbePoint) -> PointMeasurement:
+        from vram_planner.trace import trace_step
+
+        result = trace_step(_config_json(point.model), point.train)
+        phases = [PhaseMeasurement(name=p.name, allocated_bytes=p.peak_bytes,
+                                   reserved_bytes=round(p.peak_bytes * (1 + self.allocator_fraction)))
+                  for p in result.phases]
+        return PointMeasurement(label=point.label, model=point.model, settings=_settings(point.train),
+                                phases=phases, seconds=result.seconds)
+
+    def run_within(self, point: ProbePoint, capacity_bytes: int) -> tuple[bool, int]:
+        peak = max(p.reserved_bytes for p in self.measure(point).phases) + self._context
+        return peak <= capacity_bytes, peak
+
+
+def _settings(train: TrainingConfig) -> dict[str, Any]:
+    return train.model_dump(mode="json", exclude_defaults=True)
+
+
+def _config_json(model: str) -> dict[str, Any]:
+    """The config.json of a catalog model, or of a config.json file / model folder."""
+    from vram_planner.profiles import model_catalog
+
+    entry = model_catalog().get(model.lower())
+    path = entry.config_path if entry else Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise VramPlanError(f"the probe needs a catalog model or a config.json, not {model!r}")
+    return read_json(path)
+
+
+def record_path(gpu_name: str) -> Path:
+    return data_home() / "probe" / f"{gpu_name}.json"
+
+
+def load_record(path: Path, device: dict[str, str], context_bytes: int) -> ProbeRecord:
+    """The points measured earlier on the same device and software; a fresh record otherwise."""
+    if path.is_file():
+        try:
+            record = ProbeRecord.model_validate(json.loads(path.read_text()))
+        except (OSError, ValueError, ValidationError):
+            record = None  # unreadable: measure again rather than fail
+        if record is not None and record.device == device:
+            return record
+    return ProbeRecord(device=device, context_bytes=context_bytes)
+
+
+Progress = Callable[[int, int, str], None]
+
+
+def measure_points(measurer: Measurer, points: list[ProbePoint], path: Path,
+                   progress: Progress | None = None) -> ProbeRecord:
+    """Measure every point not measured yet, saving the record after each one."""
+    record = load_record(path, measurer.device(), measurer.context_bytes())
+    done = {p.label for p in record.points}
+    for n, point in enumerate(points, 1):
+        if progress:
+            progress(n, len(points), point.label + (" (measured before)" if point.label in done else ""))
+        if point.label in done:
+            continue
+        record.points.append(measurer.measure(point))
+        write_atomically(path, record.model_dump_json(indent=1))
+    return record
+
+
+def _phase_bytes(point: PointMeasurement, cal: Calibration) -> dict[str, float]:
+    arch: ModelArchitecture = resolve_model(point.model)
+    train = TrainingConfig(**point.settings)
+    est = estimate(arch, train, trl_release(), cal, 80 * GiB)
+    return {p.name: p.tensor_bytes for p in est.phases}
+
+
+def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None = None) -> Calibration:
+    """Least-squares fit of the working-set coefficients to the measured allocated peaks, and of the allocator's
+    reserve to reserved over allocated; the context is what the device reported."""
+    import numpy as np
+
+    base = base or default_calibration()
+    pairs = [(point, phase) for point in record.points for phase in point.phases]
+    if not pairs:
+        raise VramPlanError("the probe has no measured points to fit")
+    theta = np.array([getattr(base, c) for c in FITTED_COEFFICIENTS], dtype=float)
+    measured = np.array([phase.allocated_bytes for _, phase in pairs], dtype=float)
+
+    def predicted(values: np.ndarray) -> np.ndarray:
+        cal = base.model_copy(update=dict(zip(FITTED_COEFFICIENTS, values.tolist(), strict=True)))
+        by_point = {point.label: _phase_bytes(point, cal) for point in record.points}
+        return np.array([by_point[point.label].get(phase.name, 0.0) for point, phase in pairs])
+
+    # The model is piecewise linear in the coefficients (each phase is its largest moment): damped Gauss-Newton
+    # with one-byte finite differences, halving a step until it lowers the squared error; coefficients no
+    # measured phase depends on keep their value.
+    now = predicted(theta)
+    for _ in range(30):
+        jacobian = np.stack([predicted(theta + np.eye(len(theta))[k]) - now for k in range(len(theta))], axis=1)
+        used = np.abs(jacobian).sum(axis=0) > 0
+        if not used.any():
+            break
+        step = np.zeros_like(theta)
+        step[used], *_ = np.linalg.lstsq(jacobian[:, used], measured - now, rcond=None)
+        for scale in 0.5 ** np.arange(12):
+            trial = np.maximum(theta + scale * step, 0.0)
+            after = predicted(trial)
+            if ((measured - after) ** 2).sum() < ((measured - now) ** 2).sum():
+                theta, now = trial, after
+                break
+        else:
+            break
+    allocated = np.array([p.allocated_bytes for _, p in pairs], dtype=float)
+    reserved = np.array([p.reserved_bytes for _, p in pairs], dtype=float)
+    overhead = float(np.clip(((reserved - allocated) @ allocated) / (allocated @ allocated), 0.0, 0.99))
+    device = record.device
+    return base.model_copy(update={
+        "name": f"probe {gpu_name}" + (" (simulated)" if "simulated" in device else ""),
+        "gpu": gpu_name,
+        "source": f"vram-plan probe: {len(record.points)} GRPO steps, {len(pairs)} phases"
+                  + (", simulated with the trace engine" if "simulated" in device else ""),
+        "measured": device,
+        "cuda_context_bytes": record.context_bytes,
+        "allocator_overhead_fraction": round(overhead, 4),
+        **{c: round(float(v), 3) for c, v in zip(FITTED_COEFFICIENTS, theta, strict=True)},
+    })
+
+
+class FitQuality(BaseModel):
+    """Peak reserved memory (plus context) predicted by a calibration against what was measured, per point."""
+
+    label: str
+    measured_bytes: int
+    predicted_bytes: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
+    rows = []
+    for point in record.points:
+        arch = resolve_model(point.model)
+        est = estimate(arch, TrainingConfig(**point.settings), trl_release(), cal, 80 * GiB)
+        measured = max(p.reserved_bytes for p in point.phases) + record.context_bytes
+        rows.append(FitQuality(label=point.label, measured_bytes=measured, predicted_bytes=est.peak_bytes))
+    return rows
+
+
+def summary(rows: list[FitQuality]) -> dict[str, float]:
+    errors = [abs(r.error) for r in rows]
+    return {"median_error": statistics.median(errors), "worst_error": max(errors)}
+
+
+def save_calibration(cal: Calibration, gpu_name: str, out: Path | None = None) -> list[Path]:
+    """Write the calibration where plan/check look for this GPU's (and to `out`), atomically."""
+    text = cal.model_dump_json(indent=2) + "\n"
+    targets = [data_home() / "calibrations" / f"{gpu_name}.json"] + ([out] if out else [])
+    return [write_atomically(path, text) for path in targets]
