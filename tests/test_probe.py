@@ -12,6 +12,7 @@ from vram_planner.calibration import Calibration
 from vram_planner.estimate import estimate
 from vram_planner.profiles import data_home, resolve_model
 from vram_planner.probe import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
+                                validate_verdicts,
                                 SimulatedMeasurer, fit_calibration, fit_quality, measure_points, record_path,
                                 save_calibration)
 from vram_planner.spec import TrainingConfig
@@ -97,3 +98,21 @@ def test_an_interrupted_probe_keeps_its_points_and_continues():
     again = Interrupted(stop_at=99)
     record = measure_points(again, points, path)
     assert again.calls == 2 and [p.label for p in record.points] == [p.label for p in points]
+
+
+@pytest.mark.slow
+def test_validation_runs_the_configs_around_the_boundary_of_an_emulated_card():
+    truth = SimulatedMeasurer("simulated")
+    points = tiny_points(3)
+    cal = fit_calibration(measure_points(truth, points, record_path("simulated")), "simulated")
+    def peak(batch):
+        train = TrainingConfig(per_device_train_batch_size=batch, num_generations=batch, max_prompt_length=128,
+                               max_completion_length=256)
+        return estimate(resolve_model(TINY), train, trl_release(), cal, 80 * GiB).peak_bytes
+
+    capacity = int((peak(4) + peak(8)) / 2 / 0.95)  # four sequences fit beside the 5% margin, eight do not
+    rows = validate_verdicts(truth, cal, TINY, [capacity], lora_ranks=[None])
+    assert [r.label.split()[-1] for r in rows] == ["B=4", "B=8"]  # the boundary and just above it
+    assert [r.predicted_fits for r in rows] == [True, False]
+    assert not any(r.wrong_fit for r in rows)
+    assert rows[0].ran and abs(rows[0].error) < 0.05

@@ -276,3 +276,62 @@ def save_calibration(cal: Calibration, gpu_name: str, out: Path | None = None) -
     text = cal.model_dump_json(indent=2) + "\n"
     targets = [data_home() / "calibrations" / f"{gpu_name}.json"] + ([out] if out else [])
     return [write_atomically(path, text) for path in targets]
+
+
+class ValidationRow(BaseModel):
+    """One config run on an emulated smaller card: what the planner said and what happened."""
+
+    capacity_bytes: int
+    label: str
+    predicted_fits: bool
+    ran: bool
+    predicted_bytes: float
+    measured_bytes: int | None  # peak reserved plus context; None when it ran out of memory
+
+    @property
+    def wrong_fit(self) -> bool:
+        return self.predicted_fits and not self.ran
+
+    @property
+    def error(self) -> float | None:
+        if self.measured_bytes is None:
+            return None
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def boundary_points(model: str, capacity_bytes: int, cal: Calibration, lora_r: int | None = None,
+                    batches: Iterable[int] = (1, 2, 4, 8, 16, 32), completion: int = 256,
+                    prompt: int = 128) -> list[tuple[ProbePoint, bool, float]]:
+    """The largest micro-batch the planner says fits on a card of `capacity_bytes` and the next one up."""
+    from vram_planner.profiles import GpuProfile
+    from vram_planner.verdict import Context, judge
+
+    gpu = GpuProfile(name=f"{capacity_bytes / GiB:.2f}GiB", total_memory_gib=capacity_bytes / GiB,
+                     source="emulated with torch.cuda.set_per_process_memory_fraction", capacity_source="user")
+    context = Context(arch=resolve_model(model), gpu=gpu, release=trl_release(), calibration=cal, model_id=model)
+    judged = []
+    for batch in batches:
+        # one sequence per micro-batch takes two micro-batches per group of two completions
+        train = TrainingConfig(per_device_train_batch_size=batch, num_generations=max(batch, 2),
+                               gradient_accumulation_steps=max(2 // batch, 1), lora_r=lora_r,
+                               max_prompt_length=prompt, max_completion_length=completion)
+        verdict = judge(context, train)
+        judged.append((ProbePoint(model, train), verdict.fits, verdict.estimate.peak_bytes))
+    last_fit = max((i for i, (_, fits, _) in enumerate(judged) if fits), default=-1)
+    return judged[max(last_fit, 0):last_fit + 2]
+
+
+def validate_verdicts(measurer: Measurer, cal: Calibration, model: str, capacities: Iterable[int],
+                      lora_ranks: Iterable[int | None] = (None, 16),
+                      progress: Progress | None = None) -> list[ValidationRow]:
+    """Run the configs around each emulated card's boundary and compare what happened with the verdicts."""
+    todo = [(capacity, point, fits, predicted) for capacity in capacities for lora in lora_ranks
+            for point, fits, predicted in boundary_points(model, capacity, cal, lora)]
+    rows = []
+    for n, (capacity, point, fits, predicted) in enumerate(todo, 1):
+        if progress:
+            progress(n, len(todo), f"{point.label} on {capacity / GiB:.1f} GiB")
+        ran, peak = measurer.run_within(point, capacity)
+        rows.append(ValidationRow(capacity_bytes=capacity, label=point.label, predicted_fits=fits, ran=ran,
+                                  predicted_bytes=predicted, measured_bytes=peak if ran else None))
+    return rows

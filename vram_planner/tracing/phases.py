@@ -14,10 +14,13 @@ from vram_planner.tracing.counter import ACTS, GRADS, HEAD, STATES, STEP, PhaseP
 from vram_planner.tracing.session import Session, set_checkpointing
 
 
-def _prompt(sequences: int, length: int) -> tuple[Any, Any]:
-    """Token ids and attention mask; values do not matter on fake tensors, only shapes."""
-    ids = torch.zeros((sequences, length), dtype=torch.long)
-    return ids, torch.ones((sequences, length), dtype=torch.long)
+def _prompt(session: Session, sequences: int, length: int) -> tuple[Any, Any]:
+    """Token ids and a left-padded attention mask, as GRPO batches are: only shapes matter on fake tensors, but on a
+    real device a mask without padding would let transformers skip building it."""
+    ids = torch.zeros((sequences, length), dtype=torch.long, device=session.device_type)
+    mask = torch.ones((sequences, length), dtype=torch.long, device=session.device_type)
+    mask[0, 0] = 0
+    return ids, mask
 
 
 def _generation_config(model: Any, max_new_tokens: int) -> Any:
@@ -46,14 +49,14 @@ def run_generation(session: Session) -> PhasePeak:
     config = _generation_config(session.base_model, 1)
     tracker.reset_peak()
     with torch.no_grad(), session.autocast(), tracker.tagged(ACTS, "prefill"):
-        ids, mask = _prompt(sequences, p)
+        ids, mask = _prompt(session, sequences, p)
         model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         del ids, mask
     prefill = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     if c < 2:
         return prefill
     with torch.no_grad(), tracker.tagged(ACTS, "filling the cache"):
-        ids, mask = _prompt(sequences, p + c - 1)
+        ids, mask = _prompt(session, sequences, p + c - 1)
         with session.autocast():
             cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
                           logits_to_keep=1).past_key_values
@@ -77,7 +80,7 @@ def _fused_forward(session: Session, model: Any, sequences: int) -> Any:
     """One `model(..., labels=..., fused_lm_head=True)` call over `sequences` sequences, as TRL makes it."""
     train = session.train
     length, c = train.sequence_length, train.max_completion_length
-    ids, mask = _prompt(sequences, length)
+    ids, mask = _prompt(session, sequences, length)
     labels = _labels(ids, mask, c)
     # The fused head keeps labels[:, 1:] != -100: c positions per sequence when every completion runs to full length.
     session.tracker.selected_tokens = (sequences * (length - 1), sequences * c)
@@ -95,7 +98,7 @@ def run_scoring(session: Session) -> PhasePeak:
         kept = []  # every chunk's log-probs stay until the whole batch is scored
         for needed, model in _scoring_models(session):
             if needed:
-                kept.append(torch.empty(scored, dtype=torch.float32))
+                kept.append(torch.empty(scored, dtype=torch.float32, device=session.device_type))
                 with model() as scorer:
                     out = _fused_forward(session, scorer, b)
                     del out
@@ -174,7 +177,7 @@ def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> Phas
     """The first optimizer step, which creates the states (their bytes go to `session.state_bytes`)."""
     tracker = session.tracker
     cls, kwargs = recipe
-    optimizer = cls([p for p in session.model.parameters() if p.requires_grad], **kwargs)
+    optimizer = session.optimizer = cls([p for p in session.model.parameters() if p.requires_grad], **kwargs)
     tracker.moment, tracker.assumed_number = "optimizer step", 1  # the step count, read for bias corrections
     tracker.reset_peak()
     with tracker.tagged(STEP):

@@ -23,21 +23,24 @@ class Session:
     model: Any = None  # the policy (a PeftModel with LoRA)
     ref_model: Any = None  # a second full model when beta != 0 without LoRA
     state_bytes: int = 0  # the optimizer states the first step leaves behind
+    optimizer: Any = None  # kept after the first step, so a real device carries its states into the next
+
+    device_type: str = "cpu"  # "cuda" when the probe runs the phases on a real device
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.train.mixed_precision)
 
     def autocast(self) -> Any:
-        """accelerate's autocast, on the CPU.
+        """accelerate's autocast, on the session's device.
 
-        CPU autocast casts the same matmul-like ops (linear, matmul, SDPA) to the low-precision dtype, and caches
+        On the CPU, autocast casts the same matmul-like ops (linear, matmul, SDPA) to the low-precision dtype, and caches
         casts of fp32 leaf weights the same way; unlike CUDA's it does not upcast exp, log, softmax and a few
         others to fp32, which a decoder's forward never feeds low-precision tensors (RMSNorm and rotary upcast
         themselves, eager attention's softmax names its dtype).
         """
         dtype = self.autocast_dtype
-        return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=dtype) if dtype else contextlib.nullcontext()
 
     @property
     def base_model(self) -> Any:
