@@ -70,9 +70,9 @@ def test_a_simulated_probe_writes_a_calibration_that_check_then_uses():
     cal = fit_calibration(record, "h100-80gb")
     assert cal.allocator_overhead_fraction == pytest.approx(0.10, abs=0.001)
     written = save_calibration(cal, "h100-80gb")
-    assert json.loads(written[0].read_text())["name"] == "probe h100-80gb (simulated)"
+    assert json.loads(written[0].read_text())["name"] == "simulated probe"
     verdict = api.check("Llama-3.2-1B", "h100-80gb")
-    assert verdict.context.calibration.name == "probe h100-80gb (simulated)"
+    assert verdict.context.calibration.name == "simulated probe"
     assert api.check("Llama-3.2-1B", "a100-80gb").context.calibration.name == "default"
 
 
@@ -116,3 +116,26 @@ def test_validation_runs_the_configs_around_the_boundary_of_an_emulated_card():
     assert [r.predicted_fits for r in rows] == [True, False]
     assert not any(r.wrong_fit for r in rows)
     assert rows[0].ran and abs(rows[0].error) < 0.05
+
+
+def test_without_cuda_the_probe_says_so_in_one_line(capsys):
+    from vram_planner.cli import main
+
+    assert main(["probe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "CUDA" in err and "--simulate" in err
+    assert main(["probe", "--simulate"]) == 2
+    assert "--gpu" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_probe_simulate_from_the_command_line_feeds_check(capsys):
+    from vram_planner.cli import main
+
+    out = data_home() / "elsewhere" / "h100.json"
+    assert main(["probe", "--simulate", "--gpu", "h100", "--quick", "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["calibration"]["gpu"] == "h100-80gb" and out.is_file()
+    assert all(abs(row["error"]) < 0.03 for row in result["fit"])
+    assert main(["check", "--gpu", "h100", "--model", "Llama-3.2-1B", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] == "simulated probe (h100-80gb)"

@@ -156,6 +156,20 @@ def list_models(json_output: bool) -> None:
         print_models()
 
 
+@app.command("probe")
+@click.option("--gpu", help="Catalog name of the card (default: the local one); required with --simulate.")
+@click.option("--simulate", is_flag=True, help="Measure with the trace engine instead of a CUDA device.")
+@click.option("--out", type=_PATH, help="Also write the calibration to this file.")
+@click.option("--quick", is_flag=True, help="A short grid with a small model (minutes on the CPU).")
+@click.option("--validate", is_flag=True, help="Then run configs around the boundary of emulated smaller cards.")
+@click.option("--json", "json_output", is_flag=True, help="Print one JSON document.")
+def probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, validate: bool, json_output: bool) -> None:
+    """Measure GRPO steps on this GPU, fit the calibration plan/check use for it, and check the verdicts."""
+    from vram_planner.probe_run import run_probe
+
+    raise click.exceptions.Exit(run_probe(gpu, simulate, out, quick, validate, json_output))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vram-plan` script; returns the exit code."""
     # pydantic's plugin discovery scans every installed distribution's entry points (~20 ms); a planner run has

@@ -233,7 +233,7 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
     overhead = float(np.clip(((reserved - allocated) @ allocated) / (allocated @ allocated), 0.0, 0.99))
     device = record.device
     return base.model_copy(update={
-        "name": f"probe {gpu_name}" + (" (simulated)" if "simulated" in device else ""),
+        "name": "simulated probe" if "simulated" in device else "probe",
         "gpu": gpu_name,
         "source": f"vram-plan probe: {len(record.points)} GRPO steps, {len(pairs)} phases"
                   + (", simulated with the trace engine" if "simulated" in device else ""),
@@ -300,7 +300,7 @@ class ValidationRow(BaseModel):
 
 
 def boundary_points(model: str, capacity_bytes: int, cal: Calibration, lora_r: int | None = None,
-                    batches: Iterable[int] = (1, 2, 4, 8, 16, 32), completion: int = 256,
+                    batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), completion: int = 256,
                     prompt: int = 128) -> list[tuple[ProbePoint, bool, float]]:
     """The largest micro-batch the planner says fits on a card of `capacity_bytes` and the next one up."""
     from vram_planner.profiles import GpuProfile
