@@ -10,8 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from vram_planner.calibration import Calibration, calibration_for
-from vram_planner.profiles import GpuProfile, resolve_model
+from vram_planner.errors import VramPlanError
+from vram_planner.profiles import GpuProfile, model_config, resolve_model
 from vram_planner.search import Plan, best_plan
 from vram_planner.spec import TrainingConfig, training_config
 from vram_planner.trl_releases import trl_release
@@ -57,3 +61,42 @@ def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingC
     """The best configuration that fits, starting from these settings."""
     context = make_context(model, gpu, **context_options)
     return best_plan(context, make_training(context, settings))
+
+
+@dataclass(frozen=True)
+class TraceOutcome:
+    """A traced step judged like `check` (traced tensors plus the calibration's overheads), and the analytic
+    verdict for the same config."""
+
+    traced: Verdict
+    analytic: Verdict
+    result: Any  # vram_planner.trace.TraceResult
+
+    @property
+    def fits(self) -> bool:
+        return self.traced.fits
+
+
+def trace(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None,
+          progress: Callable[[str], None] | None = None, **context_options: Any) -> TraceOutcome:
+    """Trace one GRPO step of this config on fake tensors (needs torch, transformers, TRL and PEFT)."""
+    from vram_planner.estimate import Estimate, with_overheads
+    from vram_planner.trace import check_traceable, trace_step
+    from vram_planner.verdict import judge
+
+    context = make_context(model, gpu, **context_options)
+    train = make_training(context, settings)
+    check_traceable(train, context.release)
+    config, _, _ = model_config(model)
+    try:
+        result = trace_step(config, train, context.release, progress)
+    except ImportError as exc:
+        raise VramPlanError(f"the trace needs torch, transformers, TRL and PEFT ({exc.name} is missing): "
+                            "pip install 'vram-plan[train]'") from exc
+    from vram_planner.estimate import Phase
+
+    phases = tuple(with_overheads(Phase(p.name, dict(p.components), p.moment), context.calibration, 0.0, train)
+                   for p in result.phases)
+    traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
+                      notes=tuple(result.notes))
+    return TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result)

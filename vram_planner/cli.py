@@ -79,11 +79,14 @@ def _training_command(command: str, doc: str) -> None:
 
 _training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes.")
 _training_command("check", "The verdict for exactly this config.")
+_training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic model.")
 
 _NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin")
 
 
 def _execute(command: str, options: dict[str, Any]) -> None:
+    if command == "trace":
+        _trace(options)
     context, train = _resolve(command, options)
     report, shown = _judge(command, context, train)
     if options["plot"]:
@@ -96,6 +99,31 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         from vram_planner.render import render
 
         render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
+    raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
+
+
+def _trace(options: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    from vram_planner import api
+    from vram_planner.report import trace_report
+
+    context, train = _resolve("trace", options)
+    with Console(stderr=True).status("tracing") as status:
+        outcome = api.trace(context.model_id, context.gpu, train, progress=lambda what: status.update(what),
+                            trl_version=options["trl_version"], calibration=context.calibration,
+                            safety_margin=options["safety_margin"])
+    report = trace_report(outcome.traced, outcome.analytic, outcome.result.seconds)
+    if options["plot"]:
+        from vram_planner.plot import plot_phases
+
+        plot_phases(report, options["plot"])
+    if options["json_output"]:
+        click.echo(report.model_dump_json(indent=2))
+    else:
+        from vram_planner.render import render_trace
+
+        render_trace(report, context.gpu)
     raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
 
 

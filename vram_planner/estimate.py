@@ -79,7 +79,7 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     raw.append(Phase("optimizer", {**persistent, "gradients": all_grads,
                                    "activations": m.optimizer_step_temporary_bytes(arch, train)}))
     reservation = train.vllm_gpu_memory_utilization * capacity_bytes if _colocated_vllm(train) else 0
-    phases = tuple(_with_overheads(p, cal, reservation, train) for p in raw)
+    phases = tuple(with_overheads(p, cal, reservation, train) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train))
 
@@ -88,7 +88,8 @@ def _colocated_vllm(train: TrainingConfig) -> bool:
     return train.use_vllm and train.vllm_mode == "colocate"
 
 
-def _with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig) -> Phase:
+def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig) -> Phase:
+    """The phase's tensors plus vLLM's reservation, the CUDA context and the allocator's reserve."""
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     # vLLM's sleep mode releases its weights and KV cache outside generation.
     asleep = train.vllm_enable_sleep_mode and phase.name != "generation"

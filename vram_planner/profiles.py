@@ -172,10 +172,16 @@ def models() -> list[ModelEntry]:
 
 def resolve_model(name: str) -> ModelArchitecture:
     """A catalog name or alias, a hub id, a config.json file or a model folder."""
+    config, display_name, hub_id = model_config(name)
+    return ModelArchitecture.from_config(config, name=display_name, hub_id=hub_id)
+
+
+def model_config(name: str) -> tuple[dict[str, Any], str, str]:
+    """The config.json dict behind a model name, with the name to show and the hub id (as resolve_model reads)."""
     text = name.strip()
     entry = model_catalog().get(text.lower())
     if entry is not None:
-        return entry.architecture()
+        return read_json(entry.config_path), entry.name, entry.hub_id
     path = Path(text).expanduser()
     if path.exists():
         config_file = path / "config.json" if path.is_dir() else path
@@ -184,10 +190,10 @@ def resolve_model(name: str) -> ModelArchitecture:
         config = read_json(config_file)
         if not isinstance(config, dict):
             raise ProfileError(f"{config_file} is not a config.json object")
-        return ModelArchitecture.from_config(config, name=str(path))
+        return config, str(path), str(path)
     if text.count("/") == 1 and not text.startswith((".", "/")) and not text.endswith(".json"):
         from vram_planner.hub import fetch_hub_config
 
-        return ModelArchitecture.from_config(fetch_hub_config(text), name=text, hub_id=text)
+        return fetch_hub_config(text), text, text
     raise UnknownNameError("model", name, sorted({m.name for m in model_catalog().values()}),
                            hint="(`vram-plan models` lists them; a config.json, a model folder or a hub id works too)")

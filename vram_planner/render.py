@@ -108,3 +108,25 @@ def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
         parts += [Text(label, style="bold"), Text(python_snippet(train, hub_id), style="cyan")]
     parts.append(footer(report))
     console.print(Group(*parts))
+
+
+def trace_table(report: Report) -> Table:
+    """Traced tensor bytes per phase next to the analytic model's."""
+    table = Table(title="Traced tensors against the analytic model (GiB)", title_justify="left", show_edge=False)
+    for column in ("phase", "trace", "analytic", "error", "peak moment (trace)"):
+        table.add_column(column, justify="right" if column in ("trace", "analytic", "error") else "left")
+    for phase in report.phases:
+        error = phase.analytic_relative_error
+        table.add_row(PHASE_TITLES.get(phase.name, phase.name), _g(phase.tensor_bytes or 0),
+                      _g(phase.analytic_tensor_bytes or 0), "-" if error is None else f"{error:+.1%}",
+                      phase.peak_moment)
+    return table
+
+
+def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None) -> None:
+    console = console or Console()
+    seconds = Text(f"Traced in {report.trace_seconds:.1f} s on the CPU: tensor bytes counted on fake tensors; the "
+                   f"CUDA context and the allocator's reserve come from the calibration ({report.calibration}).",
+                   style="dim")
+    console.print(Group(headline(report, gpu), Text(""), trace_table(report), Text(""), breakdown_table(report),
+                        peak_bar(report), Text(""), seconds, footer(report)))

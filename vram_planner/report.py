@@ -19,6 +19,10 @@ class PhaseReport(BaseModel):
     peak_moment: str
     total_bytes: int
     components: dict[str, int]
+    # `trace` only: the analytic model's tensor bytes for the same phase, and its error against the trace
+    tensor_bytes: int | None = None
+    analytic_tensor_bytes: int | None = None
+    analytic_relative_error: float | None = None
 
 
 class ChangeReport(BaseModel):
@@ -57,6 +61,9 @@ class Report(BaseModel):
     requested_peak_bytes: int | None = None
     smallest_config_peak_bytes: int | None = None
     smallest_fitting_gpu: str | None = None
+    engine: str = "analytic"  # "trace": phases counted tensor by tensor on fake tensors, plus the calibration's
+    # CUDA context and allocator reserve
+    trace_seconds: float | None = None
 
 
 def _phase(p: Phase) -> PhaseReport:
@@ -109,3 +116,17 @@ def smallest_fitting_gpu(context: Context, user_train: Any) -> GpuProfile | None
         if judge(other, smallest).fits:
             return gpu
     return None
+
+
+def trace_report(verdict: Verdict, analytic: Verdict, seconds: float) -> Report:
+    """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic phases beside it."""
+    report = verdict_report(verdict, command="trace")
+    report.engine, report.trace_seconds = "trace", round(seconds, 2)
+    by_name = {p.name: p for p in analytic.estimate.phases}
+    for phase, traced in zip(report.phases, verdict.estimate.phases, strict=True):
+        phase.tensor_bytes = round(traced.tensor_bytes)
+        other = by_name.get(phase.name)
+        if other is not None:
+            phase.analytic_tensor_bytes = round(other.tensor_bytes)
+            phase.analytic_relative_error = (other.tensor_bytes - traced.tensor_bytes) / traced.tensor_bytes
+    return report

@@ -87,13 +87,15 @@ class PhaseComparison:
         return (self.analytic_bytes - self.trace_bytes) / self.trace_bytes if self.trace_bytes else 0.0
 
 
-def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlRelease | None = None) -> TraceResult:
+def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlRelease | None = None,
+               progress: Callable[[str], None] | None = None) -> TraceResult:
     """Trace one GRPO step of `train` on the model described by `arch_config` (a config.json dict).
 
     Args:
         arch_config: the model's config.json as a dict (multimodal configs are not supported).
         train: the training configuration.
         release: the TRL release to plan for; the trace runs the installed TRL, so it must behave the same.
+        progress: called with what the trace is doing as it moves from one part to the next.
 
     Returns:
         Per phase ("generation", "scoring" when old or reference log-probs are computed, "training", "optimizer")
@@ -113,10 +115,17 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     runs = [tp.run_generation, tp.run_scoring, tp.run_training, functools.partial(tp.run_optimizer, recipe=recipe)]
     if not (train.computes_old_logps or train.computes_ref_logps):
         runs.remove(tp.run_scoring)
+    say = progress or (lambda what: None)
+    names = {tp.run_generation: "generation", tp.run_scoring: "old/reference log-probs",
+             tp.run_training: "loss forward and backward"}
     with _quiet():
+        say("building the model on fake tensors")
         session = build_session(arch_config, train)
         with session.fake_mode, session.tracker, cuda_like_behaviour(session), head_tagging(session):
-            peaks = [_timed(run, session) for run in runs]
+            peaks = []
+            for run in runs:
+                say(f"tracing {names.get(run, 'the optimizer step')}")
+                peaks.append(_timed(run, session))
     trainable = sum(p.numel() for p in session.model.parameters() if p.requires_grad)
     # As Estimate.params counts them: the model's own parameters; with LoRA the adapters are the trainable ones.
     params = sum(p.numel() for p in session.model.parameters()) - (trainable if train.uses_lora else 0)

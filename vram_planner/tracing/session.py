@@ -85,7 +85,12 @@ def _build_model(arch_config: dict[str, Any], train: TrainingConfig) -> Any:
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=getattr(torch, train.dtype), attn_implementation=train.attn_implementation)
     except (ValueError, KeyError) as exc:  # unknown model_type, an attention implementation the model lacks
-        raise VramPlanError(f"transformers cannot build this model for the trace: {exc}") from exc
+        reason = str(exc).split(". Should contain one of")[0].strip().splitlines()[0][:300]
+        raise VramPlanError(f"transformers {transformers.__version__} cannot build this model for the trace "
+                            f"({reason}); `vram-plan check` gives the analytic estimate") from exc
+    except MemoryError as exc:
+        raise VramPlanError("this model is too large to build on fake tensors in this process's memory; "
+                            "`vram-plan check` gives the analytic estimate") from exc
     model.train()  # GRPO generates and scores inside training_step, in train mode
     return model
 
