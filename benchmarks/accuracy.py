@@ -19,12 +19,12 @@ import os
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from vram_planner.architecture import ModelArchitecture
 from vram_planner.calibration import default_calibration
 from vram_planner.estimate import TENSOR_COMPONENTS, estimate
+from vram_planner.probe import ProbePoint
 from vram_planner.spec import TrainingConfig
 from vram_planner.trl_releases import trl_release
 from vram_planner.units import GiB
@@ -40,23 +40,7 @@ SHORT = {"weights": "W", "reference_weights": "R", "gradients": "G", "optimizer_
 PHASES = ("generation", "scoring", "training", "optimizer")
 
 
-@dataclass(frozen=True)
-class Point:
-    model: str
-    train: TrainingConfig
-
-    @property
-    def label(self) -> str:
-        t = self.train
-        kind = f"lora{t.lora_r}" if t.uses_lora else "full"
-        text = (f"{self.model} {kind} gc={'on' if t.gradient_checkpointing else 'off'} c={t.max_completion_length} "
-                f"B={t.per_device_train_batch_size} G={t.num_generations} GA={t.gradient_accumulation_steps}")
-        extra = {k: v for k, v in t.model_dump(exclude_defaults=True).items()
-                 if k in ("beta", "steps_per_generation", "dtype", "attn_implementation", "max_prompt_length")}
-        return text + "".join(f" {k}={v}" for k, v in extra.items())
-
-
-def grid(models: list[str], quick: bool) -> list[Point]:
+def grid(models: list[str], quick: bool) -> list[ProbePoint]:
     """Full and LoRA, checkpointing on and off, short and long completions, one or four sequences per micro-batch."""
     points = []
     completions = (128,) if quick else (128, 512)
@@ -66,18 +50,18 @@ def grid(models: list[str], quick: bool) -> list[Point]:
         train = TrainingConfig(per_device_train_batch_size=batch, num_generations=max(batch, 2),
                                gradient_accumulation_steps=max(2 // batch, 1), max_completion_length=completion,
                                gradient_checkpointing=checkpointing, lora_r=lora)
-        points.append(Point(model, train))
+        points.append(ProbePoint(model, train))
     return points
 
 
-def extras(models: list[str]) -> list[Point]:
+def extras(models: list[str]) -> list[ProbePoint]:
     """Scoring passes (reference model, old log-probs with S=2), bfloat16 weights, eager attention, long prompts."""
     base = {"per_device_train_batch_size": 4, "num_generations": 4}
     variants = [{"beta": 0.04}, {"beta": 0.04, "lora_r": 16}, {"steps_per_generation": 2},
                 {"dtype": "bfloat16"}, {"dtype": "bfloat16", "lora_r": 16},
                 {"attn_implementation": "eager", "max_completion_length": 128},
                 {"max_prompt_length": 1024, "max_completion_length": 128}]
-    return [Point(model, TrainingConfig(**base, **v)) for model in models for v in variants]
+    return [ProbePoint(model, TrainingConfig(**base, **v)) for model in models for v in variants]
 
 
 def trace_key() -> str:
@@ -106,7 +90,7 @@ def save_atomically(path: Path, text: str) -> None:
     os.replace(tmp.name, path)
 
 
-def traced(point: Point, cache: dict) -> dict:
+def traced(point: ProbePoint, cache: dict) -> dict:
     if point.label not in cache:
         from vram_planner.trace import trace_step
 
@@ -118,7 +102,7 @@ def traced(point: Point, cache: dict) -> dict:
     return cache[point.label]
 
 
-def compare(point: Point, trace: dict) -> dict:
+def compare(point: ProbePoint, trace: dict) -> dict:
     config = json.loads((MODELS_DIR / f"{point.model}.json").read_text())
     arch = ModelArchitecture.from_config(config, name=point.model)
     cal = default_calibration()
@@ -139,10 +123,10 @@ def compare(point: Point, trace: dict) -> dict:
 
 
 def table(rows: list[dict], components: bool) -> list[str]:
-    lines = [f"{'point':<72}" + "".join(f"{p[:5]:>8}" for p in PHASES) + f"{'peak':>8}{'trace GiB':>10}"]
+    lines = [f"{'point':<84}" + "".join(f"{p[:5]:>8}" for p in PHASES) + f"{'peak':>8}{'trace GiB':>10}"]
     for row in rows:
         cells = "".join(f"{row['phases'][p]['error']:>+8.1%}" if p in row["phases"] else f"{'':>8}" for p in PHASES)
-        lines.append(f"{row['point']:<72}{cells}{row['peak_error']:>+8.1%}{row['trace_peak'] / GiB:>10.3f}")
+        lines.append(f"{row['point']:<84}{cells}{row['peak_error']:>+8.1%}{row['trace_peak'] / GiB:>10.3f}")
         if components:
             for name, phase in row["phases"].items():
                 parts = "  ".join(f"{SHORT[c]} {t / GiB:.3f}/{a / GiB:.3f}" for c, (t, a) in phase["components"].items()

@@ -112,7 +112,7 @@ def test_validation_runs_the_configs_around_the_boundary_of_an_emulated_card():
 
     capacity = int((peak(4) + peak(8)) / 2 / 0.95)  # four sequences fit beside the 5% margin, eight do not
     rows = validate_verdicts(truth, cal, TINY, [capacity], lora_ranks=[None])
-    assert [r.label.split()[-1] for r in rows] == ["B=4", "B=8"]  # the boundary and just above it
+    assert [r.label.split()[-3] for r in rows] == ["B=4", "B=8"]  # the boundary and just above it
     assert [r.predicted_fits for r in rows] == [True, False]
     assert not any(r.wrong_fit for r in rows)
     assert rows[0].ran and abs(rows[0].error) < 0.05

@@ -36,6 +36,8 @@ SIMULATED_CONTEXT_BYTES = int(0.5 * GiB)
 
 @dataclass(frozen=True)
 class ProbePoint:
+    """One configuration of one model to run (or trace), named by what differs from TRL's defaults."""
+
     model: str
     train: TrainingConfig
 
@@ -44,10 +46,11 @@ class ProbePoint:
         t = self.train
         kind = f"lora{t.lora_r}" if t.uses_lora else "full"
         shown = {"lora_r", "gradient_checkpointing", "max_prompt_length", "max_completion_length",
-                 "per_device_train_batch_size", "num_generations"}
+                 "per_device_train_batch_size", "num_generations", "gradient_accumulation_steps"}
         extra = "".join(f" {k}={v}" for k, v in _settings(t).items() if k not in shown)
         return (f"{self.model} {kind} gc={'on' if t.gradient_checkpointing else 'off'} "
-                f"p={t.max_prompt_length} c={t.max_completion_length} B={t.per_device_train_batch_size}{extra}")
+                f"p={t.max_prompt_length} c={t.max_completion_length} B={t.per_device_train_batch_size} "
+                f"G={t.num_generations} GA={t.gradient_accumulation_steps}{extra}")
 
 
 def probe_grid(models: Iterable[str] = ("Qwen2.5-0.5B", "Llama-3.2-1B"), completions: Iterable[int] = (128, 512),

@@ -13,25 +13,20 @@ import importlib.metadata as md
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from vram_planner.errors import VramPlanError
 from vram_planner.probe import PhaseMeasurement, PointMeasurement, ProbePoint, _config_json, _settings
+from vram_planner.tracing.counter import PhaseState
 
 
-class CudaMeter:
-    """The tracker interface the phases use, answered by the CUDA caching allocator's statistics."""
+class CudaMeter(PhaseState):
+    """The meter the phases use, answered by the CUDA caching allocator's statistics."""
 
     def __init__(self) -> None:
-        self.tag, self.moment, self.peak_moment = "", "", ""
-        self.selected_tokens = None
-        self.in_backward = False
-        self.assumed_number = 0
-        self.assumptions: dict[Any, int] = {}
-        self.peak_split: dict[str, int] = {}
+        super().__init__()
         self.reserved_peak = 0
 
     @property
@@ -44,15 +39,6 @@ class CudaMeter:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         self.peak_moment = self.moment
-
-    @contextlib.contextmanager
-    def tagged(self, tag: str, moment: str | None = None) -> Iterator[None]:
-        saved = self.tag, self.moment
-        self.tag, self.moment = tag, moment or self.moment
-        try:
-            yield
-        finally:
-            self.tag, self.moment = saved
 
     def track(self, tensor: Any, tag: str | None = None) -> None:
         """The allocator sees every tensor by itself."""

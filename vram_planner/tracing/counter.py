@@ -54,7 +54,30 @@ def _rounded(n_bytes: int) -> int:
     return -(-n_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
 
 
-class LiveBytes(TorchDispatchMode):
+class PhaseState:
+    """What the phases tell a meter as they run: the component being allocated, the moment, the run's shape."""
+
+    def __init__(self) -> None:
+        self.tag = ACTS
+        self.moment = ""
+        self.peak_moment = ""
+        self.peak_split: dict[str, int] = {}
+        self.selected_tokens: tuple[int, int] | None = None  # (mask elements, selected elements) of a boolean index
+        self.assumptions: Counter[tuple[str, str]] = Counter()  # (what was assumed, file:line)
+        self.in_backward = False
+        self.assumed_number = 0
+
+    @contextlib.contextmanager
+    def tagged(self, tag: str, moment: str | None = None) -> Iterator[None]:
+        saved = self.tag, self.moment
+        self.tag, self.moment = tag, moment or self.moment
+        try:
+            yield
+        finally:
+            self.tag, self.moment = saved
+
+
+class LiveBytes(PhaseState, TorchDispatchMode):
     """Counts the bytes of every live tensor storage by component tag, and the peak of their sum.
 
     Entered inside a FakeTensorMode, it sees each op with fake inputs and fake outputs: a new storage is an
@@ -63,20 +86,13 @@ class LiveBytes(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        PhaseState.__init__(self)
+        TorchDispatchMode.__init__(self)
         self._live: dict[int, list[Any]] = {}  # id(storage) -> [raw bytes, rounded bytes, tag, weakref]
         self.by_tag: Counter[str] = Counter()
         self.total = 0
-        self.tag = ACTS
-        self.moment = ""
         self.peak = 0
-        self.peak_split: dict[str, int] = {}
-        self.peak_moment = ""
-        self.selected_tokens: tuple[int, int] | None = None  # (mask elements, selected elements) of a boolean index
-        self.assumptions: Counter[tuple[str, str]] = Counter()  # (what was assumed, file:line)
-        self.in_backward = False
         self._peak_check_pending = False
-        self.assumed_number = 0
 
     # Bookkeeping
     def track(self, t: Any, tag: str | None = None) -> None:
@@ -124,14 +140,6 @@ class LiveBytes(TorchDispatchMode):
         if self.total > self.peak:
             self.peak, self.peak_split, self.peak_moment = self.total, dict(self.by_tag), self.moment
 
-    @contextlib.contextmanager
-    def tagged(self, tag: str, moment: str | None = None) -> Iterator[None]:
-        saved = self.tag, self.moment
-        self.tag, self.moment = tag, moment or self.moment
-        try:
-            yield
-        finally:
-            self.tag, self.moment = saved
 
     # Dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
