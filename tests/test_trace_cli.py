@@ -4,6 +4,8 @@ one-line errors for what cannot be traced."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -31,7 +33,8 @@ def test_trace_json_has_checks_shape_and_the_traced_bytes(capsys, traced_directl
     code, out, _ = run(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, "--json")
     trace = json.loads(out)
     assert code == 0 and trace["fits"] and trace["command"] == "trace" and trace["engine"] == "trace"
-    assert set(check) <= set(trace) and trace["trace_seconds"] > 0
+    assert set(check) <= set(trace) and trace["seconds"] > 0
+    assert "do not include the CUDA context" in trace["trace_counts"] and check["engine"] == "analytic"
     assert [p["name"] for p in trace["phases"]] == [p.name for p in traced_directly.phases]
     for phase, direct in zip(trace["phases"], traced_directly.phases, strict=True):
         assert phase["tensor_bytes"] == direct.peak_bytes
@@ -44,7 +47,8 @@ def test_trace_json_has_checks_shape_and_the_traced_bytes(capsys, traced_directl
 def test_trace_prints_both_engines_and_its_wall_time(capsys):
     code, out, _ = run(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT)
     assert code == 0
-    assert "Traced tensors against the analytic model" in out and "Traced in" in out and "Memory by phase" in out
+    assert "trace against the analytic model" in out and "Memory by phase" in out
+    assert "trace GiB" in out and "analytic GiB" in out and "Traced in" in out and "not the CUDA context" in out
 
 
 def test_a_trace_that_does_not_fit_exits_1(capsys):
@@ -70,3 +74,65 @@ def test_a_model_transformers_cannot_build_is_one_line(capsys, tmp_path):
 def test_an_unknown_model_name_suggests_close_ones(capsys):
     err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", "Llama-3.2-1b-instrct")
     assert "Llama-3.2-1B-Instruct" in err
+
+
+def test_without_gpu_it_judges_against_the_fallback_card_and_says_so(capsys, monkeypatch):
+    from vram_planner import api, local_gpu
+    from vram_planner.errors import VramPlanError
+    from vram_planner.profiles import GpuProfile
+
+    def no_card():
+        raise VramPlanError("no nvidia-smi")
+
+    monkeypatch.setattr(local_gpu, "detect_local_gpu", no_card)
+    code, out, _ = run(capsys, "trace", "--model", str(TINY), *SHORT, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["gpu"] == GpuProfile.from_name(api.FALLBACK_TRACE_GPU).name
+    assert any("no --gpu given" in note for note in doc["notes"])
+
+
+def test_the_library_returns_both_engines(traced_directly):
+    from vram_planner import api
+
+    outcome = api.trace(str(TINY), "24GiB", {"per_device_train_batch_size": 2, "num_generations": 2,
+                                             "max_prompt_length": 16, "max_completion_length": 16})
+    assert [p.peak_bytes for p in outcome.result.phases] == [p.peak_bytes for p in traced_directly.phases]
+    assert outcome.fits and outcome.seconds > 0 and outcome.analytic.estimate.params == outcome.result.params
+    assert [c.name for c in outcome.comparison()] == [p.name for p in traced_directly.phases]
+
+
+def test_a_config_too_large_for_torch_to_size_is_one_line(capsys, tmp_path):
+    # A 2**40 x 2**30 embedding has more than 2**63 bytes; fake tensors still have to compute their size.
+    # (A 70B or 405B model traces: fake tensors hold no data, the process stays near 0.5 GiB; see the README.)
+    config = json.loads(TINY.read_text()) | {"vocab_size": 2**40, "hidden_size": 2**30}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    err = one_line_error(capsys, "trace", "--gpu", "80GiB", "--model", str(path), *SHORT)
+    assert "building the model" in err and "2**63 bytes" in err
+
+
+def _cli_in_a_subprocess(*args: str, blocked: str = "") -> subprocess.CompletedProcess:
+    """The real command's stderr (torch logs to the process's own stream), with a package made unimportable."""
+    code = (f"import sys\nif {blocked!r}: sys.modules[{blocked!r}] = None\n"
+            "from vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("blocked", ["torch", pytest.param("trl", marks=pytest.mark.slow)])
+def test_without_the_train_extras_it_says_how_to_install_them(blocked):
+    done = _cli_in_a_subprocess("trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, blocked=blocked)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "pip install 'vram-plan[train]'" in done.stderr
+    assert f"({blocked} cannot be imported)" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_failure_inside_torch_is_one_line_without_torchs_logged_traceback(tmp_path):
+    # A BERT-style decoder has learned positions: 512 of them cannot take a 256 + 512-token sequence.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "bert", "is_decoder": True, "vocab_size": 1000, "hidden_size": 64,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}))
+    done = _cli_in_a_subprocess("trace", "--gpu", "24GiB", "--model", str(path), "--max-completion-length", "512")
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "the trace failed while tracing generation" in done.stderr and "max_position_embeddings" in done.stderr

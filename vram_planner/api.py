@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from vram_planner.calibration import Calibration, calibration_for
 from vram_planner.errors import VramPlanError
@@ -63,40 +62,64 @@ def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingC
     return best_plan(context, make_training(context, settings))
 
 
+# Without --gpu a trace judges against the local card, and on a machine without one (where traces usually run)
+# against the card of the command-line contract's first example: the tensors it counts do not depend on the card.
+FALLBACK_TRACE_GPU = "rtx3080-mobile"
+
+
 @dataclass(frozen=True)
 class TraceOutcome:
-    """A traced step judged like `check` (traced tensors plus the calibration's overheads), and the analytic
-    verdict for the same config."""
+    """A traced step judged like `check` (traced tensors plus the calibration's CUDA context and allocator
+    reserve, which the trace cannot see), and the analytic verdict for the same config."""
 
     traced: Verdict
     analytic: Verdict
-    result: Any  # vram_planner.trace.TraceResult
+    result: Any  # vram_planner.trace.TraceResult: tensor bytes only, per phase and component
 
     @property
     def fits(self) -> bool:
         return self.traced.fits
 
+    @property
+    def seconds(self) -> float:
+        return self.result.seconds
 
-def trace(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None,
+    def comparison(self) -> list[Any]:
+        """Per phase: traced against analytic tensor bytes (vram_planner.trace.PhaseComparison)."""
+        from vram_planner.trace import compare_with_estimate
+
+        return compare_with_estimate(self.result, self.analytic.estimate)
+
+
+def default_trace_gpu() -> tuple[GpuProfile, str | None]:
+    """The local card, else the fallback card with a note saying so."""
+    try:
+        return GpuProfile.from_name("auto"), None
+    except VramPlanError:
+        gpu = GpuProfile.from_name(FALLBACK_TRACE_GPU)
+        return gpu, f"no --gpu given and no local NVIDIA card: judged against the {gpu.label} (pass --gpu)"
+
+
+def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, Any] | TrainingConfig | None = None,
           progress: Callable[[str], None] | None = None, **context_options: Any) -> TraceOutcome:
-    """Trace one GRPO step of this config on fake tensors (needs torch, transformers, TRL and PEFT)."""
-    from vram_planner.estimate import Estimate, with_overheads
+    """Trace one GRPO step of this config on fake tensors (needs torch, transformers, TRL and PEFT: the `train`
+    extras), next to the analytic verdict. `progress` is called with what the trace is doing."""
+    from vram_planner.estimate import Estimate, Phase, with_overheads
     from vram_planner.trace import check_traceable, trace_step
-    from vram_planner.verdict import judge
 
+    notes: tuple[str, ...] = ()
+    if gpu is None:
+        gpu, note = default_trace_gpu()
+        notes += (note,) if note else ()
     context = make_context(model, gpu, **context_options)
     train = make_training(context, settings)
-    check_traceable(train, context.release)
+    check_traceable(train, context.release)  # before model_config: a hub id is not fetched twice for nothing
     config, _, _ = model_config(model)
-    try:
-        result = trace_step(config, train, context.release, progress)
-    except ImportError as exc:
-        raise VramPlanError(f"the trace needs torch, transformers, TRL and PEFT ({exc.name} is missing): "
-                            "pip install 'vram-plan[train]'") from exc
-    from vram_planner.estimate import Phase
-
+    result = trace_step(config, train, context.release, progress)
+    # The trace counts tensors; the card also holds the CUDA context and the allocator's reserve, which only a
+    # real device shows, so the verdict adds them from the calibration exactly as `check` does.
     phases = tuple(with_overheads(Phase(p.name, dict(p.components), p.moment), context.calibration, 0.0, train)
                    for p in result.phases)
     traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
-                      notes=tuple(result.notes))
+                      notes=tuple(result.notes) + notes)
     return TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result)

@@ -79,7 +79,8 @@ def _training_command(command: str, doc: str) -> None:
 
 _training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes.")
 _training_command("check", "The verdict for exactly this config.")
-_training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic model.")
+_training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic model "
+                           "(needs the train extras; without --gpu: the local card, else rtx3080-mobile).")
 
 _NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin")
 
@@ -108,12 +109,12 @@ def _trace(options: dict[str, Any]) -> None:
     from vram_planner import api
     from vram_planner.report import trace_report
 
-    context, train = _resolve("trace", options)
-    with Console(stderr=True).status("tracing") as status:
-        outcome = api.trace(context.model_id, context.gpu, train, progress=lambda what: status.update(what),
-                            trl_version=options["trl_version"], calibration=context.calibration,
-                            safety_margin=options["safety_margin"])
-    report = trace_report(outcome.traced, outcome.analytic, outcome.result.seconds)
+    model, gpu, knobs = _settings("trace", options, gpu_required=False)
+    # The spinner names the phase being traced (up to a minute for a 70B model); stderr keeps --json clean.
+    with Console(stderr=True).status("resolving the model and the config") as status:
+        outcome = api.trace(model, gpu, knobs, progress=status.update, trl_version=options["trl_version"],
+                            calibration=options["calibration"], safety_margin=options["safety_margin"])
+    report = trace_report(outcome)
     if options["plot"]:
         from vram_planner.plot import plot_phases
 
@@ -123,24 +124,31 @@ def _trace(options: dict[str, Any]) -> None:
     else:
         from vram_planner.render import render_trace
 
-        render_trace(report, context.gpu)
+        render_trace(report, outcome.traced.context.gpu)
     raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
 
 
-def _resolve(command: str, options: dict[str, Any]):
-    """The context and training config from the flags, over the --config file's values."""
-    from vram_planner import api
+def _settings(command: str, options: dict[str, Any], gpu_required: bool = True) -> tuple[str, str | None, dict]:
+    """The model, the GPU and the knobs from the flags, over the --config file's values."""
     from vram_planner.settings_file import read_settings_file
 
     settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
     gpu = options["gpu"] or settings.get("gpu")
     model = options["model"] or settings.get("model")
-    if not gpu or not model:
-        missing = " and ".join(f"--{n}" for n, v in (("gpu", gpu), ("model", model)) if not v)
-        raise VramPlanError(f"{command} needs {missing} (e.g. vram-plan {command} --gpu rtx3080-mobile "
+    missing = [f"--{name}" for name, value in (("gpu", gpu or not gpu_required), ("model", model)) if not value]
+    if missing:
+        raise VramPlanError(f"{command} needs {' and '.join(missing)} (e.g. vram-plan {command} --gpu rtx3080-mobile "
                             "--model Llama-3.2-1B)")
     knobs = {k: v for k, v in settings.items() if k not in ("gpu", "model")}
     knobs.update({k: v for k, v in options.items() if k not in _NOT_KNOBS and v is not None})
+    return model, gpu, knobs
+
+
+def _resolve(command: str, options: dict[str, Any]):
+    """The context and training config from the flags, over the --config file's values."""
+    from vram_planner import api
+
+    model, gpu, knobs = _settings(command, options)
     context = api.make_context(model, gpu, trl_version=options["trl_version"], calibration=options["calibration"],
                                safety_margin=options["safety_margin"])
     return context, api.make_training(context, knobs)
@@ -224,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        click.echo(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", err=True)
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        click.echo(f"error: {type(exc).__name__}: {first_line} (run with --debug for the traceback)", err=True)
         return EXIT_ERROR
     return exit_code if isinstance(exit_code, int) else EXIT_FITS
 

@@ -110,23 +110,30 @@ def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
     console.print(Group(*parts))
 
 
+def _error_percent(error: float | None) -> str:
+    if error is None:
+        return "-"
+    return "0.00%" if round(error, 4) == 0 else f"{error:+.2%}"  # no "-0.00%"
+
+
 def trace_table(report: Report) -> Table:
-    """Traced tensor bytes per phase next to the analytic model's."""
-    table = Table(title="Traced tensors against the analytic model (GiB)", title_justify="left", show_edge=False)
-    for column in ("phase", "trace", "analytic", "error", "peak moment (trace)"):
-        table.add_column(column, justify="right" if column in ("trace", "analytic", "error") else "left")
+    """Traced tensor bytes per phase next to the analytic model's; error = (analytic - trace) / trace."""
+    table = Table(title="Tensors per phase: trace against the analytic model", title_justify="left",
+                  show_edge=False)
+    for column in ("phase", "trace GiB", "analytic GiB", "error", "peak moment (trace)"):
+        table.add_column(column, justify="left" if column.startswith("p") else "right")
     for phase in report.phases:
-        error = phase.analytic_relative_error
         table.add_row(PHASE_TITLES.get(phase.name, phase.name), _g(phase.tensor_bytes or 0),
-                      _g(phase.analytic_tensor_bytes or 0), "-" if error is None else f"{error:+.1%}",
+                      _g(phase.analytic_tensor_bytes or 0), _error_percent(phase.analytic_relative_error),
                       phase.peak_moment)
     return table
 
 
 def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None) -> None:
+    """The verdict, trace against analytic per phase, the breakdown with the overheads, the wall time, notes."""
     console = console or Console()
-    seconds = Text(f"Traced in {report.trace_seconds:.1f} s on the CPU: tensor bytes counted on fake tensors; the "
-                   f"CUDA context and the allocator's reserve come from the calibration ({report.calibration}).",
-                   style="dim")
+    seconds = Text(f"Traced in {report.seconds:.1f} s on the CPU. The trace counts tensor bytes (what "
+                   "torch.cuda.memory_allocated reports), not the CUDA context or the allocator's reserve: the "
+                   f"breakdown and the verdict add those from the calibration ({report.calibration}).", style="dim")
     console.print(Group(headline(report, gpu), Text(""), trace_table(report), Text(""), breakdown_table(report),
                         peak_bar(report), Text(""), seconds, footer(report)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -61,9 +61,11 @@ class Report(BaseModel):
     requested_peak_bytes: int | None = None
     smallest_config_peak_bytes: int | None = None
     smallest_fitting_gpu: str | None = None
-    engine: str = "analytic"  # "trace": phases counted tensor by tensor on fake tensors, plus the calibration's
-    # CUDA context and allocator reserve
-    trace_seconds: float | None = None
+    # `trace` only. engine "trace": each phase's tensor_bytes were counted on fake tensors; its components add the
+    # calibration's CUDA context and allocator reserve, so total_bytes, peak_bytes and fits judge the card as check.
+    engine: Literal["analytic", "trace"] = "analytic"
+    seconds: float | None = None  # wall time of the trace, model building included
+    trace_counts: str | None = None  # what tensor_bytes include and what they do not, in words
 
 
 def _phase(p: Phase) -> PhaseReport:
@@ -118,15 +120,21 @@ def smallest_fitting_gpu(context: Context, user_train: Any) -> GpuProfile | None
     return None
 
 
-def trace_report(verdict: Verdict, analytic: Verdict, seconds: float) -> Report:
-    """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic phases beside it."""
-    report = verdict_report(verdict, command="trace")
-    report.engine, report.trace_seconds = "trace", round(seconds, 2)
-    by_name = {p.name: p for p in analytic.estimate.phases}
-    for phase, traced in zip(report.phases, verdict.estimate.phases, strict=True):
-        phase.tensor_bytes = round(traced.tensor_bytes)
-        other = by_name.get(phase.name)
+TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as torch.cuda.memory_allocated counts "
+                "them (512-byte blocks); they do not include the CUDA context or the caching allocator's reserve, "
+                "which components cuda_context and allocator_overhead (and so total_bytes, peak_bytes and fits) "
+                "take from the calibration")
+
+
+def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutcome
+    """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic tensor bytes beside it."""
+    report = verdict_report(outcome.traced, command="trace")
+    report.engine, report.seconds, report.trace_counts = "trace", round(outcome.seconds, 2), TRACE_COUNTS
+    analytic = {p.name: p for p in outcome.analytic.estimate.phases}
+    for phase, traced in zip(report.phases, outcome.result.phases, strict=True):
+        phase.tensor_bytes = traced.peak_bytes
+        other = analytic.get(phase.name)
         if other is not None:
             phase.analytic_tensor_bytes = round(other.tensor_bytes)
-            phase.analytic_relative_error = (other.tensor_bytes - traced.tensor_bytes) / traced.tensor_bytes
+            phase.analytic_relative_error = (other.tensor_bytes - traced.peak_bytes) / traced.peak_bytes
     return report

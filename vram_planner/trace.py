@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -107,25 +108,27 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     """
     notes = check_traceable(train, release)
     start = time.perf_counter()
+    _import_engine()
     from vram_planner.tracing import phases as tp
     from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
     from vram_planner.tracing.session import build_session
 
-    recipe = tp.optimizer_recipe(train)
-    runs = [tp.run_generation, tp.run_scoring, tp.run_training, functools.partial(tp.run_optimizer, recipe=recipe)]
+    runs = [("generation", tp.run_generation), ("old/reference log-probs", tp.run_scoring),
+            ("loss forward and backward", tp.run_training),
+            ("the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
     if not (train.computes_old_logps or train.computes_ref_logps):
-        runs.remove(tp.run_scoring)
+        del runs[1]
     say = progress or (lambda what: None)
-    names = {tp.run_generation: "generation", tp.run_scoring: "old/reference log-probs",
-             tp.run_training: "loss forward and backward"}
     with _quiet():
         say("building the model on fake tensors")
-        session = build_session(arch_config, train)
+        with _explained("building the model"):
+            session = build_session(arch_config, train)
         with session.fake_mode, session.tracker, cuda_like_behaviour(session), head_tagging(session):
             peaks = []
-            for run in runs:
-                say(f"tracing {names.get(run, 'the optimizer step')}")
-                peaks.append(_timed(run, session))
+            for label, run in runs:
+                say(f"tracing {label}")
+                with _explained(f"tracing {label}"):
+                    peaks.append(_timed(run, session))
     trainable = sum(p.numel() for p in session.model.parameters() if p.requires_grad)
     # As Estimate.params counts them: the model's own parameters; with LoRA the adapters are the trainable ones.
     params = sum(p.numel() for p in session.model.parameters()) - (trainable if train.uses_lora else 0)
@@ -211,14 +214,65 @@ def _assumption_notes(assumptions: Any) -> list[str]:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """transformers and torch warn about things that do not matter on fake tensors (autocast on CPU, ...)."""
+    """transformers and torch warn about things that do not matter on fake tensors (autocast on CPU, ...), and
+    FakeTensorMode logs a traceback of every op that fails before raising it; the error itself is reported."""
     import transformers
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_tensor_disabled = fake_tensor_log.disabled
+    fake_tensor_log.disabled = True
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        fake_tensor_log.disabled = fake_tensor_disabled
         transformers.logging.set_verbosity(verbosity)
+
+
+def _import_engine() -> None:
+    """The packages the trace runs, or one line saying how to install them."""
+    try:
+        # torch first: transformers without it only warns (on stderr) and fails later
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        import peft  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as exc:
+        missing = exc.name or str(exc)
+        raise VramPlanError(f"the trace needs torch, transformers, TRL and PEFT ({missing} cannot be imported): "
+                            "pip install 'vram-plan[train]'") from exc
+
+
+@contextlib.contextmanager
+def _explained(what: str) -> Iterator[None]:
+    """A failure inside transformers, PEFT, TRL or torch as one line that says where the trace was (the whole
+    traceback stays on the exception's cause, which `--debug` prints)."""
+    try:
+        yield
+    except (VramPlanError, ImportError):
+        raise
+    except MemoryError as exc:
+        raise VramPlanError(f"the trace ran out of host memory while {what} (fake tensors hold no data, so this "
+                            "is the Python objects of the model); `vram-plan check` gives the analytic estimate"
+                            ) from exc
+    except Exception as exc:
+        raise VramPlanError(f"the trace failed while {what}: {type(exc).__name__}: {_first_line(exc)}"
+                            f"{_hint(exc)}; `vram-plan check` gives the analytic estimate") from exc
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else "")[:limit]
+
+
+def _hint(exc: BaseException) -> str:
+    """Why the usual failures happen, in the user's words."""
+    text = str(exc)
+    if "overflowed" in text:
+        return " (a tensor of this config would hold more than 2**63 bytes)"
+    if "expanded size of the tensor" in text:  # learned position embeddings shorter than the sequence
+        return " (are the prompt and completion longer than the model's max_position_embeddings?)"
+    return ""
