@@ -94,8 +94,12 @@ def test_without_gpu_it_judges_against_the_fallback_card_and_says_so(capsys, mon
 def test_the_library_returns_both_engines(traced_directly):
     from vram_planner import api
 
+    said = []
     outcome = api.trace(str(TINY), "24GiB", {"per_device_train_batch_size": 2, "num_generations": 2,
-                                             "max_prompt_length": 16, "max_completion_length": 16})
+                                             "max_prompt_length": 16, "max_completion_length": 16},
+                        progress=said.append)
+    assert said == ["building the model on fake tensors", "tracing generation", "tracing loss forward and backward",
+                    "tracing the optimizer step"]
     assert [p.peak_bytes for p in outcome.result.phases] == [p.peak_bytes for p in traced_directly.phases]
     assert outcome.fits and outcome.seconds > 0 and outcome.analytic.estimate.params == outcome.result.params
     assert [c.name for c in outcome.comparison()] == [p.name for p in traced_directly.phases]
