@@ -208,7 +208,8 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
     ]
     if tied:
         # The embedding's dense gradient joins the output projection's before they are summed.
-        moments.append(Phase("training", {**persistent, "gradients": all_grads + held + _head_gradient_bytes(arch, train),
+        dense = _head_gradient_bytes(arch, train)
+        moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
                                            "activations": layer_input}, "embedding backward"))
     return max(moments, key=lambda p: p.total_bytes)
 
@@ -232,7 +233,7 @@ def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, 
     missing = arch.layer_params - arch.layer_linears()[-1].params
     if not arch.tie_word_embeddings:
         missing += arch.embedding_params
-    return all_grads - m._shard(train, missing * m.sizes(train).trainable, 2)
+    return all_grads - m.shard_bytes(train, missing * m.sizes(train).trainable, 2)
 
 
 def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

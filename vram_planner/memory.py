@@ -87,7 +87,7 @@ def trainable_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
     return arch.params
 
 
-def _shard(train: TrainingConfig, n_bytes: float, from_stage: int) -> float:
+def shard_bytes(train: TrainingConfig, n_bytes: float, from_stage: int) -> float:
     """Split n_bytes across GPUs when the ZeRO stage (FSDP counts as 3) shards this kind of state."""
     stage = 3 if train.fsdp else (train.zero_stage or 0)
     return n_bytes / train.num_gpus if stage >= from_stage else n_bytes
@@ -105,7 +105,7 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     else:
         base = arch.params * s.weight
     adapters = trainable_params(arch, train) * s.trainable if train.uses_lora else 0
-    return _shard(train, base, 3) + _shard(train, adapters, 3)
+    return shard_bytes(train, base, 3) + shard_bytes(train, adapters, 3)
 
 
 def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -121,7 +121,7 @@ def reference_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
     if not train.computes_ref_logps or train.uses_lora:
         return 0
     per_param = 2 if train.zero_stage is not None else sizes(train).weight
-    return _shard(train, arch.params * per_param, 3)
+    return shard_bytes(train, arch.params * per_param, 3)
 
 
 def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -129,7 +129,7 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     grads = trainable_params(arch, train) * sizes(train).trainable
     if train.distributed == "ddp":
         return 2 * grads
-    return _shard(train, grads, 2)
+    return shard_bytes(train, grads, 2)
 
 
 def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -153,13 +153,13 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
         total = 2 * trainable * state_dtype
     if train.zero_stage is not None:
         total += trainable * MASTER_WEIGHT_BYTES
-    return _shard(train, total, 1)
+    return shard_bytes(train, total, 1)
 
 
 def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Scratch memory of one optimizer step: foreach AdamW builds a param-sized denominator; fused kernels none."""
     if train.optim is Optimizer.adamw_torch:
-        return _shard(train, trainable_params(arch, train) * sizes(train).trainable, 1)
+        return shard_bytes(train, trainable_params(arch, train) * sizes(train).trainable, 1)
     return 0
 
 

@@ -34,10 +34,10 @@ class Session:
     def autocast(self) -> Any:
         """accelerate's autocast, on the session's device.
 
-        On the CPU, autocast casts the same matmul-like ops (linear, matmul, SDPA) to the low-precision dtype, and caches
-        casts of fp32 leaf weights the same way; unlike CUDA's it does not upcast exp, log, softmax and a few
-        others to fp32, which a decoder's forward never feeds low-precision tensors (RMSNorm and rotary upcast
-        themselves, eager attention's softmax names its dtype).
+        On the CPU, autocast casts the same matmul-like ops (linear, matmul, SDPA) to the low-precision dtype and
+        caches casts of fp32 leaf weights the same way; unlike CUDA's it does not upcast exp, log, softmax and a
+        few others to fp32, which a decoder's forward never feeds low-precision tensors (RMSNorm and rotary
+        upcast themselves, eager attention's softmax names its dtype).
         """
         dtype = self.autocast_dtype
         return torch.autocast(self.device_type, dtype=dtype) if dtype else contextlib.nullcontext()
