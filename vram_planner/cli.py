@@ -192,6 +192,51 @@ def list_models(json_output: bool) -> None:
         print_models()
 
 
+def _run_options(function: Any) -> Any:
+    for option in reversed(_COMMON + _KNOBS + [
+        click.option("--dataset", required=True, help="gsm8k, math-sample, a .jsonl/.parquet file or a folder."),
+        click.option("--reward", "rewards", multiple=True,
+                     help="format, correctness, or module:function (repeat for several; default: both built-ins)."),
+        click.option("--output-dir", type=click.Path(path_type=Path, file_okay=False), help="Where checkpoints go."),
+        click.option("--max-steps", type=int, default=-1, show_default=True, help="-1: one epoch."),
+        click.option("--save-steps", type=int, default=100, show_default=True),
+        click.option("--dry-run", is_flag=True, help="Print the config, command and predicted memory; start nothing."),
+    ]):
+        function = option(function)
+    return function
+
+
+@app.command("run")
+@_run_options
+def run(**options: Any) -> None:
+    """Start the GRPO run the plan recommends (TRL's GRPOTrainer), logging memory per step."""
+    from vram_planner.launch import RunSetup, prepare, start_run
+    from vram_planner.search import best_plan
+
+    run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "dry_run")
+    run_options = {k: options.pop(k) for k in run_keys}
+    context, train = _resolve("run", options)
+    plan = best_plan(context, train)
+    model_id = context.arch.hub_id or context.model_id
+    on_cpu = not _cuda_available()
+    setup = RunSetup(plan=plan, model_id=model_id, dataset=run_options["dataset"],
+                     rewards=list(run_options["rewards"]) or ["format", "correctness"],
+                     output_dir=run_options["output_dir"] or Path(f"grpo-{Path(model_id).name}"),
+                     max_steps=run_options["max_steps"], save_steps=run_options["save_steps"], on_cpu=on_cpu,
+                     notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
+    dataset = prepare(setup)
+    click.echo(setup.describe())
+    if not run_options["dry_run"]:
+        start_run(setup, dataset)
+    raise click.exceptions.Exit(EXIT_FITS)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @app.command("probe")
 @click.option("--gpu", help="Catalog name of the card (default: the local one); required with --simulate.")
 @click.option("--simulate", is_flag=True, help="Measure with the trace engine instead of a CUDA device.")

@@ -1,0 +1,106 @@
+"""`vram-plan run`: a real GRPOTrainer run of a tiny random model on the CPU, and bad input refused up front."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FIXTURES
+from test_cli import one_line_error, run
+
+pytest.importorskip("trl")
+
+SMALL = ["--gpu", "24GiB", "--per-device-train-batch-size", "2", "--num-generations", "2",
+         "--max-completion-length", "8", "--max-prompt-length", "128"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_folder(tmp_path_factory):
+    """A Llama-style model with random weights and a byte-level BPE tokenizer trained here, saved as a folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from vram_planner.train_data import load_prompts
+
+    texts = [row["prompt"] + row["answer"] for row in load_prompts("math-sample")]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>",
+                                                                                            "<unk>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+    config = json.loads((FIXTURES / "tiny-llama-headdim.json").read_text())
+    config.update(vocab_size=len(fast), pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
+                  bos_token_id=None)
+    folder = tmp_path_factory.mktemp("tiny-model")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_run_trains_two_steps_and_logs_memory_per_step(capsys, tiny_model_folder, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, err = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                            "--max-steps", "2", "--save-steps", "2", "--output-dir", str(out), *SMALL)
+    assert code == 0, err
+    assert "GRPOConfig(" in stdout and "predicted peak" in stdout
+    assert (out / "checkpoint-2").is_dir() and (out / "final" / "config.json").is_file()
+    steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
+    trained = [s for s in steps if "reward" in s]
+    assert [s["step"] for s in trained] == [1, 2]
+    assert all(s["predicted_peak_bytes"] > 0 and "rewards/format_reward/mean" in s for s in trained)
+
+
+def test_dry_run_prints_the_config_and_starts_nothing(capsys, tiny_model_folder, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                          "--output-dir", str(out), "--dry-run", *SMALL)
+    assert code == 0 and "GRPOConfig(per_device_train_batch_size=2" in stdout and "LoraConfig" not in stdout
+    assert not out.exists()
+
+
+def bad_run(capsys, tmp_path, model, *extra):
+    out = tmp_path / "run"
+    err = one_line_error(capsys, "run", "--model", str(model), "--output-dir", str(out), *SMALL, *extra)
+    assert not out.exists()
+    return err
+
+
+def test_a_dataset_without_prompts_is_refused(capsys, tiny_model_folder, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n")
+    err = bad_run(capsys, tmp_path, tiny_model_folder, "--dataset", str(data))
+    assert "no prompt column" in err and "question" in err
+
+
+def test_a_reward_that_does_not_import_is_refused(capsys, tiny_model_folder, tmp_path):
+    err = bad_run(capsys, tmp_path, tiny_model_folder, "--dataset", "math-sample", "--reward", "no_such_mod:f")
+    assert "cannot import no_such_mod" in err
+
+
+def test_a_reward_returning_the_wrong_length_is_refused(capsys, tiny_model_folder, tmp_path):
+    module = tmp_path / "my_rewards.py"
+    module.write_text("def one(completions, **kw):\n    return [1.0]\n")
+    err = bad_run(capsys, tmp_path, tiny_model_folder, "--dataset", "math-sample", "--reward", f"{module}:one")
+    assert "one value per completion" in err
+
+
+def test_a_model_folder_without_weights_is_refused(capsys, tmp_path):
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text((FIXTURES / "tiny-llama-headdim.json").read_text())
+    err = bad_run(capsys, tmp_path, folder, "--dataset", "math-sample")
+    assert "no weights" in err
+
+
+def test_the_recipe_rewards_score_format_and_answers():
+    from vram_planner.rewards import correctness_reward, format_reward
+
+    strict = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>\n"
+    loose = "I think <reasoning>3+4</reasoning> so <answer>7</answer>."
+    chat = [{"role": "assistant", "content": strict}]
+    assert format_reward([strict, loose, "7", chat]) == [0.5, 0.25, 0.0, 0.5]
+    assert correctness_reward([strict, loose, "7", chat], answer=["7", "7.0", "7", "8"]) == [2.0, 2.0, 0.0, 0.0]
+    assert correctness_reward(["<answer>1,234</answer>"], answer=["1234"]) == [2.0]

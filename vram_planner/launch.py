@@ -1,0 +1,163 @@
+"""`vram-plan run`: start the TRL GRPO run the plan recommends, with the same objects `plan` prints.
+
+Everything a run depends on is checked before the output folder is created (dataset columns, rewards on a sample
+batch, a model folder's weights), so bad input leaves nothing behind. Heavy imports happen only here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vram_planner.errors import VramPlanError
+from vram_planner.grpo_config import grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
+from vram_planner.rewards import check_reward, load_reward
+from vram_planner.search import Plan
+from vram_planner.spec import TrainingConfig
+
+LOG_NAME = "vram-plan-log.jsonl"
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+@dataclass
+class RunSetup:
+    """What `vram-plan run` will start: the plan's config and the run's own settings."""
+
+    plan: Plan
+    model_id: str  # hub id or local folder, as GRPOTrainer(model=...) takes it
+    dataset: str
+    rewards: list[str]
+    output_dir: Path
+    max_steps: int = -1  # -1: one epoch over the dataset, as TRL does
+    save_steps: int = 100
+    on_cpu: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def train(self) -> TrainingConfig:
+        if self.plan.chosen is None:
+            raise VramPlanError(f"nothing vram-plan knows fits this card (the smallest config needs "
+                                f"{self.plan.smallest.estimate.peak_bytes / 2**30:.2f} GiB); `vram-plan plan` "
+                                "shows it")
+        return self.plan.chosen.train
+
+    @property
+    def predicted_peak_bytes(self) -> float:
+        return self.plan.chosen.estimate.peak_bytes if self.plan.chosen else 0.0
+
+    def grpo_kwargs(self) -> dict[str, Any]:
+        kwargs = grpo_config_kwargs(self.train)
+        kwargs.update(output_dir=str(self.output_dir), max_steps=self.max_steps, save_steps=self.save_steps,
+                      logging_steps=1, report_to=[])
+        if self.on_cpu:  # tests and smoke runs: no autocast on the CPU
+            kwargs.update(use_cpu=True, bf16=False, fp16=False)
+        return kwargs
+
+    def describe(self) -> str:
+        """The exact configuration, for --dry-run and the run's first lines."""
+        lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
+                 f"predicted peak: {self.predicted_peak_bytes / 2**30:.2f} GiB "
+                 f"(on {self.plan.requested.context.gpu.label})",
+                 "GRPOConfig(" + ", ".join(f"{k}={v!r}" for k, v in self.grpo_kwargs().items()) + ")"]
+        peft = lora_config_kwargs(self.train)
+        if peft:
+            lines.append("LoraConfig(" + ", ".join(f"{k}={v!r}" for k, v in peft.items()) + ")")
+        quantization = quantization_config_kwargs(self.train)
+        if quantization:
+            lines.append("BitsAndBytesConfig(" + ", ".join(f"{k}={v!r}" for k, v in quantization.items()) + ")")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def check_model_folder(model_id: str) -> None:
+    """A local model folder must hold a config and weights; hub ids are left to transformers."""
+    path = Path(model_id).expanduser()
+    if not path.exists():
+        return
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise VramPlanError(f"{model_id} is not a model folder with a config.json")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise VramPlanError(f"{model_id} has a config.json but no weights (*.safetensors or *.bin): training "
+                            "needs the model's weights, not only its configuration")
+
+
+def prepared_dataset(setup: RunSetup) -> Any:
+    """The dataset with its columns checked against the rewards, each reward tried on a sample batch."""
+    from vram_planner.train_data import load_prompts, require_columns
+
+    dataset = load_prompts(setup.dataset)
+    require_columns(dataset, {"prompt"}, "GRPOTrainer reads the prompts from it")
+    if "correctness" in setup.rewards:
+        require_columns(dataset, {"answer"}, "the correctness reward compares with it")
+    row = dataset[0]
+    sample = {"prompts": [row["prompt"]] * 2,
+              "completions": ["<reasoning>\n1 + 1 = 2\n</reasoning>\n<answer>\n2\n</answer>\n", "2"],
+              **{column: [row[column]] * 2 for column in dataset.column_names if column != "prompt"}}
+    for name in setup.rewards:
+        check_reward(load_reward(name), sample, name)
+    return dataset
+
+
+class JsonlLog:
+    """A TrainerCallback writing each logged step (with measured and predicted peak memory) as one JSON line."""
+
+    def __init__(self, path: Path, predicted_peak_bytes: float) -> None:
+        self.path, self.predicted = path, predicted_peak_bytes
+        self.started = time.perf_counter()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+        import torch
+
+        record = {"step": state.global_step, "seconds": round(time.perf_counter() - self.started, 3),
+                  **(logs or {}), "predicted_peak_bytes": round(self.predicted)}
+        if torch.cuda.is_available():
+            record["measured_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            record["measured_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record, default=str) + "\n")
+
+
+def prepare(setup: RunSetup) -> Any:
+    """Everything a run depends on, checked before anything is written: the model folder, the dataset, the
+    rewards. Returns the dataset."""
+    check_model_folder(setup.model_id)
+    setup.train  # noqa: B018 (a plan where nothing fits is refused here)
+    return prepared_dataset(setup)
+
+
+def start_run(setup: RunSetup, dataset: Any) -> Path:
+    """Train on a prepared dataset; returns the output folder."""
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(**setup.grpo_kwargs())
+    peft = lora_config_kwargs(setup.train)
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**peft)
+    quantization = quantization_config_kwargs(setup.train)
+    if quantization:
+        from transformers import BitsAndBytesConfig
+
+        args.model_init_kwargs = {**(args.model_init_kwargs or {}),
+                                  "quantization_config": BitsAndBytesConfig(**quantization)}
+    created = not setup.output_dir.exists()
+    setup.output_dir.mkdir(parents=True, exist_ok=True)
+    log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes)
+    callback = type("VramPlanLog", (TrainerCallback,), {"on_log": log.on_log})()
+    try:
+        trainer = GRPOTrainer(model=setup.model_id, reward_funcs=[load_reward(r) for r in setup.rewards],
+                              args=args, train_dataset=dataset, peft_config=peft_config, callbacks=[callback])
+    except Exception as exc:
+        if created:  # nothing trained yet: leave no half-made folder behind
+            shutil.rmtree(setup.output_dir, ignore_errors=True)
+        raise VramPlanError(f"GRPOTrainer could not start: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    trainer.train()
+    trainer.save_model(str(setup.output_dir / "final"))
+    return setup.output_dir
