@@ -99,7 +99,7 @@ def test_the_recipe_rewards_score_format_and_answers():
     from vram_planner.rewards import correctness_reward, format_reward
 
     strict = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>\n"
-    loose = "I think <reasoning>3+4</reasoning> so <answer>7</answer>."
+    loose = "<reasoning>3+4</reasoning> <answer>7</answer>"  # the tags in order, not on their own lines
     chat = [{"role": "assistant", "content": strict}]
     assert format_reward([strict, loose, "7", chat]) == [0.5, 0.25, 0.0, 0.5]
     assert correctness_reward([strict, loose, "7", chat], answer=["7", "7.0", "7", "8"]) == [2.0, 2.0, 0.0, 0.0]
