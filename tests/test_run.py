@@ -104,3 +104,46 @@ def test_the_recipe_rewards_score_format_and_answers():
     assert format_reward([strict, loose, "7", chat]) == [0.5, 0.25, 0.0, 0.5]
     assert correctness_reward([strict, loose, "7", chat], answer=["7", "7.0", "7", "8"]) == [2.0, 2.0, 0.0, 0.0]
     assert correctness_reward(["<answer>1,234</answer>"], answer=["1234"]) == [2.0]
+
+
+class FakeAllocatorCap:
+    """Out of memory from the second step on whenever a micro-batch holds more than one sequence."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import torch
+
+        if args.per_device_train_batch_size > 1 and state.global_step >= 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake cap)")
+
+
+@pytest.fixture
+def capped(monkeypatch):
+    from transformers import TrainerCallback
+
+    from vram_planner import launch
+
+    monkeypatch.setattr(launch, "EXTRA_CALLBACKS", [type("Cap", (TrainerCallback,), dict(vars(FakeAllocatorCap)))()])
+
+
+@pytest.mark.slow
+def test_out_of_memory_falls_back_to_a_smaller_micro_batch_from_the_checkpoint(capsys, tiny_model_folder, tmp_path,
+                                                                                 capped):
+    out = tmp_path / "run"
+    args = ["run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--max-steps", "2",
+            "--save-steps", "1", "--output-dir", str(out), *SMALL]
+    code, _, err = run(capsys, *args, "--auto-fallback")
+    assert code == 0, err
+    assert "out of GPU memory" in err and "per_device_train_batch_size 2 -> 1" in err and "checkpoint-1" in err
+    steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "reward" in s] == [1, 2]  # step 1 kept, step 2 after the resume
+    assert (out / "checkpoint-2").is_dir() and (out / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_out_of_memory_without_fallback_explains_and_keeps_the_checkpoint(capsys, tiny_model_folder, tmp_path,
+                                                                           capped):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                       "--max-steps", "2", "--save-steps", "1", "--output-dir", str(out), *SMALL)
+    assert code == 2 and "error: out of GPU memory" in err and "the plan put the peak at" in err
+    assert (out / "checkpoint-1").is_dir()

@@ -201,6 +201,8 @@ def _run_options(function: Any) -> Any:
         click.option("--max-steps", type=int, default=-1, show_default=True, help="-1: one epoch."),
         click.option("--save-steps", type=int, default=100, show_default=True),
         click.option("--dry-run", is_flag=True, help="Print the config, command and predicted memory; start nothing."),
+        click.option("--auto-fallback", is_flag=True,
+                     help="On out-of-memory, resume from the last checkpoint with the next config down the ladder."),
     ]):
         function = option(function)
     return function
@@ -210,25 +212,41 @@ def _run_options(function: Any) -> Any:
 @_run_options
 def run(**options: Any) -> None:
     """Start the GRPO run the plan recommends (TRL's GRPOTrainer), logging memory per step."""
-    from vram_planner.launch import RunSetup, prepare, start_run
+    from vram_planner.launch import RunOutOfMemory, RunSetup, prepare, start_run
     from vram_planner.search import best_plan
 
-    run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "dry_run")
+    run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "dry_run", "auto_fallback")
     run_options = {k: options.pop(k) for k in run_keys}
     context, train = _resolve("run", options)
-    plan = best_plan(context, train)
     model_id = context.arch.hub_id or context.model_id
     on_cpu = not _cuda_available()
-    setup = RunSetup(plan=plan, model_id=model_id, dataset=run_options["dataset"],
-                     rewards=list(run_options["rewards"]) or ["format", "correctness"],
-                     output_dir=run_options["output_dir"] or Path(f"grpo-{Path(model_id).name}"),
-                     max_steps=run_options["max_steps"], save_steps=run_options["save_steps"], on_cpu=on_cpu,
-                     notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
+    setup = RunSetup.from_plan(
+        best_plan(context, train), model_id=model_id, dataset=run_options["dataset"],
+        rewards=list(run_options["rewards"]) or ["format", "correctness"],
+        output_dir=run_options["output_dir"] or Path(f"grpo-{Path(model_id).name}"),
+        max_steps=run_options["max_steps"], save_steps=run_options["save_steps"], on_cpu=on_cpu,
+        notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
     dataset = prepare(setup)
     click.echo(setup.describe())
-    if not run_options["dry_run"]:
-        start_run(setup, dataset)
+    resume = None
+    while not run_options["dry_run"]:
+        try:
+            start_run(setup, dataset, resume)
+            break
+        except RunOutOfMemory as oom:
+            smaller = oom.setup.one_rung_down() if run_options["auto_fallback"] else None
+            if smaller is None:
+                raise
+            click.echo(f"{oom}\nfalling back: {_changed(setup.train, smaller.train)}, predicted peak "
+                       f"{smaller.predicted_peak_bytes / 2**30:.2f} GiB; resuming from {oom.checkpoint}", err=True)
+            setup, resume = smaller, oom.checkpoint
     raise click.exceptions.Exit(EXIT_FITS)
+
+
+def _changed(before: Any, after: Any) -> str:
+    fields = type(before).model_fields
+    return ", ".join(f"{k} {getattr(before, k)} -> {getattr(after, k)}" for k in fields
+                     if getattr(before, k) != getattr(after, k))
 
 
 def _cuda_available() -> bool:

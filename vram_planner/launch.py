@@ -6,18 +6,21 @@ batch, a model folder's weights), so bad input leaves nothing behind. Heavy impo
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.grpo_config import grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
 from vram_planner.rewards import check_reward, load_reward
-from vram_planner.search import Plan
+from vram_planner.search import Plan, micro_batch_variants, rungs
 from vram_planner.spec import TrainingConfig
+from vram_planner.units import GiB
+from vram_planner.verdict import Verdict, judge
 
 LOG_NAME = "vram-plan-log.jsonl"
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -25,9 +28,9 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 @dataclass
 class RunSetup:
-    """What `vram-plan run` will start: the plan's config and the run's own settings."""
+    """What `vram-plan run` will start: the verdict of the plan's config and the run's own settings."""
 
-    plan: Plan
+    verdict: Verdict  # the config to train and its predicted memory
     model_id: str  # hub id or local folder, as GRPOTrainer(model=...) takes it
     dataset: str
     rewards: list[str]
@@ -37,17 +40,32 @@ class RunSetup:
     on_cpu: bool = False
     notes: list[str] = field(default_factory=list)
 
+    @classmethod
+    def from_plan(cls, plan: Plan, **settings: Any) -> RunSetup:
+        if plan.chosen is None:
+            raise VramPlanError(f"nothing vram-plan knows fits this card (the smallest config needs "
+                                f"{plan.smallest.estimate.peak_bytes / GiB:.2f} GiB); `vram-plan plan` shows it")
+        return cls(verdict=plan.chosen, **settings)
+
     @property
     def train(self) -> TrainingConfig:
-        if self.plan.chosen is None:
-            raise VramPlanError(f"nothing vram-plan knows fits this card (the smallest config needs "
-                                f"{self.plan.smallest.estimate.peak_bytes / 2**30:.2f} GiB); `vram-plan plan` "
-                                "shows it")
-        return self.plan.chosen.train
+        return self.verdict.train
 
     @property
     def predicted_peak_bytes(self) -> float:
-        return self.plan.chosen.estimate.peak_bytes if self.plan.chosen else 0.0
+        return self.verdict.estimate.peak_bytes
+
+    def one_rung_down(self) -> RunSetup | None:
+        """The same run with the next smaller config of the plan's ladder: a smaller micro-batch with the same
+        generation and optimizer batches, else the next saver."""
+        train = self.train
+        smaller = next((v for v in micro_batch_variants(train)
+                        if v.per_device_train_batch_size < train.per_device_train_batch_size), None)
+        if smaller is None:
+            smaller = next(itertools.islice(rungs(train, self.verdict.context.gpu.bf16), 1, None), None)
+        if smaller is None:
+            return None
+        return replace(self, verdict=judge(self.verdict.context, smaller))
 
     def grpo_kwargs(self) -> dict[str, Any]:
         kwargs = grpo_config_kwargs(self.train)
@@ -60,8 +78,8 @@ class RunSetup:
     def describe(self) -> str:
         """The exact configuration, for --dry-run and the run's first lines."""
         lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
-                 f"predicted peak: {self.predicted_peak_bytes / 2**30:.2f} GiB "
-                 f"(on {self.plan.requested.context.gpu.label})",
+                 f"predicted peak: {self.predicted_peak_bytes / GiB:.2f} GiB "
+                 f"(on {self.verdict.context.gpu.label})",
                  "GRPOConfig(" + ", ".join(f"{k}={v!r}" for k, v in self.grpo_kwargs().items()) + ")"]
         peft = lora_config_kwargs(self.train)
         if peft:
@@ -124,12 +142,30 @@ def prepare(setup: RunSetup) -> Any:
     """Everything a run depends on, checked before anything is written: the model folder, the dataset, the
     rewards. Returns the dataset."""
     check_model_folder(setup.model_id)
-    setup.train  # noqa: B018 (a plan where nothing fits is refused here)
     return prepared_dataset(setup)
 
 
-def start_run(setup: RunSetup, dataset: Any) -> Path:
-    """Train on a prepared dataset; returns the output folder."""
+class RunOutOfMemory(VramPlanError):
+    """Training ran out of GPU memory; what was trained is saved in `checkpoint`."""
+
+    def __init__(self, setup: RunSetup, error: BaseException, checkpoint: Path | None) -> None:
+        estimate = setup.verdict.estimate
+        peak = estimate.peak_phase
+        parts = sorted(peak.components.items(), key=lambda kv: -kv[1])[:3]
+        biggest = ", ".join(f"{name.replace('_', ' ')} {size / GiB:.2f} GiB" for name, size in parts)
+        saved = f"; training so far is saved in {checkpoint}" if checkpoint else ""
+        super().__init__(f"out of GPU memory ({str(error).splitlines()[0][:160]}); the plan put the peak at "
+                         f"{estimate.peak_bytes / GiB:.2f} GiB in {peak.name} ({biggest}){saved}")
+        self.setup, self.checkpoint = setup, checkpoint
+
+
+# Extra TrainerCallbacks for every run (tests add a fake allocator cap here).
+EXTRA_CALLBACKS: list[Any] = []
+
+
+def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None) -> Path:
+    """Train on a prepared dataset (from a checkpoint when given); returns the output folder."""
+    import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -152,12 +188,30 @@ def start_run(setup: RunSetup, dataset: Any) -> Path:
     callback = type("VramPlanLog", (TrainerCallback,), {"on_log": log.on_log})()
     try:
         trainer = GRPOTrainer(model=setup.model_id, reward_funcs=[load_reward(r) for r in setup.rewards],
-                              args=args, train_dataset=dataset, peft_config=peft_config, callbacks=[callback])
+                              args=args, train_dataset=dataset, peft_config=peft_config,
+                              callbacks=[callback, *EXTRA_CALLBACKS])
     except Exception as exc:
         if created:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    trainer.train()
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise RunOutOfMemory(setup, exc, _rescue(trainer)) from exc
     trainer.save_model(str(setup.output_dir / "final"))
     return setup.output_dir
+
+
+def _rescue(trainer: Any) -> Path | None:
+    """Save a checkpoint of the steps done so far (an OOM leaves the weights and optimizer states intact)."""
+    import torch
+
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    try:
+        trainer._save_checkpoint(trainer.model, trial=None)
+    except Exception:  # the OOM may recur while saving: the last scheduled checkpoint is then what there is
+        pass
+    checkpoints = sorted(Path(trainer.args.output_dir).glob("checkpoint-*"),
+                         key=lambda p: int(p.name.rpartition("-")[2]))
+    return checkpoints[-1] if checkpoints else None
