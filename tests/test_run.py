@@ -147,3 +147,12 @@ def test_out_of_memory_without_fallback_explains_and_keeps_the_checkpoint(capsys
                        "--max-steps", "2", "--save-steps", "1", "--output-dir", str(out), *SMALL)
     assert code == 2 and "error: out of GPU memory" in err and "the plan put the peak at" in err
     assert (out / "checkpoint-1").is_dir()
+
+
+def test_the_smoke_step_takes_the_longest_prompts_first():
+    from datasets import Dataset
+
+    from vram_planner.launch import longest_first
+
+    data = Dataset.from_list([{"prompt": "x" * n, "answer": str(n)} for n in (3, 10, 1, 7)])
+    assert longest_first(data, 2)["answer"] == ["10", "7"]

@@ -212,7 +212,7 @@ def _run_options(function: Any) -> Any:
 @_run_options
 def run(**options: Any) -> None:
     """Start the GRPO run the plan recommends (TRL's GRPOTrainer), logging memory per step."""
-    from vram_planner.launch import RunOutOfMemory, RunSetup, prepare, start_run
+    from vram_planner.launch import RunOutOfMemory, RunSetup, prepare, smoke_step, start_run
     from vram_planner.search import best_plan
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "dry_run", "auto_fallback")
@@ -231,6 +231,9 @@ def run(**options: Any) -> None:
     resume = None
     while not run_options["dry_run"]:
         try:
+            if resume is None:
+                click.echo("smoke step: the longest prompts, full-length completions", err=True)
+                smoke_step(setup, dataset)
             start_run(setup, dataset, resume)
             break
         except RunOutOfMemory as oom:

@@ -163,13 +163,35 @@ class RunOutOfMemory(VramPlanError):
 EXTRA_CALLBACKS: list[Any] = []
 
 
-def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None) -> Path:
+def longest_first(dataset: Any, rows: int) -> Any:
+    """The `rows` longest prompts (by characters, a close stand-in for tokens), longest first."""
+    lengths = [len(str(prompt)) for prompt in dataset["prompt"]]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:rows]
+    return dataset.select(order)
+
+
+def smoke_step(setup: RunSetup, dataset: Any) -> None:
+    """One step on the longest prompts with every completion forced to full length, in a scratch folder: an
+    out-of-memory error shows up in seconds instead of hours into the run."""
+    import tempfile
+
+    train = setup.train
+    rows = train.per_device_train_batch_size * train.steps_per_generation_resolved
+    with tempfile.TemporaryDirectory(prefix="vram-plan-smoke-") as scratch:
+        smoke = replace(setup, output_dir=Path(scratch), max_steps=1)
+        start_run(smoke, longest_first(dataset, rows), smoke=True)
+
+
+def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, smoke: bool = False) -> Path:
     """Train on a prepared dataset (from a checkpoint when given); returns the output folder."""
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(**setup.grpo_kwargs())
+    kwargs = setup.grpo_kwargs()
+    if smoke:
+        kwargs.update(save_strategy="no", generation_kwargs={"min_new_tokens": setup.train.max_completion_length})
+    args = GRPOConfig(**kwargs)
     peft = lora_config_kwargs(setup.train)
     peft_config = None
     if peft:
@@ -198,8 +220,9 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None) ->
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except torch.cuda.OutOfMemoryError as exc:
-        raise RunOutOfMemory(setup, exc, _rescue(trainer)) from exc
-    trainer.save_model(str(setup.output_dir / "final"))
+        raise RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer)) from exc
+    if not smoke:
+        trainer.save_model(str(setup.output_dir / "final"))
     return setup.output_dir
 
 
