@@ -156,3 +156,21 @@ def test_the_smoke_step_takes_the_longest_prompts_first():
 
     data = Dataset.from_list([{"prompt": "x" * n, "answer": str(n)} for n in (3, 10, 1, 7)])
     assert longest_first(data, 2)["answer"] == ["10", "7"]
+
+
+@pytest.mark.parametrize(("flags", "distributed_type", "extra"), [
+    (["--num-gpus", "2"], "MULTI_GPU", {}),
+    (["--num-gpus", "4", "--zero-stage", "3"], "DEEPSPEED", {"deepspeed_config": "zero_stage: 3"}),
+    (["--num-gpus", "2", "--fsdp"], "FSDP", {"fsdp_config": "fsdp_version: 2"}),
+])
+def test_several_gpus_start_through_accelerate_with_trls_config(capsys, tmp_path, flags, distributed_type, extra):
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, "run", "--gpu", "h100", "--model", "Llama-3.2-1B", "--dataset", "math-sample",
+                          "--per-device-train-batch-size", "4", "--num-generations", "8", "--output-dir", str(out),
+                          *flags, "--dry-run")
+    assert code == 0 and not out.exists()
+    assert f"distributed_type: {distributed_type}" in stdout and f"num_processes: {flags[1]}" in stdout
+    assert all(text in stdout for text in extra.values())
+    command = stdout.split("command: ")[1].strip()
+    assert command.startswith(f"accelerate launch --config_file {out}/accelerate_config.yaml -m vram_planner run")
+    assert "--dry-run" not in command

@@ -212,7 +212,8 @@ def _run_options(function: Any) -> Any:
 @_run_options
 def run(**options: Any) -> None:
     """Start the GRPO run the plan recommends (TRL's GRPOTrainer), logging memory per step."""
-    from vram_planner.launch import RunOutOfMemory, RunSetup, prepare, smoke_step, start_run
+    from vram_planner.launch import (CONFIG_NAME, RunOutOfMemory, RunSetup, accelerate_config_yaml, launch,
+                                     launch_command, needs_launcher, prepare, smoke_step, start_run)
     from vram_planner.search import best_plan
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "dry_run", "auto_fallback")
@@ -228,6 +229,11 @@ def run(**options: Any) -> None:
         notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
     dataset = prepare(setup)
     click.echo(setup.describe())
+    if needs_launcher(setup.train):
+        argv = click.get_current_context().find_root().obj["argv"]
+        click.echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup.train)}"
+                   f"command: {' '.join(launch_command(setup, argv))}")
+        raise click.exceptions.Exit(EXIT_FITS if run_options["dry_run"] else launch(setup, argv))
     resume = None
     while not run_options["dry_run"]:
         try:
@@ -283,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0].startswith("-") and args[0] not in ("--help", "-h", "--version"):
         args.insert(0, "plan")
     try:
-        exit_code = app.main(args, prog_name="vram-plan", standalone_mode=False)
+        exit_code = app.main(args, prog_name="vram-plan", standalone_mode=False, obj={"argv": args})
     except click.exceptions.Exit as done:
         return done.exit_code
     except (VramPlanError, click.ClickException) as exc:

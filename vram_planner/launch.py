@@ -238,3 +238,43 @@ def _rescue(trainer: Any) -> Path | None:
     checkpoints = sorted(Path(trainer.args.output_dir).glob("checkpoint-*"),
                          key=lambda p: int(p.name.rpartition("-")[2]))
     return checkpoints[-1] if checkpoints else None
+
+
+# accelerate configs TRL ships (trl/accelerate_configs), by the plan's distribution strategy
+ACCELERATE_TEMPLATES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp2"}
+CONFIG_NAME = "accelerate_config.yaml"
+
+
+def needs_launcher(train: TrainingConfig) -> bool:
+    """Several GPUs, and this process is not one that `accelerate launch` started."""
+    import os
+
+    return train.num_gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1
+
+
+def accelerate_config_yaml(train: TrainingConfig) -> str:
+    """TRL's accelerate config for the plan's strategy, with the plan's GPU count and mixed precision."""
+    import yaml
+
+    import trl
+
+    template = Path(trl.__file__).parent / "accelerate_configs" / f"{ACCELERATE_TEMPLATES[train.distributed]}.yaml"
+    config = yaml.safe_load(template.read_text())
+    config.update(num_processes=train.num_gpus, mixed_precision=train.mixed_precision)
+    return yaml.safe_dump(config, sort_keys=True)
+
+
+def launch_command(setup: RunSetup, argv: list[str]) -> list[str]:
+    """`accelerate launch` of this same `vram-plan run` (each process then trains its share)."""
+    return ["accelerate", "launch", "--config_file", str(setup.output_dir / CONFIG_NAME), "-m", "vram_planner",
+            *(arg for arg in argv if arg != "--dry-run")]
+
+
+def launch(setup: RunSetup, argv: list[str]) -> int:
+    """Write the accelerate config beside the run's output and start one process per GPU."""
+    import subprocess
+
+    from vram_planner.files import write_atomically
+
+    write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup.train))
+    return subprocess.call(launch_command(setup, argv))
