@@ -46,6 +46,7 @@ def test_run_trains_two_steps_and_logs_memory_per_step(capsys, tiny_model_folder
                             "--max-steps", "2", "--save-steps", "2", "--output-dir", str(out), *SMALL)
     assert code == 0, err
     assert "GRPOConfig(" in stdout and "predicted peak" in stdout
+    assert "reward" in err and "predicted" in err  # the progress line
     assert (out / "checkpoint-2").is_dir() and (out / "final" / "config.json").is_file()
     steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
     trained = [s for s in steps if "reward" in s]

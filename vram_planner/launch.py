@@ -163,6 +163,38 @@ class RunOutOfMemory(VramPlanError):
 EXTRA_CALLBACKS: list[Any] = []
 
 
+class RichProgress:
+    """The run's progress on stderr: step, reward, step time, and measured peak memory against the plan's."""
+
+    def __init__(self, predicted_peak_bytes: float) -> None:
+        self.predicted = predicted_peak_bytes
+        self.progress: Any = None
+        self.task: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 TextColumn("{task.description}"), console=Console(stderr=True))
+        self.progress.start()
+        self.task = self.progress.add_task("", total=state.max_steps or None, completed=state.global_step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+        import torch
+
+        if self.progress is None or not logs or "reward" not in logs:
+            return
+        measured = (f"{torch.cuda.max_memory_reserved() / GiB:.2f}" if torch.cuda.is_available() else "-")
+        self.progress.update(self.task, completed=state.global_step, description=(
+            f"reward {float(logs['reward']):.3f}  step {float(logs.get('step_time', 0)):.1f} s  "
+            f"peak {measured} / predicted {self.predicted / GiB:.2f} GiB"))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
 def longest_first(dataset: Any, rows: int) -> Any:
     """The `rows` longest prompts (by characters, a close stand-in for tokens), longest first."""
     lengths = [len(str(prompt)) for prompt in dataset["prompt"]]
@@ -188,7 +220,7 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    kwargs = setup.grpo_kwargs()
+    kwargs = {**setup.grpo_kwargs(), "disable_tqdm": True}  # the rich progress line replaces TRL's bar
     if smoke:
         kwargs.update(save_strategy="no", generation_kwargs={"min_new_tokens": setup.train.max_completion_length})
     args = GRPOConfig(**kwargs)
@@ -207,7 +239,15 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     created = not setup.output_dir.exists()
     setup.output_dir.mkdir(parents=True, exist_ok=True)
     log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes)
-    callback = type("VramPlanLog", (TrainerCallback,), {"on_log": log.on_log})()
+    progress = RichProgress(setup.predicted_peak_bytes)
+
+    def on_log(*args: Any, **kwargs: Any) -> None:
+        log.on_log(*args, **kwargs)
+        progress.on_log(*args, **kwargs)
+
+    callback = type("VramPlanLog", (TrainerCallback,), {"on_log": staticmethod(on_log),
+                                                        "on_train_begin": staticmethod(progress.on_train_begin),
+                                                        "on_train_end": staticmethod(progress.on_train_end)})()
     try:
         trainer = GRPOTrainer(model=setup.model_id, reward_funcs=[load_reward(r) for r in setup.rewards],
                               args=args, train_dataset=dataset, peft_config=peft_config,
