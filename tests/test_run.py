@@ -175,3 +175,33 @@ def test_several_gpus_start_through_accelerate_with_trls_config(capsys, tmp_path
     command = stdout.split("command: ")[1].strip()
     assert command.startswith(f"accelerate launch --config_file {out}/accelerate_config.yaml -m vram_planner run")
     assert "--dry-run" not in command
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "jsonl"])
+def test_local_datasets_in_every_format(tmp_path, kind):
+    from datasets import Dataset
+
+    from vram_planner.train_data import load_prompts
+
+    data = Dataset.from_list([{"prompt": "1 + 1?", "answer": "2"}, {"prompt": "2 + 2?", "answer": "4"}])
+    path = tmp_path / f"data.{kind}"
+    {"parquet": lambda: data.to_parquet(str(path)), "save_to_disk": lambda: data.save_to_disk(str(path)),
+     "jsonl": lambda: data.to_json(str(path))}[kind]()
+    assert load_prompts(str(path))["answer"] == ["2", "4"]
+
+
+def test_gsm8k_offline_says_what_to_use_instead(monkeypatch):
+    import datasets
+
+    from vram_planner.errors import VramPlanError
+    from vram_planner.train_data import load_prompts
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(VramPlanError, match="math-sample"):
+        load_prompts("gsm8k")
+
+
+def test_a_plan_that_fits_nowhere_is_refused(capsys, tmp_path):
+    err = one_line_error(capsys, "run", "--gpu", "1GiB", "--model", "Llama-3.2-1B", "--dataset", "math-sample",
+                         "--output-dir", str(tmp_path / "run"))
+    assert "nothing vram-plan knows fits" in err and not (tmp_path / "run").exists()
