@@ -257,6 +257,9 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # with TRL's bar off it prints every log dict; the line shows them
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except torch.cuda.OutOfMemoryError as exc:
