@@ -137,3 +137,30 @@ def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None
                    f"breakdown and the verdict add those from the calibration ({report.calibration}).", style="dim")
     console.print(Group(headline(report, gpu), Text(""), trace_table(report), Text(""), breakdown_table(report),
                         peak_bar(report), Text(""), seconds, footer(report)))
+
+
+def render_advice(advice, console: Console | None = None) -> None:  # advice: vram_planner.advise.Advice
+    console = console or Console()
+    e = advice.error
+    figures = [(name, getattr(e, name)) for name in ("tried_to_allocate", "total_capacity", "free", "process_in_use",
+                                                     "allocated_by_pytorch", "reserved_unallocated")]
+    text = Text(f"{e.kind.replace('_', ' ')}: ", style="bold red")
+    text.append(", ".join(f"{name.replace('_', ' ')} {_g(value)} GiB" for name, value in figures if value is not None)
+                or e.message[:200])
+    parts = [text]
+    if e.frames:
+        parts.append(Text(f"in {e.frames[-1]}", style="dim"))
+    if advice.culprit:
+        parts.append(Text(f"Most likely {advice.culprit}, in {advice.phase}.", style="bold"))
+    parts += [Text(f"• {note}") for note in advice.diagnosis]
+    if advice.fixes:
+        table = Table(title="Fixes, largest saving first", title_justify="left", show_edge=False)
+        for column in ("change", "saves GiB", "cost", "why"):
+            table.add_column(column, justify="right" if column == "saves GiB" else "left")
+        for fix in advice.fixes:
+            table.add_row(fix.change, "-" if fix.saves_bytes is None else _g(fix.saves_bytes), fix.cost, fix.why)
+        parts.append(table)
+    if advice.fitting_config:
+        parts.append(Text("A config that fits: " + ", ".join(f"{k}={v}" for k, v in advice.fitting_config.items()),
+                          style="cyan"))
+    console.print(Group(*parts))

@@ -1,0 +1,145 @@
+"""`vram-plan advise`: explain an out-of-memory error with the memory model and rank the fixes.
+
+Without a config it reads the figures alone (fragmentation, other processes, memory outside PyTorch). With the run's
+model, GPU and knobs it also names the tensor that most likely asked for the failed allocation, and takes the
+fixes, with the bytes each saves, from the planner's ladder.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel
+
+from vram_planner.oom_log import OomError
+from vram_planner.units import GiB
+
+# Reserved-but-unallocated memory this large, and larger than the failed request, points at fragmentation.
+FRAGMENTATION_BYTES = int(0.5 * GiB)
+OTHER_PROCESS_BYTES = int(0.25 * GiB)
+
+
+class Fix(BaseModel):
+    change: str  # a knob and its new value, an environment variable, an upgrade
+    saves_bytes: int | None
+    cost: str  # what it costs in quality or speed
+    why: str
+
+
+class Advice(BaseModel):
+    error: OomError
+    diagnosis: list[str]
+    culprit: str | None = None  # the tensor that most likely asked for the failed allocation
+    phase: str | None = None
+    fixes: list[Fix] = []
+    fitting_config: dict[str, Any] | None = None
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def diagnose(error: OomError) -> tuple[list[str], list[Fix]]:
+    """What the figures alone say, and the fixes that follow from them."""
+    notes, fixes = [], []
+    if error.kind == "vllm_kv_cache":
+        notes.append("vLLM could not fit the KV cache for max_model_len in its share of the card")
+        fixes.append(Fix(change="--vllm-gpu-memory-utilization higher, or a shorter --max-completion-length",
+                         saves_bytes=None, cost="less memory left for training", why="vLLM's share holds the cache"))
+    elif error.kind == "vllm_gpu_memory_utilization":
+        notes.append("vLLM asked for a fraction of the whole card while training already holds part of it")
+        fixes.append(Fix(change="--vllm-gpu-memory-utilization lower (colocate) or --vllm-enable-sleep-mode",
+                         saves_bytes=None, cost="a smaller KV cache for generation", why="the fraction is of the card"))
+    elif error.kind in ("cublas", "cudnn"):
+        notes.append(f"{error.kind} could not allocate its workspace: the card was already full")
+    elif error.kind == "bitsandbytes":
+        notes.append("bitsandbytes ran out of memory (its 8-bit optimizer or 4-bit kernels)")
+    unallocated = error.reserved_unallocated or 0
+    if unallocated >= FRAGMENTATION_BYTES and (error.tried_to_allocate or 0) <= unallocated:
+        notes.append(f"fragmentation: {_gib(unallocated)} is reserved by PyTorch but unallocated, more than the "
+                     f"{_gib(error.tried_to_allocate or 0)} that failed")
+        if not error.expandable_segments:
+            fixes.append(Fix(change="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", saves_bytes=unallocated,
+                             cost="none", why="segments grow in place instead of leaving holes"))
+    others = sum(error.other_processes.values())
+    if others >= OTHER_PROCESS_BYTES:
+        pids = ", ".join(f"{pid} ({_gib(n)})" for pid, n in error.other_processes.items())
+        notes.append(f"other processes hold {_gib(others)} of the card: {pids}")
+        fixes.append(Fix(change="stop the other processes on this GPU", saves_bytes=others, cost="none",
+                         why="their memory is not this run's"))
+    if error.process_in_use and error.allocated_by_pytorch is not None:
+        outside = error.process_in_use - error.allocated_by_pytorch - unallocated
+        if outside > 0:
+            notes.append(f"{_gib(outside)} of this process is outside PyTorch's allocator (CUDA context, cuBLAS "
+                         "workspaces, vLLM)")
+    return notes, fixes
+
+
+def attribute(error: OomError, verdict: Any) -> tuple[str | None, str | None]:
+    """The component or buffer of the plan whose size is nearest the failed allocation, and its phase."""
+    if not error.tried_to_allocate:
+        return None, None
+    from vram_planner.memory import sizes
+
+    arch, train = verdict.context.arch, verdict.train
+    s = sizes(train)
+    b, c, v, h = train.per_device_train_batch_size, train.max_completion_length, arch.vocab_size, arch.hidden_size
+    fused = verdict.context.release.lm_head == "fused_chunked"
+    head = ("a logits tile of the fused LM head", (min(b * c, 4096) * 32768 * s.compute, "loss forward/backward"))
+    if not fused:
+        head = (f"the fp32 logits of a micro-batch (TRL {verdict.context.release.version} materialises them)",
+                (b * (c + 1) * v * 4, "loss forward/backward"))
+    candidates = {
+        head[0]: head[1],
+        "the LM head's fp32 weight gradient (V x h)": (v * h * 4, "loss forward/backward"),
+        "one fp32 Adam state of the embedding (created at the first optimizer step)": (v * h * 4, "optimizer step"),
+        "the KV cache of one layer for the generation batch": (
+            train.local_generation_batch_size * train.sequence_length * arch.num_kv_heads * arch.head_dim * 2
+            * s.residual, "generation"),
+        "an MLP activation of one layer": (b * train.sequence_length * arch.intermediate_size * s.compute,
+                                           "loss forward/backward"),
+    }
+    frames = " ".join(error.frames).lower()
+    hints = {"optimizer": "optimizer step", "step": "optimizer step", "generate": "generation",
+             "backward": "loss forward/backward", "logp": "loss forward/backward"}
+    hinted = {phase for word, phase in hints.items() if word in frames}
+
+    def distance(item: tuple[str, tuple[int, str]]) -> float:
+        size, phase = item[1]
+        return abs(math.log(max(size, 1) / error.tried_to_allocate)) - (0.5 if phase in hinted else 0)
+
+    name, (size, phase) = min(candidates.items(), key=distance)
+    if abs(math.log(max(size, 1) / error.tried_to_allocate)) > math.log(1.5):
+        return None, next(iter(hinted), None)
+    return name, phase
+
+
+def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
+    notes, fixes = diagnose(error)
+    advice = Advice(error=error, diagnosis=notes, fixes=fixes)
+    if context is None or train is None:
+        return advice
+    from vram_planner.grpo_config import grpo_config_kwargs
+    from vram_planner.search import best_plan
+    from vram_planner.verdict import judge
+
+    verdict = judge(context, train)
+    advice.culprit, advice.phase = attribute(error, verdict)
+    plan = best_plan(context, train)
+    ranked = [Fix(change=f"--{c.knob.replace('_', '-')} {c.after}", saves_bytes=round(c.saved_bytes),
+                  cost=_cost(c.knob), why=c.reason) for c in plan.changes]
+    advice.fixes = sorted(fixes + ranked, key=lambda f: -(f.saves_bytes or 0))
+    if plan.chosen is not None:
+        advice.fitting_config = grpo_config_kwargs(plan.chosen.train)
+    return advice
+
+
+def _cost(knob: str) -> str:
+    return {"per_device_train_batch_size": "slower steps, same training",
+            "gradient_accumulation_steps": "slower steps, same training",
+            "gradient_checkpointing": "about 30% slower backward",
+            "optim": "8-bit optimizer states (negligible quality loss)",
+            "dtype": "bf16 weights (small quality risk)",
+            "lora_r": "LoRA instead of full fine-tuning",
+            "load_in_4bit": "4-bit base weights (QLoRA)"}.get(knob, "changes the training itself")
