@@ -79,6 +79,8 @@ def test_with_the_config_it_names_the_tensor_and_ranks_the_fixes(capsys, tmp_pat
     savings = [f["saves_bytes"] for f in advice["fixes"]]
     assert savings == sorted(savings, reverse=True) and savings[0] > 0
     assert advice["fitting_config"]["per_device_train_batch_size"] >= 1
+    upgrade = next(f for f in advice["fixes"] if f["change"].startswith("pip install 'trl>="))
+    assert upgrade["saves_bytes"] > 1.5 * GiB  # the fp32 logits and their gradient go away
 
 
 @pytest.mark.parametrize("content", [b"", b"\x00\xff\xfe" * 1000, b"all good, training finished\n"])

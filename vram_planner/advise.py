@@ -100,6 +100,8 @@ def attribute(error: OomError, verdict: Any) -> tuple[str | None, str | None]:
         "an MLP activation of one layer": (b * train.sequence_length * arch.intermediate_size * s.compute,
                                            "loss forward/backward"),
     }
+    if train.distributed == "ddp":
+        candidates["a DDP gradient bucket (25 MiB by default)"] = (25 * 2**20, "loss forward/backward")
     frames = " ".join(error.frames).lower()
     hints = {"optimizer": "optimizer step", "step": "optimizer step", "generate": "generation",
              "backward": "loss forward/backward", "logp": "loss forward/backward"}
@@ -129,6 +131,18 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
     plan = best_plan(context, train)
     ranked = [Fix(change=f"--{c.knob.replace('_', '-')} {c.after}", saves_bytes=round(c.saved_bytes),
                   cost=_cost(c.knob), why=c.reason) for c in plan.changes]
+    if context.release.lm_head != "fused_chunked":
+        from vram_planner.lm_head import lm_head_memory
+        from vram_planner.trl_releases import trl_release
+
+        current = trl_release()  # the installed one, or the newest TRL vram-plan knows
+        if current.lm_head == "fused_chunked":
+            old_head = lm_head_memory(context.arch, train, context.release, train.per_device_train_batch_size, True)
+            new_head = lm_head_memory(context.arch, train, current, train.per_device_train_batch_size, True)
+            saved = old_head.saved + old_head.backward_transient - new_head.saved - new_head.backward_transient
+            ranked.append(Fix(change=f"pip install 'trl>={current.version}'", saves_bytes=round(saved),
+                              cost="none (same training, a newer TRL)",
+                              why="its fused LM head never materialises the logits"))
     advice.fixes = sorted(fixes + ranked, key=lambda f: -(f.saves_bytes or 0))
     if plan.chosen is not None:
         advice.fitting_config = grpo_config_kwargs(plan.chosen.train)
