@@ -26,6 +26,7 @@ from vram_planner.architecture import ModelArchitecture
 from vram_planner.calibration import default_calibration
 from vram_planner.estimate import TENSOR_COMPONENTS, estimate
 from vram_planner.probe import ProbePoint
+from vram_planner.trace import engine_versions
 from vram_planner.spec import TrainingConfig
 from vram_planner.trl_releases import trl_release
 from vram_planner.units import GiB
@@ -67,12 +68,11 @@ def extras(models: list[str]) -> list[ProbePoint]:
 
 def trace_key() -> str:
     """Versions and tracing code a cached trace depends on."""
-    import importlib.metadata as md
 
     digest = hashlib.sha256()
     for path in sorted((ROOT / "vram_planner" / "tracing").glob("*.py")) + [ROOT / "vram_planner" / "trace.py"]:
         digest.update(_code_only(path.read_text()).encode())
-    versions = "/".join(f"{p} {md.version(p)}" for p in ("torch", "transformers", "trl", "peft"))
+    versions = "/".join(f"{package} {version}" for package, version in engine_versions().items())
     return f"{versions} / tracing {digest.hexdigest()[:12]}"
 
 

@@ -90,6 +90,17 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         _trace(options)
     context, train = _resolve(command, options)
     report, shown = _judge(command, context, train)
+
+    def human() -> None:
+        from vram_planner.render import render
+
+        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
+
+    _emit(report, options, human)
+
+
+def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
+    """The plot when asked, then the JSON document or the human view; the exit code says whether it fits."""
     if options["plot"]:
         from vram_planner.plot import plot_phases
 
@@ -97,9 +108,7 @@ def _execute(command: str, options: dict[str, Any]) -> None:
     if options["json_output"]:
         click.echo(report.model_dump_json(indent=2))
     else:
-        from vram_planner.render import render
-
-        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
+        human()
     raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
 
 
@@ -115,17 +124,13 @@ def _trace(options: dict[str, Any]) -> None:
         outcome = api.trace(model, gpu, knobs, progress=status.update, trl_version=options["trl_version"],
                             calibration=options["calibration"], safety_margin=options["safety_margin"])
     report = trace_report(outcome)
-    if options["plot"]:
-        from vram_planner.plot import plot_phases
 
-        plot_phases(report, options["plot"])
-    if options["json_output"]:
-        click.echo(report.model_dump_json(indent=2))
-    else:
+    def human() -> None:
         from vram_planner.render import render_trace
 
         render_trace(report, outcome.traced.context.gpu)
-    raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
+
+    _emit(report, options, human)
 
 
 def _settings(command: str, options: dict[str, Any], gpu_required: bool = True) -> tuple[str, str | None, dict]:

@@ -103,9 +103,9 @@ def python_snippet(train: TrainingConfig, model_id: str) -> str:
               "    train_dataset=dataset,  # prompts; vram-plan assumed the longest is "
               f"{train.max_prompt_length} tokens"]
     if lora:
-        lines.append(f"    peft_config=LoraConfig({_call_args(lora)}),")
+        lines.append(f"    peft_config=LoraConfig({call_args(lora)}),")
     if quant:
-        lines.append(f"    quantization_config=BitsAndBytesConfig({_call_args(quant)}),")
+        lines.append(f"    quantization_config=BitsAndBytesConfig({call_args(quant)}),")
     lines += [")", "trainer.train()"]
     return "\n".join(lines)
 
@@ -116,5 +116,6 @@ def _py(value: Any) -> str:
     return repr(value)
 
 
-def _call_args(kwargs: dict[str, Any]) -> str:
+def call_args(kwargs: dict[str, Any]) -> str:
+    """Keyword arguments as Python source: `a=1, b={"c": True}`."""
     return ", ".join(f"{k}={_py(v)}" for k, v in kwargs.items())

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import VramPlanError
-from vram_planner.grpo_config import grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
+from vram_planner.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
 from vram_planner.rewards import check_reward, load_reward
 from vram_planner.search import Plan, micro_batch_variants, rungs
 from vram_planner.spec import TrainingConfig
@@ -80,13 +80,13 @@ class RunSetup:
         lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
                  f"predicted peak: {self.predicted_peak_bytes / GiB:.2f} GiB "
                  f"(on {self.verdict.context.gpu.label})",
-                 "GRPOConfig(" + ", ".join(f"{k}={v!r}" for k, v in self.grpo_kwargs().items()) + ")"]
+                 f"GRPOConfig({call_args(self.grpo_kwargs())})"]
         peft = lora_config_kwargs(self.train)
         if peft:
-            lines.append("LoraConfig(" + ", ".join(f"{k}={v!r}" for k, v in peft.items()) + ")")
+            lines.append(f"LoraConfig({call_args(peft)})")
         quantization = quantization_config_kwargs(self.train)
         if quantization:
-            lines.append("BitsAndBytesConfig(" + ", ".join(f"{k}={v!r}" for k, v in quantization.items()) + ")")
+            lines.append(f"BitsAndBytesConfig({call_args(quantization)})")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 

@@ -8,6 +8,7 @@ stopped, and the calibration is written only at the end, atomically. This module
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from vram_planner.architecture import ModelArchitecture
 from vram_planner.calibration import Calibration, default_calibration
 from vram_planner.errors import VramPlanError
-from vram_planner.estimate import estimate
+from vram_planner.estimate import Estimate, estimate
 from vram_planner.files import write_atomically
 from vram_planner.profiles import data_home, read_json, resolve_model
 from vram_planner.spec import TrainingConfig
@@ -114,10 +115,9 @@ class SimulatedMeasurer:
         self.gpu_name, self.allocator_fraction, self._context = gpu_name, allocator_fraction, context_bytes
 
     def device(self) -> dict[str, str]:
-        import importlib.metadata as md
+        from vram_planner.trace import engine_versions
 
-        versions = {p: md.version(p) for p in ("torch", "transformers", "trl", "peft")}
-        return {"gpu": self.gpu_name, "simulated": "trace engine", **versions}
+        return {"gpu": self.gpu_name, "simulated": "trace engine", **engine_versions()}
 
     def context_bytes(self) -> int:
         return self._context
@@ -188,11 +188,18 @@ def measure_points(measurer: Measurer, points: list[ProbePoint], path: Path,
     return record
 
 
+@functools.cache
+def _architecture(model: str) -> ModelArchitecture:
+    # the fit evaluates the model hundreds of times; read each config.json once
+    return resolve_model(model)
+
+
+def _point_estimate(point: PointMeasurement, cal: Calibration) -> Estimate:
+    return estimate(_architecture(point.model), TrainingConfig(**point.settings), trl_release(), cal, 80 * GiB)
+
+
 def _phase_bytes(point: PointMeasurement, cal: Calibration) -> dict[str, float]:
-    arch: ModelArchitecture = resolve_model(point.model)
-    train = TrainingConfig(**point.settings)
-    est = estimate(arch, train, trl_release(), cal, 80 * GiB)
-    return {p.name: p.tensor_bytes for p in est.phases}
+    return {p.name: p.tensor_bytes for p in _point_estimate(point, cal).phases}
 
 
 def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None = None) -> Calibration:
@@ -262,10 +269,9 @@ class FitQuality(BaseModel):
 def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
     rows = []
     for point in record.points:
-        arch = resolve_model(point.model)
-        est = estimate(arch, TrainingConfig(**point.settings), trl_release(), cal, 80 * GiB)
         measured = max(p.reserved_bytes for p in point.phases) + record.context_bytes
-        rows.append(FitQuality(label=point.label, measured_bytes=measured, predicted_bytes=est.peak_bytes))
+        rows.append(FitQuality(label=point.label, measured_bytes=measured,
+                               predicted_bytes=_point_estimate(point, cal).peak_bytes))
     return rows
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.metadata as md
 import shutil
 import subprocess
 import time
@@ -19,6 +18,7 @@ import torch
 
 from vram_planner.errors import VramPlanError
 from vram_planner.probe import PhaseMeasurement, PointMeasurement, ProbePoint, _config_json, _settings
+from vram_planner.trace import engine_versions
 from vram_planner.tracing.counter import PhaseState
 
 
@@ -63,7 +63,7 @@ class CudaMeasurer:
         free, total = torch.cuda.mem_get_info()
         return {"gpu": torch.cuda.get_device_name(), "capacity_bytes": str(total),
                 "driver": _nvidia_smi("driver_version") or "unknown", "cuda": str(torch.version.cuda),
-                **{p: md.version(p) for p in ("torch", "transformers", "trl", "peft")}}
+                **engine_versions()}
 
     def context_bytes(self) -> int:
         """What this process holds on the card outside torch's allocator (mem_get_info after initialisation, less

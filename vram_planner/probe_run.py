@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from rich.console import Console
@@ -88,9 +87,9 @@ def _print(console: Console, cal, quality: list[p.FitQuality], rows: list[p.Vali
         table.add_row(row.label, f"{row.measured_bytes / GiB:.2f}", f"{row.predicted_bytes / GiB:.2f}",
                       f"{row.error:+.1%}")
     console.print(table)
-    errors = [abs(r.error) for r in quality]
-    console.print(f"median error {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(quality)} "
-                  "steps")
+    errors = p.summary(quality)
+    console.print(f"median error {errors['median_error']:.1%}, worst {errors['worst_error']:.1%} over "
+                  f"{len(quality)} steps")
     fitted = ", ".join(f"{c} {getattr(cal, c):g}" for c in p.FITTED_COEFFICIENTS)
     console.print(f"fitted: CUDA context {cal.cuda_context_bytes / GiB:.2f} GiB, allocator reserve "
                   f"{cal.allocator_overhead_fraction:.1%} of the tensors, {fitted}")

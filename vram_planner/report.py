@@ -130,11 +130,11 @@ def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutc
     """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic tensor bytes beside it."""
     report = verdict_report(outcome.traced, command="trace")
     report.engine, report.seconds, report.trace_counts = "trace", round(outcome.seconds, 2), TRACE_COUNTS
-    analytic = {p.name: p for p in outcome.analytic.estimate.phases}
+    comparisons = {row.name: row for row in outcome.comparison()}
     for phase, traced in zip(report.phases, outcome.result.phases, strict=True):
         phase.tensor_bytes = traced.peak_bytes
-        other = analytic.get(phase.name)
-        if other is not None:
-            phase.analytic_tensor_bytes = round(other.tensor_bytes)
-            phase.analytic_relative_error = (other.tensor_bytes - traced.peak_bytes) / traced.peak_bytes
+        row = comparisons.get(phase.name)
+        if row is not None:
+            phase.analytic_tensor_bytes = round(row.analytic_bytes)
+            phase.analytic_relative_error = row.relative_error
     return report

@@ -140,6 +140,13 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
                        seconds=time.perf_counter() - start, notes=tuple(notes))
 
 
+def engine_versions() -> dict[str, str]:
+    """The installed versions of what a trace (or a probe) runs, by package name."""
+    import importlib.metadata as md
+
+    return {package: md.version(package) for package in ("torch", "transformers", "trl", "peft")}
+
+
 def check_traceable(train: TrainingConfig, release: TrlRelease | None = None) -> list[str]:
     """Raise VramPlanError for what the CPU trace cannot run; return notes on what it approximates."""
     problems = []
