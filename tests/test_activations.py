@@ -6,6 +6,8 @@ read off `vram-plan trace` runs of the real modeling code (see vram_planner/acti
 
 from __future__ import annotations
 
+import pytest
+
 from vram_planner import activations as act
 from vram_planner.calibration import Calibration
 from vram_planner.spec import training_config
@@ -97,3 +99,45 @@ def test_gemma_norms_keep_the_normalised_tensor_in_fp32():
     assert act.norm_saved_bytes(gemma, 1152, 2, trainable=True) == 4 * 1152 + 4 + 4 * 1152
     llama = resolve_model("Llama-3.2-1B")
     assert act.norm_saved_bytes(llama, 2048, 2, trainable=True) == 4 * 2048 + 4 + 2 * 2048
+
+
+def _phi3_and_its_llama_twin():
+    """Phi-3-mini-4k-instruct, and the same sizes laid out as Llama (separate q/k/v and gate/up projections)."""
+    from vram_planner.architecture import ModelArchitecture
+    from vram_planner.profiles import model_config
+
+    config, _, _ = model_config("Phi-3-mini-4k-instruct")
+    twin = {**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    return ModelArchitecture.from_config(config), ModelArchitecture.from_config(twin), config
+
+
+def test_phi3_reads_each_normalised_input_once_and_its_v_keeps_the_fused_qkv_output():
+    phi3, llama, _ = _phi3_and_its_llama_twin()
+    h, q, kv = 3072, 32 * 96, 32 * 96
+    fused_qkv_rest = 2 * (q + kv)  # v is a slice of qkv_proj's output: the q and k columns stay alive with it
+    # bf16 weights: every reader shares the norm output, so only the fused output differs
+    assert act.layer_saved_bytes(phi3, cfg(dtype="bfloat16"), 10) - act.layer_saved_bytes(
+        llama, cfg(dtype="bfloat16"), 10) == 10 * fused_qkv_rest
+    # fp32 weights: autocast casts the norm output once per reading linear, one (qkv_proj, gate_up_proj) not 3 and 2
+    assert act.layer_saved_bytes(phi3, cfg(), 10) - act.layer_saved_bytes(llama, cfg(), 10) == 10 * (
+        fused_qkv_rest - (2 + 1) * 2 * h)
+
+
+@pytest.mark.slow
+def test_phi3_layer_activations_match_the_trace():
+    # Four of Phi-3-mini's layers with LoRA and no checkpointing: every layer keeps its tensors until the LM head
+    from vram_planner.architecture import ModelArchitecture
+    from vram_planner.estimate import estimate
+    from vram_planner.spec import TrainingConfig
+    from vram_planner.trace import compare_with_estimate, trace_step
+    from vram_planner.trl_releases import trl_release
+
+    pytest.importorskip("trl")
+    *_, config = _phi3_and_its_llama_twin()
+    config = {**config, "num_hidden_layers": 4}
+    train = TrainingConfig(per_device_train_batch_size=2, num_generations=2, max_prompt_length=64,
+                           max_completion_length=64, lora_r=16, gradient_checkpointing=False)
+    analytic = estimate(ModelArchitecture.from_config(config), train, trl_release(), Calibration(), 80 * 2**30)
+    training = next(r for r in compare_with_estimate(trace_step(config, train), analytic) if r.name == "training")
+    traced, modelled = training.components["activations"]
+    assert abs(modelled - traced) / traced < 0.005, (traced, modelled)

@@ -111,3 +111,23 @@ def test_any_text_is_read_or_refused_cleanly(lines):
     except VramPlanError:
         return
     assert error.kind and (error.tried_to_allocate is None or error.tried_to_allocate >= 0)
+
+
+@pytest.mark.parametrize("knobs", [
+    # a generation batch of 1024 on a laptop: the plan shrinks the generation batch, which no single flag names
+    ["--per-device-train-batch-size", "1024", "--max-completion-length", "1024"],
+    # a 7B model on 16 GB: LoRA and 4-bit, reported joined where one of them alone costs memory
+    ["--per-device-train-batch-size", "8"],
+])
+def test_every_fix_is_flags_that_check_accepts(capsys, tmp_path, knobs):
+    log = tmp_path / "crash.log"
+    log.write_text(CURRENT)
+    model = "Llama-3.2-1B" if "1024" in knobs else "Qwen2.5-7B-Instruct"
+    base = ["--gpu", "rtx3080-mobile", "--model", model, *knobs]
+    code, out, _ = run(capsys, "advise", str(log), *base, "--json")
+    flags = [f["change"] for f in json.loads(out)["fixes"] if f["change"].startswith("--")]
+    assert code == 0 and flags
+    for change in flags:
+        # later flags win in click, so the fix's flags override the run's own: check must accept the result
+        code, out, err = run(capsys, "check", *base, *change.split(), "--json")
+        assert code in (0, 1), (change, err)

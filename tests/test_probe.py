@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_the_fit_recovers_the_coefficients_a_device_behaves_by():
 
 
 @pytest.mark.slow
-def test_a_simulated_probe_writes_a_calibration_that_check_then_uses():
+def test_a_simulated_probe_writes_a_calibration_that_check_uses_only_when_asked():
     points = tiny_points(2)
     measurer = SimulatedMeasurer("h100-80gb")
     seen = []
@@ -69,10 +70,25 @@ def test_a_simulated_probe_writes_a_calibration_that_check_then_uses():
     assert seen == [1, 2] and len(record.points) == 2
     cal = fit_calibration(record, "h100-80gb")
     assert cal.allocator_overhead_fraction == pytest.approx(0.10, abs=0.001)
-    written = save_calibration(cal, "h100-80gb")
-    assert json.loads(written[0].read_text())["name"] == "simulated probe"
-    verdict = api.check("Llama-3.2-1B", "h100-80gb")
-    assert verdict.context.calibration.name == "simulated probe"
+    [written] = save_calibration(cal, "h100-80gb")
+    assert written.name == "h100-80gb.simulated.json"  # the name says so, and so does the file
+    assert json.loads(written.read_text())["name"] == "simulated probe"
+    assert "simulated" in json.loads(written.read_text())["measured"]
+    # The real card keeps its defaults: a simulation is no measurement of it.
+    assert api.check("Llama-3.2-1B", "h100-80gb").context.calibration.name == "default"
+    asked = api.check("Llama-3.2-1B", "h100-80gb", calibration=written)
+    assert asked.context.calibration.name == "simulated probe"
+
+
+def test_a_real_probes_calibration_replaces_the_defaults_for_its_card():
+    truth = Calibration(backward_hidden_bytes=3)
+    record = synthetic_record(truth, tiny_points(2), reserve=0.2, context=400 * 2**20)
+    record = record.model_copy(update={"device": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "570.00"}})
+    cal = fit_calibration(record, "h100-80gb")
+    [written] = save_calibration(cal, "h100-80gb")
+    assert written == data_home() / "calibrations" / "h100-80gb.json" and cal.name == "probe"
+    used = api.check("Llama-3.2-1B", "h100-80gb").context.calibration
+    assert used.name == "probe" and used.cuda_context_bytes == 400 * 2**20
     assert api.check("Llama-3.2-1B", "a100-80gb").context.calibration.name == "default"
 
 
@@ -136,6 +152,37 @@ def test_probe_simulate_from_the_command_line_feeds_check(capsys):
     assert main(["probe", "--simulate", "--gpu", "h100", "--quick", "--json", "--out", str(out)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["calibration"]["gpu"] == "h100-80gb" and out.is_file()
+    assert result["written"] == [str(data_home() / "calibrations" / "h100-80gb.simulated.json"), str(out)]
     assert all(abs(row["error"]) < 0.03 for row in result["fit"])
     assert main(["check", "--gpu", "h100", "--model", "Llama-3.2-1B", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["calibration"] == "simulated probe (h100-80gb)"
+    assert json.loads(capsys.readouterr().out)["calibration"] == "default"
+    for path in result["written"]:
+        assert main(["check", "--gpu", "h100", "--model", "Llama-3.2-1B", "--json", "--calibration", path]) == 0
+        assert json.loads(capsys.readouterr().out)["calibration"] == "simulated probe (h100-80gb)"
+
+
+@pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "in /proc", "below /proc"])
+def test_an_unwritable_out_is_refused_before_measuring(capsys, tmp_path, where):
+    from test_cli import unwritable_targets
+    from vram_planner.cli import main
+
+    target = unwritable_targets(tmp_path)[where]
+    start = time.perf_counter()
+    code = main(["probe", "--simulate", "--gpu", "h100", "--quick", "--out", target])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ")
+    assert "--out" in err and target in err and ".tmp" not in err
+    assert time.perf_counter() - start < 5 and not record_path("h100-80gb").exists()
+
+
+def test_an_unwritable_data_home_is_refused_before_measuring(capsys, tmp_path, monkeypatch):
+    from vram_planner.cli import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.setenv("VRAM_PLAN_HOME", str(a_file / "home"))
+    start = time.perf_counter()
+    assert main(["probe", "--simulate", "--gpu", "h100", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "VRAM_PLAN_HOME" in err and str(a_file) in err
+    assert time.perf_counter() - start < 5

@@ -152,6 +152,47 @@ def test_a_release_with_full_logits_is_refused():
         check_traceable(TrainingConfig(), trl_release("1.14.0"))
 
 
+def fused_head_peaks(tokens: int, vocab: int, hidden: int = 64) -> tuple[int, int]:
+    """Peak live bytes of TRL's fused LM head forward, then backward, on fake tensors as the trace runs it."""
+    import types
+
+    import torch
+    import trl.kernels.chunked_logprob as chunked
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vram_planner.tracing.counter import LiveBytes
+    from vram_planner.tracing.patches import cuda_like_behaviour
+
+    tracker = LiveBytes()
+    with FakeTensorMode(), tracker, cuda_like_behaviour(types.SimpleNamespace(tracker=tracker)):
+        states = torch.empty(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.empty(vocab, hidden, requires_grad=True)
+        tracker.reset_peak()
+        log_probs = chunked.ChunkedLogProbFunction.apply(states, weight, None, torch.zeros(tokens, dtype=torch.long),
+                                                         1.0, 32768)[0]
+        forward = tracker.peak
+        tracker.reset_peak()
+        log_probs.sum().backward()
+    return forward, tracker.peak
+
+
+@pytest.mark.parametrize("tokens,vocab", [(9 * 4096 + 100, 4 * 32768 + 1000), (8 * 4096, 4 * 32768),
+                                          (5 * 4096 + 1, 5 * 32768 + 1)])
+def test_the_lm_heads_representative_tiles_count_what_every_tile_does(monkeypatch, tokens, vocab):
+    # The trace runs two plus two iterations of each of the head's tile loops (over 4096 tokens, 32768 words).
+    from vram_planner.tracing import patches
+
+    fused_head_peaks(100, 1000)  # the first call in a process allocates a few blocks once
+    representative = fused_head_peaks(tokens, vocab)
+    monkeypatch.setattr(patches, "_representative_range", range)
+    assert representative == fused_head_peaks(tokens, vocab)
+
+
+def test_a_sequence_beyond_the_models_positions_is_refused():
+    with pytest.raises(VramPlanError, match=r"longer than the model's max_position_embeddings \(64\)"):
+        trace_step(TINY | {"max_position_embeddings": 64}, TrainingConfig(**SHORT | {"max_completion_length": 49}))
+
+
 def test_importing_the_trace_module_imports_no_heavy_package():
     code = textwrap.dedent("""
         import sys

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -65,8 +66,10 @@ def test_what_the_cpu_cannot_trace_is_one_line(capsys, flags):
 
 def test_a_model_transformers_cannot_build_is_one_line(capsys, tmp_path):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "notamodel", "vocab_size": 1000, "hidden_size": 64,
-                                  "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}))
+    # A causal LM the planner reads as Llama-style, of a model_type transformers does not know.
+    config.write_text(json.dumps({"model_type": "notamodel", "architectures": ["NotamodelForCausalLM"],
+                                  "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "intermediate_size": 128}))
     err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", str(config))
     assert "cannot build" in err and "notamodel" in err and len(err) < 400
 
@@ -106,9 +109,10 @@ def test_the_library_returns_both_engines(traced_directly):
 
 
 def test_a_config_too_large_for_torch_to_size_is_one_line(capsys, tmp_path):
-    # A 2**40 x 2**30 embedding has more than 2**63 bytes; fake tensors still have to compute their size.
-    # (A 70B or 405B model traces: fake tensors hold no data, the process stays near 0.5 GiB; see the README.)
-    config = json.loads(TINY.read_text()) | {"vocab_size": 2**40, "hidden_size": 2**30}
+    # A (2**31 - 1) x (2**31 - 4) float32 embedding has more than 2**63 bytes; fake tensors still have to compute
+    # their size. (A 70B or 405B model traces: fake tensors hold no data, the process stays near 0.5 GiB; see the
+    # README.)
+    config = json.loads(TINY.read_text()) | {"vocab_size": 2**31 - 1, "hidden_size": 2**31 - 4}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     err = one_line_error(capsys, "trace", "--gpu", "80GiB", "--model", str(path), *SHORT)
@@ -132,11 +136,35 @@ def test_without_the_train_extras_it_says_how_to_install_them(blocked):
 
 @pytest.mark.slow
 def test_a_failure_inside_torch_is_one_line_without_torchs_logged_traceback(tmp_path):
-    # A BERT-style decoder has learned positions: 512 of them cannot take a 256 + 512-token sequence.
+    # A BERT-style decoder (read as Llama-style by the planner: it names a ...ForCausalLM) has learned positions:
+    # the 512 of its config class, unstated in config.json, cannot take a 256 + 512-token sequence.
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "bert", "is_decoder": True, "vocab_size": 1000, "hidden_size": 64,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}))
+    path.write_text(json.dumps({"model_type": "bert", "architectures": ["BertForCausalLM"], "is_decoder": True,
+                                "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 128}))
     done = _cli_in_a_subprocess("trace", "--gpu", "24GiB", "--model", str(path), "--max-completion-length", "512")
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "the trace failed while tracing generation" in done.stderr and "max_position_embeddings" in done.stderr
+
+
+@pytest.mark.parametrize("sizes", [["--per-device-train-batch-size", "1000000000000", "--num-generations", "2"],
+                                   ["--max-completion-length", "100000000"],
+                                   ["--per-device-train-batch-size", "4096", "--max-completion-length", "65536",
+                                    "--num-generations", "4"]])
+def test_the_traces_time_does_not_grow_with_the_sizes(capsys, traced_directly, sizes):
+    # The tiny config states no max_position_embeddings: nothing refuses these lengths, the trace has to run them.
+    start = time.perf_counter()
+    code, out, err = run(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, *sizes, "--json")
+    assert code == 1 and not json.loads(out)["fits"], err
+    assert time.perf_counter() - start < 30  # it took minutes when the LM head's loop ran every token chunk
+
+
+def test_a_sequence_longer_than_the_models_positions_is_refused_before_building_it(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(json.loads(TINY.read_text()) | {"max_position_embeddings": 2048}))
+    start = time.perf_counter()
+    err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", str(config), *SHORT,
+                         "--max-completion-length", "100000000")
+    assert "max_position_embeddings (2048)" in err and "100000016" in err and "vram-plan check" in err
+    assert time.perf_counter() - start < 2  # no model built

@@ -25,7 +25,7 @@ def test_rows_do_not_overlap():
 
 
 def test_unknown_release_is_a_clear_error():
-    with pytest.raises(VramPlanError, match="outside the releases"):
+    with pytest.raises(VramPlanError, match="outside the TRL releases vram-plan knows"):
         trl_release("0.1.0")
 
 

@@ -14,6 +14,11 @@ Counted from the autograd graph that transformers 5.x builds for a Llama-style l
   float32 log-sum-exp per head, plus a [B, 1, L, L] float mask in the compute dtype that each layer converts from the
   boolean one.
 - The gated MLP keeps the gate and up projections, the activation of the gate, and the product (down's input).
+- phi3 fuses q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`): each norm output has one reader, and the v that SDPA
+  keeps is a slice of the fused output, which keeps all of it alive. (The CPU flash kernel lays its output out like
+  its query, which phi3's rotary makes head-major, so with full fine-tuning the trace also counts o_proj's contiguous
+  copy of it, one q-wide tensor per layer; CUDA's memory-efficient kernel writes the token-major layout o_proj reads,
+  which is what is counted here.)
 
 Symbols as in `vram_planner.memory`. Liger's kernels keep less; their coefficients stay in the calibration.
 """
@@ -105,7 +110,9 @@ def _repeated_kv_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> 
     if k > 1 and q_width != kv_width:
         return 2 * c * q_width
     key_cast = _autocast(train) and s.residual != c
-    return c * (q_width if key_cast else kv_width) + c * kv_width
+    # phi3's v is a slice of the fused qkv_proj output: keeping it keeps the q and k columns of that tensor too
+    fused = c * (q_width + kv_width) if arch.family.fused_qkv else 0
+    return c * (q_width if key_cast else kv_width) + c * kv_width + fused
 
 
 def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:

@@ -129,8 +129,7 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
     verdict = judge(context, train)
     advice.culprit, advice.phase = attribute(error, verdict)
     plan = best_plan(context, train)
-    ranked = [Fix(change=f"--{c.knob.replace('_', '-')} {c.after}", saves_bytes=round(c.saved_bytes),
-                  cost=_cost(c.knob), why=c.reason) for c in plan.changes]
+    ranked = _plan_fixes(plan.changes)
     if context.release.lm_head != "fused_chunked":
         from vram_planner.lm_head import lm_head_memory
         from vram_planner.trl_releases import trl_release
@@ -149,7 +148,24 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
     return advice
 
 
+def _plan_fixes(changes: Any) -> list[Fix]:
+    """The plan's steps as fixes that stand alone: each applies every step up to it (a step is measured after the
+    ones before it, so alone it may not even be valid), and saves what they save together."""
+    from vram_planner.spec import command_line_flags
+
+    fixes, settings, saved, knobs, reasons = [], {}, 0.0, [], []
+    for change in changes:
+        settings, saved = {**settings, **change.settings}, saved + change.saved_bytes
+        knobs, reasons = knobs + [change.knob], reasons + [change.reason]
+        fixes.append(Fix(change=command_line_flags(settings), saves_bytes=round(saved),
+                         cost=_cost(" + ".join(knobs)), why="; ".join(reasons)))
+    return fixes
+
+
 def _cost(knob: str) -> str:
+    """What a change costs; a joined change (`lora_r + load_in_4bit`) costs what its parts cost."""
+    if " + " in knob:
+        return "; ".join(dict.fromkeys(_cost(part) for part in knob.split(" + ")))
     return {"per_device_train_batch_size": "slower steps, same training",
             "gradient_accumulation_steps": "slower steps, same training",
             "gradient_checkpointing": "about 30% slower backward",

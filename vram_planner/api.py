@@ -13,18 +13,22 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.calibration import Calibration, calibration_for
-from vram_planner.errors import VramPlanError
+from vram_planner.errors import ConfigError, VramPlanError
 from vram_planner.profiles import GpuProfile, model_config, resolve_model
 from vram_planner.search import Plan, best_plan
 from vram_planner.spec import TrainingConfig, training_config
 from vram_planner.trl_releases import trl_release
-from vram_planner.verdict import DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, check_gpu, judge
+from vram_planner.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, check_safety_margin,
+                                  check_training, judge)
 
 
 def make_context(model: str, gpu: str | GpuProfile, *, trl_version: str | None = None,
                  calibration: Calibration | Path | None = None,
                  safety_margin: float = DEFAULT_SAFETY_MARGIN) -> Context:
     """Resolve the model, the GPU, the TRL release and the calibration to judge configs against."""
+    check_safety_margin(safety_margin)  # before a hub id is fetched for nothing
+    if trl_version is not None and not isinstance(trl_version, str):
+        raise ConfigError([f"--trl-version should be a version like 1.16.0, as a string (got {trl_version!r:.60})"])
     gpu_profile = gpu if isinstance(gpu, GpuProfile) else GpuProfile.from_name(gpu)
     if not isinstance(calibration, Calibration):
         calibration = calibration_for(gpu_profile.name, calibration)
@@ -36,6 +40,8 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
     """Validate the knobs, fill the TRL release's defaults and adapt unset defaults to the GPU."""
     if isinstance(settings, TrainingConfig):
         train, explicit = settings, set(settings.model_fields_set)
+    elif settings is not None and not isinstance(settings, dict):
+        raise ConfigError([f"settings should be a mapping of GRPOConfig-style knobs to values (got {settings!r:.60})"])
     else:
         values = {k: v for k, v in (settings or {}).items() if v is not None}
         explicit = set(values)
@@ -44,7 +50,7 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
                     "dtype": context.release.default_model_dtype}
         train = training_config({**defaults, **values})
     train = adapt_to_gpu(train, context.gpu, explicit)
-    check_gpu(train, context.gpu)
+    check_training(train, context)
     return train
 
 

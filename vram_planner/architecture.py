@@ -2,6 +2,13 @@
 
 Parameter counts follow the modeling code of transformers 5.x for each family (the tests build every
 catalog model on the meta device and compare, exactly).
+
+What is planned: the model_types of FAMILIES (and their aliases), exactly. A config with another model_type is read
+as a Llama-style decoder, with a note that counts may be off, only when it says it is a dense causal LM: an
+`architectures` entry ending in ForCausalLM (or, for a multimodal wrapper, ForConditionalGeneration), no
+`is_encoder_decoder`, no experts. Most new decoders are Llama-shaped, so that reading is close; an encoder or an
+encoder-decoder cannot generate GRPO's completions, and a mixture of experts would be counted several times too
+small, so those are refused, with the supported model_types in the message. Every size must be a positive integer.
 """
 
 from __future__ import annotations
@@ -9,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vram_planner.errors import ProfileError
+from vram_planner.errors import ProfileError, json_kind
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ class Family:
     """How a model_type lays out its decoder layer."""
 
     fused_qkv: bool = False  # phi3: one qkv_proj
-    fused_gate_up: bool = False  # phi3: one gate_up_proj
+    fused_gate_up: bool = False  # phi3: one gate_up_proj (mlp_names then names it and down_proj)
     gated_mlp: bool = True  # SwiGLU/GeGLU (gate, up, down) vs fc1/fc2
     qkv_bias: bool | None = None  # None: read `attention_bias`
     o_bias: bool | None = None  # None: same as the q/k/v bias
@@ -52,7 +59,7 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family(fp32_norm_scale=True),
     "gemma2": Family(norms_per_layer=4, fp32_norm_scale=True),
     "gemma3_text": Family(norms_per_layer=4, qk_norm=True, fp32_norm_scale=True),
-    "phi3": Family(fused_qkv=True, fused_gate_up=True, qkv_bias=False),
+    "phi3": Family(fused_qkv=True, fused_gate_up=True, qkv_bias=False, mlp_names=("gate_up_proj", "down_proj")),
     "phi": Family(
         gated_mlp=False, qkv_bias=True, norms_per_layer=1, layer_norm_bias=True, lm_head_bias=True,
         attention_out_name="dense", mlp_names=("fc1", "fc2"),
@@ -87,46 +94,47 @@ class ModelArchitecture:
     hub_id: str = ""  # what to pass to from_pretrained / GRPOTrainer(model=...)
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], name: str = "", hub_id: str = "") -> ModelArchitecture:
-        """Read a transformers config.json dict (multimodal configs: their text_config)."""
+    def from_config(cls, config: Any, name: str = "", hub_id: str = "") -> ModelArchitecture:
+        """Read a transformers config.json dict (multimodal configs: their text_config); ProfileError when it is not
+        a decoder language model's config or a size is not a positive integer."""
+        where = f"model config {name or '(unnamed)'}"
+        if not isinstance(config, dict):
+            raise ProfileError(f"{where} should be a JSON object of settings (got a JSON {json_kind(config)})")
         vision_params, vision_known = 0, True
         if "text_config" in config and "hidden_size" not in config:
-            vision_params, vision_known = _vision_params(config)
-            config = {**config["text_config"], "tie_word_embeddings": config.get(
-                "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", True))}
-        model_type = str(config.get("model_type", ""))
+            vision_params, vision_known = _vision_params(config, where)
+            config = _text_config(config, where)
+        model_type = config.get("model_type", "")
+        if not isinstance(model_type, str):
+            raise ProfileError(f"{where}: model_type should be a string (got {model_type!r})")
         model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
         family = FAMILIES.get(model_type)
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-                   if not isinstance(config.get(k), int)]
-        if missing:
-            raise ProfileError(f"model config {name or '(unnamed)'} lacks {', '.join(missing)}: "
-                               "is it a decoder language model's config.json?")
-        hidden = config["hidden_size"]
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or hidden // heads
-        num_layers = config["num_hidden_layers"]
-        intermediate = config.get("intermediate_size") or config.get("n_inner") or 4 * hidden
-        sliding_window, sliding_layers = _sliding_layers(config, model_type, num_layers)
+        if family is None:
+            _refuse_unless_causal_decoder(config, model_type, where)
+        sizes = _sizes(config, where)
+        hidden, heads, num_layers = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_hidden_layers"]
+        kv_heads, head_dim = _key_value_heads_and_head_dim(sizes, where)
+        sliding_window, sliding_layers = _sliding_layers(config, model_type, num_layers, where)
         default_tie = model_type in ("gemma", "gemma2", "gemma3_text")
+        gated = (family or Family()).gated_mlp
         return cls(
             model_type=model_type,
-            vocab_size=config["vocab_size"],
+            vocab_size=sizes["vocab_size"],
             hidden_size=hidden,
             num_layers=num_layers,
             num_attention_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=intermediate,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", default_tie)),
-            family=_with_config_biases(family or Family(), config),
+            intermediate_size=sizes["intermediate_size"] or sizes["n_inner"] or 4 * hidden,
+            tie_word_embeddings=_flag(config, "tie_word_embeddings", default_tie, where),
+            family=_with_config_biases(family or Family(), config, where),
             exact=family is not None and vision_known,
-            max_position_embeddings=config.get("max_position_embeddings"),
+            max_position_embeddings=sizes["max_position_embeddings"],
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
             config_dtype=config.get("dtype") or config.get("torch_dtype"),
             # phi's fc1/fc2 always carry biases; gated MLPs only when the config asks
-            mlp_bias=bool(config.get("mlp_bias", False)) if (family or Family()).gated_mlp else True,
+            mlp_bias=_flag(config, "mlp_bias", False, where) if gated else True,
             vision_params=vision_params,
             name=name,
             hub_id=hub_id or name,
@@ -148,10 +156,10 @@ class ModelArchitecture:
         if not f.gated_mlp:
             mlp = [Linear(f.mlp_names[0], h, i, mlp_bias), Linear(f.mlp_names[1], i, h, mlp_bias)]
         elif f.fused_gate_up:
-            mlp = [Linear("gate_up_proj", h, 2 * i, mlp_bias), Linear("down_proj", i, h, mlp_bias)]
+            mlp = [Linear(f.mlp_names[0], h, 2 * i, mlp_bias), Linear(f.mlp_names[1], i, h, mlp_bias)]
         else:
-            mlp = [Linear("gate_proj", h, i, mlp_bias), Linear("up_proj", h, i, mlp_bias),
-                   Linear("down_proj", i, h, mlp_bias)]
+            mlp = [Linear(f.mlp_names[0], h, i, mlp_bias), Linear(f.mlp_names[1], h, i, mlp_bias),
+                   Linear(f.mlp_names[2], i, h, mlp_bias)]
         return attention + mlp
 
     @property
@@ -205,43 +213,140 @@ class ModelArchitecture:
         return full * sequence_tokens + self.sliding_layers * window
 
 
-def _vision_params(config: dict[str, Any]) -> tuple[int, bool]:
+# Sizes are tensor dimensions; past int32 they are typos, and far past it the arithmetic leaves float range.
+MAX_SIZE = 2**31 - 1
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "max_position_embeddings")
+# A config carrying one of these with more than one expert routes tokens through several MLPs: read as a dense
+# Llama, its weights would be counted several times too small.
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def supported_model_types() -> list[str]:
+    """The model_type values vram-plan models exactly (for messages)."""
+    return sorted({*FAMILIES, *MODEL_TYPE_ALIASES})
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_SIZE
+
+
+def _sizes(config: dict[str, Any], where: str, required: tuple[str, ...] = REQUIRED_SIZES,
+           optional: tuple[str, ...] = OPTIONAL_SIZES) -> dict[str, int | None]:
+    """The sizes memory depends on, each a positive integer (or absent, for the optional ones)."""
+    missing = [k for k in required if config.get(k) is None]
+    if missing:
+        hint = ": is it a decoder language model's config.json?" if required == REQUIRED_SIZES else ""
+        raise ProfileError(f"{where} lacks {', '.join(missing)}{hint}")
+    sizes = {k: config.get(k) for k in required + optional}
+    for key, value in sizes.items():
+        if value is not None and not _positive_int(value):
+            raise ProfileError(f"{where}: {key} should be a positive integer (got {value!r})")
+    return sizes
+
+
+def _key_value_heads_and_head_dim(sizes: dict[str, int | None], where: str) -> tuple[int, int]:
+    """Key/value heads that divide the query heads evenly (transformers' repeat_kv), and a head of at least one."""
+    hidden, heads = sizes["hidden_size"], sizes["num_attention_heads"]
+    kv_heads = sizes["num_key_value_heads"] or heads
+    if heads % kv_heads:
+        raise ProfileError(f"{where}: num_attention_heads ({heads}) should be a multiple of num_key_value_heads "
+                           f"({kv_heads})")
+    head_dim = sizes["head_dim"] or hidden // heads
+    if not head_dim:
+        raise ProfileError(f"{where}: hidden_size ({hidden}) is smaller than num_attention_heads ({heads}) and no "
+                           "head_dim is given")
+    return kv_heads, head_dim
+
+
+def _flag(config: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProfileError(f"{where}: {key} should be true or false (got {value!r})")
+    return value
+
+
+def _text_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """A multimodal config's text model settings, with the wrapper's tied embeddings and architectures."""
+    text = config["text_config"]
+    if not isinstance(text, dict):
+        raise ProfileError(f"{where}: text_config should be a mapping of the text model's settings "
+                           f"(got a JSON {json_kind(text)})")
+    tie = config.get("tie_word_embeddings")
+    return {**text, "architectures": text.get("architectures") or config.get("architectures"),
+            "tie_word_embeddings": text.get("tie_word_embeddings", True) if tie is None else tie}
+
+
+def _refuse_unless_causal_decoder(config: dict[str, Any], model_type: str, where: str) -> None:
+    """An unknown model_type is read as a Llama-style decoder only when its config says it is a dense causal LM."""
+    architectures = config.get("architectures")
+    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+    # a multimodal wrapper names its generation head ...ForConditionalGeneration; encoder-decoders say so below
+    causal = [n for n in names if n.endswith(("ForCausalLM", "ForConditionalGeneration"))]
+    experts = [(k, config[k]) for k in EXPERT_COUNTS if isinstance(config.get(k), int) and config[k] > 1]
+    label = f"model_type {model_type!r}" if model_type else "a config without model_type"
+    if config.get("is_encoder_decoder") is True:
+        problem = f"{label} is an encoder-decoder model"
+    elif names and not causal:
+        problem = f"{label} ({', '.join(names)}) is not a decoder language model"
+    elif not causal:
+        problem = f"{label} is not one vram-plan knows, and the config names no ...ForCausalLM architecture"
+    elif experts:
+        problem = f"{label} is a mixture-of-experts model ({experts[0][0]} {experts[0][1]})"
+    else:
+        return
+    raise ProfileError(f"{where}: {problem}; vram-plan plans dense decoder-only language models: model_type "
+                       f"{', '.join(supported_model_types())}, or another ...ForCausalLM read as Llama-style")
+
+
+def _vision_params(config: dict[str, Any], where: str) -> tuple[int, bool]:
     """Parameters of a SigLIP vision tower and Gemma 3's projector (modeling_siglip, modeling_gemma3)."""
     vision = config.get("vision_config") or {}
+    if not isinstance(vision, dict):
+        raise ProfileError(f"{where}: vision_config should be a mapping (got a JSON {json_kind(vision)})")
     if not vision:
         return 0, True
     if vision.get("model_type") != "siglip_vision_model":
         return 0, False
-    h, i, layers = vision["hidden_size"], vision["intermediate_size"], vision["num_hidden_layers"]
-    patch, channels = vision.get("patch_size", 14), vision.get("num_channels", 3)
-    patches = (vision.get("image_size", 224) // patch) ** 2
+    sizes = _sizes(vision, f"{where}: vision_config", ("hidden_size", "intermediate_size", "num_hidden_layers"),
+                   ("patch_size", "num_channels", "image_size"))
+    h, i, layers = sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"]
+    patch, channels, image = sizes["patch_size"] or 14, sizes["num_channels"] or 3, sizes["image_size"] or 224
+    patches = (image // patch) ** 2
     embeddings = h * channels * patch * patch + h + patches * h
     per_layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h  # q, k, v, out; fc1, fc2; two LayerNorms
     tower = embeddings + layers * per_layer + 2 * h  # post_layernorm
-    projector = h * config["text_config"]["hidden_size"] + h if config.get("model_type") == "gemma3" else 0
+    text_hidden = config["text_config"].get("hidden_size") if isinstance(config["text_config"], dict) else None
+    projector = h * text_hidden + h if config.get("model_type") == "gemma3" and _positive_int(text_hidden) else 0
     return tower + projector, True
 
 
-def _with_config_biases(family: Family, config: dict[str, Any]) -> Family:
+def _with_config_biases(family: Family, config: dict[str, Any], where: str) -> Family:
     if family.qkv_bias is not None:
         return family
     from dataclasses import replace
 
-    return replace(family, qkv_bias=bool(config.get("attention_bias", False)))
+    return replace(family, qkv_bias=_flag(config, "attention_bias", False, where))
 
 
-def _sliding_layers(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, int]:
+def _sliding_layers(config: dict[str, Any], model_type: str, num_layers: int,
+                    where: str) -> tuple[int | None, int]:
+    """The sliding window and how many layers use it (counted, never looped over: num_layers may be huge)."""
     window = config.get("sliding_window")
-    if not window or config.get("use_sliding_window") is False:
+    if not window or _flag(config, "use_sliding_window", True, where) is False:
         return None, 0
+    if not _positive_int(window):
+        raise ProfileError(f"{where}: sliding_window should be a positive integer (got {window!r})")
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list) and layer_types:
-        return window, sum(1 for t in layer_types if t == "sliding_attention")
-    if model_type == "gemma2":
-        return window, sum(1 for i in range(num_layers) if (i + 1) % 2)
-    if model_type == "gemma3_text":
-        pattern = config.get("sliding_window_pattern") or 6
-        return window, sum(1 for i in range(num_layers) if (i + 1) % pattern)
-    if model_type == "mistral":
+        return window, sum(1 for t in layer_types[:num_layers] if t == "sliding_attention")
+    if model_type == "gemma2":  # every other layer, starting with the first
+        return window, num_layers - num_layers // 2
+    if model_type == "gemma3_text":  # all but every `pattern`-th layer
+        pattern = _sizes(config, where, (), ("sliding_window_pattern",))["sliding_window_pattern"] or 6
+        return window, num_layers - num_layers // pattern
+    if model_type in ("mistral", "phi3"):  # transformers' DynamicCache slides every layer of a config with a window
         return window, num_layers
     return None, 0

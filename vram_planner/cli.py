@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from vram_planner.errors import VramPlanError
+from vram_planner.errors import VramPlanError, first_line
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_ERROR = 0, 1, 2
 _PATH = click.Path(path_type=Path, dir_okay=False)
@@ -45,16 +45,19 @@ _KNOBS = [
     click.option("--zero-stage", type=int),
     click.option("--fsdp/--no-fsdp", default=None),
 ]
-_COMMON = [
+_CONTEXT = [
     click.option("--gpu", help="Catalog name, 'auto', or a size like 24GiB."),
     click.option("--model", help="Catalog name, config.json, model folder or hub id."),
     click.option("--config", "config_file", type=_PATH, help="YAML/JSON file with the same keys as the flags."),
-    click.option("--json", "json_output", is_flag=True, help="Print one JSON document."),
-    click.option("--plot", type=_PATH, help="Write stacked bars per phase to this PNG."),
     click.option("--trl-version", help="Plan for this TRL release (default: the installed one)."),
     click.option("--calibration", type=_PATH, help="Calibration profile to use."),
     click.option("--safety-margin", type=click.FloatRange(0, 0.5), default=0.05, show_default=True,
                  help="Share of the card kept free."),
+]
+# What plan/check/trace report besides the exit code; a run's output is its folder and log instead.
+_REPORT = [
+    click.option("--json", "json_output", is_flag=True, help="Print one JSON document."),
+    click.option("--plot", type=_PATH, help="Write stacked bars per phase to this PNG."),
 ]
 
 
@@ -72,7 +75,7 @@ def _training_command(command: str, doc: str) -> None:
         _execute(command, options)
 
     run.__doc__ = doc
-    for option in reversed(_COMMON + _KNOBS):
+    for option in reversed(_CONTEXT + _REPORT + _KNOBS):
         run = option(run)
     app.command(command)(run)
 
@@ -86,6 +89,10 @@ _NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version
 
 
 def _execute(command: str, options: dict[str, Any]) -> None:
+    if options["plot"]:  # before any work: a plot that cannot be written is refused now, not after the plan
+        from vram_planner.plot import check_plot_target
+
+        check_plot_target(options["plot"])
     if command == "trace":
         _trace(options)
     context, train = _resolve(command, options)
@@ -138,6 +145,10 @@ def _settings(command: str, options: dict[str, Any], gpu_required: bool = True) 
     from vram_planner.settings_file import read_settings_file
 
     settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
+    for name in ("gpu", "model"):  # an empty value is a mistake, not "not given"
+        if (options[name] is not None and not options[name].strip()) or settings.get(name) == "":
+            raise VramPlanError(f"--{name} is empty; give a catalog name (vram-plan {name}s) or "
+                                + ("a size such as 24GiB" if name == "gpu" else "a config.json, folder or hub id"))
     gpu = options["gpu"] or settings.get("gpu")
     model = options["model"] or settings.get("model")
     missing = [f"--{name}" for name, value in (("gpu", gpu or not gpu_required), ("model", model)) if not value]
@@ -198,16 +209,19 @@ def list_models(json_output: bool) -> None:
 
 
 def _run_options(function: Any) -> Any:
-    for option in reversed(_COMMON + _KNOBS + [
+    for option in reversed(_CONTEXT + _KNOBS + [
         click.option("--dataset", required=True, help="gsm8k, math-sample, a .jsonl/.parquet file or a folder."),
         click.option("--reward", "rewards", multiple=True,
                      help="format, correctness, or module:function (repeat for several; default: both built-ins)."),
         click.option("--output-dir", type=click.Path(path_type=Path, file_okay=False), help="Where checkpoints go."),
+        click.option("--resume", is_flag=True, help="Continue the run in --output-dir from its last checkpoint."),
+        click.option("--overwrite", is_flag=True, help="Remove the run already in --output-dir and start afresh."),
         click.option("--max-steps", type=int, default=-1, show_default=True, help="-1: one epoch."),
         click.option("--save-steps", type=int, default=100, show_default=True),
         click.option("--dry-run", is_flag=True, help="Print the config, command and predicted memory; start nothing."),
         click.option("--auto-fallback", is_flag=True,
                      help="On out-of-memory, resume from the last checkpoint with the next config down the ladder."),
+        click.option("--verbose", is_flag=True, help="Show the libraries' warnings, log lines and progress bars."),
     ]):
         function = option(function)
     return function
@@ -217,50 +231,36 @@ def _run_options(function: Any) -> Any:
 @_run_options
 def run(**options: Any) -> None:
     """Start the GRPO run the plan recommends (TRL's GRPOTrainer), logging memory per step."""
-    from vram_planner.launch import (CONFIG_NAME, RunOutOfMemory, RunSetup, accelerate_config_yaml, launch,
-                                     launch_command, needs_launcher, prepare, smoke_step, start_run)
+    from vram_planner.extras import require_train_extra
+    from vram_planner.grpo_config import output_dir_name
+
+    require_train_extra("vram-plan run")
+    from vram_planner.launch import (CONFIG_NAME, RunSetup, accelerate_config_yaml, is_main_process, launch,
+                                     launch_command, library_output, needs_launcher, prepare, train)
     from vram_planner.search import best_plan
 
-    run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "dry_run", "auto_fallback")
-    run_options = {k: options.pop(k) for k in run_keys}
-    context, train = _resolve("run", options)
+    run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite")
+    settings = {k: options.pop(k) for k in run_keys}
+    dry_run, auto_fallback, verbose = (options.pop(k) for k in ("dry_run", "auto_fallback", "verbose"))
+    context, knobs = _resolve("run", options)
     model_id = context.arch.hub_id or context.model_id
     on_cpu = not _cuda_available()
-    setup = RunSetup.from_plan(
-        best_plan(context, train), model_id=model_id, dataset=run_options["dataset"],
-        rewards=list(run_options["rewards"]) or ["format", "correctness"],
-        output_dir=run_options["output_dir"] or Path(f"grpo-{Path(model_id).name}"),
-        max_steps=run_options["max_steps"], save_steps=run_options["save_steps"], on_cpu=on_cpu,
-        notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
-    dataset = prepare(setup)
-    click.echo(setup.describe())
-    if needs_launcher(setup.train):
-        argv = click.get_current_context().find_root().obj["argv"]
-        click.echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup.train)}"
-                   f"command: {' '.join(launch_command(setup, argv))}")
-        raise click.exceptions.Exit(EXIT_FITS if run_options["dry_run"] else launch(setup, argv))
-    resume = None
-    while not run_options["dry_run"]:
-        try:
-            if resume is None:
-                click.echo("smoke step: the longest prompts, full-length completions", err=True)
-                smoke_step(setup, dataset)
-            start_run(setup, dataset, resume)
-            break
-        except RunOutOfMemory as oom:
-            smaller = oom.setup.one_rung_down() if run_options["auto_fallback"] else None
-            if smaller is None:
-                raise
-            click.echo(f"{oom}\nfalling back: {_changed(setup.train, smaller.train)}, predicted peak "
-                       f"{smaller.predicted_peak_bytes / 2**30:.2f} GiB; resuming from {oom.checkpoint}", err=True)
-            setup, resume = smaller, oom.checkpoint
+    settings["rewards"] = list(settings["rewards"]) or ["format", "correctness"]
+    settings["output_dir"] = settings["output_dir"] or Path(output_dir_name(model_id))
+    setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, **settings,
+                               notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
+    echo = click.echo if is_main_process() else (lambda *args, **kwargs: None)
+    with library_output(verbose):
+        prepared = prepare(setup)
+        echo(setup.describe())
+        if needs_launcher(setup.train):
+            argv = click.get_current_context().find_root().obj["argv"]
+            echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup.train)}"
+                 f"command: {' '.join(launch_command(setup, argv))}")
+            raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv))
+        if not dry_run:
+            train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))
     raise click.exceptions.Exit(EXIT_FITS)
-
-
-def _changed(before: Any, after: Any) -> str:
-    fields = type(before).model_fields
-    return ", ".join(f"{k} {getattr(before, k)} -> {getattr(after, k)}" for k in fields
-                     if getattr(before, k) != getattr(after, k))
 
 
 def _cuda_available() -> bool:
@@ -284,7 +284,9 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
 
     error = read_log(_bounded_lines(log))
     context = train = None
-    if gpu and model:
+    # The run's model and card attribute the allocation; given one without the other (or a --config without
+    # either), say what is missing rather than advise without them.
+    if gpu is not None or model is not None or config_file is not None:
         options = {"gpu": gpu, "model": model, "config_file": config_file, "trl_version": trl_version,
                    "calibration": None, "safety_margin": 0.05, **knobs}
         context, train = _resolve("advise", options)
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
-        click.echo(f"error: {message}", err=True)
+        click.echo(f"error: {_one_line(message)}", err=True)
         return EXIT_ERROR
     except click.exceptions.Abort:
         click.echo("error: aborted", err=True)
@@ -356,8 +358,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        click.echo(f"error: {type(exc).__name__}: {first_line} (run with --debug for the traceback)", err=True)
+        # A bug, not bad input: what it says, without the class name (the traceback is what --debug is for).
+        reason = first_line(exc, default="")
+        click.echo(f"error: internal error{': ' + reason if reason else ''}; run with --debug for the traceback",
+                   err=True)
         return EXIT_ERROR
     return exit_code if isinstance(exit_code, int) else EXIT_FITS
+
+
+def _one_line(message: str) -> str:
+    """A message as the one line the contract promises, whatever it quotes (a path or a value with a newline)."""
+    return " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 
 class VramPlanError(Exception):
@@ -17,7 +18,8 @@ class UnknownNameError(VramPlanError):
         self.kind = kind
         self.name = name
         self.suggestions = closest_names(name, known)
-        text = f"unknown {kind} {name!r}"
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:76] + "...'"
+        text = f"unknown {kind} {shown}"
         if self.suggestions:
             text += "; did you mean " + ", ".join(repr(s) for s in self.suggestions) + "?"
         if hint:
@@ -51,3 +53,18 @@ def closest_names(name: str, known: Iterable[str], limit: int = 3) -> list[str]:
     if not matches:
         matches = [k for k in by_lower if query in k or k in query][:limit]
     return [by_lower[m] for m in matches]
+
+
+def json_kind(value: Any) -> str:
+    """What a value read from JSON is, in JSON's words: object, array, string, number, boolean, null."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def first_line(exc: BaseException | str, default: str = "no reason given", limit: int = 300) -> str:
+    """What went wrong in the words of whoever raised it, on one line and without the exception's class name (the
+    traceback is what --debug is for)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # "1 validation error for X:" and then the reason
+        lines[0] += " " + lines[1]
+    return (lines[0] if lines else default)[:limit]

@@ -96,7 +96,7 @@ def python_snippet(train: TrainingConfig, model_id: str) -> str:
         lines.insert(0, "from peft import LoraConfig")
     if quant:
         lines.insert(0, "from transformers import BitsAndBytesConfig")
-    lines += ["", "args = GRPOConfig(", f'    output_dir="grpo-{model_id.rsplit("/", 1)[-1]}",']
+    lines += ["", "args = GRPOConfig(", f"    output_dir={json.dumps(output_dir_name(model_id))},"]
     lines += [f"    {key}={_py(value)}," for key, value in kwargs.items()]
     lines += [")", "trainer = GRPOTrainer(", f"    model={model_id!r},",
               "    reward_funcs=[...],  # your reward functions", "    args=args,",
@@ -108,6 +108,14 @@ def python_snippet(train: TrainingConfig, model_id: str) -> str:
         lines.append(f"    quantization_config=BitsAndBytesConfig({call_args(quant)}),")
     lines += [")", "trainer.train()"]
     return "\n".join(lines)
+
+
+def output_dir_name(model_id: str) -> str:
+    """`grpo-<model>`: the last part of a hub id or of a local folder (a config.json's folder)."""
+    parts = [part for part in model_id.replace("\\", "/").split("/") if part]
+    if len(parts) > 1 and parts[-1].lower().endswith(".json"):
+        parts.pop()
+    return f"grpo-{parts[-1] if parts else 'model'}"
 
 
 def _py(value: Any) -> str:

@@ -1,28 +1,36 @@
 """`vram-plan run`: start the TRL GRPO run the plan recommends, with the same objects `plan` prints.
 
-Everything a run depends on is checked before the output folder is created (dataset columns, rewards on a sample
-batch, a model folder's weights), so bad input leaves nothing behind. Heavy imports happen only here.
+Everything a run depends on is checked before anything is written or the smoke step starts (optional packages, the
+output folder, a model folder's weights, the dataset's prompts and columns, the chat template, rewards on a sample
+batch), so bad input leaves nothing behind. Heavy imports happen only here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import shutil
 import time
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vram_planner.errors import VramPlanError
+from vram_planner.errors import VramPlanError, first_line
+from vram_planner.extras import require_bitsandbytes
+from vram_planner.files import check_writable
 from vram_planner.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
-from vram_planner.rewards import check_reward, load_reward
+from vram_planner.rewards import check_rewards, load_reward, sample_batch
 from vram_planner.search import Plan, micro_batch_variants, rungs
 from vram_planner.spec import TrainingConfig
 from vram_planner.units import GiB
 from vram_planner.verdict import Verdict, judge
 
 LOG_NAME = "vram-plan-log.jsonl"
+CONFIG_NAME = "accelerate_config.yaml"  # TRL's accelerate config for several GPUs
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
@@ -38,7 +46,17 @@ class RunSetup:
     max_steps: int = -1  # -1: one epoch over the dataset, as TRL does
     save_steps: int = 100
     on_cpu: bool = False
+    resume: bool = False  # continue from the last checkpoint in output_dir
+    overwrite: bool = False  # remove the run already in output_dir and start afresh
     notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise VramPlanError(f"--max-steps {self.max_steps}: give the number of optimizer steps (1 or more), or -1 "
+                                "for one epoch over the dataset")
+        if self.save_steps < 1:
+            raise VramPlanError(f"--save-steps {self.save_steps}: a checkpoint is saved every N steps; give N of 1 or "
+                                "more")
 
     @classmethod
     def from_plan(cls, plan: Plan, **settings: Any) -> RunSetup:
@@ -103,24 +121,110 @@ def check_model_folder(model_id: str) -> None:
 
 
 def prepared_dataset(setup: RunSetup) -> Any:
-    """The dataset with its columns checked against the rewards, each reward tried on a sample batch."""
-    from vram_planner.train_data import load_prompts, require_columns
+    """The dataset with its prompts and columns checked, the chat template tried on chat prompts, and each reward
+    tried on a sample batch."""
+    from vram_planner.train_data import check_prompts, load_prompts, require_columns
 
     dataset = load_prompts(setup.dataset)
     require_columns(dataset, {"prompt"}, "GRPOTrainer reads the prompts from it")
     if "correctness" in setup.rewards:
         require_columns(dataset, {"answer"}, "the correctness reward compares with it")
-    row = dataset[0]
-    sample = {"prompts": [row["prompt"]] * 2,
-              "completions": ["<reasoning>\n1 + 1 = 2\n</reasoning>\n<answer>\n2\n</answer>\n", "2"],
-              **{column: [row[column]] * 2 for column in dataset.column_names if column != "prompt"}}
-    for name in setup.rewards:
-        check_reward(load_reward(name), sample, name)
+    if check_prompts(dataset):
+        check_chat_template(setup.model_id, dataset)
+    check_rewards({name: load_reward(name) for name in setup.rewards}, sample_batch(dataset))
     return dataset
 
 
+def check_chat_template(model_id: str, dataset: Any) -> None:
+    """Chat prompts are rendered with the tokenizer's chat template: load the tokenizer as GRPOTrainer does and render
+    the first prompts with it."""
+    from transformers import AutoProcessor
+
+    from vram_planner.hub import hub_unreachable_reason, quiet_hub_logs
+
+    offline = None if Path(model_id).expanduser().exists() else hub_unreachable_reason()
+    try:
+        with quiet_hub_logs():  # offline: the cache only, without half a minute of retries
+            processor = AutoProcessor.from_pretrained(model_id, truncation_side="left", padding_side="left",
+                                                      local_files_only=offline is not None)
+    except Exception as exc:
+        raise VramPlanError(f"cannot load the tokenizer of {model_id} ({offline or first_line(exc, limit=200)}); "
+                            "the dataset's prompts "
+                            "are chat messages, which need its chat template") from exc
+    if not getattr(processor, "chat_template", None):
+        raise VramPlanError(f"the dataset's prompts are chat messages, but the tokenizer of {model_id} has no chat "
+                            "template to render them: use a model with one (an instruct or chat model) or plain-text "
+                            "prompts")
+    for row, prompt in enumerate(dataset.select(range(min(len(dataset), 8)))["prompt"], start=1):
+        try:
+            processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise VramPlanError(f"the chat template of {model_id} cannot render row {row} of the dataset: "
+                                f"{first_line(exc, limit=200)}") from exc
+
+
+def check_dependencies(train: TrainingConfig) -> None:
+    """The optional packages the plan's config needs (bitsandbytes for 8-bit optimizers and 4-bit weights)."""
+    if train.optim.needs_bitsandbytes:
+        require_bitsandbytes(f"--optim {train.optim.value}")
+    if train.load_in_4bit:
+        require_bitsandbytes("--load-in-4bit")
+
+
+def run_files(folder: Path) -> list[Path]:
+    """What an earlier run left in `folder` (checkpoint-N/, final/, the log, the accelerate config) and nothing
+    else a user keeps there."""
+    if not folder.is_dir():
+        return []
+    checkpoints = [p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.partition("-")[2].isdigit()]
+    final = [folder / "final"] if (folder / "final").is_dir() else []
+    files = [folder / name for name in (LOG_NAME, CONFIG_NAME) if (folder / name).is_file()]
+    return sorted(checkpoints) + final + files
+
+
+def last_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint-N folder with the largest N, as Trainer finds it."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    return Path(found) if found else None
+
+
+def check_output_dir(setup: RunSetup) -> Path | None:
+    """The output folder can be written and holds no earlier run, unless --resume (returns the checkpoint to
+    continue from) or --overwrite (its files are removed only when training starts)."""
+    folder = setup.output_dir
+    if setup.resume and setup.overwrite:
+        raise VramPlanError(f"--resume continues the run in {folder} and --overwrite starts it afresh: pass one of "
+                            "them")
+    check_writable(folder / LOG_NAME, "--output-dir")
+    if setup.resume:
+        checkpoint = last_checkpoint(folder)
+        if checkpoint is None:
+            raise VramPlanError(f"--resume: {folder} holds no checkpoint-N folder to continue from; leave --resume "
+                                "out to start a run there")
+        return checkpoint
+    leftovers = [] if launched_worker() else run_files(folder)  # a launched process finds its launcher's config
+    if leftovers and not setup.overwrite:
+        checkpoint = last_checkpoint(folder)
+        resume = f"--resume to continue it from {checkpoint.name}" if checkpoint else "--resume (with a checkpoint)"
+        raise VramPlanError(f"--output-dir {folder} already holds a run ({', '.join(p.name for p in leftovers[:4])}"
+                            f"{', ...' if len(leftovers) > 4 else ''}): pass {resume}, --overwrite to start afresh "
+                            "(removing those files), or another --output-dir")
+    return None
+
+
+def clear_previous_run(setup: RunSetup) -> None:
+    """With --overwrite, remove what the earlier run left (nothing else in the folder), once, in the main process."""
+    if not setup.overwrite or launched_worker():
+        return
+    for path in run_files(setup.output_dir):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 class JsonlLog:
-    """A TrainerCallback writing each logged step (with measured and predicted peak memory) as one JSON line."""
+    """A TrainerCallback writing each logged step (with measured and predicted peak memory) as one JSON line, from
+    the main process only."""
 
     def __init__(self, path: Path, predicted_peak_bytes: float) -> None:
         self.path, self.predicted = path, predicted_peak_bytes
@@ -129,6 +233,8 @@ class JsonlLog:
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
         import torch
 
+        if not state.is_world_process_zero:
+            return
         record = {"step": state.global_step, "seconds": round(time.perf_counter() - self.started, 3),
                   **(logs or {}), "predicted_peak_bytes": round(self.predicted)}
         if torch.cuda.is_available():
@@ -138,11 +244,60 @@ class JsonlLog:
             fh.write(json.dumps(record, default=str) + "\n")
 
 
-def prepare(setup: RunSetup) -> Any:
-    """Everything a run depends on, checked before anything is written: the model folder, the dataset, the
-    rewards. Returns the dataset."""
+@dataclass
+class PreparedRun:
+    """What the checks found: the dataset to train on and the checkpoint to continue from (--resume)."""
+
+    dataset: Any
+    resume_from: Path | None
+
+
+def prepare(setup: RunSetup) -> PreparedRun:
+    """Everything a run depends on, checked before anything is written: optional packages, the output folder, the
+    model folder, the dataset, the chat template, the rewards."""
+    check_dependencies(setup.train)
+    resume_from = check_output_dir(setup)
     check_model_folder(setup.model_id)
-    return prepared_dataset(setup)
+    return PreparedRun(prepared_dataset(setup), resume_from)
+
+
+def launched_worker() -> bool:
+    """This process is one of several that `accelerate launch` (or torchrun) started."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def is_main_process() -> bool:
+    """The process that prints: the only one, or rank 0 of those `accelerate launch` started."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@contextlib.contextmanager
+def library_output(verbose: bool) -> Iterator[None]:
+    """Without --verbose, the run's own lines only: no deprecation warnings, library log lines or progress bars
+    (loading weights, writing shards, datasets' maps) from transformers, datasets and the hub client."""
+    if verbose:
+        yield
+        return
+    import datasets
+    import transformers
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    bars = transformers_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()  # the hub client's bars too
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+                warnings.simplefilter("ignore", category)
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars[0]:
+            transformers_logging.enable_progress_bar()
+        if bars[1]:
+            datasets.enable_progress_bars()
 
 
 class RunOutOfMemory(VramPlanError):
@@ -154,7 +309,7 @@ class RunOutOfMemory(VramPlanError):
         parts = sorted(peak.components.items(), key=lambda kv: -kv[1])[:3]
         biggest = ", ".join(f"{name.replace('_', ' ')} {size / GiB:.2f} GiB" for name, size in parts)
         saved = f"; training so far is saved in {checkpoint}" if checkpoint else ""
-        super().__init__(f"out of GPU memory ({str(error).splitlines()[0][:160]}); the plan put the peak at "
+        super().__init__(f"out of GPU memory ({first_line(error, limit=160)}); the plan put the peak at "
                          f"{estimate.peak_bytes / GiB:.2f} GiB in {peak.name} ({biggest}){saved}")
         self.setup, self.checkpoint = setup, checkpoint
 
@@ -164,10 +319,11 @@ EXTRA_CALLBACKS: list[Any] = []
 
 
 class RichProgress:
-    """The run's progress on stderr: step, reward, step time, and measured peak memory against the plan's."""
+    """The run's progress on stderr, one line from the main process: step, reward, step time, and measured peak
+    memory against the plan's. A transient one (the smoke step's) leaves nothing behind."""
 
-    def __init__(self, predicted_peak_bytes: float) -> None:
-        self.predicted = predicted_peak_bytes
+    def __init__(self, predicted_peak_bytes: float, transient: bool = False) -> None:
+        self.predicted, self.transient = predicted_peak_bytes, transient
         self.progress: Any = None
         self.task: Any = None
 
@@ -175,8 +331,11 @@ class RichProgress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        console = Console(stderr=True)
+        if not state.is_world_process_zero or (self.transient and not console.is_terminal):
+            return  # off a terminal, a transient display would leave only a blank line
         self.progress = Progress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                 TextColumn("{task.description}"), console=Console(stderr=True))
+                                 TextColumn("{task.description}"), console=console, transient=self.transient)
         self.progress.start()
         self.task = self.progress.add_task("", total=state.max_steps or None, completed=state.global_step)
 
@@ -239,7 +398,7 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     created = not setup.output_dir.exists()
     setup.output_dir.mkdir(parents=True, exist_ok=True)
     log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes)
-    progress = RichProgress(setup.predicted_peak_bytes)
+    progress = RichProgress(setup.predicted_peak_bytes, transient=smoke)
 
     def on_log(*args: Any, **kwargs: Any) -> None:
         log.on_log(*args, **kwargs)
@@ -255,8 +414,7 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     except Exception as exc:
         if created:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
-        raise VramPlanError(f"GRPOTrainer could not start: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # with TRL's bar off it prints every log dict; the line shows them
@@ -278,21 +436,43 @@ def _rescue(trainer: Any) -> Path | None:
         trainer._save_checkpoint(trainer.model, trial=None)
     except Exception:  # the OOM may recur while saving: the last scheduled checkpoint is then what there is
         pass
-    checkpoints = sorted(Path(trainer.args.output_dir).glob("checkpoint-*"),
-                         key=lambda p: int(p.name.rpartition("-")[2]))
-    return checkpoints[-1] if checkpoints else None
+    return last_checkpoint(Path(trainer.args.output_dir))
+
+
+def train(setup: RunSetup, prepared: PreparedRun, auto_fallback: bool, say: Callable[[str], None]) -> None:
+    """The smoke step, then the run (from the checkpoint to resume from); on out-of-memory with `auto_fallback`,
+    again one rung down the plan's ladder from the checkpoint it saved."""
+    say("smoke step: the longest prompts, full-length completions")
+    smoke_step(setup, prepared.dataset)
+    clear_previous_run(setup)  # only now: a smoke step that fails leaves the earlier run as it was
+    resume = prepared.resume_from
+    while True:
+        try:
+            start_run(setup, prepared.dataset, resume)
+            return
+        except RunOutOfMemory as oom:
+            smaller = oom.setup.one_rung_down() if auto_fallback else None
+            if smaller is None:
+                raise
+            say(f"{oom}\nfalling back: {changed(setup.train, smaller.train)}, predicted peak "
+                f"{smaller.predicted_peak_bytes / GiB:.2f} GiB; resuming from {oom.checkpoint}")
+            setup, resume = smaller, oom.checkpoint
+
+
+def changed(before: TrainingConfig, after: TrainingConfig) -> str:
+    """The fields two configs differ in, as 'name before -> after'."""
+    fields = type(before).model_fields
+    return ", ".join(f"{k} {getattr(before, k)} -> {getattr(after, k)}" for k in fields
+                     if getattr(before, k) != getattr(after, k))
 
 
 # accelerate configs TRL ships (trl/accelerate_configs), by the plan's distribution strategy
 ACCELERATE_TEMPLATES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp2"}
-CONFIG_NAME = "accelerate_config.yaml"
 
 
 def needs_launcher(train: TrainingConfig) -> bool:
     """Several GPUs, and this process is not one that `accelerate launch` started."""
-    import os
-
-    return train.num_gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    return train.num_gpus > 1 and not launched_worker()
 
 
 def accelerate_config_yaml(train: TrainingConfig) -> str:
@@ -319,5 +499,6 @@ def launch(setup: RunSetup, argv: list[str]) -> int:
 
     from vram_planner.files import write_atomically
 
+    clear_previous_run(setup)
     write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup.train))
     return subprocess.call(launch_command(setup, argv))

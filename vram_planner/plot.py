@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import io
 from pathlib import Path
 
 from vram_planner.errors import VramPlanError
 from vram_planner.estimate import COMPONENTS, PHASE_TITLES
+from vram_planner.files import check_writable, write_atomically
 from vram_planner.report import Report
 from vram_planner.units import GiB
 
@@ -16,17 +18,26 @@ COMPONENT_COLOURS = {"weights": "#1f77b4", "reference_weights": "#17becf", "grad
                      "allocator_overhead": "#c7c7c7"}
 
 
+FORMATS = (".png", ".svg", ".pdf")
+
+
+def check_plot_target(path: Path) -> None:
+    """Refuse a --plot target that could not be written, before any work: its format, matplotlib, the path."""
+    if path.suffix.lower() not in FORMATS:
+        raise VramPlanError(f"--plot {path}: write {', '.join(FORMATS[:-1])} or {FORMATS[-1]}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise VramPlanError("--plot needs matplotlib: pip install 'vram-plan[plot]'")
+    check_writable(path, "--plot")
+
+
 def plot_phases(report: Report, path: Path) -> Path:
     """Write the per-phase breakdown as stacked bars with the card's capacity as a line; atomic."""
-    try:
-        import matplotlib
+    check_plot_target(path)
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise VramPlanError("--plot needs matplotlib: pip install 'vram-plan[plot]'") from exc
-    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise VramPlanError(f"--plot {path}: write .png, .svg or .pdf")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     names = [PHASE_TITLES.get(p.name, p.name) for p in report.phases]
     fig, ax = plt.subplots(figsize=(2.2 + 1.8 * len(names), 5))
     bottoms = [0.0] * len(names)
@@ -43,12 +54,9 @@ def plot_phases(report: Report, path: Path) -> Path:
     ax.set_title(f"{report.model}: GRPO step memory by phase ({'fits' if report.fits else 'does not fit'})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    image = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
+        fig.savefig(image, dpi=120, format=path.suffix.lower().lstrip("."))
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_atomically(path, image.getvalue())

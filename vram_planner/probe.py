@@ -22,8 +22,8 @@ from vram_planner.architecture import ModelArchitecture
 from vram_planner.calibration import Calibration, default_calibration
 from vram_planner.errors import VramPlanError
 from vram_planner.estimate import Estimate, estimate
-from vram_planner.files import write_atomically
-from vram_planner.profiles import data_home, read_json, resolve_model
+from vram_planner.files import check_writable, write_atomically
+from vram_planner.profiles import HOME_ENV, data_home, read_json, resolve_model
 from vram_planner.spec import TrainingConfig
 from vram_planner.trl_releases import trl_release
 from vram_planner.units import GiB
@@ -246,7 +246,8 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
         "name": "simulated probe" if "simulated" in device else "probe",
         "gpu": gpu_name,
         "source": f"vram-plan probe: {len(record.points)} GRPO steps, {len(pairs)} phases"
-                  + (", simulated with the trace engine" if "simulated" in device else ""),
+                  + (", simulated with the trace engine (no GPU measured it: used only when passed with "
+                     "--calibration)" if "simulated" in device else ""),
         "measured": device,
         "cuda_context_bytes": record.context_bytes,
         "allocator_overhead_fraction": round(overhead, 4),
@@ -280,10 +281,31 @@ def summary(rows: list[FitQuality]) -> dict[str, float]:
     return {"median_error": statistics.median(errors), "worst_error": max(errors)}
 
 
+def is_simulated(cal: Calibration) -> bool:
+    """Whether the calibration was fitted to the trace engine rather than measured on a GPU."""
+    return "simulated" in cal.measured
+
+
+def calibration_path(gpu_name: str, simulated: bool = False) -> Path:
+    """Where plan/check look for this GPU's calibration (calibration_for). A simulated one is no measurement of the
+    card: it goes beside it under a name that says so, and is used only when passed with --calibration."""
+    return data_home() / "calibrations" / (f"{gpu_name}.simulated.json" if simulated else f"{gpu_name}.json")
+
+
+def check_targets(gpu_name: str, simulated: bool, out: Path | None = None) -> None:
+    """Refuse, before anything is measured, a probe whose record or calibration could not be written."""
+    if out is not None:
+        check_writable(out, "--out")
+    hint = f"set {HOME_ENV} to a writable folder"
+    check_writable(record_path(gpu_name), "the probe's record", hint)
+    check_writable(calibration_path(gpu_name, simulated), "the calibration", hint)
+
+
 def save_calibration(cal: Calibration, gpu_name: str, out: Path | None = None) -> list[Path]:
-    """Write the calibration where plan/check look for this GPU's (and to `out`), atomically."""
+    """Write the calibration where plan/check look for this GPU's, or for a simulated one beside it under its own
+    name (and to `out`), atomically."""
     text = cal.model_dump_json(indent=2) + "\n"
-    targets = [data_home() / "calibrations" / f"{gpu_name}.json"] + ([out] if out else [])
+    targets = [calibration_path(gpu_name, is_simulated(cal))] + ([out] if out else [])
     return [write_atomically(path, text) for path in targets]
 
 

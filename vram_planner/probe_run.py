@@ -22,17 +22,17 @@ QUICK_VALIDATION_CAPACITIES_GIB = (3,)
 
 
 def _measurer(simulate: bool, gpu: str | None) -> tuple[p.Measurer, str]:
+    from vram_planner.extras import require_train_extra
+
+    require_train_extra("vram-plan probe")  # real or simulated, the probe runs the training stack
     if simulate:
         if not gpu:
             raise VramPlanError("probe --simulate needs --gpu: the card whose calibration to simulate "
                                 "(e.g. --gpu h100-80gb)")
         name = GpuProfile.from_name(gpu).name
         return p.SimulatedMeasurer(name), name
-    try:
-        from vram_planner.probe_cuda import CudaMeasurer
-    except ImportError as exc:
-        raise VramPlanError(f"vram-plan probe needs torch and TRL ({exc.name} is missing): "
-                            "pip install 'vram-plan[train]'") from exc
+    from vram_planner.probe_cuda import CudaMeasurer
+
     measurer = CudaMeasurer()
     return measurer, GpuProfile.from_name(gpu or "auto").name
 
@@ -41,6 +41,7 @@ def run_probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, va
               json_output: bool) -> int:
     """Measure, fit, save (and validate); the exit code: 0, or 1 when a validated "fits" did not run."""
     measurer, gpu_name = _measurer(simulate, gpu)
+    p.check_targets(gpu_name, measurer.simulated, out)  # before minutes of measuring
     console = Console(stderr=True)
     points = p.probe_grid(QUICK_MODELS, QUICK_COMPLETIONS, batch=2) if quick else p.probe_grid()
     with _progress(console) as progress:
@@ -106,4 +107,5 @@ def _print(console: Console, cal, quality: list[p.FitQuality], rows: list[p.Vali
         wrong = sum(r.wrong_fit for r in rows)
         console.print(f"wrong \"fits\" verdicts: {wrong} of {sum(r.predicted_fits for r in rows)}")
     console.print("calibration written to " + " and ".join(str(w) for w in written)
-                  + "; plan and check use it for this GPU")
+                  + (f"; it was simulated, so plan and check use it only when given --calibration {written[0]}"
+                     if p.is_simulated(cal) else "; plan and check use it for this GPU"))

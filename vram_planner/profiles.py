@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vram_planner.architecture import ModelArchitecture
-from vram_planner.errors import ProfileError, UnknownNameError
+from vram_planner.errors import ProfileError, UnknownNameError, json_kind
 from vram_planner.units import GiB, looks_like_size, parse_size_bytes
 
 PROFILES_ENV = "VRAM_PLAN_PROFILES"
@@ -51,6 +51,8 @@ class GpuProfile(BaseModel):
     @classmethod
     def from_name(cls, name: str) -> GpuProfile:
         """A catalog name or alias, `auto` (the local CUDA device) or a size such as `24GiB`."""
+        if not isinstance(name, str) or not name.strip():
+            raise ProfileError("--gpu needs a catalog name (`vram-plan gpus` lists them), auto, or a size like 24GiB")
         key = name.strip().lower()
         if key == "auto":
             from vram_planner.local_gpu import detect_local_gpu
@@ -113,19 +115,36 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 
 def read_json(path: Path) -> Any:
+    """A JSON file's value; ProfileError in one line when it cannot be read or is not JSON."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProfileError(f"cannot read {path}: {exc}") from exc
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ProfileError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path} is not a JSON file (its bytes are not UTF-8 text)") from exc
+    if not text.strip():
+        raise ProfileError(f"{path} is empty; it should hold a JSON object")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _validated(model: type[BaseModel], data: Any, where: str) -> Any:
+def validated(model: type[BaseModel], data: Any, where: str) -> Any:
+    """`data` as a `model`, or one ProfileError line naming `where`, the field and the problem."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
-        raise ProfileError(f"{where}: {loc}: {first['msg']}") from exc
+        got = first.get("input")
+        shown = "" if isinstance(got, (dict, list)) and loc else f" (got {_short_repr(got)})"
+        raise ProfileError(f"{where}: {loc + ': ' if loc else ''}{first['msg']}{shown}") from exc
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @lru_cache(maxsize=1)
@@ -137,7 +156,7 @@ def gpu_catalog() -> dict[str, GpuProfile]:
         if not path.is_file():
             continue
         for i, row in enumerate(read_toml(path).get("gpu", [])):
-            gpu = _validated(GpuProfile, row, f"{path} gpu #{i + 1}")
+            gpu = validated(GpuProfile, row, f"{path} gpu #{i + 1}")
             for key in [gpu.name, *gpu.aliases]:
                 by_key[key.lower()] = gpu
     return by_key
@@ -158,8 +177,8 @@ def model_catalog() -> dict[str, ModelEntry]:
         if not path.is_file():
             continue
         for i, row in enumerate(read_toml(path).get("model", [])):
-            entry = _validated(ModelEntry, {**row, "config_path": folder / "models" / f"{row.get('name')}.json"},
-                               f"{path} model #{i + 1}")
+            entry = validated(ModelEntry, {**row, "config_path": folder / "models" / f"{row.get('name')}.json"},
+                              f"{path} model #{i + 1}")
             for key in [entry.name, entry.hub_id, *entry.aliases]:
                 by_key[key.lower()] = entry
     return by_key
@@ -178,22 +197,38 @@ def resolve_model(name: str) -> ModelArchitecture:
 
 def model_config(name: str) -> tuple[dict[str, Any], str, str]:
     """The config.json dict behind a model name, with the name to show and the hub id (as resolve_model reads)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ProfileError("--model needs a catalog name, a config.json, a model folder or a hub id "
+                           "(`vram-plan models` lists the catalog)")
     text = name.strip()
     entry = model_catalog().get(text.lower())
     if entry is not None:
-        return read_json(entry.config_path), entry.name, entry.hub_id
+        return _config_object(read_json(entry.config_path), entry.config_path), entry.name, entry.hub_id
     path = Path(text).expanduser()
-    if path.exists():
+    if _exists(path):
         config_file = path / "config.json" if path.is_dir() else path
+        if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
+            raise ProfileError(f"cannot read the model folder {path}: permission denied")
         if not config_file.is_file():
             raise ProfileError(f"{path} has no config.json")
-        config = read_json(config_file)
-        if not isinstance(config, dict):
-            raise ProfileError(f"{config_file} is not a config.json object")
-        return config, str(path), str(path)
+        return _config_object(read_json(config_file), config_file), str(path), str(path)
     if text.count("/") == 1 and not text.startswith((".", "/")) and not text.endswith(".json"):
         from vram_planner.hub import fetch_hub_config
 
         return fetch_hub_config(text), text, text
     raise UnknownNameError("model", name, sorted({m.name for m in model_catalog().values()}),
                            hint="(`vram-plan models` lists them; a config.json, a model folder or a hub id works too)")
+
+
+def _exists(path: Path) -> bool:
+    """Whether a path exists; a name no file system can hold (too long, a NUL byte) does not."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _config_object(config: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(config, dict):
+        raise ProfileError(f"{path} is not a config.json: it holds a JSON {json_kind(config)}, not an object")
+    return config

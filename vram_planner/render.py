@@ -101,13 +101,18 @@ def footer(report: Report) -> Text:
 def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
            console: Console | None = None) -> None:
     console = console or Console()
-    parts = [headline(report, gpu), Text(""), changes_text(report), breakdown_table(report),
-             peak_bar(report), Text("")]
+    console.print(Group(headline(report, gpu), Text(""), changes_text(report), breakdown_table(report),
+                        peak_bar(report), Text("")))
     if report.fits or report.command == "plan":
         label = "GRPOConfig:" if report.fits else "The smallest config (it does not fit this card):"
-        parts += [Text(label, style="bold"), Text(python_snippet(train, hub_id), style="cyan")]
-    parts.append(footer(report))
-    console.print(Group(*parts))
+        console.print(Text(label, style="bold"))
+        print_code(python_snippet(train, hub_id), console)
+    console.print(footer(report))
+
+
+def print_code(code: str, console: Console) -> None:
+    """Code people paste: never wrapped or cropped to the terminal's width (a wrapped comment is a SyntaxError)."""
+    console.print(Text(code, style="cyan"), soft_wrap=True)
 
 
 def _error_percent(error: float | None) -> str:

@@ -10,7 +10,7 @@ from vram_planner.estimate import COMPONENTS, Phase
 from vram_planner.grpo_config import (grpo_config_kwargs, grpo_config_problems, lora_config_kwargs,
                                       quantization_config_kwargs)
 from vram_planner.profiles import GpuProfile, gpus
-from vram_planner.search import Plan, micro_batch_variants, rungs
+from vram_planner.search import Plan, smallest_config
 from vram_planner.verdict import Context, Verdict, judge
 
 
@@ -113,9 +113,7 @@ def smallest_fitting_gpu(context: Context, user_train: Any) -> GpuProfile | None
             continue
         other = Context(context.arch, gpu, context.release, context.calibration, context.safety_margin,
                         context.model_id)
-        *_, bottom = rungs(user_train, gpu.bf16)
-        *_, smallest = micro_batch_variants(bottom)
-        if judge(other, smallest).fits:
+        if judge(other, smallest_config(user_train, gpu.bf16)).fits:
             return gpu
     return None
 

@@ -8,11 +8,12 @@ datasets) and every other dataset column as keyword arguments, and expects one f
 from __future__ import annotations
 
 import importlib
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from vram_planner.errors import VramPlanError
+from vram_planner.errors import VramPlanError, first_line
 
 # The recipe's format: <reasoning> ... </reasoning> then <answer> ... </answer>, each on its own lines.
 STRICT_FORMAT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?$", re.DOTALL)
@@ -80,7 +81,7 @@ def load_reward(spec: str) -> RewardFunction:
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module: any error on import is theirs to see in one line
-        raise VramPlanError(f"reward {spec!r}: cannot import {module_name} ({type(exc).__name__}: {exc})") from exc
+        raise VramPlanError(f"reward {spec!r}: cannot import {module_name}: {first_line(exc)}") from exc
     function = getattr(module, function_name, None)
     if not callable(function):
         raise VramPlanError(f"reward {spec!r}: {module_name} has no function {function_name!r}")
@@ -100,17 +101,87 @@ def _module_from_file(path: str) -> Any:
     return module
 
 
-def check_reward(function: RewardFunction, sample: dict[str, list[Any]], name: str) -> None:
-    """Call a reward on a sample batch as TRL will, and require one number (or None) per completion."""
-    completions = sample["completions"]
+SAMPLE_COMPLETIONS = ("<reasoning>\n1 + 1 = 2\n</reasoning>\n<answer>\n2\n</answer>\n", "2")
+
+
+def sample_batch(dataset: Any) -> dict[str, Any]:
+    """The keyword arguments TRL 1.16 passes each reward, for two completions of the dataset's first prompt: the
+    recipe's layout and a bare answer, as messages when the prompts are (GRPOTrainer._calculate_rewards)."""
+    from transformers import TrainerState
+
+    row = dataset[0]
+    count = len(SAMPLE_COMPLETIONS)
+    completions: list[Any] = list(SAMPLE_COMPLETIONS)
+    if isinstance(row["prompt"], list):
+        completions = [[{"role": "assistant", "content": text}] for text in SAMPLE_COMPLETIONS]
+    columns = {c: [row[c]] * count for c in dataset.column_names if c not in ("prompt", "completion", "completion_ids")}
+    return {"prompts": [row["prompt"]] * count, "completions": completions,
+            "completion_ids": [list(text.encode()) for text in SAMPLE_COMPLETIONS], **columns,
+            "trainer_state": TrainerState(), "log_extra": _ignore, "log_metric": _ignore}
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """Stands in for the trainer's log_extra and log_metric."""
+
+
+def check_rewards(rewards: dict[str, RewardFunction], sample: dict[str, Any]) -> None:
+    """Each reward returns what TRL can score on a sample batch, and together they score at least one completion
+    (TRL leaves a completion every reward returns None or NaN for unscored: if all are, nothing is trained)."""
+    scored = [False] * len(sample["completions"])
+    for name, function in rewards.items():
+        scored = [done or not math.isnan(value) for done, value in zip(scored, check_reward(function, sample, name),
+                                                                          strict=True)]
+    if not any(scored):
+        raise VramPlanError(f"the rewards ({', '.join(rewards)}) returned only None or NaN on a sample batch: TRL "
+                            "scores no completion then and trains on nothing; return a number where a reward applies")
+
+
+def check_reward(function: RewardFunction, sample: dict[str, Any], name: str) -> list[float]:
+    """Call a reward on a sample batch as TRL 1.16 does and read its output as TRL does: one value per completion,
+    None as NaN, each one a number torch makes a float32 of. Returns the values."""
     try:
-        result = function(**sample)
+        output = function(**sample)
     except Exception as exc:
-        raise VramPlanError(f"reward {name} fails on a sample batch: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(result, list | tuple) or len(result) != len(completions):
-        got = f"{len(result)} values" if isinstance(result, list | tuple) else type(result).__name__
-        raise VramPlanError(f"reward {name} must return one value per completion: {len(completions)} "
-                            f"completions, got {got}")
-    bad = [r for r in result if r is not None and not isinstance(r, int | float)]
-    if bad:
-        raise VramPlanError(f"reward {name} returned {type(bad[0]).__name__} values; it must return numbers")
+        raise VramPlanError(f"reward {name} fails on a sample batch: {_describe(exc)} (--debug shows where)") from exc
+    count = len(sample["completions"])
+    if output is None or isinstance(output, str | bytes | dict) or not isinstance(output, Iterable):
+        raise VramPlanError(f"reward {name} returned {_a(output)} instead of a list with one number (or None) per "
+                            f"completion")
+    values = [value if value is not None else math.nan for value in output]  # as TRL reads them
+    if len(values) != count:
+        raise VramPlanError(f"reward {name} must return one value per completion: {count} completions, got "
+                            f"{len(values)} values")
+    for index, value in enumerate(values, start=1):
+        if not _is_number(value):
+            raise VramPlanError(f"reward {name} returned {_a(value)} for completion {index}; TRL needs a number (or "
+                                "None) per completion")
+    return [float(value) for value in values]
+
+
+def _is_number(value: Any) -> bool:
+    """What torch.tensor(rewards, dtype=torch.float32) takes as one element: a real number, numpy's or torch's."""
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # torch.tensor of a tensor warns; TRL would too, once, at the first step
+            warnings.simplefilter("ignore")
+            return torch.tensor(value, dtype=torch.float32).ndim == 0
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _a(value: Any) -> str:
+    """A value's kind for a message: None, or 'a str ('good')'."""
+    if value is None:
+        return "None"
+    shown = repr(value)
+    return f"a {type(value).__name__} ({shown[:40]}{'...' if len(shown) > 40 else ''})"
+
+
+def _describe(exc: Exception) -> str:
+    """A user function's error in words: its message (a missing keyword or column for KeyError)."""
+    if isinstance(exc, KeyError):
+        return f"no key {exc}"
+    return first_line(exc, "an error without a message", 200)

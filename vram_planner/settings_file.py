@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vram_planner.errors import ProfileError
+from vram_planner.errors import ProfileError, first_line
 
 
 def read_settings_file(path: Path) -> dict[str, Any]:
@@ -24,11 +24,46 @@ def read_settings_file(path: Path) -> dict[str, Any]:
             data = yaml.safe_load(text)
     except (json.JSONDecodeError, ValueError) as exc:
         raise ProfileError(f"--config {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: "
-                           f"{str(exc).splitlines()[0]}") from exc
+                           f"{first_line(exc)}") from exc
     except Exception as exc:  # yaml.YAMLError, without importing yaml at module import
-        raise ProfileError(f"--config {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
-    if data is None:
-        return {}
+        raise ProfileError(f"--config {path} is not valid YAML: {first_line(exc)}") from exc
+    if data is None or data == {}:  # an empty or all-comment file is the wrong file, or one not written yet
+        raise ProfileError(f"--config {path} holds no settings; write the flags' keys in it (e.g. "
+                           "per_device_train_batch_size: 4) or leave --config out")
     if not isinstance(data, dict):
         raise ProfileError(f"--config {path} must hold a mapping of settings, not a {type(data).__name__}")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    return {str(k).replace("-", "_"): _checked(path, str(k), v) for k, v in data.items()}
+
+
+# Every setting is one string, number or boolean, as its flag takes; these few are names, and the LoRA targets may
+# also be a list of names.
+NAME_SETTINGS = {"gpu": "a catalog name or a size such as 24GiB", "model": "a catalog name, config.json or hub id"}
+LIST_SETTINGS = {"lora_target_modules"}
+
+
+def _checked(path: Path, key: str, value: Any) -> Any:
+    """The value if its shape suits the setting; a one-line error naming the key otherwise."""
+    name = key.replace("-", "_")
+    if name in NAME_SETTINGS:
+        if value is None or isinstance(value, str):
+            return value
+        raise ProfileError(f"--config {path}: {key} should be {NAME_SETTINGS[name]}, not {_shape(value)}")
+    if name in LIST_SETTINGS and isinstance(value, list):
+        if all(isinstance(item, str) for item in value):
+            return value
+        raise ProfileError(f"--config {path}: {key} should be a list of module names, not a list holding "
+                           + next(_shape(item) for item in value if not isinstance(item, str)))
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    expected = "one value or a list of module names" if name in LIST_SETTINGS else "one value, as its flag takes"
+    raise ProfileError(f"--config {path}: {key} should be {expected}, not {_shape(value)}")
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple, set)):
+        return "a list"
+    if isinstance(value, (bool, int, float)):
+        return f"the number {value!r}" if not isinstance(value, bool) else f"{value!r}"
+    return f"a {type(value).__name__}"

@@ -11,6 +11,9 @@ from vram_planner.errors import ConfigError, closest_names
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Upper bound of every count (sequences, tokens, steps, ranks, GPUs): no GPU holds 2**40 of anything, and products
+# of a few such counts stay finite as floats, so bytes never overflow.
+MAX_COUNT = 2**40
 
 
 class Optimizer(str, Enum):
@@ -42,17 +45,17 @@ class Optimizer(str, Enum):
 class TrainingConfig(BaseModel):
     """Everything about the run except the model and the GPU. Defaults are TRL 1.16's GRPOConfig defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    per_device_train_batch_size: int = Field(8, gt=0)
-    gradient_accumulation_steps: int = Field(1, gt=0)
-    steps_per_generation: int | None = Field(None, gt=0)
-    num_generations: int = 8
+    per_device_train_batch_size: int = Field(8, gt=0, le=MAX_COUNT)
+    gradient_accumulation_steps: int = Field(1, gt=0, le=MAX_COUNT)
+    steps_per_generation: int | None = Field(None, gt=0, le=MAX_COUNT)
+    num_generations: int = Field(8, le=MAX_COUNT)
     # TRL >= 0.28 no longer truncates prompts: this is the longest prompt of the dataset, in tokens.
-    max_prompt_length: int = Field(256, gt=0)
-    max_completion_length: int = Field(512, gt=0)
+    max_prompt_length: int = Field(256, gt=0, le=MAX_COUNT)
+    max_completion_length: int = Field(512, gt=0, le=MAX_COUNT)
     beta: float = Field(0.0, ge=0)
-    num_iterations: int = Field(1, gt=0)
+    num_iterations: int = Field(1, gt=0, le=MAX_COUNT)
     optim: Optimizer = Optimizer.adamw_torch_fused
     gradient_checkpointing: bool = True
     dtype: Dtype = "float32"
@@ -63,14 +66,14 @@ class TrainingConfig(BaseModel):
     vllm_mode: Literal["colocate", "server"] = "colocate"
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
     vllm_enable_sleep_mode: bool = False
-    lora_r: int | None = Field(None, gt=0)
-    lora_alpha: int | None = Field(None, gt=0)
+    lora_r: int | None = Field(None, gt=0, le=MAX_COUNT)
+    lora_alpha: int | None = Field(None, gt=0, le=MAX_COUNT)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target_modules: list[str] | None = None
     load_in_4bit: bool = False
     bnb_4bit_quant_type: Literal["nf4", "fp4"] | None = None
     bnb_4bit_use_double_quant: bool | None = None
-    num_gpus: int = Field(1, gt=0)
+    num_gpus: int = Field(1, gt=0, le=MAX_COUNT)
     zero_stage: int | None = Field(None, ge=0, le=3)
     fsdp: bool = False
 
@@ -80,6 +83,17 @@ class TrainingConfig(BaseModel):
         """'q_proj,v_proj' from a flag or a config file is a list of module names."""
         if isinstance(value, str):
             return [name.strip() for name in value.split(",") if name.strip()]
+        if isinstance(value, (list, tuple)):  # a config file's list: its items stripped, as the flag's are
+            return [name.strip() if isinstance(name, str) else name for name in value]
+        return value
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _some_module_names(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or not all(value)):
+            raise ValueError("a comma-separated list of module names such as q_proj,v_proj, or all-linear")
+        if value is not None and "all-linear" in value and len(value) > 1:
+            raise ValueError("all-linear alone (it already targets every linear layer)")
         return value
 
     @model_validator(mode="after")
@@ -143,6 +157,18 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def command_line_flags(settings: dict[str, Any]) -> str:
+    """Settings as the flags that set them: `--lora-r 16 --load-in-4bit --no-gradient-checkpointing`."""
+    words = []
+    for field, value in settings.items():
+        if isinstance(value, bool):
+            words.append(flag(field) if value else "--no-" + flag(field)[2:])
+        elif value is not None:
+            value = value.value if isinstance(value, Enum) else value
+            words.append(f"{flag(field)} {','.join(value) if isinstance(value, list) else value}")
+    return " ".join(words)
+
+
 def cross_field_problems(c: TrainingConfig) -> list[str]:
     """Every rule that involves several fields, each naming the flags to change."""
     problems = []
@@ -172,7 +198,7 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
 
 def training_config(values: dict[str, Any]) -> TrainingConfig:
     """Validate user values (from flags or a config file); every problem in one ConfigError."""
-    unknown = [k for k in values if k not in TrainingConfig.model_fields]
+    unknown = [str(k) for k in values if k not in TrainingConfig.model_fields]
     problems = []
     for key in unknown:
         near = closest_names(key, TrainingConfig.model_fields)
@@ -203,8 +229,14 @@ def _describe(exc: ValidationError) -> list[str]:
             out.append(f"{flag(field)} {value!r} is not known; {hint}choose from {', '.join(allowed)}")
             continue
         message = err["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
-        out.append(f"{flag(field)} should be {message} (got {value!r})")
+        out.append(f"{flag(field)} should be {message} (got {_shown(value)})")
     return out
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A user's value for a message, cut short so that a 300-digit number still leaves one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def _allowed_values(field: str) -> list[str]:
@@ -216,5 +248,9 @@ def _allowed_values(field: str) -> list[str]:
 
 
 def with_changes(train: TrainingConfig, **changes: Any) -> TrainingConfig:
-    """A copy with some fields changed, validated again (model_copy would skip the cross-field rules)."""
-    return TrainingConfig.model_validate({**train.model_dump(), **changes})
+    """A copy with some fields changed, validated again (model_copy would skip the cross-field rules); ConfigError
+    with every problem when the result is not a valid config."""
+    try:
+        return TrainingConfig.model_validate({**train.model_dump(), **changes})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from exc

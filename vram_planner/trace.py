@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vram_planner.errors import VramPlanError
+from vram_planner.errors import VramPlanError, first_line
+from vram_planner.extras import TRAIN_EXTRA, require_train_extra
 from vram_planner.estimate import TENSOR_COMPONENTS, Estimate
 from vram_planner.spec import TrainingConfig
 from vram_planner.trl_releases import TrlRelease, installed_trl_version
@@ -104,9 +105,12 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
 
     Raises:
         VramPlanError: for what the trace cannot run on the CPU (4-bit weights, vLLM, several GPUs, Liger kernels,
-            FlashAttention-2, bitsandbytes optimizers) or a TRL release other than the installed one's behaviour.
+            FlashAttention-2, bitsandbytes optimizers), a TRL release other than the installed one's behaviour, or
+            sequences longer than the model's max_position_embeddings; before the model is built.
     """
-    notes = check_traceable(train, release)
+    from vram_planner.architecture import ModelArchitecture
+
+    notes = check_traceable(train, release, ModelArchitecture.from_config(arch_config).max_position_embeddings)
     start = time.perf_counter()
     _import_engine()
     from vram_planner.tracing import phases as tp
@@ -147,9 +151,14 @@ def engine_versions() -> dict[str, str]:
     return {package: md.version(package) for package in ("torch", "transformers", "trl", "peft")}
 
 
-def check_traceable(train: TrainingConfig, release: TrlRelease | None = None) -> list[str]:
+def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
+                    max_position_embeddings: int | None = None) -> list[str]:
     """Raise VramPlanError for what the CPU trace cannot run; return notes on what it approximates."""
+    require_train_extra("the trace")
     problems = []
+    if max_position_embeddings and train.sequence_length > max_position_embeddings:
+        problems.append(f"prompt + completion ({train.sequence_length} tokens) is longer than the model's "
+                        f"max_position_embeddings ({max_position_embeddings}), so it has no positions for them")
     if train.load_in_4bit:
         problems.append("4-bit weights (--load-in-4bit) need bitsandbytes' CUDA kernels")
     if train.use_vllm:
@@ -171,8 +180,7 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None) ->
 
 def _release_notes(release: TrlRelease | None, problems: list[str]) -> list[str]:
     installed = installed_trl_version()
-    if installed is None:
-        problems.append("TRL is not installed (pip install 'vram-plan[train]')")
+    if installed is None:  # require_train_extra found TRL importable: a source checkout without metadata
         return []
     if release is None or release.version in ("", installed):
         return []
@@ -247,10 +255,10 @@ def _import_engine() -> None:
         import transformers  # noqa: F401
         import peft  # noqa: F401
         import trl  # noqa: F401
-    except ImportError as exc:
+    except ImportError as exc:  # installed but broken: require_train_extra only finds the packages
         missing = exc.name or str(exc)
         raise VramPlanError(f"the trace needs torch, transformers, TRL and PEFT ({missing} cannot be imported): "
-                            "pip install 'vram-plan[train]'") from exc
+                            f"{TRAIN_EXTRA}") from exc
 
 
 @contextlib.contextmanager
@@ -266,13 +274,8 @@ def _explained(what: str) -> Iterator[None]:
                             "is the Python objects of the model); `vram-plan check` gives the analytic estimate"
                             ) from exc
     except Exception as exc:
-        raise VramPlanError(f"the trace failed while {what}: {type(exc).__name__}: {_first_line(exc)}"
-                            f"{_hint(exc)}; `vram-plan check` gives the analytic estimate") from exc
-
-
-def _first_line(exc: BaseException, limit: int = 300) -> str:
-    lines = str(exc).strip().splitlines()
-    return (lines[0] if lines else "")[:limit]
+        raise VramPlanError(f"the trace failed while {what}: {first_line(exc, 'an error without a message')}{_hint(exc)}; `vram-plan check` "
+                            "gives the analytic estimate") from exc
 
 
 def _hint(exc: BaseException) -> str:

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from importlib import metadata
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from vram_planner.errors import VramPlanError
-from vram_planner.profiles import profile_dirs, read_toml
+from vram_planner.errors import ConfigError, ProfileError
+from vram_planner.profiles import profile_dirs, read_toml, validated
 
+# The newest TRL release the rows of profiles/trl.toml were checked against: its whole 1.16.x series is supported.
 NEWEST_KNOWN = "1.16.0"
+# PEP 440's public versions: a release of one to three numbers, then optional pre-, post- and dev-release tags and a
+# local label (1.16.0rc1, 1.16.0.dev0, 1.16.0+cu121). Nothing else names a TRL release.
+_VERSION = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?"
+                      r"((?:[-_.]?(?:a|b|rc|alpha|beta|c|pre|preview)[-_.]?\d*)?"
+                      r"(?:[-_.]?(?:post|rev|r)[-_.]?\d*)?(?:[-_.]?dev[-_.]?\d*)?(?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?)"
+                      r"\s*$", re.IGNORECASE)
+_RELEASE = r"^\d+\.\d+\.\d+$"  # the table's bounds: plain releases
 
 
 class TrlRelease(BaseModel):
@@ -19,8 +28,8 @@ class TrlRelease(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    min_version: str
-    below_version: str
+    min_version: str = Field(pattern=_RELEASE)
+    below_version: str = Field(pattern=_RELEASE)
     lm_head: Literal["fused_chunked", "full_logits"]
     lm_head_token_chunk: int = 4096
     lm_head_vocab_chunk: int = 32768
@@ -31,14 +40,28 @@ class TrlRelease(BaseModel):
     accepts_max_prompt_length: bool
     default_model_dtype: Literal["float32", "bfloat16", "float16"]
     version: str = ""  # the release asked for, filled in by `trl_release`
+    note: str = ""  # why this row was chosen when it is not the installed TRL's own (for the verdict's notes)
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
+def version_tuple(version: str) -> tuple[int, int, int]:
+    """The release numbers of a version, padded to three: '0.14' is (0, 14, 0), '1.16.0rc1' is (1, 16, 0)."""
+    parsed = parse_version(version)
+    if parsed is None:
+        raise ProfileError(f"{version!r} is not a TRL version number; write it like {NEWEST_KNOWN}")
+    return parsed[0]
+
+
+def parse_version(text: str) -> tuple[tuple[int, int, int], str] | None:
+    """The release numbers and the normalised version ('0.14' -> '0.14.0'; tags kept: '1.16.0.dev0'), or None.
+
+    A pre-release, release candidate or dev build is planned as the release it leads to: it runs that release's
+    code, give or take the fixes still to come.
+    """
+    match = _VERSION.match(text) if isinstance(text, str) else None
+    if match is None:
+        return None
+    numbers = tuple(int(n or 0) for n in match.group(1, 2, 3))
+    return numbers, ".".join(map(str, numbers)) + match.group(4)  # type: ignore[return-value]
 
 
 @lru_cache(maxsize=1)
@@ -47,7 +70,8 @@ def trl_releases() -> list[TrlRelease]:
     for folder in profile_dirs():
         path = folder / "trl.toml"
         if path.is_file():
-            rows.extend(TrlRelease.model_validate(r) for r in read_toml(path).get("release", []))
+            rows.extend(validated(TrlRelease, row, f"{path} release #{i + 1}")
+                        for i, row in enumerate(read_toml(path).get("release", [])))
     return rows
 
 
@@ -59,14 +83,57 @@ def installed_trl_version() -> str | None:
         return None
 
 
+def supported_range() -> str:
+    """The TRL releases vram-plan plans for, in words: the table's oldest row up to the newest release it knows."""
+    oldest, newest = _bounds()
+    return f"{'.'.join(map(str, oldest))} to {newest[0]}.{newest[1]}.x"
+
+
+def _bounds() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The oldest release of the table, and the newest release known: NEWEST_KNOWN, or a newer row a user added."""
+    starts = [version_tuple(r.min_version) for r in trl_releases()]
+    return min(starts), max([version_tuple(NEWEST_KNOWN), *starts])
+
+
+def _supported(release: tuple[int, int, int]) -> bool:
+    """From the oldest row to the newest known release's whole minor series (1.16.x)."""
+    oldest, newest = _bounds()
+    return oldest <= release and release[:2] <= newest[:2]
+
+
 @lru_cache(maxsize=8)
 def trl_release(version: str | None = None) -> TrlRelease:
-    """The behaviour of `version`, else of the installed TRL, else of the newest release we know."""
-    wanted = version or installed_trl_version() or NEWEST_KNOWN
-    key = version_tuple(wanted)
-    for release in trl_releases():
-        if version_tuple(release.min_version) <= key < version_tuple(release.below_version):
-            return release.model_copy(update={"version": wanted})
-    known = sorted(trl_releases(), key=lambda r: version_tuple(r.min_version))
-    raise VramPlanError(f"TRL {wanted} is outside the releases vram-plan knows "
-                        f"({known[0].min_version} to below {known[-1].below_version}); pass --trl-version")
+    """The behaviour of `version` (--trl-version), else of the installed TRL, else of the newest release we know.
+
+    An explicit version outside the supported range is refused. An installed TRL outside it is planned as the
+    newest release vram-plan knows, with a note: plan and check do not run TRL, a TRL newer than the table most
+    likely keeps the newest row's behaviour, and one older than 0.14 has no GRPOTrainer, so the run will need an
+    upgrade anyway; refusing would leave the planner unusable until the user changes a package it does not need.
+    """
+    if version is not None:
+        parsed = parse_version(version)
+        if parsed is None:
+            raise ConfigError([f"--trl-version {version!r} is not a version number; write it like {NEWEST_KNOWN} "
+                               f"(vram-plan knows TRL {supported_range()})"])
+        if not _supported(parsed[0]):
+            raise ConfigError([f"--trl-version {parsed[1]} is outside the TRL releases vram-plan knows "
+                               f"({supported_range()}); choose one of those"])
+        return _row(parsed[0]).model_copy(update={"version": parsed[1]})
+    installed = installed_trl_version()
+    parsed = parse_version(installed) if installed else None
+    if parsed is not None and _supported(parsed[0]):
+        return _row(parsed[0]).model_copy(update={"version": parsed[1]})
+    newest = _bounds()[1]
+    newest_text = ".".join(map(str, newest))
+    note = ""
+    if installed is not None:
+        note = (f"the installed TRL {installed} is outside the releases vram-plan knows ({supported_range()}): "
+                f"planned for TRL {newest_text}, the newest it knows; pass --trl-version to plan for another")
+    return _row(newest).model_copy(update={"version": newest_text, "note": note})
+
+
+def _row(release: tuple[int, int, int]) -> TrlRelease:
+    for row in reversed(trl_releases()):  # a user's rows (read last) override the shipped ones they overlap
+        if version_tuple(row.min_version) <= release < version_tuple(row.below_version):
+            return row
+    raise ProfileError(f"no row of trl.toml covers TRL {'.'.join(map(str, release))}: the table has a gap")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
-from vram_planner.architecture import ModelArchitecture
+from vram_planner.architecture import FAMILIES, ModelArchitecture
 from vram_planner.calibration import Calibration
-from vram_planner.errors import ConfigError
+from vram_planner.errors import ConfigError, closest_names
 from vram_planner.estimate import Estimate, estimate
 from vram_planner.profiles import GpuProfile
 from vram_planner.spec import TrainingConfig, with_changes
@@ -15,6 +16,16 @@ from vram_planner.trl_releases import TrlRelease
 # Share of the card a plan leaves free: the analytic model's error before calibration is several percent
 # (fitcheck-llm's mean 5.5% total error on T4, ../shared/design/grpo-memory.md), so "fits" keeps 5% spare.
 DEFAULT_SAFETY_MARGIN = 0.05
+MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a margin
+
+
+def check_safety_margin(value: object) -> float:
+    """The share of the card a verdict keeps free: a number from 0 to MAX_SAFETY_MARGIN (ConfigError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 <= value <= MAX_SAFETY_MARGIN):
+        raise ConfigError([f"--safety-margin should be a share of the card from 0 to {MAX_SAFETY_MARGIN} "
+                           f"(0.05 keeps 5% free; got {value!r})"])
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,9 @@ class Context:
     calibration: Calibration
     safety_margin: float = DEFAULT_SAFETY_MARGIN
     model_id: str = ""
+
+    def __post_init__(self) -> None:
+        check_safety_margin(self.safety_margin)
 
     @property
     def capacity_bytes(self) -> int:
@@ -60,8 +74,11 @@ class Verdict:
 
 
 def judge(context: Context, train: TrainingConfig) -> Verdict:
-    return Verdict(context, train, estimate(context.arch, train, context.release, context.calibration,
-                                            context.capacity_bytes))
+    """The estimate of `train` in this context, with the context's own notes (a TRL release read as another)."""
+    est = estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes)
+    if context.release.note:
+        est = replace(est, notes=est.notes + (context.release.note,))
+    return Verdict(context, train, est)
 
 
 def gpu_problems(train: TrainingConfig, gpu: GpuProfile) -> list[str]:
@@ -80,11 +97,38 @@ def gpu_problems(train: TrainingConfig, gpu: GpuProfile) -> list[str]:
 def adapt_to_gpu(train: TrainingConfig, gpu: GpuProfile, explicit: set[str]) -> TrainingConfig:
     """Defaults the user did not set that this GPU cannot honour (bf16 autocast on a pre-Ampere card)."""
     if not gpu.bf16 and train.mixed_precision == "bf16" and "mixed_precision" not in explicit:
-        train = with_changes(train, mixed_precision="fp16")
+        try:
+            train = with_changes(train, mixed_precision="fp16")
+        except ConfigError as exc:
+            cc = f", compute capability {gpu.compute_capability}" if gpu.compute_capability else ""
+            raise ConfigError([f"{gpu.label} has no bf16{cc}, so mixed precision is fp16 there, and then "
+                               f"{problem}" for problem in exc.problems]) from exc
     return train
 
 
-def check_gpu(train: TrainingConfig, gpu: GpuProfile) -> None:
-    problems = gpu_problems(train, gpu)
+def lora_target_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
+    """LoRA target names that are not linear layers of this model's decoder layers, with the closest names.
+
+    PEFT would fail on them only once the model is loaded (or silently adapt fewer layers than asked). A model_type
+    read as Llama-style may name its layers otherwise, so its names are left to PEFT.
+    """
+    if not train.uses_lora or train.lora_targets is None or arch.model_type not in FAMILIES:
+        return []
+    known = [lin.name for lin in arch.layer_linears()]
+    unknown = [name for name in train.lora_targets if name not in known]
+    if not unknown:
+        return []
+    named = []
+    for name in unknown:
+        near = closest_names(name, known)
+        named.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    verb = "is not a linear layer" if len(unknown) == 1 else "are not linear layers"
+    return [f"--lora-target-modules {', '.join(named)} {verb} of {arch.name or arch.model_type}; choose from "
+            f"{', '.join(known)}, or all-linear"]
+
+
+def check_training(train: TrainingConfig, context: Context) -> None:
+    """Refuse settings this GPU cannot run or this model does not have, all problems at once."""
+    problems = gpu_problems(train, context.gpu) + lora_target_problems(train, context.arch)
     if problems:
         raise ConfigError(problems)
