@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vram_planner import profiles
-from vram_planner.architecture import ModelArchitecture
+from vram_planner.model.architecture import ModelArchitecture
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,16 +1,16 @@
 """What a decoder layer keeps for backward, worked out tensor by tensor for Llama-3.2-1B.
 
 h 2048, 32 query heads and 8 key/value heads of 64 (q width 2048, kv width 512), MLP width 8192. The counts were
-read off `vram-plan trace` runs of the real modeling code (see vram_planner/activations.py for the why).
+read off `vram-plan trace` runs of the real modeling code (see vram_planner/model/activations.py for the why).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from vram_planner import activations as act
-from vram_planner.calibration import Calibration
-from vram_planner.spec import training_config
+from vram_planner.model import activations as act
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.spec import training_config
 
 H, Q, I, HEADS, LAYERS = 2048, 2048, 8192, 32, 16
 L = 256 + 512  # TRL's prompt and completion lengths
@@ -82,7 +82,7 @@ def test_liger_keeps_less_than_the_plain_layer(llama_1b):
 
 
 def test_one_key_value_head_repeats_as_a_view():
-    from vram_planner.profiles import resolve_model
+    from vram_planner.model.resolve import resolve_model
 
     gemma = resolve_model("gemma-3-1b-it")  # 4 query heads, 1 key/value head of 256
     q_width, kv_width = 4 * 256, 256
@@ -93,7 +93,7 @@ def test_one_key_value_head_repeats_as_a_view():
 
 
 def test_gemma_norms_keep_the_normalised_tensor_in_fp32():
-    from vram_planner.profiles import resolve_model
+    from vram_planner.model.resolve import resolve_model
 
     gemma = resolve_model("gemma-3-1b-it")
     assert act.norm_saved_bytes(gemma, 1152, 2, trainable=True) == 4 * 1152 + 4 + 4 * 1152
@@ -103,7 +103,7 @@ def test_gemma_norms_keep_the_normalised_tensor_in_fp32():
 
 def _phi3_and_its_llama_twin():
     """Phi-3-mini-4k-instruct, and the same sizes laid out as Llama (separate q/k/v and gate/up projections)."""
-    from vram_planner.architecture import ModelArchitecture
+    from vram_planner.model.architecture import ModelArchitecture
     from vram_planner.profiles import model_config
 
     config, _, _ = model_config("Phi-3-mini-4k-instruct")
@@ -126,11 +126,11 @@ def test_phi3_reads_each_normalised_input_once_and_its_v_keeps_the_fused_qkv_out
 @pytest.mark.slow
 def test_phi3_layer_activations_match_the_trace():
     # Four of Phi-3-mini's layers with LoRA and no checkpointing: every layer keeps its tensors until the LM head
-    from vram_planner.architecture import ModelArchitecture
-    from vram_planner.estimate import estimate
-    from vram_planner.spec import TrainingConfig
-    from vram_planner.trace import compare_with_estimate, trace_step
-    from vram_planner.trl_releases import trl_release
+    from vram_planner.model.architecture import ModelArchitecture
+    from vram_planner.model.phases import estimate
+    from vram_planner.model.spec import TrainingConfig
+    from vram_planner.model.trl_releases import trl_release
+    from vram_planner.tracing.step import compare_with_estimate, trace_step
 
     pytest.importorskip("trl")
     *_, config = _phi3_and_its_llama_twin()

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_cli import one_line_error, run
+from vram_planner.advise.oom_log import read_log
 from vram_planner.errors import VramPlanError
-from vram_planner.oom_log import read_log
 
 GiB, MiB = 2**30, 2**20
 # The seeds' laptop OOM: TRL 1.14's fp32 logits of 4 sequences of ~1000 tokens of Llama's vocabulary.
@@ -58,7 +58,7 @@ def test_other_allocation_failures_are_recognised(line, kind):
 
 
 def test_fragmentation_and_memory_outside_pytorch_are_explained():
-    from vram_planner.advise import advise
+    from vram_planner.advise.diagnosis import advise
 
     advice = advise(read_log([CURRENT]))
     assert any("fragmentation" in n for n in advice.diagnosis)

@@ -8,8 +8,9 @@ import pytest
 
 from conftest import LLAMA_1B, family_fixture_files
 from transformers_models import build_on_meta, linear_names, parameter_count
-from vram_planner.architecture import ModelArchitecture
 from vram_planner.errors import ProfileError
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.resolve import catalog_architecture
 from vram_planner.profiles import models
 
 
@@ -27,7 +28,7 @@ def test_family_layouts_match_transformers(path):
 @pytest.mark.parametrize("entry", models(), ids=lambda e: e.name)
 def test_catalog_parameter_counts_equal_transformers(entry):
     config = json.loads(entry.config_path.read_text())
-    assert entry.architecture().params == parameter_count(build_on_meta(config))
+    assert catalog_architecture(entry).params == parameter_count(build_on_meta(config))
 
 
 def test_llama_1b_by_hand(llama_1b):

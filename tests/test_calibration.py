@@ -7,8 +7,8 @@ import json
 import pytest
 
 from vram_planner import api
-from vram_planner.calibration import Calibration, calibration_for, default_calibration
 from vram_planner.errors import ProfileError
+from vram_planner.model.calibration import Calibration, calibration_for, default_calibration
 from vram_planner.profiles import GpuProfile
 
 

@@ -211,7 +211,7 @@ def test_debug_shows_the_traceback(llama_1b_file):
 @pytest.mark.parametrize("bug", [KeyError("gate_proj"), ValueError("first line\nsecond line"), RuntimeError()])
 def test_a_bug_is_one_line_without_the_exceptions_class_name(capsys, monkeypatch, llama_1b_file, bug):
     # The last resort: what no input should reach. A bug in the planner stands in for one.
-    from vram_planner import search
+    from vram_planner.model import search
 
     def broken(*args, **kwargs):
         raise bug

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from vram_planner import memory as m
-from vram_planner.calibration import Calibration
-from vram_planner.estimate import estimate
-from vram_planner.spec import training_config
-from vram_planner.trl_releases import trl_release
+from vram_planner.model import components as m
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.phases import estimate
+from vram_planner.model.spec import training_config
+from vram_planner.model.trl_releases import trl_release
 from vram_planner.units import GiB
 
 CAPACITY = 16 * GiB

@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vram_planner import api
-from vram_planner.grpo_config import grpo_config_kwargs, grpo_config_problems, python_snippet
+from vram_planner.model.grpo_config import grpo_config_kwargs, grpo_config_problems, python_snippet
+from vram_planner.model.spec import training_config
 from vram_planner.profiles import GpuProfile
-from vram_planner.spec import training_config
 
 pytestmark = pytest.mark.slow
 

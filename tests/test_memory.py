@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from vram_planner import memory as m
-from vram_planner.lm_head import lm_head_memory
-from vram_planner.spec import training_config
-from vram_planner.trl_releases import trl_release
+from vram_planner.model import components as m
+from vram_planner.model.lm_head import lm_head_memory
+from vram_planner.model.spec import training_config
+from vram_planner.model.trl_releases import trl_release
 
 P = 1_235_814_400
 V, H, N_LAYERS, KV_WIDTH, I = 128256, 2048, 16, 8 * 64, 8192

@@ -9,15 +9,16 @@ import pytest
 
 from conftest import FIXTURES
 from vram_planner import api
-from vram_planner.calibration import Calibration
-from vram_planner.estimate import estimate
-from vram_planner.profiles import data_home, resolve_model
-from vram_planner.probe import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
-                                validate_verdicts,
-                                SimulatedMeasurer, fit_calibration, fit_quality, measure_points, record_path,
-                                save_calibration)
-from vram_planner.spec import TrainingConfig
-from vram_planner.trl_releases import trl_release
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.phases import estimate
+from vram_planner.model.resolve import resolve_model
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.probe.fit import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
+                                    validate_verdicts,
+                                    SimulatedMeasurer, fit_calibration, fit_quality, measure_points, record_path,
+                                    save_calibration)
+from vram_planner.profiles import data_home
 from vram_planner.units import GiB
 
 TINY = str(FIXTURES / "tiny-llama-headdim.json")

@@ -9,7 +9,8 @@ import pytest
 
 from vram_planner import profiles
 from vram_planner.errors import ProfileError, UnknownNameError
-from vram_planner.profiles import GpuProfile, gpus, models, profile_dirs, resolve_model
+from vram_planner.model.resolve import catalog_architecture, resolve_model
+from vram_planner.profiles import GpuProfile, gpus, models, profile_dirs
 from vram_planner.units import GiB
 
 SHIPPED = profile_dirs()[0]
@@ -68,7 +69,7 @@ def test_model_catalog_is_broad():
 
 def test_every_catalog_model_loads():
     for entry in models():
-        arch = entry.architecture()
+        arch = catalog_architecture(entry)
         assert arch.exact, f"{entry.name}: model_type {arch.model_type} unknown to vram-plan"
         assert arch.params > 10**8
 

@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 
 from conftest import FIXTURES
 from test_search import within_seconds
-from vram_planner import activations as act
 from vram_planner import api
 from vram_planner.errors import ConfigError, VramPlanError
-from vram_planner.memory import FP32_BYTES, sizes
+from vram_planner.model import activations as act
+from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.search import Plan, best_plan, ladder_runs, micro_batch_variants, with_micro_batch
+from vram_planner.model.spec import Optimizer, TrainingConfig, with_changes
+from vram_planner.model.trl_releases import trl_releases
+from vram_planner.model.verdict import Verdict, judge
 from vram_planner.profiles import gpus, models
-from vram_planner.search import Plan, best_plan, ladder_runs, micro_batch_variants, with_micro_batch
-from vram_planner.spec import Optimizer, TrainingConfig, with_changes
-from vram_planner.trl_releases import trl_releases
-from vram_planner.verdict import Verdict, judge
 
 MODELS = [m.name for m in models()] + [str(p) for p in sorted(FIXTURES.glob("tiny-*.json"))]
 CARDS = [g.name for g in gpus()]

@@ -23,7 +23,7 @@ def tiny_model_folder(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from vram_planner.train_data import load_prompts
+    from vram_planner.run.train_data import load_prompts
 
     texts = [row["prompt"] + row["answer"] for row in load_prompts("math-sample")]
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -105,7 +105,7 @@ def test_a_model_folder_without_weights_is_refused(capsys, tmp_path):
 
 
 def test_the_recipe_rewards_score_format_and_answers():
-    from vram_planner.rewards import correctness_reward, format_reward
+    from vram_planner.run.rewards import correctness_reward, format_reward
 
     strict = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>\n"
     loose = "<reasoning>3+4</reasoning> <answer>7</answer>"  # the tags in order, not on their own lines
@@ -129,7 +129,7 @@ class FakeAllocatorCap:
 def capped(monkeypatch):
     from transformers import TrainerCallback
 
-    from vram_planner import launch
+    from vram_planner.run import launch
 
     monkeypatch.setattr(launch, "EXTRA_CALLBACKS", [type("Cap", (TrainerCallback,), dict(vars(FakeAllocatorCap)))()])
 
@@ -161,7 +161,7 @@ def test_out_of_memory_without_fallback_explains_and_keeps_the_checkpoint(capsys
 def test_the_smoke_step_takes_the_longest_prompts_first():
     from datasets import Dataset
 
-    from vram_planner.launch import longest_first
+    from vram_planner.run.launch import longest_first
 
     data = Dataset.from_list([{"prompt": "x" * n, "answer": str(n)} for n in (3, 10, 1, 7)])
     assert longest_first(data, 2)["answer"] == ["10", "7"]
@@ -189,7 +189,7 @@ def test_several_gpus_start_through_accelerate_with_trls_config(capsys, tmp_path
 def test_local_datasets_in_every_format(tmp_path, kind):
     from datasets import Dataset
 
-    from vram_planner.train_data import load_prompts
+    from vram_planner.run.train_data import load_prompts
 
     data = Dataset.from_list([{"prompt": "1 + 1?", "answer": "2"}, {"prompt": "2 + 2?", "answer": "4"}])
     path = tmp_path / f"data.{kind}"
@@ -202,7 +202,7 @@ def test_gsm8k_offline_says_what_to_use_instead(monkeypatch):
     import datasets
 
     from vram_planner.errors import VramPlanError
-    from vram_planner.train_data import load_prompts
+    from vram_planner.run.train_data import load_prompts
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(VramPlanError, match="math-sample"):

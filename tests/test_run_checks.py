@@ -248,7 +248,7 @@ def test_a_chat_template_that_cannot_render_the_prompts_is_one_line(capsys, chat
 def sample(conversational: bool = False) -> dict:
     from datasets import Dataset
 
-    from vram_planner.rewards import sample_batch
+    from vram_planner.run.rewards import sample_batch
 
     prompt = CHAT if conversational else "1 + 1?"
     return sample_batch(Dataset.from_list([{"prompt": prompt, "answer": "2"}]))
@@ -256,7 +256,7 @@ def sample(conversational: bool = False) -> dict:
 
 def check(*outputs):
     """Run check_rewards on reward functions returning each of `outputs`."""
-    from vram_planner.rewards import check_rewards
+    from vram_planner.run.rewards import check_rewards
 
     functions = {f"r{i}": (lambda value: lambda **kwargs: value)(output) for i, output in enumerate(outputs)}
     check_rewards(functions, sample())
@@ -383,7 +383,7 @@ def test_only_the_main_process_prints(capsys, monkeypatch, tmp_path):
 def test_the_progress_line_and_the_log_come_from_the_main_process_only(capsys, tmp_path):
     from transformers import TrainerControl, TrainerState
 
-    from vram_planner.launch import JsonlLog, RichProgress
+    from vram_planner.run.launch import JsonlLog, RichProgress
 
     logs = {"reward": 0.5, "step_time": 1.0}
     for main_process in (False, True):
@@ -411,7 +411,7 @@ def train_extra() -> list[str]:
 
 
 def test_the_train_extra_installs_what_the_plan_recommends():
-    from vram_planner.spec import Optimizer
+    from vram_planner.model.spec import Optimizer
 
     assert any(o.needs_bitsandbytes for o in Optimizer)  # the plan's adamw_8bit among them
     assert {"torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes"} <= set(train_extra())

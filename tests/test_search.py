@@ -11,14 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import FIXTURES
-from vram_planner import api, search
-from vram_planner.divisors import divisors, prime_factors
+from vram_planner import api
+from vram_planner.model import search
+from vram_planner.model.divisors import divisors, prime_factors
+from vram_planner.model.search import (best_plan, micro_batch_sizes, micro_batch_variants, rungs, smallest_config,
+                                       with_micro_batch)
+from vram_planner.model.spec import MAX_COUNT, training_config, with_changes
+from vram_planner.model.verdict import judge
 from vram_planner.profiles import GpuProfile
-from vram_planner.search import (best_plan, micro_batch_sizes, micro_batch_variants, rungs, smallest_config,
-                                  with_micro_batch)
-from vram_planner.spec import MAX_COUNT, training_config, with_changes
 from vram_planner.units import GiB
-from vram_planner.verdict import judge
 
 
 def gpu(gib: float, bf16: bool = True) -> GpuProfile:
@@ -91,10 +92,10 @@ def test_nothing_fits_on_a_tiny_card(llama_1b_file):
        ga=st.sampled_from([1, 2, 4]))
 def test_more_memory_never_gives_a_worse_plan(small, extra, completion, beta, ga):
     from conftest import LLAMA_1B
-    from vram_planner.architecture import ModelArchitecture
-    from vram_planner.calibration import Calibration
-    from vram_planner.trl_releases import trl_release
-    from vram_planner.verdict import Context
+    from vram_planner.model.architecture import ModelArchitecture
+    from vram_planner.model.calibration import Calibration
+    from vram_planner.model.trl_releases import trl_release
+    from vram_planner.model.verdict import Context
 
     arch = ModelArchitecture.from_config(LLAMA_1B)
     train = training_config({"max_completion_length": completion, "beta": beta, "gradient_accumulation_steps": ga})

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from vram_planner.architecture import ModelArchitecture
-from vram_planner.calibration import Calibration
 from vram_planner.errors import VramPlanError
-from vram_planner.estimate import TENSOR_COMPONENTS, estimate
-from vram_planner.spec import TrainingConfig
-from vram_planner.trace import check_traceable, compare_with_estimate, trace_step
-from vram_planner.trl_releases import trl_release
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.phases import TENSOR_COMPONENTS, estimate
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.tracing.step import check_traceable, compare_with_estimate, trace_step
 from vram_planner.units import GiB
 
 pytest.importorskip("torch")
@@ -196,7 +196,7 @@ def test_a_sequence_beyond_the_models_positions_is_refused():
 def test_importing_the_trace_module_imports_no_heavy_package():
     code = textwrap.dedent("""
         import sys
-        import vram_planner.trace
+        import vram_planner.tracing.step
         heavy = [m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules]
         assert not heavy, heavy
     """)
@@ -207,8 +207,8 @@ def test_importing_the_trace_module_imports_no_heavy_package():
 def test_a_1b_model_traces_in_seconds_without_real_memory():
     code = textwrap.dedent("""
         import json, resource, sys
-        from vram_planner.spec import TrainingConfig
-        from vram_planner.trace import trace_step
+        from vram_planner.model.spec import TrainingConfig
+        from vram_planner.tracing.step import trace_step
         config = json.load(open(sys.argv[1]))
         result = trace_step(config, TrainingConfig(per_device_train_batch_size=4, num_generations=4))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

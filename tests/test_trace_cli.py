@@ -12,8 +12,8 @@ import pytest
 
 from conftest import FIXTURES
 from test_cli import one_line_error, run
-from vram_planner.spec import TrainingConfig
-from vram_planner.trace import trace_step
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.tracing.step import trace_step
 
 pytest.importorskip("trl")
 

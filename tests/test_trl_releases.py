@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vram_planner.errors import VramPlanError
-from vram_planner.trl_releases import installed_trl_version, trl_release, trl_releases, version_tuple
+from vram_planner.model.trl_releases import installed_trl_version, trl_release, trl_releases, version_tuple
 
 
 @pytest.mark.parametrize("version,lm_head,beta,completion", [
@@ -35,7 +35,7 @@ def test_installed_version_is_read_without_importing_trl():
     from importlib import metadata
 
     assert installed_trl_version() == metadata.version("trl")
-    code = ("import sys\nfrom vram_planner.trl_releases import installed_trl_version\n"
+    code = ("import sys\nfrom vram_planner.model.trl_releases import installed_trl_version\n"
             "assert installed_trl_version()\nassert 'trl' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

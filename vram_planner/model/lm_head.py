@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vram_planner.architecture import ModelArchitecture
-from vram_planner.memory import FP32_BYTES, sizes
-from vram_planner.spec import TrainingConfig
-from vram_planner.trl_releases import TrlRelease
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease
 
 # Per-token fp32 statistics of the fused forward: running max, sum exp, x*exp sum, squared sum, z sum,
 # max before target, target logit (ChunkedLogProbFunction.forward).

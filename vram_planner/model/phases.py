@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vram_planner import activations as act
-from vram_planner import memory as m
-from vram_planner.architecture import ModelArchitecture
-from vram_planner.calibration import Calibration
-from vram_planner.lm_head import lm_head_memory
-from vram_planner.spec import TrainingConfig
-from vram_planner.trl_releases import TrlRelease
+from vram_planner.model import activations as act
+from vram_planner.model import components as m
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.lm_head import lm_head_memory
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease
 
 # Component names, in the order people read them.
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",

@@ -22,12 +22,12 @@ from typing import Any
 from vram_planner.errors import VramPlanError, first_line
 from vram_planner.extras import require_bitsandbytes
 from vram_planner.files import check_writable
-from vram_planner.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
-from vram_planner.rewards import check_rewards, load_reward, sample_batch
-from vram_planner.search import Plan, micro_batch_variants, rungs
-from vram_planner.spec import TrainingConfig
+from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
+from vram_planner.model.search import Plan, micro_batch_variants, rungs
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.verdict import Verdict, judge
+from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
 from vram_planner.units import GiB
-from vram_planner.verdict import Verdict, judge
 
 LOG_NAME = "vram-plan-log.jsonl"
 CONFIG_NAME = "accelerate_config.yaml"  # TRL's accelerate config for several GPUs
@@ -123,7 +123,7 @@ def check_model_folder(model_id: str) -> None:
 def prepared_dataset(setup: RunSetup) -> Any:
     """The dataset with its prompts and columns checked, the chat template tried on chat prompts, and each reward
     tried on a sample batch."""
-    from vram_planner.train_data import check_prompts, load_prompts, require_columns
+    from vram_planner.run.train_data import check_prompts, load_prompts, require_columns
 
     dataset = load_prompts(setup.dataset)
     require_columns(dataset, {"prompt"}, "GRPOTrainer reads the prompts from it")

@@ -6,12 +6,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from vram_planner.estimate import COMPONENTS, Phase
-from vram_planner.grpo_config import (grpo_config_kwargs, grpo_config_problems, lora_config_kwargs,
-                                      quantization_config_kwargs)
+from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_problems, lora_config_kwargs,
+                                            quantization_config_kwargs)
+from vram_planner.model.phases import COMPONENTS, Phase
+from vram_planner.model.search import Plan, smallest_config
+from vram_planner.model.verdict import Context, Verdict, judge
 from vram_planner.profiles import GpuProfile, gpus
-from vram_planner.search import Plan, smallest_config
-from vram_planner.verdict import Context, Verdict, judge
 
 
 class PhaseReport(BaseModel):

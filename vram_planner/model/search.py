@@ -9,7 +9,7 @@ memory can only keep or improve the rank.
 The search does not grow with the batch or the lengths. The semantic rungs halve what they shrink, so there are
 logarithmically many, and they come in runs along which memory only falls: bisection finds the first rung of a run
 on which something fits. The micro-batches of a rung are the divisors of its batches (found by factoring,
-vram_planner/divisors.py), and bisection finds the largest that fits.
+vram_planner/model/divisors.py), and bisection finds the largest that fits.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vram_planner.divisors import divisors, prime_factors
 from vram_planner.errors import ConfigError
-from vram_planner.spec import MAX_COUNT, Optimizer, TrainingConfig, with_changes
-from vram_planner.verdict import Context, Verdict, judge
+from vram_planner.model.divisors import divisors, prime_factors
+from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, with_changes
+from vram_planner.model.verdict import Context, Verdict, judge
 
 LORA_DEFAULT_RANK = 16  # common GRPO recipes (TRL docs, Unsloth notebooks) use r=16, alpha=2r, all linear layers
 SHORTEST_COMPLETION = 64

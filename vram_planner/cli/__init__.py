@@ -90,7 +90,7 @@ _NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version
 
 def _execute(command: str, options: dict[str, Any]) -> None:
     if options["plot"]:  # before any work: a plot that cannot be written is refused now, not after the plan
-        from vram_planner.plot import check_plot_target
+        from vram_planner.cli.plot import check_plot_target
 
         check_plot_target(options["plot"])
     if command == "trace":
@@ -99,7 +99,7 @@ def _execute(command: str, options: dict[str, Any]) -> None:
     report, shown = _judge(command, context, train)
 
     def human() -> None:
-        from vram_planner.render import render
+        from vram_planner.cli.render import render
 
         render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
 
@@ -109,7 +109,7 @@ def _execute(command: str, options: dict[str, Any]) -> None:
 def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
     """The plot when asked, then the JSON document or the human view; the exit code says whether it fits."""
     if options["plot"]:
-        from vram_planner.plot import plot_phases
+        from vram_planner.cli.plot import plot_phases
 
         plot_phases(report, options["plot"])
     if options["json_output"]:
@@ -123,7 +123,7 @@ def _trace(options: dict[str, Any]) -> None:
     from rich.console import Console
 
     from vram_planner import api
-    from vram_planner.report import trace_report
+    from vram_planner.cli.report import trace_report
 
     model, gpu, knobs = _settings("trace", options, gpu_required=False)
     # The spinner names the phase being traced (up to a minute for a 70B model); stderr keeps --json clean.
@@ -133,7 +133,7 @@ def _trace(options: dict[str, Any]) -> None:
     report = trace_report(outcome)
 
     def human() -> None:
-        from vram_planner.render import render_trace
+        from vram_planner.cli.render import render_trace
 
         render_trace(report, outcome.traced.context.gpu)
 
@@ -142,7 +142,7 @@ def _trace(options: dict[str, Any]) -> None:
 
 def _settings(command: str, options: dict[str, Any], gpu_required: bool = True) -> tuple[str, str | None, dict]:
     """The model, the GPU and the knobs from the flags, over the --config file's values."""
-    from vram_planner.settings_file import read_settings_file
+    from vram_planner.cli.settings_file import read_settings_file
 
     settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
     for name in ("gpu", "model"):  # an empty value is a mistake, not "not given"
@@ -172,14 +172,14 @@ def _resolve(command: str, options: dict[str, Any]):
 
 def _judge(command: str, context, train):
     """The report to print and the training config it describes."""
-    from vram_planner import report as reports
+    from vram_planner.cli import report as reports
 
     if command == "plan":
-        from vram_planner.search import best_plan
+        from vram_planner.model.search import best_plan
 
         result = best_plan(context, train)
         return reports.plan_report(result), (result.chosen or result.smallest).train
-    from vram_planner.verdict import judge
+    from vram_planner.model.verdict import judge
 
     return reports.verdict_report(judge(context, train)), train
 
@@ -188,7 +188,7 @@ def _judge(command: str, context, train):
 @click.option("--json", "json_output", is_flag=True, help="Print the catalog as JSON.")
 def list_gpus(json_output: bool) -> None:
     """The GPU catalog: capacity as CUDA reports it, bf16 and FlashAttention-2 support."""
-    from vram_planner.listing import gpus_json, print_gpus
+    from vram_planner.cli.listing import gpus_json, print_gpus
 
     if json_output:
         click.echo(gpus_json())
@@ -200,7 +200,7 @@ def list_gpus(json_output: bool) -> None:
 @click.option("--json", "json_output", is_flag=True, help="Print the catalog as JSON.")
 def list_models(json_output: bool) -> None:
     """The model catalog: parameters and architecture facts."""
-    from vram_planner.listing import models_json, print_models
+    from vram_planner.cli.listing import models_json, print_models
 
     if json_output:
         click.echo(models_json())
@@ -232,12 +232,12 @@ def _run_options(function: Any) -> Any:
 def run(**options: Any) -> None:
     """Start the GRPO run the plan recommends (TRL's GRPOTrainer), logging memory per step."""
     from vram_planner.extras import require_train_extra
-    from vram_planner.grpo_config import output_dir_name
+    from vram_planner.model.grpo_config import output_dir_name
 
     require_train_extra("vram-plan run")
-    from vram_planner.launch import (CONFIG_NAME, RunSetup, accelerate_config_yaml, is_main_process, launch,
-                                     launch_command, library_output, needs_launcher, prepare, train)
-    from vram_planner.search import best_plan
+    from vram_planner.model.search import best_plan
+    from vram_planner.run.launch import (CONFIG_NAME, RunSetup, accelerate_config_yaml, is_main_process, launch,
+                                         launch_command, library_output, needs_launcher, prepare, train)
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite")
     settings = {k: options.pop(k) for k in run_keys}
@@ -279,8 +279,8 @@ def _cuda_available() -> bool:
 def advise_command(log: str, gpu: str | None, model: str | None, config_file: Path | None, trl_version: str | None,
                    json_output: bool, **knobs: Any) -> None:
     """Explain an out-of-memory error from a log (a file, or - for stdin) and rank the fixes."""
-    from vram_planner.advise import advise
-    from vram_planner.oom_log import read_log
+    from vram_planner.advise.diagnosis import advise
+    from vram_planner.advise.oom_log import read_log
 
     error = read_log(_bounded_lines(log))
     context = train = None
@@ -294,7 +294,7 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
     if json_output:
         click.echo(advice.model_dump_json(indent=2))
     else:
-        from vram_planner.render import render_advice
+        from vram_planner.cli.render import render_advice
 
         render_advice(advice)
 
@@ -327,7 +327,7 @@ def _bounded_lines(log: str):  # -> Iterator[str]
 @click.option("--json", "json_output", is_flag=True, help="Print one JSON document.")
 def probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, validate: bool, json_output: bool) -> None:
     """Measure GRPO steps on this GPU, fit the calibration plan/check use for it, and check the verdicts."""
-    from vram_planner.probe_run import run_probe
+    from vram_planner.probe.command import run_probe
 
     raise click.exceptions.Exit(run_probe(gpu, simulate, out, quick, validate, json_output))
 

@@ -6,10 +6,10 @@ import importlib.util
 import io
 from pathlib import Path
 
+from vram_planner.cli.report import Report
 from vram_planner.errors import VramPlanError
-from vram_planner.estimate import COMPONENTS, PHASE_TITLES
 from vram_planner.files import check_writable, write_atomically
-from vram_planner.report import Report
+from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.units import GiB
 
 COMPONENT_COLOURS = {"weights": "#1f77b4", "reference_weights": "#17becf", "gradients": "#9467bd",

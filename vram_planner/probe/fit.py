@@ -1,6 +1,6 @@
 """`vram-plan probe`: measure GRPO steps on a GPU, fit the calibration, and check the verdicts against what ran.
 
-The pipeline is the same whatever measures: `CudaMeasurer` (vram_planner.probe_cuda) runs real steps with random
+The pipeline is the same whatever measures: `CudaMeasurer` (vram_planner.probe.cuda) runs real steps with random
 weights on the local CUDA device; `SimulatedMeasurer` asks the trace engine, so CI tests the whole path without a
 GPU. Measured points are kept in the data directory as they come in, so an interrupted probe continues where it
 stopped, and the calibration is written only at the end, atomically. This module imports no torch.
@@ -18,14 +18,15 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from vram_planner.architecture import ModelArchitecture
-from vram_planner.calibration import Calibration, default_calibration
 from vram_planner.errors import VramPlanError
-from vram_planner.estimate import Estimate, estimate
 from vram_planner.files import check_writable, write_atomically
-from vram_planner.profiles import HOME_ENV, data_home, read_json, resolve_model
-from vram_planner.spec import TrainingConfig
-from vram_planner.trl_releases import trl_release
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration, default_calibration
+from vram_planner.model.phases import Estimate, estimate
+from vram_planner.model.resolve import resolve_model
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.profiles import HOME_ENV, data_home, read_json
 from vram_planner.units import GiB
 
 # Coefficients of the analytic model that real runs set and the probe fits (the rest of it is counted exactly).
@@ -115,7 +116,7 @@ class SimulatedMeasurer:
         self.gpu_name, self.allocator_fraction, self._context = gpu_name, allocator_fraction, context_bytes
 
     def device(self) -> dict[str, str]:
-        from vram_planner.trace import engine_versions
+        from vram_planner.tracing.step import engine_versions
 
         return {"gpu": self.gpu_name, "simulated": "trace engine", **engine_versions()}
 
@@ -123,7 +124,7 @@ class SimulatedMeasurer:
         return self._context
 
     def measure(self, point: ProbePoint) -> PointMeasurement:
-        from vram_planner.trace import trace_step
+        from vram_planner.tracing.step import trace_step
 
         result = trace_step(_config_json(point.model), point.train)
         phases = [PhaseMeasurement(name=p.name, allocated_bytes=p.peak_bytes,
@@ -334,8 +335,8 @@ def boundary_points(model: str, capacity_bytes: int, cal: Calibration, lora_r: i
                     batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), completion: int = 256,
                     prompt: int = 128) -> list[tuple[ProbePoint, bool, float]]:
     """The largest micro-batch the planner says fits on a card of `capacity_bytes` and the next one up."""
+    from vram_planner.model.verdict import Context, judge
     from vram_planner.profiles import GpuProfile
-    from vram_planner.verdict import Context, judge
 
     gpu = GpuProfile(name=f"{capacity_bytes / GiB:.2f}GiB", total_memory_gib=capacity_bytes / GiB,
                      source="emulated with torch.cuda.set_per_process_memory_fraction", capacity_source="user")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vram_planner.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig
 
 
 def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:

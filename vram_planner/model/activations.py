@@ -20,15 +20,15 @@ Counted from the autograd graph that transformers 5.x builds for a Llama-style l
   copy of it, one q-wide tensor per layer; CUDA's memory-efficient kernel writes the token-major layout o_proj reads,
   which is what is counted here.)
 
-Symbols as in `vram_planner.memory`. Liger's kernels keep less; their coefficients stay in the calibration.
+Symbols as in `vram_planner.model.components`. Liger's kernels keep less; their coefficients stay in the calibration.
 """
 
 from __future__ import annotations
 
-from vram_planner.architecture import Linear, ModelArchitecture
-from vram_planner.calibration import Calibration
-from vram_planner.memory import FP32_BYTES, sizes
-from vram_planner.spec import TrainingConfig
+from vram_planner.model.architecture import Linear, ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.spec import TrainingConfig
 
 BOOL_BYTES = 1
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line, json_kind
-from vram_planner.rewards import SYSTEM_PROMPT
+from vram_planner.run.rewards import SYSTEM_PROMPT
 
 BUNDLED = {"math-sample": "data/math_sample.jsonl"}
 

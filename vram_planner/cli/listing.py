@@ -7,6 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from vram_planner.model.resolve import catalog_architecture
 from vram_planner.profiles import gpus, models
 
 
@@ -30,7 +31,7 @@ def print_models(console: Console | None = None) -> None:
     for column in ("params", "layers", "heads/kv", "vocab", "tied"):
         table.add_column(column, justify="right")
     for entry in models():
-        a = entry.architecture()
+        a = catalog_architecture(entry)
         table.add_row(entry.name, f"{a.params / 1e9:.2f}B", str(a.num_layers),
                       f"{a.num_attention_heads}/{a.num_kv_heads}", str(a.vocab_size),
                       "yes" if a.tie_word_embeddings else "no")
@@ -44,7 +45,7 @@ def gpus_json() -> str:
 def models_json() -> str:
     rows = []
     for entry in models():
-        a = entry.architecture()
+        a = catalog_architecture(entry)
         rows.append({"name": entry.name, "hub_id": entry.hub_id, "aliases": entry.aliases, "params": a.params,
                      "model_type": a.model_type, "num_layers": a.num_layers, "hidden_size": a.hidden_size,
                      "num_attention_heads": a.num_attention_heads, "num_kv_heads": a.num_kv_heads,

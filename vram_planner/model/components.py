@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vram_planner.architecture import ModelArchitecture
-from vram_planner.calibration import Calibration
-from vram_planner.spec import DTYPE_BYTES, Optimizer, TrainingConfig
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.spec import DTYPE_BYTES, Optimizer, TrainingConfig
 
 FP32_BYTES = 4
 # bitsandbytes 4-bit: two weights per byte, one absmax per block of 64 weights; double quantisation stores the

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from vram_planner.architecture import FAMILIES, ModelArchitecture
-from vram_planner.calibration import Calibration
 from vram_planner.errors import ConfigError, closest_names
-from vram_planner.estimate import Estimate, estimate
+from vram_planner.model.architecture import FAMILIES, ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.phases import Estimate, estimate
+from vram_planner.model.spec import TrainingConfig, with_changes
+from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.profiles import GpuProfile
-from vram_planner.spec import TrainingConfig, with_changes
-from vram_planner.trl_releases import TrlRelease
 
 # Share of the card a plan leaves free: the analytic model's error before calibration is several percent
 # (fitcheck-llm's mean 5.5% total error on T4, ../shared/design/grpo-memory.md), so "fits" keeps 5% spare.

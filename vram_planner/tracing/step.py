@@ -30,9 +30,9 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
 from vram_planner.extras import TRAIN_EXTRA, require_train_extra
-from vram_planner.estimate import TENSOR_COMPONENTS, Estimate
-from vram_planner.spec import TrainingConfig
-from vram_planner.trl_releases import TrlRelease, installed_trl_version
+from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease, installed_trl_version
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class TracePhase:
 
     name: str
     peak_bytes: int
-    components: dict[str, int]  # names from vram_planner.estimate.TENSOR_COMPONENTS
+    components: dict[str, int]  # names from vram_planner.model.phases.TENSOR_COMPONENTS
     moment: str  # where in the phase the peak happened
     seconds: float  # wall time of tracing this phase
 
@@ -108,7 +108,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
             FlashAttention-2, bitsandbytes optimizers), a TRL release other than the installed one's behaviour, or
             sequences longer than the model's max_position_embeddings; before the model is built.
     """
-    from vram_planner.architecture import ModelArchitecture
+    from vram_planner.model.architecture import ModelArchitecture
 
     notes = check_traceable(train, release, ModelArchitecture.from_config(arch_config).max_position_embeddings)
     start = time.perf_counter()

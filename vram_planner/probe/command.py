@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from vram_planner import probe as p
 from vram_planner.errors import VramPlanError
+from vram_planner.probe.fit import fit as p
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
 
@@ -31,7 +31,7 @@ def _measurer(simulate: bool, gpu: str | None) -> tuple[p.Measurer, str]:
                                 "(e.g. --gpu h100-80gb)")
         name = GpuProfile.from_name(gpu).name
         return p.SimulatedMeasurer(name), name
-    from vram_planner.probe_cuda import CudaMeasurer
+    from vram_planner.probe.cuda import CudaMeasurer
 
     measurer = CudaMeasurer()
     return measurer, GpuProfile.from_name(gpu or "auto").name

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from vram_planner.oom_log import OomError
+from vram_planner.advise.oom_log import OomError
 from vram_planner.units import GiB
 
 # Reserved-but-unallocated memory this large, and larger than the failed request, points at fragmentation.
@@ -80,7 +80,7 @@ def attribute(error: OomError, verdict: Any) -> tuple[str | None, str | None]:
     """The component or buffer of the plan whose size is nearest the failed allocation, and its phase."""
     if not error.tried_to_allocate:
         return None, None
-    from vram_planner.memory import sizes
+    from vram_planner.model.components import sizes
 
     arch, train = verdict.context.arch, verdict.train
     s = sizes(train)
@@ -122,17 +122,17 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
     advice = Advice(error=error, diagnosis=notes, fixes=fixes)
     if context is None or train is None:
         return advice
-    from vram_planner.grpo_config import grpo_config_kwargs
-    from vram_planner.search import best_plan
-    from vram_planner.verdict import judge
+    from vram_planner.model.grpo_config import grpo_config_kwargs
+    from vram_planner.model.search import best_plan
+    from vram_planner.model.verdict import judge
 
     verdict = judge(context, train)
     advice.culprit, advice.phase = attribute(error, verdict)
     plan = best_plan(context, train)
     ranked = _plan_fixes(plan.changes)
     if context.release.lm_head != "fused_chunked":
-        from vram_planner.lm_head import lm_head_memory
-        from vram_planner.trl_releases import trl_release
+        from vram_planner.model.lm_head import lm_head_memory
+        from vram_planner.model.trl_releases import trl_release
 
         current = trl_release()  # the installed one, or the newest TRL vram-plan knows
         if current.lm_head == "fused_chunked":
@@ -151,7 +151,7 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
 def _plan_fixes(changes: Any) -> list[Fix]:
     """The plan's steps as fixes that stand alone: each applies every step up to it (a step is measured after the
     ones before it, so alone it may not even be valid), and saves what they save together."""
-    from vram_planner.spec import command_line_flags
+    from vram_planner.model.spec import command_line_flags
 
     fixes, settings, saved, knobs, reasons = [], {}, 0.0, [], []
     for change in changes:

@@ -6,11 +6,11 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from vram_planner.estimate import COMPONENTS, PHASE_TITLES
-from vram_planner.grpo_config import python_snippet
+from vram_planner.cli.report import Report
+from vram_planner.model.grpo_config import python_snippet
+from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
+from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import GpuProfile
-from vram_planner.report import Report
-from vram_planner.spec import TrainingConfig
 from vram_planner.units import GiB
 
 BAR_WIDTH = 40
@@ -144,7 +144,7 @@ def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None
                         peak_bar(report), Text(""), seconds, footer(report)))
 
 
-def render_advice(advice, console: Console | None = None) -> None:  # advice: vram_planner.advise.Advice
+def render_advice(advice, console: Console | None = None) -> None:  # advice: vram_planner.advise.diagnosis.Advice
     console = console or Console()
     e = advice.error
     figures = [(name, getattr(e, name)) for name in ("tried_to_allocate", "total_capacity", "free", "process_in_use",

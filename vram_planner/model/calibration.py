@@ -31,7 +31,7 @@ class Calibration(BaseModel):
     # seeds' laptop OOM (2.41 of 14.23 GiB reserved).
     allocator_overhead_fraction: float = Field(default=0.12, ge=0, lt=1)
 
-    # What a layer keeps for backward is counted tensor by tensor (vram_planner/activations.py, checked against
+    # What a layer keeps for backward is counted tensor by tensor (vram_planner/model/activations.py, checked against
     # the trace engine); only Liger's kernels, which the CPU trace cannot run, and the transient working sets below
     # are coefficients.
     # With use_liger_kernel (layer kernels: RMSNorm, SwiGLU, RoPE): RMSNorm keeps only its input and a per-row

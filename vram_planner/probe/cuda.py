@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from vram_planner.errors import VramPlanError
-from vram_planner.probe import PhaseMeasurement, PointMeasurement, ProbePoint, _config_json, _settings
-from vram_planner.trace import engine_versions
+from vram_planner.probe.fit import PhaseMeasurement, PointMeasurement, ProbePoint, _config_json, _settings
 from vram_planner.tracing.counter import PhaseState
+from vram_planner.tracing.step import engine_versions
 
 
 class CudaMeter(PhaseState):
