@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import FIXTURES, LLAMA_1B, family_fixture_files
+from helpers import FIXTURES, LLAMA_1B, family_fixture_files
 from vram_planner import api
 from vram_planner.errors import ConfigError, ProfileError, VramPlanError
 from vram_planner.model import trl_releases

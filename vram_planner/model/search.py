@@ -245,7 +245,7 @@ def _first_fitting_rung(context: Context, run: list[TrainingConfig],
             outcomes[index] = _largest_fitting_micro_batch(context, run[index], own_first if index == 0 else None)
         return outcomes[index][0] is not None
 
-    # memory only falls along a run (tests/test_properties.py holds the model to that): False, ..., False, True, ...
+    # memory only falls along a run (tests/model/test_properties.py holds the model to that): False, ..., False, True, ...
     index = min(bisect.bisect_left(range(len(run)), True, key=fits_on), len(run) - 1)
     fits_on(index)
     return index, outcomes[index]
@@ -262,7 +262,7 @@ def _largest_fitting_micro_batch(context: Context, rung: TrainingConfig,
 
     The rung's own micro-batch is judged first: when it does not accumulate gradients, smaller ones (which do) may
     need more memory. Every smaller micro-batch accumulates, and there memory grows with the micro-batch
-    (tests/test_properties.py holds the model to that), so bisection finds the largest that fits."""
+    (tests/model/test_properties.py holds the model to that), so bisection finds the largest that fits."""
     own = own or judge(context, rung)
     b, lowest = rung.per_device_train_batch_size, smallest_micro_batch(rung)
     if own.fits or b == lowest:

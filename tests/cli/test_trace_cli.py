@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from conftest import FIXTURES
-from test_cli import one_line_error, run
+from helpers import FIXTURES, one_line_error, run
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.tracing.step import trace_step
 

@@ -8,37 +8,9 @@ import sys
 
 import pytest
 
-from conftest import FIXTURES
-from test_cli import one_line_error, run
+from helpers import FIXTURES, SMALL, bad_run, one_line_error, run
 
 pytest.importorskip("trl")
-
-SMALL = ["--gpu", "24GiB", "--per-device-train-batch-size", "2", "--num-generations", "2",
-         "--max-completion-length", "8", "--max-prompt-length", "128"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_folder(tmp_path_factory):
-    """A Llama-style model with random weights and a byte-level BPE tokenizer trained here, saved as a folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    from vram_planner.run.train_data import load_prompts
-
-    texts = [row["prompt"] + row["answer"] for row in load_prompts("math-sample")]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>",
-                                                                                            "<unk>"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
-    config = json.loads((FIXTURES / "tiny-llama-headdim.json").read_text())
-    config.update(vocab_size=len(fast), pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
-                  bos_token_id=None)
-    folder = tmp_path_factory.mktemp("tiny-model")
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.slow
@@ -68,13 +40,6 @@ def test_dry_run_prints_the_config_and_starts_nothing(capsys, tiny_model_folder,
                           "--output-dir", str(out), "--dry-run", *SMALL)
     assert code == 0 and "GRPOConfig(per_device_train_batch_size=2" in stdout and "LoraConfig" not in stdout
     assert not out.exists()
-
-
-def bad_run(capsys, tmp_path, model, *extra):
-    out = tmp_path / "run"
-    err = one_line_error(capsys, "run", "--model", str(model), "--output-dir", str(out), *SMALL, *extra)
-    assert not out.exists()
-    return err
 
 
 def test_a_dataset_without_prompts_is_refused(capsys, tiny_model_folder, tmp_path):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import FIXTURES
+from helpers import FIXTURES, within_seconds
 from vram_planner import api
 from vram_planner.model import search
 from vram_planner.model.divisors import divisors, prime_factors
@@ -91,7 +89,7 @@ def test_nothing_fits_on_a_tiny_card(llama_1b_file):
        completion=st.sampled_from([128, 512, 2048]), beta=st.sampled_from([0.0, 0.04]),
        ga=st.sampled_from([1, 2, 4]))
 def test_more_memory_never_gives_a_worse_plan(small, extra, completion, beta, ga):
-    from conftest import LLAMA_1B
+    from helpers import LLAMA_1B
     from vram_planner.model.architecture import ModelArchitecture
     from vram_planner.model.calibration import Calibration
     from vram_planner.model.trl_releases import trl_release
@@ -113,21 +111,6 @@ def test_changes_that_cannot_stand_alone_are_reported_together(llama_1b_file):
     merged = [c for c in result.changes if c.knob == "dtype + lora_r"]
     assert merged and merged[0].before == "float32, None" and merged[0].after == "float16, 16"
     assert_changes_are_truthful(result)
-
-
-@contextlib.contextmanager
-def within_seconds(limit: float):
-    """Fail (instead of hanging) when the block runs longer than `limit` seconds of wall time."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {limit} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, limit)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("knobs", [

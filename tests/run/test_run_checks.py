@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from test_cli import one_line_error, run
-from test_run import SMALL, bad_run, tiny_model_folder  # noqa: F401 (a fixture)
+from helpers import SMALL, bad_run, one_line_error, run
 
 pytest.importorskip("trl")
 
@@ -405,7 +404,7 @@ def train_extra() -> list[str]:
     import tomllib
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     return [re.split(r"[<>=!~;\[ ]", requirement)[0].lower() for requirement in extras["train"]]
 
@@ -417,7 +416,7 @@ def test_the_train_extra_installs_what_the_plan_recommends():
     assert {"torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes"} <= set(train_extra())
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "pip install 'vram-plan[train]'" in readme and "bitsandbytes" in readme
 
 

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from conftest import LLAMA_1B, family_fixture_files
-from transformers_models import build_on_meta, linear_names, parameter_count
+from helpers import LLAMA_1B, build_on_meta, family_fixture_files, linear_names, parameter_count
 from vram_planner.errors import ProfileError
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.resolve import catalog_architecture

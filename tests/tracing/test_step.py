@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
+from helpers import FIXTURES
 from vram_planner.errors import VramPlanError
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-MODELS = Path(__file__).resolve().parent.parent / "profiles" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "profiles" / "models"
 TINY = json.loads((FIXTURES / "tiny-llama-headdim.json").read_text())
 # Two completions of 16 tokens after a 16-token prompt: every phase runs, in about a second each.
 SHORT = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 16, "max_completion_length": 16}
@@ -36,7 +36,7 @@ def rounded(n_bytes: int) -> int:
 
 
 def tiny_model():
-    from transformers_models import build_on_meta
+    from helpers import build_on_meta
 
     return build_on_meta(TINY)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import FIXTURES
+from helpers import FIXTURES
 from vram_planner import api
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.phases import estimate
@@ -164,7 +164,7 @@ def test_probe_simulate_from_the_command_line_feeds_check(capsys):
 
 @pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "in /proc", "below /proc"])
 def test_an_unwritable_out_is_refused_before_measuring(capsys, tmp_path, where):
-    from test_cli import unwritable_targets
+    from helpers import unwritable_targets
     from vram_planner.cli import main
 
     target = unwritable_targets(tmp_path)[where]

@@ -11,24 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LLAMA_1B
+from helpers import LLAMA_1B, one_line_error, run, unwritable_targets
 from vram_planner.cli import main
 
 JSON_FIELDS = {"fits", "peak_bytes", "capacity_bytes", "params", "trainable_params", "phases", "config",
                "grpo_config_valid", "calibration"}
-
-
-def run(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(capsys, *args) -> str:
-    code, out, err = run(capsys, *args)
-    assert code == 2, (out, err)
-    assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
-    return err
 
 
 def test_plan_is_the_default_command(capsys, llama_1b_file):
@@ -174,16 +161,6 @@ def forbid_planning(monkeypatch) -> None:
         raise AssertionError("the model and the card were resolved before the output target was checked")
 
     monkeypatch.setattr(api, "make_context", no_work)
-
-
-def unwritable_targets(tmp_path) -> dict[str, str]:
-    """Paths no one can write a file at, root included (chmod does not stop root)."""
-    a_file = tmp_path / "a-file"
-    a_file.write_text("")
-    (tmp_path / "a-folder").mkdir()
-    return {"below a file": str(a_file / "plan.png"), "deeper below a file": str(a_file / "x" / "plan.png"),
-            "a folder": str(tmp_path / "a-folder"), "a folder with a slash": str(tmp_path / "a-folder") + "/",
-            "in /proc": "/proc/plan.png", "below /proc": "/proc/vram-plan-nothing/plan.png"}
 
 
 @pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "a folder with a slash",

@@ -8,17 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_cli import one_line_error, run
+from helpers import CURRENT, one_line_error, run
 from vram_planner.advise.oom_log import read_log
 from vram_planner.errors import VramPlanError
 
 GiB, MiB = 2**30, 2**20
-# The seeds' laptop OOM: TRL 1.14's fp32 logits of 4 sequences of ~1000 tokens of Llama's vocabulary.
-CURRENT = ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.90 GiB. GPU 0 has a total "
-           "capacity of 15.73 GiB of which 1.02 GiB is free. Process 4242 has 14.70 GiB memory in use. Including "
-           "non-PyTorch memory, this process has 14.70 GiB memory in use. Of the allocated memory 11.82 GiB is "
-           "allocated by PyTorch, and 2.41 GiB is reserved by PyTorch but unallocated. If reserved but unallocated "
-           "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
 OLD = ("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; 14.21 GiB "
        "already allocated; 3.12 MiB free; 14.56 GiB reserved in total by PyTorch)")
 TRACEBACK = ['Traceback (most recent call last):',

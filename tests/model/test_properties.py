@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import FIXTURES
-from test_search import within_seconds
+from helpers import FIXTURES, within_seconds
 from vram_planner import api
 from vram_planner.errors import ConfigError, VramPlanError
 from vram_planner.model import activations as act

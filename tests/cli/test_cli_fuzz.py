@@ -1,6 +1,6 @@
 """Fuzz the command line: every subcommand, fed bad numbers, names, files of random bytes, empty files, unreadable
 and unwritable paths, answers with exit code 2 and exactly one line on stderr that names no exception class, within
-seconds. In-process through `vram_planner.cli.main`, as tests/test_cli.py does."""
+seconds. In-process through `vram_planner.cli.main`, as tests/cli/test_cli.py does."""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import FIXTURES, LLAMA_1B
-from test_advise import CURRENT
-from test_cli import unwritable_targets
-from test_run import tiny_model_folder  # noqa: F401 (a fixture: a model folder with weights and a tokenizer)
+from helpers import CURRENT, FIXTURES, LLAMA_1B, unwritable_targets
 from vram_planner import profiles
 from vram_planner.cli import main
 
