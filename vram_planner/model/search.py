@@ -245,7 +245,8 @@ def _first_fitting_rung(context: Context, run: list[TrainingConfig],
             outcomes[index] = _largest_fitting_micro_batch(context, run[index], own_first if index == 0 else None)
         return outcomes[index][0] is not None
 
-    # memory only falls along a run (tests/model/test_properties.py holds the model to that): False, ..., False, True, ...
+    # memory only falls along a run (tests/model/test_properties.py holds the model to that):
+    # False, ..., False, True, ...
     index = min(bisect.bisect_left(range(len(run)), True, key=fits_on), len(run) - 1)
     fits_on(index)
     return index, outcomes[index]
