@@ -129,6 +129,38 @@ def test_no_modules_import_each_other_in_a_circle():
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
+def defined_names(path: Path) -> set[str]:
+    """What a module defines or imports at its top level (what `from module import name` can find)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def test_every_import_from_the_package_names_what_is_there():
+    modules = package_modules()
+    known = set(modules) | {"vram_planner.profile_data"}  # the profiles/ folder, installed under the package
+    missing = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PACKAGE and not node.level:
+                if node.module not in known:
+                    missing.append(f"{module} (line {node.lineno}): no module {node.module}")
+                    continue
+                there = defined_names(modules[node.module]) if node.module in modules else set()
+                missing += [f"{module} (line {node.lineno}): {node.module} has no {alias.name}" for alias in node.names
+                            if alias.name not in there and f"{node.module}.{alias.name}" not in known]
+            elif isinstance(node, ast.Import):
+                missing += [f"{module} (line {node.lineno}): no module {alias.name}" for alias in node.names
+                            if alias.name.split(".")[0] == PACKAGE and alias.name not in modules]
+    assert not missing, "\n".join(missing)
+
+
 def test_the_checker_sees_an_upward_import_a_sideways_one_and_a_circle():
     graph = {"vram_planner.model.spec": [("vram_planner.cli", 3)], "vram_planner.run.launch": [("vram_planner.api", 5)],
              "vram_planner.profiles": [("vram_planner.local_gpu", 7)],

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vram_planner.errors import VramPlanError
-from vram_planner.probe.fit import fit as p
+from vram_planner.probe import fit as p
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
 
