@@ -22,13 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vram_planner.architecture import ModelArchitecture
-from vram_planner.calibration import default_calibration
-from vram_planner.estimate import TENSOR_COMPONENTS, estimate
-from vram_planner.probe import ProbePoint
-from vram_planner.trace import engine_versions
-from vram_planner.spec import TrainingConfig
-from vram_planner.trl_releases import trl_release
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import default_calibration
+from vram_planner.model.phases import TENSOR_COMPONENTS, estimate
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.probe.fit import ProbePoint
+from vram_planner.tracing.step import engine_versions
 from vram_planner.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,16 +70,31 @@ def trace_key() -> str:
     """Versions and tracing code a cached trace depends on."""
 
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "vram_planner" / "tracing").glob("*.py")) + [ROOT / "vram_planner" / "trace.py"]:
+    for path in sorted((ROOT / "vram_planner" / "tracing").glob("*.py")):  # step.py last, where trace.py was
         digest.update(_code_only(path.read_text()).encode())
     versions = "/".join(f"{package} {version}" for package, version in engine_versions().items())
     return f"{versions} / tracing {digest.hexdigest()[:12]}"
+
+
+# Where the modules the tracing code imports lived before the package had folders: imports are hashed under those
+# names, so moving a module keeps the cached traces while changing what the code does still re-runs them.
+PRE_LAYOUT_NAMES = {"vram_planner.tracing.step": "vram_planner.trace",
+                    "vram_planner.model.phases": "vram_planner.estimate",
+                    "vram_planner.model.components": "vram_planner.memory"} | {
+    f"vram_planner.model.{name}": f"vram_planner.{name}"
+    for name in ("architecture", "spec", "activations", "lm_head", "calibration", "trl_releases", "verdict", "search",
+                 "divisors", "grpo_config")}
 
 
 def _code_only(source: str) -> str:
     """The module's syntax tree without docstrings (comments are not in it): what a trace depends on."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in PRE_LAYOUT_NAMES:
+            node.module = PRE_LAYOUT_NAMES[node.module]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                alias.name = PRE_LAYOUT_NAMES.get(alias.name, alias.name)
         body = getattr(node, "body", None)
         if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
@@ -104,7 +119,7 @@ def save_atomically(path: Path, text: str) -> None:
 
 def traced(point: ProbePoint, cache: dict) -> dict:
     if point.label not in cache:
-        from vram_planner.trace import trace_step
+        from vram_planner.tracing.step import trace_step
 
         config = json.loads((MODELS_DIR / f"{point.model}.json").read_text())
         result = trace_step(config, point.train, trl_release())

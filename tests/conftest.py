@@ -1,4 +1,5 @@
-"""Shared fixtures: a private data home, small architectures of every family, a Llama-3.2-1B config."""
+"""Shared fixtures: a private data home, a Llama-3.2-1B config and architecture, a tiny model folder with weights and
+a tokenizer (helpers.py holds the shared functions and constants)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import FIXTURES, LLAMA_1B
 from vram_planner import profiles
-from vram_planner.architecture import ModelArchitecture
-
-FIXTURES = Path(__file__).parent / "fixtures"
-
-# Llama-3.2-1B's config.json facts (meta-llama/Llama-3.2-1B), independent of the shipped catalog.
-LLAMA_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
-    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-}
+from vram_planner.model.architecture import ModelArchitecture
 
 
 @pytest.fixture(autouse=True)
@@ -45,5 +38,25 @@ def llama_1b() -> ModelArchitecture:
     return ModelArchitecture.from_config(LLAMA_1B, name="Llama-3.2-1B")
 
 
-def family_fixture_files() -> list[Path]:
-    return sorted(FIXTURES.glob("tiny-*.json"))
+@pytest.fixture(scope="module")
+def tiny_model_folder(tmp_path_factory):
+    """A Llama-style model with random weights and a byte-level BPE tokenizer trained here, saved as a folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from vram_planner.run.train_data import load_prompts
+
+    texts = [row["prompt"] + row["answer"] for row in load_prompts("math-sample")]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>",
+                                                                                            "<unk>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+    config = json.loads((FIXTURES / "tiny-llama-headdim.json").read_text())
+    config.update(vocab_size=len(fast), pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
+                  bos_token_id=None)
+    folder = tmp_path_factory.mktemp("tiny-model")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder

@@ -14,15 +14,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import FIXTURES, LLAMA_1B, family_fixture_files
-from vram_planner import api, trl_releases
-from vram_planner.architecture import ModelArchitecture, supported_model_types
-from vram_planner.calibration import calibration_for
+from helpers import FIXTURES, LLAMA_1B, family_fixture_files
+from vram_planner import api
 from vram_planner.errors import ConfigError, ProfileError, VramPlanError
+from vram_planner.model import trl_releases
+from vram_planner.model.architecture import ModelArchitecture, supported_model_types
+from vram_planner.model.calibration import calibration_for
+from vram_planner.model.search import Plan
+from vram_planner.model.spec import TrainingConfig, with_changes
+from vram_planner.model.verdict import Verdict
 from vram_planner.profiles import GpuProfile, models
-from vram_planner.search import Plan
-from vram_planner.spec import TrainingConfig, with_changes
-from vram_planner.verdict import Verdict
 
 CARD = GpuProfile(name="card", total_memory_gib=80)
 EVERY_MODEL = [m.name for m in models()] + [str(p) for p in family_fixture_files()]

@@ -14,6 +14,14 @@ def test_every_subpackage_is_listed_for_setuptools():
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
 
 
+def test_every_listed_package_is_a_folder_of_the_tree():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {package: ROOT / config["package-dir"].get(package, package.replace(".", "/"))
+               for package in config["packages"]}
+    stale = sorted(package for package, folder in folders.items() if not (folder / "__init__.py").is_file())
+    assert not stale, f"remove {stale} from [tool.setuptools] packages (no such folder)"
+
+
 def test_every_profile_data_file_is_shipped():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     patterns = config["vram_planner.profile_data"]

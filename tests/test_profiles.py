@@ -9,7 +9,8 @@ import pytest
 
 from vram_planner import profiles
 from vram_planner.errors import ProfileError, UnknownNameError
-from vram_planner.profiles import GpuProfile, gpus, models, profile_dirs, resolve_model
+from vram_planner.model.resolve import catalog_architecture, resolve_model
+from vram_planner.profiles import GpuProfile, gpus, models, profile_dirs
 from vram_planner.units import GiB
 
 SHIPPED = profile_dirs()[0]
@@ -68,7 +69,7 @@ def test_model_catalog_is_broad():
 
 def test_every_catalog_model_loads():
     for entry in models():
-        arch = entry.architecture()
+        arch = catalog_architecture(entry)
         assert arch.exact, f"{entry.name}: model_type {arch.model_type} unknown to vram-plan"
         assert arch.params > 10**8
 
@@ -108,3 +109,25 @@ def test_malformed_user_profile_is_a_clear_error(tmp_path, monkeypatch):
     profiles.gpu_catalog.cache_clear()
     with pytest.raises(ProfileError, match="total_memory_gib"):
         GpuProfile.from_name("bad")
+
+
+
+def fake_nvidia_smi(tmp_path, monkeypatch, answer: str) -> None:
+    """An nvidia-smi on an otherwise empty PATH that prints `answer` as its CSV line."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{answer}'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+
+def test_gpu_auto_finds_a_catalog_card_by_its_cuda_name(tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path, monkeypatch, "Tesla T4, 15360")
+    assert GpuProfile.from_name("auto") == GpuProfile.from_name("t4")  # CUDA's capacity, not nvidia-smi's total
+
+
+def test_gpu_auto_takes_a_card_missing_from_the_catalog_at_a_share_of_its_total(tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path, monkeypatch, "Mystery Card 9000, 10240")
+    gpu = GpuProfile.from_name("auto")
+    assert gpu.name == "Mystery Card 9000" and gpu.capacity_source == "estimated"
+    assert gpu.total_memory_gib == pytest.approx(10 * profiles.UNKNOWN_CARD_USABLE_FRACTION)
+    assert gpu.source == f"nvidia-smi memory.total 10240 MiB x {profiles.UNKNOWN_CARD_USABLE_FRACTION}"

@@ -12,14 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vram_planner.calibration import Calibration, calibration_for
 from vram_planner.errors import ConfigError, VramPlanError
-from vram_planner.profiles import GpuProfile, model_config, resolve_model
-from vram_planner.search import Plan, best_plan
-from vram_planner.spec import TrainingConfig, training_config
-from vram_planner.trl_releases import trl_release
-from vram_planner.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, check_safety_margin,
-                                  check_training, judge)
+from vram_planner.model.calibration import Calibration, calibration_for
+from vram_planner.model.resolve import resolve_model
+from vram_planner.model.search import Plan, best_plan
+from vram_planner.model.spec import TrainingConfig, training_config
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, check_safety_margin,
+                                        check_training, judge)
+from vram_planner.profiles import GpuProfile, model_config
 
 
 def make_context(model: str, gpu: str | GpuProfile, *, trl_version: str | None = None,
@@ -80,7 +81,7 @@ class TraceOutcome:
 
     traced: Verdict
     analytic: Verdict
-    result: Any  # vram_planner.trace.TraceResult: tensor bytes only, per phase and component
+    result: Any  # vram_planner.tracing.step.TraceResult: tensor bytes only, per phase and component
 
     @property
     def fits(self) -> bool:
@@ -91,8 +92,8 @@ class TraceOutcome:
         return self.result.seconds
 
     def comparison(self) -> list[Any]:
-        """Per phase: traced against analytic tensor bytes (vram_planner.trace.PhaseComparison)."""
-        from vram_planner.trace import compare_with_estimate
+        """Per phase: traced against analytic tensor bytes (vram_planner.tracing.step.PhaseComparison)."""
+        from vram_planner.tracing.step import compare_with_estimate
 
         return compare_with_estimate(self.result, self.analytic.estimate)
 
@@ -110,8 +111,8 @@ def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, A
           progress: Callable[[str], None] | None = None, **context_options: Any) -> TraceOutcome:
     """Trace one GRPO step of this config on fake tensors (needs torch, transformers, TRL and PEFT: the `train`
     extras), next to the analytic verdict. `progress` is called with what the trace is doing."""
-    from vram_planner.estimate import Estimate, Phase, with_overheads
-    from vram_planner.trace import check_traceable, trace_step
+    from vram_planner.model.phases import Estimate, Phase, with_overheads
+    from vram_planner.tracing.step import check_traceable, trace_step
 
     notes: tuple[str, ...] = ()
     if gpu is None:

@@ -15,12 +15,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vram_planner.architecture import ModelArchitecture
 from vram_planner.errors import ProfileError, UnknownNameError, json_kind
-from vram_planner.units import GiB, looks_like_size, parse_size_bytes
+from vram_planner.units import GiB, MiB, looks_like_size, parse_size_bytes
 
 PROFILES_ENV = "VRAM_PLAN_PROFILES"
 HOME_ENV = "VRAM_PLAN_HOME"
+# The CUDA runtime reports less than nvidia-smi's memory.total (the driver keeps some back); on cards we know
+# the gap was 1-2%, so a card missing from the catalog is taken at 98% of what nvidia-smi reports.
+UNKNOWN_CARD_USABLE_FRACTION = 0.98
 
 
 class GpuProfile(BaseModel):
@@ -55,9 +57,7 @@ class GpuProfile(BaseModel):
             raise ProfileError("--gpu needs a catalog name (`vram-plan gpus` lists them), auto, or a size like 24GiB")
         key = name.strip().lower()
         if key == "auto":
-            from vram_planner.local_gpu import detect_local_gpu
-
-            return detect_local_gpu()
+            return local_gpu_profile()
         if looks_like_size(key):
             size = parse_size_bytes(name)
             return cls(name=name.strip(), total_memory_gib=size / GiB, bf16=True, flash_attention_2=True,
@@ -68,6 +68,20 @@ class GpuProfile(BaseModel):
             return catalog[key]
         raise UnknownNameError("GPU", name, sorted({g.name for g in catalog.values()}),
                                hint="(`vram-plan gpus` lists them; a size like 24GiB works for any card)")
+
+
+def local_gpu_profile() -> GpuProfile:
+    """The first local CUDA device, matched to the catalog by name and memory size."""
+    from vram_planner.local_gpu import detect_local_gpu
+
+    name, total_mib = detect_local_gpu()
+    total_bytes = float(total_mib) * MiB
+    same_name = [g for g in gpus() if g.cuda_name.lower() == name.lower()]
+    if same_name:
+        return min(same_name, key=lambda g: abs(g.capacity_bytes - total_bytes))
+    return GpuProfile(name=name, cuda_name=name, total_memory_gib=total_bytes * UNKNOWN_CARD_USABLE_FRACTION / GiB,
+                      source=f"nvidia-smi memory.total {total_mib} MiB x {UNKNOWN_CARD_USABLE_FRACTION}",
+                      capacity_source="estimated")
 
 
 class ModelEntry(BaseModel):
@@ -82,9 +96,6 @@ class ModelEntry(BaseModel):
     params_label: str = ""
     source: str = ""
     config_path: Path
-
-    def architecture(self) -> ModelArchitecture:
-        return ModelArchitecture.from_config(read_json(self.config_path), name=self.name, hub_id=self.hub_id)
 
 
 def profile_dirs() -> list[Path]:
@@ -189,14 +200,8 @@ def models() -> list[ModelEntry]:
     return sorted(unique.values(), key=lambda m: m.name.lower())
 
 
-def resolve_model(name: str) -> ModelArchitecture:
-    """A catalog name or alias, a hub id, a config.json file or a model folder."""
-    config, display_name, hub_id = model_config(name)
-    return ModelArchitecture.from_config(config, name=display_name, hub_id=hub_id)
-
-
 def model_config(name: str) -> tuple[dict[str, Any], str, str]:
-    """The config.json dict behind a model name, with the name to show and the hub id (as resolve_model reads)."""
+    """The config.json dict behind a model name, with the name to show and the hub id (as model.resolve reads)."""
     if not isinstance(name, str) or not name.strip():
         raise ProfileError("--model needs a catalog name, a config.json, a model folder or a hub id "
                            "(`vram-plan models` lists the catalog)")

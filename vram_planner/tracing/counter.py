@@ -23,7 +23,7 @@ aten = torch.ops.aten
 # The CUDA caching allocator rounds every block up to 512 bytes (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp);
 # torch.cuda.memory_allocated counts the rounded sizes.
 CUDA_BLOCK_BYTES = 512
-# Component tags, as vram_planner.estimate names them. Optimizer-step temporaries count as activations there.
+# Component tags, as vram_planner.model.phases names them. Optimizer-step temporaries count as activations there.
 WEIGHTS, REFERENCE, GRADS, STATES = "weights", "reference_weights", "gradients", "optimizer_states"
 KV, ACTS, HEAD = "kv_cache", "activations", "lm_head_buffers"
 STEP = "optimizer_step"  # everything the optimizer step allocates, split into states and temporaries afterwards

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from vram_planner.errors import VramPlanError
-from vram_planner.spec import Optimizer, TrainingConfig
+from vram_planner.model.spec import Optimizer, TrainingConfig
 from vram_planner.tracing.counter import ACTS, GRADS, HEAD, STATES, STEP, PhasePeak
 from vram_planner.tracing.session import Session, set_checkpointing
 
@@ -188,7 +188,7 @@ def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> Phas
         tracker.track(t, STATES)
     session.state_bytes = states = tracker.bytes_of(state_tensors)
     # At the step's peak the states exist already (created before the update); the rest it allocated are
-    # temporaries (foreach intermediates), which vram_planner.estimate counts as activations.
+    # temporaries (foreach intermediates), which vram_planner.model.phases counts as activations.
     split = dict(tracker.peak_split)
     in_step = split.pop(STEP, 0)
     split[STATES] = split.get(STATES, 0) + min(states, in_step)

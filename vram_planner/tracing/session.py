@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from vram_planner.errors import VramPlanError
-from vram_planner.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig
 from vram_planner.tracing.counter import REFERENCE, WEIGHTS, LiveBytes
 
 

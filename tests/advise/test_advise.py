@@ -1,0 +1,128 @@
+"""`vram-plan advise`: every OOM format read into bytes, the diagnosis, the attribution and the ranked fixes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import CURRENT, one_line_error, run
+from vram_planner.advise.oom_log import read_log
+from vram_planner.errors import VramPlanError
+
+GiB, MiB = 2**30, 2**20
+
+OLD = ("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; 14.21 GiB "
+       "already allocated; 3.12 MiB free; 14.56 GiB reserved in total by PyTorch)")
+TRACEBACK = ['Traceback (most recent call last):',
+             '  File "/venv/lib/python3.11/site-packages/trl/trainer/grpo_trainer.py", line 1200, in _get_logps',
+             "    logits = model(**inputs).logits"]
+
+
+def test_the_current_message_in_bytes():
+    error = read_log([*TRACEBACK, CURRENT])
+    assert (error.tried_to_allocate, error.total_capacity, error.free) == (
+        round(1.90 * GiB), round(15.73 * GiB), round(1.02 * GiB))
+    assert (error.process_in_use, error.allocated_by_pytorch, error.reserved_unallocated) == (
+        round(14.70 * GiB), round(11.82 * GiB), round(2.41 * GiB))
+    assert error.frames == ["trl/trainer/grpo_trainer.py:1200 in _get_logps"] and not error.expandable_segments
+
+
+def test_the_torch_1_message_and_other_processes():
+    old = read_log([OLD])
+    assert (old.tried_to_allocate, old.allocated_by_pytorch, old.free, old.reserved_total) == (
+        20 * MiB, round(14.21 * GiB), round(3.12 * MiB), round(14.56 * GiB))
+    shared = CURRENT.replace("Process 4242 has 14.70 GiB memory in use.",
+                             "Process 4242 has 14.70 GiB memory in use. Process 777 has 512.00 MiB memory in use.")
+    assert read_log([shared]).other_processes == {777: 512 * MiB}
+
+
+@pytest.mark.parametrize(("line", "kind"), [
+    ("ValueError: The model's max seq len (4096) is larger than the maximum number of tokens that can be stored in "
+     "KV cache (2048).", "vllm_kv_cache"),
+    ("ValueError: Free memory on device (10.1/79.1 GiB) on startup is less than desired GPU memory utilization "
+     "(0.9, 71.2 GiB).", "vllm_gpu_memory_utilization"),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "cublas"),
+    ("RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "cudnn"),
+    ("bitsandbytes/functional.py: CUDA error: out of memory", "bitsandbytes"),
+])
+def test_other_allocation_failures_are_recognised(line, kind):
+    assert read_log(["some output", line]).kind == kind
+
+
+def test_fragmentation_and_memory_outside_pytorch_are_explained():
+    from vram_planner.advise.diagnosis import advise
+
+    advice = advise(read_log([CURRENT]))
+    assert any("fragmentation" in n for n in advice.diagnosis)
+    assert any("outside PyTorch" in n for n in advice.diagnosis)
+    assert advice.fixes[0].change == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    on = advise(read_log(["export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", CURRENT]))
+    assert not any("expandable" in f.change for f in on.fixes)
+
+
+def test_with_the_config_it_names_the_tensor_and_ranks_the_fixes(capsys, tmp_path):
+    log = tmp_path / "crash.log"
+    log.write_text("\n".join([*TRACEBACK, CURRENT]))
+    code, out, _ = run(capsys, "advise", str(log), "--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B",
+                       "--trl-version", "1.14.0", "--per-device-train-batch-size", "4", "--num-generations", "4",
+                       "--max-completion-length", "1000", "--json")
+    advice = json.loads(out)
+    assert code == 0 and "fp32 logits" in advice["culprit"] and advice["phase"] == "loss forward/backward"
+    savings = [f["saves_bytes"] for f in advice["fixes"]]
+    assert savings == sorted(savings, reverse=True) and savings[0] > 0
+    assert advice["fitting_config"]["per_device_train_batch_size"] >= 1
+    upgrade = next(f for f in advice["fixes"] if f["change"].startswith("pip install 'trl>="))
+    assert upgrade["saves_bytes"] > 1.5 * GiB  # the fp32 logits and their gradient go away
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\xff\xfe" * 1000, b"all good, training finished\n"])
+def test_no_error_in_the_log_is_one_line(capsys, tmp_path, content):
+    log = tmp_path / "log.txt"
+    log.write_bytes(content)
+    err = one_line_error(capsys, "advise", str(log))
+    assert "empty" in err or "no out-of-memory error" in err
+
+
+def test_a_huge_log_is_read_in_bounded_memory(tmp_path):
+    log = tmp_path / "huge.log"
+    with log.open("w") as fh:
+        for _ in range(200_000):
+            fh.write("step 1: loss 0.1 reward 0.5\n")
+        fh.write("x" * 5_000_000 + "\n")  # one enormous line
+        fh.write(CURRENT + "\n")
+    from vram_planner.cli.advise import _bounded_lines
+
+    assert read_log(_bounded_lines(str(log))).tried_to_allocate == round(1.90 * GiB)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=300), max_size=20))
+def test_any_text_is_read_or_refused_cleanly(lines):
+    try:
+        error = read_log(lines)
+    except VramPlanError:
+        return
+    assert error.kind and (error.tried_to_allocate is None or error.tried_to_allocate >= 0)
+
+
+@pytest.mark.parametrize("knobs", [
+    # a generation batch of 1024 on a laptop: the plan shrinks the generation batch, which no single flag names
+    ["--per-device-train-batch-size", "1024", "--max-completion-length", "1024"],
+    # a 7B model on 16 GB: LoRA and 4-bit, reported joined where one of them alone costs memory
+    ["--per-device-train-batch-size", "8"],
+])
+def test_every_fix_is_flags_that_check_accepts(capsys, tmp_path, knobs):
+    log = tmp_path / "crash.log"
+    log.write_text(CURRENT)
+    model = "Llama-3.2-1B" if "1024" in knobs else "Qwen2.5-7B-Instruct"
+    base = ["--gpu", "rtx3080-mobile", "--model", model, *knobs]
+    code, out, _ = run(capsys, "advise", str(log), *base, "--json")
+    flags = [f["change"] for f in json.loads(out)["fixes"] if f["change"].startswith("--")]
+    assert code == 0 and flags
+    for change in flags:
+        # later flags win in click, so the fix's flags override the run's own: check must accept the result
+        code, out, err = run(capsys, "check", *base, *change.split(), "--json")
+        assert code in (0, 1), (change, err)

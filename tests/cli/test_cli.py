@@ -1,0 +1,274 @@
+"""The command line in-process: exit codes, one-line errors, JSON contract, files."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import LLAMA_1B, one_line_error, run, unwritable_targets
+from vram_planner.cli import main
+
+JSON_FIELDS = {"fits", "peak_bytes", "capacity_bytes", "params", "trainable_params", "phases", "config",
+               "grpo_config_valid", "calibration"}
+
+
+def test_plan_is_the_default_command(capsys, llama_1b_file):
+    code, out, _ = run(capsys, "--gpu", "15.73GiB", "--model", str(llama_1b_file))
+    assert code == 0 and "fits" in out and "GRPOConfig(" in out and "Memory by phase" in out
+
+
+def test_json_carries_the_contract_fields(capsys, llama_1b_file):
+    code, out, _ = run(capsys, "plan", "--gpu", "15.73GiB", "--model", str(llama_1b_file), "--json")
+    doc = json.loads(out)
+    assert code == 0 and JSON_FIELDS <= set(doc)
+    assert doc["fits"] and doc["peak_bytes"] <= doc["capacity_bytes"] and doc["params"] == 1_235_814_400
+    peak = max(p["total_bytes"] for p in doc["phases"])
+    assert peak == doc["peak_bytes"]
+    assert doc["grpo_config_valid"] and doc["config"]["num_generations"] == 8
+    assert doc["changes"] and all(c["saved_bytes"] > 0 for c in doc["changes"])
+
+
+def test_check_exit_code_says_whether_it_fits(capsys, llama_1b_file):
+    assert run(capsys, "check", "--gpu", "15.73GiB", "--model", str(llama_1b_file))[0] == 1  # fp32 full FT
+    assert run(capsys, "check", "--gpu", "15.73GiB", "--model", str(llama_1b_file), "--lora-r", "16",
+               "--dtype", "bfloat16")[0] == 0
+
+
+def test_check_judges_exactly_the_given_config(capsys, llama_1b_file):
+    _, out, _ = run(capsys, "check", "--gpu", "80GiB", "--model", str(llama_1b_file), "--json",
+                    "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2", "--beta", "0.04")
+    doc = json.loads(out)
+    assert doc["config"]["per_device_train_batch_size"] == 4 and doc["config"]["beta"] == 0.04
+    assert "scoring" in [p["name"] for p in doc["phases"]] and doc["changes"] == []
+
+
+def test_nothing_fits_exits_1_and_names_a_card(capsys, llama_1b_file):
+    code, out, _ = run(capsys, "--gpu", "1GiB", "--model", str(llama_1b_file), "--json")
+    doc = json.loads(out)
+    assert code == 1 and not doc["fits"] and doc["smallest_config_peak_bytes"] > 0
+    assert doc["smallest_fitting_gpu"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--num-generations", "1"], "--num-generations must be at least 2"),
+    (["--per-device-train-batch-size", "3"], "must be divisible by --num-generations"),
+    (["--max-completion-length", "-5"], "--max-completion-length should be greater than 0"),
+    (["--load-in-4bit"], "--load-in-4bit needs LoRA"),
+    (["--bnb-4bit-quant-type", "nf4"], "need --load-in-4bit"),
+    (["--lora-alpha", "32"], "need --lora-r"),
+    (["--optim", "adamw8bit"], "did you mean 'adamw_8bit'"),
+    (["--dtype", "bf16"], "did you mean 'bfloat16'"),
+    (["--num-generation", "4"], "--num-generations"),
+    (["--zero-stage", "2", "--fsdp", "--num-gpus", "2"], "choose one of --zero-stage and --fsdp"),
+    (["--safety-margin", "0.9"], "--safety-margin"),
+])
+def test_impossible_knobs(capsys, llama_1b_file, args, expected):
+    err = one_line_error(capsys, "--gpu", "16GiB", "--model", str(llama_1b_file), *args)
+    assert expected in err
+
+
+def test_missing_gpu_and_model(capsys):
+    assert "needs --gpu and --model" in one_line_error(capsys, "plan")
+
+
+def test_bad_sizes_and_files(capsys, tmp_path, llama_1b_file):
+    assert "memory size" in one_line_error(capsys, "--gpu", "-3GiB", "--model", str(llama_1b_file))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert "not valid JSON" in one_line_error(capsys, "--gpu", "16GiB", "--model", str(broken))
+    folder = tmp_path / "empty-model"
+    folder.mkdir()
+    assert "has no config.json" in one_line_error(capsys, "--gpu", "16GiB", "--model", str(folder))
+    not_decoder = tmp_path / "config.json"
+    not_decoder.write_text(json.dumps({"model_type": "bert"}))
+    assert "not one vram-plan knows" in one_line_error(capsys, "--gpu", "16GiB", "--model", str(not_decoder))
+
+
+def test_unknown_model_suggests(capsys):
+    err = one_line_error(capsys, "--gpu", "16GiB", "--model", "Llama-3.2-1b-typo")
+    assert "unknown model" in err
+
+
+def test_hub_id_offline_is_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = one_line_error(capsys, "--gpu", "16GiB", "--model", "someone/not-a-real-model-xyz")
+    assert "someone/not-a-real-model-xyz" in err
+
+
+def test_gpu_auto_without_a_driver(capsys, llama_1b_file, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert "nvidia-smi" in one_line_error(capsys, "--gpu", "auto", "--model", str(llama_1b_file))
+
+
+def test_config_file_yaml_and_flags_override(capsys, tmp_path, llama_1b_file):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {llama_1b_file}\ngpu: 80GiB\nper-device-train-batch-size: 4\nnum_generations: 4\n"
+                   "lora_target_modules: q_proj,v_proj\nlora_r: 8\n")
+    code, out, _ = run(capsys, "check", "--config", str(cfg), "--num-generations", "2", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["config"]["per_device_train_batch_size"] == 4 and doc["config"]["num_generations"] == 2
+    assert doc["peft_config"]["target_modules"] == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("text,expected", [("per_device_train_batch: 4\n", "did you mean --per-device-train-batch-size"),
+                                           ("- a\n- b\n", "must hold a mapping"), ("a: [\n", "not valid YAML")])
+def test_bad_config_files(capsys, tmp_path, llama_1b_file, text, expected):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(text)
+    assert expected in one_line_error(capsys, "--gpu", "16GiB", "--model", str(llama_1b_file), "--config", str(cfg))
+
+
+@pytest.mark.parametrize("text,key", [
+    ("optim: [a]\n", "optim"), ("model: {a: b}\n", "model"), ("gpu: [1]\n", "gpu"), ("gpu: 24\n", "gpu"),
+    ("lora_r: 8\nlora_target_modules: {a: 1}\n", "lora_target_modules"),
+    ("per_device_train_batch_size: [1]\n", "per_device_train_batch_size"), ("dtype: {a: 1}\n", "dtype"),
+    ("beta: [0.1, 0.2]\n", "beta"), ("lora_r: 8\nlora_target_modules: [q_proj, [v_proj]]\n", "lora_target_modules"),
+])
+@pytest.mark.parametrize("flags", [[], ["--gpu", "16GiB", "--model", "Llama-3.2-1B"]])
+def test_a_config_file_value_of_the_wrong_shape_is_one_line_naming_the_key(capsys, tmp_path, text, key, flags):
+    cfg = tmp_path / "run.yaml"
+    others = {"model": "model: Llama-3.2-1B\n", "gpu": "gpu: 16GiB\n"}
+    cfg.write_text(text + "".join(line for name, line in others.items() if name != key))
+    err = one_line_error(capsys, "check", "--config", str(cfg), *flags)
+    assert key in err and str(cfg) in err
+
+
+def test_a_config_file_may_list_the_lora_targets(capsys, tmp_path):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"model": "Llama-3.2-1B", "gpu": "80GiB", "lora_r": 8,
+                               "lora_target_modules": ["q_proj", "v_proj"]}))
+    code, out, _ = run(capsys, "check", "--config", str(cfg), "--json")
+    assert code == 0 and json.loads(out)["peft_config"]["target_modules"] == ["q_proj", "v_proj"]
+
+
+def test_plot_writes_a_png(capsys, tmp_path, llama_1b_file):
+    target = tmp_path / "plots" / "plan.png"
+    code, _, _ = run(capsys, "--gpu", "15.73GiB", "--model", str(llama_1b_file), "--plot", str(target))
+    assert code == 0 and target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(target.parent.iterdir()) == [target]  # no temporary file left behind
+
+
+def forbid_planning(monkeypatch) -> None:
+    from vram_planner import api
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model and the card were resolved before the output target was checked")
+
+    monkeypatch.setattr(api, "make_context", no_work)
+
+
+@pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "a folder with a slash",
+                                   "in /proc", "below /proc"])
+@pytest.mark.parametrize("command", ["plan", "check"])
+def test_an_unwritable_plot_is_refused_before_any_work(capsys, monkeypatch, tmp_path, llama_1b_file, where, command):
+    forbid_planning(monkeypatch)
+    target = unwritable_targets(tmp_path)[where]
+    err = one_line_error(capsys, command, "--gpu", "16GiB", "--model", str(llama_1b_file), "--plot", target)
+    assert "--plot" in err and target.rstrip("/") in err and ".tmp" not in err
+    assert not list(Path("/proc").glob(".plan.png*"))
+
+
+def test_a_plot_with_an_unknown_suffix_is_refused_before_any_work(capsys, monkeypatch, tmp_path, llama_1b_file):
+    forbid_planning(monkeypatch)
+    err = one_line_error(capsys, "--gpu", "16GiB", "--model", str(llama_1b_file), "--plot", str(tmp_path / "p.jpg"))
+    assert "write .png, .svg or .pdf" in err
+
+
+def test_debug_shows_the_traceback(llama_1b_file):
+    with pytest.raises(Exception):
+        main(["--debug", "--gpu", "16GiB", "--model", str(llama_1b_file), "--num-generations", "1"])
+
+
+@pytest.mark.parametrize("bug", [KeyError("gate_proj"), ValueError("first line\nsecond line"), RuntimeError()])
+def test_a_bug_is_one_line_without_the_exceptions_class_name(capsys, monkeypatch, llama_1b_file, bug):
+    # The last resort: what no input should reach. A bug in the planner stands in for one.
+    from vram_planner.model import search
+
+    def broken(*args, **kwargs):
+        raise bug
+
+    monkeypatch.setattr(search, "best_plan", broken)
+    err = one_line_error(capsys, "--gpu", "16GiB", "--model", str(llama_1b_file))
+    assert err.startswith("error: internal error") and "--debug" in err
+    assert type(bug).__name__ not in err and "Error:" not in err and "Exception" not in err
+    assert (str(bug).splitlines() or [""])[0] in err
+    with pytest.raises(type(bug)):
+        main(["--debug", "--gpu", "16GiB", "--model", str(llama_1b_file)])
+
+
+def test_plan_and_check_never_import_torch_transformers_or_trl(llama_1b_file):
+    code = ("import sys, contextlib, io\n"
+            "from vram_planner.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    main(['--gpu', '16GiB', '--model', {str(llama_1b_file)!r}])\n"
+            f"    main(['check', '--gpu', '16GiB', '--model', {str(llama_1b_file)!r}, '--json'])\n"
+            "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bare_command_shows_help(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0 and "Usage: vram-plan" in out and "plan" in out
+
+
+def test_catalogs_as_tables_and_json(capsys):
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0 and "rtx3080-mobile" in out and "15.73" in out
+    code, out, _ = run(capsys, "gpus", "--json")
+    cards = {g["name"]: g for g in json.loads(out)}
+    assert cards["rtx3080-mobile-16gb"]["total_memory_gib"] == 15.73
+    code, out, _ = run(capsys, "models", "--json")
+    models = {m["name"]: m for m in json.loads(out)}
+    assert models["Llama-3.2-1B"]["params"] == 1_235_814_400
+
+
+def test_unknown_gpu_suggests(capsys, llama_1b_file):
+    err = one_line_error(capsys, "--gpu", "rtx3080-mobil", "--model", str(llama_1b_file))
+    assert "did you mean" in err and "rtx3080-mobile" in err
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+SNIPPET_CONFIGS = [
+    ("plan", "rtx3080-mobile", "Llama-3.2-1B", []),
+    ("check", "t4", "Llama-3.2-1B", ["--lora-r", "16", "--load-in-4bit", "--lora-target-modules", "q_proj,v_proj"]),
+    ("plan", "h100", "Qwen2.5-1.5B-Instruct", ["--use-vllm", "--num-iterations", "2", "--beta", "0.04"]),
+    ("check", "80GiB", "LONG", ["--lora-r", "8", "--dtype", "bfloat16", "--max-prompt-length", "4321"]),
+    ("plan", "24GiB", "LONG", ["--attn-implementation", "eager", "--steps-per-generation", "4"]),
+    ("plan", "24GiB", "QUOTED", []),
+]
+LOCAL_MODELS = {"LONG": ("a-very-long-folder-name-for-a-fine-tuned-model-" * 3) + "/Llama-3.2-1B-with-a-long-name",
+                "QUOTED": "it's a \"quoted\" \\ model"}
+
+
+def printed_snippet(out: str) -> str:
+    """The printed code: from its first `from `/`import ` line to `trainer.train()`."""
+    lines = ANSI.sub("", out).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(("from ", "import ")))
+    last = next(i for i, line in enumerate(lines) if line.startswith("trainer.train()"))
+    return "\n".join(lines[first:last + 1])
+
+
+@pytest.mark.parametrize("terminal", ["0", "1"])
+@pytest.mark.parametrize("command,gpu,model,flags", SNIPPET_CONFIGS)
+def test_the_printed_snippet_is_valid_python_at_any_width(capsys, monkeypatch, tmp_path, terminal, command, gpu,
+                                                         model, flags):
+    if model in LOCAL_MODELS:  # a local folder: the model id and the output_dir come from its path
+        folder = tmp_path / LOCAL_MODELS[model]
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(LLAMA_1B))
+        model = str(folder)
+    monkeypatch.setenv("TTY_COMPATIBLE", terminal)  # "1": rendered as for a terminal, "0": as when piped
+    for width in [40, 41, 57, 64, 79, 80, 81, 100, 120, 160, 200]:
+        monkeypatch.setenv("COLUMNS", str(width))
+        code, out, err = run(capsys, command, "--gpu", gpu, "--model", model, *flags)
+        assert code == 0, err
+        tree = ast.parse(printed_snippet(out))  # a SyntaxError here is what a paste would give
+        calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert {"GRPOConfig", "GRPOTrainer"} <= calls

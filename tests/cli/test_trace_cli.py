@@ -1,0 +1,169 @@
+"""`vram-plan trace` from the command line: check's JSON shape with the trace beside the analytic model, and
+one-line errors for what cannot be traced."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import FIXTURES, one_line_error, run
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.tracing.step import trace_step
+
+pytest.importorskip("trl")
+
+TINY = FIXTURES / "tiny-llama-headdim.json"
+SHORT = ["--per-device-train-batch-size", "2", "--num-generations", "2", "--max-prompt-length", "16",
+         "--max-completion-length", "16"]
+
+
+@pytest.fixture(scope="module")
+def traced_directly():
+    return trace_step(json.loads(TINY.read_text()), TrainingConfig(per_device_train_batch_size=2, num_generations=2,
+                                                                   max_prompt_length=16, max_completion_length=16))
+
+
+def test_trace_json_has_checks_shape_and_the_traced_bytes(capsys, traced_directly):
+    code, out, _ = run(capsys, "check", "--gpu", "24GiB", "--model", str(TINY), *SHORT, "--json")
+    check = json.loads(out)
+    code, out, _ = run(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, "--json")
+    trace = json.loads(out)
+    assert code == 0 and trace["fits"] and trace["command"] == "trace" and trace["engine"] == "trace"
+    assert set(check) <= set(trace) and trace["seconds"] > 0
+    assert "do not include the CUDA context" in trace["trace_counts"] and check["engine"] == "analytic"
+    assert [p["name"] for p in trace["phases"]] == [p.name for p in traced_directly.phases]
+    for phase, direct in zip(trace["phases"], traced_directly.phases, strict=True):
+        assert phase["tensor_bytes"] == direct.peak_bytes
+        assert phase["components"]["cuda_context"] > 0  # the calibration's overheads make it a verdict
+        assert phase["total_bytes"] == sum(phase["components"].values())
+        assert abs(phase["analytic_relative_error"]) < 0.05
+    assert trace["params"] == check["params"] and trace["config"] == check["config"]
+
+
+def test_trace_prints_both_engines_and_its_wall_time(capsys):
+    code, out, _ = run(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT)
+    assert code == 0
+    assert "trace against the analytic model" in out and "Memory by phase" in out
+    assert "trace GiB" in out and "analytic GiB" in out and "Traced in" in out and "not the CUDA context" in out
+
+
+def test_a_trace_that_does_not_fit_exits_1(capsys):
+    code, out, _ = run(capsys, "trace", "--gpu", "0.3GiB", "--model", str(TINY), *SHORT, "--json")
+    assert code == 1 and not json.loads(out)["fits"]
+
+
+@pytest.mark.parametrize("flags", [["--use-vllm"], ["--load-in-4bit", "--lora-r", "8"], ["--optim", "adamw_8bit"],
+                                   ["--num-gpus", "2", "--zero-stage", "3"]])
+def test_what_the_cpu_cannot_trace_is_one_line(capsys, flags):
+    err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", "Llama-3.2-1B", *flags)
+    assert "cannot" in err and "vram-plan check" in err
+
+
+def test_a_model_transformers_cannot_build_is_one_line(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    # A causal LM the planner reads as Llama-style, of a model_type transformers does not know.
+    config.write_text(json.dumps({"model_type": "notamodel", "architectures": ["NotamodelForCausalLM"],
+                                  "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "intermediate_size": 128}))
+    err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", str(config))
+    assert "cannot build" in err and "notamodel" in err and len(err) < 400
+
+
+def test_an_unknown_model_name_suggests_close_ones(capsys):
+    err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", "Llama-3.2-1b-instrct")
+    assert "Llama-3.2-1B-Instruct" in err
+
+
+def test_without_gpu_it_judges_against_the_fallback_card_and_says_so(capsys, monkeypatch):
+    from vram_planner import api, local_gpu
+    from vram_planner.errors import VramPlanError
+    from vram_planner.profiles import GpuProfile
+
+    def no_card():
+        raise VramPlanError("no nvidia-smi")
+
+    monkeypatch.setattr(local_gpu, "detect_local_gpu", no_card)
+    code, out, _ = run(capsys, "trace", "--model", str(TINY), *SHORT, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["gpu"] == GpuProfile.from_name(api.FALLBACK_TRACE_GPU).name
+    assert any("no --gpu given" in note for note in doc["notes"])
+
+
+def test_the_library_returns_both_engines(traced_directly):
+    from vram_planner import api
+
+    said = []
+    outcome = api.trace(str(TINY), "24GiB", {"per_device_train_batch_size": 2, "num_generations": 2,
+                                             "max_prompt_length": 16, "max_completion_length": 16},
+                        progress=said.append)
+    assert said == ["building the model on fake tensors", "tracing generation", "tracing loss forward and backward",
+                    "tracing the optimizer step"]
+    assert [p.peak_bytes for p in outcome.result.phases] == [p.peak_bytes for p in traced_directly.phases]
+    assert outcome.fits and outcome.seconds > 0 and outcome.analytic.estimate.params == outcome.result.params
+    assert [c.name for c in outcome.comparison()] == [p.name for p in traced_directly.phases]
+
+
+def test_a_config_too_large_for_torch_to_size_is_one_line(capsys, tmp_path):
+    # A (2**31 - 1) x (2**31 - 4) float32 embedding has more than 2**63 bytes; fake tensors still have to compute
+    # their size. (A 70B or 405B model traces: fake tensors hold no data, the process stays near 0.5 GiB; see the
+    # README.)
+    config = json.loads(TINY.read_text()) | {"vocab_size": 2**31 - 1, "hidden_size": 2**31 - 4}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    err = one_line_error(capsys, "trace", "--gpu", "80GiB", "--model", str(path), *SHORT)
+    assert "building the model" in err and "2**63 bytes" in err
+
+
+def _cli_in_a_subprocess(*args: str, blocked: str = "") -> subprocess.CompletedProcess:
+    """The real command's stderr (torch logs to the process's own stream), with a package made unimportable."""
+    code = (f"import sys\nif {blocked!r}: sys.modules[{blocked!r}] = None\n"
+            "from vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("blocked", ["torch", pytest.param("trl", marks=pytest.mark.slow)])
+def test_without_the_train_extras_it_says_how_to_install_them(blocked):
+    done = _cli_in_a_subprocess("trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, blocked=blocked)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "pip install 'vram-plan[train]'" in done.stderr
+    assert f"({blocked} cannot be imported)" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_failure_inside_torch_is_one_line_without_torchs_logged_traceback(tmp_path):
+    # A BERT-style decoder (read as Llama-style by the planner: it names a ...ForCausalLM) has learned positions:
+    # the 512 of its config class, unstated in config.json, cannot take a 256 + 512-token sequence.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "bert", "architectures": ["BertForCausalLM"], "is_decoder": True,
+                                "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 128}))
+    done = _cli_in_a_subprocess("trace", "--gpu", "24GiB", "--model", str(path), "--max-completion-length", "512")
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "the trace failed while tracing generation" in done.stderr and "max_position_embeddings" in done.stderr
+
+
+@pytest.mark.parametrize("sizes", [["--per-device-train-batch-size", "1000000000000", "--num-generations", "2"],
+                                   ["--max-completion-length", "100000000"],
+                                   ["--per-device-train-batch-size", "4096", "--max-completion-length", "65536",
+                                    "--num-generations", "4"]])
+def test_the_traces_time_does_not_grow_with_the_sizes(capsys, traced_directly, sizes):
+    # The tiny config states no max_position_embeddings: nothing refuses these lengths, the trace has to run them.
+    start = time.perf_counter()
+    code, out, err = run(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, *sizes, "--json")
+    assert code == 1 and not json.loads(out)["fits"], err
+    assert time.perf_counter() - start < 30  # it took minutes when the LM head's loop ran every token chunk
+
+
+def test_a_sequence_longer_than_the_models_positions_is_refused_before_building_it(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(json.loads(TINY.read_text()) | {"max_position_embeddings": 2048}))
+    start = time.perf_counter()
+    err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", str(config), *SHORT,
+                         "--max-completion-length", "100000000")
+    assert "max_position_embeddings (2048)" in err and "100000016" in err and "vram-plan check" in err
+    assert time.perf_counter() - start < 2  # no model built

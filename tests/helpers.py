@@ -1,0 +1,103 @@
+"""What several test modules share: model configs, running the CLI in-process, paths nothing can be written at, an
+out-of-memory message, a time limit, and models built as TRL builds them. Fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from pathlib import Path
+from typing import Any
+
+from vram_planner.cli import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# Llama-3.2-1B's config.json facts (meta-llama/Llama-3.2-1B), independent of the shipped catalog.
+LLAMA_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+}
+
+
+def family_fixture_files() -> list[Path]:
+    return sorted(FIXTURES.glob("tiny-*.json"))
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(capsys, *args) -> str:
+    code, out, err = run(capsys, *args)
+    assert code == 2, (out, err)
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
+    return err
+
+
+def unwritable_targets(tmp_path) -> dict[str, str]:
+    """Paths no one can write a file at, root included (chmod does not stop root)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    (tmp_path / "a-folder").mkdir()
+    return {"below a file": str(a_file / "plan.png"), "deeper below a file": str(a_file / "x" / "plan.png"),
+            "a folder": str(tmp_path / "a-folder"), "a folder with a slash": str(tmp_path / "a-folder") + "/",
+            "in /proc": "/proc/plan.png", "below /proc": "/proc/vram-plan-nothing/plan.png"}
+
+
+# The smallest run of the tiny model: two sequences of 8 tokens on a 24 GiB card.
+SMALL = ["--gpu", "24GiB", "--per-device-train-batch-size", "2", "--num-generations", "2",
+         "--max-completion-length", "8", "--max-prompt-length", "128"]
+
+
+def bad_run(capsys, tmp_path, model, *extra):
+    out = tmp_path / "run"
+    err = one_line_error(capsys, "run", "--model", str(model), "--output-dir", str(out), *SMALL, *extra)
+    assert not out.exists()
+    return err
+
+
+# The seeds' laptop OOM: TRL 1.14's fp32 logits of 4 sequences of ~1000 tokens of Llama's vocabulary.
+CURRENT = ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.90 GiB. GPU 0 has a total "
+           "capacity of 15.73 GiB of which 1.02 GiB is free. Process 4242 has 14.70 GiB memory in use. Including "
+           "non-PyTorch memory, this process has 14.70 GiB memory in use. Of the allocated memory 11.82 GiB is "
+           "allocated by PyTorch, and 2.41 GiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+           "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+@contextlib.contextmanager
+def within_seconds(limit: float):
+    """Fail (instead of hanging) when the block runs longer than `limit` seconds of wall time."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {limit} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def build_on_meta(config: dict[str, Any]):
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def parameter_count(model) -> int:
+    """Unique parameters, tied weights once, as model.parameters() yields them."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def linear_names(model) -> set[str]:
+    import torch
+
+    return {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Linear) and ".layers." in name}

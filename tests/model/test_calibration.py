@@ -1,0 +1,40 @@
+"""Calibration profiles: the defaults, a probe's profile for a GPU, an explicit file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vram_planner import api
+from vram_planner.errors import ProfileError
+from vram_planner.model.calibration import Calibration, calibration_for, default_calibration
+from vram_planner.profiles import GpuProfile
+
+
+def test_defaults_ship_with_sources():
+    cal = default_calibration()
+    assert cal.name == "default" and cal.gpu is None and cal.source
+    assert 0 < cal.allocator_overhead_fraction < 0.5
+
+
+def test_a_probe_calibration_for_the_gpu_is_picked_up(_private_home, llama_1b_file):
+    folder = _private_home / "calibrations"
+    folder.mkdir()
+    measured = Calibration(name="probe-2026-11-22", gpu="card", cuda_context_bytes=0, allocator_overhead_fraction=0)
+    (folder / "card.json").write_text(measured.model_dump_json())
+    assert calibration_for("card") == measured
+    gpu = GpuProfile(name="card", total_memory_gib=24)
+    verdict = api.check(str(llama_1b_file), gpu, {"lora_r": 8, "dtype": "bfloat16"})
+    assert verdict.context.calibration.name == "probe-2026-11-22"
+    assert all(p.components["cuda_context"] == 0 for p in verdict.estimate.phases)
+
+
+def test_explicit_file_wins_and_bad_files_are_clear(tmp_path):
+    good = tmp_path / "cal.json"
+    good.write_text(json.dumps({"name": "mine", "cuda_context_bytes": 1}))
+    assert calibration_for("anything", good).name == "mine"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "mine", "unknown_coefficient": 1}))
+    with pytest.raises(ProfileError, match="not a valid calibration"):
+        calibration_for("anything", bad)

@@ -1,0 +1,177 @@
+"""Each component's formula against numbers worked out by hand for Llama-3.2-1B."""
+
+from __future__ import annotations
+
+import pytest
+
+from vram_planner.model import components as m
+from vram_planner.model.lm_head import lm_head_memory
+from vram_planner.model.spec import training_config
+from vram_planner.model.trl_releases import trl_release
+
+P = 1_235_814_400
+V, H, N_LAYERS, KV_WIDTH, I = 128256, 2048, 16, 8 * 64, 8192
+
+
+def cfg(**kw):
+    return training_config(kw)
+
+
+def test_full_fine_tuning_in_float32_is_16_bytes_per_param(llama_1b):
+    train = cfg()  # TRL's default: float32 weights, AdamW
+    assert m.weight_bytes(llama_1b, train) == 4 * P
+    assert m.gradient_bytes(llama_1b, train) == 4 * P
+    assert m.optimizer_state_bytes(llama_1b, train) == 8 * P
+    assert m.optimizer_step_temporary_bytes(llama_1b, train) == 0  # fused AdamW needs no scratch
+
+
+def test_bf16_weights_halve_weights_grads_and_states(llama_1b):
+    train = cfg(dtype="bfloat16")
+    assert (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train),
+            m.optimizer_state_bytes(llama_1b, train)) == (2 * P, 2 * P, 4 * P)
+
+
+def test_foreach_adamw_needs_a_param_sized_scratch(llama_1b):
+    assert m.optimizer_step_temporary_bytes(llama_1b, cfg(optim="adamw_torch")) == 4 * P
+
+
+def test_8bit_adam_keeps_32bit_state_for_small_tensors(llama_1b):
+    small = (2 * N_LAYERS + 1) * H  # every RMSNorm weight is under 4096 elements
+    expected = 2 * ((P - small) * (1 + 4 / 256) + small * 4)
+    assert m.optimizer_state_bytes(llama_1b, cfg(optim="adamw_8bit")) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("optim,per_param", [("sgd", 0), ("rmsprop", 4), ("paged_adamw_32bit", 8), ("lion_32bit", 4)])
+def test_other_optimizers(llama_1b, optim, per_param):
+    assert m.optimizer_state_bytes(llama_1b, cfg(optim=optim)) == per_param * P
+
+
+def test_adafactor_factors_matrices(llama_1b):
+    states = m.optimizer_state_bytes(llama_1b, cfg(optim="adafactor"))
+    per_layer = 2 * (H + H) + 2 * (H + KV_WIDTH) + 3 * (H + I)
+    assert states == 4 * (N_LAYERS * per_layer + (V + H) + (2 * N_LAYERS + 1) * H)
+
+
+def test_lora_adapters_are_fp32_with_their_own_grads_and_states(llama_1b):
+    train = cfg(lora_r=16, dtype="bfloat16")
+    t = llama_1b.lora_params(16, None)
+    assert m.trainable_params(llama_1b, train) == t
+    assert m.weight_bytes(llama_1b, train) == 2 * P + 4 * t
+    assert m.gradient_bytes(llama_1b, train) == 4 * t
+    assert m.optimizer_state_bytes(llama_1b, train) == 8 * t
+
+
+def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):
+    train = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16")
+    t = llama_1b.lora_params(16, None)
+    linear = llama_1b.linear_params
+    per_weight = 0.5 + 1 / 64 + 4 / (64 * 256)  # double quantisation of the absmax
+    assert m.weight_bytes(llama_1b, train) == pytest.approx(linear * per_weight + (P - linear) * 2 + 2 * t)
+    no_dq = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16", bnb_4bit_use_double_quant=False)
+    assert m.weight_bytes(llama_1b, no_dq) == pytest.approx(linear * (0.5 + 4 / 64) + (P - linear) * 2 + 2 * t)
+    # TRL's default float32 loading keeps the unquantised embedding and norms in float32
+    fp32_rest = cfg(lora_r=16, load_in_4bit=True)
+    assert m.weight_bytes(llama_1b, fp32_rest) == pytest.approx(linear * per_weight + (P - linear) * 4 + 2 * t)
+
+
+def test_reference_model_only_with_beta_and_without_peft(llama_1b):
+    assert m.reference_weight_bytes(llama_1b, cfg()) == 0  # beta 0: no reference model
+    assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04)) == 4 * P
+    assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04, lora_r=8)) == 0  # adapter disabled instead
+
+
+def test_kv_cache_bf16(llama_1b):
+    train = cfg(dtype="bfloat16")
+    # 2 (k and v) x n x kv heads x d x 2 bytes x sequences x tokens
+    assert m.kv_cache_bytes(llama_1b, train, 8, 768) == 2 * N_LAYERS * KV_WIDTH * 2 * 8 * 768
+
+
+def test_kv_cache_of_fp32_weights_is_fp32_even_under_autocast(llama_1b):
+    # rotary's cos/sin follow the fp32 residual stream, and DynamicLayer starts values in the keys' dtype
+    assert m.kv_cache_bytes(llama_1b, cfg(), 8, 768) == N_LAYERS * KV_WIDTH * (4 + 4) * 8 * 768
+    no_autocast = cfg(mixed_precision="no")
+    assert m.kv_cache_bytes(llama_1b, no_autocast, 8, 768) == N_LAYERS * KV_WIDTH * (4 + 4) * 8 * 768
+
+
+def test_autocast_copies_fp32_weights_but_not_bf16_or_sharded_ones(llama_1b):
+    linear = N_LAYERS * (4 * H * H // 1 - 2 * H * (H - KV_WIDTH) + 3 * H * I)  # q, o: h x h; k, v: h x 512
+    assert llama_1b.linear_params == linear
+    assert m.layer_weight_cast_bytes(llama_1b, cfg()) == 2 * linear
+    assert m.lm_head_cast_bytes(llama_1b, cfg()) == 2 * V * H
+    for no_copies in (cfg(dtype="bfloat16"), cfg(mixed_precision="no"),
+                      cfg(num_gpus=2, zero_stage=2, per_device_train_batch_size=4)):
+        assert m.layer_weight_cast_bytes(llama_1b, no_copies) == 0
+    assert m.adapter_cast_bytes(llama_1b, cfg(lora_r=16)) == 2 * llama_1b.lora_params(16, None)
+
+
+
+
+
+
+
+
+def test_fused_lm_head_never_materialises_logits(llama_1b):
+    train = cfg(dtype="bfloat16", max_completion_length=512)
+    release = trl_release("1.16.0")
+    head = lm_head_memory(llama_1b, train, release, sequences=4, with_grad=True)
+    scored, tokens = 4 * 512, 4 * 768
+    tile = min(scored, 4096) * 32768 * 2
+    # the backbone's [B, L, h] output, the gathered completion rows, seven fp32 statistics per row, one tile
+    assert head.forward_transient == tokens * H * 2 + scored * H * 2 + scored * 28 + tile
+    # int64 target, fp32 log-normaliser and entropy, the (N, 2) int64 positions of the gather, and the rows
+    assert head.saved == scored * H * 2 + scored * (8 + 8 + 16)
+    # all through backward: fp32 grad_hidden and grad_weight, the tile, fp32 logprob grads (bf16 weights need no
+    # casts in the loop); on return both fp32 gradients are cast to bf16 while they and the loop's locals still exist
+    throughout = scored * H * 4 + V * H * 4 + tile + scored * 4
+    assert head.backward_transient == throughout + scored * H * 2 + V * H * 2
+    lora = lm_head_memory(llama_1b, cfg(lora_r=8, dtype="bfloat16", max_completion_length=512), release,
+                          sequences=4, with_grad=True)
+    assert lora.backward_transient == scored * H * 4 + tile + scored * 4 + scored * H * 2  # frozen: no grad_weight
+
+
+def test_fused_lm_head_casts_two_vocabulary_chunks_of_fp32_weights_in_backward(llama_1b):
+    head = lm_head_memory(llama_1b, cfg(max_completion_length=512), trl_release("1.16.0"), sequences=4,
+                          with_grad=True)
+    scored = 4 * 512
+    # the tile stays a whole 32768-column chunk wide; the previous chunk's bf16 weight is alive with the next one's
+    # (fp32 gradients need no cast on return)
+    assert head.backward_transient == (scored * H * 4 + V * H * 4 + scored * 32768 * 2 + 2 * 32768 * H * 2
+                                       + scored * H * 2 + scored * 4)
+    small_vocab = lm_head_memory(llama_1b.__class__(**{**llama_1b.__dict__, "vocab_size": 40000}),
+                                 cfg(max_completion_length=512), trl_release("1.16.0"), sequences=4, with_grad=True)
+    assert small_vocab.backward_transient == (scored * H * 4 + 40000 * H * 4 + scored * 32768 * 2 + 40000 * H * 2
+                                              + scored * H * 2 + scored * 4)
+
+
+def test_old_trl_materialises_full_logits(llama_1b):
+    train = cfg(dtype="bfloat16", max_completion_length=1000)
+    head = lm_head_memory(llama_1b, train, trl_release("1.14.0"), sequences=4, with_grad=True)
+    logits = 4 * 1001 * V
+    assert head.forward_transient == 6 * logits and head.backward_transient == 10 * logits
+    # the seeds' OOM: 1.90 GiB for one fp32 copy of ~1000 tokens x 4 sequences of Llama's vocabulary
+    assert logits * 4 / 2**30 == pytest.approx(1.91, abs=0.01)
+
+
+def test_ddp_keeps_a_bucket_copy_of_the_gradients(llama_1b):
+    assert m.gradient_bytes(llama_1b, cfg(num_gpus=2, per_device_train_batch_size=4)) == 2 * 4 * P
+
+
+def test_zero_stages_shard_as_the_zero_paper_says(llama_1b):
+    def per_gpu(stage):
+        train = cfg(num_gpus=4, zero_stage=stage, per_device_train_batch_size=2)
+        return (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train),
+                m.optimizer_state_bytes(llama_1b, train))
+    assert per_gpu(1) == (2 * P, 2 * P, 12 * P / 4)
+    assert per_gpu(2) == (2 * P, 2 * P / 4, 12 * P / 4)
+    assert per_gpu(3) == (2 * P / 4, 2 * P / 4, 12 * P / 4)
+    gathered = m.generation_weight_bytes(llama_1b, cfg(num_gpus=4, zero_stage=3, per_device_train_batch_size=2))
+    assert gathered == 2 * P  # ds3_gather_for_generation
+
+
+def test_fsdp_shards_everything(llama_1b):
+    train = cfg(num_gpus=8, fsdp=True, per_device_train_batch_size=1)
+    assert m.weight_bytes(llama_1b, train) == 4 * P / 8
+    assert m.optimizer_state_bytes(llama_1b, train) == 8 * P / 8
+
+
+

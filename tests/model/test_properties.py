@@ -1,0 +1,324 @@
+"""Properties of the library API over the whole input space: every catalog model and fixture architecture, every
+knob of TrainingConfig (inside, at and far beyond its range, and of the wrong type), every TRL release row and every
+catalog card. The answer is a verdict or a plan or one VramPlanError, in bounded time; where physics says so, memory
+is monotone; a plan's changes each save memory and add up."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from helpers import FIXTURES, within_seconds
+from vram_planner import api
+from vram_planner.errors import ConfigError, VramPlanError
+from vram_planner.model import activations as act
+from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.search import Plan, best_plan, ladder_runs, micro_batch_variants, with_micro_batch
+from vram_planner.model.spec import Optimizer, TrainingConfig, with_changes
+from vram_planner.model.trl_releases import trl_releases
+from vram_planner.model.verdict import Verdict, judge
+from vram_planner.profiles import gpus, models
+
+MODELS = [m.name for m in models()] + [str(p) for p in sorted(FIXTURES.glob("tiny-*.json"))]
+CARDS = [g.name for g in gpus()]
+TRL_VERSIONS = [row.min_version for row in trl_releases()]
+# Derandomized, so CI runs the same examples every time; the per-example deadline is generous for 2 busy cores and
+# the alarm of within_seconds stops a hang that the deadline (measured after the fact) would wait out.
+EXAMPLE_DEADLINE = timedelta(seconds=3)
+HARD_LIMIT_S = 10.0
+QUICK = settings(deadline=EXAMPLE_DEADLINE, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+# Sums of the same bytes in another order differ in their last bits.
+FLOAT_NOISE = 1e-12
+
+# --- anything at all -------------------------------------------------------------------------------------------
+
+HUGE_INTS = [2**31, 2**40, 2**63, 10**30, 10**300, 10**400]
+ODD_FLOATS = [0.0, -0.0, 1.0, -1.0, 1e-300, 1e300, math.inf, -math.inf, math.nan]
+WRONG_TYPES = [None, "", "eight", "8", [], [1], {}, {"a": 1}, b"\x00", 1.5, True]
+
+
+def edge_values(field: str) -> list[Any]:
+    """Values of a TrainingConfig field at and beyond its range's edges, and of the wrong types."""
+    annotation = str(TrainingConfig.model_fields[field].annotation)
+    if "int" in annotation:
+        typed = [1, 2, 3, 0, -1, -(2**40), *HUGE_INTS, 8.0, math.inf, math.nan]
+    elif "float" in annotation:
+        typed = [*ODD_FLOATS, 0.5, 0.999999, 2.0, 10**400, "0.1"]
+    elif "bool" in annotation:
+        typed = [True, False, "yes", "maybe", 2]
+    elif field == "optim":
+        typed = [o.value for o in Optimizer] + ["adamw-8bit", "ADAMW_8BIT", "adam"]
+    elif field == "lora_target_modules":
+        typed = ["q_proj,v_proj", "all-linear", "qproj", ",,,", "gate_up_proj", ["q_proj", "q_proj"], [""]]
+    else:  # a Literal of names
+        names = annotation.split("'")[1::2]
+        typed = names + [n.upper() for n in names] + ["auto", "bf-16"]
+    return typed + WRONG_TYPES
+
+
+def _any_value(field: str) -> st.SearchStrategy[Any]:
+    """Edge values, and values drawn at random from the field's type and others."""
+    annotation = str(TrainingConfig.model_fields[field].annotation)
+    drawn = (st.integers() if "int" in annotation else st.floats() if "float" in annotation
+             else st.text(max_size=8))
+    return st.one_of(st.sampled_from(edge_values(field)), drawn)
+
+
+EDGES = [(field, value) for field in TrainingConfig.model_fields for value in edge_values(field)]
+
+
+ANY_CONTEXT = st.fixed_dictionaries({}, optional={
+    "trl_version": st.sampled_from(TRL_VERSIONS + ["0.14", "1.16.0", "2.0", "-1", "", "latest"]),
+    "safety_margin": st.one_of(st.floats(0, 0.5), st.sampled_from(ODD_FLOATS))})
+
+
+def _answer(call) -> Any:
+    """What a library call gives: its result or the VramPlanError it raised (any other exception fails the test)."""
+    with within_seconds(HARD_LIMIT_S):
+        try:
+            return call()
+        except VramPlanError as error:
+            message = str(error)
+            assert message and "\n" not in message, f"a VramPlanError should be one line: {message!r}"
+            return error
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.rsplit("/", 1)[-1])
+def test_every_model_is_judged_and_planned_on_every_release_and_card(model):
+    # TRL's defaults for each release row, on the catalog's cards in turn (every card comes up for some model)
+    offset = MODELS.index(model) * len(TRL_VERSIONS)
+    for i, trl_version in enumerate(TRL_VERSIONS):
+        card = CARDS[(offset + i) % len(CARDS)]
+        context = _answer(lambda: api.make_context(model, card, trl_version=trl_version))
+        assert not isinstance(context, VramPlanError), context
+        verdict = _answer(lambda: api.check(model, card, trl_version=trl_version))
+        assert isinstance(verdict, Verdict) and verdict.estimate.peak_bytes > 0
+        assert isinstance(_answer(lambda: api.plan(model, card, trl_version=trl_version)), Plan)
+
+
+# --- valid configurations and the laws memory follows on them -------------------------------------------------
+
+LORA = st.one_of(st.just({}), st.fixed_dictionaries(
+    {"lora_r": st.sampled_from([4, 16, 64])},
+    optional={"load_in_4bit": st.booleans(), "lora_dropout": st.sampled_from([0.0, 0.05]),
+              "lora_target_modules": st.just("all-linear")}))
+
+
+@st.composite
+def valid_knobs(draw) -> dict[str, Any]:
+    """Settings inside every range; a few combinations still break a cross-field rule and are rejected."""
+    generations = draw(st.sampled_from([2, 3, 4, 8]))
+    knobs = draw(st.fixed_dictionaries({}, optional={
+        "gradient_accumulation_steps": st.integers(1, 12), "steps_per_generation": st.integers(1, 12),
+        "max_prompt_length": st.integers(1, 3000), "max_completion_length": st.integers(1, 3000),
+        "beta": st.sampled_from([0.0, 0.04]), "num_iterations": st.integers(1, 3),
+        "optim": st.sampled_from([o.value for o in Optimizer]), "gradient_checkpointing": st.booleans(),
+        "dtype": st.sampled_from(["float32", "bfloat16", "float16"]),
+        "mixed_precision": st.sampled_from(["bf16", "fp16", "no"]),
+        "attn_implementation": st.sampled_from(["sdpa", "eager", "flash_attention_2"]),
+        "use_liger_kernel": st.booleans(), "use_vllm": st.booleans(), "vllm_enable_sleep_mode": st.booleans(),
+        "vllm_gpu_memory_utilization": st.floats(0.05, 0.95), "num_gpus": st.integers(1, 8),
+        "zero_stage": st.integers(0, 3), "fsdp": st.booleans()}))
+    knobs["num_generations"] = generations
+    knobs["per_device_train_batch_size"] = generations * draw(st.integers(1, 4))
+    return {**knobs, **draw(LORA)}
+
+
+@st.composite
+def any_knobs(draw) -> dict[str, Any]:
+    """A valid config with up to three knobs set to anything: far from valid, the first check would refuse it."""
+    knobs = draw(valid_knobs())
+    for field in draw(st.lists(st.sampled_from(list(TrainingConfig.model_fields)), max_size=2, unique=True)):
+        knobs[field] = draw(_any_value(field))
+    # every field's edges equally likely, whatever hypothesis makes of the strategies above
+    knobs.update(draw(st.lists(st.sampled_from(EDGES), max_size=2)))
+    return knobs
+
+
+@pytest.mark.slow
+@settings(QUICK, max_examples=250)
+@given(model=st.sampled_from(MODELS), card=st.sampled_from(CARDS + ["24GiB", "0.1GiB", "100000GiB"]),
+       knobs=any_knobs(), options=ANY_CONTEXT)
+def test_any_input_gives_a_verdict_a_plan_or_one_clear_error(model, card, knobs, options):
+    checked = _answer(lambda: api.check(model, card, knobs, **options))
+    planned = _answer(lambda: api.plan(model, card, knobs, **options))
+    assert isinstance(checked, Verdict | VramPlanError) and isinstance(planned, Plan | VramPlanError)
+    # both validate the same way before they estimate
+    assert isinstance(checked, VramPlanError) == isinstance(planned, VramPlanError)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", list(TrainingConfig.model_fields))
+def test_every_knob_at_its_edges_gives_a_verdict_a_plan_or_one_clear_error(field):
+    for value in edge_values(field):
+        for base in ({}, {"lora_r": 16, "load_in_4bit": True}):  # fields that need LoRA are checked with it
+            knobs = {**base, field: value}
+            checked = _answer(lambda: api.check("Llama-3.2-1B", "24GiB", knobs))
+            planned = _answer(lambda: api.plan("Llama-3.2-1B", "24GiB", knobs))
+            assert isinstance(checked, VramPlanError) == isinstance(planned, VramPlanError), knobs
+
+
+def _valid(model: str, card: str, trl_version: str, knobs: dict[str, Any]):
+    context = api.make_context(model, card, trl_version=trl_version)
+    try:
+        return context, api.make_training(context, knobs)
+    except ConfigError:
+        assume(False)  # a combination TRL or the card refuses: not a question of memory
+        raise
+
+
+def _changed(train: TrainingConfig, **changes: Any) -> TrainingConfig:
+    try:
+        return with_changes(train, **changes)
+    except (ConfigError, ValueError):  # pydantic's errors are ValueErrors: a cross-field rule refuses the change
+        assume(False)
+        raise
+
+
+def _peak(context, train: TrainingConfig) -> float:
+    return judge(context, train).estimate.peak_bytes
+
+
+VALID = dict(model=st.sampled_from(MODELS), card=st.sampled_from(CARDS), trl_version=st.sampled_from(TRL_VERSIONS),
+             knobs=valid_knobs())
+
+
+# Each law: more of something, as (the config, the config with more).
+def _longer_prompt(t: TrainingConfig):
+    return t, _changed(t, max_prompt_length=2 * t.max_prompt_length)
+
+
+def _longer_completion(t: TrainingConfig):
+    return t, _changed(t, max_completion_length=2 * t.max_completion_length)
+
+
+def _bigger_micro_batch(t: TrainingConfig):
+    return t, _changed(t, per_device_train_batch_size=2 * t.per_device_train_batch_size)
+
+
+def _more_steps_per_generation(t: TrainingConfig):
+    return t, _changed(t, steps_per_generation=2 * t.steps_per_generation_resolved)
+
+
+def _more_generations(t: TrainingConfig):
+    # the same prompts per round, twice the completions of each
+    return t, _changed(t, num_generations=2 * t.num_generations,
+                       per_device_train_batch_size=2 * t.per_device_train_batch_size)
+
+
+MORE_NEEDS_MORE = [_longer_prompt, _longer_completion, _bigger_micro_batch, _more_steps_per_generation,
+                   _more_generations]
+
+
+@settings(QUICK, max_examples=120)
+@given(law=st.sampled_from(MORE_NEEDS_MORE), **VALID)
+def test_more_tokens_a_bigger_batch_or_more_generations_never_need_less(law, model, card, trl_version, knobs):
+    context, train = _valid(model, card, trl_version, knobs)
+    less, more = law(train)
+    assert _peak(context, more) >= _peak(context, less) * (1 - FLOAT_NOISE)
+
+
+# Each saver: (the config without it, the config with it, the bytes it may add); assume() keeps each to the configs
+# it applies to.
+def _checkpointing(context, t: TrainingConfig):
+    # Checkpointing frees the saved activations of every layer but the one being recomputed, and keeps each layer's
+    # input. In the backward through the first layer, the peak when the gradients outweigh the activations (short
+    # sequences, few tokens), it holds that input (and the attention mask) next to the recomputed layer, which
+    # without it only the first norm's float32 copy stood for: one hidden state of the micro-batch more, with its
+    # share of the allocator's reserve. A model of one layer has nothing to free at all.
+    assume(context.arch.num_layers > 1)
+    b, length = t.per_device_train_batch_size, t.sequence_length
+    layer_input = b * length * context.arch.hidden_size * sizes(t).residual
+    reserve = 1 + context.calibration.allocator_overhead_fraction
+    held = (layer_input + act.attention_mask_bytes(t, b, length)) * reserve
+    return _changed(t, gradient_checkpointing=False), _changed(t, gradient_checkpointing=True), held
+
+
+def _eight_bit_optimizer(context, t: TrainingConfig):
+    # bitsandbytes keeps tensors under min_8bit_size (4096 elements: norms, biases, rank-4 adapters) in fp32 states,
+    # 8 bytes per parameter: that saves over torch's AdamW only when the trainable weights are fp32 too (torch's
+    # states follow the parameter: 4 bytes per parameter for 16-bit adapters or bf16 full fine-tuning)
+    assume(t.optim in (Optimizer.adamw_torch, Optimizer.adamw_torch_fused) and sizes(t).trainable == FP32_BYTES)
+    return t, _changed(t, optim=Optimizer.adamw_8bit), 0
+
+
+def _bf16_weights(context, t: TrainingConfig):
+    assume(t.dtype == "float32")
+    return t, _changed(t, dtype="bfloat16"), 0
+
+
+STATEFUL_OPTIMIZERS = [o for o in Optimizer if "adamw" in o.value]
+
+
+def _lora(context, t: TrainingConfig):
+    # LoRA trades memory per parameter (the full model's gradients and optimizer states, the reference copy) for
+    # memory per token: PEFT keeps an fp32 copy of the input of every adapted linear for the adapter's backward,
+    # about (6 x hidden + intermediate) x 4 bytes per token and layer. It saves while the parameters outweigh the
+    # tokens: up to params / (2 x layers x (6 x hidden + intermediate)) tokens per micro-batch (a factor 2 to spare),
+    # with an optimizer that keeps two states per parameter (SGD and Adafactor keep almost nothing to free), and
+    # adapters of rank 16 that are small next to their matrices (hidden size 256 or more: not the tiny fixtures).
+    arch = context.arch
+    tokens_per_micro_batch = t.per_device_train_batch_size * t.sequence_length
+    most_tokens = arch.params / (2 * arch.num_layers * (6 * arch.hidden_size + arch.intermediate_size))
+    assume(not t.uses_lora and t.optim in STATEFUL_OPTIMIZERS and arch.hidden_size >= 256
+           and tokens_per_micro_batch <= most_tokens)
+    return t, _changed(t, lora_r=16), 0
+
+
+def _four_bit(context, t: TrainingConfig):
+    assume(t.uses_lora and not t.load_in_4bit)
+    return t, _changed(t, load_in_4bit=True), 0
+
+
+SAVERS = [_checkpointing, _eight_bit_optimizer, _bf16_weights, _lora, _four_bit]
+
+
+@settings(QUICK, max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(saver=st.sampled_from(SAVERS), **VALID)
+def test_a_saver_never_adds_memory(saver, model, card, trl_version, knobs):
+    context, train = _valid(model, card, trl_version, knobs)
+    without, with_saver, may_add = saver(context, train)
+    assert _peak(context, with_saver) <= (_peak(context, without) + may_add) * (1 + FLOAT_NOISE)
+
+
+@settings(QUICK, max_examples=60)
+@given(**VALID)
+def test_memory_grows_with_the_micro_batch_once_gradients_accumulate(model, card, trl_version, knobs):
+    # the plan's bisection relies on it; the requested micro-batch without accumulation is judged on its own
+    context, train = _valid(model, card, trl_version, knobs)
+    accumulating = [v for v in micro_batch_variants(train) if v.gradient_accumulation_steps > 1]
+    peaks = [_peak(context, v) for v in accumulating]  # largest micro-batch first
+    assert _never_rises(peaks), accumulating
+
+
+@settings(QUICK, max_examples=40)
+@given(**VALID)
+def test_memory_falls_along_every_run_of_the_ladder(model, card, trl_version, knobs):
+    # the plan bisects each run for the first rung on which something fits: the rung's own micro-batch or, with the
+    # same generation and optimizer batches, micro-batch 1 (between them memory grows with the micro-batch)
+    context, train = _valid(model, card, trl_version, knobs)
+    for run in ladder_runs(train, context.gpu.bf16):
+        assert _never_rises([_peak(context, rung) for rung in run]), run
+        assert _never_rises([_peak(context, with_micro_batch(rung, 1)) for rung in run]), run
+
+
+def _never_rises(peaks: list[float]) -> bool:
+    return all(later <= earlier * (1 + FLOAT_NOISE) for earlier, later in itertools.pairwise(peaks))
+
+
+@settings(QUICK, max_examples=80)
+@given(**VALID)
+def test_every_reported_change_saves_memory_and_the_changes_add_up(model, card, trl_version, knobs):
+    context, train = _valid(model, card, trl_version, knobs)
+    plan = best_plan(context, train)
+    assert all(change.saved_bytes >= 0 for change in plan.changes), plan.changes
+    if plan.fits:
+        saved = sum(change.saved_bytes for change in plan.changes)
+        assert plan.requested.estimate.peak_bytes - saved == pytest.approx(plan.chosen.estimate.peak_bytes)

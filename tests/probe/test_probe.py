@@ -1,0 +1,189 @@
+"""The probe pipeline: measure (here with the trace engine), keep points between runs, fit, write, get used."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from helpers import FIXTURES
+from vram_planner import api
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.phases import estimate
+from vram_planner.model.resolve import resolve_model
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.probe.fit import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
+                                    validate_verdicts,
+                                    SimulatedMeasurer, fit_calibration, fit_quality, measure_points, record_path,
+                                    save_calibration)
+from vram_planner.profiles import data_home
+from vram_planner.units import GiB
+
+TINY = str(FIXTURES / "tiny-llama-headdim.json")
+
+
+def tiny_points(n=2):
+    configs = [{"gradient_checkpointing": True}, {"gradient_checkpointing": False, "lora_r": 8},
+               {"gradient_checkpointing": False}]
+    return [ProbePoint(TINY, TrainingConfig(per_device_train_batch_size=2, num_generations=2, max_prompt_length=16,
+                                            max_completion_length=32, **c)) for c in configs[:n]]
+
+
+def synthetic_record(truth: Calibration, points: list[ProbePoint], reserve: float, context: int) -> ProbeRecord:
+    """Measurements that a device behaving exactly like `truth` would report."""
+    measured = []
+    for point in points:
+        est = estimate(resolve_model(point.model), point.train, trl_release(), truth, 80 * GiB)
+        phases = [PhaseMeasurement(name=p.name, allocated_bytes=round(p.tensor_bytes),
+                                   reserved_bytes=round(p.tensor_bytes * (1 + reserve))) for p in est.phases]
+        measured.append(PointMeasurement(label=point.label, model=point.model,
+                                         settings=point.train.model_dump(mode="json", exclude_defaults=True),
+                                         phases=phases, seconds=0.0))
+    return ProbeRecord(device={"gpu": "test"}, context_bytes=context, points=measured)
+
+
+def test_the_fit_recovers_the_coefficients_a_device_behaves_by():
+    truth = Calibration(inference_hidden_bytes=5, inference_mlp_bytes=3, backward_hidden_bytes=6,
+                        backward_mlp_bytes=7)
+    # LoRA with checkpointing peaks in a layer's backward and long prompts in the prefill, where the coefficients
+    # act; fp32 and bf16 weights weigh the hidden and the MLP terms differently, so both are identifiable
+    points = [ProbePoint(model, TrainingConfig(per_device_train_batch_size=b, num_generations=b, max_prompt_length=p,
+                                               max_completion_length=64, lora_r=16, dtype=d))
+              for model in ("Qwen2.5-0.5B", "Llama-3.2-1B") for d in ("float32", "bfloat16")
+              for b, p in [(4, 128), (4, 2048), (8, 1024)]]
+    record = synthetic_record(truth, points, reserve=0.2, context=300 * 2**20)
+    fitted = fit_calibration(record, "test-gpu")
+    assert fitted.allocator_overhead_fraction == pytest.approx(0.2, abs=1e-4)
+    assert fitted.cuda_context_bytes == 300 * 2**20 and fitted.gpu == "test-gpu"
+    recovered = [c for c in FITTED_COEFFICIENTS if getattr(fitted, c) == pytest.approx(getattr(truth, c), abs=0.01)]
+    assert recovered == list(FITTED_COEFFICIENTS)
+    assert all(abs(row.error) < 1e-3 for row in fit_quality(record, fitted))
+
+
+@pytest.mark.slow
+def test_a_simulated_probe_writes_a_calibration_that_check_uses_only_when_asked():
+    points = tiny_points(2)
+    measurer = SimulatedMeasurer("h100-80gb")
+    seen = []
+    record = measure_points(measurer, points, record_path("h100-80gb"), progress=lambda n, total, what: seen.append(n))
+    assert seen == [1, 2] and len(record.points) == 2
+    cal = fit_calibration(record, "h100-80gb")
+    assert cal.allocator_overhead_fraction == pytest.approx(0.10, abs=0.001)
+    [written] = save_calibration(cal, "h100-80gb")
+    assert written.name == "h100-80gb.simulated.json"  # the name says so, and so does the file
+    assert json.loads(written.read_text())["name"] == "simulated probe"
+    assert "simulated" in json.loads(written.read_text())["measured"]
+    # The real card keeps its defaults: a simulation is no measurement of it.
+    assert api.check("Llama-3.2-1B", "h100-80gb").context.calibration.name == "default"
+    asked = api.check("Llama-3.2-1B", "h100-80gb", calibration=written)
+    assert asked.context.calibration.name == "simulated probe"
+
+
+def test_a_real_probes_calibration_replaces_the_defaults_for_its_card():
+    truth = Calibration(backward_hidden_bytes=3)
+    record = synthetic_record(truth, tiny_points(2), reserve=0.2, context=400 * 2**20)
+    record = record.model_copy(update={"device": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "570.00"}})
+    cal = fit_calibration(record, "h100-80gb")
+    [written] = save_calibration(cal, "h100-80gb")
+    assert written == data_home() / "calibrations" / "h100-80gb.json" and cal.name == "probe"
+    used = api.check("Llama-3.2-1B", "h100-80gb").context.calibration
+    assert used.name == "probe" and used.cuda_context_bytes == 400 * 2**20
+    assert api.check("Llama-3.2-1B", "a100-80gb").context.calibration.name == "default"
+
+
+class Interrupted(SimulatedMeasurer):
+    def __init__(self, stop_at: int) -> None:
+        super().__init__("l4")
+        self.stop_at, self.calls = stop_at, 0
+
+    def measure(self, point):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return super().measure(point)
+
+
+@pytest.mark.slow
+def test_an_interrupted_probe_keeps_its_points_and_continues():
+    points, path = tiny_points(3), record_path("l4")
+    with pytest.raises(KeyboardInterrupt):
+        measure_points(Interrupted(stop_at=2), points, path)
+    assert [p["label"] for p in json.loads(path.read_text())["points"]] == [points[0].label]
+    assert not (data_home() / "calibrations" / "l4.json").exists()
+    again = Interrupted(stop_at=99)
+    record = measure_points(again, points, path)
+    assert again.calls == 2 and [p.label for p in record.points] == [p.label for p in points]
+
+
+@pytest.mark.slow
+def test_validation_runs_the_configs_around_the_boundary_of_an_emulated_card():
+    truth = SimulatedMeasurer("simulated")
+    points = tiny_points(3)
+    cal = fit_calibration(measure_points(truth, points, record_path("simulated")), "simulated")
+    def peak(batch):
+        train = TrainingConfig(per_device_train_batch_size=batch, num_generations=batch, max_prompt_length=128,
+                               max_completion_length=256)
+        return estimate(resolve_model(TINY), train, trl_release(), cal, 80 * GiB).peak_bytes
+
+    capacity = int((peak(4) + peak(8)) / 2 / 0.95)  # four sequences fit beside the 5% margin, eight do not
+    rows = validate_verdicts(truth, cal, TINY, [capacity], lora_ranks=[None])
+    assert [r.label.split()[-3] for r in rows] == ["B=4", "B=8"]  # the boundary and just above it
+    assert [r.predicted_fits for r in rows] == [True, False]
+    assert not any(r.wrong_fit for r in rows)
+    assert rows[0].ran and abs(rows[0].error) < 0.05
+
+
+def test_without_cuda_the_probe_says_so_in_one_line(capsys):
+    from vram_planner.cli import main
+
+    assert main(["probe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "CUDA" in err and "--simulate" in err
+    assert main(["probe", "--simulate"]) == 2
+    assert "--gpu" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_probe_simulate_from_the_command_line_feeds_check(capsys):
+    from vram_planner.cli import main
+
+    out = data_home() / "elsewhere" / "h100.json"
+    assert main(["probe", "--simulate", "--gpu", "h100", "--quick", "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["calibration"]["gpu"] == "h100-80gb" and out.is_file()
+    assert result["written"] == [str(data_home() / "calibrations" / "h100-80gb.simulated.json"), str(out)]
+    assert all(abs(row["error"]) < 0.03 for row in result["fit"])
+    assert main(["check", "--gpu", "h100", "--model", "Llama-3.2-1B", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] == "default"
+    for path in result["written"]:
+        assert main(["check", "--gpu", "h100", "--model", "Llama-3.2-1B", "--json", "--calibration", path]) == 0
+        assert json.loads(capsys.readouterr().out)["calibration"] == "simulated probe (h100-80gb)"
+
+
+@pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "in /proc", "below /proc"])
+def test_an_unwritable_out_is_refused_before_measuring(capsys, tmp_path, where):
+    from helpers import unwritable_targets
+    from vram_planner.cli import main
+
+    target = unwritable_targets(tmp_path)[where]
+    start = time.perf_counter()
+    code = main(["probe", "--simulate", "--gpu", "h100", "--quick", "--out", target])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ")
+    assert "--out" in err and target in err and ".tmp" not in err
+    assert time.perf_counter() - start < 5 and not record_path("h100-80gb").exists()
+
+
+def test_an_unwritable_data_home_is_refused_before_measuring(capsys, tmp_path, monkeypatch):
+    from vram_planner.cli import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.setenv("VRAM_PLAN_HOME", str(a_file / "home"))
+    start = time.perf_counter()
+    assert main(["probe", "--simulate", "--gpu", "h100", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "VRAM_PLAN_HOME" in err and str(a_file) in err
+    assert time.perf_counter() - start < 5

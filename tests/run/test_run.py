@@ -1,0 +1,180 @@
+"""`vram-plan run`: a real GRPOTrainer run of a tiny random model on the CPU, and bad input refused up front."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import FIXTURES, SMALL, bad_run, one_line_error, run
+
+pytest.importorskip("trl")
+
+
+@pytest.mark.slow
+def test_run_trains_two_steps_and_logs_memory_per_step(tiny_model_folder, tmp_path):
+    out = tmp_path / "run"
+    # a process of its own, as a user starts it: pytest would otherwise catch the warnings before stderr does
+    done = subprocess.run([sys.executable, "-m", "vram_planner", "run", "--model", str(tiny_model_folder), "--dataset",
+                           "math-sample", "--max-steps", "2", "--save-steps", "2", "--output-dir", str(out), *SMALL],
+                          capture_output=True, text=True, timeout=300)
+    stdout, err = done.stdout, done.stderr
+    assert done.returncode == 0, err
+    assert "GRPOConfig(" in stdout and "predicted peak" in stdout
+    # the smoke step's line and one progress line; no library warnings or progress bars without --verbose
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("smoke step:"), err
+    assert lines[1].startswith("GRPO") and "2/2" in lines[1] and "reward" in lines[1] and "predicted" in lines[1]
+    assert (out / "checkpoint-2").is_dir() and (out / "final" / "config.json").is_file()
+    steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
+    trained = [s for s in steps if "reward" in s]
+    assert [s["step"] for s in trained] == [1, 2]
+    assert all(s["predicted_peak_bytes"] > 0 and "rewards/format_reward/mean" in s for s in trained)
+
+
+def test_dry_run_prints_the_config_and_starts_nothing(capsys, tiny_model_folder, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                          "--output-dir", str(out), "--dry-run", *SMALL)
+    assert code == 0 and "GRPOConfig(per_device_train_batch_size=2" in stdout and "LoraConfig" not in stdout
+    assert not out.exists()
+
+
+def test_a_dataset_without_prompts_is_refused(capsys, tiny_model_folder, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n")
+    err = bad_run(capsys, tmp_path, tiny_model_folder, "--dataset", str(data))
+    assert "no prompt column" in err and "question" in err
+
+
+def test_a_reward_that_does_not_import_is_refused(capsys, tiny_model_folder, tmp_path):
+    err = bad_run(capsys, tmp_path, tiny_model_folder, "--dataset", "math-sample", "--reward", "no_such_mod:f")
+    assert "cannot import no_such_mod" in err
+
+
+def test_a_reward_returning_the_wrong_length_is_refused(capsys, tiny_model_folder, tmp_path):
+    module = tmp_path / "my_rewards.py"
+    module.write_text("def one(completions, **kw):\n    return [1.0]\n")
+    err = bad_run(capsys, tmp_path, tiny_model_folder, "--dataset", "math-sample", "--reward", f"{module}:one")
+    assert "one value per completion" in err
+
+
+def test_a_model_folder_without_weights_is_refused(capsys, tmp_path):
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text((FIXTURES / "tiny-llama-headdim.json").read_text())
+    err = bad_run(capsys, tmp_path, folder, "--dataset", "math-sample")
+    assert "no weights" in err
+
+
+def test_the_recipe_rewards_score_format_and_answers():
+    from vram_planner.run.rewards import correctness_reward, format_reward
+
+    strict = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>\n"
+    loose = "<reasoning>3+4</reasoning> <answer>7</answer>"  # the tags in order, not on their own lines
+    chat = [{"role": "assistant", "content": strict}]
+    assert format_reward([strict, loose, "7", chat]) == [0.5, 0.25, 0.0, 0.5]
+    assert correctness_reward([strict, loose, "7", chat], answer=["7", "7.0", "7", "8"]) == [2.0, 2.0, 0.0, 0.0]
+    assert correctness_reward(["<answer>1,234</answer>"], answer=["1234"]) == [2.0]
+
+
+class FakeAllocatorCap:
+    """Out of memory from the second step on whenever a micro-batch holds more than one sequence."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import torch
+
+        if args.per_device_train_batch_size > 1 and state.global_step >= 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake cap)")
+
+
+@pytest.fixture
+def capped(monkeypatch):
+    from transformers import TrainerCallback
+
+    from vram_planner.run import launch
+
+    monkeypatch.setattr(launch, "EXTRA_CALLBACKS", [type("Cap", (TrainerCallback,), dict(vars(FakeAllocatorCap)))()])
+
+
+@pytest.mark.slow
+def test_out_of_memory_falls_back_to_a_smaller_micro_batch_from_the_checkpoint(capsys, tiny_model_folder, tmp_path,
+                                                                                 capped):
+    out = tmp_path / "run"
+    args = ["run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--max-steps", "2",
+            "--save-steps", "1", "--output-dir", str(out), *SMALL]
+    code, _, err = run(capsys, *args, "--auto-fallback")
+    assert code == 0, err
+    assert "out of GPU memory" in err and "per_device_train_batch_size 2 -> 1" in err and "checkpoint-1" in err
+    steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "reward" in s] == [1, 2]  # step 1 kept, step 2 after the resume
+    assert (out / "checkpoint-2").is_dir() and (out / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_out_of_memory_without_fallback_explains_and_keeps_the_checkpoint(capsys, tiny_model_folder, tmp_path,
+                                                                           capped):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                       "--max-steps", "2", "--save-steps", "1", "--output-dir", str(out), *SMALL)
+    assert code == 2 and "error: out of GPU memory" in err and "the plan put the peak at" in err
+    assert (out / "checkpoint-1").is_dir()
+
+
+def test_the_smoke_step_takes_the_longest_prompts_first():
+    from datasets import Dataset
+
+    from vram_planner.run.launch import longest_first
+
+    data = Dataset.from_list([{"prompt": "x" * n, "answer": str(n)} for n in (3, 10, 1, 7)])
+    assert longest_first(data, 2)["answer"] == ["10", "7"]
+
+
+@pytest.mark.parametrize(("flags", "distributed_type", "extra"), [
+    (["--num-gpus", "2"], "MULTI_GPU", {}),
+    (["--num-gpus", "4", "--zero-stage", "3"], "DEEPSPEED", {"deepspeed_config": "zero_stage: 3"}),
+    (["--num-gpus", "2", "--fsdp"], "FSDP", {"fsdp_config": "fsdp_version: 2"}),
+])
+def test_several_gpus_start_through_accelerate_with_trls_config(capsys, tmp_path, flags, distributed_type, extra):
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, "run", "--gpu", "h100", "--model", "Llama-3.2-1B", "--dataset", "math-sample",
+                          "--per-device-train-batch-size", "4", "--num-generations", "8", "--output-dir", str(out),
+                          *flags, "--dry-run")
+    assert code == 0 and not out.exists()
+    assert f"distributed_type: {distributed_type}" in stdout and f"num_processes: {flags[1]}" in stdout
+    assert all(text in stdout for text in extra.values())
+    command = stdout.split("command: ")[1].strip()
+    assert command.startswith(f"accelerate launch --config_file {out}/accelerate_config.yaml -m vram_planner run")
+    assert "--dry-run" not in command
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "jsonl"])
+def test_local_datasets_in_every_format(tmp_path, kind):
+    from datasets import Dataset
+
+    from vram_planner.run.train_data import load_prompts
+
+    data = Dataset.from_list([{"prompt": "1 + 1?", "answer": "2"}, {"prompt": "2 + 2?", "answer": "4"}])
+    path = tmp_path / f"data.{kind}"
+    {"parquet": lambda: data.to_parquet(str(path)), "save_to_disk": lambda: data.save_to_disk(str(path)),
+     "jsonl": lambda: data.to_json(str(path))}[kind]()
+    assert load_prompts(str(path))["answer"] == ["2", "4"]
+
+
+def test_gsm8k_offline_says_what_to_use_instead(monkeypatch):
+    import datasets
+
+    from vram_planner.errors import VramPlanError
+    from vram_planner.run.train_data import load_prompts
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(VramPlanError, match="math-sample"):
+        load_prompts("gsm8k")
+
+
+def test_a_plan_that_fits_nowhere_is_refused(capsys, tmp_path):
+    err = one_line_error(capsys, "run", "--gpu", "1GiB", "--model", "Llama-3.2-1B", "--dataset", "math-sample",
+                         "--output-dir", str(tmp_path / "run"))
+    assert "nothing vram-plan knows fits" in err and not (tmp_path / "run").exists()

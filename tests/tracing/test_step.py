@@ -1,0 +1,251 @@
+"""The trace engine: exact tensor bytes of a GRPO step on fake tensors, against counts and the analytic model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import FIXTURES
+from vram_planner.errors import VramPlanError
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.phases import TENSOR_COMPONENTS, estimate
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.tracing.step import check_traceable, compare_with_estimate, trace_step
+from vram_planner.units import GiB
+
+pytest.importorskip("torch")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+MODELS = Path(__file__).resolve().parents[2] / "profiles" / "models"
+TINY = json.loads((FIXTURES / "tiny-llama-headdim.json").read_text())
+# Two completions of 16 tokens after a 16-token prompt: every phase runs, in about a second each.
+SHORT = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 16, "max_completion_length": 16}
+BLOCK = 512  # the CUDA caching allocator's block size, which the trace rounds every storage up to
+
+
+def rounded(n_bytes: int) -> int:
+    return -(-n_bytes // BLOCK) * BLOCK
+
+
+def tiny_model():
+    from helpers import build_on_meta
+
+    return build_on_meta(TINY)
+
+
+@pytest.fixture(scope="module")
+def full():
+    return trace_step(TINY, TrainingConfig(**SHORT))
+
+
+@pytest.fixture(scope="module")
+def lora():
+    return trace_step(TINY, TrainingConfig(**SHORT, lora_r=8, beta=0.04))
+
+
+def test_a_default_step_has_the_phases_trl_runs(full):
+    # beta 0 and gradient_accumulation_steps == steps_per_generation: no scoring pass
+    assert [p.name for p in full.phases] == ["generation", "training", "optimizer"]
+    assert all(set(p.components) == set(TENSOR_COMPONENTS) for p in full.phases)
+    assert all(p.peak_bytes == sum(p.components.values()) for p in full.phases)
+
+
+def test_weights_are_the_parameters_at_their_dtype(full):
+    model = tiny_model()
+    params = list(model.parameters())  # a tied weight once
+    assert full.params == sum(p.numel() for p in params) == ModelArchitecture.from_config(TINY).params
+    buffers = sum(rounded(b.numel() * b.element_size()) for b in model.buffers())
+    assert full.phase("optimizer").components["weights"] == sum(rounded(p.numel() * 4) for p in params) + buffers
+    assert full.params * 4 <= full.phase("optimizer").components["weights"] - buffers
+
+
+def test_fused_adamw_keeps_two_fp32_moments_and_a_step_per_parameter(full):
+    params = list(tiny_model().parameters())
+    states = full.phase("optimizer").components["optimizer_states"]
+    assert states == sum(2 * rounded(p.numel() * 4) + rounded(4) for p in params)
+    assert 2 * full.trainable_params * 4 <= states
+    assert full.phase("optimizer").components["gradients"] == sum(rounded(p.numel() * 4) for p in params)
+
+
+def test_optimizer_states_are_carried_by_every_phase_at_steady_state(full):
+    states = full.phase("optimizer").components["optimizer_states"]
+    assert all(p.components["optimizer_states"] == states for p in full.phases)
+    assert full.phase("generation").components["gradients"] == 0
+
+
+@pytest.mark.parametrize(("dtype", "element_bytes"), [("float32", 4), ("bfloat16", 2)])
+def test_kv_cache_at_the_last_decoding_step(dtype, element_bytes):
+    # transformers 5.23's DynamicLayer starts each layer from an empty tensor of the keys' dtype, so under bf16
+    # autocast over float32 weights the values are kept in float32 like the (rotary, float32) keys.
+    result = trace_step(TINY, TrainingConfig(**{**SHORT, "max_prompt_length": 4, "max_completion_length": 60},
+                                             dtype=dtype))
+    arch = ModelArchitecture.from_config(TINY)
+    sequences, tokens = 2, 4 + 60 - 1  # the last step caches p + c - 1 tokens
+    per_tensor = rounded(sequences * arch.num_kv_heads * tokens * arch.head_dim * element_bytes)
+    generation = result.phase("generation")
+    assert generation.moment.startswith("last decoding step")
+    assert generation.components["kv_cache"] == arch.num_layers * 2 * per_tensor
+
+
+def test_autocast_keeps_bf16_copies_of_float32_weights_during_generation(full):
+    # The autocast cache keeps the cast of every fp32 leaf weight that requires grad until the forward's autocast
+    # context exits, no_grad or not.
+    # At the LM head of the last decoding step every matrix has been cast (the norms' vectors are not matmul inputs).
+    matrices = [p for p in tiny_model().parameters() if p.dim() == 2]  # the linears and the tied embedding
+    copies = full.phase("generation").components["weights"] - full.phase("optimizer").components["weights"]
+    assert copies == sum(rounded(p.numel() * 2) for p in matrices)
+
+
+def test_lora_trains_the_adapters_and_scores_the_reference_with_them_disabled(lora):
+    arch = ModelArchitecture.from_config(TINY)
+    assert lora.trainable_params == arch.lora_params(8, None)
+    assert [p.name for p in lora.phases] == ["generation", "scoring", "training", "optimizer"]
+    assert all(p.components["reference_weights"] == 0 for p in lora.phases)
+    states = lora.phase("optimizer").components["optimizer_states"]
+    adapters = 2 * 7 * arch.num_layers  # A and B of 7 linears per layer; each has 2 moments and a step, rounded
+    assert 2 * lora.trainable_params * 4 <= states <= 2 * lora.trainable_params * 4 + adapters * 3 * BLOCK
+
+
+def test_beta_without_lora_loads_a_second_copy():
+    result = trace_step(TINY, TrainingConfig(**SHORT, beta=0.04))
+    optimizer = result.phase("optimizer").components
+    assert optimizer["reference_weights"] == optimizer["weights"]
+    assert result.phase("scoring").components["lm_head_buffers"] > 0
+
+
+def test_the_fused_head_scores_only_completion_tokens():
+    # TRL's compact path on CUDA gathers hidden_states[labels != -100]: B x c rows, not B x (L - 1).
+    short, long_prompt = (trace_step(TINY, TrainingConfig(**{**SHORT, "max_prompt_length": p})) for p in (16, 64))
+    head = [r.phase("training").components["lm_head_buffers"] for r in (short, long_prompt)]
+    assert head[0] == head[1]
+
+
+def test_gradient_checkpointing_keeps_less_for_backward():
+    on, off = (trace_step(TINY, TrainingConfig(**{**SHORT, "max_completion_length": 256}, gradient_checkpointing=g))
+               for g in (True, False))
+    assert on.phase("training").peak_bytes < off.phase("training").peak_bytes
+
+
+def test_notes_say_what_fake_tensors_could_not_tell(full):
+    assert any("taken as False" in note and "generation/utils.py" in note for note in full.notes)
+
+
+@pytest.mark.parametrize("changes", [
+    {"load_in_4bit": True, "lora_r": 8}, {"use_vllm": True}, {"num_gpus": 2}, {"zero_stage": 2},
+    {"use_liger_kernel": True}, {"attn_implementation": "flash_attention_2"}, {"optim": "adamw_8bit"},
+])
+def test_what_the_cpu_trace_cannot_run_is_a_clear_error(changes):
+    with pytest.raises(VramPlanError, match="the trace cannot run"):
+        check_traceable(TrainingConfig(**changes))
+
+
+def test_a_release_with_full_logits_is_refused():
+    with pytest.raises(VramPlanError, match="full logits"):
+        check_traceable(TrainingConfig(), trl_release("1.14.0"))
+
+
+def fused_head_peaks(tokens: int, vocab: int, hidden: int = 64) -> tuple[int, int]:
+    """Peak live bytes of TRL's fused LM head forward, then backward, on fake tensors as the trace runs it."""
+    import types
+
+    import torch
+    import trl.kernels.chunked_logprob as chunked
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vram_planner.tracing.counter import LiveBytes
+    from vram_planner.tracing.patches import cuda_like_behaviour
+
+    tracker = LiveBytes()
+    with FakeTensorMode(), tracker, cuda_like_behaviour(types.SimpleNamespace(tracker=tracker)):
+        states = torch.empty(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.empty(vocab, hidden, requires_grad=True)
+        tracker.reset_peak()
+        log_probs = chunked.ChunkedLogProbFunction.apply(states, weight, None, torch.zeros(tokens, dtype=torch.long),
+                                                         1.0, 32768)[0]
+        forward = tracker.peak
+        tracker.reset_peak()
+        log_probs.sum().backward()
+    return forward, tracker.peak
+
+
+@pytest.mark.parametrize("tokens,vocab", [(9 * 4096 + 100, 4 * 32768 + 1000), (8 * 4096, 4 * 32768),
+                                          (5 * 4096 + 1, 5 * 32768 + 1)])
+def test_the_lm_heads_representative_tiles_count_what_every_tile_does(monkeypatch, tokens, vocab):
+    # The trace runs two plus two iterations of each of the head's tile loops (over 4096 tokens, 32768 words).
+    from vram_planner.tracing import patches
+
+    fused_head_peaks(100, 1000)  # the first call in a process allocates a few blocks once
+    representative = fused_head_peaks(tokens, vocab)
+    monkeypatch.setattr(patches, "_representative_range", range)
+    assert representative == fused_head_peaks(tokens, vocab)
+
+
+def test_a_sequence_beyond_the_models_positions_is_refused():
+    with pytest.raises(VramPlanError, match=r"longer than the model's max_position_embeddings \(64\)"):
+        trace_step(TINY | {"max_position_embeddings": 64}, TrainingConfig(**SHORT | {"max_completion_length": 49}))
+
+
+def test_importing_the_trace_module_imports_no_heavy_package():
+    code = textwrap.dedent("""
+        import sys
+        import vram_planner.tracing.step
+        heavy = [m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules]
+        assert not heavy, heavy
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_a_1b_model_traces_in_seconds_without_real_memory():
+    code = textwrap.dedent("""
+        import json, resource, sys
+        from vram_planner.model.spec import TrainingConfig
+        from vram_planner.tracing.step import trace_step
+        config = json.load(open(sys.argv[1]))
+        result = trace_step(config, TrainingConfig(per_device_train_batch_size=4, num_generations=4))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"peak": result.peak_bytes, "rss": rss, "seconds": result.seconds}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code, str(MODELS / "Llama-3.2-1B.json")], check=True,
+                         capture_output=True, text=True).stdout
+    measured = json.loads(out.strip().splitlines()[-1])
+    assert measured["peak"] > 15 * GiB  # 1.24 B params x (4 weights + 4 grads + 8 Adam) and more
+    assert measured["rss"] < 3 * GiB  # the process itself: interpreter, torch, transformers
+    assert measured["seconds"] < 60
+
+
+# The referee: the analytic model of plan/check against the trace, tensor bytes only. Relative error is
+# (analytic - trace) / trace; benchmarks/accuracy.py runs the whole grid (results in benchmarks/results/).
+REFEREE_POINTS = {
+    "full, checkpointing": {"per_device_train_batch_size": 2, "num_generations": 2},
+    "full, no checkpointing, accumulating": {"per_device_train_batch_size": 1, "num_generations": 2,
+                                             "gradient_accumulation_steps": 2, "gradient_checkpointing": False},
+    "LoRA, no checkpointing": {"per_device_train_batch_size": 2, "num_generations": 2, "lora_r": 16,
+                               "gradient_checkpointing": False},
+    "reference model": {"per_device_train_batch_size": 2, "num_generations": 2, "beta": 0.04},
+    "bf16 LoRA, old log-probs": {"per_device_train_batch_size": 2, "num_generations": 2, "lora_r": 8,
+                                 "dtype": "bfloat16", "steps_per_generation": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(REFEREE_POINTS))
+def test_analytic_model_stays_within_5_percent_of_the_trace(name):
+    config = json.loads((MODELS / "SmolLM2-135M.json").read_text())
+    train = TrainingConfig(max_prompt_length=64, max_completion_length=128, **REFEREE_POINTS[name])
+    arch = ModelArchitecture.from_config(config)
+    analytic = estimate(arch, train, trl_release(), Calibration(), 80 * GiB)
+    traced = trace_step(config, train)
+    errors = {row.name: row.relative_error for row in compare_with_estimate(traced, analytic)}
+    assert set(errors) == {p.name for p in analytic.phases}
+    assert all(abs(e) < 0.05 for e in errors.values()), errors
+    assert abs(analytic.tensor_peak_bytes - traced.peak_bytes) / traced.peak_bytes < 0.05
+    assert traced.params == analytic.params and traced.trainable_params == analytic.trainable_params

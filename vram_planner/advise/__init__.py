@@ -1,0 +1,1 @@
+"""`vram-plan advise`: read an out-of-memory log and rank the fixes."""

@@ -1,0 +1,175 @@
+"""`vram-plan advise`: explain an out-of-memory error with the memory model and rank the fixes.
+
+Without a config it reads the figures alone (fragmentation, other processes, memory outside PyTorch). With the run's
+model, GPU and knobs it also names the tensor that most likely asked for the failed allocation, and takes the
+fixes, with the bytes each saves, from the planner's ladder.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel
+
+from vram_planner.advise.oom_log import OomError
+from vram_planner.units import GiB
+
+# Reserved-but-unallocated memory this large, and larger than the failed request, points at fragmentation.
+FRAGMENTATION_BYTES = int(0.5 * GiB)
+OTHER_PROCESS_BYTES = int(0.25 * GiB)
+
+
+class Fix(BaseModel):
+    change: str  # a knob and its new value, an environment variable, an upgrade
+    saves_bytes: int | None
+    cost: str  # what it costs in quality or speed
+    why: str
+
+
+class Advice(BaseModel):
+    error: OomError
+    diagnosis: list[str]
+    culprit: str | None = None  # the tensor that most likely asked for the failed allocation
+    phase: str | None = None
+    fixes: list[Fix] = []
+    fitting_config: dict[str, Any] | None = None
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def diagnose(error: OomError) -> tuple[list[str], list[Fix]]:
+    """What the figures alone say, and the fixes that follow from them."""
+    notes, fixes = [], []
+    if error.kind == "vllm_kv_cache":
+        notes.append("vLLM could not fit the KV cache for max_model_len in its share of the card")
+        fixes.append(Fix(change="--vllm-gpu-memory-utilization higher, or a shorter --max-completion-length",
+                         saves_bytes=None, cost="less memory left for training", why="vLLM's share holds the cache"))
+    elif error.kind == "vllm_gpu_memory_utilization":
+        notes.append("vLLM asked for a fraction of the whole card while training already holds part of it")
+        fixes.append(Fix(change="--vllm-gpu-memory-utilization lower (colocate) or --vllm-enable-sleep-mode",
+                         saves_bytes=None, cost="a smaller KV cache for generation", why="the fraction is of the card"))
+    elif error.kind in ("cublas", "cudnn"):
+        notes.append(f"{error.kind} could not allocate its workspace: the card was already full")
+    elif error.kind == "bitsandbytes":
+        notes.append("bitsandbytes ran out of memory (its 8-bit optimizer or 4-bit kernels)")
+    unallocated = error.reserved_unallocated or 0
+    if unallocated >= FRAGMENTATION_BYTES and (error.tried_to_allocate or 0) <= unallocated:
+        notes.append(f"fragmentation: {_gib(unallocated)} is reserved by PyTorch but unallocated, more than the "
+                     f"{_gib(error.tried_to_allocate or 0)} that failed")
+        if not error.expandable_segments:
+            fixes.append(Fix(change="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", saves_bytes=unallocated,
+                             cost="none", why="segments grow in place instead of leaving holes"))
+    others = sum(error.other_processes.values())
+    if others >= OTHER_PROCESS_BYTES:
+        pids = ", ".join(f"{pid} ({_gib(n)})" for pid, n in error.other_processes.items())
+        notes.append(f"other processes hold {_gib(others)} of the card: {pids}")
+        fixes.append(Fix(change="stop the other processes on this GPU", saves_bytes=others, cost="none",
+                         why="their memory is not this run's"))
+    if error.process_in_use and error.allocated_by_pytorch is not None:
+        outside = error.process_in_use - error.allocated_by_pytorch - unallocated
+        if outside > 0:
+            notes.append(f"{_gib(outside)} of this process is outside PyTorch's allocator (CUDA context, cuBLAS "
+                         "workspaces, vLLM)")
+    return notes, fixes
+
+
+def attribute(error: OomError, verdict: Any) -> tuple[str | None, str | None]:
+    """The component or buffer of the plan whose size is nearest the failed allocation, and its phase."""
+    if not error.tried_to_allocate:
+        return None, None
+    from vram_planner.model.components import sizes
+
+    arch, train = verdict.context.arch, verdict.train
+    s = sizes(train)
+    b, c, v, h = train.per_device_train_batch_size, train.max_completion_length, arch.vocab_size, arch.hidden_size
+    fused = verdict.context.release.lm_head == "fused_chunked"
+    head = ("a logits tile of the fused LM head", (min(b * c, 4096) * 32768 * s.compute, "loss forward/backward"))
+    if not fused:
+        head = (f"the fp32 logits of a micro-batch (TRL {verdict.context.release.version} materialises them)",
+                (b * (c + 1) * v * 4, "loss forward/backward"))
+    candidates = {
+        head[0]: head[1],
+        "the LM head's fp32 weight gradient (V x h)": (v * h * 4, "loss forward/backward"),
+        "one fp32 Adam state of the embedding (created at the first optimizer step)": (v * h * 4, "optimizer step"),
+        "the KV cache of one layer for the generation batch": (
+            train.local_generation_batch_size * train.sequence_length * arch.num_kv_heads * arch.head_dim * 2
+            * s.residual, "generation"),
+        "an MLP activation of one layer": (b * train.sequence_length * arch.intermediate_size * s.compute,
+                                           "loss forward/backward"),
+    }
+    if train.distributed == "ddp":
+        candidates["a DDP gradient bucket (25 MiB by default)"] = (25 * 2**20, "loss forward/backward")
+    frames = " ".join(error.frames).lower()
+    hints = {"optimizer": "optimizer step", "step": "optimizer step", "generate": "generation",
+             "backward": "loss forward/backward", "logp": "loss forward/backward"}
+    hinted = {phase for word, phase in hints.items() if word in frames}
+
+    def distance(item: tuple[str, tuple[int, str]]) -> float:
+        size, phase = item[1]
+        return abs(math.log(max(size, 1) / error.tried_to_allocate)) - (0.5 if phase in hinted else 0)
+
+    name, (size, phase) = min(candidates.items(), key=distance)
+    if abs(math.log(max(size, 1) / error.tried_to_allocate)) > math.log(1.5):
+        return None, next(iter(hinted), None)
+    return name, phase
+
+
+def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
+    notes, fixes = diagnose(error)
+    advice = Advice(error=error, diagnosis=notes, fixes=fixes)
+    if context is None or train is None:
+        return advice
+    from vram_planner.model.grpo_config import grpo_config_kwargs
+    from vram_planner.model.search import best_plan
+    from vram_planner.model.verdict import judge
+
+    verdict = judge(context, train)
+    advice.culprit, advice.phase = attribute(error, verdict)
+    plan = best_plan(context, train)
+    ranked = _plan_fixes(plan.changes)
+    if context.release.lm_head != "fused_chunked":
+        from vram_planner.model.lm_head import lm_head_memory
+        from vram_planner.model.trl_releases import trl_release
+
+        current = trl_release()  # the installed one, or the newest TRL vram-plan knows
+        if current.lm_head == "fused_chunked":
+            old_head = lm_head_memory(context.arch, train, context.release, train.per_device_train_batch_size, True)
+            new_head = lm_head_memory(context.arch, train, current, train.per_device_train_batch_size, True)
+            saved = old_head.saved + old_head.backward_transient - new_head.saved - new_head.backward_transient
+            ranked.append(Fix(change=f"pip install 'trl>={current.version}'", saves_bytes=round(saved),
+                              cost="none (same training, a newer TRL)",
+                              why="its fused LM head never materialises the logits"))
+    advice.fixes = sorted(fixes + ranked, key=lambda f: -(f.saves_bytes or 0))
+    if plan.chosen is not None:
+        advice.fitting_config = grpo_config_kwargs(plan.chosen.train)
+    return advice
+
+
+def _plan_fixes(changes: Any) -> list[Fix]:
+    """The plan's steps as fixes that stand alone: each applies every step up to it (a step is measured after the
+    ones before it, so alone it may not even be valid), and saves what they save together."""
+    from vram_planner.model.spec import command_line_flags
+
+    fixes, settings, saved, knobs, reasons = [], {}, 0.0, [], []
+    for change in changes:
+        settings, saved = {**settings, **change.settings}, saved + change.saved_bytes
+        knobs, reasons = knobs + [change.knob], reasons + [change.reason]
+        fixes.append(Fix(change=command_line_flags(settings), saves_bytes=round(saved),
+                         cost=_cost(" + ".join(knobs)), why="; ".join(reasons)))
+    return fixes
+
+
+def _cost(knob: str) -> str:
+    """What a change costs; a joined change (`lora_r + load_in_4bit`) costs what its parts cost."""
+    if " + " in knob:
+        return "; ".join(dict.fromkeys(_cost(part) for part in knob.split(" + ")))
+    return {"per_device_train_batch_size": "slower steps, same training",
+            "gradient_accumulation_steps": "slower steps, same training",
+            "gradient_checkpointing": "about 30% slower backward",
+            "optim": "8-bit optimizer states (negligible quality loss)",
+            "dtype": "bf16 weights (small quality risk)",
+            "lora_r": "LoRA instead of full fine-tuning",
+            "load_in_4bit": "4-bit base weights (QLoRA)"}.get(knob, "changes the training itself")

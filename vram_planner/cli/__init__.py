@@ -1,0 +1,110 @@
+"""The command line: parse, call the library, render. Exit 0 fits, 1 does not fit, 2 bad input or error.
+
+One module per command that has grown (plan.py for plan/check/trace, run.py, advise.py); the catalogs and probe
+are a few lines each and stay here. Each command imports its engine only when it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from vram_planner.cli.advise import advise_command
+from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, PATH
+from vram_planner.cli.plan import check, plan, trace
+from vram_planner.cli.run import run
+from vram_planner.errors import VramPlanError, first_line
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="vram-plan")
+def app() -> None:
+    """Plan the GPU memory of TRL GRPO fine-tuning: will it fit, where does the memory go, what fits best.
+
+    `vram-plan --gpu G --model M` is short for `vram-plan plan --gpu G --model M`.
+    """
+
+
+for _command in (plan, check, trace, run, advise_command):
+    app.add_command(_command)
+
+
+@app.command("gpus")
+@click.option("--json", "json_output", is_flag=True, help="Print the catalog as JSON.")
+def list_gpus(json_output: bool) -> None:
+    """The GPU catalog: capacity as CUDA reports it, bf16 and FlashAttention-2 support."""
+    from vram_planner.cli.listing import gpus_json, print_gpus
+
+    if json_output:
+        click.echo(gpus_json())
+    else:
+        print_gpus()
+
+
+@app.command("models")
+@click.option("--json", "json_output", is_flag=True, help="Print the catalog as JSON.")
+def list_models(json_output: bool) -> None:
+    """The model catalog: parameters and architecture facts."""
+    from vram_planner.cli.listing import models_json, print_models
+
+    if json_output:
+        click.echo(models_json())
+    else:
+        print_models()
+
+
+@app.command("probe")
+@click.option("--gpu", help="Catalog name of the card (default: the local one); required with --simulate.")
+@click.option("--simulate", is_flag=True, help="Measure with the trace engine instead of a CUDA device.")
+@click.option("--out", type=PATH, help="Also write the calibration to this file.")
+@click.option("--quick", is_flag=True, help="A short grid with a small model (minutes on the CPU).")
+@click.option("--validate", is_flag=True, help="Then run configs around the boundary of emulated smaller cards.")
+@click.option("--json", "json_output", is_flag=True, help="Print one JSON document.")
+def probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, validate: bool, json_output: bool) -> None:
+    """Measure GRPO steps on this GPU, fit the calibration plan/check use for it, and check the verdicts."""
+    from vram_planner.probe.command import run_probe
+
+    raise click.exceptions.Exit(run_probe(gpu, simulate, out, quick, validate, json_output))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `vram-plan` script; returns the exit code."""
+    # pydantic's plugin discovery scans every installed distribution's entry points (~20 ms); a planner run has
+    # no use for observability plugins.
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    args = list(sys.argv[1:] if argv is None else argv) or ["--help"]
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    if args and args[0].startswith("-") and args[0] not in ("--help", "-h", "--version"):
+        args.insert(0, "plan")
+    try:
+        exit_code = app.main(args, prog_name="vram-plan", standalone_mode=False, obj={"argv": args})
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except (VramPlanError, click.ClickException) as exc:
+        if debug:
+            raise
+        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        click.echo(f"error: {_one_line(message)}", err=True)
+        return EXIT_ERROR
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        return EXIT_ERROR
+    except Exception as exc:
+        if debug:
+            raise
+        # A bug, not bad input: what it says, without the class name (the traceback is what --debug is for).
+        reason = first_line(exc, default="")
+        click.echo(f"error: internal error{': ' + reason if reason else ''}; run with --debug for the traceback",
+                   err=True)
+        return EXIT_ERROR
+    return exit_code if isinstance(exit_code, int) else EXIT_FITS
+
+
+def _one_line(message: str) -> str:
+    """A message as the one line the contract promises, whatever it quotes (a path or a value with a newline)."""
+    return " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
+

@@ -1,0 +1,61 @@
+"""`vram-plan advise`: explain an out-of-memory error from a log and rank the fixes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vram_planner.cli.options import KNOBS, PATH, resolve
+from vram_planner.errors import VramPlanError
+
+
+@click.command("advise")
+@click.argument("log", required=False, default="-")
+@click.option("--gpu", help="The card the run used (catalog name or size), to attribute the allocation.")
+@click.option("--model", help="The model the run trained.")
+@click.option("--config", "config_file", type=PATH, help="YAML/JSON file with the run's settings.")
+@click.option("--trl-version", help="The TRL release the run used (default: the installed one).")
+@click.option("--json", "json_output", is_flag=True, help="Print one JSON document (figures in bytes).")
+def advise_command(log: str, gpu: str | None, model: str | None, config_file: Path | None, trl_version: str | None,
+                   json_output: bool, **knobs: Any) -> None:
+    """Explain an out-of-memory error from a log (a file, or - for stdin) and rank the fixes."""
+    from vram_planner.advise.diagnosis import advise
+    from vram_planner.advise.oom_log import read_log
+
+    error = read_log(_bounded_lines(log))
+    context = train = None
+    # The run's model and card attribute the allocation; given one without the other (or a --config without
+    # either), say what is missing rather than advise without them.
+    if gpu is not None or model is not None or config_file is not None:
+        options = {"gpu": gpu, "model": model, "config_file": config_file, "trl_version": trl_version,
+                   "calibration": None, "safety_margin": 0.05, **knobs}
+        context, train = resolve("advise", options)
+    advice = advise(error, context, train)
+    if json_output:
+        click.echo(advice.model_dump_json(indent=2))
+    else:
+        from vram_planner.cli.render import render_advice
+
+        render_advice(advice)
+
+
+for _knob in reversed(KNOBS):
+    advise_command = _knob(advise_command)
+
+
+def _bounded_lines(log: str):  # -> Iterator[str]
+    """The log's lines, each read 64 KiB at most at a time, undecodable bytes replaced."""
+    import io
+
+    if log == "-":
+        stream = io.TextIOWrapper(sys.stdin.buffer, errors="replace")
+    else:
+        try:
+            stream = open(log, errors="replace")  # noqa: SIM115 (closed below, after the generator is drained)
+        except OSError as exc:
+            raise VramPlanError(f"cannot read {log}: {exc.strerror}") from exc
+    with stream:
+        yield from iter(lambda: stream.readline(65536), "")

@@ -1,0 +1,92 @@
+"""What the commands share: the knobs spelled like GRPOConfig fields, the context options, the exit codes, and
+reading the model, the GPU and the knobs from the flags over a --config file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vram_planner.errors import VramPlanError
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_ERROR = 0, 1, 2
+PATH = click.Path(path_type=Path, dir_okay=False)
+
+# Knobs are spelled like GRPOConfig fields; unset ones take the TRL release's defaults (None = not given).
+KNOBS = [
+    click.option("--per-device-train-batch-size", type=int),
+    click.option("--gradient-accumulation-steps", type=int),
+    click.option("--steps-per-generation", type=int),
+    click.option("--num-generations", type=int),
+    click.option("--max-prompt-length", type=int, help="Longest prompt of your dataset, in tokens (default 256)."),
+    click.option("--max-completion-length", type=int),
+    click.option("--beta", type=float),
+    click.option("--num-iterations", type=int),
+    click.option("--optim", help="transformers optimizer name, e.g. adamw_torch_fused, adamw_8bit."),
+    click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None),
+    click.option("--dtype", help="Weights' dtype: float32 (TRL's default), bfloat16, float16."),
+    click.option("--mixed-precision", help="bf16 (default), fp16 or no."),
+    click.option("--attn-implementation", help="sdpa (default), eager or flash_attention_2."),
+    click.option("--use-liger-kernel/--no-use-liger-kernel", default=None),
+    click.option("--use-vllm/--no-use-vllm", default=None),
+    click.option("--vllm-mode", help="colocate (default) or server."),
+    click.option("--vllm-gpu-memory-utilization", type=float),
+    click.option("--vllm-enable-sleep-mode/--no-vllm-enable-sleep-mode", default=None),
+    click.option("--lora-r", type=int),
+    click.option("--lora-alpha", type=int),
+    click.option("--lora-dropout", type=float),
+    click.option("--lora-target-modules", help="Comma-separated module names, or all-linear."),
+    click.option("--load-in-4bit/--no-load-in-4bit", default=None),
+    click.option("--bnb-4bit-quant-type", help="nf4 or fp4."),
+    click.option("--bnb-4bit-use-double-quant/--no-bnb-4bit-use-double-quant", default=None),
+    click.option("--num-gpus", type=int),
+    click.option("--zero-stage", type=int),
+    click.option("--fsdp/--no-fsdp", default=None),
+]
+CONTEXT = [
+    click.option("--gpu", help="Catalog name, 'auto', or a size like 24GiB."),
+    click.option("--model", help="Catalog name, config.json, model folder or hub id."),
+    click.option("--config", "config_file", type=PATH, help="YAML/JSON file with the same keys as the flags."),
+    click.option("--trl-version", help="Plan for this TRL release (default: the installed one)."),
+    click.option("--calibration", type=PATH, help="Calibration profile to use."),
+    click.option("--safety-margin", type=click.FloatRange(0, 0.5), default=0.05, show_default=True,
+                 help="Share of the card kept free."),
+]
+# What plan/check/trace report besides the exit code; a run's output is its folder and log instead.
+REPORT = [
+    click.option("--json", "json_output", is_flag=True, help="Print one JSON document."),
+    click.option("--plot", type=PATH, help="Write stacked bars per phase to this PNG."),
+]
+
+NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin")
+
+
+def settings_from(command: str, options: dict[str, Any], gpu_required: bool = True) -> tuple[str, str | None, dict]:
+    """The model, the GPU and the knobs from the flags, over the --config file's values."""
+    from vram_planner.cli.settings_file import read_settings_file
+
+    settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
+    for name in ("gpu", "model"):  # an empty value is a mistake, not "not given"
+        if (options[name] is not None and not options[name].strip()) or settings.get(name) == "":
+            raise VramPlanError(f"--{name} is empty; give a catalog name (vram-plan {name}s) or "
+                                + ("a size such as 24GiB" if name == "gpu" else "a config.json, folder or hub id"))
+    gpu = options["gpu"] or settings.get("gpu")
+    model = options["model"] or settings.get("model")
+    missing = [f"--{name}" for name, value in (("gpu", gpu or not gpu_required), ("model", model)) if not value]
+    if missing:
+        raise VramPlanError(f"{command} needs {' and '.join(missing)} (e.g. vram-plan {command} --gpu rtx3080-mobile "
+                            "--model Llama-3.2-1B)")
+    knobs = {k: v for k, v in settings.items() if k not in ("gpu", "model")}
+    knobs.update({k: v for k, v in options.items() if k not in NOT_KNOBS and v is not None})
+    return model, gpu, knobs
+
+
+def resolve(command: str, options: dict[str, Any]):
+    """The context and training config from the flags, over the --config file's values."""
+    from vram_planner import api
+
+    model, gpu, knobs = settings_from(command, options)
+    context = api.make_context(model, gpu, trl_version=options["trl_version"], calibration=options["calibration"],
+                               safety_margin=options["safety_margin"])
+    return context, api.make_training(context, knobs)

@@ -1,0 +1,92 @@
+"""`plan`, `check` and `trace`: one config judged, printed as a table or JSON, drawn when asked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from vram_planner.cli.options import CONTEXT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, REPORT, resolve, settings_from
+
+
+def training_command(command: str, doc: str) -> click.Command:
+    """A command that judges one config: the context options, the report options and every knob."""
+    def run(**options: Any) -> None:
+        _execute(command, options)
+
+    run.__doc__ = doc
+    for option in reversed(CONTEXT + REPORT + KNOBS):
+        run = option(run)
+    return click.command(command)(run)
+
+
+plan = training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes.")
+check = training_command("check", "The verdict for exactly this config.")
+trace = training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic "
+                                  "model (needs the train extras; without --gpu: the local card, else rtx3080-mobile).")
+
+
+def _execute(command: str, options: dict[str, Any]) -> None:
+    if options["plot"]:  # before any work: a plot that cannot be written is refused now, not after the plan
+        from vram_planner.cli.plot import check_plot_target
+
+        check_plot_target(options["plot"])
+    if command == "trace":
+        _trace(options)
+    context, train = resolve(command, options)
+    report, shown = _judge(command, context, train)
+
+    def human() -> None:
+        from vram_planner.cli.render import render
+
+        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
+
+    _emit(report, options, human)
+
+
+def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
+    """The plot when asked, then the JSON document or the human view; the exit code says whether it fits."""
+    if options["plot"]:
+        from vram_planner.cli.plot import plot_phases
+
+        plot_phases(report, options["plot"])
+    if options["json_output"]:
+        click.echo(report.model_dump_json(indent=2))
+    else:
+        human()
+    raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
+
+
+def _trace(options: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    from vram_planner import api
+    from vram_planner.cli.report import trace_report
+
+    model, gpu, knobs = settings_from("trace", options, gpu_required=False)
+    # The spinner names the phase being traced (up to a minute for a 70B model); stderr keeps --json clean.
+    with Console(stderr=True).status("resolving the model and the config") as status:
+        outcome = api.trace(model, gpu, knobs, progress=status.update, trl_version=options["trl_version"],
+                            calibration=options["calibration"], safety_margin=options["safety_margin"])
+    report = trace_report(outcome)
+
+    def human() -> None:
+        from vram_planner.cli.render import render_trace
+
+        render_trace(report, outcome.traced.context.gpu)
+
+    _emit(report, options, human)
+
+
+def _judge(command: str, context, train):
+    """The report to print and the training config it describes."""
+    from vram_planner.cli import report as reports
+
+    if command == "plan":
+        from vram_planner.model.search import best_plan
+
+        result = best_plan(context, train)
+        return reports.plan_report(result), (result.chosen or result.smallest).train
+    from vram_planner.model.verdict import judge
+
+    return reports.verdict_report(judge(context, train)), train

@@ -1,0 +1,171 @@
+"""What people read: rich tables, a bar of the peak, the GRPOConfig snippet. GiB throughout."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from vram_planner.cli.report import Report
+from vram_planner.model.grpo_config import python_snippet
+from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.profiles import GpuProfile
+from vram_planner.units import GiB
+
+BAR_WIDTH = 40
+COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients": "magenta",
+                    "optimizer_states": "red", "kv_cache": "yellow", "activations": "green",
+                    "lm_head_buffers": "bright_green", "vllm_reservation": "bright_cyan",
+                    "cuda_context": "bright_black", "allocator_overhead": "white"}
+
+
+def _g(n_bytes: float) -> str:
+    return f"{n_bytes / GiB:.2f}"
+
+
+def headline(report: Report, gpu: GpuProfile) -> Text:
+    title = Text(f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB), TRL {report.trl_version} GRPO\n",
+                 style="bold")
+    peak_phase = PHASE_TITLES.get(report.peak_phase, report.peak_phase)
+    if report.fits:
+        title.append("✔ fits: ", style="bold green")
+        title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {_g(report.spare_bytes)} GiB spare "
+                     f"(a safety margin of {_g(report.safety_margin_bytes)} GiB is kept free)")
+    elif report.command == "plan":
+        title.append("✘ nothing fits: ", style="bold red")
+        card = (f"the smallest catalog card it fits is {report.smallest_fitting_gpu}"
+                if report.smallest_fitting_gpu else "no catalog card holds it")
+        title.append(f"the smallest config vram-plan knows (below) needs {_g(report.peak_bytes)} GiB; {card}")
+    else:
+        title.append("✘ does not fit: ", style="bold red")
+        over = (f"{_g(-report.spare_bytes)} GiB over the card" if report.spare_bytes < 0 else
+                f"inside the {_g(report.safety_margin_bytes)} GiB safety margin")
+        title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {over}; "
+                     "`vram-plan plan` with the same flags finds the best config that fits")
+    return title
+
+
+def changes_text(report: Report) -> Text:
+    if not report.changes:
+        return Text("Your config fits as it is." if report.fits else "")
+    text = Text(f"Changes to your config (as given it needs {_g(report.requested_peak_bytes or 0)} GiB):\n",
+                style="bold")
+    for c in report.changes:
+        text.append(f"  {c.knob}: {c.before} → {c.after}", style="bold")
+        text.append(f"  saves {_g(c.saved_bytes)} GiB", style="green")
+        text.append(f"  ({c.reason})\n")
+    return text
+
+
+def breakdown_table(report: Report) -> Table:
+    table = Table(title="Memory by phase (GiB)", title_justify="left", show_edge=False)
+    table.add_column("component")
+    for phase in report.phases:
+        marker = " ◆" if phase.name == report.peak_phase else ""
+        table.add_column(PHASE_TITLES.get(phase.name, phase.name) + marker, justify="right")
+    for component in COMPONENTS:
+        values = [p.components.get(component, 0) for p in report.phases]
+        if any(values):
+            table.add_row(Text(component.replace("_", " "), style=COMPONENT_STYLES[component]),
+                          *(_g(v) for v in values))
+    table.add_row(Text("total", style="bold"), *(Text(_g(p.total_bytes), style="bold") for p in report.phases))
+    return table
+
+
+def peak_bar(report: Report) -> Text:
+    """One bar of the peak phase, coloured by component, against the card's capacity."""
+    peak = next(p for p in report.phases if p.name == report.peak_phase)
+    scale = max(report.capacity_bytes, peak.total_bytes)
+    bar = Text("peak  ")
+    used = 0
+    for component in COMPONENTS:
+        cells = round(peak.components.get(component, 0) / scale * BAR_WIDTH)
+        bar.append("█" * cells, style=COMPONENT_STYLES[component])
+        used += cells
+    bar.append("░" * max(BAR_WIDTH - used, 0), style="bright_black")
+    bar.append(f"  {_g(peak.total_bytes)} / {_g(report.capacity_bytes)} GiB")
+    return bar
+
+
+def footer(report: Report) -> Text:
+    lines = [f"Assumed: the longest prompt is {report.assumptions['max_prompt_length']} tokens "
+             "(set --max-prompt-length; TRL no longer truncates prompts). "
+             f"Calibration: {report.calibration}."]
+    lines += [f"Note: {n}" for n in report.notes]
+    if not report.grpo_config_valid:
+        lines += [f"GRPOConfig would reject this: {p}" for p in report.grpo_config_problems]
+    return Text("\n".join(lines), style="dim")
+
+
+def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
+           console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(Group(headline(report, gpu), Text(""), changes_text(report), breakdown_table(report),
+                        peak_bar(report), Text("")))
+    if report.fits or report.command == "plan":
+        label = "GRPOConfig:" if report.fits else "The smallest config (it does not fit this card):"
+        console.print(Text(label, style="bold"))
+        print_code(python_snippet(train, hub_id), console)
+    console.print(footer(report))
+
+
+def print_code(code: str, console: Console) -> None:
+    """Code people paste: never wrapped or cropped to the terminal's width (a wrapped comment is a SyntaxError)."""
+    console.print(Text(code, style="cyan"), soft_wrap=True)
+
+
+def _error_percent(error: float | None) -> str:
+    if error is None:
+        return "-"
+    return "0.00%" if round(error, 4) == 0 else f"{error:+.2%}"  # no "-0.00%"
+
+
+def trace_table(report: Report) -> Table:
+    """Traced tensor bytes per phase next to the analytic model's; error = (analytic - trace) / trace."""
+    table = Table(title="Tensors per phase: trace against the analytic model", title_justify="left",
+                  show_edge=False)
+    for column in ("phase", "trace GiB", "analytic GiB", "error", "peak moment (trace)"):
+        table.add_column(column, justify="left" if column.startswith("p") else "right")
+    for phase in report.phases:
+        table.add_row(PHASE_TITLES.get(phase.name, phase.name), _g(phase.tensor_bytes or 0),
+                      _g(phase.analytic_tensor_bytes or 0), _error_percent(phase.analytic_relative_error),
+                      phase.peak_moment)
+    return table
+
+
+def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None) -> None:
+    """The verdict, trace against analytic per phase, the breakdown with the overheads, the wall time, notes."""
+    console = console or Console()
+    seconds = Text(f"Traced in {report.seconds:.1f} s on the CPU. The trace counts tensor bytes (what "
+                   "torch.cuda.memory_allocated reports), not the CUDA context or the allocator's reserve: the "
+                   f"breakdown and the verdict add those from the calibration ({report.calibration}).", style="dim")
+    console.print(Group(headline(report, gpu), Text(""), trace_table(report), Text(""), breakdown_table(report),
+                        peak_bar(report), Text(""), seconds, footer(report)))
+
+
+def render_advice(advice, console: Console | None = None) -> None:  # advice: vram_planner.advise.diagnosis.Advice
+    console = console or Console()
+    e = advice.error
+    figures = [(name, getattr(e, name)) for name in ("tried_to_allocate", "total_capacity", "free", "process_in_use",
+                                                     "allocated_by_pytorch", "reserved_unallocated")]
+    text = Text(f"{e.kind.replace('_', ' ')}: ", style="bold red")
+    text.append(", ".join(f"{name.replace('_', ' ')} {_g(value)} GiB" for name, value in figures if value is not None)
+                or e.message[:200])
+    parts = [text]
+    if e.frames:
+        parts.append(Text(f"in {e.frames[-1]}", style="dim"))
+    if advice.culprit:
+        parts.append(Text(f"Most likely {advice.culprit}, in {advice.phase}.", style="bold"))
+    parts += [Text(f"• {note}") for note in advice.diagnosis]
+    if advice.fixes:
+        table = Table(title="Fixes, largest saving first", title_justify="left", show_edge=False)
+        for column in ("change", "saves GiB", "cost", "why"):
+            table.add_column(column, justify="right" if column == "saves GiB" else "left")
+        for fix in advice.fixes:
+            table.add_row(fix.change, "-" if fix.saves_bytes is None else _g(fix.saves_bytes), fix.cost, fix.why)
+        parts.append(table)
+    if advice.fitting_config:
+        parts.append(Text("A config that fits: " + ", ".join(f"{k}={v}" for k, v in advice.fitting_config.items()),
+                          style="cyan"))
+    console.print(Group(*parts))

@@ -1,0 +1,71 @@
+"""`vram-plan run`: start the GRPO run the plan recommends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vram_planner.cli.options import CONTEXT, EXIT_FITS, KNOBS, resolve
+
+
+def _run_options(function: Any) -> Any:
+    for option in reversed(CONTEXT + KNOBS + [
+        click.option("--dataset", required=True, help="gsm8k, math-sample, a .jsonl/.parquet file or a folder."),
+        click.option("--reward", "rewards", multiple=True,
+                     help="format, correctness, or module:function (repeat for several; default: both built-ins)."),
+        click.option("--output-dir", type=click.Path(path_type=Path, file_okay=False), help="Where checkpoints go."),
+        click.option("--resume", is_flag=True, help="Continue the run in --output-dir from its last checkpoint."),
+        click.option("--overwrite", is_flag=True, help="Remove the run already in --output-dir and start afresh."),
+        click.option("--max-steps", type=int, default=-1, show_default=True, help="-1: one epoch."),
+        click.option("--save-steps", type=int, default=100, show_default=True),
+        click.option("--dry-run", is_flag=True, help="Print the config, command and predicted memory; start nothing."),
+        click.option("--auto-fallback", is_flag=True,
+                     help="On out-of-memory, resume from the last checkpoint with the next config down the ladder."),
+        click.option("--verbose", is_flag=True, help="Show the libraries' warnings, log lines and progress bars."),
+    ]):
+        function = option(function)
+    return function
+
+
+@click.command("run")
+@_run_options
+def run(**options: Any) -> None:
+    """Start the GRPO run the plan recommends (TRL's GRPOTrainer), logging memory per step."""
+    from vram_planner.extras import require_train_extra
+    from vram_planner.model.grpo_config import output_dir_name
+
+    require_train_extra("vram-plan run")
+    from vram_planner.model.search import best_plan
+    from vram_planner.run.launch import (CONFIG_NAME, RunSetup, accelerate_config_yaml, is_main_process, launch,
+                                         launch_command, library_output, needs_launcher, prepare, train)
+
+    run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite")
+    settings = {k: options.pop(k) for k in run_keys}
+    dry_run, auto_fallback, verbose = (options.pop(k) for k in ("dry_run", "auto_fallback", "verbose"))
+    context, knobs = resolve("run", options)
+    model_id = context.arch.hub_id or context.model_id
+    on_cpu = not _cuda_available()
+    settings["rewards"] = list(settings["rewards"]) or ["format", "correctness"]
+    settings["output_dir"] = settings["output_dir"] or Path(output_dir_name(model_id))
+    setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, **settings,
+                               notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
+    echo = click.echo if is_main_process() else (lambda *args, **kwargs: None)
+    with library_output(verbose):
+        prepared = prepare(setup)
+        echo(setup.describe())
+        if needs_launcher(setup.train):
+            argv = click.get_current_context().find_root().obj["argv"]
+            echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup.train)}"
+                 f"command: {' '.join(launch_command(setup, argv))}")
+            raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv))
+        if not dry_run:
+            train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))
+    raise click.exceptions.Exit(EXIT_FITS)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

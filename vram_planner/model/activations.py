@@ -1,0 +1,186 @@
+"""What one decoder layer keeps for backward, tensor by tensor, in bytes per token.
+
+Counted from the autograd graph that transformers 5.x builds for a Llama-style layer under accelerate's autocast
+(every count below was checked against `vram-plan trace`, which runs the real modeling code):
+
+- RMSNorm upcasts its input to float32 and keeps it and the per-row rsqrt; the normalised tensor is kept only when
+  the norm's weight trains (the weight multiply needs it), in the input's dtype.
+- A linear keeps its input in the compute dtype for the weight gradient. Autocast casts a float32 input separately
+  for each linear that reads it; a frozen linear keeps no input at all. Under PEFT, `lora_A` reads a copy cast to the
+  adapter's dtype and autocast casts that again, so every adapted linear keeps its own compute-dtype copy.
+- Rotary embeddings keep nothing large (cos and sin are shared). SDPA keeps q, k and v repeated to every query head
+  (transformers repeats k/v whenever an attention mask is passed, and GRPO batches are padded; with one key/value
+  head the repeat is a view), its output and a
+  float32 log-sum-exp per head, plus a [B, 1, L, L] float mask in the compute dtype that each layer converts from the
+  boolean one.
+- The gated MLP keeps the gate and up projections, the activation of the gate, and the product (down's input).
+- phi3 fuses q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`): each norm output has one reader, and the v that SDPA
+  keeps is a slice of the fused output, which keeps all of it alive. (The CPU flash kernel lays its output out like
+  its query, which phi3's rotary makes head-major, so with full fine-tuning the trace also counts o_proj's contiguous
+  copy of it, one q-wide tensor per layer; CUDA's memory-efficient kernel writes the token-major layout o_proj reads,
+  which is what is counted here.)
+
+Symbols as in `vram_planner.model.components`. Liger's kernels keep less; their coefficients stay in the calibration.
+"""
+
+from __future__ import annotations
+
+from vram_planner.model.architecture import Linear, ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.spec import TrainingConfig
+
+BOOL_BYTES = 1
+
+
+def _autocast(train: TrainingConfig) -> bool:
+    return train.mixed_precision != "no"
+
+
+def _lora_targets(arch: ModelArchitecture, train: TrainingConfig) -> set[str]:
+    return arch.resolve_lora_targets(train.lora_targets) if train.uses_lora else set()
+
+
+def norm_saved_bytes(arch: ModelArchitecture, width: int, input_bytes: int, trainable: bool, rows: int = 1) -> float:
+    """RMSNorm over `width` elements: its float32 input (or upcast copy), rsqrt per row, the normalised tensor.
+
+    Llama-style norms cast the normalised tensor back to the input's dtype before the weight multiplies it; Gemma's
+    multiply in float32.
+    """
+    normed_bytes = FP32_BYTES if arch.family.fp32_norm_scale else input_bytes
+    return FP32_BYTES * width + FP32_BYTES * rows + (normed_bytes * width if trainable else 0)
+
+
+def linear_inputs_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, readers: list[Linear],
+                              input_bytes: int) -> float:
+    """Per token: the copies of one tensor that the linears reading it keep for backward."""
+    s = sizes(train)
+    width = readers[0].in_features
+    if not train.uses_lora:
+        if not _autocast(train) or input_bytes == s.compute:
+            return width * s.compute  # every reader keeps the same tensor
+        return len(readers) * width * s.compute  # autocast casts it once per reader
+    adapted = [lin for lin in readers if lin.name in _lora_targets(arch, train)]
+    if not adapted:
+        return 0
+    kept = s.compute if _autocast(train) else s.trainable
+    shared = input_bytes == s.trainable == kept and not train.lora_dropout
+    mask = BOOL_BYTES if train.lora_dropout else 0
+    return width * kept if shared else len(adapted) * width * (kept + mask)
+
+
+def lora_rank_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Per token: x @ A of every adapter, rank wide, kept by lora_B."""
+    if not train.uses_lora:
+        return 0
+    s = sizes(train)
+    kept = s.compute if _autocast(train) else s.trainable
+    adapted = [lin for lin in arch.layer_linears() if lin.name in _lora_targets(arch, train)]
+    return len(adapted) * (train.lora_r or 0) * kept
+
+
+def attention_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Per token: what the attention core keeps (after the q/k/v projections, before o_proj)."""
+    s = sizes(train)
+    c, a, k = s.compute, arch.num_attention_heads, arch.num_kv_heads
+    q_width, kv_width = a * arch.head_dim, k * arch.head_dim
+    full = not train.uses_lora
+    total = 0.0
+    if arch.family.qk_norm:  # per-head RMSNorm of q and k, on the projections' compute-dtype output
+        total += norm_saved_bytes(arch, q_width, c, full, rows=a) + norm_saved_bytes(arch, kv_width, c, full, rows=k)
+    if train.attn_implementation == "flash_attention_2":
+        return total + c * (2 * q_width + 2 * kv_width) + FP32_BYTES * a  # q, k, v, output, log-sum-exp
+    total += c * 2 * q_width + _repeated_kv_saved_bytes(arch, train)  # q and the output; k and v
+    if train.attn_implementation == "eager":
+        # float32 softmax output (kept by softmax) and its compute-dtype cast (kept by the matmul with v), per query
+        return total + a * train.sequence_length * (FP32_BYTES + c)
+    return total + FP32_BYTES * a + c * train.sequence_length  # log-sum-exp per head; the float mask row
+
+
+def _repeated_kv_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Per token: k and v as SDPA keeps them, repeated to every query head by transformers' repeat_kv.
+
+    With one key/value head the repeat is a view (expand, then a reshape that needs no copy), so v stays kv wide; k
+    does too unless autocast has to cast it (its rotary output follows a float32 residual stream), and the cast of
+    the expanded view is q wide. The same holds for multi-head attention, where nothing repeats.
+    """
+    s = sizes(train)
+    c, k = s.compute, arch.num_kv_heads
+    q_width, kv_width = arch.num_attention_heads * arch.head_dim, k * arch.head_dim
+    if k > 1 and q_width != kv_width:
+        return 2 * c * q_width
+    key_cast = _autocast(train) and s.residual != c
+    # phi3's v is a slice of the fused qkv_proj output: keeping it keeps the q and k columns of that tensor too
+    fused = c * (q_width + kv_width) if arch.family.fused_qkv else 0
+    return c * (q_width if key_cast else kv_width) + c * kv_width + fused
+
+
+def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
+    """Tensors one decoder layer keeps from forward to backward over `tokens` tokens (no checkpointing)."""
+    s = sizes(train)
+    r, c = s.residual, s.compute
+    f = arch.family
+    full = not train.uses_lora
+    linears = {lin.name: lin for lin in arch.layer_linears()}
+    attention_in = [lin for lin in linears.values()
+                    if lin.name in ("qkv_proj", "q_proj", "k_proj", "v_proj")] or [linears["q_proj"]]
+    out_proj = linears[f.attention_out_name]
+    mlp_in, mlp_out = [linears[n] for n in f.mlp_names[:-1]], linears[f.mlp_names[-1]]
+    i = arch.intermediate_size
+
+    per_token = 2 * norm_saved_bytes(arch, arch.hidden_size, r, full)
+    per_token += linear_inputs_saved_bytes(arch, train, attention_in, r)
+    per_token += attention_saved_bytes(arch, train)
+    if train.uses_lora:  # fully trained, o_proj keeps the attention output that the attention kept already
+        per_token += linear_inputs_saved_bytes(arch, train, [out_proj], c)
+    if f.norms_per_layer == 4:  # Gemma 2/3 also normalise each sublayer's compute-dtype output
+        per_token += 2 * norm_saved_bytes(arch, arch.hidden_size, c, full)
+    # gated: gate and up outputs, the activation; plain: fc1's output kept by the activation
+    per_token += c * i * (3 if f.gated_mlp else 1)
+    per_token += linear_inputs_saved_bytes(arch, train, mlp_in, r)
+    per_token += linear_inputs_saved_bytes(arch, train, [mlp_out], c)
+    per_token += lora_rank_saved_bytes(arch, train)
+    return tokens * per_token
+
+
+def liger_layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
+    """With Liger's layer kernels (RMSNorm, SwiGLU, RoPE): coefficients from the calibration, per element."""
+    s = sizes(train)
+    scale = s.compute / 2
+    per_token = (cal.liger_act_hidden_bytes * arch.hidden_size * s.residual / 2
+                 + scale * (cal.liger_act_query_bytes * arch.num_attention_heads * arch.head_dim
+                            + cal.liger_act_kv_bytes * arch.num_kv_heads * arch.head_dim
+                            + cal.liger_act_mlp_bytes * arch.intermediate_size))
+    core = FP32_BYTES * arch.num_attention_heads  # SDPA's log-sum-exp, as without Liger
+    if train.attn_implementation == "sdpa":
+        core += s.compute * train.sequence_length
+    return tokens * (per_token + core + lora_rank_saved_bytes(arch, train))
+
+
+def decoder_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
+    """Everything the decoder stack keeps for backward: every layer, or only layer inputs under checkpointing."""
+    s = sizes(train)
+    if train.gradient_checkpointing:
+        layers = arch.num_layers * tokens * arch.hidden_size * s.residual
+    elif train.use_liger_kernel:
+        layers = arch.num_layers * liger_layer_saved_bytes(arch, train, cal, tokens)
+    else:
+        layers = arch.num_layers * layer_saved_bytes(arch, train, tokens)
+    return layers + final_norm_saved_bytes(arch, train, tokens)
+
+
+def final_norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
+    return tokens * norm_saved_bytes(arch, arch.hidden_size, sizes(train).residual, not train.uses_lora)
+
+
+def one_layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
+    if train.use_liger_kernel:
+        return liger_layer_saved_bytes(arch, train, cal, tokens)
+    return layer_saved_bytes(arch, train, tokens)
+
+
+def attention_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
+    """The boolean [B, 1, L, L] mask transformers builds for padded batches (FlashAttention-2 unpads instead)."""
+    if train.attn_implementation == "flash_attention_2":
+        return 0
+    return sequences * length * length * BOOL_BYTES

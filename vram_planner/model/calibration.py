@@ -1,0 +1,81 @@
+"""Coefficients that real runs set: CUDA context, allocator overhead, activation constants.
+
+The defaults come from public measurements and from the modeling code, each with its source. `vram-plan probe`
+fits them on a real GPU and writes a profile that replaces the defaults for that GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vram_planner.errors import ProfileError
+from vram_planner.profiles import data_home, profile_dirs, read_json, validated
+from vram_planner.units import GiB
+
+
+class Calibration(BaseModel):
+    """Memory-model coefficients. Bytes are bytes; `*_bytes_per_*` are per element of the named size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    name: str = "default"
+    gpu: str | None = None  # catalog name this calibration was measured on; None for the defaults
+    source: str = ""
+    measured: dict[str, str] = Field(default_factory=dict)  # versions of GPU, driver, CUDA, torch, ...
+
+    # CUDA context and kernels: outside torch's allocator, seen by mem_get_info (0.3-0.6 GiB in public reports).
+    cuda_context_bytes: int = Field(default=int(0.5 * GiB), ge=0, le=2**50)  # at most a PiB: a typo beyond
+    # Reserved-but-unallocated memory as a fraction of the allocated peak: ~11% in public reports, 17% in the
+    # seeds' laptop OOM (2.41 of 14.23 GiB reserved).
+    allocator_overhead_fraction: float = Field(default=0.12, ge=0, lt=1)
+
+    # What a layer keeps for backward is counted tensor by tensor (vram_planner/model/activations.py, checked against
+    # the trace engine); only Liger's kernels, which the CPU trace cannot run, and the transient working sets below
+    # are coefficients.
+    # With use_liger_kernel (layer kernels: RMSNorm, SwiGLU, RoPE): RMSNorm keeps only its input and a per-row
+    # rstd, SwiGLU keeps gate and up and recomputes the activation, RoPE works in place (Liger-Kernel's
+    # ops/rms_norm.py, ops/swiglu.py, ops/rope.py). Per element, for a 2-byte residual stream.
+    liger_act_hidden_bytes: float = Field(default=8.0, ge=0)
+    liger_act_query_bytes: float = Field(default=4.0, ge=0)
+    liger_act_kv_bytes: float = Field(default=4.0, ge=0)
+    liger_act_mlp_bytes: float = Field(default=6.0, ge=0)
+    # Working set of a no-grad forward (generation prefill, log-prob scoring), per token, per element.
+    inference_hidden_bytes: float = Field(default=8.0, ge=0)
+    inference_mlp_bytes: float = Field(default=6.0, ge=0)
+    # Gradient buffers alive at the peak of one layer's backward, per token: fitted by least squares to the
+    # trace engine over benchmarks/accuracy.py's grid (the peak moves inside the MLP's backward).
+    backward_hidden_bytes: float = Field(default=2.0, ge=0)
+    backward_mlp_bytes: float = Field(default=4.0, ge=0)
+
+
+def default_calibration() -> Calibration:
+    return load_calibration_file(_shipped("default"))
+
+
+def _shipped(name: str) -> Path:
+    for folder in reversed(profile_dirs()):
+        path = folder / "calibrations" / f"{name}.json"
+        if path.is_file():
+            return path
+    raise ProfileError(f"no calibration named {name!r}")
+
+
+def load_calibration_file(path: Path | str) -> Calibration:
+    """A calibration profile from a JSON file; ProfileError in one line naming the file, the field and the problem."""
+    if not isinstance(path, (str, Path)):
+        raise ProfileError(f"--calibration should be a calibration file's path (got {path!r:.60})")
+    return validated(Calibration, read_json(Path(path)), f"{path} is not a valid calibration")
+
+
+def calibration_for(gpu_name: str, explicit: Path | str | None = None) -> Calibration:
+    """An explicit file, else a probe's calibration for this GPU, else a shipped one for it, else the defaults."""
+    if explicit is not None:
+        return load_calibration_file(explicit)
+    candidates = [data_home() / "calibrations" / f"{gpu_name}.json"]
+    candidates += [folder / "calibrations" / f"{gpu_name}.json" for folder in reversed(profile_dirs())]
+    for path in candidates:
+        if path.is_file():
+            return load_calibration_file(path)
+    return default_calibration()

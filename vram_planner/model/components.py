@@ -1,0 +1,248 @@
+"""Tensor bytes of each memory component, as pure functions of the architecture and the training config.
+
+Symbols as in ../shared/design/grpo-memory.md: P params, T trainable params, h hidden size, n layers, a heads,
+k kv heads, d head dim, i MLP width, V vocab, p prompt tokens, c completion tokens, L = p + c,
+B per_device_train_batch_size, S steps_per_generation. Every function returns bytes on one GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.spec import DTYPE_BYTES, Optimizer, TrainingConfig
+
+FP32_BYTES = 4
+# bitsandbytes 4-bit: two weights per byte, one absmax per block of 64 weights; double quantisation stores the
+# absmax in 8 bits with one fp32 constant per 256 blocks (QLoRA paper, Dettmers et al. 2023, section 2).
+NF4_BYTES_PER_PARAM = 0.5
+NF4_ABSMAX_BYTES_PER_PARAM = 4 / 64
+NF4_DOUBLE_QUANT_ABSMAX_BYTES_PER_PARAM = 1 / 64 + 4 / (64 * 256)
+# bitsandbytes 8-bit optimizers keep 32-bit state for tensors smaller than this (min_8bit_size).
+BNB_MIN_8BIT_SIZE = 4096
+# Blockwise 8-bit state: one fp32 absmax per 256 values (bitsandbytes optim, block size 256).
+BNB_8BIT_STATE_BYTES = 1 + 4 / 256
+# ZeRO keeps an fp32 master copy of every trainable parameter (Rajbhandari et al. 2020, section 3: 12 bytes of
+# optimizer-side state per parameter for mixed-precision Adam: master weights, momentum, variance).
+MASTER_WEIGHT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Byte widths that depend on how the model is loaded and run."""
+
+    weight: int  # stored dtype of the base weights
+    compute: int  # autocast dtype of the matmuls and activations
+    residual: int  # dtype of the residual stream between layers
+    trainable: int  # dtype of the trainable parameters (and their gradients)
+
+
+def sizes(train: TrainingConfig) -> Sizes:
+    # DeepSpeed's bf16 engine casts the module to bf16; with 4-bit loading `dtype` is what bitsandbytes leaves
+    # unquantised.
+    weight = 2 if train.zero_stage is not None else DTYPE_BYTES[train.dtype]
+    compute = weight if train.mixed_precision == "no" else 2
+    # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL keeps them in bf16 under ZeRO-3 and casts them
+    # to bf16 over a 4-bit base.
+    if train.uses_lora:
+        trainable = 2 if (train.load_in_4bit or train.zero_stage == 3) else FP32_BYTES
+    else:
+        trainable = weight
+    return Sizes(weight=weight, compute=compute, residual=weight, trainable=trainable)
+
+
+def autocast_casts_weights(train: TrainingConfig) -> bool:
+    """Autocast makes compute-dtype copies of float32 weights (none under DeepSpeed or FSDP, which hold bf16)."""
+    s = sizes(train)
+    return (train.mixed_precision != "no" and s.weight != s.compute and not train.load_in_4bit
+            and not train.fsdp and train.zero_stage is None)
+
+
+def layer_weight_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Compute-dtype copies of every decoder linear's weight, as autocast makes them during one forward.
+
+    Autocast caches the cast of a leaf that requires grad until the forward's autocast context exits (no_grad or
+    not); a frozen weight is cast anew on every use, and a linear keeps the cast for backward either way.
+    """
+    return arch.linear_params * sizes(train).compute if autocast_casts_weights(train) else 0
+
+
+def adapter_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Autocast's cached copies of float32 LoRA adapters."""
+    s = sizes(train)
+    if not train.uses_lora or train.mixed_precision == "no" or s.trainable == s.compute:
+        return 0
+    return trainable_params(arch, train) * s.compute
+
+
+def lm_head_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The compute-dtype copy of the output projection that generate()'s LM head makes under autocast."""
+    return arch.vocab_size * arch.hidden_size * sizes(train).compute if autocast_casts_weights(train) else 0
+
+
+def trainable_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    if train.uses_lora:
+        return arch.lora_params(train.lora_r or 0, train.lora_targets)
+    return arch.params
+
+
+def shard_bytes(train: TrainingConfig, n_bytes: float, from_stage: int) -> float:
+    """Split n_bytes across GPUs when the ZeRO stage (FSDP counts as 3) shards this kind of state."""
+    stage = 3 if train.fsdp else (train.zero_stage or 0)
+    return n_bytes / train.num_gpus if stage >= from_stage else n_bytes
+
+
+def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Policy weights (base plus LoRA adapters), as held on one GPU between generations."""
+    s = sizes(train)
+    if train.load_in_4bit:
+        absmax = (NF4_DOUBLE_QUANT_ABSMAX_BYTES_PER_PARAM if train.bnb_4bit_use_double_quant is not False
+                  else NF4_ABSMAX_BYTES_PER_PARAM)
+        base = arch.linear_params * (NF4_BYTES_PER_PARAM + absmax) + (arch.params - arch.linear_params) * s.weight
+    elif train.zero_stage is not None:
+        base = arch.params * 2  # DeepSpeed's bf16 engine casts the module to bf16
+    else:
+        base = arch.params * s.weight
+    adapters = trainable_params(arch, train) * s.trainable if train.uses_lora else 0
+    return shard_bytes(train, base, 3) + shard_bytes(train, adapters, 3)
+
+
+def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Weights during generation: ZeRO-3 gathers the whole model (ds3_gather_for_generation), FSDP summons it."""
+    if train.zero_stage == 3 or train.fsdp:
+        unsharded = train.model_copy(update={"num_gpus": 1})
+        return weight_bytes(arch, unsharded)
+    return weight_bytes(arch, train)
+
+
+def reference_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """beta != 0 without PEFT loads a second copy (same dtype, no grads); with PEFT the adapter is disabled instead."""
+    if not train.computes_ref_logps or train.uses_lora:
+        return 0
+    per_param = 2 if train.zero_stage is not None else sizes(train).weight
+    return shard_bytes(train, arch.params * per_param, 3)
+
+
+def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Gradients of the trainable parameters; DDP adds its bucket copy (gradient_as_bucket_view=False)."""
+    grads = trainable_params(arch, train) * sizes(train).trainable
+    if train.distributed == "ddp":
+        return 2 * grads
+    return shard_bytes(train, grads, 2)
+
+
+def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Optimizer states (created at the first step, then kept), plus ZeRO's fp32 master weights."""
+    trainable = trainable_params(arch, train)
+    state_dtype = FP32_BYTES if train.zero_stage is not None else sizes(train).trainable
+    opt = train.optim
+    if opt.is_8bit:
+        states = 1 if "lion" in opt.value else 2
+        small = _small_tensor_params(arch, train)
+        total = states * ((trainable - small) * BNB_8BIT_STATE_BYTES + small * FP32_BYTES)
+    elif opt in (Optimizer.paged_adamw_32bit, Optimizer.lion_32bit):
+        total = trainable * FP32_BYTES * (2 if opt is Optimizer.paged_adamw_32bit else 1)
+    elif opt is Optimizer.adafactor:
+        total = _adafactor_state_elements(arch, train) * FP32_BYTES
+    elif opt is Optimizer.sgd:
+        total = 0
+    elif opt in (Optimizer.rmsprop, Optimizer.adagrad):
+        total = trainable * state_dtype
+    else:
+        total = 2 * trainable * state_dtype
+    if train.zero_stage is not None:
+        total += trainable * MASTER_WEIGHT_BYTES
+    return shard_bytes(train, total, 1)
+
+
+def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Scratch memory of one optimizer step: foreach AdamW builds a param-sized denominator; fused kernels none."""
+    if train.optim is Optimizer.adamw_torch:
+        return shard_bytes(train, trainable_params(arch, train) * sizes(train).trainable, 1)
+    return 0
+
+
+def _small_tensor_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """Trainable parameters in tensors under bitsandbytes' min_8bit_size (norms, biases, small adapters)."""
+    if train.uses_lora:
+        r = train.lora_r or 0
+        targets = arch.resolve_lora_targets(train.lora_targets)
+        small = sum(r * dim for lin in arch.layer_linears() if lin.name in targets
+                    for dim in (lin.in_features, lin.out_features) if r * dim < BNB_MIN_8BIT_SIZE)
+        return small * arch.num_layers
+    norms = arch.family.norms_per_layer * arch.num_layers + 1
+    small = norms * arch.norm_params if arch.hidden_size < BNB_MIN_8BIT_SIZE else 0
+    biases = sum(lin.out_features for lin in arch.layer_linears() if lin.bias and lin.out_features < BNB_MIN_8BIT_SIZE)
+    return small + biases * arch.num_layers
+
+
+def _adafactor_state_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """Adafactor factors each matrix's second moment into a row and a column vector; vectors keep a full one."""
+    if train.uses_lora:
+        r = train.lora_r or 0
+        targets = arch.resolve_lora_targets(train.lora_targets)
+        per_layer = sum(r + lin.in_features + lin.out_features + r
+                        for lin in arch.layer_linears() if lin.name in targets)
+        return per_layer * arch.num_layers
+    matrices = sum(lin.in_features + lin.out_features for lin in arch.layer_linears()) * arch.num_layers
+    embeddings = (arch.vocab_size + arch.hidden_size) * (1 if arch.tie_word_embeddings else 2)
+    vectors = arch.params - arch.linear_params - arch.embedding_params - (
+        0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
+    return matrices + embeddings + vectors
+
+
+def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int) -> float:
+    """Keys and values of every layer for `sequences` sequences of `tokens` tokens.
+
+    Keys come out of rotary in the residual stream's dtype (cos and sin follow it), and DynamicLayer starts values
+    from an empty tensor of the keys' dtype, so concatenation promotes them too: with float32 weights under autocast
+    both are float32.
+    """
+    per_token_layer = arch.num_kv_heads * arch.head_dim * 2 * sizes(train).residual
+    return sequences * arch.kv_layers_tokens(tokens) * per_token_layer
+
+
+def backward_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
+    """Gradient buffers alive inside one layer's backward (the incoming hidden-state gradient and the MLP's)."""
+    s = sizes(train)
+    working = tokens * (cal.backward_hidden_bytes * arch.hidden_size * s.residual / 2
+                        + cal.backward_mlp_bytes * arch.intermediate_size * s.compute / 2)
+    # the gradient of PEFT's fp32 input copy is fp32 too
+    return working + _adapter_input_copy_bytes(arch, train, tokens)
+
+
+def _adapter_input_copy_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
+    """PEFT feeds fp32 adapters an fp32 copy of their compute-dtype input: the widest one, for `tokens` tokens."""
+    s = sizes(train)
+    if not train.uses_lora or train.mixed_precision == "no" or s.trainable == s.compute:
+        return 0
+    targets = arch.resolve_lora_targets(train.lora_targets)
+    widest = max((lin.in_features for lin in arch.layer_linears() if lin.name in targets), default=0)
+    return tokens * widest * FP32_BYTES
+
+
+def inference_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int,
+                            length: int) -> float:
+    """Transient tensors of a no-grad forward over `tokens` tokens of sequences `length` long (one layer at a time)."""
+    s = sizes(train)
+    per_token = (cal.inference_hidden_bytes * arch.hidden_size * s.residual / 2
+                 + cal.inference_mlp_bytes * arch.intermediate_size * s.compute / 2)
+    if train.attn_implementation == "eager":  # scores and their float32 softmax, [a, L] per query
+        per_token += arch.num_attention_heads * length * (s.compute + FP32_BYTES)
+    return tokens * per_token + _adapter_input_copy_bytes(arch, train, tokens)
+
+
+def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
+    """Padded batches under SDPA: the boolean [B, 1, L, L] mask and the compute-dtype copy SDPA makes of it per layer.
+
+    FlashAttention-2 unpads instead.
+    """
+    if train.attn_implementation == "flash_attention_2":
+        return 0
+    return sequences * length * length * (1 + sizes(train).compute)
+
+
+def generation_logits_bytes(arch: ModelArchitecture, sequences: int) -> float:
+    """Last-token logits per decoding step: the model's output, generate's fp32 copy, and the sampling probs."""
+    return sequences * arch.vocab_size * (2 + FP32_BYTES + FP32_BYTES)

@@ -1,0 +1,81 @@
+"""Memory of the LM head and log-prob computation, which TRL releases do in different ways (profiles/trl.toml).
+
+fused_chunked (TRL >= 1.15, trl/kernels/chunked_logprob.py): logits are projected in [4096, 32768] tiles and
+never kept. Forward keeps per-token fp32 statistics; backward allocates an fp32 grad_hidden [N, h] and, when the
+head is trainable, an fp32 grad_weight [V, h]. full_logits (older TRL): [B, c+1, V] logits in the compute dtype
+plus accelerate's fp32 copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease
+
+# Per-token fp32 statistics of the fused forward: running max, sum exp, x*exp sum, squared sum, z sum,
+# max before target, target logit (ChunkedLogProbFunction.forward).
+FUSED_FORWARD_STATS_PER_TOKEN = 7 * FP32_BYTES
+# Kept for backward per scored token: int64 target, fp32 log-normaliser and entropy, and the (N, 2) int64 positions
+# `hidden_states[mask]` keeps for its index backward.
+FUSED_SAVED_PER_TOKEN = 8 + 2 * FP32_BYTES + 2 * 8
+# full_logits: bf16 logits plus accelerate's fp32 copy while scoring (6 B per logit); at the start of backward
+# the fp32 log-softmax and its gradient join them (10 B per logit). ../shared/design/grpo-memory.md.
+FULL_LOGITS_FORWARD_BYTES = 6
+FULL_LOGITS_BACKWARD_BYTES = 10
+
+
+@dataclass(frozen=True)
+class LmHeadMemory:
+    """Bytes of the LM head during one micro-batch."""
+
+    forward_transient: float  # alive only while the forward runs (tiles, statistics)
+    saved: float  # kept from forward to backward
+    backward_transient: float  # alive during the LM head's backward
+
+
+def _uses_fused_head(train: TrainingConfig, release: TrlRelease) -> bool:
+    if train.use_liger_kernel and release.liger in ("fused_loss", "chunked_logprobs"):
+        return True
+    return release.lm_head == "fused_chunked"
+
+
+def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease,
+                   sequences: int, with_grad: bool) -> LmHeadMemory:
+    """LM head memory for `sequences` sequences; N (scored tokens) is sequences x c."""
+    s = sizes(train)
+    scored = sequences * train.max_completion_length
+    h, vocab = arch.hidden_size, arch.vocab_size
+    if not _uses_fused_head(train, release):
+        logits = sequences * (train.max_completion_length + 1) * vocab
+        return LmHeadMemory(forward_transient=logits * FULL_LOGITS_FORWARD_BYTES,
+                            saved=logits * s.compute if with_grad else 0,
+                            backward_transient=logits * FULL_LOGITS_BACKWARD_BYTES if with_grad else 0)
+    chunk = release.lm_head_vocab_chunk
+    tile_tokens = min(scored, release.lm_head_token_chunk)
+    tile = tile_tokens * chunk * s.compute  # the tile buffer is a whole vocabulary chunk wide, whatever V is
+    casts_weight = s.weight != s.compute and not train.load_in_4bit
+    weight_cast = min(vocab, chunk) * h * s.compute if casts_weight else 0
+    hidden_cast = tile_tokens * h * s.compute if s.residual != s.compute else 0
+    gathered_hidden = scored * h * s.residual  # hidden_states[mask] copies the scored positions
+    # The backbone's output stays referenced while the head runs.
+    backbone_output = sequences * train.sequence_length * h * s.residual
+    forward = (backbone_output + gathered_hidden + scored * FUSED_FORWARD_STATS_PER_TOKEN + tile + weight_cast
+               + hidden_cast)
+    if not with_grad:
+        return LmHeadMemory(forward_transient=forward, saved=0, backward_transient=0)
+    grad_weight = vocab * h * FP32_BYTES if not train.uses_lora else 0
+    grad_hidden = scored * h * FP32_BYTES  # accumulated in fp32 whatever the dtypes
+    # Alive through the whole backward, return included (the loop's locals live until the function returns).
+    base = grad_hidden + grad_weight + tile + hidden_cast + scored * FP32_BYTES
+    last_chunk = vocab - chunk * ((vocab - 1) // chunk)
+    # In the vocabulary loop the next chunk's weight cast is made while the previous one is still referenced; on
+    # return both fp32 gradients are cast to their tensors' dtypes while the fp32 ones still exist.
+    two_weight_casts = min(vocab, 2 * chunk) * h * s.compute if casts_weight else 0
+    at_return = ((last_chunk * h * s.compute if casts_weight else 0)
+                 + (scored * h * s.residual if s.residual != FP32_BYTES else 0)
+                 + (vocab * h * s.trainable if grad_weight and s.trainable != FP32_BYTES else 0))
+    return LmHeadMemory(forward_transient=forward, saved=gathered_hidden + scored * FUSED_SAVED_PER_TOKEN,
+                        backward_transient=base + max(two_weight_casts, at_return))

@@ -1,0 +1,254 @@
+"""One GRPO step, phase by phase: which components are alive at each phase's peak moment, in bytes on one GPU.
+
+The step in TRL 1.16 (../shared/design/grpo-memory.md, "The step, phase by phase"):
+generation of the B x S generation batch -> no-grad log-prob scoring (only when the config needs old or reference
+log-probs) -> loss forward/backward per micro-batch -> optimizer step. Optimizer states persist across steps, so
+every phase carries them (from step 2 on); gradients live from the first backward until zero_grad after the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vram_planner.model import activations as act
+from vram_planner.model import components as m
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.lm_head import lm_head_memory
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease
+
+# Component names, in the order people read them.
+COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
+              "lm_head_buffers", "vllm_reservation", "cuda_context", "allocator_overhead")
+TENSOR_COMPONENTS = COMPONENTS[:7]
+PHASE_TITLES = {"generation": "generation", "scoring": "old/ref log-probs", "training": "loss forward/backward",
+                "optimizer": "optimizer step"}
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    components: dict[str, float]
+    moment: str = ""  # which moment of the phase is its peak
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.components.values())
+
+    @property
+    def tensor_bytes(self) -> float:
+        return sum(self.components.get(c, 0) for c in TENSOR_COMPONENTS)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The per-phase breakdown of one configuration on one GPU."""
+
+    phases: tuple[Phase, ...]
+    params: int
+    trainable_params: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak_phase(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total_bytes)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.peak_phase.total_bytes
+
+    @property
+    def tensor_peak_bytes(self) -> float:
+        return max(p.tensor_bytes for p in self.phases)
+
+
+def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
+             capacity_bytes: int) -> Estimate:
+    """The memory of one steady-state GRPO step of `train` on a GPU of `capacity_bytes`."""
+    persistent = {
+        "weights": m.weight_bytes(arch, train),
+        "reference_weights": m.reference_weight_bytes(arch, train),
+        "optimizer_states": m.optimizer_state_bytes(arch, train),
+    }
+    all_grads = m.gradient_bytes(arch, train)
+    raw = [_generation(arch, train, cal, persistent)]
+    if train.computes_old_logps or train.computes_ref_logps:
+        raw.append(_scoring(arch, train, release, cal, persistent))
+    raw.append(_training(arch, train, release, cal, persistent, all_grads))
+    raw.append(Phase("optimizer", {**persistent, "gradients": all_grads,
+                                   "activations": m.optimizer_step_temporary_bytes(arch, train)}))
+    reservation = train.vllm_gpu_memory_utilization * capacity_bytes if _colocated_vllm(train) else 0
+    phases = tuple(with_overheads(p, cal, reservation, train) for p in raw)
+    return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
+                    notes=_notes(arch, train))
+
+
+def _colocated_vllm(train: TrainingConfig) -> bool:
+    return train.use_vllm and train.vllm_mode == "colocate"
+
+
+def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig) -> Phase:
+    """The phase's tensors plus vLLM's reservation, the CUDA context and the allocator's reserve."""
+    components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
+    # vLLM's sleep mode releases its weights and KV cache outside generation.
+    asleep = train.vllm_enable_sleep_mode and phase.name != "generation"
+    components["vllm_reservation"] = 0.0 if asleep else reservation
+    components["cuda_context"] = float(cal.cuda_context_bytes)
+    components["allocator_overhead"] = cal.allocator_overhead_fraction * sum(
+        components[c] for c in TENSOR_COMPONENTS)
+    return Phase(phase.name, components, phase.moment)
+
+
+def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration,
+                persistent: dict[str, float]) -> Phase:
+    base = {**persistent, "weights": m.generation_weight_bytes(arch, train)}
+    if train.use_vllm:
+        return Phase("generation", base, "vLLM generates (its memory is the reservation)")
+    sequences, p = train.local_generation_batch_size, train.max_prompt_length
+    # The last decoding step feeds the last sampled token with p + c - 1 tokens cached.
+    kv = m.kv_cache_bytes(arch, train, sequences, train.sequence_length - 1)
+    # DynamicCache grows by concatenation: one layer's keys and values exist twice for a moment.
+    kv_growth = kv / max(arch.num_layers, 1)
+    # Autocast casts every weight once per forward; the casts of trainable weights stay cached to its end.
+    casts = m.layer_weight_cast_bytes(arch, train) if not train.uses_lora else 0
+    casts += m.adapter_cast_bytes(arch, train)
+    with_casts = {**base, "weights": base["weights"] + casts}
+    prefill = (m.inference_working_bytes(arch, train, cal, sequences * p, p)
+               + m.padded_mask_bytes(train, sequences, p))
+    prompt_kv = m.kv_cache_bytes(arch, train, sequences, p)
+    head = m.generation_logits_bytes(arch, sequences)
+    # ... and the output projection is cast at the LM head, cached or not.
+    head_weights = with_casts["weights"] + m.lm_head_cast_bytes(arch, train)
+    moments = [
+        Phase("generation", {**with_casts, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
+        Phase("generation", {**with_casts, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
+        Phase("generation", {**with_casts, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
+              "last decoding step: LM head"),
+    ]
+    return max(moments, key=lambda p: p.total_bytes)
+
+
+def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
+             persistent: dict[str, float]) -> Phase:
+    """No-grad forward passes over the generation batch in chunks of B sequences; the peak is in one chunk."""
+    b, generated = train.per_device_train_batch_size, train.local_generation_batch_size
+    length = train.sequence_length
+    head = lm_head_memory(arch, train, release, b, with_grad=False)
+    kept_logps = generated * train.max_completion_length * m.FP32_BYTES * (
+        int(train.computes_old_logps) + int(train.computes_ref_logps))
+    layers = m.inference_working_bytes(arch, train, cal, b * length, length) + m.padded_mask_bytes(train, b, length)
+    casts = _scoring_casts(arch, train)
+    moments = [Phase("scoring", {**persistent, **casts, "activations": kept_logps + layers}, "decoder forward"),
+               Phase("scoring", {**persistent, **casts, "activations": kept_logps,
+                                 "lm_head_buffers": head.forward_transient}, "LM head of a chunk")]
+    return max(moments, key=lambda p: p.total_bytes)
+
+
+def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
+    """Cached weight casts of the model that scores last: the reference when there is one, else the policy."""
+    if train.computes_ref_logps and not train.uses_lora:
+        return {"reference_weights": m.reference_weight_bytes(arch, train) + m.layer_weight_cast_bytes(arch, train)}
+    if train.uses_lora:
+        return {"weights": m.weight_bytes(arch, train) + (m.adapter_cast_bytes(arch, train)
+                                                          if train.computes_old_logps else 0)}
+    return {"weights": m.weight_bytes(arch, train) + m.layer_weight_cast_bytes(arch, train)}
+
+
+def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
+              persistent: dict[str, float], all_grads: float) -> Phase:
+    """The largest moment of one micro-batch's forward and backward."""
+    b, length = train.per_device_train_batch_size, train.sequence_length
+    tokens = b * length
+    s = m.sizes(train)
+    head = lm_head_memory(arch, train, release, b, with_grad=True)
+    saved = act.decoder_saved_bytes(arch, train, cal, tokens)
+    final_norm = act.final_norm_saved_bytes(arch, train, tokens)
+    # Checkpointed layers keep the boolean mask as an input; otherwise each layer kept its own float copy.
+    mask = act.attention_mask_bytes(train, b, length) if train.gradient_checkpointing else 0
+    # From the second micro-batch of an accumulation on, every gradient exists before the forward starts.
+    accumulating = train.gradient_accumulation_steps > 1
+    grads_before = all_grads if accumulating else 0.0
+    forward_casts, backward_casts = _training_casts(arch, train)
+    weights = persistent["weights"]
+    one_layer = act.one_layer_saved_bytes(arch, train, cal, tokens)
+    layer_casts = m.layer_weight_cast_bytes(arch, train) / max(arch.num_layers, 1)
+    working = m.backward_working_bytes(arch, train, cal, tokens)
+    layer_input = tokens * arch.hidden_size * s.residual
+    # Backward through the last layer: only the head's gradients exist; through the first: all of them. A tied
+    # output projection's gradient waits in autograd's input buffer for the embedding's, next to the .grad that
+    # earlier micro-batches left.
+    tied = arch.tie_word_embeddings and not train.uses_lora
+    held = _head_gradient_bytes(arch, train) if tied and accumulating else 0.0
+    head_grads = all_grads if accumulating else _head_gradient_bytes(arch, train)
+    layer_backward_casts = layer_casts + m.adapter_cast_bytes(arch, train) / max(arch.num_layers, 1)
+    if train.gradient_checkpointing:
+        # the recomputed layer's first norm keeps the checkpointed input itself when it is float32
+        recompute = one_layer - (layer_input if s.residual == m.FP32_BYTES else 0)
+        last_layer = saved - final_norm + mask + recompute + working
+        first_layer = layer_input + mask + recompute + working
+        last_layer_casts = layer_backward_casts
+    else:
+        last_layer = saved - final_norm + working
+        first_layer = one_layer + working
+        last_layer_casts = backward_casts
+    moments = [
+        Phase("training", {**persistent, "weights": weights + forward_casts, "gradients": grads_before,
+                           "activations": saved + mask, "lm_head_buffers": head.forward_transient},
+              "forward: LM head"),
+        Phase("training", {**persistent, "weights": weights + backward_casts, "gradients": grads_before,
+                           "activations": saved + mask, "lm_head_buffers": head.saved + head.backward_transient},
+              "LM head backward"),
+        Phase("training", {**persistent, "weights": weights + last_layer_casts, "gradients": head_grads + held,
+                           "activations": last_layer}, "backward through the last layer"),
+        Phase("training", {**persistent, "weights": weights + layer_backward_casts,
+                           "gradients": held + (all_grads if accumulating else _first_layer_gradient_bytes(
+                               arch, train, all_grads)),
+                           "activations": first_layer}, "backward through the first layer"),
+    ]
+    if tied:
+        # The embedding's dense gradient joins the output projection's before they are summed.
+        dense = _head_gradient_bytes(arch, train)
+        moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
+                                           "activations": layer_input}, "embedding backward"))
+    return max(moments, key=lambda p: p.total_bytes)
+
+
+def _training_casts(arch: ModelArchitecture, train: TrainingConfig) -> tuple[float, float]:
+    """Weight casts alive at the end of the forward (autocast's cache) and kept for backward."""
+    layers = m.layer_weight_cast_bytes(arch, train)
+    adapters = m.adapter_cast_bytes(arch, train)
+    if train.gradient_checkpointing:  # nothing is kept; the cache empties when the forward's autocast exits
+        return (0 if train.uses_lora else layers) + adapters, 0
+    # frozen weights are cast per use, not cached, but their linears keep the casts for backward
+    return layers + adapters, layers + adapters
+
+
+def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, all_grads: float) -> float:
+    """Gradients that exist at the peak of the first layer's backward: every later layer's, and of its own only the
+    MLP output projection's (backward reaches it first; the peak comes as the MLP's input gradients form). The
+    embedding's comes last, unless it is tied to the output projection."""
+    if train.uses_lora:
+        return all_grads
+    missing = arch.layer_params - arch.layer_linears()[-1].params
+    if not arch.tie_word_embeddings:
+        missing += arch.embedding_params
+    return all_grads - m.shard_bytes(train, missing * m.sizes(train).trainable, 2)
+
+
+def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Gradients that exist when backward leaves the LM head: the output projection's (with full fine-tuning)."""
+    if train.uses_lora:
+        return 0
+    return arch.vocab_size * arch.hidden_size * m.sizes(train).trainable
+
+
+def _notes(arch: ModelArchitecture, train: TrainingConfig) -> tuple[str, ...]:
+    notes = []
+    if not arch.exact:
+        notes.append(f"model_type {arch.model_type!r} is not one vram-plan knows; it was read as a Llama-style "
+                     "decoder, so counts may be off")
+    if arch.max_position_embeddings and train.sequence_length > arch.max_position_embeddings:
+        notes.append(f"prompt + completion ({train.sequence_length} tokens) exceeds the model's "
+                     f"max_position_embeddings ({arch.max_position_embeddings})")
+    return tuple(notes)

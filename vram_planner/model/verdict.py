@@ -1,0 +1,134 @@
+"""`check`: the verdict for exactly one configuration on one GPU."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from vram_planner.errors import ConfigError, closest_names
+from vram_planner.model.architecture import FAMILIES, ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.phases import Estimate, estimate
+from vram_planner.model.spec import TrainingConfig, with_changes
+from vram_planner.model.trl_releases import TrlRelease
+from vram_planner.profiles import GpuProfile
+
+# Share of the card a plan leaves free: the analytic model's error before calibration is several percent
+# (fitcheck-llm's mean 5.5% total error on T4, ../shared/design/grpo-memory.md), so "fits" keeps 5% spare.
+DEFAULT_SAFETY_MARGIN = 0.05
+MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a margin
+
+
+def check_safety_margin(value: object) -> float:
+    """The share of the card a verdict keeps free: a number from 0 to MAX_SAFETY_MARGIN (ConfigError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 <= value <= MAX_SAFETY_MARGIN):
+        raise ConfigError([f"--safety-margin should be a share of the card from 0 to {MAX_SAFETY_MARGIN} "
+                           f"(0.05 keeps 5% free; got {value!r})"])
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a verdict is judged against, besides the training config."""
+
+    arch: ModelArchitecture
+    gpu: GpuProfile
+    release: TrlRelease
+    calibration: Calibration
+    safety_margin: float = DEFAULT_SAFETY_MARGIN
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        check_safety_margin(self.safety_margin)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.gpu.capacity_bytes
+
+    @property
+    def margin_bytes(self) -> float:
+        return self.safety_margin * self.capacity_bytes
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.capacity_bytes - self.margin_bytes
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One configuration judged on one GPU."""
+
+    context: Context
+    train: TrainingConfig
+    estimate: Estimate
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.peak_bytes <= self.context.budget_bytes
+
+    @property
+    def spare_bytes(self) -> float:
+        """Capacity left at the peak (negative: missing), before the safety margin."""
+        return self.context.capacity_bytes - self.estimate.peak_bytes
+
+
+def judge(context: Context, train: TrainingConfig) -> Verdict:
+    """The estimate of `train` in this context, with the context's own notes (a TRL release read as another)."""
+    est = estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes)
+    if context.release.note:
+        est = replace(est, notes=est.notes + (context.release.note,))
+    return Verdict(context, train, est)
+
+
+def gpu_problems(train: TrainingConfig, gpu: GpuProfile) -> list[str]:
+    """Settings this GPU cannot run at all, whatever the memory."""
+    problems = []
+    cc = f" (compute capability {gpu.compute_capability})" if gpu.compute_capability else ""
+    if train.attn_implementation == "flash_attention_2" and not gpu.flash_attention_2:
+        problems.append(f"--attn-implementation flash_attention_2 does not run on {gpu.label}{cc}; use sdpa")
+    if not gpu.bf16 and train.mixed_precision == "bf16":
+        problems.append(f"{gpu.label}{cc} has no bf16: use --mixed-precision fp16")
+    if not gpu.bf16 and (train.dtype == "bfloat16" or train.load_in_4bit and train.mixed_precision == "bf16"):
+        problems.append(f"{gpu.label}{cc} has no bf16: load float16 (with LoRA) or float32")
+    return problems
+
+
+def adapt_to_gpu(train: TrainingConfig, gpu: GpuProfile, explicit: set[str]) -> TrainingConfig:
+    """Defaults the user did not set that this GPU cannot honour (bf16 autocast on a pre-Ampere card)."""
+    if not gpu.bf16 and train.mixed_precision == "bf16" and "mixed_precision" not in explicit:
+        try:
+            train = with_changes(train, mixed_precision="fp16")
+        except ConfigError as exc:
+            cc = f", compute capability {gpu.compute_capability}" if gpu.compute_capability else ""
+            raise ConfigError([f"{gpu.label} has no bf16{cc}, so mixed precision is fp16 there, and then "
+                               f"{problem}" for problem in exc.problems]) from exc
+    return train
+
+
+def lora_target_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
+    """LoRA target names that are not linear layers of this model's decoder layers, with the closest names.
+
+    PEFT would fail on them only once the model is loaded (or silently adapt fewer layers than asked). A model_type
+    read as Llama-style may name its layers otherwise, so its names are left to PEFT.
+    """
+    if not train.uses_lora or train.lora_targets is None or arch.model_type not in FAMILIES:
+        return []
+    known = [lin.name for lin in arch.layer_linears()]
+    unknown = [name for name in train.lora_targets if name not in known]
+    if not unknown:
+        return []
+    named = []
+    for name in unknown:
+        near = closest_names(name, known)
+        named.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    verb = "is not a linear layer" if len(unknown) == 1 else "are not linear layers"
+    return [f"--lora-target-modules {', '.join(named)} {verb} of {arch.name or arch.model_type}; choose from "
+            f"{', '.join(known)}, or all-linear"]
+
+
+def check_training(train: TrainingConfig, context: Context) -> None:
+    """Refuse settings this GPU cannot run or this model does not have, all problems at once."""
+    problems = gpu_problems(train, context.gpu) + lora_target_problems(train, context.arch)
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,369 @@
+"""`vram-plan probe`: measure GRPO steps on a GPU, fit the calibration, and check the verdicts against what ran.
+
+The pipeline is the same whatever measures: `CudaMeasurer` (vram_planner.probe.cuda) runs real steps with random
+weights on the local CUDA device; `SimulatedMeasurer` asks the trace engine, so CI tests the whole path without a
+GPU. Measured points are kept in the data directory as they come in, so an interrupted probe continues where it
+stopped, and the calibration is written only at the end, atomically. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ValidationError
+
+from vram_planner.errors import VramPlanError
+from vram_planner.files import check_writable, write_atomically
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration, default_calibration
+from vram_planner.model.phases import Estimate, estimate
+from vram_planner.model.resolve import resolve_model
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.profiles import HOME_ENV, data_home, read_json
+from vram_planner.units import GiB
+
+# Coefficients of the analytic model that real runs set and the probe fits (the rest of it is counted exactly).
+FITTED_COEFFICIENTS = ("inference_hidden_bytes", "inference_mlp_bytes", "backward_hidden_bytes", "backward_mlp_bytes")
+# What the simulated device adds on top of the traced tensors: the caching allocator's reserve and the context.
+SIMULATED_ALLOCATOR_FRACTION = 0.10
+SIMULATED_CONTEXT_BYTES = int(0.5 * GiB)
+
+
+@dataclass(frozen=True)
+class ProbePoint:
+    """One configuration of one model to run (or trace), named by what differs from TRL's defaults."""
+
+    model: str
+    train: TrainingConfig
+
+    @property
+    def label(self) -> str:
+        t = self.train
+        kind = f"lora{t.lora_r}" if t.uses_lora else "full"
+        shown = {"lora_r", "gradient_checkpointing", "max_prompt_length", "max_completion_length",
+                 "per_device_train_batch_size", "num_generations", "gradient_accumulation_steps"}
+        extra = "".join(f" {k}={v}" for k, v in _settings(t).items() if k not in shown)
+        return (f"{self.model} {kind} gc={'on' if t.gradient_checkpointing else 'off'} "
+                f"p={t.max_prompt_length} c={t.max_completion_length} B={t.per_device_train_batch_size} "
+                f"G={t.num_generations} GA={t.gradient_accumulation_steps}{extra}")
+
+
+def probe_grid(models: Iterable[str] = ("Qwen2.5-0.5B", "Llama-3.2-1B"), completions: Iterable[int] = (128, 512),
+               batch: int = 4) -> list[ProbePoint]:
+    """Two sequence lengths, LoRA and full, checkpointing on and off, for each model."""
+    points = []
+    for model in models:
+        for completion in completions:
+            for lora in (None, 16):
+                for checkpointing in (True, False):
+                    train = TrainingConfig(per_device_train_batch_size=batch, num_generations=batch,
+                                           max_prompt_length=128, max_completion_length=completion,
+                                           gradient_checkpointing=checkpointing, lora_r=lora)
+                    points.append(ProbePoint(model, train))
+    return points
+
+
+class PhaseMeasurement(BaseModel):
+    name: str
+    allocated_bytes: int  # torch.cuda.max_memory_allocated over the phase
+    reserved_bytes: int  # torch.cuda.max_memory_reserved over the phase
+
+
+class PointMeasurement(BaseModel):
+    label: str
+    model: str
+    settings: dict[str, Any]
+    phases: list[PhaseMeasurement]
+    seconds: float
+
+
+class ProbeRecord(BaseModel):
+    """What the probe has measured on one device so far (kept between runs)."""
+
+    device: dict[str, str]
+    context_bytes: int
+    points: list[PointMeasurement] = []
+
+
+class Measurer(Protocol):
+    simulated: bool
+
+    def device(self) -> dict[str, str]: ...
+
+    def context_bytes(self) -> int: ...
+
+    def measure(self, point: ProbePoint) -> PointMeasurement: ...
+
+    def run_within(self, point: ProbePoint, capacity_bytes: int) -> tuple[bool, int]:
+        """Run one step with the process limited to `capacity_bytes`: (did it run, peak reserved bytes)."""
+        ...
+
+
+class SimulatedMeasurer:
+    """A device whose allocations are the trace engine's, plus a fixed allocator reserve and context."""
+
+    simulated = True
+
+    def __init__(self, gpu_name: str, allocator_fraction: float = SIMULATED_ALLOCATOR_FRACTION,
+                 context_bytes: int = SIMULATED_CONTEXT_BYTES) -> None:
+        self.gpu_name, self.allocator_fraction, self._context = gpu_name, allocator_fraction, context_bytes
+
+    def device(self) -> dict[str, str]:
+        from vram_planner.tracing.step import engine_versions
+
+        return {"gpu": self.gpu_name, "simulated": "trace engine", **engine_versions()}
+
+    def context_bytes(self) -> int:
+        return self._context
+
+    def measure(self, point: ProbePoint) -> PointMeasurement:
+        from vram_planner.tracing.step import trace_step
+
+        result = trace_step(_config_json(point.model), point.train)
+        phases = [PhaseMeasurement(name=p.name, allocated_bytes=p.peak_bytes,
+                                   reserved_bytes=round(p.peak_bytes * (1 + self.allocator_fraction)))
+                  for p in result.phases]
+        return PointMeasurement(label=point.label, model=point.model, settings=_settings(point.train),
+                                phases=phases, seconds=result.seconds)
+
+    def run_within(self, point: ProbePoint, capacity_bytes: int) -> tuple[bool, int]:
+        peak = max(p.reserved_bytes for p in self.measure(point).phases) + self._context
+        return peak <= capacity_bytes, peak
+
+
+def _settings(train: TrainingConfig) -> dict[str, Any]:
+    return train.model_dump(mode="json", exclude_defaults=True)
+
+
+def _config_json(model: str) -> dict[str, Any]:
+    """The config.json of a catalog model, or of a config.json file / model folder."""
+    from vram_planner.profiles import model_catalog
+
+    entry = model_catalog().get(model.lower())
+    path = entry.config_path if entry else Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise VramPlanError(f"the probe needs a catalog model or a config.json, not {model!r}")
+    return read_json(path)
+
+
+def record_path(gpu_name: str) -> Path:
+    return data_home() / "probe" / f"{gpu_name}.json"
+
+
+def load_record(path: Path, device: dict[str, str], context_bytes: int) -> ProbeRecord:
+    """The points measured earlier on the same device and software; a fresh record otherwise."""
+    if path.is_file():
+        try:
+            record = ProbeRecord.model_validate(json.loads(path.read_text()))
+        except (OSError, ValueError, ValidationError):
+            record = None  # unreadable: measure again rather than fail
+        if record is not None and record.device == device:
+            return record
+    return ProbeRecord(device=device, context_bytes=context_bytes)
+
+
+Progress = Callable[[int, int, str], None]
+
+
+def measure_points(measurer: Measurer, points: list[ProbePoint], path: Path,
+                   progress: Progress | None = None) -> ProbeRecord:
+    """Measure every point not measured yet, saving the record after each one."""
+    record = load_record(path, measurer.device(), measurer.context_bytes())
+    done = {p.label for p in record.points}
+    for n, point in enumerate(points, 1):
+        if progress:
+            progress(n, len(points), point.label + (" (measured before)" if point.label in done else ""))
+        if point.label in done:
+            continue
+        record.points.append(measurer.measure(point))
+        write_atomically(path, record.model_dump_json(indent=1))
+    return record
+
+
+@functools.cache
+def _architecture(model: str) -> ModelArchitecture:
+    # the fit evaluates the model hundreds of times; read each config.json once
+    return resolve_model(model)
+
+
+def _point_estimate(point: PointMeasurement, cal: Calibration) -> Estimate:
+    return estimate(_architecture(point.model), TrainingConfig(**point.settings), trl_release(), cal, 80 * GiB)
+
+
+def _phase_bytes(point: PointMeasurement, cal: Calibration) -> dict[str, float]:
+    return {p.name: p.tensor_bytes for p in _point_estimate(point, cal).phases}
+
+
+def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None = None) -> Calibration:
+    """Least-squares fit of the working-set coefficients to the measured allocated peaks, and of the allocator's
+    reserve to reserved over allocated; the context is what the device reported."""
+    import numpy as np
+
+    base = base or default_calibration()
+    pairs = [(point, phase) for point in record.points for phase in point.phases]
+    if not pairs:
+        raise VramPlanError("the probe has no measured points to fit")
+    theta = np.array([getattr(base, c) for c in FITTED_COEFFICIENTS], dtype=float)
+    measured = np.array([phase.allocated_bytes for _, phase in pairs], dtype=float)
+
+    def predicted(values: np.ndarray) -> np.ndarray:
+        cal = base.model_copy(update=dict(zip(FITTED_COEFFICIENTS, values.tolist(), strict=True)))
+        by_point = {point.label: _phase_bytes(point, cal) for point in record.points}
+        return np.array([by_point[point.label].get(phase.name, 0.0) for point, phase in pairs])
+
+    # The model is piecewise linear in the coefficients (each phase is its largest moment): damped Gauss-Newton
+    # with one-byte finite differences, halving a step until it lowers the squared error; coefficients no
+    # measured phase depends on keep their value.
+    now = predicted(theta)
+    for _ in range(30):
+        jacobian = np.stack([predicted(theta + np.eye(len(theta))[k]) - now for k in range(len(theta))], axis=1)
+        used = np.abs(jacobian).sum(axis=0) > 0
+        if not used.any():
+            break
+        step = np.zeros_like(theta)
+        step[used], *_ = np.linalg.lstsq(jacobian[:, used], measured - now, rcond=None)
+        for scale in 0.5 ** np.arange(12):
+            trial = np.maximum(theta + scale * step, 0.0)
+            after = predicted(trial)
+            if ((measured - after) ** 2).sum() < ((measured - now) ** 2).sum():
+                theta, now = trial, after
+                break
+        else:
+            break
+    allocated = np.array([p.allocated_bytes for _, p in pairs], dtype=float)
+    reserved = np.array([p.reserved_bytes for _, p in pairs], dtype=float)
+    overhead = float(np.clip(((reserved - allocated) @ allocated) / (allocated @ allocated), 0.0, 0.99))
+    device = record.device
+    return base.model_copy(update={
+        "name": "simulated probe" if "simulated" in device else "probe",
+        "gpu": gpu_name,
+        "source": f"vram-plan probe: {len(record.points)} GRPO steps, {len(pairs)} phases"
+                  + (", simulated with the trace engine (no GPU measured it: used only when passed with "
+                     "--calibration)" if "simulated" in device else ""),
+        "measured": device,
+        "cuda_context_bytes": record.context_bytes,
+        "allocator_overhead_fraction": round(overhead, 4),
+        **{c: round(float(v), 3) for c, v in zip(FITTED_COEFFICIENTS, theta, strict=True)},
+    })
+
+
+class FitQuality(BaseModel):
+    """Peak reserved memory (plus context) predicted by a calibration against what was measured, per point."""
+
+    label: str
+    measured_bytes: int
+    predicted_bytes: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
+    rows = []
+    for point in record.points:
+        measured = max(p.reserved_bytes for p in point.phases) + record.context_bytes
+        rows.append(FitQuality(label=point.label, measured_bytes=measured,
+                               predicted_bytes=_point_estimate(point, cal).peak_bytes))
+    return rows
+
+
+def summary(rows: list[FitQuality]) -> dict[str, float]:
+    errors = [abs(r.error) for r in rows]
+    return {"median_error": statistics.median(errors), "worst_error": max(errors)}
+
+
+def is_simulated(cal: Calibration) -> bool:
+    """Whether the calibration was fitted to the trace engine rather than measured on a GPU."""
+    return "simulated" in cal.measured
+
+
+def calibration_path(gpu_name: str, simulated: bool = False) -> Path:
+    """Where plan/check look for this GPU's calibration (calibration_for). A simulated one is no measurement of the
+    card: it goes beside it under a name that says so, and is used only when passed with --calibration."""
+    return data_home() / "calibrations" / (f"{gpu_name}.simulated.json" if simulated else f"{gpu_name}.json")
+
+
+def check_targets(gpu_name: str, simulated: bool, out: Path | None = None) -> None:
+    """Refuse, before anything is measured, a probe whose record or calibration could not be written."""
+    if out is not None:
+        check_writable(out, "--out")
+    hint = f"set {HOME_ENV} to a writable folder"
+    check_writable(record_path(gpu_name), "the probe's record", hint)
+    check_writable(calibration_path(gpu_name, simulated), "the calibration", hint)
+
+
+def save_calibration(cal: Calibration, gpu_name: str, out: Path | None = None) -> list[Path]:
+    """Write the calibration where plan/check look for this GPU's, or for a simulated one beside it under its own
+    name (and to `out`), atomically."""
+    text = cal.model_dump_json(indent=2) + "\n"
+    targets = [calibration_path(gpu_name, is_simulated(cal))] + ([out] if out else [])
+    return [write_atomically(path, text) for path in targets]
+
+
+class ValidationRow(BaseModel):
+    """One config run on an emulated smaller card: what the planner said and what happened."""
+
+    capacity_bytes: int
+    label: str
+    predicted_fits: bool
+    ran: bool
+    predicted_bytes: float
+    measured_bytes: int | None  # peak reserved plus context; None when it ran out of memory
+
+    @property
+    def wrong_fit(self) -> bool:
+        return self.predicted_fits and not self.ran
+
+    @property
+    def error(self) -> float | None:
+        if self.measured_bytes is None:
+            return None
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def boundary_points(model: str, capacity_bytes: int, cal: Calibration, lora_r: int | None = None,
+                    batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), completion: int = 256,
+                    prompt: int = 128) -> list[tuple[ProbePoint, bool, float]]:
+    """The largest micro-batch the planner says fits on a card of `capacity_bytes` and the next one up."""
+    from vram_planner.model.verdict import Context, judge
+    from vram_planner.profiles import GpuProfile
+
+    gpu = GpuProfile(name=f"{capacity_bytes / GiB:.2f}GiB", total_memory_gib=capacity_bytes / GiB,
+                     source="emulated with torch.cuda.set_per_process_memory_fraction", capacity_source="user")
+    context = Context(arch=resolve_model(model), gpu=gpu, release=trl_release(), calibration=cal, model_id=model)
+    judged = []
+    for batch in batches:
+        # one sequence per micro-batch takes two micro-batches per group of two completions
+        train = TrainingConfig(per_device_train_batch_size=batch, num_generations=max(batch, 2),
+                               gradient_accumulation_steps=max(2 // batch, 1), lora_r=lora_r,
+                               max_prompt_length=prompt, max_completion_length=completion)
+        verdict = judge(context, train)
+        judged.append((ProbePoint(model, train), verdict.fits, verdict.estimate.peak_bytes))
+    last_fit = max((i for i, (_, fits, _) in enumerate(judged) if fits), default=-1)
+    return judged[max(last_fit, 0):last_fit + 2]
+
+
+def validate_verdicts(measurer: Measurer, cal: Calibration, model: str, capacities: Iterable[int],
+                      lora_ranks: Iterable[int | None] = (None, 16),
+                      progress: Progress | None = None) -> list[ValidationRow]:
+    """Run the configs around each emulated card's boundary and compare what happened with the verdicts."""
+    todo = [(capacity, point, fits, predicted) for capacity in capacities for lora in lora_ranks
+            for point, fits, predicted in boundary_points(model, capacity, cal, lora)]
+    rows = []
+    for n, (capacity, point, fits, predicted) in enumerate(todo, 1):
+        if progress:
+            progress(n, len(todo), f"{point.label} on {capacity / GiB:.1f} GiB")
+        ran, peak = measurer.run_within(point, capacity)
+        rows.append(ValidationRow(capacity_bytes=capacity, label=point.label, predicted_fits=fits, ran=ran,
+                                  predicted_bytes=predicted, measured_bytes=peak if ran else None))
+    return rows

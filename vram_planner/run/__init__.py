@@ -1,0 +1,1 @@
+"""`vram-plan run`: start the GRPO run the plan recommends, with its data and reward checks."""

@@ -1,0 +1,504 @@
+"""`vram-plan run`: start the TRL GRPO run the plan recommends, with the same objects `plan` prints.
+
+Everything a run depends on is checked before anything is written or the smoke step starts (optional packages, the
+output folder, a model folder's weights, the dataset's prompts and columns, the chat template, rewards on a sample
+batch), so bad input leaves nothing behind. Heavy imports happen only here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from vram_planner.errors import VramPlanError, first_line
+from vram_planner.extras import require_bitsandbytes
+from vram_planner.files import check_writable
+from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
+from vram_planner.model.search import Plan, micro_batch_variants, rungs
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.verdict import Verdict, judge
+from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
+from vram_planner.units import GiB
+
+LOG_NAME = "vram-plan-log.jsonl"
+CONFIG_NAME = "accelerate_config.yaml"  # TRL's accelerate config for several GPUs
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+@dataclass
+class RunSetup:
+    """What `vram-plan run` will start: the verdict of the plan's config and the run's own settings."""
+
+    verdict: Verdict  # the config to train and its predicted memory
+    model_id: str  # hub id or local folder, as GRPOTrainer(model=...) takes it
+    dataset: str
+    rewards: list[str]
+    output_dir: Path
+    max_steps: int = -1  # -1: one epoch over the dataset, as TRL does
+    save_steps: int = 100
+    on_cpu: bool = False
+    resume: bool = False  # continue from the last checkpoint in output_dir
+    overwrite: bool = False  # remove the run already in output_dir and start afresh
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise VramPlanError(f"--max-steps {self.max_steps}: give the number of optimizer steps (1 or more), or -1 "
+                                "for one epoch over the dataset")
+        if self.save_steps < 1:
+            raise VramPlanError(f"--save-steps {self.save_steps}: a checkpoint is saved every N steps; give N of 1 or "
+                                "more")
+
+    @classmethod
+    def from_plan(cls, plan: Plan, **settings: Any) -> RunSetup:
+        if plan.chosen is None:
+            raise VramPlanError(f"nothing vram-plan knows fits this card (the smallest config needs "
+                                f"{plan.smallest.estimate.peak_bytes / GiB:.2f} GiB); `vram-plan plan` shows it")
+        return cls(verdict=plan.chosen, **settings)
+
+    @property
+    def train(self) -> TrainingConfig:
+        return self.verdict.train
+
+    @property
+    def predicted_peak_bytes(self) -> float:
+        return self.verdict.estimate.peak_bytes
+
+    def one_rung_down(self) -> RunSetup | None:
+        """The same run with the next smaller config of the plan's ladder: a smaller micro-batch with the same
+        generation and optimizer batches, else the next saver."""
+        train = self.train
+        smaller = next((v for v in micro_batch_variants(train)
+                        if v.per_device_train_batch_size < train.per_device_train_batch_size), None)
+        if smaller is None:
+            smaller = next(itertools.islice(rungs(train, self.verdict.context.gpu.bf16), 1, None), None)
+        if smaller is None:
+            return None
+        return replace(self, verdict=judge(self.verdict.context, smaller))
+
+    def grpo_kwargs(self) -> dict[str, Any]:
+        kwargs = grpo_config_kwargs(self.train)
+        kwargs.update(output_dir=str(self.output_dir), max_steps=self.max_steps, save_steps=self.save_steps,
+                      logging_steps=1, report_to=[])
+        if self.on_cpu:  # tests and smoke runs: no autocast on the CPU
+            kwargs.update(use_cpu=True, bf16=False, fp16=False)
+        return kwargs
+
+    def describe(self) -> str:
+        """The exact configuration, for --dry-run and the run's first lines."""
+        lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
+                 f"predicted peak: {self.predicted_peak_bytes / GiB:.2f} GiB "
+                 f"(on {self.verdict.context.gpu.label})",
+                 f"GRPOConfig({call_args(self.grpo_kwargs())})"]
+        peft = lora_config_kwargs(self.train)
+        if peft:
+            lines.append(f"LoraConfig({call_args(peft)})")
+        quantization = quantization_config_kwargs(self.train)
+        if quantization:
+            lines.append(f"BitsAndBytesConfig({call_args(quantization)})")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def check_model_folder(model_id: str) -> None:
+    """A local model folder must hold a config and weights; hub ids are left to transformers."""
+    path = Path(model_id).expanduser()
+    if not path.exists():
+        return
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise VramPlanError(f"{model_id} is not a model folder with a config.json")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise VramPlanError(f"{model_id} has a config.json but no weights (*.safetensors or *.bin): training "
+                            "needs the model's weights, not only its configuration")
+
+
+def prepared_dataset(setup: RunSetup) -> Any:
+    """The dataset with its prompts and columns checked, the chat template tried on chat prompts, and each reward
+    tried on a sample batch."""
+    from vram_planner.run.train_data import check_prompts, load_prompts, require_columns
+
+    dataset = load_prompts(setup.dataset)
+    require_columns(dataset, {"prompt"}, "GRPOTrainer reads the prompts from it")
+    if "correctness" in setup.rewards:
+        require_columns(dataset, {"answer"}, "the correctness reward compares with it")
+    if check_prompts(dataset):
+        check_chat_template(setup.model_id, dataset)
+    check_rewards({name: load_reward(name) for name in setup.rewards}, sample_batch(dataset))
+    return dataset
+
+
+def check_chat_template(model_id: str, dataset: Any) -> None:
+    """Chat prompts are rendered with the tokenizer's chat template: load the tokenizer as GRPOTrainer does and render
+    the first prompts with it."""
+    from transformers import AutoProcessor
+
+    from vram_planner.hub import hub_unreachable_reason, quiet_hub_logs
+
+    offline = None if Path(model_id).expanduser().exists() else hub_unreachable_reason()
+    try:
+        with quiet_hub_logs():  # offline: the cache only, without half a minute of retries
+            processor = AutoProcessor.from_pretrained(model_id, truncation_side="left", padding_side="left",
+                                                      local_files_only=offline is not None)
+    except Exception as exc:
+        raise VramPlanError(f"cannot load the tokenizer of {model_id} ({offline or first_line(exc, limit=200)}); "
+                            "the dataset's prompts "
+                            "are chat messages, which need its chat template") from exc
+    if not getattr(processor, "chat_template", None):
+        raise VramPlanError(f"the dataset's prompts are chat messages, but the tokenizer of {model_id} has no chat "
+                            "template to render them: use a model with one (an instruct or chat model) or plain-text "
+                            "prompts")
+    for row, prompt in enumerate(dataset.select(range(min(len(dataset), 8)))["prompt"], start=1):
+        try:
+            processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise VramPlanError(f"the chat template of {model_id} cannot render row {row} of the dataset: "
+                                f"{first_line(exc, limit=200)}") from exc
+
+
+def check_dependencies(train: TrainingConfig) -> None:
+    """The optional packages the plan's config needs (bitsandbytes for 8-bit optimizers and 4-bit weights)."""
+    if train.optim.needs_bitsandbytes:
+        require_bitsandbytes(f"--optim {train.optim.value}")
+    if train.load_in_4bit:
+        require_bitsandbytes("--load-in-4bit")
+
+
+def run_files(folder: Path) -> list[Path]:
+    """What an earlier run left in `folder` (checkpoint-N/, final/, the log, the accelerate config) and nothing
+    else a user keeps there."""
+    if not folder.is_dir():
+        return []
+    checkpoints = [p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.partition("-")[2].isdigit()]
+    final = [folder / "final"] if (folder / "final").is_dir() else []
+    files = [folder / name for name in (LOG_NAME, CONFIG_NAME) if (folder / name).is_file()]
+    return sorted(checkpoints) + final + files
+
+
+def last_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint-N folder with the largest N, as Trainer finds it."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    return Path(found) if found else None
+
+
+def check_output_dir(setup: RunSetup) -> Path | None:
+    """The output folder can be written and holds no earlier run, unless --resume (returns the checkpoint to
+    continue from) or --overwrite (its files are removed only when training starts)."""
+    folder = setup.output_dir
+    if setup.resume and setup.overwrite:
+        raise VramPlanError(f"--resume continues the run in {folder} and --overwrite starts it afresh: pass one of "
+                            "them")
+    check_writable(folder / LOG_NAME, "--output-dir")
+    if setup.resume:
+        checkpoint = last_checkpoint(folder)
+        if checkpoint is None:
+            raise VramPlanError(f"--resume: {folder} holds no checkpoint-N folder to continue from; leave --resume "
+                                "out to start a run there")
+        return checkpoint
+    leftovers = [] if launched_worker() else run_files(folder)  # a launched process finds its launcher's config
+    if leftovers and not setup.overwrite:
+        checkpoint = last_checkpoint(folder)
+        resume = f"--resume to continue it from {checkpoint.name}" if checkpoint else "--resume (with a checkpoint)"
+        raise VramPlanError(f"--output-dir {folder} already holds a run ({', '.join(p.name for p in leftovers[:4])}"
+                            f"{', ...' if len(leftovers) > 4 else ''}): pass {resume}, --overwrite to start afresh "
+                            "(removing those files), or another --output-dir")
+    return None
+
+
+def clear_previous_run(setup: RunSetup) -> None:
+    """With --overwrite, remove what the earlier run left (nothing else in the folder), once, in the main process."""
+    if not setup.overwrite or launched_worker():
+        return
+    for path in run_files(setup.output_dir):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+class JsonlLog:
+    """A TrainerCallback writing each logged step (with measured and predicted peak memory) as one JSON line, from
+    the main process only."""
+
+    def __init__(self, path: Path, predicted_peak_bytes: float) -> None:
+        self.path, self.predicted = path, predicted_peak_bytes
+        self.started = time.perf_counter()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+        import torch
+
+        if not state.is_world_process_zero:
+            return
+        record = {"step": state.global_step, "seconds": round(time.perf_counter() - self.started, 3),
+                  **(logs or {}), "predicted_peak_bytes": round(self.predicted)}
+        if torch.cuda.is_available():
+            record["measured_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            record["measured_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record, default=str) + "\n")
+
+
+@dataclass
+class PreparedRun:
+    """What the checks found: the dataset to train on and the checkpoint to continue from (--resume)."""
+
+    dataset: Any
+    resume_from: Path | None
+
+
+def prepare(setup: RunSetup) -> PreparedRun:
+    """Everything a run depends on, checked before anything is written: optional packages, the output folder, the
+    model folder, the dataset, the chat template, the rewards."""
+    check_dependencies(setup.train)
+    resume_from = check_output_dir(setup)
+    check_model_folder(setup.model_id)
+    return PreparedRun(prepared_dataset(setup), resume_from)
+
+
+def launched_worker() -> bool:
+    """This process is one of several that `accelerate launch` (or torchrun) started."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def is_main_process() -> bool:
+    """The process that prints: the only one, or rank 0 of those `accelerate launch` started."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@contextlib.contextmanager
+def library_output(verbose: bool) -> Iterator[None]:
+    """Without --verbose, the run's own lines only: no deprecation warnings, library log lines or progress bars
+    (loading weights, writing shards, datasets' maps) from transformers, datasets and the hub client."""
+    if verbose:
+        yield
+        return
+    import datasets
+    import transformers
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    bars = transformers_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()  # the hub client's bars too
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+                warnings.simplefilter("ignore", category)
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars[0]:
+            transformers_logging.enable_progress_bar()
+        if bars[1]:
+            datasets.enable_progress_bars()
+
+
+class RunOutOfMemory(VramPlanError):
+    """Training ran out of GPU memory; what was trained is saved in `checkpoint`."""
+
+    def __init__(self, setup: RunSetup, error: BaseException, checkpoint: Path | None) -> None:
+        estimate = setup.verdict.estimate
+        peak = estimate.peak_phase
+        parts = sorted(peak.components.items(), key=lambda kv: -kv[1])[:3]
+        biggest = ", ".join(f"{name.replace('_', ' ')} {size / GiB:.2f} GiB" for name, size in parts)
+        saved = f"; training so far is saved in {checkpoint}" if checkpoint else ""
+        super().__init__(f"out of GPU memory ({first_line(error, limit=160)}); the plan put the peak at "
+                         f"{estimate.peak_bytes / GiB:.2f} GiB in {peak.name} ({biggest}){saved}")
+        self.setup, self.checkpoint = setup, checkpoint
+
+
+# Extra TrainerCallbacks for every run (tests add a fake allocator cap here).
+EXTRA_CALLBACKS: list[Any] = []
+
+
+class RichProgress:
+    """The run's progress on stderr, one line from the main process: step, reward, step time, and measured peak
+    memory against the plan's. A transient one (the smoke step's) leaves nothing behind."""
+
+    def __init__(self, predicted_peak_bytes: float, transient: bool = False) -> None:
+        self.predicted, self.transient = predicted_peak_bytes, transient
+        self.progress: Any = None
+        self.task: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        console = Console(stderr=True)
+        if not state.is_world_process_zero or (self.transient and not console.is_terminal):
+            return  # off a terminal, a transient display would leave only a blank line
+        self.progress = Progress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 TextColumn("{task.description}"), console=console, transient=self.transient)
+        self.progress.start()
+        self.task = self.progress.add_task("", total=state.max_steps or None, completed=state.global_step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+        import torch
+
+        if self.progress is None or not logs or "reward" not in logs:
+            return
+        measured = (f"{torch.cuda.max_memory_reserved() / GiB:.2f}" if torch.cuda.is_available() else "-")
+        self.progress.update(self.task, completed=state.global_step, description=(
+            f"reward {float(logs['reward']):.3f}  step {float(logs.get('step_time', 0)):.1f} s  "
+            f"peak {measured} / predicted {self.predicted / GiB:.2f} GiB"))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def longest_first(dataset: Any, rows: int) -> Any:
+    """The `rows` longest prompts (by characters, a close stand-in for tokens), longest first."""
+    lengths = [len(str(prompt)) for prompt in dataset["prompt"]]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:rows]
+    return dataset.select(order)
+
+
+def smoke_step(setup: RunSetup, dataset: Any) -> None:
+    """One step on the longest prompts with every completion forced to full length, in a scratch folder: an
+    out-of-memory error shows up in seconds instead of hours into the run."""
+    import tempfile
+
+    train = setup.train
+    rows = train.per_device_train_batch_size * train.steps_per_generation_resolved
+    with tempfile.TemporaryDirectory(prefix="vram-plan-smoke-") as scratch:
+        smoke = replace(setup, output_dir=Path(scratch), max_steps=1)
+        start_run(smoke, longest_first(dataset, rows), smoke=True)
+
+
+def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, smoke: bool = False) -> Path:
+    """Train on a prepared dataset (from a checkpoint when given); returns the output folder."""
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    kwargs = {**setup.grpo_kwargs(), "disable_tqdm": True}  # the rich progress line replaces TRL's bar
+    if smoke:
+        kwargs.update(save_strategy="no", generation_kwargs={"min_new_tokens": setup.train.max_completion_length})
+    args = GRPOConfig(**kwargs)
+    peft = lora_config_kwargs(setup.train)
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**peft)
+    quantization = quantization_config_kwargs(setup.train)
+    if quantization:
+        from transformers import BitsAndBytesConfig
+
+        args.model_init_kwargs = {**(args.model_init_kwargs or {}),
+                                  "quantization_config": BitsAndBytesConfig(**quantization)}
+    created = not setup.output_dir.exists()
+    setup.output_dir.mkdir(parents=True, exist_ok=True)
+    log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes)
+    progress = RichProgress(setup.predicted_peak_bytes, transient=smoke)
+
+    def on_log(*args: Any, **kwargs: Any) -> None:
+        log.on_log(*args, **kwargs)
+        progress.on_log(*args, **kwargs)
+
+    callback = type("VramPlanLog", (TrainerCallback,), {"on_log": staticmethod(on_log),
+                                                        "on_train_begin": staticmethod(progress.on_train_begin),
+                                                        "on_train_end": staticmethod(progress.on_train_end)})()
+    try:
+        trainer = GRPOTrainer(model=setup.model_id, reward_funcs=[load_reward(r) for r in setup.rewards],
+                              args=args, train_dataset=dataset, peft_config=peft_config,
+                              callbacks=[callback, *EXTRA_CALLBACKS])
+    except Exception as exc:
+        if created:  # nothing trained yet: leave no half-made folder behind
+            shutil.rmtree(setup.output_dir, ignore_errors=True)
+        raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # with TRL's bar off it prints every log dict; the line shows them
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer)) from exc
+    if not smoke:
+        trainer.save_model(str(setup.output_dir / "final"))
+    return setup.output_dir
+
+
+def _rescue(trainer: Any) -> Path | None:
+    """Save a checkpoint of the steps done so far (an OOM leaves the weights and optimizer states intact)."""
+    import torch
+
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    try:
+        trainer._save_checkpoint(trainer.model, trial=None)
+    except Exception:  # the OOM may recur while saving: the last scheduled checkpoint is then what there is
+        pass
+    return last_checkpoint(Path(trainer.args.output_dir))
+
+
+def train(setup: RunSetup, prepared: PreparedRun, auto_fallback: bool, say: Callable[[str], None]) -> None:
+    """The smoke step, then the run (from the checkpoint to resume from); on out-of-memory with `auto_fallback`,
+    again one rung down the plan's ladder from the checkpoint it saved."""
+    say("smoke step: the longest prompts, full-length completions")
+    smoke_step(setup, prepared.dataset)
+    clear_previous_run(setup)  # only now: a smoke step that fails leaves the earlier run as it was
+    resume = prepared.resume_from
+    while True:
+        try:
+            start_run(setup, prepared.dataset, resume)
+            return
+        except RunOutOfMemory as oom:
+            smaller = oom.setup.one_rung_down() if auto_fallback else None
+            if smaller is None:
+                raise
+            say(f"{oom}\nfalling back: {changed(setup.train, smaller.train)}, predicted peak "
+                f"{smaller.predicted_peak_bytes / GiB:.2f} GiB; resuming from {oom.checkpoint}")
+            setup, resume = smaller, oom.checkpoint
+
+
+def changed(before: TrainingConfig, after: TrainingConfig) -> str:
+    """The fields two configs differ in, as 'name before -> after'."""
+    fields = type(before).model_fields
+    return ", ".join(f"{k} {getattr(before, k)} -> {getattr(after, k)}" for k in fields
+                     if getattr(before, k) != getattr(after, k))
+
+
+# accelerate configs TRL ships (trl/accelerate_configs), by the plan's distribution strategy
+ACCELERATE_TEMPLATES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp2"}
+
+
+def needs_launcher(train: TrainingConfig) -> bool:
+    """Several GPUs, and this process is not one that `accelerate launch` started."""
+    return train.num_gpus > 1 and not launched_worker()
+
+
+def accelerate_config_yaml(train: TrainingConfig) -> str:
+    """TRL's accelerate config for the plan's strategy, with the plan's GPU count and mixed precision."""
+    import yaml
+
+    import trl
+
+    template = Path(trl.__file__).parent / "accelerate_configs" / f"{ACCELERATE_TEMPLATES[train.distributed]}.yaml"
+    config = yaml.safe_load(template.read_text())
+    config.update(num_processes=train.num_gpus, mixed_precision=train.mixed_precision)
+    return yaml.safe_dump(config, sort_keys=True)
+
+
+def launch_command(setup: RunSetup, argv: list[str]) -> list[str]:
+    """`accelerate launch` of this same `vram-plan run` (each process then trains its share)."""
+    return ["accelerate", "launch", "--config_file", str(setup.output_dir / CONFIG_NAME), "-m", "vram_planner",
+            *(arg for arg in argv if arg != "--dry-run")]
+
+
+def launch(setup: RunSetup, argv: list[str]) -> int:
+    """Write the accelerate config beside the run's output and start one process per GPU."""
+    import subprocess
+
+    from vram_planner.files import write_atomically
+
+    clear_previous_run(setup)
+    write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup.train))
+    return subprocess.call(launch_command(setup, argv))

@@ -1,0 +1,288 @@
+"""The trace engine: exact tensor bytes of one GRPO step, counted on the CPU with no GPU and no real memory.
+
+`trace_step` builds the transformers model from its config.json on torch FakeTensors (shapes and dtypes, no data),
+wraps it as TRL 1.16 does (PEFT, fused LM head, checkpointing) and runs the step's phases through the installed
+transformers and TRL code while a dispatch mode counts every live tensor storage. The phases and their peaks follow
+../shared/design/grpo-memory.md; the torch side lives in `vram_planner.tracing` (imported only when a trace runs).
+
+What the trace measures is what `torch.cuda.memory_allocated` would report on one CUDA device (blocks rounded to
+512 bytes), not the CUDA context, cuBLAS workspaces or the caching allocator's reserve. Fake tensors cannot sit on a
+fake "cuda" device in a CPU-only torch (autograd aborts), so CPU kernels run; where that changes allocations,
+`tracing.patches.cuda_like_behaviour` takes the CUDA path (TRL's compact fused LM head, its in-place Triton kernels,
+cuBLAS fp32-output addmm; foreach optimizers), and autograd's in-place gradient sums are restored (`LiveBytes`).
+Left as the CPU does it: SDPA runs the CPU flash kernel where CUDA runs the memory-efficient one (both keep the
+output and a float32 log-sum-exp; CUDA pads it to 32 queries), CPU autocast does not upcast exp/log/softmax as CUDA's
+does (no decoder forward feeds them bf16), and foreach optimizers' `step` scalars are counted on the device.
+Generation runs the prefill and the last decoding step only (the KV cache only grows); values fake tensors lack
+(padding checks, EOS stops) are assumed and listed in the result's notes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from vram_planner.errors import VramPlanError, first_line
+from vram_planner.extras import TRAIN_EXTRA, require_train_extra
+from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease, installed_trl_version
+
+
+@dataclass(frozen=True)
+class TracePhase:
+    """The peak of live tensor bytes in one phase of the step, split by component."""
+
+    name: str
+    peak_bytes: int
+    components: dict[str, int]  # names from vram_planner.model.phases.TENSOR_COMPONENTS
+    moment: str  # where in the phase the peak happened
+    seconds: float  # wall time of tracing this phase
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.peak_bytes
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """One traced GRPO step: its phases at steady state (optimizer states alive from step 2 on)."""
+
+    phases: tuple[TracePhase, ...]
+    params: int  # the model's parameters, LoRA adapters excluded (as Estimate.params)
+    trainable_params: int
+    seconds: float  # wall time of the whole trace, model building included
+    notes: tuple[str, ...] = field(default=())
+
+    def phase(self, name: str) -> TracePhase:
+        for p in self.phases:
+            if p.name == name:
+                return p
+        raise KeyError(f"no phase {name!r} in this trace (phases: {', '.join(p.name for p in self.phases)})")
+
+    @property
+    def peak_phase(self) -> TracePhase:
+        return max(self.phases, key=lambda p: p.peak_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_phase.peak_bytes
+
+
+@dataclass(frozen=True)
+class PhaseComparison:
+    """Trace against analytic estimate for one phase; relative error is (analytic - trace) / trace."""
+
+    name: str
+    trace_bytes: int
+    analytic_bytes: float
+    components: dict[str, tuple[int, float]]  # component -> (trace, analytic)
+
+    @property
+    def relative_error(self) -> float:
+        return (self.analytic_bytes - self.trace_bytes) / self.trace_bytes if self.trace_bytes else 0.0
+
+
+def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlRelease | None = None,
+               progress: Callable[[str], None] | None = None) -> TraceResult:
+    """Trace one GRPO step of `train` on the model described by `arch_config` (a config.json dict).
+
+    Args:
+        arch_config: the model's config.json as a dict (multimodal configs are not supported).
+        train: the training configuration.
+        release: the TRL release to plan for; the trace runs the installed TRL, so it must behave the same.
+        progress: called with what the trace is doing as it moves from one part to the next.
+
+    Returns:
+        Per phase ("generation", "scoring" when old or reference log-probs are computed, "training", "optimizer")
+        the peak live tensor bytes and their split by component.
+
+    Raises:
+        VramPlanError: for what the trace cannot run on the CPU (4-bit weights, vLLM, several GPUs, Liger kernels,
+            FlashAttention-2, bitsandbytes optimizers), a TRL release other than the installed one's behaviour, or
+            sequences longer than the model's max_position_embeddings; before the model is built.
+    """
+    from vram_planner.model.architecture import ModelArchitecture
+
+    notes = check_traceable(train, release, ModelArchitecture.from_config(arch_config).max_position_embeddings)
+    start = time.perf_counter()
+    _import_engine()
+    from vram_planner.tracing import phases as tp
+    from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
+    from vram_planner.tracing.session import build_session
+
+    runs = [("generation", tp.run_generation), ("old/reference log-probs", tp.run_scoring),
+            ("loss forward and backward", tp.run_training),
+            ("the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
+    if not (train.computes_old_logps or train.computes_ref_logps):
+        del runs[1]
+    say = progress or (lambda what: None)
+    with _quiet():
+        say("building the model on fake tensors")
+        with _explained("building the model"):
+            session = build_session(arch_config, train)
+        with session.fake_mode, session.tracker, cuda_like_behaviour(session), head_tagging(session):
+            peaks = []
+            for label, run in runs:
+                say(f"tracing {label}")
+                with _explained(f"tracing {label}"):
+                    peaks.append(_timed(run, session))
+    trainable = sum(p.numel() for p in session.model.parameters() if p.requires_grad)
+    # As Estimate.params counts them: the model's own parameters; with LoRA the adapters are the trainable ones.
+    params = sum(p.numel() for p in session.model.parameters()) - (trainable if train.uses_lora else 0)
+    # The phases before the first optimizer step run without optimizer states; every later step carries them, and
+    # they neither grow nor interact with anything else, so adding them gives the steady state exactly.
+    phases = [_phase(p, session.state_bytes) for p in peaks[:-1]] + [_phase(peaks[-1], 0)]
+    notes += _assumption_notes(session.tracker.assumptions)
+    return TraceResult(phases=tuple(phases), params=params, trainable_params=trainable,
+                       seconds=time.perf_counter() - start, notes=tuple(notes))
+
+
+def engine_versions() -> dict[str, str]:
+    """The installed versions of what a trace (or a probe) runs, by package name."""
+    import importlib.metadata as md
+
+    return {package: md.version(package) for package in ("torch", "transformers", "trl", "peft")}
+
+
+def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
+                    max_position_embeddings: int | None = None) -> list[str]:
+    """Raise VramPlanError for what the CPU trace cannot run; return notes on what it approximates."""
+    require_train_extra("the trace")
+    problems = []
+    if max_position_embeddings and train.sequence_length > max_position_embeddings:
+        problems.append(f"prompt + completion ({train.sequence_length} tokens) is longer than the model's "
+                        f"max_position_embeddings ({max_position_embeddings}), so it has no positions for them")
+    if train.load_in_4bit:
+        problems.append("4-bit weights (--load-in-4bit) need bitsandbytes' CUDA kernels")
+    if train.use_vllm:
+        problems.append("vLLM generation (--use-vllm) runs outside torch")
+    if train.num_gpus > 1 or train.zero_stage is not None or train.fsdp:
+        problems.append("the trace covers one GPU without DeepSpeed or FSDP")
+    if train.use_liger_kernel:
+        problems.append("Liger kernels (--use-liger-kernel) are Triton kernels")
+    if train.attn_implementation == "flash_attention_2":
+        problems.append("FlashAttention-2 has no CPU kernel; trace with --attn-implementation sdpa")
+    if train.optim.needs_bitsandbytes:
+        problems.append(f"bitsandbytes optimizers (--optim {train.optim.value}) need CUDA kernels")
+    notes = _release_notes(release, problems)
+    if problems:
+        raise VramPlanError("the trace cannot run this config: " + "; ".join(problems)
+                            + " (`vram-plan check` gives the analytic estimate)")
+    return notes
+
+
+def _release_notes(release: TrlRelease | None, problems: list[str]) -> list[str]:
+    installed = installed_trl_version()
+    if installed is None:  # require_train_extra found TRL importable: a source checkout without metadata
+        return []
+    if release is None or release.version in ("", installed):
+        return []
+    if release.lm_head != "fused_chunked":
+        problems.append(f"TRL {release.version} materialises full logits; the trace runs the installed TRL "
+                        f"{installed}, whose LM head is fused")
+        return []
+    return [f"traced with the installed TRL {installed}, not {release.version} (same LM head behaviour)"]
+
+
+def compare_with_estimate(result: TraceResult, estimate: Estimate) -> list[PhaseComparison]:
+    """Each traced phase next to the analytic phase of the same name (tensor bytes only)."""
+    analytic = {p.name: p for p in estimate.phases}
+    rows = []
+    for phase in result.phases:
+        other = analytic.get(phase.name)
+        if other is None:
+            continue
+        components = {c: (phase.components.get(c, 0), other.components.get(c, 0.0)) for c in TENSOR_COMPONENTS}
+        rows.append(PhaseComparison(phase.name, phase.peak_bytes, other.tensor_bytes, components))
+    return rows
+
+
+def _timed(run: Callable[[Any], Any], session: Any) -> Any:
+    start = time.perf_counter()
+    peak = run(session)
+    peak.seconds = time.perf_counter() - start
+    return peak
+
+
+def _phase(peak: Any, extra_states: int) -> TracePhase:
+    components = {c: int(peak.split.get(c, 0)) for c in TENSOR_COMPONENTS}
+    components["optimizer_states"] += extra_states
+    return TracePhase(peak.name, int(peak.peak_bytes) + extra_states, components, peak.moment, peak.seconds)
+
+
+def _assumption_notes(assumptions: Any) -> list[str]:
+    """One note per assumption, with the places that needed it: 'what (at file:line, line; file:line)'."""
+    sites: dict[str, dict[str, list[str]]] = {}
+    for what, site in sorted(assumptions):
+        file, _, line = site.rpartition(":")
+        sites.setdefault(what, {}).setdefault(file, []).append(line)
+    return [f"{what} (at " + "; ".join(f"{file}:{','.join(lines)}" for file, lines in files.items()) + ")"
+            for what, files in sites.items()]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers and torch warn about things that do not matter on fake tensors (autocast on CPU, ...), and
+    FakeTensorMode logs a traceback of every op that fails before raising it; the error itself is reported."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_tensor_disabled = fake_tensor_log.disabled
+    fake_tensor_log.disabled = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        fake_tensor_log.disabled = fake_tensor_disabled
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _import_engine() -> None:
+    """The packages the trace runs, or one line saying how to install them."""
+    try:
+        # torch first: transformers without it only warns (on stderr) and fails later
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        import peft  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as exc:  # installed but broken: require_train_extra only finds the packages
+        missing = exc.name or str(exc)
+        raise VramPlanError(f"the trace needs torch, transformers, TRL and PEFT ({missing} cannot be imported): "
+                            f"{TRAIN_EXTRA}") from exc
+
+
+@contextlib.contextmanager
+def _explained(what: str) -> Iterator[None]:
+    """A failure inside transformers, PEFT, TRL or torch as one line that says where the trace was (the whole
+    traceback stays on the exception's cause, which `--debug` prints)."""
+    try:
+        yield
+    except (VramPlanError, ImportError):
+        raise
+    except MemoryError as exc:
+        raise VramPlanError(f"the trace ran out of host memory while {what} (fake tensors hold no data, so this "
+                            "is the Python objects of the model); `vram-plan check` gives the analytic estimate"
+                            ) from exc
+    except Exception as exc:
+        raise VramPlanError(f"the trace failed while {what}: {first_line(exc, 'an error without a message')}{_hint(exc)}; `vram-plan check` "
+                            "gives the analytic estimate") from exc
+
+
+def _hint(exc: BaseException) -> str:
+    """Why the usual failures happen, in the user's words."""
+    text = str(exc)
+    if "overflowed" in text:
+        return " (a tensor of this config would hold more than 2**63 bytes)"
+    if "expanded size of the tensor" in text:  # learned position embeddings shorter than the sequence
+        return " (are the prompt and completion longer than the model's max_position_embeddings?)"
+    return ""
