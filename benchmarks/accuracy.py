@@ -70,31 +70,16 @@ def trace_key() -> str:
     """Versions and tracing code a cached trace depends on."""
 
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "vram_planner" / "tracing").glob("*.py")):  # step.py last, where trace.py was
+    for path in sorted((ROOT / "vram_planner" / "tracing").glob("*.py")):
         digest.update(_code_only(path.read_text()).encode())
     versions = "/".join(f"{package} {version}" for package, version in engine_versions().items())
     return f"{versions} / tracing {digest.hexdigest()[:12]}"
-
-
-# Where the modules the tracing code imports lived before the package had folders: imports are hashed under those
-# names, so moving a module keeps the cached traces while changing what the code does still re-runs them.
-PRE_LAYOUT_NAMES = {"vram_planner.tracing.step": "vram_planner.trace",
-                    "vram_planner.model.phases": "vram_planner.estimate",
-                    "vram_planner.model.components": "vram_planner.memory"} | {
-    f"vram_planner.model.{name}": f"vram_planner.{name}"
-    for name in ("architecture", "spec", "activations", "lm_head", "calibration", "trl_releases", "verdict", "search",
-                 "divisors", "grpo_config")}
 
 
 def _code_only(source: str) -> str:
     """The module's syntax tree without docstrings (comments are not in it): what a trace depends on."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in PRE_LAYOUT_NAMES:
-            node.module = PRE_LAYOUT_NAMES[node.module]
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                alias.name = PRE_LAYOUT_NAMES.get(alias.name, alias.name)
         body = getattr(node, "body", None)
         if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):

@@ -554,3 +554,10 @@ def test_the_phi3_family_is_planned_on_the_command_line(capsys, command, model):
     code = main([command, "--gpu", "rtx4090", "--model", model, "--json"])
     out, err = capsys.readouterr()
     assert code in (0, 1) and err == "" and json.loads(out)["params"] > 3.8e9
+
+
+def test_an_unknown_setting_is_reported_even_when_its_value_is_none():
+    # None means "not given" for a known knob, but a misspelt one must not vanish with it
+    with pytest.raises(ConfigError, match="unknown setting --per-device-train-batch .*did you mean"):
+        api.check("Llama-3.2-1B", CARD, {"per_device_train_batch": None})
+    assert api.check("Llama-3.2-1B", CARD, {"beta": None}).train.beta == 0.0

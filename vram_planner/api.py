@@ -44,7 +44,9 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
     elif settings is not None and not isinstance(settings, dict):
         raise ConfigError([f"settings should be a mapping of GRPOConfig-style knobs to values (got {settings!r:.60})"])
     else:
-        values = {k: v for k, v in (settings or {}).items() if v is not None}
+        # None means "not given" for a knob; an unknown name is reported whatever its value (a typo'd YAML key
+        # left empty must not vanish silently)
+        values = {k: v for k, v in (settings or {}).items() if v is not None or k not in TrainingConfig.model_fields}
         explicit = set(values)
         defaults = {"beta": context.release.default_beta,
                     "max_completion_length": context.release.default_max_completion_length,

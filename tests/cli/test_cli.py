@@ -117,7 +117,11 @@ def test_config_file_yaml_and_flags_override(capsys, tmp_path, llama_1b_file):
 
 
 @pytest.mark.parametrize("text,expected", [("per_device_train_batch: 4\n", "did you mean --per-device-train-batch-size"),
-                                           ("- a\n- b\n", "must hold a mapping"), ("a: [\n", "not valid YAML")])
+                                           ("- a\n- b\n", "must hold a mapping"), ("a: [\n", "not valid YAML"),
+                                           # YAML reads these as {None: None} and {1: 4}: no setting's name
+                                           ("?\n", "None is not a setting's name"), ("1: 4\n", "1 is not a setting"),
+                                           # a typo'd key left empty is still a typo
+                                           ("per_device_train_batch:\n", "did you mean --per-device-train")])
 def test_bad_config_files(capsys, tmp_path, llama_1b_file, text, expected):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(text)

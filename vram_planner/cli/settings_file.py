@@ -32,6 +32,10 @@ def read_settings_file(path: Path) -> dict[str, Any]:
                            "per_device_train_batch_size: 4) or leave --config out")
     if not isinstance(data, dict):
         raise ProfileError(f"--config {path} must hold a mapping of settings, not a {type(data).__name__}")
+    named = [key for key in data if not isinstance(key, str)]
+    if named:  # YAML reads `?`, `1:` or `null:` as keys that are no setting's name
+        raise ProfileError(f"--config {path}: {named[0]!r} is not a setting's name; write the flags' keys, e.g. "
+                           "per_device_train_batch_size: 4")
     return {str(k).replace("-", "_"): _checked(path, str(k), v) for k, v in data.items()}
 
 
