@@ -61,6 +61,13 @@ def json_kind(value: Any) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
+def short_repr(value: Any, limit: int = 40) -> str:
+    """A user's value for a message, cut short so that a 300-digit number or a long path still leaves one readable
+    line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 def first_line(exc: BaseException | str, default: str = "no reason given", limit: int = 300) -> str:
     """What went wrong in the words of whoever raised it, on one line and without the exception's class name (the
     traceback is what --debug is for)."""

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vram_planner.errors import ProfileError, UnknownNameError, json_kind
+from vram_planner.errors import ProfileError, UnknownNameError, json_kind, short_repr
 from vram_planner.units import GiB, MiB, looks_like_size, parse_size_bytes
 
 PROFILES_ENV = "VRAM_PLAN_PROFILES"
@@ -149,13 +149,8 @@ def validated(model: type[BaseModel], data: Any, where: str) -> Any:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         got = first.get("input")
-        shown = "" if isinstance(got, (dict, list)) and loc else f" (got {_short_repr(got)})"
+        shown = "" if isinstance(got, (dict, list)) and loc else f" (got {short_repr(got, 60)})"
         raise ProfileError(f"{where}: {loc + ': ' if loc else ''}{first['msg']}{shown}") from exc
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @lru_cache(maxsize=1)

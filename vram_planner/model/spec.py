@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from vram_planner.errors import ConfigError, closest_names
+from vram_planner.errors import ConfigError, closest_names, short_repr
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -229,14 +229,8 @@ def _describe(exc: ValidationError) -> list[str]:
             out.append(f"{flag(field)} {value!r} is not known; {hint}choose from {', '.join(allowed)}")
             continue
         message = err["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
-        out.append(f"{flag(field)} should be {message} (got {_shown(value)})")
+        out.append(f"{flag(field)} should be {message} (got {short_repr(value)})")
     return out
-
-
-def _shown(value: Any, limit: int = 40) -> str:
-    """A user's value for a message, cut short so that a 300-digit number still leaves one readable line."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def _allowed_values(field: str) -> list[str]:
