@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vram_planner.errors import ConfigError, VramPlanError
+from vram_planner.errors import ConfigError, VramPlanError, short_repr
 from vram_planner.model.calibration import Calibration, calibration_for
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.search import Plan, best_plan
-from vram_planner.model.spec import TrainingConfig, training_config
+from vram_planner.model.spec import TrainingConfig, training_config, with_changes
+from vram_planner.model.trl_semantics import release_defaults
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, check_safety_margin,
                                         check_training, judge)
@@ -41,6 +42,8 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
     """Validate the knobs, fill the TRL release's defaults and adapt unset defaults to the GPU."""
     if isinstance(settings, TrainingConfig):
         train, explicit = settings, set(settings.model_fields_set)
+        if train.trl_version != context.release.version:  # the knobs mean what they mean in the context's release
+            train = with_changes(train, trl_version=context.release.version)
     elif settings is not None and not isinstance(settings, dict):
         raise ConfigError([f"settings should be a mapping of GRPOConfig-style knobs to values (got {settings!r:.60})"])
     else:
@@ -48,9 +51,13 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
         # left empty must not vanish silently)
         values = {k: v for k, v in (settings or {}).items() if v is not None or k not in TrainingConfig.model_fields}
         explicit = set(values)
-        defaults = {"beta": context.release.default_beta,
-                    "max_completion_length": context.release.default_max_completion_length,
-                    "dtype": context.release.default_model_dtype}
+        given = values.get("trl_version")
+        if given is not None and given != context.release.version:
+            raise ConfigError([f"trl_version {short_repr(given)} in the settings differs from the context's TRL "
+                               f"{context.release.version}; give the release once (--trl-version, or trl_version "
+                               "in a --config file)"])
+        values["trl_version"] = context.release.version
+        defaults = release_defaults(context.release, use_vllm=values.get("use_vllm") is True)
         train = training_config({**defaults, **values})
     train = adapt_to_gpu(train, context.gpu, explicit)
     check_training(train, context)

@@ -84,11 +84,12 @@ def attribute(error: OomError, verdict: Any) -> tuple[str | None, str | None]:
 
     arch, train = verdict.context.arch, verdict.train
     s = sizes(train)
-    b, c, v, h = train.per_device_train_batch_size, train.max_completion_length, arch.vocab_size, arch.hidden_size
+    b, c, v, h = train.micro_batch_completions, train.max_completion_length, arch.vocab_size, arch.hidden_size
     fused = verdict.context.release.lm_head == "fused_chunked"
     head = ("a logits tile of the fused LM head", (min(b * c, 4096) * 32768 * s.compute, "loss forward/backward"))
     if not fused:
-        head = (f"the fp32 logits of a micro-batch (TRL {verdict.context.release.version} materialises them)",
+        head = (f"the fp32 logits of a micro-batch: {b} completion{'s' * (b != 1)} x {c + 1} positions x {v} "
+                f"vocabulary entries (TRL {verdict.context.release.version} materialises them)",
                 (b * (c + 1) * v * 4, "loss forward/backward"))
     candidates = {
         head[0]: head[1],
@@ -130,22 +131,44 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
     advice.culprit, advice.phase = attribute(error, verdict)
     plan = best_plan(context, train)
     ranked = _plan_fixes(plan.changes)
-    if context.release.lm_head != "fused_chunked":
-        from vram_planner.model.lm_head import lm_head_memory
-        from vram_planner.model.trl_releases import trl_release
-
-        current = trl_release()  # the installed one, or the newest TRL vram-plan knows
-        if current.lm_head == "fused_chunked":
-            old_head = lm_head_memory(context.arch, train, context.release, train.per_device_train_batch_size, True)
-            new_head = lm_head_memory(context.arch, train, current, train.per_device_train_batch_size, True)
-            saved = old_head.saved + old_head.backward_transient - new_head.saved - new_head.backward_transient
-            ranked.append(Fix(change=f"pip install 'trl>={current.version}'", saves_bytes=round(saved),
-                              cost="none (same training, a newer TRL)",
-                              why="its fused LM head never materialises the logits"))
+    upgrade = _upgrade_fix(context, train, verdict)
+    if upgrade is not None:
+        ranked.append(upgrade)
     advice.fixes = sorted(fixes + ranked, key=lambda f: -(f.saves_bytes or 0))
     if plan.chosen is not None:
         advice.fitting_config = grpo_config_kwargs(plan.chosen.train)
     return advice
+
+
+def _upgrade_fix(context: Any, train: Any, verdict: Any) -> Fix | None:
+    """The same training on the installed (or newest known) TRL, when that release needs less memory: the knobs
+    translated to its meaning (completions per micro-batch, the same generation batch), every other value kept."""
+    from dataclasses import replace
+
+    from vram_planner.errors import ConfigError
+    from vram_planner.model.spec import with_changes
+    from vram_planner.model.trl_releases import trl_release
+    from vram_planner.model.verdict import judge
+
+    current = trl_release()
+    if current.version == context.release.version or context.release.lm_head == current.lm_head == "fused_chunked":
+        return None
+    generates_per_micro_batch = train.steps_per_generation_resolved < train.gradient_accumulation_steps
+    try:
+        same = with_changes(train, trl_version=current.version,
+                            per_device_train_batch_size=train.micro_batch_completions,
+                            steps_per_generation=train.steps_per_generation_resolved if generates_per_micro_batch
+                            else train.steps_per_generation)
+    except ConfigError:
+        return None
+    saved = verdict.estimate.peak_bytes - judge(replace(context, release=current), same).estimate.peak_bytes
+    if saved <= 0:  # an upgrade that needs more memory for this config is no fix
+        return None
+    why = "the same training with less memory"
+    if current.lm_head == "fused_chunked" and context.release.lm_head != "fused_chunked":
+        why = "its fused LM head never materialises the logits"
+    return Fix(change=f"pip install 'trl>={current.version}'", saves_bytes=round(saved),
+               cost="none (same training, a newer TRL)", why=why)
 
 
 def _plan_fixes(changes: Any) -> list[Fix]:

@@ -87,6 +87,8 @@ def resolve(command: str, options: dict[str, Any]):
     from vram_planner import api
 
     model, gpu, knobs = settings_from(command, options)
-    context = api.make_context(model, gpu, trl_version=options["trl_version"], calibration=options["calibration"],
+    from_file = knobs.pop("trl_version", None)  # a --config file may name the release; the flag wins
+    trl_version = options["trl_version"] if options["trl_version"] is not None else from_file
+    context = api.make_context(model, gpu, trl_version=trl_version, calibration=options["calibration"],
                                safety_margin=options["safety_margin"])
     return context, api.make_training(context, knobs)

@@ -89,9 +89,13 @@ def peak_bar(report: Report) -> Text:
 
 
 def footer(report: Report) -> Text:
-    lines = [f"Assumed: the longest prompt is {report.assumptions['max_prompt_length']} tokens "
-             "(set --max-prompt-length; TRL no longer truncates prompts). "
-             f"Calibration: {report.calibration}."]
+    prompt = report.assumptions["max_prompt_length"]
+    if report.assumptions.get("prompts_truncated"):
+        assumed = f"prompts of {prompt} tokens (TRL {report.trl_version} truncates longer ones to max_prompt_length)"
+    else:
+        assumed = (f"the longest prompt is {prompt} tokens (set --max-prompt-length; TRL no longer truncates "
+                   "prompts)")
+    lines = [f"Assumed: {assumed}. Calibration: {report.calibration}."]
     lines += [f"Note: {n}" for n in report.notes]
     if not report.grpo_config_valid:
         lines += [f"GRPOConfig would reject this: {p}" for p in report.grpo_config_problems]

@@ -76,7 +76,7 @@ def _phase(p: Phase) -> PhaseReport:
 def verdict_report(verdict: Verdict, command: str = "check") -> Report:
     ctx, train, est = verdict.context, verdict.train, verdict.estimate
     kwargs = grpo_config_kwargs(train)
-    problems = grpo_config_problems(kwargs, num_processes=train.num_gpus)
+    problems = grpo_config_problems(kwargs, num_processes=train.num_gpus, release=train.release)
     cal = ctx.calibration
     return Report(
         command=command, fits=verdict.fits, model=ctx.model_id or ctx.arch.name, gpu=ctx.gpu.name,
@@ -85,7 +85,8 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
         params=est.params, trainable_params=est.trainable_params, phases=[_phase(p) for p in est.phases],
         config=kwargs, peft_config=lora_config_kwargs(train), quantization_config=quantization_config_kwargs(train),
         grpo_config_valid=not problems, grpo_config_problems=problems,
-        assumptions={"max_prompt_length": train.max_prompt_length, "num_gpus": train.num_gpus,
+        assumptions={"max_prompt_length": train.max_prompt_length,
+                     "prompts_truncated": train.release.accepts_max_prompt_length, "num_gpus": train.num_gpus,
                      "distributed": train.distributed, "generation_batch_size": train.generation_batch_size},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         trl_version=ctx.release.version, notes=list(est.notes),

@@ -10,17 +10,21 @@ import json
 from typing import Any
 
 from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease
 
 
 def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
     """Keyword arguments for trl.GRPOConfig (besides output_dir) that reproduce this plan."""
-    model_init: dict[str, Any] = {"dtype": train.dtype}
+    release = train.release
+    # transformers 4 named the load dtype torch_dtype
+    model_init: dict[str, Any] = {"dtype" if release.transformers_major >= 5 else "torch_dtype": train.dtype}
     if train.attn_implementation != "sdpa":
         model_init["attn_implementation"] = train.attn_implementation
     kwargs: dict[str, Any] = {
         "per_device_train_batch_size": train.per_device_train_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "num_generations": train.num_generations,
+        **({"max_prompt_length": train.max_prompt_length} if release.accepts_max_prompt_length else {}),
         "max_completion_length": train.max_completion_length,
         "beta": train.beta,
         "optim": train.optim.value,
@@ -61,9 +65,12 @@ def quantization_config_kwargs(train: TrainingConfig) -> dict[str, Any] | None:
             "bnb_4bit_compute_dtype": "bfloat16" if train.mixed_precision != "fp16" else "float16"}
 
 
-def grpo_config_problems(kwargs: dict[str, Any], num_processes: int = 1) -> list[str]:
-    """The checks of GRPOConfig.__post_init__ (TRL 1.16) that these kwargs would fail."""
+def grpo_config_problems(kwargs: dict[str, Any], num_processes: int = 1, release: TrlRelease | None = None) -> list[str]:
+    """The checks of GRPOConfig.__post_init__ (TRL 1.16) that these kwargs would fail; for an older `release`, the
+    checks it shares with 1.16 (its own batch rules are the spec's, see spec.generation_batch_problems)."""
     problems = []
+    if release is not None and release.num_generations_rule != "generation_batch":
+        return problems + (["bf16 and fp16 cannot both be set"] if kwargs.get("bf16") and kwargs.get("fp16") else [])
     b = kwargs.get("per_device_train_batch_size", 8)
     ga = kwargs.get("gradient_accumulation_steps", 1)
     s = kwargs.get("steps_per_generation")
@@ -82,7 +89,7 @@ def grpo_config_problems(kwargs: dict[str, Any], num_processes: int = 1) -> list
         problems.append(f"num_generations ({g}) must be at least 2")
     if kwargs.get("bf16") and kwargs.get("fp16"):
         problems.append("bf16 and fp16 cannot both be set")
-    if "max_prompt_length" in kwargs:
+    if "max_prompt_length" in kwargs and (release is None or not release.accepts_max_prompt_length):
         problems.append("max_prompt_length is not a GRPOConfig field since TRL 0.28")
     return problems
 
@@ -101,7 +108,8 @@ def python_snippet(train: TrainingConfig, model_id: str) -> str:
     lines += [")", "trainer = GRPOTrainer(", f"    model={model_id!r},",
               "    reward_funcs=[...],  # your reward functions", "    args=args,",
               "    train_dataset=dataset,  # prompts; vram-plan assumed the longest is "
-              f"{train.max_prompt_length} tokens"]
+              f"{train.max_prompt_length} tokens"
+              + (" (longer ones are truncated)" if train.release.accepts_max_prompt_length else "")]
     if lora:
         lines.append(f"    peft_config=LoraConfig({call_args(lora)}),")
     if quant:

@@ -17,6 +17,7 @@ from vram_planner.model.calibration import Calibration
 from vram_planner.model.lm_head import lm_head_memory
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease
+from vram_planner.model.trl_semantics import release_assumptions
 
 # Component names, in the order people read them.
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
@@ -73,7 +74,8 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     }
     all_grads = m.gradient_bytes(arch, train)
     raw = [_generation(arch, train, cal, persistent)]
-    if train.computes_old_logps or train.computes_ref_logps:
+    merged = release.step_structure == "loss_merged"  # TRL 0.14: both log-prob passes run inside the loss
+    if not merged and (train.computes_old_logps or train.computes_ref_logps):
         raw.append(_scoring(arch, train, release, cal, persistent))
     raw.append(_training(arch, train, release, cal, persistent, all_grads))
     raw.append(Phase("optimizer", {**persistent, "gradients": all_grads,
@@ -132,7 +134,7 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
 def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
              persistent: dict[str, float]) -> Phase:
     """No-grad forward passes over the generation batch in chunks of B sequences; the peak is in one chunk."""
-    b, generated = train.per_device_train_batch_size, train.local_generation_batch_size
+    b, generated = train.micro_batch_completions, train.local_generation_batch_size
     length = train.sequence_length
     head = lm_head_memory(arch, train, release, b, with_grad=False)
     kept_logps = generated * train.max_completion_length * m.FP32_BYTES * (
@@ -158,7 +160,7 @@ def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, 
 def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
               persistent: dict[str, float], all_grads: float) -> Phase:
     """The largest moment of one micro-batch's forward and backward."""
-    b, length = train.per_device_train_batch_size, train.sequence_length
+    b, length = train.micro_batch_completions, train.sequence_length
     tokens = b * length
     s = m.sizes(train)
     head = lm_head_memory(arch, train, release, b, with_grad=True)
@@ -206,12 +208,37 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
                                arch, train, all_grads)),
                            "activations": first_layer}, "backward through the first layer"),
     ]
+    if release.step_structure == "loss_merged":
+        moments += _merged_log_prob_moments(arch, train, persistent, {
+            "weights": weights + forward_casts, "gradients": grads_before, "activations": saved + mask})
     if tied:
         # The embedding's dense gradient joins the output projection's before they are summed.
         dense = _head_gradient_bytes(arch, train)
         moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
                                            "activations": layer_input}, "embedding backward"))
     return max(moments, key=lambda p: p.total_bytes)
+
+
+def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
+                             policy_graph: dict[str, float]) -> list[Phase]:
+    """TRL 0.14's compute_loss: the policy's forward with grad over full logits, a log_softmax per completion kept
+    for backward, then the reference's log-probs while the policy's graph (`policy_graph`) is still alive."""
+    s = m.sizes(train)
+    sequences, c = train.micro_batch_completions, train.max_completion_length
+    logits = sequences * (c + 1) * arch.vocab_size
+    # accelerate converts a mixed-precision model's outputs to float32; without autocast the logits already are
+    logit_bytes = s.compute + (m.FP32_BYTES if train.mixed_precision != "no" and s.compute != m.FP32_BYTES else 0)
+    kept_rows = sequences * c * arch.vocab_size * m.FP32_BYTES  # each row's log_softmax, in float32
+    one_row = c * arch.vocab_size * m.FP32_BYTES
+    reference = dict(policy_graph)
+    for name, value in _scoring_casts(arch, train).items():  # the reference's weight casts, cached by autocast
+        reference[name] = reference.get(name, persistent[name]) + value - persistent[name]
+    return [
+        Phase("training", {**persistent, **policy_graph, "lm_head_buffers": logits * m.FP32_BYTES + kept_rows},
+              "policy log-probs: float32 logits and every row's log_softmax"),
+        Phase("training", {**persistent, **reference, "lm_head_buffers": kept_rows + logits * logit_bytes + one_row},
+              "reference log-probs while the policy's graph is alive"),
+    ]
 
 
 def _training_casts(arch: ModelArchitecture, train: TrainingConfig) -> tuple[float, float]:
@@ -244,7 +271,7 @@ def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> floa
 
 
 def _notes(arch: ModelArchitecture, train: TrainingConfig) -> tuple[str, ...]:
-    notes = []
+    notes = release_assumptions(train)
     if not arch.exact:
         notes.append(f"model_type {arch.model_type!r} is not one vram-plan knows; it was read as a Llama-style "
                      "decoder, so counts may be off")

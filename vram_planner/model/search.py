@@ -138,8 +138,8 @@ def _shorten_completions(shortest: int) -> Callable[[TrainingConfig], TrainingCo
 def _halve_generation_batch(train: TrainingConfig) -> TrainingConfig | None:
     """About half the completions per generation round (B x S x GPUs): fewer steps per generation, else half the
     micro-batch, each rounded down to what TRL allows (a generation batch divisible by num_generations)."""
-    s, b, gpus, groups = (train.steps_per_generation_resolved, train.per_device_train_batch_size, train.num_gpus,
-                          train.num_generations)
+    s, b, gpus = train.steps_per_generation_resolved, train.per_device_train_batch_size, train.num_gpus
+    groups = 1 if train.release.num_generations_rule == "none" else train.num_generations  # TRL 0.14: any B
     if train.steps_per_generation is None:  # S follows gradient_accumulation_steps
         fewer_steps = {"gradient_accumulation_steps": _halved(s, _spacing(groups, b * gpus))}
     elif train.computes_old_logps:
@@ -178,6 +178,8 @@ def micro_batch_sizes(train: TrainingConfig, at_most: int | None = None) -> list
     # a micro-batch divides both B x gradient_accumulation_steps and B x S, that is B x gcd(GA, S)
     shared = math.gcd(train.gradient_accumulation_steps, train.steps_per_generation_resolved)
     sizes = divisors(b * shared, at_most=b if at_most is None else min(at_most, b))
+    if train.release.num_generations_rule == "global_batch":  # TRL 0.15-0.16: each micro-batch holds whole groups
+        sizes = [size for size in sizes if size * train.num_gpus % train.num_generations == 0]
     lowest = _lowest_micro_batch(train)
     return sizes if lowest == 1 else [size for size in sizes if size >= lowest]
 

@@ -8,6 +8,9 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vram_planner.errors import ConfigError, closest_names, short_repr
+from vram_planner.model import trl_releases
+from vram_planner.model.divisors import divisors
+from vram_planner.model.trl_releases import TrlRelease
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -43,7 +46,12 @@ class Optimizer(str, Enum):
 
 
 class TrainingConfig(BaseModel):
-    """Everything about the run except the model and the GPU. Defaults are TRL 1.16's GRPOConfig defaults."""
+    """Everything about the run except the model and the GPU. Defaults are TRL 1.16's GRPOConfig defaults.
+
+    The knobs mean what they meant in TRL `trl_version` (None: the newest release vram-plan knows): in 0.14
+    per_device_train_batch_size counted prompts, before 0.17 each micro-batch generated its own completions, and so
+    on (profiles/trl.toml). The properties below translate them into completions and generation rounds.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -76,6 +84,17 @@ class TrainingConfig(BaseModel):
     num_gpus: int = Field(1, gt=0, le=MAX_COUNT)
     zero_stage: int | None = Field(None, ge=0, le=3)
     fsdp: bool = False
+    trl_version: str | None = None
+
+    @field_validator("trl_version")
+    @classmethod
+    def _known_release(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return trl_releases.trl_release(value).version
+        except ConfigError as exc:
+            raise ValueError(exc.problems[0].removeprefix("--trl-version ")) from exc
 
     @field_validator("lora_target_modules", mode="before")
     @classmethod
@@ -105,18 +124,33 @@ class TrainingConfig(BaseModel):
 
     # Derived quantities, named as TRL names them.
     @property
+    def release(self) -> TrlRelease:
+        """The TRL release whose meaning the knobs have."""
+        return trl_releases.trl_release(self.trl_version or trl_releases.NEWEST_KNOWN)
+
+    @property
     def steps_per_generation_resolved(self) -> int:
+        """Micro-batches one generation round serves (1 where each micro-batch generated its own, TRL < 0.17)."""
+        if self.release.generation_batch == "micro_batch":
+            return 1
         return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def micro_batch_completions(self) -> int:
+        """Completions in one micro-batch: B, or B prompts x num_generations where B counted prompts (TRL 0.14)."""
+        if self.release.batch_counts == "prompts":
+            return self.per_device_train_batch_size * self.num_generations
+        return self.per_device_train_batch_size
 
     @property
     def generation_batch_size(self) -> int:
         """Global completions per generation round (TRL's generation_batch_size)."""
-        return self.per_device_train_batch_size * self.num_gpus * self.steps_per_generation_resolved
+        return self.micro_batch_completions * self.num_gpus * self.steps_per_generation_resolved
 
     @property
     def local_generation_batch_size(self) -> int:
         """Completions each GPU generates at once."""
-        return self.per_device_train_batch_size * self.steps_per_generation_resolved
+        return self.micro_batch_completions * self.steps_per_generation_resolved
 
     @property
     def sequence_length(self) -> int:
@@ -128,13 +162,22 @@ class TrainingConfig(BaseModel):
 
     @property
     def computes_old_logps(self) -> bool:
-        """TRL's condition in _generate_and_score_completions (plus vLLM importance sampling, on by default)."""
-        off_policy = self.gradient_accumulation_steps % (self.steps_per_generation_resolved * self.num_iterations) != 0
-        return off_policy or self.use_vllm
+        """Whether TRL scores the generation batch with the old policy (its condition in the release's
+        _generate_and_score_completions; importance sampling with vLLM is on by default where it exists)."""
+        rule, iterations = self.release.old_logps_when, self.num_iterations
+        if rule == "never":
+            return False
+        if rule == "num_iterations":
+            return iterations > 1
+        if rule == "num_iterations_or_more_steps":
+            return iterations > 1 or self.steps_per_generation_resolved > self.gradient_accumulation_steps
+        off_policy = self.gradient_accumulation_steps % (self.steps_per_generation_resolved * iterations) != 0
+        return off_policy or (rule == "off_policy_or_vllm" and self.use_vllm)
 
     @property
     def computes_ref_logps(self) -> bool:
-        return self.beta != 0.0
+        """Whether a reference model scores the completions (before TRL 0.16 always, even with beta 0)."""
+        return self.beta != 0.0 or self.release.reference_when == "always"
 
     @property
     def distributed(self) -> Literal["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]:
@@ -175,11 +218,11 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
     if c.num_generations < 2:
         problems.append(f"--num-generations must be at least 2 (got {c.num_generations}): "
                         "GRPO compares completions within a group")
-    if c.num_generations >= 2 and c.generation_batch_size % c.num_generations:
-        problems.append(
-            f"the generation batch (--per-device-train-batch-size {c.per_device_train_batch_size} x --num-gpus "
-            f"{c.num_gpus} x --steps-per-generation {c.steps_per_generation_resolved} = {c.generation_batch_size}) "
-            f"must be divisible by --num-generations {c.num_generations}")
+    if c.steps_per_generation is not None and not c.release.accepts_steps_per_generation:
+        problems.append(f"--steps-per-generation is not a GRPOConfig field in TRL {c.release.version} (it came in "
+                        "0.18; before it one generation served --gradient-accumulation-steps micro-batches, or one)")
+    elif c.num_generations >= 2:
+        problems.extend(generation_batch_problems(c))
     if c.load_in_4bit and not c.uses_lora:
         problems.append("--load-in-4bit needs LoRA (--lora-r): 4-bit weights cannot be trained directly")
     if not c.load_in_4bit and (c.bnb_4bit_quant_type is not None or c.bnb_4bit_use_double_quant is not None):
@@ -194,6 +237,34 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
     if c.vllm_mode == "server" and not c.use_vllm:
         problems.append("--vllm-mode needs --use-vllm")
     return problems
+
+
+def generation_batch_problems(c: TrainingConfig) -> list[str]:
+    """The release's own rule on what num_generations must divide, in TRL's words, then the flags to change."""
+    rule = c.release.num_generations_rule
+    b, gpus, g = c.per_device_train_batch_size, c.num_gpus, c.num_generations
+    if rule == "none":
+        return []
+    batch_flags = [("per_device_train_batch_size", b)]
+    if rule == "global_batch":
+        factors, batch, name = f"{gpus} x {b}", b * gpus, "global train batch size"
+    elif rule == "effective_batch":
+        factors, batch, name = f"{gpus} x {b} x {c.gradient_accumulation_steps}", c.generation_batch_size, \
+            "effective train batch size"
+        batch_flags.append(("gradient_accumulation_steps", c.gradient_accumulation_steps))
+    else:
+        factors, batch, name = f"{gpus} x {b} x {c.steps_per_generation_resolved}", c.generation_batch_size, \
+            "generation batch size"
+        batch_flags.append(("steps_per_generation" if c.steps_per_generation else "gradient_accumulation_steps",
+                            c.steps_per_generation_resolved))
+    flags = ", ".join(f"{flag(f)} {v}" for f, v in batch_flags) + f" or {flag('num_generations')} {g}"
+    if batch % g == 0:
+        return []
+    valid = sorted(d for d in divisors(batch, at_most=10**6) if d >= 2)
+    shown = ", ".join(map(str, valid[:12])) + (", ..." if len(valid) > 12 else "")
+    return [f"TRL {c.release.version} refuses it: the {name} ({factors}) must be evenly divisible by the number of "
+            f"generations per prompt ({g}); the valid values for the number of generations are [{shown}] "
+            f"(change {flags})"]
 
 
 def training_config(values: dict[str, Any]) -> TrainingConfig:

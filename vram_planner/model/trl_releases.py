@@ -30,15 +30,31 @@ class TrlRelease(BaseModel):
 
     min_version: str = Field(pattern=_RELEASE)
     below_version: str = Field(pattern=_RELEASE)
+    default_per_device_train_batch_size: int = Field(gt=0)
+    default_gradient_accumulation_steps: int = Field(gt=0)
+    default_gradient_checkpointing: bool
+    default_mixed_precision: Literal["bf16", "no"]
+    default_beta: float = Field(ge=0)
+    default_max_prompt_length: int | None = Field(None, gt=0)
+    default_max_completion_length: int = Field(gt=0)
+    default_vllm_mode: Literal["colocate", "server"]
+    default_vllm_gpu_memory_utilization: float = Field(gt=0, lt=1)
+    default_optim: str
+    default_model_dtype: Literal["float32", "bfloat16", "float16"]
+    accepts_max_prompt_length: bool
+    accepts_steps_per_generation: bool
+    batch_counts: Literal["prompts", "completions"]
+    generation_batch: Literal["micro_batch", "accumulation"]
+    num_generations_rule: Literal["none", "global_batch", "effective_batch", "generation_batch"]
+    old_logps_when: Literal["never", "num_iterations", "num_iterations_or_more_steps", "off_policy",
+                            "off_policy_or_vllm"]
+    reference_when: Literal["always", "beta_nonzero"]
+    step_structure: Literal["loss_merged", "phased"]
+    transformers_major: Literal[4, 5]
     lm_head: Literal["fused_chunked", "full_logits"]
     lm_head_token_chunk: int = 4096
     lm_head_vocab_chunk: int = 32768
     liger: Literal["fused_loss", "chunked_logprobs", "layer_kernels"]
-    default_beta: float
-    default_max_completion_length: int
-    default_vllm_mode: Literal["colocate", "server"]
-    accepts_max_prompt_length: bool
-    default_model_dtype: Literal["float32", "bfloat16", "float16"]
     version: str = ""  # the release asked for, filled in by `trl_release`
     note: str = ""  # why this row was chosen when it is not the installed TRL's own (for the verdict's notes)
 

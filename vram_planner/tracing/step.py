@@ -32,7 +32,7 @@ from vram_planner.errors import VramPlanError, first_line
 from vram_planner.extras import TRAIN_EXTRA, require_train_extra
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
-from vram_planner.model.trl_releases import TrlRelease, installed_trl_version
+from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, parse_version
 
 
 @dataclass(frozen=True)
@@ -179,16 +179,18 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
 
 
 def _release_notes(release: TrlRelease | None, problems: list[str]) -> list[str]:
+    """The trace runs the installed TRL's code: another release (--trl-version) cannot be traced, only planned."""
     installed = installed_trl_version()
     if installed is None:  # require_train_extra found TRL importable: a source checkout without metadata
         return []
-    if release is None or release.version in ("", installed):
+    parsed = parse_version(installed)
+    if release is None or release.version in ("", installed) or (parsed and parsed[1] == release.version):
         return []
-    if release.lm_head != "fused_chunked":
-        problems.append(f"TRL {release.version} materialises full logits; the trace runs the installed TRL "
-                        f"{installed}, whose LM head is fused")
-        return []
-    return [f"traced with the installed TRL {installed}, not {release.version} (same LM head behaviour)"]
+    if release.note:  # the installed TRL is outside the table and was read as the newest release: its code is traced
+        return [f"traced with the installed TRL {installed}"]
+    problems.append(f"it runs the installed TRL {installed}, not --trl-version {release.version} (install that "
+                    "release to trace it)")
+    return []
 
 
 def compare_with_estimate(result: TraceResult, estimate: Estimate) -> list[PhaseComparison]:

@@ -1,0 +1,63 @@
+"""profiles/trl.toml against what every TRL release's wheel says (benchmarks/trl_releases.py's committed facts).
+
+The facts were read from the released wheels with `ast` and committed in benchmarks/results/trl_releases.json, so
+this needs no network: `python benchmarks/trl_releases.py` refreshes them, `--check` prints the same comparison.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_releases.py"
+
+
+def _script():
+    """The benchmark script as a module: the comparison lives there, once."""
+    spec = importlib.util.spec_from_file_location("trl_releases_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+script = _script()
+FACTS = script.load_facts()
+
+
+def test_facts_cover_every_release_pypi_listed():
+    listed = [v for v in FACTS["pypi_releases"] if script.OLDEST <= Version(v) <= script.NEWEST]
+    assert [r["version"] for r in FACTS["releases"]] == listed
+    assert listed[0] == "0.14.0" and listed[-1] == "1.16.0" and len(listed) >= 50
+
+
+# Read by hand in the wheels' trl/trainer/grpo_config.py, grpo_trainer.py and transformers' training_args.py.
+@pytest.mark.parametrize("version,column,value", [
+    ("0.14.0", "default_per_device_train_batch_size", 1), ("0.14.0", "default_gradient_accumulation_steps", 8),
+    ("0.14.0", "default_beta", 0.04), ("0.14.0", "batch_counts", "prompts"),
+    ("0.14.0", "step_structure", "loss_merged"), ("0.16.0", "default_vllm_gpu_memory_utilization", None),
+    ("0.26.0", "default_max_prompt_length", None), ("0.26.0", "accepts_max_prompt_length", True),
+    ("0.28.0", "accepts_max_prompt_length", False), ("0.24.0", "liger", "layer_kernels"),
+    ("0.15.0", "num_generations_rule", "global_batch"), ("0.17.0", "num_generations_rule", "effective_batch"),
+    ("0.17.0", "generation_batch", "accumulation"), ("0.16.1", "generation_batch", "micro_batch"),
+    ("0.18.0", "num_generations_rule", "generation_batch"), ("0.19.0", "default_mixed_precision", "bf16"),
+    ("0.18.2", "default_mixed_precision", "no"), ("0.22.0", "default_gradient_checkpointing", True),
+    ("0.21.0", "default_gradient_checkpointing", False), ("0.19.1", "default_optim", "adamw_torch"),
+    ("0.20.0", "default_optim", "adamw_torch_fused"), ("0.29.1", "default_vllm_mode", "server"),
+    ("1.0.0", "default_vllm_mode", "colocate"), ("1.9.2", "default_max_completion_length", 256),
+    ("1.10.0", "default_max_completion_length", 512), ("0.27.1", "transformers_major", 4),
+    ("0.27.2", "transformers_major", 5), ("1.13.0", "liger", "fused_loss"), ("1.14.0", "liger", "chunked_logprobs"),
+    ("1.15.0", "lm_head", "fused_chunked"), ("1.14.2", "lm_head", "full_logits"),
+])
+def test_extracted_facts_hold_what_the_source_says(version, column, value):
+    facts = next(r for r in FACTS["releases"] if r["version"] == version)
+    assert script.COLUMNS[column](facts) == value
+
+
+@pytest.mark.parametrize("facts", FACTS["releases"], ids=lambda facts: facts["version"])
+def test_table_row_agrees_with_the_release(facts):
+    assert script.disagreements({"releases": [facts]}) == []
