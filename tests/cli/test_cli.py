@@ -57,8 +57,9 @@ def test_nothing_fits_exits_1_and_names_a_card(capsys, llama_1b_file):
 
 @pytest.mark.parametrize("args,expected", [
     (["--num-generations", "1"], "--num-generations must be at least 2"),
-    (["--per-device-train-batch-size", "3"], "must be evenly divisible by the number of generations per prompt "
-                                              r"\(8\).*--per-device-train-batch-size 3"),
+    (["--per-device-train-batch-size", "3"], "must be evenly divisible by the number of generations per prompt (8)"),
+    (["--per-device-train-batch-size", "3"], "change --per-device-train-batch-size 3, --gradient-accumulation-steps 1 "
+                                             "or --num-generations 8"),
     (["--max-completion-length", "-5"], "--max-completion-length should be greater than 0"),
     (["--load-in-4bit"], "--load-in-4bit needs LoRA"),
     (["--bnb-4bit-quant-type", "nf4"], "need --load-in-4bit"),

@@ -85,14 +85,12 @@ def attribute(error: OomError, verdict: Any) -> tuple[str | None, str | None]:
     arch, train = verdict.context.arch, verdict.train
     s = sizes(train)
     b, c, v, h = train.micro_batch_completions, train.max_completion_length, arch.vocab_size, arch.hidden_size
-    fused = verdict.context.release.lm_head == "fused_chunked"
-    head = ("a logits tile of the fused LM head", (min(b * c, 4096) * 32768 * s.compute, "loss forward/backward"))
-    if not fused:
-        head = (f"the fp32 logits of a micro-batch: {b} completion{'s' * (b != 1)} x {c + 1} positions x {v} "
-                f"vocabulary entries (TRL {verdict.context.release.version} materialises them)",
-                (b * (c + 1) * v * 4, "loss forward/backward"))
-    candidates = {
-        head[0]: head[1],
+    if verdict.context.release.lm_head == "fused_chunked":
+        candidates = {"a logits tile of the fused LM head": (min(b * c, 4096) * 32768 * s.compute,
+                                                             "loss forward/backward")}
+    else:
+        candidates = _full_logits_candidates(train, verdict.context.release.version, v)
+    candidates |= {
         "the LM head's fp32 weight gradient (V x h)": (v * h * 4, "loss forward/backward"),
         "one fp32 Adam state of the embedding (created at the first optimizer step)": (v * h * 4, "optimizer step"),
         "the KV cache of one layer for the generation batch": (
@@ -116,6 +114,25 @@ def attribute(error: OomError, verdict: Any) -> tuple[str | None, str | None]:
     if abs(math.log(max(size, 1) / error.tried_to_allocate)) > math.log(1.5):
         return None, next(iter(hinted), None)
     return name, phase
+
+
+def _full_logits_candidates(train: Any, version: str, vocab: int) -> dict[str, tuple[int, str]]:
+    """The logits of a micro-batch as a release without the fused head makes them: float32 under mixed precision
+    (accelerate's copy of the model's output); without autocast in the weights' dtype, and a float32 match then
+    says the run had mixed precision on."""
+    from vram_planner.model.components import sizes
+
+    b, c = train.micro_batch_completions, train.max_completion_length
+    shape = f"{b} completion{'s' * (b != 1)} x {c + 1} positions x {vocab} vocabulary entries"
+    fp32 = f"the fp32 logits of a micro-batch: {shape} (TRL {version} materialises them)"
+    logits, phase = b * (c + 1) * vocab, "loss forward/backward"
+    compute = sizes(train).compute
+    if train.mixed_precision != "no" or compute == 4:
+        return {fp32: (logits * 4, phase)}
+    return {fp32 + "; they are float32 only under mixed precision, so the run most likely had bf16=True":
+            (logits * 4, phase),
+            f"the {train.dtype} logits of a micro-batch: {shape} (TRL {version} materialises them)":
+            (logits * compute, phase)}
 
 
 def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:

@@ -86,7 +86,7 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
         config=kwargs, peft_config=lora_config_kwargs(train), quantization_config=quantization_config_kwargs(train),
         grpo_config_valid=not problems, grpo_config_problems=problems,
         assumptions={"max_prompt_length": train.max_prompt_length,
-                     "prompts_truncated": train.release.accepts_max_prompt_length, "num_gpus": train.num_gpus,
+                     "prompts_truncated": train.release.truncates_prompts, "num_gpus": train.num_gpus,
                      "distributed": train.distributed, "generation_batch_size": train.generation_batch_size},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         trl_version=ctx.release.version, notes=list(est.notes),

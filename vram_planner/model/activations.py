@@ -94,7 +94,9 @@ def attention_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     if train.attn_implementation == "eager":
         # float32 softmax output (kept by softmax) and its compute-dtype cast (kept by the matmul with v), per query
         return total + a * train.sequence_length * (FP32_BYTES + c)
-    return total + FP32_BYTES * a + c * train.sequence_length  # log-sum-exp per head; the float mask row
+    # log-sum-exp per head; transformers 5 converts the boolean mask to a float one in each layer (a row per token),
+    # transformers 4 built one float mask for all layers (kept_mask_bytes)
+    return total + FP32_BYTES * a + (c * train.sequence_length if train.release.transformers_major >= 5 else 0)
 
 
 def _repeated_kv_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -180,7 +182,17 @@ def one_layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: C
 
 
 def attention_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
-    """The boolean [B, 1, L, L] mask transformers builds for padded batches (FlashAttention-2 unpads instead)."""
+    """The [B, 1, L, L] mask transformers builds for padded batches (FlashAttention-2 unpads instead): boolean in
+    transformers 5; in transformers 4 a float mask in the embeddings' dtype, shared by every layer."""
     if train.attn_implementation == "flash_attention_2":
         return 0
-    return sequences * length * length * BOOL_BYTES
+    per_entry = BOOL_BYTES if train.release.transformers_major >= 5 else sizes(train).residual
+    return sequences * length * length * per_entry
+
+
+def kept_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
+    """The mask kept for backward besides the layers' own tensors: transformers 4's shared float mask (every layer's
+    attention keeps it), or under checkpointing transformers 5's boolean mask (the checkpointed layers' input)."""
+    if train.release.transformers_major < 5 or train.gradient_checkpointing:
+        return attention_mask_bytes(train, sequences, length)
+    return 0

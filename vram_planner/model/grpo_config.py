@@ -24,7 +24,7 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
         "per_device_train_batch_size": train.per_device_train_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "num_generations": train.num_generations,
-        **({"max_prompt_length": train.max_prompt_length} if release.accepts_max_prompt_length else {}),
+        **({"max_prompt_length": train.max_prompt_length} if release.truncates_prompts else {}),
         "max_completion_length": train.max_completion_length,
         "beta": train.beta,
         "optim": train.optim.value,
@@ -109,7 +109,7 @@ def python_snippet(train: TrainingConfig, model_id: str) -> str:
               "    reward_funcs=[...],  # your reward functions", "    args=args,",
               "    train_dataset=dataset,  # prompts; vram-plan assumed the longest is "
               f"{train.max_prompt_length} tokens"
-              + (" (longer ones are truncated)" if train.release.accepts_max_prompt_length else "")]
+              + (" (longer ones are truncated)" if train.release.truncates_prompts else "")]
     if lora:
         lines.append(f"    peft_config=LoraConfig({call_args(lora)}),")
     if quant:

@@ -166,8 +166,7 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
     head = lm_head_memory(arch, train, release, b, with_grad=True)
     saved = act.decoder_saved_bytes(arch, train, cal, tokens)
     final_norm = act.final_norm_saved_bytes(arch, train, tokens)
-    # Checkpointed layers keep the boolean mask as an input; otherwise each layer kept its own float copy.
-    mask = act.attention_mask_bytes(train, b, length) if train.gradient_checkpointing else 0
+    mask = act.kept_mask_bytes(train, b, length)
     # From the second micro-batch of an accumulation on, every gradient exists before the forward starts.
     accumulating = train.gradient_accumulation_steps > 1
     grads_before = all_grads if accumulating else 0.0
@@ -191,16 +190,21 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
         first_layer = layer_input + mask + recompute + working
         last_layer_casts = layer_backward_casts
     else:
-        last_layer = saved - final_norm + working
-        first_layer = one_layer + working
+        last_layer = saved - final_norm + mask + working
+        first_layer = one_layer + mask + working
         last_layer_casts = backward_casts
+    policy_graph = {"weights": weights + forward_casts, "gradients": grads_before, "activations": saved + mask}
+    if release.step_structure == "loss_merged":
+        head_moments = _merged_log_prob_moments(arch, train, persistent, policy_graph, weights + backward_casts)
+    else:
+        head_moments = [
+            Phase("training", {**persistent, **policy_graph, "lm_head_buffers": head.forward_transient},
+                  "forward: LM head"),
+            Phase("training", {**persistent, **policy_graph, "weights": weights + backward_casts,
+                               "lm_head_buffers": head.saved + head.backward_transient}, "LM head backward"),
+        ]
     moments = [
-        Phase("training", {**persistent, "weights": weights + forward_casts, "gradients": grads_before,
-                           "activations": saved + mask, "lm_head_buffers": head.forward_transient},
-              "forward: LM head"),
-        Phase("training", {**persistent, "weights": weights + backward_casts, "gradients": grads_before,
-                           "activations": saved + mask, "lm_head_buffers": head.saved + head.backward_transient},
-              "LM head backward"),
+        *head_moments,
         Phase("training", {**persistent, "weights": weights + last_layer_casts, "gradients": head_grads + held,
                            "activations": last_layer}, "backward through the last layer"),
         Phase("training", {**persistent, "weights": weights + layer_backward_casts,
@@ -208,9 +212,6 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
                                arch, train, all_grads)),
                            "activations": first_layer}, "backward through the first layer"),
     ]
-    if release.step_structure == "loss_merged":
-        moments += _merged_log_prob_moments(arch, train, persistent, {
-            "weights": weights + forward_casts, "gradients": grads_before, "activations": saved + mask})
     if tied:
         # The embedding's dense gradient joins the output projection's before they are summed.
         dense = _head_gradient_bytes(arch, train)
@@ -220,24 +221,33 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
 
 
 def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
-                             policy_graph: dict[str, float]) -> list[Phase]:
-    """TRL 0.14's compute_loss: the policy's forward with grad over full logits, a log_softmax per completion kept
-    for backward, then the reference's log-probs while the policy's graph (`policy_graph`) is still alive."""
+                             policy_graph: dict[str, float], backward_weights: float) -> list[Phase]:
+    """TRL 0.14's compute_loss: the policy's forward with grad over full logits and a log_softmax per completion
+    (each kept for backward), then the reference's log-probs while the policy's graph (`policy_graph`) is alive,
+    then the backward of those rows.
+
+    Under mixed precision accelerate converts the model's outputs to float32 (the compute-dtype logits exist too
+    while it does); without autocast the logits keep the weights' dtype. Iterating over the logits unbinds them, so
+    backward holds every row's gradient until it stacks them into one tensor.
+    """
     s = m.sizes(train)
-    sequences, c = train.micro_batch_completions, train.max_completion_length
-    logits = sequences * (c + 1) * arch.vocab_size
-    # accelerate converts a mixed-precision model's outputs to float32; without autocast the logits already are
-    logit_bytes = s.compute + (m.FP32_BYTES if train.mixed_precision != "no" and s.compute != m.FP32_BYTES else 0)
-    kept_rows = sequences * c * arch.vocab_size * m.FP32_BYTES  # each row's log_softmax, in float32
-    one_row = c * arch.vocab_size * m.FP32_BYTES
+    autocast = train.mixed_precision != "no"
+    logit = m.FP32_BYTES if autocast else s.compute  # bytes per logit as the loop sees them
+    sequences, c, vocab = train.micro_batch_completions, train.max_completion_length, arch.vocab_size
+    logits = sequences * (c + 1) * vocab
+    rows = sequences * c * vocab * logit  # every row's log_softmax (forward) or gradient (backward)
+    one_row = c * vocab * logit
+    converting = logits * (s.compute + logit) if autocast else logits * logit  # the model's output and its copy
     reference = dict(policy_graph)
     for name, value in _scoring_casts(arch, train).items():  # the reference's weight casts, cached by autocast
         reference[name] = reference.get(name, persistent[name]) + value - persistent[name]
     return [
-        Phase("training", {**persistent, **policy_graph, "lm_head_buffers": logits * m.FP32_BYTES + kept_rows},
-              "policy log-probs: float32 logits and every row's log_softmax"),
-        Phase("training", {**persistent, **reference, "lm_head_buffers": kept_rows + logits * logit_bytes + one_row},
+        Phase("training", {**persistent, **policy_graph, "lm_head_buffers": logits * logit + rows},
+              "policy log-probs: the logits and every row's log_softmax"),
+        Phase("training", {**persistent, **reference, "lm_head_buffers": rows + converting + one_row},
               "reference log-probs while the policy's graph is alive"),
+        Phase("training", {**persistent, **policy_graph, "weights": backward_weights,
+                           "lm_head_buffers": 2 * rows + one_row}, "log-prob backward: every row's gradient, stacked"),
     ]
 
 

@@ -38,10 +38,11 @@ class TrlRelease(BaseModel):
     default_max_prompt_length: int | None = Field(None, gt=0)
     default_max_completion_length: int = Field(gt=0)
     default_vllm_mode: Literal["colocate", "server"]
-    default_vllm_gpu_memory_utilization: float = Field(gt=0, lt=1)
+    default_vllm_gpu_memory_utilization: float | None = Field(None, gt=0, lt=1)
     default_optim: str
     default_model_dtype: Literal["float32", "bfloat16", "float16"]
     accepts_max_prompt_length: bool
+    truncates_prompts: bool
     accepts_steps_per_generation: bool
     batch_counts: Literal["prompts", "completions"]
     generation_batch: Literal["micro_batch", "accumulation"]

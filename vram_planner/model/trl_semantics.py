@@ -20,8 +20,9 @@ def release_defaults(release: TrlRelease, use_vllm: bool = False) -> dict[str, A
         "max_completion_length": release.default_max_completion_length,
         "optim": release.default_optim,
         "dtype": release.default_model_dtype,
-        "vllm_gpu_memory_utilization": release.default_vllm_gpu_memory_utilization,
     }
+    if release.default_vllm_gpu_memory_utilization is not None:
+        defaults["vllm_gpu_memory_utilization"] = release.default_vllm_gpu_memory_utilization
     if release.default_max_prompt_length is not None:
         defaults["max_prompt_length"] = release.default_max_prompt_length
     if use_vllm:  # the mode means nothing without vLLM, and spec refuses it alone
@@ -43,6 +44,8 @@ def release_assumptions(train: TrainingConfig) -> list[str]:
     if release.step_structure == "loss_merged":
         notes.append(f"{name}: generation, the policy's log-probs and the reference's run inside compute_loss, so "
                      "their memory meets in one moment")
+    if release.transformers_major < 5:
+        notes.append(f"{name} ran on transformers 4.x (the release of its time): one attention mask for all layers")
     if release.reference_when == "always" and train.beta == 0:
         notes.append(f"{name}: the reference model is loaded and scores even with beta 0")
     return notes

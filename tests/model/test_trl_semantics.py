@@ -1,0 +1,198 @@
+"""Each semantic difference between TRL releases, computed by hand from the release's source (profiles/trl.toml;
+benchmarks/results/trl_releases.json holds what the wheels say)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import CURRENT, LLAMA_1B, one_line_error, run
+from vram_planner import api
+from vram_planner.errors import ConfigError
+from vram_planner.model.grpo_config import grpo_config_kwargs, python_snippet
+from vram_planner.model.spec import TrainingConfig, training_config
+
+V = LLAMA_1B["vocab_size"]
+# The seeds' laptop run (TRL 0.14): one prompt per micro-batch, four generations each.
+SEEDS = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=4, max_prompt_length=256,
+             max_completion_length=786, dtype="bfloat16")
+SEEDS_FLAGS = ["--per-device-train-batch-size", "1", "--gradient-accumulation-steps", "4", "--num-generations", "4",
+               "--max-prompt-length", "256", "--max-completion-length", "786", "--dtype", "bfloat16"]
+
+
+def check(llama_1b_file, settings, version, gpu="rtx4090"):
+    return api.check(str(llama_1b_file), gpu, settings, trl_version=version)
+
+
+def test_0_14_batch_counts_prompts(llama_1b_file):
+    old = check(llama_1b_file, SEEDS, "0.14.0")
+    assert old.train.micro_batch_completions == 1 * 4 and old.train.local_generation_batch_size == 4
+    # 0.15 counts completions: the same 4 completions per micro-batch are asked for with B = 4
+    new = check(llama_1b_file, {**SEEDS, "per_device_train_batch_size": 4}, "0.15.0")
+    assert new.train.micro_batch_completions == 4
+    assert old.estimate.phases[0].components["kv_cache"] == new.estimate.phases[0].components["kv_cache"]
+    assert ("TRL 0.14.0: per_device_train_batch_size counts prompts: 1 prompt x 4 generations = 4 completions per "
+            "micro-batch") in old.estimate.notes
+
+
+def test_0_14_merges_both_log_prob_passes_into_the_loss(llama_1b_file):
+    verdict = check(llama_1b_file, {**SEEDS, "mixed_precision": "bf16"}, "0.14.0")
+    assert [p.name for p in verdict.estimate.phases] == ["generation", "training", "optimizer"]  # no scoring phase
+    training = verdict.estimate.phases[1]
+    assert training.moment == "reference log-probs while the policy's graph is alive"
+    # 4 completions of 786 tokens: every row's fp32 log_softmax is kept for backward (4 x 786 x V x 4 B); the
+    # reference's bf16 logits over 787 positions and accelerate's fp32 copy (6 B each); one row's log_softmax
+    rows, converting, one_row = 4 * 786 * V * 4, 4 * 787 * V * (2 + 4), 786 * V * 4
+    assert training.components["lm_head_buffers"] == rows + converting + one_row
+    # the reference's weights are loaded whatever beta (until 0.16) and stay beside the policy's graph
+    assert training.components["reference_weights"] > 0
+
+
+def test_without_autocast_the_logits_keep_the_weights_dtype(llama_1b_file):
+    verdict = check(llama_1b_file, SEEDS, "0.14.0")  # 0.14's default: bf16=False, so bf16 weights compute in bf16
+    training = verdict.estimate.phases[1]
+    rows, logits, one_row = 4 * 786 * V * 2, 4 * 787 * V * 2, 786 * V * 2
+    assert training.components["lm_head_buffers"] == rows + logits + one_row
+
+
+@pytest.mark.parametrize("version,knobs,accepted", [
+    ("0.14.0", {"per_device_train_batch_size": 3, "num_generations": 4}, True),  # 3 prompts x 4 completions
+    ("0.15.0", {"per_device_train_batch_size": 4, "num_generations": 4}, True),
+    ("0.15.0", {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_generations": 4}, False),
+    ("0.16.1", {"per_device_train_batch_size": 6, "num_generations": 4}, False),
+    ("0.17.0", {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_generations": 4}, True),
+    ("0.17.0", {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "num_generations": 4}, False),
+    ("0.18.0", {"per_device_train_batch_size": 2, "steps_per_generation": 2, "num_generations": 4}, True),
+    ("0.18.0", {"per_device_train_batch_size": 2, "steps_per_generation": 3, "num_generations": 4}, False),
+])
+def test_each_release_applies_its_own_num_generations_rule(version, knobs, accepted):
+    if accepted:
+        training_config({**knobs, "trl_version": version})
+        return
+    with pytest.raises(ConfigError) as caught:
+        training_config({**knobs, "trl_version": version})
+    b, ga, s = knobs["per_device_train_batch_size"], knobs.get("gradient_accumulation_steps", 1), \
+        knobs.get("steps_per_generation")
+    expected = {"0.15.0": f"global train batch size (1 x {b})", "0.16.1": f"global train batch size (1 x {b})",
+                "0.17.0": f"effective train batch size (1 x {b} x {ga})",
+                "0.18.0": f"generation batch size (1 x {b} x {s})"}[version]
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"TRL {version} refuses it: the {expected} must be evenly divisible by the number of "
+                              "generations per prompt (4)")
+
+
+def test_steps_per_generation_does_not_exist_before_0_18():
+    with pytest.raises(ConfigError, match="--steps-per-generation is not a GRPOConfig field in TRL 0.17.0"):
+        training_config({"steps_per_generation": 2, "num_generations": 2, "trl_version": "0.17.0"})
+
+
+def test_the_generation_batch_spans_accumulation_from_0_17(llama_1b_file):
+    knobs = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "num_generations": 4}
+    per_micro_batch, spanning = check(llama_1b_file, knobs, "0.16.1"), check(llama_1b_file, knobs, "0.17.0")
+    assert per_micro_batch.train.local_generation_batch_size == 4 and spanning.train.local_generation_batch_size == 16
+    before, after = per_micro_batch.estimate.phases[0], spanning.estimate.phases[0]
+    assert before.moment == after.moment and after.components["kv_cache"] == 4 * before.components["kv_cache"]
+
+
+@pytest.mark.parametrize("version,knobs,old_logps", [
+    ("0.15.2", {"num_iterations": 2}, False),  # no old log-probs before 0.16
+    ("0.16.0", {"num_iterations": 2}, True),
+    ("0.16.0", {}, False),
+    ("0.18.0", {"steps_per_generation": 8, "gradient_accumulation_steps": 4}, True),  # S > GA
+    ("0.20.0", {"steps_per_generation": 8, "gradient_accumulation_steps": 4}, True),  # 4 % 8 != 0
+    ("0.20.0", {"steps_per_generation": 2, "gradient_accumulation_steps": 4}, False),
+    ("0.19.1", {"steps_per_generation": 2, "gradient_accumulation_steps": 4, "num_iterations": 1}, False),
+    ("0.22.2", {"use_vllm": True}, False),  # importance sampling for vLLM came in 0.23
+    ("0.23.0", {"use_vllm": True}, True),
+])
+def test_old_log_probs_follow_each_release(version, knobs, old_logps):
+    train = training_config({"per_device_train_batch_size": 4, "num_generations": 4, **knobs, "trl_version": version})
+    assert train.computes_old_logps is old_logps
+
+
+@pytest.mark.parametrize("version,reference", [("0.14.0", True), ("0.15.2", True), ("0.16.0", False)])
+def test_the_reference_model_is_loaded_with_beta_0_until_0_16(llama_1b_file, version, reference):
+    verdict = check(llama_1b_file, {"beta": 0.0, "per_device_train_batch_size": 4, "num_generations": 4}, version)
+    assert (verdict.estimate.phases[-1].components["reference_weights"] > 0) is reference
+
+
+@pytest.mark.parametrize("version,expected", [
+    ("0.14.0", dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, gradient_checkpointing=False,
+                    mixed_precision="no", beta=0.04, max_prompt_length=512, max_completion_length=256,
+                    optim="adamw_torch")),
+    ("0.15.2", dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, mixed_precision="no", beta=0.04)),
+    ("0.19.0", dict(mixed_precision="bf16", beta=0.0, gradient_checkpointing=False, optim="adamw_torch")),
+    ("0.20.0", dict(optim="adamw_torch_fused", gradient_checkpointing=False)),
+    ("0.22.0", dict(gradient_checkpointing=True, max_prompt_length=512)),
+    ("0.26.0", dict(max_prompt_length=256)),  # deprecated, read by nothing: the longest prompt, our own default
+    ("1.9.2", dict(max_completion_length=256)),
+    ("1.10.0", dict(max_completion_length=512)),
+])
+def test_unset_knobs_take_the_release_defaults(llama_1b_file, version, expected):
+    train = check(llama_1b_file, {"num_generations": 8}, version).train
+    actual = {key: getattr(train, key) for key in expected}
+    assert {key: getattr(value, "value", value) for key, value in actual.items()} == expected
+
+
+def test_the_printed_config_is_one_the_release_accepts():
+    old = TrainingConfig(trl_version="0.25.1", num_generations=8)
+    kwargs = grpo_config_kwargs(old)
+    assert kwargs["max_prompt_length"] == 256 and kwargs["model_init_kwargs"] == {"torch_dtype": "float32"}
+    assert "steps_per_generation" not in kwargs
+    assert "(longer ones are truncated)" in python_snippet(old, "meta-llama/Llama-3.2-1B")
+    new = grpo_config_kwargs(TrainingConfig(trl_version="0.28.0", num_generations=8))
+    assert "max_prompt_length" not in new and new["model_init_kwargs"] == {"dtype": "float32"}
+
+
+def test_transformers_4_builds_one_mask_for_all_layers(llama_1b_file):
+    # 0.27.1 ran on transformers 4, 0.27.2 on 5: the same code, one shared float mask against a float copy per layer
+    knobs = {"gradient_checkpointing": False, "per_device_train_batch_size": 8, "max_prompt_length": 256,
+             "max_completion_length": 256}
+    tf4, tf5 = check(llama_1b_file, knobs, "0.27.1"), check(llama_1b_file, knobs, "0.27.2")
+    length, layers = 512, LLAMA_1B["num_hidden_layers"]
+    per_layer_rows = 8 * length * length * 2 * layers  # transformers 5: each layer's bf16 mask [8, 1, 512, 512]
+    shared = 8 * length * length * 4  # transformers 4: one mask in the float32 embeddings' dtype
+    assert tf5.estimate.phases[-1].components == tf4.estimate.phases[-1].components  # the optimizer step: no masks
+    first = {p.name: p for p in tf4.estimate.phases}["training"]
+    assert first.moment == {p.name: p for p in tf5.estimate.phases}["training"].moment
+    difference = ({p.name: p for p in tf5.estimate.phases}["training"].components["activations"]
+                  - first.components["activations"])
+    assert difference == per_layer_rows - shared
+
+
+def test_a_config_file_names_the_release_and_the_flag_wins(capsys, llama_1b_file, tmp_path):
+    settings = tmp_path / "run.yaml"
+    settings.write_text("trl_version: 0.14.0\nper_device_train_batch_size: 1\nnum_generations: 4\n")
+    code, out, _ = run(capsys, "check", "--gpu", "rtx4090", "--model", str(llama_1b_file), "--config", str(settings),
+                       "--json")
+    assert json.loads(out)["trl_version"] == "0.14.0"
+    code, out, _ = run(capsys, "check", "--gpu", "rtx4090", "--model", str(llama_1b_file), "--config", str(settings),
+                       "--trl-version", "0.15.0", "--per-device-train-batch-size", "4", "--json")
+    assert json.loads(out)["trl_version"] == "0.15.0" and json.loads(out)["config"]["per_device_train_batch_size"] == 4
+
+
+@pytest.mark.parametrize("mixed_precision", [[], ["--mixed-precision", "bf16"]])
+def test_advise_names_the_0_14_logits_and_no_fix_saves_negative_memory(capsys, llama_1b_file, tmp_path,
+                                                                        mixed_precision):
+    # 1.90 GiB: float32 logits of 4 completions over Llama's vocabulary. Without autocast (0.14's default bf16=False)
+    # bfloat16 weights give bfloat16 logits, so a float32 match says the run had mixed precision on.
+    log = tmp_path / "crash.log"
+    log.write_text(CURRENT + "\n")
+    code, out, _ = run(capsys, "advise", str(log), "--gpu", "rtx3080-mobile", "--model", str(llama_1b_file),
+                       *SEEDS_FLAGS, *mixed_precision, "--trl-version", "0.14.0", "--json")
+    advice = json.loads(out)
+    assert code == 0 and advice["culprit"].startswith("the fp32 logits of a micro-batch: 4 completions x 787 "
+                                                      f"positions x {V} vocabulary entries")
+    assert ("most likely had bf16=True" in advice["culprit"]) is not mixed_precision
+    assert advice["fixes"] and all(fix["saves_bytes"] is None or fix["saves_bytes"] > 0 for fix in advice["fixes"])
+    upgrade = [fix for fix in advice["fixes"] if fix["change"].startswith("pip install 'trl>=")]
+    # with autocast the newer TRL's fused head saves the float32 logits; without it, its float32 head gradients
+    # cost about what bfloat16 logits do, and an upgrade that saves nothing is not offered
+    assert bool(upgrade) is bool(mixed_precision)
+
+
+def test_trace_refuses_another_release_in_one_line(capsys, llama_1b_file):
+    err = one_line_error(capsys, "trace", "--model", str(llama_1b_file), "--gpu", "rtx4090", "--trl-version", "0.14.0",
+                         "--per-device-train-batch-size", "1", "--num-generations", "2")
+    assert "runs the installed TRL 1.16.0, not --trl-version 0.14.0" in err
