@@ -1,0 +1,45 @@
+"""The public measurements the README compares against: every row well formed, planned offline where its model is in
+the catalog, and the verdict agreeing with what happened on the rows whose settings the source states in full."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.profiles import model_catalog
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "public_measurements.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("public_measurements", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+SCRIPT_MODULE = _script()
+ROWS = SCRIPT_MODULE.load_rows(SCRIPT_MODULE.DATA)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.get("id", "?") for row in ROWS])
+def test_every_row_is_well_formed(row):
+    assert SCRIPT_MODULE.row_problems(row) is None
+    assert set(row["settings"]) <= set(TrainingConfig.model_fields), row["settings"]
+    assert trl_release(row["trl_version"]).version
+    assert row["source"].startswith("https://") and row.get("notes") and row.get("quote")
+
+
+@pytest.mark.parametrize("row", [row for row in ROWS if row["model"].lower() in model_catalog()],
+                         ids=lambda row: row["id"])
+def test_catalog_rows_are_planned(row):
+    comparison = SCRIPT_MODULE.compare(row)
+    assert comparison.problem is None and comparison.predicted_gib > 0
+    if row.get("confidence") == "high":  # the settings are the source's own: the verdict must agree
+        assert comparison.predicted_fits is (row["outcome"] == "fits")
