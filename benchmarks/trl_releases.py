@@ -689,6 +689,7 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "default_max_prompt_length": default("max_prompt_length"),
     "accepts_max_prompt_length": lambda f: f["defaults"]["max_prompt_length"]["in"] is not None,
     "truncates_prompts": lambda f: f["behaviour"]["prompt_truncation"] == "left",
+    "accepts_vllm_mode": lambda f: f["defaults"]["vllm_mode"]["in"] is not None,
     "accepts_steps_per_generation": lambda f: f["defaults"]["steps_per_generation"]["in"] is not None,
     "default_max_completion_length": default("max_completion_length"),
     "default_vllm_mode": vllm_mode,

@@ -143,6 +143,10 @@ def test_the_printed_config_is_one_the_release_accepts():
     assert "(longer ones are truncated)" in python_snippet(old, "meta-llama/Llama-3.2-1B")
     new = grpo_config_kwargs(TrainingConfig(trl_version="0.28.0", num_generations=8))
     assert "max_prompt_length" not in new and new["model_init_kwargs"] == {"dtype": "float32"}
+    # vllm_mode came in 0.18; before it vLLM ran on a GPU of its own
+    vllm = dict(use_vllm=True, vllm_mode="server", num_generations=8)
+    assert "vllm_mode" not in grpo_config_kwargs(TrainingConfig(trl_version="0.17.0", **vllm))
+    assert grpo_config_kwargs(TrainingConfig(trl_version="0.18.0", **vllm))["vllm_mode"] == "server"
 
 
 def test_transformers_4_builds_one_mask_for_all_layers(llama_1b_file):

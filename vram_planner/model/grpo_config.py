@@ -40,8 +40,10 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
     if train.use_liger_kernel:
         kwargs["use_liger_kernel"] = True
     if train.use_vllm:
-        kwargs.update(use_vllm=True, vllm_mode=train.vllm_mode)
-        if train.vllm_mode == "colocate":
+        kwargs["use_vllm"] = True
+        if release.accepts_vllm_mode:  # before 0.18 vLLM always ran on a GPU of its own
+            kwargs["vllm_mode"] = train.vllm_mode
+        if train.vllm_mode == "colocate" and release.accepts_vllm_mode:
             kwargs.update(vllm_gpu_memory_utilization=train.vllm_gpu_memory_utilization,
                           vllm_enable_sleep_mode=train.vllm_enable_sleep_mode)
     return kwargs

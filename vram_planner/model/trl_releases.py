@@ -44,6 +44,7 @@ class TrlRelease(BaseModel):
     accepts_max_prompt_length: bool
     truncates_prompts: bool
     accepts_steps_per_generation: bool
+    accepts_vllm_mode: bool
     batch_counts: Literal["prompts", "completions"]
     generation_batch: Literal["micro_batch", "accumulation"]
     num_generations_rule: Literal["none", "global_batch", "effective_batch", "generation_batch"]
