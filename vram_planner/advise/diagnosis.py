@@ -168,7 +168,7 @@ def _upgrade_fix(context: Any, train: Any, verdict: Any) -> Fix | None:
     from vram_planner.model.verdict import judge
 
     current = trl_release()
-    if current.version == context.release.version or context.release.lm_head == current.lm_head == "fused_chunked":
+    if current.version == context.release.version:
         return None
     generates_per_micro_batch = train.steps_per_generation_resolved < train.gradient_accumulation_steps
     try:

@@ -62,8 +62,9 @@ REPORT = [
 NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin")
 
 
-def settings_from(command: str, options: dict[str, Any], gpu_required: bool = True) -> tuple[str, str | None, dict]:
-    """The model, the GPU and the knobs from the flags, over the --config file's values."""
+def settings_from(command: str, options: dict[str, Any],
+                  gpu_required: bool = True) -> tuple[str, str | None, str | None, dict]:
+    """The model, the GPU, the TRL release and the knobs from the flags, over the --config file's values."""
     from vram_planner.cli.settings_file import read_settings_file
 
     settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
@@ -77,18 +78,17 @@ def settings_from(command: str, options: dict[str, Any], gpu_required: bool = Tr
     if missing:
         raise VramPlanError(f"{command} needs {' and '.join(missing)} (e.g. vram-plan {command} --gpu rtx3080-mobile "
                             "--model Llama-3.2-1B)")
-    knobs = {k: v for k, v in settings.items() if k not in ("gpu", "model")}
+    trl_version = options["trl_version"] if options["trl_version"] is not None else settings.get("trl_version")
+    knobs = {k: v for k, v in settings.items() if k not in ("gpu", "model", "trl_version")}
     knobs.update({k: v for k, v in options.items() if k not in NOT_KNOBS and v is not None})
-    return model, gpu, knobs
+    return model, gpu, trl_version, knobs
 
 
 def resolve(command: str, options: dict[str, Any]):
     """The context and training config from the flags, over the --config file's values."""
     from vram_planner import api
 
-    model, gpu, knobs = settings_from(command, options)
-    from_file = knobs.pop("trl_version", None)  # a --config file may name the release; the flag wins
-    trl_version = options["trl_version"] if options["trl_version"] is not None else from_file
+    model, gpu, trl_version, knobs = settings_from(command, options)
     context = api.make_context(model, gpu, trl_version=trl_version, calibration=options["calibration"],
                                safety_margin=options["safety_margin"])
     return context, api.make_training(context, knobs)

@@ -63,9 +63,7 @@ def _trace(options: dict[str, Any]) -> None:
     from vram_planner import api
     from vram_planner.cli.report import trace_report
 
-    model, gpu, knobs = settings_from("trace", options, gpu_required=False)
-    from_file = knobs.pop("trl_version", None)  # a --config file may name the release; the flag wins
-    trl_version = options["trl_version"] if options["trl_version"] is not None else from_file
+    model, gpu, trl_version, knobs = settings_from("trace", options, gpu_required=False)
     # The spinner names the phase being traced (up to a minute for a 70B model); stderr keeps --json clean.
     with Console(stderr=True).status("resolving the model and the config") as status:
         outcome = api.trace(model, gpu, knobs, progress=status.update, trl_version=trl_version,

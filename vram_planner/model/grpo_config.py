@@ -71,8 +71,18 @@ def grpo_config_problems(kwargs: dict[str, Any], num_processes: int = 1, release
     """The checks of GRPOConfig.__post_init__ (TRL 1.16) that these kwargs would fail; for an older `release`, the
     checks it shares with 1.16 (its own batch rules are the spec's, see spec.generation_batch_problems)."""
     problems = []
-    if release is not None and release.num_generations_rule != "generation_batch":
-        return problems + (["bf16 and fp16 cannot both be set"] if kwargs.get("bf16") and kwargs.get("fp16") else [])
+    if release is None or release.num_generations_rule == "generation_batch":
+        problems += _generation_batch_problems(kwargs, num_processes)
+    if kwargs.get("bf16") and kwargs.get("fp16"):
+        problems.append("bf16 and fp16 cannot both be set")
+    if "max_prompt_length" in kwargs and (release is None or not release.accepts_max_prompt_length):
+        problems.append("max_prompt_length is not a GRPOConfig field since TRL 0.28")
+    return problems
+
+
+def _generation_batch_problems(kwargs: dict[str, Any], num_processes: int) -> list[str]:
+    """TRL 1.16's rules on generation_batch_size, steps_per_generation and num_generations."""
+    problems = []
     b = kwargs.get("per_device_train_batch_size", 8)
     ga = kwargs.get("gradient_accumulation_steps", 1)
     s = kwargs.get("steps_per_generation")
@@ -89,10 +99,6 @@ def grpo_config_problems(kwargs: dict[str, Any], num_processes: int = 1, release
         problems.append(f"generation_batch_size ({generation_batch}) must be divisible by num_generations ({g})")
     if g < 2:
         problems.append(f"num_generations ({g}) must be at least 2")
-    if kwargs.get("bf16") and kwargs.get("fp16"):
-        problems.append("bf16 and fp16 cannot both be set")
-    if "max_prompt_length" in kwargs and (release is None or not release.accepts_max_prompt_length):
-        problems.append("max_prompt_length is not a GRPOConfig field since TRL 0.28")
     return problems
 
 
