@@ -3,7 +3,8 @@
 Run with torch importable: python benchmarks/startup.py [--runs N] [--vram-plan PATH] [--out FILE]
 Prints the median of N runs of each command and their ratio; the targets are a planner under 0.25 s and under
 0.15x `import torch` on the same machine in the same run. It also times the libraries the planner cannot do
-without (pydantic, click, rich), the floor under any planner built on them.
+without (pydantic, click, rich), imported alone and doing the least a planner must (one pydantic model built and
+validated, one rich table printed): the floor under any planner built on them.
 
 The package's modules are byte-compiled first, as `pip install` does and as Python does on an editable install's
 first run: a machine with PYTHONDONTWRITEBYTECODE set (this sandbox) would otherwise time the compiler.
@@ -24,6 +25,20 @@ from pathlib import Path
 PLAN = ["vram-plan", "--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B"]
 TORCH = [sys.executable, "-c", "import torch"]
 LIBRARIES = [sys.executable, "-c", "from pydantic import BaseModel; import click, rich.console, rich.table"]
+# The least a planner built on them does: validate its input with one pydantic model, print one rich table.
+LEAST_WORK = [sys.executable, "-c", """
+import click
+from pydantic import BaseModel, Field
+from rich.console import Console
+from rich.table import Table
+Config = type("Config", (BaseModel,), {"__annotations__": {f"knob_{i}": int for i in range(40)},
+                                      **{f"knob_{i}": Field(default=i, ge=0) for i in range(40)}})
+Config(knob_1=3)
+table = Table("phase", "GiB")
+for i in range(12):
+    table.add_row(str(i), f"{i / 3:.2f}")
+Console().print(table)
+"""]
 PACKAGE = Path(__file__).resolve().parent.parent / "vram_planner"
 PLANNER_TARGET_S, RATIO_TARGET = 0.25, 0.15
 
@@ -50,6 +65,7 @@ def main() -> None:
     plan = wall_times(plan_cmd, args.runs)
     torch = wall_times(TORCH, max(3, args.runs // 3))
     libraries = wall_times(LIBRARIES, max(3, args.runs // 3))
+    least_work = wall_times(LEAST_WORK, max(3, args.runs // 3))
     plan_median, torch_median = statistics.median(plan), statistics.median(torch)
     ratio = plan_median / torch_median
     met = plan_median < PLANNER_TARGET_S and ratio < RATIO_TARGET
@@ -61,6 +77,8 @@ def main() -> None:
         f"(min {min(torch):.3f}, max {max(torch):.3f}, {len(torch)} runs)",
         f"pydantic + click + rich imports alone:            median {statistics.median(libraries):.3f} s "
         f"(min {min(libraries):.3f}, max {max(libraries):.3f}, {len(libraries)} runs)",
+        f"those libraries validating one model, one table: median {statistics.median(least_work):.3f} s "
+        f"(min {min(least_work):.3f}, max {max(least_work):.3f}, {len(least_work)} runs)",
         f"ratio planner / import torch: {ratio:.3f}  (targets: planner under {PLANNER_TARGET_S:.3f} s and under "
         f"{RATIO_TARGET:.2f}x import torch: {'met' if met else 'MISSED'})",
     ]

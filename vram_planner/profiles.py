@@ -28,7 +28,7 @@ UNKNOWN_CARD_USABLE_FRACTION = 0.98
 class GpuProfile(BaseModel):
     """One CUDA card as the CUDA runtime sees it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     name: str
     aliases: list[str] = Field(default_factory=list)
@@ -87,7 +87,7 @@ def local_gpu_profile() -> GpuProfile:
 class ModelEntry(BaseModel):
     """One catalog model: where its config.json facts are and what it is called."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     name: str
     hub_id: str

@@ -18,7 +18,7 @@ from vram_planner.units import GiB
 class Calibration(BaseModel):
     """Memory-model coefficients. Bytes are bytes; `*_bytes_per_*` are per element of the named size."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
 
     name: str = "default"
     gpu: str | None = None  # catalog name this calibration was measured on; None for the defaults

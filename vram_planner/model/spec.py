@@ -53,7 +53,7 @@ class TrainingConfig(BaseModel):
     on (profiles/trl.toml). The properties below translate them into completions and generation rounds.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
 
     per_device_train_batch_size: int = Field(8, gt=0, le=MAX_COUNT)
     gradient_accumulation_steps: int = Field(1, gt=0, le=MAX_COUNT)

@@ -26,7 +26,7 @@ _RELEASE = r"^\d+\.\d+\.\d+$"  # the table's bounds: plain releases
 class TrlRelease(BaseModel):
     """The memory-relevant behaviour of a range of TRL releases."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     min_version: str = Field(pattern=_RELEASE)
     below_version: str = Field(pattern=_RELEASE)
