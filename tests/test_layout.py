@@ -1,6 +1,6 @@
 """The package's folders are its architecture: imports only point down the layers, and no modules import in a circle.
 
-cli -> api | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras -> units, errors, files.
+cli, app -> api | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras -> units, errors, files.
 api, run, probe and advise sit side by side and do not import each other. Every import counts: at the top of a
 module, inside a function, under TYPE_CHECKING.
 """
@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # Top to bottom; a module belongs to the group whose name is the module or the nearest package above it (the package
 # itself, vram_planner/__init__.py, holds only the version and stands alone at the bottom).
 LAYERS: list[tuple[str, list[str]]] = [
-    ("cli", ["vram_planner.cli", "vram_planner.__main__"]),
+    ("cli", ["vram_planner.cli", "vram_planner.__main__", "vram_planner.app"]),
     ("entry points", ["vram_planner.api", "vram_planner.run", "vram_planner.probe", "vram_planner.advise"]),
     ("tracing", ["vram_planner.tracing"]),
-    ("model", ["vram_planner.model"]),
+    ("model", ["vram_planner.model", "vram_planner.allocator"]),
     ("data", ["vram_planner.profiles", "vram_planner.local_gpu", "vram_planner.hub", "vram_planner.extras",
               "vram_planner.profile_data"]),
     ("base", ["vram_planner.units", "vram_planner.errors", "vram_planner.files", "vram_planner"]),

@@ -75,3 +75,9 @@ def first_line(exc: BaseException | str, default: str = "no reason given", limit
     if len(lines) > 1 and lines[0].endswith(":"):  # "1 validation error for X:" and then the reason
         lines[0] += " " + lines[1]
     return (lines[0] if lines else default)[:limit]
+
+
+def one_line(message: str) -> str:
+    """A message as the one line the command line's contract promises, whatever it quotes (a path or a value with a
+    newline); the web app's HTTP API answers bad input with the same line."""
+    return " ".join(line.strip() for line in message.strip().splitlines() if line.strip())

@@ -8,6 +8,10 @@ from vram_planner.errors import VramPlanError
 
 TRAIN_EXTRA = "pip install 'vram-plan[train]'"
 TRAIN_PACKAGES = ("torch", "transformers", "peft", "trl")
+VLLM_EXTRA = "pip install 'vram-plan[vllm]'"
+# The vLLM releases TRL 1.16 accepts (trl-1.16.0 METADATA: Requires-Dist vllm<=0.31.0,>=0.22.0; extra == "vllm"), as
+# pyproject.toml's `vllm` extra pins them; vram_planner/model/vllm.py models their start-up budget.
+VLLM_RANGE = ">=0.22.0,<=0.31.0"
 
 
 def require_train_extra(what: str) -> None:
@@ -21,17 +25,35 @@ def require_train_extra(what: str) -> None:
 
 def require_bitsandbytes(why: str) -> None:
     """bitsandbytes must be installed, at a version transformers accepts, for `why` (e.g. '--optim adamw_8bit')."""
-    import importlib.metadata
-
     from packaging.version import Version
     from transformers.utils.import_utils import BITSANDBYTES_MIN_VERSION
 
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise VramPlanError(f"{why} needs bitsandbytes, which is not installed: {TRAIN_EXTRA}")
-    try:
-        version = importlib.metadata.version("bitsandbytes")
-    except importlib.metadata.PackageNotFoundError:  # importable without metadata (a source checkout): trust it
-        return
-    if Version(version) < Version(BITSANDBYTES_MIN_VERSION):
+    version = _installed_version("bitsandbytes", f"{why} needs bitsandbytes, which is not installed: {TRAIN_EXTRA}")
+    if version is not None and Version(version) < Version(BITSANDBYTES_MIN_VERSION):
         raise VramPlanError(f"{why} needs bitsandbytes {BITSANDBYTES_MIN_VERSION} or newer (installed: {version}): "
                             f"{TRAIN_EXTRA}")
+
+
+def require_vllm(why: str) -> None:
+    """vLLM must be installed at a release TRL 1.16 accepts (VLLM_RANGE) for `why` (e.g. '--use-vllm'). Found, not
+    imported: importing vLLM takes seconds and initialises CUDA."""
+    from packaging.specifiers import SpecifierSet
+
+    version = _installed_version("vllm", f"{why} needs vLLM {VLLM_RANGE}, which is not installed: {VLLM_EXTRA}")
+    if version is not None and not SpecifierSet(VLLM_RANGE).contains(version, prereleases=True):
+        raise VramPlanError(f"{why} needs vLLM {VLLM_RANGE}, the releases TRL 1.16 accepts (installed: {version}): "
+                            f"{VLLM_EXTRA}")
+
+
+def _installed_version(package: str, missing: str) -> str | None:
+    """The installed version of `package`; VramPlanError(`missing`) when it cannot be imported, None when it can but
+    has no metadata (a source checkout: trusted)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise VramPlanError(missing)
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -36,6 +36,7 @@ class GpuProfile(BaseModel):
     marketed_memory_gb: float | None = None
     total_memory_gib: float = Field(gt=0)
     compute_capability: str = ""
+    sm_count: int | None = Field(default=None, gt=0, le=10_000)  # multiprocessors: they size the CUDA context
     bf16: bool = True
     flash_attention_2: bool = False
     segment: Literal["consumer", "laptop", "workstation", "datacenter", "custom"] = "custom"

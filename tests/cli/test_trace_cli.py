@@ -1,8 +1,10 @@
-"""`vram-plan trace` from the command line: check's JSON shape with the trace beside the analytic model, and
-one-line errors for what cannot be traced."""
+"""`vram-plan trace` from the command line: check's JSON shape with the trace beside the analytic model, the
+caching allocator model's reserved bytes (--allocator-conf), and one-line errors for what cannot be traced."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import time
 import pytest
 
 from helpers import FIXTURES, one_line_error, run
+from vram_planner.cli import main
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.tracing.step import trace_step
 
@@ -47,8 +50,9 @@ def test_trace_json_has_checks_shape_and_the_traced_bytes(capsys, traced_directl
 def test_trace_prints_both_engines_and_its_wall_time(capsys):
     code, out, _ = run(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT)
     assert code == 0
-    assert "trace against the analytic model" in out and "Memory by phase" in out
-    assert "trace GiB" in out and "analytic GiB" in out and "Traced in" in out and "not the CUDA context" in out
+    assert "trace against the analytic model" in out and "Memory by phase" in out and "Per phase (GiB)" in out
+    assert all(column in out for column in ("trace", "reserved", "analytic", "error"))
+    assert "Traced in" in out and "caching allocator (torch's defaults)" in out and "CUDA context" in out
 
 
 def test_a_trace_that_does_not_fit_exits_1(capsys):
@@ -101,7 +105,7 @@ def test_the_library_returns_both_engines(traced_directly):
                                              "max_prompt_length": 16, "max_completion_length": 16},
                         progress=said.append)
     assert said == ["building the model on fake tensors", "tracing generation", "tracing loss forward and backward",
-                    "tracing the optimizer step"]
+                    "tracing the optimizer step", "replaying the allocations through the caching allocator model"]
     assert [p.peak_bytes for p in outcome.result.phases] == [p.peak_bytes for p in traced_directly.phases]
     assert outcome.fits and outcome.seconds > 0 and outcome.analytic.estimate.params == outcome.result.params
     assert [c.name for c in outcome.comparison()] == [p.name for p in traced_directly.phases]
@@ -144,7 +148,10 @@ def test_a_failure_inside_torch_is_one_line_without_torchs_logged_traceback(tmp_
     done = _cli_in_a_subprocess("trace", "--gpu", "24GiB", "--model", str(path), "--max-completion-length", "512")
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
-    assert "the trace failed while tracing generation" in done.stderr and "max_position_embeddings" in done.stderr
+    # Generation reads positions beyond 512 in the last decoding step (fake tensors do not check indices); the
+    # loss forward's 768 positions fail to broadcast.
+    assert "the trace failed while tracing loss forward and backward" in done.stderr
+    assert "max_position_embeddings" in done.stderr
 
 
 @pytest.mark.parametrize("sizes", [["--per-device-train-batch-size", "1000000000000", "--num-generations", "2"],
@@ -167,3 +174,101 @@ def test_a_sequence_longer_than_the_models_positions_is_refused_before_building_
                          "--max-completion-length", "100000000")
     assert "max_position_embeddings (2048)" in err and "100000016" in err and "vram-plan check" in err
     assert time.perf_counter() - start < 2  # no model built
+
+
+@pytest.fixture
+def no_alloc_conf(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+
+
+def traced_json(capsys, *flags: str) -> tuple[int, dict]:
+    code, out, err = run(capsys, "trace", "--model", str(TINY), *SHORT, *flags, "--json")
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def default_reserve():
+    """`trace --json` on a 24 GiB card with torch's allocator defaults, run once for the tests below."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, "--json"])
+        assert code == 0
+        return json.loads(out.getvalue())
+
+
+def test_trace_json_has_reserved_bytes_per_phase_and_the_verdict_uses_them(default_reserve):
+    doc = default_reserve
+    assert doc["allocator_conf"] == "" and "reserved_bytes are what a model of PyTorch's caching allocator" in (
+        doc["trace_counts"])
+    for phase in doc["phases"]:
+        assert phase["reserved_bytes"] >= phase["tensor_bytes"] > 0
+        # A segment is at least 2 MiB (small blocks) or 20 MiB (1-10 MiB requests): the tiny step reserves both.
+        assert phase["reserved_bytes"] % (2 * 1024**2) == 0
+        assert phase["components"]["allocator_overhead"] == phase["reserved_bytes"] - phase["tensor_bytes"]
+        assert phase["total_bytes"] == phase["reserved_bytes"] + phase["components"]["cuda_context"]
+    assert doc["reserved_peak_bytes"] == max(p["reserved_bytes"] for p in doc["phases"])
+    assert doc["peak_bytes"] == doc["reserved_peak_bytes"] + doc["phases"][0]["components"]["cuda_context"]
+
+
+def test_expandable_segments_reserve_no_more_than_the_default(capsys, default_reserve, monkeypatch):
+    # This tiny step reserves the same either way: two 2 MiB segments (pages) for its small tensors and one 20 MiB
+    # segment (page) for its one 1-10 MiB tensor, the LM head's 2 MiB tile.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:abc")  # the flag wins over the environment
+    _, doc = traced_json(capsys, "--gpu", "24GiB", "--allocator-conf", "expandable_segments:True")
+    assert doc["allocator_conf"] == "expandable_segments:True"
+    pairs = list(zip(doc["phases"], default_reserve["phases"], strict=True))
+    assert all(p["reserved_bytes"] <= d["reserved_bytes"] for p, d in pairs)
+    assert doc["reserved_peak_bytes"] <= default_reserve["reserved_peak_bytes"]
+    assert all(p["tensor_bytes"] == d["tensor_bytes"] for p, d in pairs)
+
+
+def test_expandable_segments_reserve_less_for_a_growing_kv_cache(capsys, no_alloc_conf):
+    # TRL's defaults on the tiny model (8 x 512-token completions): the cache's concatenations fragment the
+    # default allocator's segments; expandable segments grow one segment in 20 MiB pages instead.
+    def reserved(*conf: str) -> int:
+        code, out, err = run(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *conf, "--json")
+        return json.loads(out)["reserved_peak_bytes"]
+
+    assert reserved("--allocator-conf", "expandable_segments:True") < reserved()
+
+
+def test_the_allocator_conf_defaults_to_the_environment_variable(capsys, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    _, doc = traced_json(capsys, "--gpu", "24GiB")
+    assert doc["allocator_conf"] == "expandable_segments:True"
+
+
+REFUSED = "--allocator-conf should be a PYTORCH_CUDA_ALLOC_CONF text torch accepts; "
+
+
+@pytest.mark.parametrize("flag,environment,said", [
+    (["--allocator-conf", "expandable_segments:yes"], None, REFUSED + "expandable_segments takes True or False"),
+    (["--allocator-conf", "max_split_size_mb"], None, REFUSED + "the text is not a list of key:value pairs"),
+    ([], "garbage_collection_threshold:2", "PYTORCH_CUDA_ALLOC_CONF 'garbage_collection_threshold:2': "
+                                           "garbage_collection_threshold must be a number between 0 and 1")])
+def test_a_bad_allocator_conf_is_one_line_before_anything_is_traced(capsys, monkeypatch, flag, environment, said):
+    if environment is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", environment)
+    start = time.perf_counter()
+    err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, *flag)
+    assert said in err
+    assert time.perf_counter() - start < 5  # refused before the model is built
+
+
+def test_when_the_allocator_finds_no_memory_the_trace_does_not_fit_and_says_where(capsys, no_alloc_conf,
+                                                                                 default_reserve):
+    # The card holds the CUDA context, the step's tensors (a few MiB) and then 10 MiB: not the 20 MiB segment the
+    # allocator asks for a 2 MiB tensor. Tensors plus the flat 12% reserve would have fitted.
+    context = default_reserve["phases"][0]["components"]["cuda_context"]
+    tensors = max(p["tensor_bytes"] for p in default_reserve["phases"])
+    capacity_mib = (context + tensors) // 2**20 + 10
+    assert (context + 1.12 * tensors) / 2**20 < capacity_mib
+    code, doc = traced_json(capsys, "--gpu", f"{capacity_mib}MiB", "--safety-margin", "0")
+    assert code == 1 and not doc["fits"] and doc["peak_bytes"] > doc["capacity_bytes"]
+    note = next(n for n in doc["notes"] if "could not find memory after freeing its cache" in n)
+    assert "in training (forward: LM head, step 1)" in note

@@ -52,9 +52,9 @@ def test_mirror_agrees_with_grpo_config(tmp_path, b, ga, s, g):
 
 
 def test_snippet_is_python_that_builds_the_config(tmp_path, llama_1b_file):
-    gpu = GpuProfile(name="card", total_memory_gib=3.5, bf16=True, flash_attention_2=True)
+    gpu = GpuProfile(name="card", total_memory_gib=3.2, bf16=True, flash_attention_2=True)
     chosen = api.plan(str(llama_1b_file), gpu).chosen
-    assert chosen is not None and chosen.train.load_in_4bit  # QLoRA on 3.5 GiB
+    assert chosen is not None and chosen.train.load_in_4bit  # QLoRA on 3.2 GiB
     code = python_snippet(chosen.train, "meta-llama/Llama-3.2-1B")
     code = code.replace('output_dir="grpo-Llama-3.2-1B"', f"output_dir={str(tmp_path)!r}, use_cpu=True, "
                         "report_to='none'")

@@ -18,6 +18,7 @@ from helpers import FIXTURES, within_seconds
 from vram_planner import api
 from vram_planner.errors import ConfigError, VramPlanError
 from vram_planner.model import activations as act
+from vram_planner.model.calibration import UNFITTED_RESERVE_FRACTION
 from vram_planner.model.components import FP32_BYTES, sizes
 from vram_planner.model.search import (Plan, best_plan, ladder_runs, micro_batch_variants, smallest_micro_batch,
                                       with_micro_batch)
@@ -237,9 +238,16 @@ def _checkpointing(context, t: TrainingConfig):
     assume(context.arch.num_layers > 1)
     b, length = t.per_device_train_batch_size, t.sequence_length
     layer_input = b * length * context.arch.hidden_size * sizes(t).residual
-    reserve = 1 + context.calibration.allocator_overhead_fraction
+    reserve = 1 + _largest_reserve_per_byte(context.calibration)
     held = (layer_input + act.attention_mask_bytes(t, b, length)) * reserve
     return _changed(t, gradient_checkpointing=False), _changed(t, gradient_checkpointing=True), held
+
+
+def _largest_reserve_per_byte(cal) -> float:
+    """The most reserve the allocator model puts on a byte of any tensor in any phase."""
+    fitted = [c for phases in cal.allocator_reserve.values() for comps in phases.values() for c in comps.values()]
+    measured = [cal.allocator_overhead_fraction] if cal.allocator_overhead_fraction is not None else []
+    return max([*fitted, *measured, UNFITTED_RESERVE_FRACTION])
 
 
 def _eight_bit_optimizer(context, t: TrainingConfig):

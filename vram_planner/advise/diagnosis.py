@@ -141,11 +141,18 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
     if context is None or train is None:
         return advice
     from vram_planner.model.grpo_config import grpo_config_kwargs
-    from vram_planner.model.search import best_plan
+    from vram_planner.model.search import best_plan, with_expandable_segments
+    from vram_planner.model.spec import with_changes
     from vram_planner.model.verdict import judge
 
+    if error.expandable_segments and not train.expandable_segments:  # the message shows the run had them on
+        train = with_changes(train, allocator_conf=with_expandable_segments(train.allocator_conf))
     verdict = judge(context, train)
     advice.culprit, advice.phase = attribute(error, verdict)
+    if not train.expandable_segments and not verdict.fits:
+        advice.diagnosis.append(_expandable_rescue(context, train, verdict))
+        # the plan's own change says what they save from the model; the message's unallocated bytes are only a bound
+        fixes = [f for f in fixes if not f.change.startswith("PYTORCH_CUDA_ALLOC_CONF")]
     plan = best_plan(context, train)
     ranked = _plan_fixes(plan.changes)
     upgrade = _upgrade_fix(context, train, verdict)
@@ -155,6 +162,21 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
     if plan.chosen is not None:
         advice.fitting_config = grpo_config_kwargs(plan.chosen.train)
     return advice
+
+
+def _expandable_rescue(context: Any, train: Any, verdict: Any) -> str:
+    """Whether PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True alone would have let the run fit, by the allocator
+    reserve fitted over replays of traced steps through the caching allocator model."""
+    from vram_planner.model.search import with_expandable_segments
+    from vram_planner.model.spec import with_changes
+    from vram_planner.model.verdict import judge
+
+    expandable = judge(context, with_changes(train, allocator_conf=with_expandable_segments(train.allocator_conf)))
+    verb = "would have" if expandable.fits else "would not have"
+    return (f"expandable_segments:True alone {verb} rescued this run: with them the model's peak is "
+            f"{_gib(expandable.estimate.peak_bytes)} against {_gib(verdict.estimate.peak_bytes)} without (the "
+            f"allocator's reserve as fitted over replays of the caching allocator model), on "
+            f"{_gib(context.budget_bytes)} usable")
 
 
 def _upgrade_fix(context: Any, train: Any, verdict: Any) -> Fix | None:
@@ -206,7 +228,8 @@ def _cost(knob: str) -> str:
     """What a change costs; a joined change (`lora_r + load_in_4bit`) costs what its parts cost."""
     if " + " in knob:
         return "; ".join(dict.fromkeys(_cost(part) for part in knob.split(" + ")))
-    return {"per_device_train_batch_size": "slower steps, same training",
+    return {"allocator_conf": "none (an environment variable for the run)",
+            "per_device_train_batch_size": "slower steps, same training",
             "gradient_accumulation_steps": "slower steps, same training",
             "gradient_checkpointing": "about 30% slower backward",
             "optim": "8-bit optimizer states (negligible quality loss)",

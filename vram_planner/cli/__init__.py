@@ -13,10 +13,11 @@ from pathlib import Path
 import click
 
 from vram_planner.cli.advise import advise_command
-from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, PATH
+from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, KNOBS, MAXIMIZE, MODEL_CONTEXT, PATH
 from vram_planner.cli.plan import check, plan, trace
+from vram_planner.cli.replay import replay
 from vram_planner.cli.run import run
-from vram_planner.errors import VramPlanError, first_line
+from vram_planner.errors import VramPlanError, first_line, one_line
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -28,17 +29,30 @@ def app() -> None:
     """
 
 
-for _command in (plan, check, trace, run, advise_command):
+for _command in (plan, check, trace, run, advise_command, replay):
     app.add_command(_command)
 
 
-@app.command("gpus")
-@click.option("--json", "json_output", is_flag=True, help="Print the catalog as JSON.")
-def list_gpus(json_output: bool) -> None:
-    """The GPU catalog: capacity as CUDA reports it, bf16 and FlashAttention-2 support."""
-    from vram_planner.cli.listing import gpus_json, print_gpus
+def _gpus_options(command):
+    """`gpus`' own --json, and what judges a config on every card: the model's context, the knobs, --maximize."""
+    for option in reversed([click.option("--json", "json_output", is_flag=True, help="Print JSON."),
+                            *MODEL_CONTEXT, *MAXIMIZE, *KNOBS]):
+        command = option(command)
+    return command
 
-    if json_output:
+
+@app.command("gpus")
+@_gpus_options
+def list_gpus(**options) -> None:
+    """The GPU catalog: capacity as CUDA reports it, bf16 and FlashAttention-2 support. With --model (and knobs):
+    every card's verdict for that config, the smallest fitting card first; with --maximize FIELD, each card's
+    largest value of that knob."""
+    from vram_planner.cli.listing import gpus_for_model, gpus_json, print_gpus
+
+    if any(value not in (None, False) for name, value in options.items() if name not in ("json_output",
+                                                                                          "safety_margin")):
+        raise click.exceptions.Exit(gpus_for_model(options))
+    if options["json_output"]:
         click.echo(gpus_json())
     else:
         print_gpus()
@@ -54,6 +68,17 @@ def list_models(json_output: bool) -> None:
         click.echo(models_json())
     else:
         print_models()
+
+
+@app.command("app")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
+@click.option("--port", type=click.IntRange(1, 65535), default=7860, show_default=True, help="Port to listen on.")
+def web_app(host: str, port: int) -> None:
+    """A local web page for plan and check, with an HTTP API beside it: GET /api/check and /api/plan take the
+    knobs as query parameters and return the --json documents (needs the app extra: Gradio)."""
+    from vram_planner.app.server import serve
+
+    serve(host, port)
 
 
 @app.command("probe")
@@ -88,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
-        click.echo(f"error: {_one_line(message)}", err=True)
+        click.echo(f"error: {one_line(message)}", err=True)
         return EXIT_ERROR
     except click.exceptions.Abort:
         click.echo("error: aborted", err=True)
@@ -102,9 +127,4 @@ def main(argv: list[str] | None = None) -> int:
                    err=True)
         return EXIT_ERROR
     return exit_code if isinstance(exit_code, int) else EXIT_FITS
-
-
-def _one_line(message: str) -> str:
-    """A message as the one line the contract promises, whatever it quotes (a path or a value with a newline)."""
-    return " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
 

@@ -33,6 +33,9 @@ KNOBS = [
     click.option("--vllm-mode", help="colocate (default) or server."),
     click.option("--vllm-gpu-memory-utilization", type=float),
     click.option("--vllm-enable-sleep-mode/--no-vllm-enable-sleep-mode", default=None),
+    click.option("--vllm-max-model-length", type=int, help="vLLM's context (default: the model's, TRL 0.26+)."),
+    click.option("--vllm-tensor-parallel-size", type=int),
+    click.option("--vllm-server-gpu", help="Server mode: the card trl vllm-serve runs on (planned too)."),
     click.option("--lora-r", type=int),
     click.option("--lora-alpha", type=int),
     click.option("--lora-dropout", type=float),
@@ -43,9 +46,12 @@ KNOBS = [
     click.option("--num-gpus", type=int),
     click.option("--zero-stage", type=int),
     click.option("--fsdp/--no-fsdp", default=None),
+    click.option("--allocator-conf", metavar="TEXT",
+                 help="PYTORCH_CUDA_ALLOC_CONF of the run, e.g. expandable_segments:True (default: that environment "
+                      "variable)."),
 ]
-CONTEXT = [
-    click.option("--gpu", help="Catalog name, 'auto', or a size like 24GiB."),
+# What a config is judged against besides the card (`gpus --model` judges it on every card).
+MODEL_CONTEXT = [
     click.option("--model", help="Catalog name, config.json, model folder or hub id."),
     click.option("--config", "config_file", type=PATH, help="YAML/JSON file with the same keys as the flags."),
     click.option("--trl-version", help="Plan for this TRL release (default: the installed one)."),
@@ -53,13 +59,25 @@ CONTEXT = [
     click.option("--safety-margin", type=click.FloatRange(0, 0.5), default=0.05, show_default=True,
                  help="Share of the card kept free."),
 ]
+CONTEXT = [click.option("--gpu", help="Catalog name, 'auto', or a size like 24GiB."), *MODEL_CONTEXT]
 # What plan/check/trace report besides the exit code; a run's output is its folder and log instead.
 REPORT = [
     click.option("--json", "json_output", is_flag=True, help="Print one JSON document."),
     click.option("--plot", type=PATH, help="Write stacked bars per phase to this PNG."),
 ]
 
-NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin")
+# `plan --maximize FIELD` and `gpus --model M --maximize FIELD`: the largest value of one knob that fits.
+MAXIMIZE = [
+    click.option("--maximize", metavar="FIELD",
+                 help="The largest value that fits of max_completion_length, max_prompt_length, num_generations, "
+                      "per_device_train_batch_size or lora_r, every other knob as given."),
+    click.option("--allow-savers", is_flag=True,
+                 help="With --maximize: let the plan's savers (smaller micro-batches, checkpointing, 8-bit AdamW, "
+                      "bf16 weights, LoRA, QLoRA) make room."),
+]
+
+NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin",
+             "maximize", "allow_savers")
 
 
 def settings_from(command: str, options: dict[str, Any],

@@ -6,24 +6,28 @@ from typing import Any
 
 import click
 
-from vram_planner.cli.options import CONTEXT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, REPORT, resolve, settings_from
+from vram_planner.cli.options import (CONTEXT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT, resolve,
+                                      settings_from)
+from vram_planner.errors import VramPlanError
 
 
-def training_command(command: str, doc: str) -> click.Command:
-    """A command that judges one config: the context options, the report options and every knob."""
+def training_command(command: str, doc: str, extra: tuple = ()) -> click.Command:
+    """A command that judges one config: the context options, the report options, every knob and `extra`."""
     def run(**options: Any) -> None:
         _execute(command, options)
 
     run.__doc__ = doc
-    for option in reversed(CONTEXT + REPORT + KNOBS):
+    for option in reversed(CONTEXT + REPORT + KNOBS + list(extra)):
         run = option(run)
     return click.command(command)(run)
 
 
-plan = training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes.")
+plan = training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes; "
+                                "with --maximize FIELD, the largest value of that knob that fits.", tuple(MAXIMIZE))
 check = training_command("check", "The verdict for exactly this config.")
 trace = training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic "
-                                  "model (needs the train extras; without --gpu: the local card, else rtx3080-mobile).")
+                                  "model, and what PyTorch's caching allocator reserves for it (needs the train "
+                                  "extras; without --gpu: the local card, else rtx3080-mobile).")
 
 
 def _execute(command: str, options: dict[str, Any]) -> None:
@@ -33,8 +37,10 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         check_plot_target(options["plot"])
     if command == "trace":
         _trace(options)
+    if options.get("maximize") is not None or options.get("allow_savers"):
+        _maximize(options)
     context, train = resolve(command, options)
-    report, shown = _judge(command, context, train)
+    report, shown = judge_report(command, context, train)
 
     def human() -> None:
         from vram_planner.cli.render import render
@@ -55,6 +61,28 @@ def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
     else:
         human()
     raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
+
+
+def _maximize(options: dict[str, Any]) -> None:
+    """`plan --maximize FIELD`: the answer, then the plan at it; the impossible case in one line (exit 1)."""
+    from vram_planner.cli.report import maximized_report
+    from vram_planner.model.maximize import maximizable_field, maximize
+
+    if options["maximize"] is None:
+        raise VramPlanError("--allow-savers goes with --maximize FIELD (plan without --maximize already uses the "
+                            "savers)")
+    field = maximizable_field(options["maximize"])
+    context, train = resolve("plan", options)
+    result = maximize(context, train, field, options["allow_savers"])
+    report = maximized_report(result)
+
+    def human() -> None:
+        from vram_planner.cli.render import render, render_maximized
+
+        if render_maximized(report, context.gpu):
+            render(report, context.gpu, result.plan.chosen.train, context.arch.hub_id or context.model_id)
+
+    _emit(report, options, human)
 
 
 def _trace(options: dict[str, Any]) -> None:
@@ -78,8 +106,9 @@ def _trace(options: dict[str, Any]) -> None:
     _emit(report, options, human)
 
 
-def _judge(command: str, context, train):
-    """The report to print and the training config it describes."""
+def judge_report(command: str, context, train):
+    """The report `command` (check or plan) prints and the training config it describes (the web app's HTTP API
+    serves the same)."""
     from vram_planner.cli import report as reports
 
     if command == "plan":

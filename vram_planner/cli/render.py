@@ -6,12 +6,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from vram_planner.cli.report import Report
+from vram_planner.cli.report import MaximizedPlanReport, Report
 from vram_planner.model.grpo_config import python_snippet
+from vram_planner.model.maximize import UNITS
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import GpuProfile
-from vram_planner.units import GiB
+from vram_planner.units import GiB, KiB, MiB
 
 BAR_WIDTH = 40
 COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients": "magenta",
@@ -37,6 +38,9 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
         card = (f"the smallest catalog card it fits is {report.smallest_fitting_gpu}"
                 if report.smallest_fitting_gpu else "no catalog card holds it")
         title.append(f"the smallest config vram-plan knows (below) needs {_g(report.peak_bytes)} GiB; {card}")
+    elif report.vllm is not None and report.vllm.problem:  # the trainer may fit; vLLM stops the run at start-up
+        title.append("✘ does not fit: ", style="bold red")
+        title.append(f"{report.vllm.problem}; the trainer's peak is {_g(report.peak_bytes)} GiB in {peak_phase}")
     else:
         title.append("✘ does not fit: ", style="bold red")
         over = (f"{_g(-report.spare_bytes)} GiB over the card" if report.spare_bytes < 0 else
@@ -53,7 +57,10 @@ def changes_text(report: Report) -> Text:
                 style="bold")
     for c in report.changes:
         text.append(f"  {c.knob}: {c.before} → {c.after}", style="bold")
-        text.append(f"  saves {_g(c.saved_bytes)} GiB", style="green")
+        if c.saved_bytes < 0:  # vLLM's share raised so that it can start: a cost, said as one
+            text.append(f"  costs {_g(-c.saved_bytes)} GiB", style="yellow")
+        else:
+            text.append(f"  saves {_g(c.saved_bytes)} GiB", style="green")
         text.append(f"  ({c.reason})\n")
     return text
 
@@ -114,6 +121,46 @@ def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
     console.print(footer(report))
 
 
+def render_maximized(report: MaximizedPlanReport, gpu: GpuProfile, console: Console | None = None) -> bool:
+    """`plan --maximize`: the value, the peak at it and what one step more needs (three decimals: they can be close);
+    when nothing fits, that in one line and False."""
+    console = console or Console()
+    m, budget = report.maximized, report.capacity_bytes - report.safety_margin_bytes
+    where = f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB)"
+    if m.value is None:
+        fix = ("even with the plan's savers; a larger card (vram-plan gpus --model ...) or plain `vram-plan plan` "
+               "(it also shortens completions and shrinks batches) finds what fits" if m.allow_savers else
+               "--allow-savers lets the plan's savers make room")
+        why = (f"it needs {_g3(m.next_peak_bytes)} GiB, {_g3(budget)} GiB fit with the safety margin"
+               if m.limited_by == "memory" else m.limited_by)
+        console.print(Text(f"✘ even {m.field} {m.next_value} does not fit {where}: {why}; {fix}", style="bold red"),
+                      soft_wrap=True)
+        return False
+    text = Text(f"Largest {m.field} that fits {where}: {m.value} {UNITS[m.field]}".rstrip(), style="bold")
+    text.append(" (with the plan's savers, below)" if report.changes else "")
+    if m.next_value is None:
+        text.append(f"\n  peak {_g3(m.peak_bytes)} GiB at {m.value}, the largest valid value: {m.limited_by}")
+    elif m.limited_by != "memory":
+        text.append(f"\n  peak {_g3(m.peak_bytes)} GiB at {m.value}; at {m.next_value}: {m.limited_by}")
+    else:
+        text.append(f"\n  peak {_g3(m.peak_bytes)} GiB at {m.value}; at {m.next_value} it needs "
+                    f"{_g3(m.next_peak_bytes)} GiB, {_small(m.next_peak_bytes - budget)} over the {_g3(budget)} GiB "
+                    f"the card allows ({_g(report.capacity_bytes)} GiB less the {_g(report.safety_margin_bytes)} GiB "
+                    "safety margin)")
+    console.print(text, Text(""))
+    return True
+
+
+def _g3(n_bytes: float | None) -> str:
+    return f"{(n_bytes or 0) / GiB:.3f}"
+
+
+def _small(n_bytes: float) -> str:
+    """A few bytes in the unit that shows them: one token more can need a fraction of a MiB."""
+    unit, size = next(((u, s) for u, s in (("GiB", GiB), ("MiB", MiB)) if n_bytes >= s), ("KiB", KiB))
+    return f"{n_bytes / size:.1f} {unit}"
+
+
 def print_code(code: str, console: Console) -> None:
     """Code people paste: never wrapped or cropped to the terminal's width (a wrapped comment is a SyntaxError)."""
     console.print(Text(code, style="cyan"), soft_wrap=True)
@@ -126,24 +173,27 @@ def _error_percent(error: float | None) -> str:
 
 
 def trace_table(report: Report) -> Table:
-    """Traced tensor bytes per phase next to the analytic model's; error = (analytic - trace) / trace."""
-    table = Table(title="Tensors per phase: trace against the analytic model", title_justify="left",
-                  show_edge=False)
-    for column in ("phase", "trace GiB", "analytic GiB", "error", "peak moment (trace)"):
+    """Traced tensor bytes per phase, what the allocator model reserves for them, and the analytic model's tensor
+    bytes; error = (analytic - trace) / trace."""
+    table = Table(title="Per phase (GiB): trace against the analytic model, and what the allocator reserves",
+                  title_justify="left", show_edge=False)
+    for column in ("phase", "trace", "reserved", "analytic", "error", "peak moment (trace)"):
         table.add_column(column, justify="left" if column.startswith("p") else "right")
     for phase in report.phases:
         table.add_row(PHASE_TITLES.get(phase.name, phase.name), _g(phase.tensor_bytes or 0),
-                      _g(phase.analytic_tensor_bytes or 0), _error_percent(phase.analytic_relative_error),
-                      phase.peak_moment)
+                      _g(phase.reserved_bytes or 0), _g(phase.analytic_tensor_bytes or 0),
+                      _error_percent(phase.analytic_relative_error), phase.peak_moment)
     return table
 
 
 def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None) -> None:
     """The verdict, trace against analytic per phase, the breakdown with the overheads, the wall time, notes."""
     console = console or Console()
-    seconds = Text(f"Traced in {report.seconds:.1f} s on the CPU. The trace counts tensor bytes (what "
-                   "torch.cuda.memory_allocated reports), not the CUDA context or the allocator's reserve: the "
-                   f"breakdown and the verdict add those from the calibration ({report.calibration}).", style="dim")
+    conf = f"PYTORCH_CUDA_ALLOC_CONF={report.allocator_conf}" if report.allocator_conf else "torch's defaults"
+    seconds = Text(f"Traced in {report.seconds:.1f} s on the CPU. trace: tensor bytes (torch.cuda.memory_allocated);"
+                   f" reserved: what a model of PyTorch's caching allocator ({conf}) reserves for them, the most "
+                   "during the phase (torch.cuda.max_memory_reserved). The verdict adds the CUDA context, which "
+                   f"neither counts, from the calibration ({report.calibration}) or the GPU catalog.", style="dim")
     console.print(Group(headline(report, gpu), Text(""), trace_table(report), Text(""), breakdown_table(report),
                         peak_bar(report), Text(""), seconds, footer(report)))
 

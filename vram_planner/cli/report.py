@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_problems, lora_config_kwargs,
                                             quantization_config_kwargs)
 from vram_planner.model.phases import COMPONENTS, Phase
-from vram_planner.model.search import Plan, smallest_config
+from vram_planner.model.search import Plan, smallest_config, vllm_fallback_note, vllm_tuned
 from vram_planner.model.verdict import Context, Verdict, judge
 from vram_planner.profiles import GpuProfile, gpus
 
@@ -21,6 +21,7 @@ class PhaseReport(BaseModel):
     components: dict[str, int]
     # `trace` only: the analytic model's tensor bytes for the same phase, and its error against the trace
     tensor_bytes: int | None = None
+    reserved_bytes: int | None = None  # the most the caching allocator model reserves during the phase
     analytic_tensor_bytes: int | None = None
     analytic_relative_error: float | None = None
 
@@ -31,6 +32,34 @@ class ChangeReport(BaseModel):
     after: Any
     saved_bytes: int
     reason: str
+
+
+class VllmReport(BaseModel):
+    """vLLM's budget on one GPU of the card it runs on (the training card in colocate mode, --vllm-server-gpu in
+    server mode), as vLLM works it out at start-up (vram_planner/model/vllm.py)."""
+
+    model_config = ConfigDict(defer_build=True)
+
+    weights_bytes: int
+    kv_cache_bytes: int  # what one generation round's sequences need at full length
+    activation_bytes: int  # the profile run's peak
+    cuda_graph_bytes: int
+    reservation_bytes: int  # vllm_gpu_memory_utilization x the card
+    max_num_seqs: int
+    max_model_len: int
+    kv_capacity_sequences: int  # prompt + completion sequences the KV cache holds at once
+    min_gpu_memory_utilization: float | None  # the smallest with which vLLM starts and holds one max_model_len
+    problem: str | None  # why vLLM cannot start in its budget, else null
+
+
+def vllm_report(budget: Any) -> VllmReport | None:  # budget: vram_planner.model.vllm.VllmBudget | None
+    if budget is None:
+        return None
+    return VllmReport(weights_bytes=round(budget.weights_bytes), kv_cache_bytes=round(budget.kv_cache_bytes),
+                      activation_bytes=round(budget.activation_bytes), cuda_graph_bytes=round(budget.cuda_graph_bytes),
+                      reservation_bytes=round(budget.reservation_bytes), max_num_seqs=budget.max_num_seqs,
+                      max_model_len=budget.max_model_len, kv_capacity_sequences=budget.kv_capacity_sequences,
+                      min_gpu_memory_utilization=budget.min_gpu_memory_utilization, problem=budget.problem)
 
 
 class Report(BaseModel):
@@ -55,17 +84,21 @@ class Report(BaseModel):
     grpo_config_problems: list[str]
     assumptions: dict[str, Any]
     calibration: str
+    cuda_context_source: str = ""  # where each phase's cuda_context figure comes from: the GPU catalog or a calibration
     trl_version: str
     notes: list[str]
     changes: list[ChangeReport] = []
+    vllm: VllmReport | None = None  # null when no vLLM runs on a planned card
     requested_peak_bytes: int | None = None
     smallest_config_peak_bytes: int | None = None
     smallest_fitting_gpu: str | None = None
     # `trace` only. engine "trace": each phase's tensor_bytes were counted on fake tensors; its components add the
-    # calibration's CUDA context and allocator reserve, so total_bytes, peak_bytes and fits judge the card as check.
+    # CUDA context and allocator reserve as check does, so total_bytes, peak_bytes and fits judge the card as check.
     engine: Literal["analytic", "trace"] = "analytic"
-    seconds: float | None = None  # wall time of the trace, model building included
+    seconds: float | None = None  # wall time of the trace, model building and the allocator replay included
     trace_counts: str | None = None  # what tensor_bytes include and what they do not, in words
+    reserved_peak_bytes: int | None = None  # the most the allocator model reserves at any moment of the step
+    allocator_conf: str | None = None  # the PYTORCH_CUDA_ALLOC_CONF it was configured by ("": torch's defaults)
 
 
 def _phase(p: Phase) -> PhaseReport:
@@ -89,7 +122,8 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
                      "prompts_truncated": train.release.truncates_prompts, "num_gpus": train.num_gpus,
                      "distributed": train.distributed, "generation_batch_size": train.generation_batch_size},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
-        trl_version=ctx.release.version, notes=list(est.notes),
+        cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
+        vllm=vllm_report(est.vllm),
     )
 
 
@@ -104,6 +138,8 @@ def plan_report(plan: Plan) -> Report:
         report.smallest_config_peak_bytes = round(plan.smallest.estimate.peak_bytes)
         gpu = smallest_fitting_gpu(plan.requested.context, plan.requested.train)
         report.smallest_fitting_gpu = gpu.name if gpu else None
+        if (offer := vllm_fallback_note(plan)) is not None:  # vLLM's share is what the card lacks
+            report.notes.append(offer)
     return report
 
 
@@ -114,26 +150,67 @@ def smallest_fitting_gpu(context: Context, user_train: Any) -> GpuProfile | None
             continue
         other = Context(context.arch, gpu, context.release, context.calibration, context.safety_margin,
                         context.model_id)
-        if judge(other, smallest_config(user_train, gpu.bf16)).fits:
+        if judge(other, vllm_tuned(other, smallest_config(user_train, gpu.bf16))).fits:
             return gpu
     return None
 
 
 TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as torch.cuda.memory_allocated counts "
-                "them (512-byte blocks); they do not include the CUDA context or the caching allocator's reserve, "
-                "which components cuda_context and allocator_overhead (and so total_bytes, peak_bytes and fits) "
-                "take from the calibration")
+                "them (512-byte blocks); they do not include the CUDA context or the caching allocator's reserve. "
+                "reserved_bytes are what a model of PyTorch's caching allocator (configured by allocator_conf) "
+                "reserves for the step's allocations and frees: the most during the phase at steady state, as "
+                "torch.cuda.max_memory_reserved reports it after reset_peak_memory_stats at the phase's start. "
+                "Component allocator_overhead is reserved_bytes - tensor_bytes, cuda_context comes from the "
+                "calibration or the GPU catalog (see cuda_context_source); total_bytes, peak_bytes and fits add them")
 
 
 def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutcome
     """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic tensor bytes beside it."""
     report = verdict_report(outcome.traced, command="trace")
     report.engine, report.seconds, report.trace_counts = "trace", round(outcome.seconds, 2), TRACE_COUNTS
+    report.reserved_peak_bytes = outcome.reserved.peak_bytes
+    report.allocator_conf = outcome.reserved.allocator_conf
     comparisons = {row.name: row for row in outcome.comparison()}
     for phase, traced in zip(report.phases, outcome.result.phases, strict=True):
         phase.tensor_bytes = traced.peak_bytes
+        phase.reserved_bytes = outcome.reserved.by_phase.get(phase.name, traced.peak_bytes)
         row = comparisons.get(phase.name)
         if row is not None:
             phase.analytic_tensor_bytes = round(row.analytic_bytes)
             phase.analytic_relative_error = row.relative_error
     return report
+
+
+class MaximizedReport(BaseModel):
+    """`plan --maximize`: the largest value of one knob that fits, and what one step more needs (bytes)."""
+
+    model_config = ConfigDict(defer_build=True)
+
+    field: str
+    value: int | None  # null: even the smallest valid value does not fit
+    peak_bytes: int | None
+    next_value: int | None  # the next valid value above (the smallest valid one when nothing fits)
+    next_peak_bytes: int | None  # the least it needs (with --allow-savers: the least the savers make it need)
+    limited_by: str  # "memory", or why no larger value is valid
+    allow_savers: bool
+
+
+class MaximizedPlanReport(Report):
+    """What `vram-plan plan --maximize FIELD --json` prints: the plan at the value, plus the answer."""
+
+    model_config = ConfigDict(defer_build=True)
+
+    maximized: MaximizedReport
+
+
+def maximized_report(result: Any) -> MaximizedPlanReport:  # result: vram_planner.model.maximize.Maximized
+    plan = plan_report(result.plan)
+    plan.notes += list(result.notes)
+    answer = MaximizedReport(field=result.field, value=result.value, peak_bytes=_rounded(result.peak_bytes),
+                             next_value=result.next_value, next_peak_bytes=_rounded(result.next_peak_bytes),
+                             limited_by=result.limited_by, allow_savers=result.allow_savers)
+    return MaximizedPlanReport(**plan.model_dump(), maximized=answer)
+
+
+def _rounded(n_bytes: float | None) -> int | None:
+    return None if n_bytes is None else round(n_bytes)

@@ -85,6 +85,7 @@ class ModelArchitecture:
     family: Family = field(repr=False)
     exact: bool = True  # False when the model_type is unknown and read as Llama-style
     max_position_embeddings: int | None = None
+    context_length: int | None = None  # the max_model_len vLLM derives from the config (vram_planner/model/vllm.py)
     sliding_window: int | None = None
     sliding_layers: int = 0  # how many layers keep only `sliding_window` tokens of KV cache
     config_dtype: str | None = None
@@ -130,6 +131,7 @@ class ModelArchitecture:
             family=_with_config_biases(family or Family(), config, where),
             exact=family is not None and vision_known,
             max_position_embeddings=sizes["max_position_embeddings"],
+            context_length=_context_length(config, sizes["max_position_embeddings"]),
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
             config_dtype=config.get("dtype") or config.get("torch_dtype"),
@@ -225,6 +227,24 @@ EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 def supported_model_types() -> list[str]:
     """The model_type values vram-plan models exactly (for messages)."""
     return sorted({*FAMILIES, *MODEL_TYPE_ALIASES})
+
+
+def _context_length(config: dict[str, Any], max_positions: int | None) -> int | None:
+    """The context vLLM takes when max_model_len is not given (vllm/config/model.py _get_and_verify_max_len, vLLM
+    0.22-0.31): max_position_embeddings, times the RoPE scaling factor except for llama3/su/longrope (and Gemma 3,
+    whose figure is already scaled); yarn scales original_max_position_embeddings; longrope defaults to
+    original_max_position_embeddings."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    if max_positions is None or not isinstance(rope, dict) or config.get("model_type", "").startswith("gemma3"):
+        return max_positions
+    kind, factor = rope.get("rope_type") or rope.get("type"), rope.get("factor")
+    original = config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    if kind == "longrope":
+        return original if _positive_int(original) else max_positions
+    if kind in ("su", "llama3", "default", None) or not isinstance(factor, (int, float)) or factor <= 0:
+        return max_positions
+    base = original if kind == "yarn" and _positive_int(original) else max_positions
+    return min(int(base * factor), MAX_SIZE)
 
 
 def _positive_int(value: Any) -> bool:

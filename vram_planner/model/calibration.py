@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vram_planner.errors import ProfileError
 from vram_planner.profiles import data_home, profile_dirs, read_json, validated
-from vram_planner.units import GiB
 
 
 class Calibration(BaseModel):
@@ -25,11 +24,15 @@ class Calibration(BaseModel):
     source: str = ""
     measured: dict[str, str] = Field(default_factory=dict)  # versions of GPU, driver, CUDA, torch, ...
 
-    # CUDA context and kernels: outside torch's allocator, seen by mem_get_info (0.3-0.6 GiB in public reports).
-    cuda_context_bytes: int = Field(default=int(0.5 * GiB), ge=0, le=2**50)  # at most a PiB: a typo beyond
-    # Reserved-but-unallocated memory as a fraction of the allocated peak: ~11% in public reports, 17% in the
-    # seeds' laptop OOM (2.41 of 14.23 GiB reserved).
-    allocator_overhead_fraction: float = Field(default=0.12, ge=0, lt=1)
+    # CUDA context and kernels: outside torch's allocator, seen by mem_get_info. None: the GPU catalog's figure for
+    # the card (profiles/cuda_context.toml, vram_planner.model.cuda_context); a probe writes what it measured.
+    cuda_context_bytes: int | None = Field(default=None, ge=0, le=2**50)  # at most a PiB: a typo beyond
+    # The caching allocator's reserve beyond the tensors, per allocator setting ("default", "expandable_segments")
+    # and phase: bytes of reserve per byte of each tensor component (each its own allocation pattern), fitted over
+    # replays of traced steps through the allocator model (benchmarks/allocator_fit.py).
+    allocator_reserve: dict[str, dict[str, dict[str, float]]] = Field(default_factory=dict)
+    # A probe's measured reserve, as a fraction of the allocated peak, replaces the fitted one (None: not measured).
+    allocator_overhead_fraction: float | None = Field(default=None, ge=0, lt=1)
 
     # What a layer keeps for backward is counted tensor by tensor (vram_planner/model/activations.py, checked against
     # the trace engine); only Liger's kernels, which the CPU trace cannot run, and the transient working sets below
@@ -79,3 +82,19 @@ def calibration_for(gpu_name: str, explicit: Path | str | None = None) -> Calibr
         if path.is_file():
             return load_calibration_file(path)
     return default_calibration()
+
+
+# What a phase falls back to when the fit has no coefficients for it: the seeds' laptop OOM reserved 17% beyond
+# its tensors (2.41 of 14.23 GiB), public reports about 11%.
+UNFITTED_RESERVE_FRACTION = 0.12
+
+
+def allocator_reserve_bytes(cal: Calibration, phase: str, tensor_bytes: dict[str, float], expandable: bool) -> float:
+    """What the caching allocator holds beyond a phase's tensors: a probe's measured fraction, else the fitted
+    function of the phase's components under the run's allocator setting."""
+    if cal.allocator_overhead_fraction is not None:
+        return cal.allocator_overhead_fraction * sum(tensor_bytes.values())
+    coefficients = cal.allocator_reserve.get("expandable_segments" if expandable else "default", {}).get(phase)
+    if coefficients is None:
+        return UNFITTED_RESERVE_FRACTION * sum(tensor_bytes.values())
+    return sum(coefficients.get(component, 0.0) * n_bytes for component, n_bytes in tensor_bytes.items())

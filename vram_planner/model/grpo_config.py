@@ -44,8 +44,13 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
         if release.accepts_vllm_mode:  # before 0.18 vLLM always ran on a GPU of its own
             kwargs["vllm_mode"] = train.vllm_mode
         if train.vllm_mode == "colocate" and release.accepts_vllm_mode:
-            kwargs.update(vllm_gpu_memory_utilization=train.vllm_gpu_memory_utilization,
-                          vllm_enable_sleep_mode=train.vllm_enable_sleep_mode)
+            kwargs["vllm_gpu_memory_utilization"] = train.vllm_gpu_memory_utilization
+            if train.vllm_enable_sleep_mode:  # a GRPOConfig field from TRL 0.23 (spec refuses it before)
+                kwargs["vllm_enable_sleep_mode"] = True
+            if train.vllm_tensor_parallel_size != 1:
+                kwargs["vllm_tensor_parallel_size"] = train.vllm_tensor_parallel_size
+            if train.vllm_max_model_length is not None:  # server mode: trl vllm-serve's --max_model_len instead
+                kwargs["vllm_max_model_length"] = train.vllm_max_model_length
     return kwargs
 
 
@@ -123,6 +128,8 @@ def python_snippet(train: TrainingConfig, model_id: str) -> str:
     if quant:
         lines.append(f"    quantization_config=BitsAndBytesConfig({call_args(quant)}),")
     lines += [")", "trainer.train()"]
+    if train.allocator_conf:  # torch reads it at the first CUDA allocation: set before anything touches the GPU
+        lines[:0] = ["import os", "", f"os.environ[\"PYTORCH_CUDA_ALLOC_CONF\"] = {train.allocator_conf!r}", ""]
     return "\n".join(lines)
 
 

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from vram_planner.model import activations as act
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.calibration import Calibration
+from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
+from vram_planner.model.cuda_context import context_bytes as resolved_context_bytes
 from vram_planner.model.lm_head import lm_head_memory
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
+from vram_planner.model.vllm import VllmBudget, budget_notes, vllm_budget
 
 # Component names, in the order people read them.
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
@@ -50,6 +52,7 @@ class Estimate:
     params: int
     trainable_params: int
     notes: tuple[str, ...] = field(default=())
+    vllm: VllmBudget | None = None  # the vLLM this config starts on a planned card (vram_planner/model/vllm.py)
 
     @property
     def peak_phase(self) -> Phase:
@@ -65,8 +68,10 @@ class Estimate:
 
 
 def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
-             capacity_bytes: int) -> Estimate:
-    """The memory of one steady-state GRPO step of `train` on a GPU of `capacity_bytes`."""
+             capacity_bytes: int, context_bytes: float | None = None, gpu_label: str = "",
+             gpu_bf16: bool = True) -> Estimate:
+    """The memory of one steady-state GRPO step of `train` on a GPU of `capacity_bytes` whose CUDA context takes
+    `context_bytes` (None: the calibration's figure, else the one for a card the catalog does not know)."""
     persistent = {
         "weights": m.weight_bytes(arch, train),
         "reference_weights": m.reference_weight_bytes(arch, train),
@@ -80,33 +85,44 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     raw.append(_training(arch, train, release, cal, persistent, all_grads))
     raw.append(Phase("optimizer", {**persistent, "gradients": all_grads,
                                    "activations": m.optimizer_step_temporary_bytes(arch, train)}))
-    reservation = train.vllm_gpu_memory_utilization * capacity_bytes if _colocated_vllm(train) else 0
-    phases = tuple(with_overheads(p, cal, reservation, train) for p in raw)
+    # vLLM colocated on this card takes the budget it works out at start-up (all of it, or what sleep mode leaves)
+    context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
+    vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16)
+    colocated = vllm if vllm is not None and vllm.mode == "colocate" else None
+    phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train,
+                                  context_bytes) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
-                    notes=_notes(arch, train))
+                    notes=_notes(arch, train) + tuple(budget_notes(vllm, train)), vllm=vllm)
 
 
-def _colocated_vllm(train: TrainingConfig) -> bool:
-    return train.use_vllm and train.vllm_mode == "colocate"
-
-
-def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig) -> Phase:
-    """The phase's tensors plus vLLM's reservation, the CUDA context and the allocator's reserve."""
+def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
+                   context_bytes: float | None = None) -> Phase:
+    """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it) and
+    the allocator's reserve."""
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
-    # vLLM's sleep mode releases its weights and KV cache outside generation.
-    asleep = train.vllm_enable_sleep_mode and phase.name != "generation"
-    components["vllm_reservation"] = 0.0 if asleep else reservation
-    components["cuda_context"] = float(cal.cuda_context_bytes)
-    components["allocator_overhead"] = cal.allocator_overhead_fraction * sum(
-        components[c] for c in TENSOR_COMPONENTS)
+    components["vllm_reservation"] = reservation  # what vLLM holds in this phase (VllmBudget.reservation_in)
+    components["cuda_context"] = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
+    components["allocator_overhead"] = allocator_reserve_bytes(
+        cal, phase.name, {c: components[c] for c in TENSOR_COMPONENTS}, train.expandable_segments)
     return Phase(phase.name, components, phase.moment)
+
+
+def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig) -> Phase:
+    """The moment that needs the most with the allocator's reserve on it: its tensors alone could pick a moment of
+    fewer bytes but a smaller reserve, and a longer completion would then seem to need less."""
+    def needs(moment: Phase) -> float:
+        tensors = {c: moment.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
+        return moment.tensor_bytes + allocator_reserve_bytes(cal, moment.name, tensors, train.expandable_segments)
+
+    return max(moments, key=needs)
 
 
 def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration,
                 persistent: dict[str, float]) -> Phase:
     base = {**persistent, "weights": m.generation_weight_bytes(arch, train)}
     if train.use_vllm:
-        return Phase("generation", base, "vLLM generates (its memory is the reservation)")
+        woken = " woken whole (sleep mode)" if train.vllm_enable_sleep_mode else ""
+        return Phase("generation", base, f"vLLM generates{woken} (its memory is the reservation)")
     sequences, p = train.local_generation_batch_size, train.max_prompt_length
     # The last decoding step feeds the last sampled token with p + c - 1 tokens cached.
     kv = m.kv_cache_bytes(arch, train, sequences, train.sequence_length - 1)
@@ -128,7 +144,7 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         Phase("generation", {**with_casts, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
               "last decoding step: LM head"),
     ]
-    return max(moments, key=lambda p: p.total_bytes)
+    return _heaviest(moments, cal, train)
 
 
 def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
@@ -144,7 +160,7 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     moments = [Phase("scoring", {**persistent, **casts, "activations": kept_logps + layers}, "decoder forward"),
                Phase("scoring", {**persistent, **casts, "activations": kept_logps,
                                  "lm_head_buffers": head.forward_transient}, "LM head of a chunk")]
-    return max(moments, key=lambda p: p.total_bytes)
+    return _heaviest(moments, cal, train)
 
 
 def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
@@ -217,7 +233,7 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
         dense = _head_gradient_bytes(arch, train)
         moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
                                            "activations": layer_input}, "embedding backward"))
-    return max(moments, key=lambda p: p.total_bytes)
+    return _heaviest(moments, cal, train)
 
 
 def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],

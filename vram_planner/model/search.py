@@ -24,6 +24,8 @@ from vram_planner.errors import ConfigError
 from vram_planner.model.divisors import divisors, prime_factors
 from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, with_changes
 from vram_planner.model.verdict import Context, Verdict, judge
+from vram_planner.model.vllm import colocated_budget
+from vram_planner.units import GiB
 
 LORA_DEFAULT_RANK = 16  # common GRPO recipes (TRL docs, Unsloth notebooks) use r=16, alpha=2r, all linear layers
 SHORTEST_COMPLETION = 64
@@ -35,11 +37,15 @@ REASONS = {
     "gradient_checkpointing": "keep layer inputs, recompute the rest (~20% slower)",
     "optim": "bitsandbytes 8-bit states: 2 bytes/param, not 8",
     "dtype": "16-bit weights: half the bytes of weights, grads, states",
+    "allocator_conf": "PYTORCH_CUDA_ALLOC_CONF: PyTorch's cache grows segments in place and fragments less (free)",
     "lora_r": "train LoRA adapters, not every weight",
     "load_in_4bit": "4-bit base weights under the adapters (QLoRA)",
     "generation_batch_size": "smaller generation batch: fewer prompts per optimizer step",
     "max_completion_length": "shorter completions",
     "num_generations": "smaller groups per prompt",
+    "vllm_max_model_length": "vLLM's context: prompt + completion, not the model's whole context",
+    "vllm_gpu_memory_utilization": "vLLM's share: its start-up needs and a whole generation round's KV cache, "
+                                   "the smallest multiple of 0.05 of the card",
 }
 
 
@@ -80,6 +86,11 @@ def ladder_runs(user: TrainingConfig, gpu_bf16: bool) -> Iterator[list[TrainingC
     """The rungs in runs along which memory can only fall (each rung halves what the one before it halved), so that
     a run can be bisected; the user's config and each saver are runs of one."""
     yield [user]
+    if not user.expandable_segments:
+        # Free, but the answer only where it alone makes the config fit: the savers below keep the user's allocator.
+        expandable = _try(user, {"allocator_conf": with_expandable_segments(user.allocator_conf)})
+        if expandable is not None:
+            yield [expandable]
     current = user
     steps: list[dict[str, Any]] = [{"gradient_checkpointing": True}]
     if not user.uses_lora and user.optim in (Optimizer.adamw_torch_fused, Optimizer.adamw_torch):
@@ -98,6 +109,13 @@ def ladder_runs(user: TrainingConfig, gpu_bf16: bool) -> Iterator[list[TrainingC
             current = candidate
             yield [current]
     yield from _semantic_runs(current)
+
+
+def with_expandable_segments(allocator_conf: str) -> str:
+    """The PYTORCH_CUDA_ALLOC_CONF text with expandable_segments:True in place of any setting of it."""
+    kept = [part for part in allocator_conf.split(",") if part.strip() and
+            part.split(":")[0].strip() != "expandable_segments"]
+    return ",".join([*kept, "expandable_segments:True"])
 
 
 def _semantic_runs(current: TrainingConfig) -> Iterator[list[TrainingConfig]]:
@@ -228,12 +246,52 @@ def best_plan(context: Context, user: TrainingConfig) -> Plan:
     requested = judge(context, user)
     smallest, rungs_before = requested, 0
     for run in ladder_runs(user, context.gpu.bf16):
-        first, (verdict, bottom) = _first_fitting_rung(context, run, requested if rungs_before == 0 else None)
+        run = [vllm_tuned(context, rung) for rung in run]  # each rung with the vLLM share it needs
+        own = requested if rungs_before == 0 and run[0] == user else None  # tuning vLLM makes another config
+        first, (verdict, bottom) = _first_fitting_rung(context, run, own)
         if verdict is not None:
             return Plan(requested, verdict, describe_changes(context, user, run[first], verdict.train), bottom,
                         (rungs_before + first, -verdict.train.per_device_train_batch_size))
         smallest, rungs_before = bottom, rungs_before + len(run)
     return Plan(requested, None, (), smallest, None)
+
+
+def vllm_tuned(context: Context, train: TrainingConfig) -> TrainingConfig:
+    """The config with colocated vLLM's share as plan recommends it: vllm_max_model_length prompt + completion where
+    TRL would take the model's whole context (0.26 and later), and the smallest multiple of 0.05 of the card that
+    holds vLLM's start-up needs and a whole generation round's KV cache (the user's value when none does)."""
+    budget = colocated_budget(context.arch, train, context.capacity_bytes, context.cuda_context.bytes,
+                              context.gpu.label, context.gpu.bf16)
+    if budget is None:
+        return train
+    if train.vllm_max_model_length is None and budget.max_model_len > train.sequence_length:
+        shorter = _try(train, {"vllm_max_model_length": train.sequence_length})
+        if shorter is not None:
+            train = shorter
+            budget = colocated_budget(context.arch, train, context.capacity_bytes, context.cuda_context.bytes,
+                                      context.gpu.label, context.gpu.bf16) or budget
+    utilization = budget.recommended_gpu_memory_utilization
+    if utilization is None or utilization == train.vllm_gpu_memory_utilization:
+        return train
+    return _try(train, {"vllm_gpu_memory_utilization": utilization}) or train
+
+
+def vllm_fallback_note(plan: Plan) -> str | None:
+    """When nothing fits beside colocated vLLM: what sleep mode or server mode would make of the smallest config."""
+    smallest = plan.smallest
+    train, budget = smallest.train, smallest.estimate.vllm
+    if budget is None or budget.mode != "colocate":
+        return None
+    server = "--vllm-mode server --vllm-server-gpu CARD moves generation to another card"
+    if budget.problem:  # sleep mode starts vLLM whole all the same
+        return f"colocated vLLM cannot start beside even the smallest config ({budget.problem}): {server}"
+    asleep = None if train.vllm_enable_sleep_mode else _try(train, {"vllm_enable_sleep_mode": True})
+    if asleep is None:
+        return f"vLLM's share and the trainer do not fit together: {server}"
+    verdict = judge(smallest.context, asleep)
+    return (f"vLLM's share and the trainer do not fit together: --vllm-enable-sleep-mode frees vLLM's weights and KV "
+            f"cache outside generation (the smallest config then needs {verdict.estimate.peak_bytes / GiB:.2f} GiB"
+            + (": it fits" if verdict.fits else ", still too much") + f"), or {server}")
 
 
 def _first_fitting_rung(context: Context, run: list[TrainingConfig],
@@ -294,7 +352,10 @@ def _largest_fitting_micro_batch(context: Context, rung: TrainingConfig,
 # ladder halves between the other semantic changes, comes after the group size: a halved group still divides the
 # requested generation batch, while the halved generation batch may not be a multiple of the requested group.
 BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
-LADDER_CHANGES = (("gradient_checkpointing", ("gradient_checkpointing",)), ("optim", ("optim",)),
+LADDER_CHANGES = (("vllm_max_model_length", ("vllm_max_model_length",)),
+                  ("vllm_gpu_memory_utilization", ("vllm_gpu_memory_utilization",)),
+                  ("allocator_conf", ("allocator_conf",)),
+                  ("gradient_checkpointing", ("gradient_checkpointing",)), ("optim", ("optim",)),
                   ("dtype", ("dtype",)), ("lora_r", ("lora_r",)), ("load_in_4bit", ("load_in_4bit",)),
                   ("max_completion_length", ("max_completion_length",)), ("num_generations", ("num_generations",)),
                   ("generation_batch_size", BATCH_FIELDS))
@@ -330,7 +391,9 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
         steps.append(Change(" + ".join(knobs), _values(current, knobs), _values(step, knobs),
                             before_peak - after_peak, settings))
         current, before_peak, pending = step, after_peak, []
-    return _paid_for(steps)
+    # vLLM's share is set, not saved: raising it costs the trainer memory and is reported as it is
+    vllm = tuple(step for step in steps if step.knob.startswith("vllm_"))
+    return vllm + _paid_for([step for step in steps if not step.knob.startswith("vllm_")])
 
 
 def _paid_for(steps: list[Change]) -> tuple[Change, ...]:
@@ -355,6 +418,8 @@ def _join(first: Change, second: Change) -> Change:
 def _value(train: TrainingConfig, knob: str) -> Any:
     """The value a person compares."""
     value = getattr(train, knob)
+    if knob == "allocator_conf" and not value:
+        return "unset"
     return value.value if isinstance(value, Optimizer) else value
 
 

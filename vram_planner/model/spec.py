@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from functools import lru_cache
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -10,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from vram_planner.errors import ConfigError, closest_names, short_repr
 from vram_planner.model import trl_releases
 from vram_planner.model.divisors import divisors
-from vram_planner.model.trl_releases import TrlRelease
+from vram_planner.model.trl_releases import TrlRelease, version_tuple
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -74,6 +75,9 @@ class TrainingConfig(BaseModel):
     vllm_mode: Literal["colocate", "server"] = "colocate"
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
     vllm_enable_sleep_mode: bool = False
+    vllm_max_model_length: int | None = Field(None, gt=0, le=MAX_COUNT)
+    vllm_tensor_parallel_size: int = Field(1, gt=0, le=MAX_COUNT)
+    vllm_server_gpu: str | None = None  # server mode: the card trl vllm-serve runs on (not a GRPOConfig field)
     lora_r: int | None = Field(None, gt=0, le=MAX_COUNT)
     lora_alpha: int | None = Field(None, gt=0, le=MAX_COUNT)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -85,6 +89,23 @@ class TrainingConfig(BaseModel):
     zero_stage: int | None = Field(None, ge=0, le=3)
     fsdp: bool = False
     trl_version: str | None = None
+    # PYTORCH_CUDA_ALLOC_CONF of the run ("" for torch's defaults): expandable segments change the allocator's reserve
+    allocator_conf: str = ""
+
+    @field_validator("allocator_conf")
+    @classmethod
+    def _allocator_settings(cls, value: str) -> str:
+        from vram_planner.allocator import parse_allocator_conf  # only when one is given: start-up stays lean
+
+        if value:
+            try:
+                parse_allocator_conf(value, "allocator_conf")
+            except ConfigError as exc:
+                # the knob's message shows the value itself: the parser's echo of it goes
+                reason = str(exc).removeprefix("allocator_conf").removeprefix(":").strip()
+                reason = reason.replace(f"{value!r}: ", "").replace(f"{value!r} ", "the text ")
+                raise ValueError(f"a PYTORCH_CUDA_ALLOC_CONF text torch accepts; {reason}") from exc
+        return value.strip()
 
     @field_validator("trl_version")
     @classmethod
@@ -123,6 +144,11 @@ class TrainingConfig(BaseModel):
         return self
 
     # Derived quantities, named as TRL names them.
+    @property
+    def expandable_segments(self) -> bool:
+        """Whether the caching allocator grows segments in place (PYTORCH_CUDA_ALLOC_CONF expandable_segments:True)."""
+        return bool(self.allocator_conf) and _expandable(self.allocator_conf)
+
     @property
     def release(self) -> TrlRelease:
         """The TRL release whose meaning the knobs have."""
@@ -236,6 +262,32 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
                         "('Attempting to unscale FP16 gradients'); load float32 (--dtype float32) or use LoRA")
     if c.vllm_mode == "server" and not c.use_vllm:
         problems.append("--vllm-mode needs --use-vllm")
+    problems.extend(vllm_problems(c))
+    return problems
+
+
+def vllm_problems(c: TrainingConfig) -> list[str]:
+    """The vLLM knobs' rules: what needs vLLM (or its server mode), and what the TRL release has (GRPOConfig fields
+    of trl/trainer/grpo_config.py; VLLMGeneration's check that the tensor parallel size divides the processes)."""
+    given = [flag(f) for f in ("vllm_max_model_length", "vllm_server_gpu") if getattr(c, f) is not None]
+    given += [flag("vllm_tensor_parallel_size")] if c.vllm_tensor_parallel_size != 1 else []
+    if not c.use_vllm:
+        return [f"{' / '.join(given)} need{'s' * (len(given) == 1)} --use-vllm"] if given else []
+    problems, release = [], version_tuple(c.release.version)
+    for field, since, unset in (("vllm_max_model_length", (0, 26, 0), None),
+                                ("vllm_enable_sleep_mode", (0, 23, 0), False),
+                                ("vllm_tensor_parallel_size", (0, 18, 0), 1)):
+        if release < since and getattr(c, field) != unset:
+            problems.append(f"{flag(field)} is not a GRPOConfig field in TRL {c.release.version} (it came in "
+                            f"{'.'.join(map(str, since[:2]))})")
+    if c.vllm_server_gpu is not None and c.vllm_mode != "server":
+        problems.append("--vllm-server-gpu plans the card of vLLM's server: it needs --vllm-mode server")
+    if c.vllm_mode == "colocate" and c.num_gpus % c.vllm_tensor_parallel_size:
+        problems.append(f"TRL refuses it: --vllm-tensor-parallel-size ({c.vllm_tensor_parallel_size}) must divide the "
+                        f"number of processes (--num-gpus {c.num_gpus}) evenly in colocate mode")
+    if c.vllm_max_model_length is not None and c.vllm_max_model_length < c.max_prompt_length:
+        problems.append(f"--vllm-max-model-length {c.vllm_max_model_length} is shorter than the longest prompt "
+                        f"(--max-prompt-length {c.max_prompt_length}): vLLM refuses longer prompts")
     return problems
 
 
@@ -319,3 +371,10 @@ def with_changes(train: TrainingConfig, **changes: Any) -> TrainingConfig:
         return TrainingConfig.model_validate({**train.model_dump(), **changes})
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from exc
+
+
+@lru_cache(maxsize=64)
+def _expandable(allocator_conf: str) -> bool:
+    from vram_planner.allocator import parse_allocator_conf
+
+    return parse_allocator_conf(allocator_conf).expandable_segments

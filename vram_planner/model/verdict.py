@@ -8,9 +8,11 @@ from dataclasses import dataclass, replace
 from vram_planner.errors import ConfigError, closest_names
 from vram_planner.model.architecture import FAMILIES, ModelArchitecture
 from vram_planner.model.calibration import Calibration
+from vram_planner.model.cuda_context import ContextFigure, context_figure
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.spec import TrainingConfig, with_changes
 from vram_planner.model.trl_releases import TrlRelease
+from vram_planner.model.vllm import vllm_config_problems
 from vram_planner.profiles import GpuProfile
 
 # Share of the card a plan leaves free: the analytic model's error before calibration is several percent
@@ -54,6 +56,11 @@ class Context:
     def budget_bytes(self) -> float:
         return self.capacity_bytes - self.margin_bytes
 
+    @property
+    def cuda_context(self) -> ContextFigure:
+        """The CUDA context the card holds: the calibration's measured figure, else the GPU catalog's."""
+        return context_figure(self.calibration, self.gpu)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -65,7 +72,9 @@ class Verdict:
 
     @property
     def fits(self) -> bool:
-        return self.estimate.peak_bytes <= self.context.budget_bytes
+        # vLLM that cannot start in its budget stops the run, however much the trainer leaves spare
+        vllm = self.estimate.vllm
+        return self.estimate.peak_bytes <= self.context.budget_bytes and (vllm is None or vllm.problem is None)
 
     @property
     def spare_bytes(self) -> float:
@@ -75,7 +84,8 @@ class Verdict:
 
 def judge(context: Context, train: TrainingConfig) -> Verdict:
     """The estimate of `train` in this context, with the context's own notes (a TRL release read as another)."""
-    est = estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes)
+    est = estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes,
+                   context.cuda_context.bytes, context.gpu.label, context.gpu.bf16)
     if context.release.note:
         est = replace(est, notes=est.notes + (context.release.note,))
     return Verdict(context, train, est)
@@ -129,6 +139,7 @@ def lora_target_problems(train: TrainingConfig, arch: ModelArchitecture) -> list
 
 def check_training(train: TrainingConfig, context: Context) -> None:
     """Refuse settings this GPU cannot run or this model does not have, all problems at once."""
-    problems = gpu_problems(train, context.gpu) + lora_target_problems(train, context.arch)
+    problems = (gpu_problems(train, context.gpu) + lora_target_problems(train, context.arch)
+                + vllm_config_problems(train, context.arch))
     if problems:
         raise ConfigError(problems)

@@ -185,6 +185,8 @@ def measure_points(measurer: Measurer, points: list[ProbePoint], path: Path,
         if point.label in done:
             continue
         record.points.append(measurer.measure(point))
+        # Lazy module loading brings a step's kernels in on first use: the context grows past its start-up size.
+        record.context_bytes = max(record.context_bytes, measurer.context_bytes())
         write_atomically(path, record.model_dump_json(indent=1))
     return record
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
-from vram_planner.extras import require_bitsandbytes
+from vram_planner.extras import require_bitsandbytes, require_vllm
 from vram_planner.files import check_writable
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
@@ -169,6 +169,8 @@ def check_dependencies(train: TrainingConfig) -> None:
         require_bitsandbytes(f"--optim {train.optim.value}")
     if train.load_in_4bit:
         require_bitsandbytes("--load-in-4bit")
+    if train.use_vllm:
+        require_vllm("--use-vllm")
 
 
 def run_files(folder: Path) -> list[Path]:
@@ -256,6 +258,9 @@ def prepare(setup: RunSetup) -> PreparedRun:
     """Everything a run depends on, checked before anything is written: optional packages, the output folder, the
     model folder, the dataset, the chat template, the rewards."""
     check_dependencies(setup.train)
+    if setup.on_cpu and setup.train.use_vllm:
+        raise VramPlanError("--use-vllm needs a CUDA device: vLLM generates on the GPU (drop --use-vllm to try the "
+                            "run on the CPU)")
     resume_from = check_output_dir(setup)
     check_model_folder(setup.model_id)
     return PreparedRun(prepared_dataset(setup), resume_from)
@@ -373,15 +378,24 @@ def smoke_step(setup: RunSetup, dataset: Any) -> None:
         start_run(smoke, longest_first(dataset, rows), smoke=True)
 
 
+def full_length_completions(train: TrainingConfig) -> dict[str, int]:
+    """GRPOConfig.generation_kwargs that force every completion to max_completion_length: vLLM's SamplingParams
+    name it min_tokens (its start-up budget is the GRPOConfig's vllm_gpu_memory_utilization, as planned),
+    transformers' GenerationConfig min_new_tokens."""
+    return {"min_tokens" if train.use_vllm else "min_new_tokens": train.max_completion_length}
+
+
 def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, smoke: bool = False) -> Path:
     """Train on a prepared dataset (from a checkpoint when given); returns the output folder."""
+    if setup.train.allocator_conf:  # torch reads it when CUDA first allocates, which is still to come
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = setup.train.allocator_conf
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     kwargs = {**setup.grpo_kwargs(), "disable_tqdm": True}  # the rich progress line replaces TRL's bar
     if smoke:
-        kwargs.update(save_strategy="no", generation_kwargs={"min_new_tokens": setup.train.max_completion_length})
+        kwargs.update(save_strategy="no", generation_kwargs=full_length_completions(setup.train))
     args = GRPOConfig(**kwargs)
     peft = lora_config_kwargs(setup.train)
     peft_config = None

@@ -19,6 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from vram_planner.tracing.events import ALLOC, FREE, LOADING, Event
+
 aten = torch.ops.aten
 # The CUDA caching allocator rounds every block up to 512 bytes (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp);
 # torch.cuda.memory_allocated counts the rounded sizes.
@@ -59,6 +61,7 @@ class PhaseState:
 
     def __init__(self) -> None:
         self.tag = ACTS
+        self.phase = LOADING  # the step's phase running now (vram_planner.tracing.events names them)
         self.moment = ""
         self.peak_moment = ""
         self.peak_split: dict[str, int] = {}
@@ -81,18 +84,78 @@ class LiveBytes(PhaseState, TorchDispatchMode):
     """Counts the bytes of every live tensor storage by component tag, and the peak of their sum.
 
     Entered inside a FakeTensorMode, it sees each op with fake inputs and fake outputs: a new storage is an
-    allocation, tagged with `self.tag`; a weakref callback on the storage is its free. It also answers the questions
-    fake tensors cannot (a value read on the host, the size of a boolean selection) with assumptions it records.
+    allocation, tagged with `self.tag`; a weakref callback on the storage is its free. Each allocation and free is
+    also an `Event` in `events`, in order, for the allocator model. It also answers the questions fake tensors
+    cannot (a value read on the host, the size of a boolean selection) with assumptions it records.
     """
 
     def __init__(self) -> None:
         PhaseState.__init__(self)
         TorchDispatchMode.__init__(self)
-        self._live: dict[int, list[Any]] = {}  # id(storage) -> [raw bytes, rounded bytes, tag, weakref]
+        # id(storage) -> [raw bytes, rounded bytes, tag, weakref, block (the id its events carry), the block's bytes]
+        self._live: dict[int, list[Any]] = {}
         self.by_tag: Counter[str] = Counter()
         self.total = 0
         self.peak = 0
+        self.events: list[Event] = []
+        self._blocks = 0
         self._peak_check_pending = False
+        self._sum: tuple[list[Any], set[int]] | None = None  # a gradient sum's output record and its operands
+
+    def _event(self, kind: str, block: int, raw: int) -> None:
+        if raw:  # the CUDA allocator never sees an empty storage (no block, a null pointer)
+            self.events.append(Event(kind, block, raw, self.phase, self.moment))
+
+    def _new_block(self, raw: int) -> int:
+        self._blocks += 1
+        self._event(ALLOC, self._blocks, raw)
+        return self._blocks
+
+    def live_blocks(self, tag: str) -> list[tuple[int, int]]:
+        """(block, bytes) of the live storages tagged `tag`, as their events name them."""
+        return [(record[4], record[5]) for record in self._live.values() if record[2] == tag]
+
+    def block_of(self, t: Any) -> tuple[int, int]:
+        """(block, bytes) of the storage behind `t` in the events."""
+        record = self._live[id(t.untyped_storage())]
+        return record[4], record[5]
+
+    @contextlib.contextmanager
+    def unrecorded(self, replaced: list[tuple[int, int]]) -> Iterator[None]:
+        """Count what runs inside without recording its events, which the caller records itself (`record_growth`):
+        only frees of blocks made before it stay, but those of the `replaced` blocks."""
+        start = len(self.events)
+        try:
+            yield
+        finally:
+            window = self.events[start:]
+            dropped = {e.block for e in window if e.kind == ALLOC} | {block for block, _ in replaced}
+            self.events[start:] = [e for e in window if e.block not in dropped]
+
+    def record_growth(self, tensors: list[Any], before: list[tuple[int, int]],
+                      steps: list[list[tuple[int, ...]]]) -> None:
+        """Events of storages that a real run makes anew at every step (a KV cache growing by concatenation) where
+        the trace grew them in fewer steps, `unrecorded`.
+
+        Args:
+            tensors: the tensors after the growth; their storages' frees, later, free the last blocks.
+            before: (block, bytes) of each one's storage before the growth.
+            steps: per step, the bytes of each one's new storage, in groups made together: a group's new blocks are
+                allocated, then the blocks they replace are freed.
+        """
+        current = list(before)
+        for step in steps:
+            first = 0
+            for group in step:
+                made = [(self._new_block(size), size) for size in group]
+                for i, block in enumerate(made, start=first):
+                    self._event(FREE, *current[i])
+                    current[i] = block
+                first += len(group)
+        for t, (block, size) in zip(tensors, current, strict=True):
+            record = self._live.get(id(t.untyped_storage()))
+            if record is not None:
+                record[4], record[5] = block, size
 
     # Bookkeeping
     def track(self, t: Any, tag: str | None = None) -> None:
@@ -105,11 +168,14 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         if record is None:
             raw = st.nbytes()
             ref = weakref.ref(st, self._freed_callback(key))
-            record = self._live[key] = [raw, _rounded(raw), tag or self.tag, ref]
+            record = self._live[key] = [raw, _rounded(raw), tag or self.tag, ref, self._new_block(raw), raw]
             self.by_tag[record[2]] += record[1]
             self.total += record[1]
             return
-        if st.nbytes() != record[0]:  # resized in place (resize_, set_)
+        if st.nbytes() != record[0]:  # resized in place (resize_, set_): CUDA allocates anew, copies, frees
+            block = self._new_block(st.nbytes())
+            self._event(FREE, record[4], record[5])
+            record[4], record[5] = block, st.nbytes()
             grown = _rounded(st.nbytes()) - record[1]
             record[0], record[1] = st.nbytes(), record[1] + grown
             self.by_tag[record[2]] += grown
@@ -126,7 +192,22 @@ class LiveBytes(PhaseState, TorchDispatchMode):
                 del self._live[key]
                 self.by_tag[record[2]] -= record[1]
                 self.total -= record[1]
+                if not self._summed_in_place(key, record):
+                    self._event(FREE, record[4], record[5])
         return freed
+
+    def _summed_in_place(self, key: int, freed: list[Any]) -> bool:
+        """Whether this free ends a gradient sum that autograd does in place on a real run (see __torch_dispatch__):
+        then the sum never had a block of its own, it is the freed operand's block."""
+        if self._sum is None or key not in self._sum[1]:
+            return False
+        out, self._sum = self._sum[0], None
+        last = self.events[-1] if self.events else None
+        if out[5] != freed[5] or last is None or last.kind != ALLOC or last.block != out[4]:
+            return False
+        self.events.pop()
+        out[4] = freed[4]
+        return True
 
     def bytes_of(self, tensors: list[Any]) -> int:
         """Counted bytes of the distinct storages behind `tensors`."""
@@ -145,7 +226,7 @@ class LiveBytes(PhaseState, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if self._peak_check_pending:
-            self._peak_check_pending = False
+            self._peak_check_pending, self._sum = False, None
             self._note_peak()
         if func is aten._local_scalar_dense.default:
             return self._assume_scalar(args[0])
@@ -165,11 +246,19 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         if self.in_backward and func is aten.add.Tensor and _same_layout_operands(args, kwargs):
             # Autograd sums the gradients that reach one input in place (InputBuffer::accumulate) when it holds the
             # last reference, but never for tensor subclasses like FakeTensor, which get `old + new` instead. Look
-            # at the peak after the next op, when the old sum is gone if it was the last reference.
+            # at the peak after the next op, when the old sum is gone if it was the last reference; in the events,
+            # that free and the sum's allocation are one block reused in place.
             self._peak_check_pending = True
+            self._sum = self._sum_operands(out, args)
         else:
             self._note_peak()
         return out
+
+    def _sum_operands(self, out: Any, args: Any) -> tuple[list[Any], set[int]] | None:
+        st = _storage(out)
+        record = self._live.get(id(st)) if st is not None else None
+        operands = {id(s) for s in map(_storage, args[:2]) if s is not None}
+        return (record, operands) if record is not None else None
 
     def _is_whole_weight(self, t: Any) -> bool:
         # Autocast caches casts of whole fp32 leaf weights; TRL's LM head casts slices (views) of the weight.

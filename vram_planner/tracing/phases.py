@@ -23,8 +23,9 @@ def _prompt(session: Session, sequences: int, length: int) -> tuple[Any, Any]:
     return ids, mask
 
 
-def _generation_config(model: Any, max_new_tokens: int) -> Any:
-    """GRPOTrainer's generation settings (TRL 1.16 defaults), for `max_new_tokens` steps."""
+def _generation_config(model: Any, max_new_tokens: int, returns_cache: bool = False) -> Any:
+    """GRPOTrainer's generation settings (TRL 1.16 defaults), for `max_new_tokens` steps; with `returns_cache`,
+    generate() returns its KV cache."""
     from transformers import GenerationConfig
     from trl import GRPOConfig
 
@@ -34,15 +35,17 @@ def _generation_config(model: Any, max_new_tokens: int) -> Any:
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos
     pad = pad[0] if isinstance(pad, list) else pad  # TRL pads with the tokenizer's pad token, often the first EOS
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=pad, eos_token_id=eos,
-                            bos_token_id=model.config.bos_token_id, disable_compile=True, **defaults)
+                            bos_token_id=model.config.bos_token_id, disable_compile=True,
+                            return_dict_in_generate=returns_cache, **defaults)
 
 
 def run_generation(session: Session) -> PhasePeak:
-    """model.generate on the B x S generation batch: the prefill, then the last decoding step at full length.
+    """model.generate on the B x S generation batch: the prefill, the cache's growth, the last decoding step.
 
-    Running every decoding step would take c forward passes for the same answer: the KV cache only grows, so the
-    last step (cache of p + c - 1 tokens, growing by concatenation) is the largest decoding moment. It runs as
-    generate() resumed from a cache filled by an untraced forward over p + c - 2 tokens.
+    Running every decoding step would take c forward passes for the same tensor peak: the KV cache only grows, so
+    the last step (cache of p + c - 1 tokens, growing by concatenation) is the largest decoding moment. It runs as
+    generate() resumed from the prefill's cache, grown in between as the decoding steps grow it (`_grow_cache`):
+    the allocator model sees the concatenations that fragment its cache.
     """
     train, tracker, model = session.train, session.tracker, session.model
     sequences, p, c = train.local_generation_batch_size, train.max_prompt_length, train.max_completion_length
@@ -50,23 +53,100 @@ def run_generation(session: Session) -> PhasePeak:
     tracker.reset_peak()
     with torch.no_grad(), session.autocast(), tracker.tagged(ACTS, "prefill"):
         ids, mask = _prompt(session, sequences, p)
-        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        cache = model.generate(input_ids=ids, attention_mask=mask,
+                               generation_config=_generation_config(session.base_model, 1, returns_cache=True)
+                               ).past_key_values
         del ids, mask
     prefill = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     if c < 2:
         return prefill
-    with torch.no_grad(), tracker.tagged(ACTS, "filling the cache"):
+    with torch.no_grad(), tracker.tagged(ACTS, "decoding steps"):
+        _grow_cache(session, cache, c - 2)
         ids, mask = _prompt(session, sequences, p + c - 1)
-        with session.autocast():
-            cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
-                          logits_to_keep=1).past_key_values
         tracker.reset_peak()
-        tracker.moment = "last decoding step"
+        # What generate() prepares before the step's forward belongs with the previous step's sampling, which
+        # head_tagging tags lm_head_buffers from the decoder's output to the next forward.
+        tracker.tag, tracker.moment = HEAD, "last decoding step"
         with session.autocast():
             model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=config)
         del cache
     last = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     return max(prefill, last, key=lambda phase: phase.peak_bytes)
+
+
+# The most cache updates (layers x decoding steps) whose allocations the trace records between the prefill and the
+# last decoding step: up to four events each, in every replayed step.
+MAX_CACHE_UPDATES = 4096
+
+
+def _grow_cache(session: Session, cache: Any, tokens: int) -> None:
+    """Grow every layer of the cache by `tokens`, as the decoding steps do: one concatenation per layer and step.
+
+    On fake tensors the steps before the last run as two concatenations, unrecorded, and the counter records the
+    allocations and frees of each step in their place (`LiveBytes.record_growth`); past MAX_CACHE_UPDATES as fewer
+    steps of several tokens each (the cache passes the same sizes in fewer, larger steps). A decoding step's other
+    allocations (one token's activations, its logits and sampling) are those of the last step, which the trace runs
+    whole. A real device runs every step.
+    """
+    layers = [(i, layer) for i, layer in enumerate(cache.layers) if getattr(layer, "keys", None) is not None]
+    if not layers or tokens <= 0:
+        return
+    tracker = session.tracker
+    recorded = hasattr(tracker, "record_growth")
+    steps = max(1, min(tokens, MAX_CACHE_UPDATES // len(layers))) if recorded else tokens
+    added = [tokens * step // steps - tokens * (step - 1) // steps for step in range(1, steps + 1)]
+    if recorded:
+        before = [tracker.block_of(t) for t in _cache_tensors(layers)]
+        growth = _growth(layers, added[:-1])
+        # The step before the last runs as itself: a sliding-window layer's storage is then what it is in a real run.
+        with tracker.unrecorded(before):
+            for count in (sum(added[:-2]), *added[-2:-1]):
+                _update(cache, layers, count)
+        tracker.record_growth(_cache_tensors(layers), before, growth)
+        added = added[-1:]
+    for count in added:
+        _update(cache, layers, count)
+
+
+def _cache_tensors(layers: list[tuple[int, Any]]) -> list[Any]:
+    return [t for _, layer in layers for t in (layer.keys, layer.values)]
+
+
+def _update(cache: Any, layers: list[tuple[int, Any]], count: int) -> None:
+    """Every layer's cache update with `count` new tokens (no-op for none)."""
+    for i, layer in layers if count else ():
+        # No reference to the old keys and values beyond the cache's: the concatenation frees them, as in a forward.
+        cache.update(_new_tokens(layer.keys, count), _new_tokens(layer.values, count), i)
+
+
+def _new_tokens(t: Any, count: int) -> Any:
+    """States of `count` new tokens for a [batch, heads, tokens, head_dim] cache tensor: zeros, which a real device's
+    attention reads without NaNs (uninitialised memory may hold them, and sampling refuses NaN probabilities)."""
+    return t.new_zeros((*t.shape[:-2], count, t.shape[-1]))
+
+
+def _growth(layers: list[tuple[int, Any]], added: list[int]) -> list[list[tuple[int, ...]]]:
+    """Per step, the bytes of each layer's next keys and values storage (`_cache_tensors`' order), grouped as the
+    concatenations of `added` tokens make them (transformers' cache layers): a DynamicLayer replaces its keys, then
+    its values; a sliding-window layer makes both before it replaces them, and keeps window - 1 tokens."""
+    kept = {i: layer.keys.shape[-2] for i, layer in layers}
+    per_token = {i: (_bytes_per_token(layer.keys), _bytes_per_token(layer.values)) for i, layer in layers}
+    steps = []
+    for count in added:
+        step: list[tuple[int, ...]] = []
+        for i, layer in layers:
+            tokens = kept[i] + count
+            sizes = (per_token[i][0] * tokens, per_token[i][1] * tokens)
+            window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+            step += [sizes] if window else [sizes[:1], sizes[1:]]
+            kept[i] = min(tokens, window - 1) if window else tokens
+        steps.append(step)
+    return steps
+
+
+def _bytes_per_token(t: Any) -> int:
+    """Bytes of one token of a [batch, heads, tokens, head_dim] cache tensor."""
+    return t.element_size() * t.numel() // max(t.shape[-2], 1)
 
 
 def _labels(ids: Any, mask: Any, completion: int) -> Any:

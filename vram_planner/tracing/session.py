@@ -67,13 +67,14 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
             session.ref_model = _build_model(arch_config, train)
     session.model = _on_fake_tensors(model, session.fake_mode)
     _add_fused_head(session.base_model, outputs=("log_probs", "entropy"))
-    for t in [*session.model.parameters(), *session.model.buffers()]:
-        session.tracker.track(t, WEIGHTS)
-    if session.ref_model is not None:
-        session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode)
-        _add_fused_head(session.ref_model, outputs=("log_probs",))
-        for t in [*session.ref_model.parameters(), *session.ref_model.buffers()]:
-            session.tracker.track(t, REFERENCE)
+    with session.tracker.tagged(WEIGHTS, "loading the model"):  # the moment of their allocation events
+        for t in [*session.model.parameters(), *session.model.buffers()]:
+            session.tracker.track(t, WEIGHTS)
+        if session.ref_model is not None:
+            session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode)
+            _add_fused_head(session.ref_model, outputs=("log_probs",))
+            for t in [*session.ref_model.parameters(), *session.ref_model.buffers()]:
+                session.tracker.track(t, REFERENCE)
     return session
 
 

@@ -6,15 +6,18 @@ transformers and TRL code while a dispatch mode counts every live tensor storage
 ../shared/design/grpo-memory.md; the torch side lives in `vram_planner.tracing` (imported only when a trace runs).
 
 What the trace measures is what `torch.cuda.memory_allocated` would report on one CUDA device (blocks rounded to
-512 bytes), not the CUDA context, cuBLAS workspaces or the caching allocator's reserve. Fake tensors cannot sit on a
+512 bytes), not the CUDA context, cuBLAS workspaces or the caching allocator's reserve; it also records every
+allocation and free in order (`TraceResult.events`), which `vram_planner.tracing.reserve` replays through the
+allocator model for the reserve. Fake tensors cannot sit on a
 fake "cuda" device in a CPU-only torch (autograd aborts), so CPU kernels run; where that changes allocations,
 `tracing.patches.cuda_like_behaviour` takes the CUDA path (TRL's compact fused LM head, its in-place Triton kernels,
 cuBLAS fp32-output addmm; foreach optimizers), and autograd's in-place gradient sums are restored (`LiveBytes`).
 Left as the CPU does it: SDPA runs the CPU flash kernel where CUDA runs the memory-efficient one (both keep the
 output and a float32 log-sum-exp; CUDA pads it to 32 queries), CPU autocast does not upcast exp/log/softmax as CUDA's
 does (no decoder forward feeds them bf16), and foreach optimizers' `step` scalars are counted on the device.
-Generation runs the prefill and the last decoding step only (the KV cache only grows); values fake tensors lack
-(padding checks, EOS stops) are assumed and listed in the result's notes.
+Generation runs the prefill and the last decoding step only (the KV cache only grows), with the cache grown in
+between as the decoding steps grow it; values fake tensors lack (padding checks, EOS stops) are assumed and listed
+in the result's notes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from vram_planner.extras import TRAIN_EXTRA, require_train_extra
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, parse_version
+from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,13 @@ class TraceResult:
     trainable_params: int
     seconds: float  # wall time of the whole trace, model building included
     notes: tuple[str, ...] = field(default=())
+    # Every allocation and free in order: the models' loading, then step 1's phases (vram_planner.tracing.events)
+    events: list[Event] = field(default_factory=list, repr=False)
+    gradient_blocks: tuple[tuple[int, int], ...] = ()  # (block, bytes) of the gradients zero_grad frees after it
+
+    def steady_stream(self) -> SteadyStream:
+        """The events of step 1 and step 2, for the allocator model (`vram_planner.tracing.events.steady_stream`)."""
+        return steady_stream(self.events, self.gradient_blocks)
 
     def phase(self, name: str) -> TracePhase:
         for p in self.phases:
@@ -114,12 +125,13 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     start = time.perf_counter()
     _import_engine()
     from vram_planner.tracing import phases as tp
+    from vram_planner.tracing.counter import GRADS
     from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
     from vram_planner.tracing.session import build_session
 
-    runs = [("generation", tp.run_generation), ("old/reference log-probs", tp.run_scoring),
-            ("loss forward and backward", tp.run_training),
-            ("the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
+    runs = [("generation", "generation", tp.run_generation), ("scoring", "old/reference log-probs", tp.run_scoring),
+            ("training", "loss forward and backward", tp.run_training),
+            (OPTIMIZER, "the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
     if not (train.computes_old_logps or train.computes_ref_logps):
         del runs[1]
     say = progress or (lambda what: None)
@@ -129,8 +141,9 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
             session = build_session(arch_config, train)
         with session.fake_mode, session.tracker, cuda_like_behaviour(session), head_tagging(session):
             peaks = []
-            for label, run in runs:
+            for phase, label, run in runs:
                 say(f"tracing {label}")
+                session.tracker.phase = session.tracker.moment = phase  # until the phase names its moments
                 with _explained(f"tracing {label}"):
                     peaks.append(_timed(run, session))
     trainable = sum(p.numel() for p in session.model.parameters() if p.requires_grad)
@@ -140,8 +153,11 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     # they neither grow nor interact with anything else, so adding them gives the steady state exactly.
     phases = [_phase(p, session.state_bytes) for p in peaks[:-1]] + [_phase(peaks[-1], 0)]
     notes += _assumption_notes(session.tracker.assumptions)
+    # Taken away from the counter, which records the frees of the whole session when it is dropped.
+    events, session.tracker.events = session.tracker.events, []
     return TraceResult(phases=tuple(phases), params=params, trainable_params=trainable,
-                       seconds=time.perf_counter() - start, notes=tuple(notes))
+                       seconds=time.perf_counter() - start, notes=tuple(notes), events=events,
+                       gradient_blocks=tuple(session.tracker.live_blocks(GRADS)))
 
 
 def engine_versions() -> dict[str, str]:

@@ -1,0 +1,136 @@
+"""`vram-plan app` without a server: the API's query read as the CLI reads its flags, what the page shows of a
+report, the install hint without Gradio, and plan/check still never importing it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import click
+import pytest
+
+from helpers import run
+from vram_planner.app import views
+from vram_planner.app.query import error_line, options_from_query, query_parameters, query_report
+from vram_planner.cli.options import NOT_KNOBS
+from vram_planner.cli.plan import check, plan
+from vram_planner.errors import VramPlanError
+from vram_planner.model.phases import COMPONENTS
+from vram_planner.units import GiB
+
+LLAMA = [("gpu", "rtx3080-mobile"), ("model", "Llama-3.2-1B")]
+
+
+def test_every_flag_of_check_and_plan_but_the_files_and_the_output_is_a_query_parameter():
+    for command in (check, plan):
+        flags = {p.name for p in command.params} - set(NOT_KNOBS)
+        assert flags <= set(query_parameters(command))
+        assert set(query_parameters(command)) - flags == {"gpu", "model", "trl_version", "safety_margin"}
+
+
+def test_a_query_gives_the_options_its_flags_give():
+    query = [*LLAMA, ("max_completion_length", "1024"), ("use_vllm", "true"), ("gradient-checkpointing", "false"),
+             ("lora_target_modules", "q_proj,v_proj")]
+    options = options_from_query("check", query)
+    flags = ["--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B", "--max-completion-length", "1024", "--use-vllm",
+             "--no-gradient-checkpointing", "--lora-target-modules", "q_proj,v_proj"]
+    assert options == check.make_context("check", flags).params
+    assert options["max_completion_length"] == 1024 and options["gradient_checkpointing"] is False
+
+
+def test_a_value_starting_with_a_dash_is_a_value_not_a_flag():
+    with pytest.raises(VramPlanError) as refused:
+        query_report("check", [*LLAMA, ("beta", "-0.5")])
+    assert error_line(refused.value) == "--beta should be greater than or equal to 0 (got -0.5)"
+
+
+@pytest.mark.parametrize("name", ["max_completion_lenght", "json", "plot", "config", "calibration"])
+def test_an_unknown_parameter_and_the_command_line_files_are_refused_with_the_closest_names(name):
+    with pytest.raises(VramPlanError) as refused:
+        options_from_query("plan", [*LLAMA, (name, "1")])
+    line = error_line(refused.value)
+    assert line.startswith(f"unknown query parameter '{name}'") and "\n" not in line
+    if name == "max_completion_lenght":
+        assert "did you mean 'max_completion_length'" in line
+
+
+def test_a_bad_switch_value_is_refused_in_clicks_words():
+    with pytest.raises(click.BadParameter) as refused:
+        options_from_query("check", [*LLAMA, ("use_vllm", "maybe")])
+    assert error_line(refused.value).startswith("Invalid value for '--use-vllm': 'maybe' is not a valid boolean")
+
+
+def test_the_bars_stack_each_phase_up_to_the_card_with_the_weights_at_the_bottom_and_free_memory_on_top():
+    report = query_report("plan", LLAMA)
+    rows = views.phase_rows(report)
+    for phase in report.phases:
+        parts = {r["part"]: r["GiB"] for r in rows if r["phase"] == views.PHASE_TITLES[phase.name]}
+        assert sum(parts.values()) == pytest.approx(report.capacity_bytes / GiB, abs=0.01)
+        assert parts == pytest.approx({c.replace("_", " "): phase.components[c] / GiB for c in COMPONENTS}
+                                      | {views.FREE: (report.capacity_bytes - phase.total_bytes) / GiB}, abs=0.001)
+    # the plot stacks the parts in the reverse order of their first rows, and colours those of its first data only
+    first_rows = list(dict.fromkeys(r["part"] for r in rows))
+    assert first_rows[0] == views.FREE and first_rows[-1] == "weights" and len(first_rows) == len(COMPONENTS) + 1
+
+
+def test_a_phase_over_the_card_has_nothing_free():
+    report = query_report("check", LLAMA)
+    assert not report.fits
+    over = [views.PHASE_TITLES[p.name] for p in report.phases if p.total_bytes > report.capacity_bytes]
+    assert over and all(r["GiB"] == 0 for r in views.phase_rows(report) if r["phase"] in over and r["part"] == "free")
+
+
+def test_the_verdict_and_the_changes_in_words():
+    checked, planned = query_report("check", LLAMA), query_report("plan", LLAMA)
+    text = views.verdict_markdown(checked, planned)
+    assert "✘ Does not fit as given" in text and f"peak {checked.peak_bytes / GiB:.2f} of 15.73 GiB" in text
+    assert "With the plan's 1 change below it fits" in text and f"{planned.peak_bytes / GiB:.2f} GiB" in text
+    changes = views.changes_markdown(planned)
+    assert "`optim` | adamw_torch_fused → **adamw_8bit**" in changes
+    assert f"{planned.changes[0].saved_bytes / GiB:.2f}" in changes
+    small = query_report("check", [("gpu", "rtx3080-mobile"), ("model", "Qwen3-0.6B")])
+    assert views.verdict_markdown(small, query_report("plan", [("gpu", "rtx3080-mobile"), ("model", "Qwen3-0.6B")]))\
+        .startswith("### ✔ Fits: peak")
+
+
+def test_without_gradio_the_app_says_how_to_install_it():
+    code = ("import sys\nsys.modules['gradio'] = None\n"
+            "from vram_planner.cli import main\nsys.exit(main(['app', '--port', '7861']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == ("error: vram-plan app needs Gradio (gradio cannot be imported): "
+                           "pip install 'vram-plan[app]'\n")
+
+
+def test_a_port_in_use_is_one_line_before_gradio_is_imported():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = ("import sys\nfrom vram_planner.cli import main\n"
+                f"status = main(['app', '--host', '127.0.0.1', '--port', '{port}'])\n"
+                "assert 'gradio' not in sys.modules\nsys.exit(status)\n")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"error: cannot serve on 127.0.0.1:{port}: ") and "pick another --port" in done.stderr
+
+
+def test_plan_and_check_do_not_import_the_app_or_gradio(llama_1b_file):
+    code = ("import sys, contextlib, io\n"
+            "from vram_planner.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    main(['plan', '--gpu', '16GiB', '--model', {str(llama_1b_file)!r}, '--json'])\n"
+            f"    main(['check', '--gpu', '16GiB', '--model', {str(llama_1b_file)!r}, '--json'])\n"
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('gradio', 'fastapi', 'uvicorn', 'pandas')\n"
+            "         or m.startswith('vram_planner.app')]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_api_documents_are_the_clis_json(capsys):
+    # the server's tests compare over HTTP; this one holds the function they serve to the CLI in-process
+    for command in ("check", "plan"):
+        code, out, _ = run(capsys, command, "--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B", "--json")
+        assert json.loads(query_report(command, LLAMA).model_dump_json()) == json.loads(out)

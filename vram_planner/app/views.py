@@ -1,0 +1,117 @@
+"""What the page shows of a config, in words and bars, built from the documents `check --json` and `plan --json`
+print (so the page and the API cannot disagree): the verdict, the parts of each phase, the plan's changes, the
+longest completion that fits, the notes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vram_planner.cli.plot import COMPONENT_COLOURS
+from vram_planner.cli.render import footer
+from vram_planner.cli.report import Report
+from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
+from vram_planner.profiles import GpuProfile
+from vram_planner.units import GiB
+
+FREE = "free"  # what is left of the card on top of a phase's bar
+COMPONENT_LABELS = {c: c.replace("_", " ") for c in COMPONENTS}  # as the table and --plot name them
+BAR_COLOURS = {COMPONENT_LABELS[c]: COMPONENT_COLOURS[c] for c in COMPONENTS} | {FREE: "#ececec"}
+# Gradio's bar plot stacks the parts in the reverse order of their first rows, with no channel to set it, and fixes
+# its colours to the parts of the first data it draws: every phase has a row for every part, zeros included, free
+# first, then the parts from the top of the stack down to the weights.
+STACK_FROM_TOP = (FREE, *(COMPONENT_LABELS[c] for c in reversed(COMPONENTS)))
+
+
+def legend_html() -> str:
+    """The parts and their colours, bottom of the stack first (the plot's own legend does not wrap)."""
+    swatch = "display: inline-block; width: 0.8em; height: 0.8em; border: 1px solid #bbb; margin-right: 0.3em"
+    items = [f'<span style="white-space: nowrap; margin-right: 0.9em"><span style="{swatch}; '
+             f'background: {BAR_COLOURS[part]}"></span>{part}</span>' for part in reversed(STACK_FROM_TOP)]
+    return f'<div style="font-size: 0.85em; line-height: 1.8">{" ".join(items)}</div>'
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / GiB:.2f}"
+
+
+def title_markdown(report: Report, gpu: GpuProfile) -> str:
+    """What was judged: the model, the card and the TRL release."""
+    return f"**{report.model}** on the {gpu.label} ({gpu.total_memory_gib:.2f} GiB), TRL {report.trl_version} GRPO"
+
+
+def verdict_markdown(checked: Report, planned: Report) -> str:
+    """The verdict on the config as given and, when it does not fit, on the plan's."""
+    lines = [f"### {_verdict(checked)}"]
+    if planned.changes and planned.fits:
+        count = len(planned.changes)
+        lines.append(f"**✔ With the plan's {count} change{'s' * (count != 1)} below it fits:** peak "
+                     f"{gib(planned.peak_bytes)} GiB in {_phase_title(planned)}, {gib(planned.spare_bytes)} GiB spare.")
+    elif not planned.fits:
+        card = (f"the smallest catalog card it fits is the {planned.smallest_fitting_gpu}"
+                if planned.smallest_fitting_gpu else "no catalog card holds it")
+        lines.append(f"**✘ Nothing fits this card:** the smallest config vram-plan knows needs "
+                     f"{gib(planned.peak_bytes)} GiB; {card}.")
+    return "\n\n".join(lines)
+
+
+def _verdict(report: Report) -> str:
+    peak = f"peak {gib(report.peak_bytes)} of {gib(report.capacity_bytes)} GiB in {_phase_title(report)}"
+    if report.fits:
+        return (f"✔ Fits: {peak}, {gib(report.spare_bytes)} GiB spare (a safety margin of "
+                f"{gib(report.safety_margin_bytes)} GiB is kept free)")
+    over = (f"{gib(-report.spare_bytes)} GiB over the card" if report.spare_bytes < 0 else
+            f"inside the {gib(report.safety_margin_bytes)} GiB safety margin")
+    return f"✘ Does not fit as given: {peak}, {over}"
+
+
+def _phase_title(report: Report) -> str:
+    return PHASE_TITLES.get(report.peak_phase, report.peak_phase)
+
+
+def phase_rows(report: Report) -> list[dict[str, Any]]:
+    """Every part of every phase in GiB (zeros included), with what is left free of the card, in stacking order."""
+    rows = []
+    for phase in report.phases:
+        title = PHASE_TITLES.get(phase.name, phase.name)
+        gib_by_part = {COMPONENT_LABELS[c]: phase.components.get(c, 0) / GiB for c in COMPONENTS}
+        gib_by_part[FREE] = max(report.capacity_bytes - phase.total_bytes, 0) / GiB
+        rows += [{"phase": title, "GiB": round(value, 3), "part": part} for part, value in gib_by_part.items()]
+    return sorted(rows, key=lambda row: STACK_FROM_TOP.index(row["part"]))
+
+
+def bars_title(report: Report, what: str) -> str:
+    return (f"**{what}:** {gib(report.peak_bytes)} GiB at the peak, {'fits' if report.fits else 'does not fit'} the "
+            f"{gib(report.capacity_bytes)} GiB card (GiB per phase; on top, what is left free)")
+
+
+def changes_markdown(planned: Report) -> str:
+    """The plan's changes as a table, with the GiB each saves."""
+    if not planned.changes:
+        return "Your config fits as it is: the plan changes nothing." if planned.fits else ""
+    rows = [f"| `{c.knob}` | {c.before} → **{c.after}** | {gib(c.saved_bytes)} | {c.reason} |"
+            for c in planned.changes]
+    head = f"**The plan's changes** (as given the config needs {gib(planned.requested_peak_bytes or 0)} GiB):"
+    return "\n".join([head, "", "| knob | change | saves GiB | why |", "|---|---|---|---|", *rows])
+
+
+def longest_markdown(as_given: Any, with_savers: Any) -> str:
+    """The longest completion that fits, as given and with the plan's savers (vram_planner.model.maximize.Maximized
+    or a one-line reason why there is none)."""
+    return ("**Longest completion that fits:** " + _longest(as_given) + " as given; "
+            + _longest(with_savers) + " with the plan's savers.")
+
+
+def _longest(result: Any) -> str:
+    if isinstance(result, str):
+        return f"none ({result})"
+    if result.value is None:
+        return "not even 1 token"
+    text = f"**{result.value:,} tokens** (peak {gib(result.peak_bytes)} GiB"
+    if result.limited_by != "memory":
+        return text + f"; limited by {result.limited_by})"
+    return text + f"; {result.next_value:,} would need {gib(result.next_peak_bytes)} GiB)"
+
+
+def notes_markdown(report: Report) -> str:
+    """What was assumed and noted, as the CLI's footer says it."""
+    return "  \n".join(footer(report).plain.splitlines())
