@@ -10,12 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vram_planner.errors import ConfigError, VramPlanError, short_repr
 from vram_planner.model.calibration import Calibration, calibration_for
-from vram_planner.model.maximize import Maximized, maximizable_field, peak_memo_key, verdict_at
-from vram_planner.model.maximize import maximize as maximize_field
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.search import Plan, best_plan
 from vram_planner.model.spec import TrainingConfig, training_config, with_changes
@@ -24,6 +22,9 @@ from vram_planner.model.trl_releases import trl_release
 from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, check_safety_margin,
                                         check_training, judge)
 from vram_planner.profiles import GpuProfile, gpus, model_config
+
+if TYPE_CHECKING:  # `plan` and `check` do not search for a largest value: the module loads when one is asked for
+    from vram_planner.model.maximize import Maximized
 
 
 def make_context(model: str, gpu: str | GpuProfile, *, trl_version: str | None = None,
@@ -161,11 +162,11 @@ def _environment_allocator_conf() -> str:
     """PYTORCH_CUDA_ALLOC_CONF as torch would read it at the run's first CUDA allocation ("" when unset)."""
     import os
 
-    from vram_planner.allocator import parse_allocator_conf
-    from vram_planner.allocator.conf import ENV_VAR
+    text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if text.strip():  # the allocator model is imported only when there is something to read
+        from vram_planner.allocator import parse_allocator_conf
+        from vram_planner.allocator.conf import ENV_VAR
 
-    text = os.environ.get(ENV_VAR, "")
-    if text.strip():
         parse_allocator_conf(text, ENV_VAR)  # refused here in the variable's name, not the knob's
     return text.strip()
 
@@ -186,6 +187,9 @@ def maximize(model: str, gpu: str | GpuProfile, field: str, settings: dict[str, 
     """The largest value of `field` (max_completion_length, max_prompt_length, num_generations,
     per_device_train_batch_size or lora_r) that fits this card with every other knob as given, or as the plan's
     savers make it with `allow_savers`; `.value` is None when even the smallest valid value does not fit."""
+    from vram_planner.model.maximize import maximizable_field
+    from vram_planner.model.maximize import maximize as maximize_field
+
     field = maximizable_field(field)  # before a hub id is fetched for nothing
     context = make_context(model, gpu, **context_options)
     return maximize_field(context, make_training(context, settings), field, allow_savers)
@@ -235,6 +239,9 @@ def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: s
     the smallest fitting card first, then the cards it does not fit, the closest first, then those that cannot run
     it. The model, the release and the calibration file are read once for all the cards; a card's maximized plan
     leaves out its changes (`maximize` on that card gives them)."""
+    from vram_planner.model.maximize import maximizable_field, peak_memo_key, verdict_at
+    from vram_planner.model.maximize import maximize as maximize_field
+
     field = None if maximize is None else maximizable_field(maximize)
     first = make_context(model, gpus()[0], trl_version=trl_version, calibration=calibration,
                          safety_margin=safety_margin)

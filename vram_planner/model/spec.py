@@ -95,9 +95,9 @@ class TrainingConfig(BaseModel):
     @field_validator("allocator_conf")
     @classmethod
     def _allocator_settings(cls, value: str) -> str:
-        from vram_planner.allocator import parse_allocator_conf  # only when one is given: start-up stays lean
-
         if value:
+            from vram_planner.allocator import parse_allocator_conf  # only when one is given: start-up stays lean
+
             try:
                 parse_allocator_conf(value, "allocator_conf")
             except ConfigError as exc:

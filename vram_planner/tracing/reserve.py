@@ -9,8 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vram_planner.allocator import AllocatorConf, ReplayResult, replay_events
 from vram_planner.allocator.caching import format_size
+from vram_planner.allocator.conf import AllocatorConf
+from vram_planner.allocator.replay import ReplayResult, replay_events
 from vram_planner.tracing.events import LOADING, SteadyStream
 
 
