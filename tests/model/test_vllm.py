@@ -4,9 +4,11 @@ by hand for a dense model, a GQA model, 4-bit weights and tensor parallelism, an
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+from vram_planner import api
 from vram_planner.errors import ConfigError
 from vram_planner.model import vllm
 from vram_planner.model.architecture import ModelArchitecture
@@ -226,3 +228,9 @@ def test_the_context_vllm_derives_follows_rope_scaling():
     assert context(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}) == 8192
     assert context(rope_scaling={"type": "longrope", "long_factor": [1.0]}, original_max_position_embeddings=1024) \
         == 1024
+
+
+def test_a_trainer_that_fills_the_card_alone_is_said_so_not_as_negative_free_memory():
+    problem = api.check("Qwen2.5-3B", "rtx2060", {"use_vllm": True}).estimate.vllm.problem
+    assert "the trainer's CUDA context and weights already take" in problem
+    assert not re.search(r"-\d+(\.\d+)? GiB", problem)

@@ -174,9 +174,12 @@ def start_problem(b: VllmBudget) -> str | None:
     fix = (f"the smallest value that works is {smallest}" if smallest is not None else
            f"no value works on {b.gpu_label}: {_alternatives(b)}")
     if b.reservation_bytes > b.free_at_start_bytes + TINY_BYTES:
-        return (f"vLLM refuses to start: {flag} {u} asks for {_gib(b.reservation_bytes)}, but only "
-                f"{_gib(b.free_at_start_bytes)} of the {_gib(b.capacity_bytes)} card are free when it starts "
-                f"(the trainer's CUDA context and weights are there); {fix}{_shorter_context(b)}")
+        free = (f"only {_gib(b.free_at_start_bytes)} of the {_gib(b.capacity_bytes)} card are free when it starts "
+                "(the trainer's CUDA context and weights are there)" if b.free_at_start_bytes > 0 else
+                f"the trainer's CUDA context and weights already take "
+                f"{_gib(b.capacity_bytes - b.free_at_start_bytes)} of the {_gib(b.capacity_bytes)} card")
+        return (f"vLLM refuses to start: {flag} {u} asks for {_gib(b.reservation_bytes)}, but {free}; "
+                f"{fix}{_shorter_context(b)}")
     if b.kv_available_bytes <= 0:
         return (f"vLLM cannot start in {flag} {u} ({_gib(b.reservation_bytes)}): weights {_gib(b.weights_bytes)}, "
                 f"profile run {_gib(b.activation_bytes)}, CUDA graphs {_gib(b.cuda_graph_bytes)} and non-torch "
