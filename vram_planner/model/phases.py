@@ -89,8 +89,8 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
     vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16)
     colocated = vllm if vllm is not None and vllm.mode == "colocate" else None
-    phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train,
-                                  context_bytes) for p in raw)
+    phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train, context)
+                   for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train) + tuple(budget_notes(vllm, train)), vllm=vllm)
 
@@ -102,19 +102,20 @@ def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: Tr
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     components["vllm_reservation"] = reservation  # what vLLM holds in this phase (VllmBudget.reservation_in)
     components["cuda_context"] = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
-    components["allocator_overhead"] = allocator_reserve_bytes(
-        cal, phase.name, {c: components[c] for c in TENSOR_COMPONENTS}, train.expandable_segments)
+    components["allocator_overhead"] = _reserve(phase, cal, train)
     return Phase(phase.name, components, phase.moment)
+
+
+def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig) -> float:
+    """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting."""
+    tensors = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
+    return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments)
 
 
 def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig) -> Phase:
     """The moment that needs the most with the allocator's reserve on it: its tensors alone could pick a moment of
     fewer bytes but a smaller reserve, and a longer completion would then seem to need less."""
-    def needs(moment: Phase) -> float:
-        tensors = {c: moment.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
-        return moment.tensor_bytes + allocator_reserve_bytes(cal, moment.name, tensors, train.expandable_segments)
-
-    return max(moments, key=needs)
+    return max(moments, key=lambda moment: moment.tensor_bytes + _reserve(moment, cal, train))
 
 
 def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration,
