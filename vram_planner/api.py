@@ -129,7 +129,9 @@ def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, A
     extras), next to the analytic verdict. `progress` is called with what the trace is doing. The verdict takes
     each phase's reserved bytes from the caching allocator model, configured by the settings' `allocator_conf` (a
     PYTORCH_CUDA_ALLOC_CONF text; when not given, that environment variable, as torch reads it)."""
+    from vram_planner.model.cublas import workspace_bytes
     from vram_planner.model.phases import Estimate
+    from vram_planner.tracing.events import with_workspaces
     from vram_planner.tracing.reserve import reserved_memory
     from vram_planner.tracing.step import check_traceable, trace_step
 
@@ -150,7 +152,8 @@ def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, A
     # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
     # calibration when it measured one, else from the GPU catalog).
     context_bytes = context.cuda_context.bytes
-    reserved = reserved_memory(result.steady_stream(), conf, max(int(context.capacity_bytes - context_bytes), 0))
+    stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
+    reserved = reserved_memory(stream, conf, max(int(context.capacity_bytes - context_bytes), 0))
     phases = tuple(_traced_phase(p, reserved.by_phase, context, train) for p in result.phases)
     traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
                       notes=tuple(result.notes) + notes + reserved.notes)
@@ -172,13 +175,16 @@ def _environment_allocator_conf() -> str:
 
 
 def _traced_phase(traced: Any, reserved_by_phase: dict[str, int], context: Context, train: TrainingConfig) -> Any:
-    """A traced phase as the verdict judges it: its tensors, the CUDA context, and as the allocator's overhead what
-    the allocator model reserves beyond them (`check` takes a share of the tensors instead)."""
+    """A traced phase as the verdict judges it: its tensors, the CUDA context, the cuBLAS workspaces, and as the
+    allocator's overhead what the allocator model reserves beyond them (`check` takes a share of the tensors
+    instead)."""
+    from vram_planner.model.cublas import cublas_workspace_bytes
     from vram_planner.model.phases import Phase, with_overheads
 
+    workspaces = cublas_workspace_bytes(context.gpu.compute_capability)
     phase = with_overheads(Phase(traced.name, dict(traced.components), traced.moment), context.calibration, 0.0,
-                           train, context.cuda_context.bytes)
-    reserve = reserved_by_phase.get(traced.name, traced.peak_bytes) - traced.peak_bytes
+                           train, context.cuda_context.bytes, workspaces)
+    reserve = reserved_by_phase.get(traced.name, traced.peak_bytes) - traced.peak_bytes - workspaces
     return Phase(phase.name, {**phase.components, "allocator_overhead": float(max(reserve, 0))}, phase.moment)
 
 

@@ -293,3 +293,35 @@ def test_an_empty_request_takes_no_memory_and_a_bad_free_is_refused():
     a.free(0)
     with pytest.raises(ValueError, match="invalid device pointer"):
         a.free(12345)
+
+
+def test_best_fit_breaks_a_tie_by_the_address_cudamalloc_returned():
+    """BlockComparatorSize orders a pool's free blocks by (stream, size, ptr): of two equal cached blocks best fit
+    takes the lower address, and that address is the one cudaMalloc returned (alloc_block), which the driver picks.
+    Told the device's addresses, the model's segments lie there, so a later segment at a lower address wins."""
+    high, low = 0x7F00_4000_0000, 0x7F00_2000_0000
+    a = allocator()
+    a.use_device_addresses([(high, 12 * MiB)])
+    first = a.malloc(12 * MiB)
+    a.use_device_addresses([(low, 12 * MiB)])
+    second = a.malloc(12 * MiB)
+    assert (first, second) == (high, low)
+    a.free(first)
+    a.free(second)
+    assert a.malloc(4 * MiB) == low
+
+
+def test_a_device_address_that_cannot_be_the_segment_is_not_used():
+    """An address offered for a segment of another size, or inside a segment still reserved, is not where the model's
+    segment goes (it makes one up); what the next malloc leaves unused is not kept for the one after."""
+    base = 0x7F00_4000_0000
+    a = allocator()
+    a.use_device_addresses([(base, 12 * MiB)])
+    held = a.malloc(12 * MiB)
+    a.use_device_addresses([(base + 2 * MiB, 12 * MiB), (base + 20 * MiB, 14 * MiB)])
+    elsewhere = a.malloc(12 * MiB)
+    assert held == base and elsewhere not in (base + 2 * MiB, base + 20 * MiB)
+    a.use_device_addresses([(base + 40 * MiB, 12 * MiB)])
+    a.malloc(512)  # the small pool makes a 2 MiB segment: the 12 MiB address does not fit it
+    later = a.malloc(12 * MiB)
+    assert later != base + 40 * MiB

@@ -137,3 +137,26 @@ def test_an_unreadable_path_is_refused(tmp_path):
         load_snapshot(tmp_path / "missing.pickle")
     with pytest.raises(SnapshotError, match="cannot read the snapshot .*: Is a directory"):
         load_snapshot(tmp_path)
+
+
+def _event(action: str, address: int, size: int) -> dict:
+    return {"action": action, "addr": address, "size": size, "stream": 0}
+
+
+def test_the_replay_puts_segments_where_the_recording_says_cudamalloc_put_them():
+    """Best fit breaks ties by address (BlockComparatorSize), and the addresses are cudaMalloc's. Here a 12 MiB
+    segment, then a 20 MiB one below it (cudaMalloc's addresses fall as often as they rise); the 12 MiB frees, and
+    a 4 MiB request finds two free 12 MiB blocks: the one at the lower address, in the 20 MiB segment, takes it.
+    So when the 8 MiB block frees, no 16 MiB block is left and the recording makes a 16 MiB segment. With made-up
+    rising addresses the model put the 4 MiB block in the first segment and found room in the second."""
+    upper, lower, third = 0x7F00_4000_0000, 0x7F00_2000_0000, 0x7F00_0000_0000
+    events = [_event("segment_alloc", upper, 12 * MiB), _event("alloc", upper, 12 * MiB),
+              _event("segment_alloc", lower, 20 * MiB), _event("alloc", lower, 8 * MiB),
+              _event("free_requested", upper, 12 * MiB), _event("free_completed", upper, 12 * MiB),
+              _event("alloc", lower + 8 * MiB, 4 * MiB),
+              _event("free_requested", lower, 8 * MiB), _event("free_completed", lower, 8 * MiB),
+              _event("segment_alloc", third, 16 * MiB), _event("alloc", third, 16 * MiB)]
+    result = replay_snapshot(parse_snapshot({"device_traces": [events]}), 0, parse_allocator_conf(""))
+    assert result.recorded.segment_sizes == [12 * MiB, 20 * MiB, 16 * MiB]
+    assert result.predicted_segment_sizes == result.recorded.segment_sizes
+    assert result.predicted_max_reserved_bytes == 48 * MiB

@@ -5,8 +5,9 @@ alloc_found_block, free / free_block, try_merge_blocks, alloc_block, release_ava
 release_cached_blocks, release_block, garbage_collect_cached_blocks; expandable segments are in expandable.py.
 "cudaMalloc" succeeds while the segments reserved stay within `capacity_bytes` (None: always); as in torch, cached
 segments go back only when it fails or on empty_cache, so without a capacity reserved bytes never fall. Addresses are
-made up (a new segment lies above every earlier one), so only their order means anything. One device; streams are
-kept apart as torch keeps them; record_stream, CUDA graphs and private memory pools are not modeled.
+made up (a new segment lies above every earlier one) unless use_device_addresses says where the device put them
+(addresses.py: they break best fit's ties). One device; streams are kept apart as torch keeps them; record_stream,
+CUDA graphs and private memory pools are not modeled.
 
 Source followed: pytorch/pytorch c10/cuda/CUDACachingAllocator.cpp at 001074d25084 (read whole) and a late-2025 copy
 of the same file (for the parts that moved: AcceleratorAllocatorConfig, large_segment_size, allowed_memory_maximum
@@ -17,7 +18,9 @@ c10/cuda/CUDAAllocatorConfig.h, and the configuration parser in its libc10.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterable
 
+from vram_planner.allocator.addresses import DeviceAddresses
 from vram_planner.allocator.blocks import ADDRESS_MASK, SIZE_SHIFT, STREAM_SHIFT, Block, BlockPool
 from vram_planner.allocator.conf import AllocatorConf
 from vram_planner.allocator.expandable import ExpandableSegments
@@ -26,7 +29,6 @@ from vram_planner.allocator.sizes import (K_MIN_BLOCK_SIZE, K_ROUND_LARGE, K_SMA
 from vram_planner.errors import VramPlanError
 from vram_planner.units import GiB, MiB
 
-FIRST_ADDRESS = 1 << 36
 ONE_EXA_BYTES = 1 << 60  # "CUDA out of memory. Tried to allocate more than 1EB memory."
 
 
@@ -73,7 +75,7 @@ class CachingAllocator(ExpandableSegments):
         self._small, self._large = BlockPool(is_small=True), BlockPool(is_small=False)
         self._active: dict[int, Block] = {}
         self._streams: dict[int, int] = {}
-        self._next_address = FIRST_ADDRESS
+        self._addresses = DeviceAddresses()
         self.allocated_bytes = self.reserved_bytes = 0
         self.max_allocated_bytes = self.max_reserved_bytes = 0
         self.segment_sizes: list[int] = []  # every cudaMalloc, or (expandable) every mapping, in order
@@ -82,9 +84,20 @@ class CachingAllocator(ExpandableSegments):
 
     # -- the public calls ------------------------------------------------------------------------------------------
 
+    def use_device_addresses(self, segments: Iterable[tuple[int, int]]) -> None:
+        """The (address, bytes) the device's cudaMalloc returned, in order, for the segments the next malloc makes
+        (a recording's segment_alloc events): its new segments lie there when the sizes agree."""
+        self._addresses.offer(segments)
+
     def malloc(self, size_bytes: int, stream: int = 0) -> int:
         """DeviceCachingAllocator::malloc: the address of a block for `size_bytes` (0 for an empty request, which
         torch never passes to the allocator); OutOfMemory when no memory can be had within the capacity."""
+        try:
+            return self._malloc(size_bytes, stream)
+        finally:
+            self._addresses.forget_offers()
+
+    def _malloc(self, size_bytes: int, stream: int) -> int:
         if size_bytes < 0:
             raise ValueError(f"cannot allocate {size_bytes} bytes")
         if size_bytes == 0:
@@ -247,7 +260,8 @@ class CachingAllocator(ExpandableSegments):
             return self._try_allocate_expandable_block(pool, stream, size)
         if self._device_would_refuse(segment_size):
             return None
-        block = Block(self._new_address(segment_size, K_ROUND_LARGE), segment_size, stream, pool)
+        # the address is the driver's; best fit breaks ties by it (BlockComparatorSize), see addresses.py
+        block = Block(self._addresses.cuda_malloc(segment_size, K_ROUND_LARGE), segment_size, stream, pool)
         self._grow_reserved(segment_size, "segment_alloc", block.ptr)
         return block
 
@@ -293,6 +307,7 @@ class CachingAllocator(ExpandableSegments):
     def _release_block(self, block: Block) -> None:
         """release_block: cudaFree a cached segment."""
         block.pool.remove(block)
+        self._addresses.cuda_free(block.ptr)
         self._shrink_reserved(block.size, "segment_free", block.ptr)
 
     def _garbage_collect_cached_blocks(self) -> None:
@@ -337,9 +352,3 @@ class CachingAllocator(ExpandableSegments):
     def _shrink_reserved(self, n_bytes: int, action: str, address: int) -> None:
         self.reserved_bytes -= n_bytes
         self.segment_log.append((action, address, n_bytes))
-
-    def _new_address(self, n_bytes: int, alignment: int) -> int:
-        """A fresh address range above every earlier one."""
-        address = -(-self._next_address // alignment) * alignment
-        self._next_address = address + n_bytes
-        return address

@@ -64,8 +64,9 @@ class ExpandableSegments:
             if has_address_space(candidate, size):
                 return candidate
         page = K_SMALL_BUFFER if pool.is_small else self.conf.large_segment_size_bytes
-        segment = ExpandableSegment(self._new_address(0, page), page, self._device_bytes or DEFAULT_DEVICE_BYTES)
-        self._new_address(segment.size, page)
+        segment = ExpandableSegment(self._addresses.new_range(0, page), page,
+                                    self._device_bytes or DEFAULT_DEVICE_BYTES)
+        self._addresses.new_range(segment.size, page)
         block = Block(segment.base, segment.size, stream, pool, segment, mapped=False)
         pool.insert_unmapped(block)
         return block

@@ -58,19 +58,27 @@ def pick_device(snapshot: Snapshot, device: int | None) -> int:
 def replay_snapshot(snapshot: Snapshot, device: int, conf: AllocatorConf) -> SnapshotReplay:
     """Replay the device's alloc and free_completed events (free_requested where the trace has no completions:
     free_block, which returns memory to the pool, is what records free_completed). A run of recorded segment frees
-    or unmaps is replayed as empty_cache(), the call that returns cached memory without an out-of-memory error."""
+    or unmaps is replayed as empty_cache(), the call that returns cached memory without an out-of-memory error.
+    The segment_alloc events before an alloc say where cudaMalloc put its segments: the model's go there too, so
+    best fit breaks its ties (equal free blocks: the lower address) as the recorded allocator did."""
     events = snapshot.device_traces[device]
     free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
     allocator = CachingAllocator(conf)
     addresses: dict[int, int] = {}
+    device_segments: list[tuple[int, int]] = []  # the segment_alloc events since the last alloc
     allocs = frees = unmatched = releases = 0
     releasing = False
     for action, address, size, stream in events:
         if action == "alloc":
             if address in addresses:  # recorded twice without a free between: the later block replaces it
                 allocator.free(addresses.pop(address))
+            if device_segments:
+                allocator.use_device_addresses(device_segments)
+                device_segments = []
             addresses[address] = allocator.malloc(size, stream)
             allocs += 1
+        elif action == "segment_alloc":
+            device_segments.append((address, size))
         elif action == free_action:
             modeled = addresses.pop(address, None)
             if modeled is None:

@@ -67,10 +67,10 @@ class Measurement(BaseModel):
     cuda: str = Field(pattern=_CUDA)
     torch: str
     kind: Literal["bare_context", "working_oom", "loading_oom", "kernels_increment", "eager_process",
-                  "unattributed"]
+                  "working_step", "unattributed"]
     bytes: int = Field(gt=0)
     how: str = Field(min_length=1)
-    url: str = Field(pattern=r"^https://")
+    url: str = Field(pattern=r"^(https://|benchmarks/results/)")  # a public source, or this repository's measurement
     quote: str = Field(min_length=1)
     confidence: Literal["high", "medium", "low"]
 

@@ -14,6 +14,7 @@ from vram_planner.model import activations as act
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
+from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.cuda_context import context_bytes as resolved_context_bytes
 from vram_planner.model.lm_head import lm_head_memory
 from vram_planner.model.spec import TrainingConfig
@@ -23,7 +24,7 @@ from vram_planner.model.vllm import VllmBudget, budget_notes, vllm_budget
 
 # Component names, in the order people read them.
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
-              "lm_head_buffers", "vllm_reservation", "cuda_context", "allocator_overhead")
+              "lm_head_buffers", "vllm_reservation", "cuda_context", "cublas_workspaces", "allocator_overhead")
 TENSOR_COMPONENTS = COMPONENTS[:7]
 PHASE_TITLES = {"generation": "generation", "scoring": "old/ref log-probs", "training": "loss forward/backward",
                 "optimizer": "optimizer step"}
@@ -69,9 +70,10 @@ class Estimate:
 
 def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
              capacity_bytes: int, context_bytes: float | None = None, gpu_label: str = "",
-             gpu_bf16: bool = True) -> Estimate:
+             gpu_bf16: bool = True, compute_capability: str = "") -> Estimate:
     """The memory of one steady-state GRPO step of `train` on a GPU of `capacity_bytes` whose CUDA context takes
-    `context_bytes` (None: the calibration's figure, else the one for a card the catalog does not know)."""
+    `context_bytes` (None: the calibration's figure, else the one for a card the catalog does not know) and whose
+    `compute_capability` sets the cuBLAS workspaces ("": a card other than compute capability 9.0)."""
     persistent = {
         "weights": m.weight_bytes(arch, train),
         "reference_weights": m.reference_weight_bytes(arch, train),
@@ -89,19 +91,21 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
     vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16)
     colocated = vllm if vllm is not None and vllm.mode == "colocate" else None
-    phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train, context)
-                   for p in raw)
+    workspaces = cublas_workspace_bytes(compute_capability)
+    phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train, context,
+                                  workspaces) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train) + tuple(budget_notes(vllm, train)), vllm=vllm)
 
 
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
-                   context_bytes: float | None = None) -> Phase:
-    """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it) and
-    the allocator's reserve."""
+                   context_bytes: float | None = None, workspace_bytes: float = 0.0) -> Phase:
+    """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it), the
+    cuBLAS workspaces and the allocator's reserve."""
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     components["vllm_reservation"] = reservation  # what vLLM holds in this phase (VllmBudget.reservation_in)
     components["cuda_context"] = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
+    components["cublas_workspaces"] = float(workspace_bytes)
     components["allocator_overhead"] = _reserve(phase, cal, train)
     return Phase(phase.name, components, phase.moment)
 

@@ -85,7 +85,7 @@ class Verdict:
 def judge(context: Context, train: TrainingConfig) -> Verdict:
     """The estimate of `train` in this context, with the context's own notes (a TRL release read as another)."""
     est = estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes,
-                   context.cuda_context.bytes, context.gpu.label, context.gpu.bf16)
+                   context.cuda_context.bytes, context.gpu.label, context.gpu.bf16, context.gpu.compute_capability)
     if context.release.note:
         est = replace(est, notes=est.notes + (context.release.note,))
     return Verdict(context, train, est)

@@ -92,8 +92,7 @@ def _print(console: Console, cal, quality: list[p.FitQuality], rows: list[p.Vali
     console.print(f"median error {errors['median_error']:.1%}, worst {errors['worst_error']:.1%} over "
                   f"{len(quality)} steps")
     fitted = ", ".join(f"{c} {getattr(cal, c):g}" for c in p.FITTED_COEFFICIENTS)
-    console.print(f"fitted: CUDA context {cal.cuda_context_bytes / GiB:.2f} GiB, allocator reserve "
-                  f"{cal.allocator_overhead_fraction:.1%} of the tensors, {fitted}")
+    console.print(f"fitted: CUDA context {cal.cuda_context_bytes / GiB:.2f} GiB, {fitted} ({cal.source})")
     if rows:
         check = Table(title="Verdicts on emulated smaller cards")
         for column in ("card GiB", "config", "verdict", "ran", "predicted", "measured", "error"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import shutil
 import subprocess
 import time
@@ -49,6 +50,7 @@ class CudaMeter(PhaseState):
 
 class CudaMeasurer:
     simulated = False
+    device_type = "cuda"  # the tests run the same steps on the CPU
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -63,7 +65,8 @@ class CudaMeasurer:
         free, total = torch.cuda.mem_get_info()
         return {"gpu": torch.cuda.get_device_name(), "capacity_bytes": str(total),
                 "driver": _nvidia_smi("driver_version") or "unknown", "cuda": str(torch.version.cuda),
-                **engine_versions()}
+                # the allocator setting the steps ran under: the fit scales that setting's reserve
+                "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **engine_versions()}
 
     def context_bytes(self) -> int:
         """What this process holds on the card outside torch's allocator (mem_get_info after initialisation, less
@@ -74,7 +77,10 @@ class CudaMeasurer:
 
     def measure(self, point: ProbePoint) -> PointMeasurement:
         start = time.perf_counter()
-        phases = self._steady_step(point)
+        try:
+            phases = self._steady_step(point)
+        finally:
+            self._release()
         return PointMeasurement(label=point.label, model=point.model, settings=_settings(point.train),
                                 phases=phases, seconds=time.perf_counter() - start)
 
@@ -101,7 +107,9 @@ class CudaMeasurer:
         train = point.train
         config = _config_json(point.model)
         meter = CudaMeter()
-        session = Session(train=train, fake_mode=contextlib.nullcontext(), tracker=meter, device_type="cuda")
+        session = Session(train=train, fake_mode=contextlib.nullcontext(), tracker=meter,
+                          device_type=self.device_type)
+        self._release()  # whatever an earlier step left is not this one's
 
         def measured(run: Any) -> PhaseMeasurement:
             meter.reserved_peak = 0
@@ -110,7 +118,7 @@ class CudaMeasurer:
                                     reserved_bytes=int(max(meter.reserved_peak, torch.cuda.max_memory_reserved())))
 
         try:
-            with torch.device("cuda"):
+            with torch.device(self.device_type):
                 model = _build_model(config, train)
                 session.model = _add_lora(model, train) if train.uses_lora else model
                 if train.computes_ref_logps and not train.uses_lora:
@@ -128,10 +136,12 @@ class CudaMeasurer:
                 return [*(measured(run) for run in runs), optimizer]
         finally:
             session.model = session.ref_model = session.optimizer = None
-            self._release()
 
     @staticmethod
     def _release() -> None:
+        """Free what the last step held. Called by the step's callers, once its frame is gone: a model is a reference
+        cycle (its patched forward holds it), so while a local still names it, gc cannot free it, and it would stay
+        on the card, uncollected, through the next point's measurement."""
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

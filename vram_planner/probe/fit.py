@@ -22,6 +22,7 @@ from vram_planner.errors import VramPlanError
 from vram_planner.files import check_writable, write_atomically
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, default_calibration
+from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.spec import TrainingConfig
@@ -31,8 +32,7 @@ from vram_planner.units import GiB
 
 # Coefficients of the analytic model that real runs set and the probe fits (the rest of it is counted exactly).
 FITTED_COEFFICIENTS = ("inference_hidden_bytes", "inference_mlp_bytes", "backward_hidden_bytes", "backward_mlp_bytes")
-# What the simulated device adds on top of the traced tensors: the caching allocator's reserve and the context.
-SIMULATED_ALLOCATOR_FRACTION = 0.10
+# The CUDA context of the simulated device (its allocations are the trace engine's, its reserve the allocator model's).
 SIMULATED_CONTEXT_BYTES = int(0.5 * GiB)
 
 
@@ -107,13 +107,13 @@ class Measurer(Protocol):
 
 
 class SimulatedMeasurer:
-    """A device whose allocations are the trace engine's, plus a fixed allocator reserve and context."""
+    """A device whose allocations are the trace engine's, with the cuBLAS workspaces a card of its compute capability
+    allocates, replayed through the caching allocator model for its reserved bytes, and a fixed context."""
 
     simulated = True
 
-    def __init__(self, gpu_name: str, allocator_fraction: float = SIMULATED_ALLOCATOR_FRACTION,
-                 context_bytes: int = SIMULATED_CONTEXT_BYTES) -> None:
-        self.gpu_name, self.allocator_fraction, self._context = gpu_name, allocator_fraction, context_bytes
+    def __init__(self, gpu_name: str, context_bytes: int = SIMULATED_CONTEXT_BYTES) -> None:
+        self.gpu_name, self._context = gpu_name, context_bytes
 
     def device(self) -> dict[str, str]:
         from vram_planner.tracing.step import engine_versions
@@ -124,11 +124,19 @@ class SimulatedMeasurer:
         return self._context
 
     def measure(self, point: ProbePoint) -> PointMeasurement:
+        from vram_planner.allocator import parse_allocator_conf
+        from vram_planner.model.cublas import workspace_bytes
+        from vram_planner.tracing.events import with_workspaces
+        from vram_planner.tracing.reserve import reserved_memory
         from vram_planner.tracing.step import trace_step
 
         result = trace_step(_config_json(point.model), point.train)
-        phases = [PhaseMeasurement(name=p.name, allocated_bytes=p.peak_bytes,
-                                   reserved_bytes=round(p.peak_bytes * (1 + self.allocator_fraction)))
+        workspaces = workspace_bytes(compute_capability(self.gpu_name))
+        stream = with_workspaces(result.steady_stream(), workspaces)
+        reserved = reserved_memory(stream, parse_allocator_conf("", "the simulated device"))
+        held = 2 * workspaces  # step 2 runs with both threads' workspaces
+        phases = [PhaseMeasurement(name=p.name, allocated_bytes=p.peak_bytes + held,
+                                   reserved_bytes=reserved.by_phase.get(p.name, p.peak_bytes + held))
                   for p in result.phases]
         return PointMeasurement(label=point.label, model=point.model, settings=_settings(point.train),
                                 phases=phases, seconds=result.seconds)
@@ -197,8 +205,17 @@ def _architecture(model: str) -> ModelArchitecture:
     return resolve_model(model)
 
 
-def _point_estimate(point: PointMeasurement, cal: Calibration) -> Estimate:
-    return estimate(_architecture(point.model), TrainingConfig(**point.settings), trl_release(), cal, 80 * GiB)
+def compute_capability(gpu_name: str) -> str:
+    """The catalog's compute capability of the probed card ("" for a card the catalog does not know)."""
+    from vram_planner.profiles import gpu_catalog
+
+    gpu = gpu_catalog().get(gpu_name)
+    return gpu.compute_capability if gpu is not None else ""
+
+
+def _point_estimate(point: PointMeasurement, cal: Calibration, capability: str = "") -> Estimate:
+    return estimate(_architecture(point.model), TrainingConfig(**point.settings), trl_release(), cal, 80 * GiB,
+                    compute_capability=capability)
 
 
 def _phase_bytes(point: PointMeasurement, cal: Calibration) -> dict[str, float]:
@@ -206,16 +223,42 @@ def _phase_bytes(point: PointMeasurement, cal: Calibration) -> dict[str, float]:
 
 
 def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None = None) -> Calibration:
-    """Least-squares fit of the working-set coefficients to the measured allocated peaks, and of the allocator's
-    reserve to reserved over allocated; the context is what the device reported."""
+    """Least-squares fit of the working-set coefficients to the measured allocated peaks (less the cuBLAS
+    workspaces, which the device allocates beside the tensors), and a scale of the base's fitted allocator reserve to
+    the steps' measured peaks of reserved memory; the context is what the device reported."""
+    base = base or default_calibration()
+    if not any(point.phases for point in record.points):
+        raise VramPlanError("the probe has no measured points to fit")
+    workspaces = cublas_workspace_bytes(compute_capability(gpu_name))
+    coefficients = _fit_coefficients(record, base, workspaces)
+    fitted = base.model_copy(update=coefficients)
+    setting = "expandable_segments" if "expandable_segments:true" in record.device.get(
+        "allocator_conf", "").replace(" ", "").lower() else "default"
+    scale = _reserve_scale(record, fitted, compute_capability(gpu_name), setting)
+    reserve = {name: ({phase: {c: round(v * scale, 4) for c, v in per.items()} for phase, per in phases.items()}
+                      if name == setting else phases) for name, phases in base.allocator_reserve.items()}
+    device = record.device
+    return fitted.model_copy(update={
+        "name": "simulated probe" if "simulated" in device else "probe",
+        "gpu": gpu_name,
+        "source": f"vram-plan probe: {len(record.points)} GRPO steps; the {setting} allocator reserve scaled by "
+                  f"{scale:.3f} to the measured peaks"
+                  + (", simulated with the trace engine (no GPU measured it: used only when passed with "
+                     "--calibration)" if "simulated" in device else ""),
+        "measured": device,
+        "cuda_context_bytes": record.context_bytes,
+        "allocator_reserve": reserve,
+        "allocator_overhead_fraction": None,
+    })
+
+
+def _fit_coefficients(record: ProbeRecord, base: Calibration, workspaces: int) -> dict[str, float]:
+    """The working-set coefficients that best predict each phase's allocated peak."""
     import numpy as np
 
-    base = base or default_calibration()
     pairs = [(point, phase) for point in record.points for phase in point.phases]
-    if not pairs:
-        raise VramPlanError("the probe has no measured points to fit")
     theta = np.array([getattr(base, c) for c in FITTED_COEFFICIENTS], dtype=float)
-    measured = np.array([phase.allocated_bytes for _, phase in pairs], dtype=float)
+    measured = np.array([phase.allocated_bytes - workspaces for _, phase in pairs], dtype=float)
 
     def predicted(values: np.ndarray) -> np.ndarray:
         cal = base.model_copy(update=dict(zip(FITTED_COEFFICIENTS, values.tolist(), strict=True)))
@@ -241,21 +284,34 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
                 break
         else:
             break
-    allocated = np.array([p.allocated_bytes for _, p in pairs], dtype=float)
-    reserved = np.array([p.reserved_bytes for _, p in pairs], dtype=float)
-    overhead = float(np.clip(((reserved - allocated) @ allocated) / (allocated @ allocated), 0.0, 0.99))
-    device = record.device
-    return base.model_copy(update={
-        "name": "simulated probe" if "simulated" in device else "probe",
-        "gpu": gpu_name,
-        "source": f"vram-plan probe: {len(record.points)} GRPO steps, {len(pairs)} phases"
-                  + (", simulated with the trace engine (no GPU measured it: used only when passed with "
-                     "--calibration)" if "simulated" in device else ""),
-        "measured": device,
-        "cuda_context_bytes": record.context_bytes,
-        "allocator_overhead_fraction": round(overhead, 4),
-        **{c: round(float(v), 3) for c, v in zip(FITTED_COEFFICIENTS, theta, strict=True)},
-    })
+    return {c: round(float(v), 3) for c, v in zip(FITTED_COEFFICIENTS, theta, strict=True)}
+
+
+# The reserve's scale is searched on this grid (then refined): the allocator reserves from nothing extra up to five
+# times what the replays of traced steps predict.
+RESERVE_SCALES = (0.0, 5.0, 5001)
+
+
+def _reserve_scale(record: ProbeRecord, cal: Calibration, capability: str, setting: str) -> float:
+    """The factor on the fitted reserve that best predicts each step's measured peak reserved bytes (relative least
+    squares). The probe reads reserved memory per phase, but a phase's reserved bytes hold what earlier phases
+    cached, so only the step's peak is compared, as `fit_quality` does."""
+    import numpy as np
+
+    held, reserve, peaks = [], [], []
+    for point in record.points:
+        estimate_ = _point_estimate(point, cal, capability)
+        held.append([p.total_bytes - p.components["allocator_overhead"] - p.components["cuda_context"]
+                     for p in estimate_.phases])
+        reserve.append([p.components["allocator_overhead"] for p in estimate_.phases])
+        peaks.append(max(p.reserved_bytes for p in point.phases))
+    width = max(len(row) for row in held)
+    pad = [row + [0.0] * (width - len(row)) for row in held], [row + [0.0] * (width - len(row)) for row in reserve]
+    held_, reserve_, measured = np.array(pad[0]), np.array(pad[1]), np.array(peaks, dtype=float)
+    scales = np.linspace(*RESERVE_SCALES)
+    predicted = (held_[None] + scales[:, None, None] * reserve_[None]).max(axis=2)
+    loss = (((predicted - measured) / measured) ** 2).sum(axis=1)
+    return float(scales[int(np.argmin(loss))])
 
 
 class FitQuality(BaseModel):
@@ -274,8 +330,8 @@ def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
     rows = []
     for point in record.points:
         measured = max(p.reserved_bytes for p in point.phases) + record.context_bytes
-        rows.append(FitQuality(label=point.label, measured_bytes=measured,
-                               predicted_bytes=_point_estimate(point, cal).peak_bytes))
+        predicted = _point_estimate(point, cal, compute_capability(cal.gpu or "")).peak_bytes
+        rows.append(FitQuality(label=point.label, measured_bytes=measured, predicted_bytes=predicted))
     return rows
 
 
@@ -341,7 +397,8 @@ def boundary_points(model: str, capacity_bytes: int, cal: Calibration, lora_r: i
     from vram_planner.profiles import GpuProfile
 
     gpu = GpuProfile(name=f"{capacity_bytes / GiB:.2f}GiB", total_memory_gib=capacity_bytes / GiB,
-                     source="emulated with torch.cuda.set_per_process_memory_fraction", capacity_source="user")
+                     source="emulated with torch.cuda.set_per_process_memory_fraction", capacity_source="user",
+                     compute_capability=compute_capability(cal.gpu or ""))
     context = Context(arch=resolve_model(model), gpu=gpu, release=trl_release(), calibration=cal, model_id=model)
     judged = []
     for batch in batches:

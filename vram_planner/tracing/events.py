@@ -69,6 +69,28 @@ def steady_stream(events: Sequence[Event], gradients: Iterable[tuple[int, int]])
     return SteadyStream(stream, spans, start)
 
 
+def with_workspaces(stream: SteadyStream, size_bytes: int) -> SteadyStream:
+    """The stream with the cuBLAS workspaces allocated where a real step allocates them (vram_planner.model.cublas):
+    one at step 1's first matrix product (its first phase after loading), another at its first backward (the
+    training phase, on autograd's thread), never freed."""
+    block = 1 + max((e.block for e in stream.events), default=0)
+    inserts = []
+    for phase, moment in (("training", "cuBLAS workspaces of autograd's thread"),
+                          (None, "cuBLAS workspaces of the Python thread")):
+        index = next((i for i, e in enumerate(stream.events[:stream.second_step])
+                      if (e.phase == phase if phase else e.phase != LOADING)), None)
+        if index is not None:
+            inserts.append((index, [Event(ALLOC, block, size_bytes, stream.events[index].phase, moment)]))
+            block += 1
+    events, spans, second = list(stream.events), dict(stream.spans), stream.second_step
+    for index, made in sorted(inserts, key=lambda insert: -insert[0]):
+        events[index:index] = made
+        spans = {phase: (start + len(made) * (start > index), end + len(made) * (end > index))
+                 for phase, (start, end) in spans.items()}
+        second += len(made)
+    return SteadyStream(events, spans, second)
+
+
 def _spans(events: Sequence[Event], base: int) -> dict[str, tuple[int, int]]:
     """[start, end) of each phase's run of events (phases run one after the other)."""
     spans: dict[str, tuple[int, int]] = {}

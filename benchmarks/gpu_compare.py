@@ -1,0 +1,90 @@
+"""The planner beside what a real GPU measured (no GPU needed): TRL GRPO steps and the probe's emulated-card runs.
+
+    python benchmarks/gpu_compare.py            # prints the tables, writes benchmarks/results/gpu/h100-compare.txt
+
+Inputs (committed, with GPU, driver, CUDA, torch, transformers and TRL versions): benchmarks/results/gpu/
+h100-trl-steps.json (benchmarks/gpu_steps.py: TRL 1.16's GRPOTrainer, two steps, every completion full length) and
+h100-probe-validation.json (`vram-plan probe --validate`). A step's measured peak is the most reserved memory of step
+2 plus the CUDA context the process held; the prediction is `check`'s peak (tensors, cuBLAS workspaces, allocator
+reserve, context) with the default calibration and with the card's shipped one. Error = (predicted - measured) /
+measured. A run on an emulated card ran with the allocator limited to that card's capacity less its context.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from vram_planner import api
+from vram_planner.model.calibration import calibration_for, default_calibration
+from vram_planner.units import GiB
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
+
+
+def measured_peak_bytes(run: dict) -> int:
+    """Step 2's peak reserved bytes plus the context the process held."""
+    return max(p["reserved_peak_bytes"] for p in run["phases"] if p["step"] == 2) + run["context_bytes"]
+
+
+def step_rows(runs: list[dict]) -> list[dict]:
+    """Each full (unlimited) step on the H100: measured against both calibrations' predictions."""
+    rows = []
+    for run in runs:
+        if run.get("plan_on") or not run.get("ran", True):
+            continue
+        measured = measured_peak_bytes(run)
+        row = {"config": run["name"], "measured_gib": measured / GiB}
+        for label, cal in (("default", default_calibration()), ("card", calibration_for("h100-80gb"))):
+            predicted = api.check(run["model"], "h100-80gb", run["train"], calibration=cal).estimate.peak_bytes
+            row[label] = (predicted - measured) / measured
+            row[f"{label}_gib"] = predicted / GiB
+        rows.append(row)
+    return rows
+
+
+def emulated_rows(runs: list[dict]) -> list[dict]:
+    """Each run on an emulated smaller card: the planner's verdict there and what happened."""
+    rows = []
+    for run in runs:
+        if not run.get("plan_on"):
+            continue
+        verdict = api.check(run["model"], run["plan_on"], run["train"])
+        # runs made before the limit was recorded ran at the card's capacity less its catalog context
+        limit = run.get("limit_bytes") or verdict.context.capacity_bytes - verdict.context.cuda_context.bytes
+        rows.append({"config": run["name"], "card": run["plan_on"], "limit_gib": limit / GiB,
+                     "fits": verdict.fits, "ran": run["ran"], "predicted_gib": verdict.estimate.peak_bytes / GiB,
+                     "reserved_gib": max(p["reserved_peak_bytes"] for p in run["phases"]) / GiB})
+    return rows
+
+
+def main() -> int:
+    steps = json.loads((RESULTS / "h100-trl-steps.json").read_text())
+    device = steps["device"]
+    lines = [f"{device['gpu']}, driver {device['driver']}, CUDA {device['cuda']}, torch {device['torch']}, "
+             f"transformers {device['transformers']}, TRL {device['trl']}, PEFT {device['peft']}", "",
+             "TRL GRPO steps (GiB, peak reserved of step 2 + context); error of check's peak:",
+             f"{'config':<36} {'measured':>9} {'default':>9} {'error':>7} {'h100 cal':>9} {'error':>7}"]
+    rows = step_rows(steps["configs"])
+    for r in rows:
+        lines.append(f"{r['config']:<36} {r['measured_gib']:9.2f} {r['default_gib']:9.2f} {r['default']:+7.1%} "
+                     f"{r['card_gib']:9.2f} {r['card']:+7.1%}")
+    for label in ("default", "card"):
+        errors = [abs(r[label]) for r in rows]
+        lines.append(f"{'default calibration' if label == 'default' else 'h100-80gb calibration'}: median |error| "
+                     f"{statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} steps")
+    lines += ["", "Runs on emulated cards (allocator limited; GiB):",
+              f"{'config':<58} {'limit':>6} {'verdict':>12} {'ran':>4} {'predicted':>9} {'reserved':>9}"]
+    for r in emulated_rows(steps["configs"]):
+        lines.append(f"{r['config']:<58} {r['limit_gib']:6.2f} {'fits' if r['fits'] else 'does not fit':>12} "
+                     f"{'yes' if r['ran'] else 'OOM':>4} {r['predicted_gib']:9.2f} {r['reserved_gib']:9.2f}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    (RESULTS / "h100-compare.txt").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

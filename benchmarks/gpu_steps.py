@@ -1,0 +1,310 @@
+"""Real GRPO steps on a CUDA GPU, measured: TRL's GRPOTrainer on random weights, each phase's peak allocated and
+reserved memory, the CUDA context, and a memory snapshot (torch.cuda.memory._record_memory_history) of the whole run.
+
+    python benchmarks/gpu_steps.py --out DIR           # every config, default allocator and expandable segments
+    python benchmarks/gpu_steps.py --out DIR --quick   # one small config: a smoke test of the path
+
+Each config runs in its own process, since the allocator reads PYTORCH_CUDA_ALLOC_CONF when CUDA starts. The run is
+`vram-plan run`'s own (RunSetup, start_run) with every completion forced to full length, two optimizer steps, and the
+prompts set to the longest in the data, so the planner's prediction for the same config is comparable. Writes
+DIR/gpu_steps.json (device, versions, per config the phases of each step) as each config finishes, and DIR/NAME.pkl.gz
+snapshots in torch's format, reduced to what a replay reads (trace events: action, addr, size, stream; segments
+without their blocks). benchmarks/gpu_compare.py (no GPU) puts the planner's predictions beside the measurements.
+Without CUDA the same path runs on the CPU with nothing measured, to test the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CARD = "h100-80gb"  # the card the verdict is judged against; the measured figures do not depend on it
+EXPANDABLE = "expandable_segments:True"
+# Qwen2.5-0.5B and Llama-3.2-1B, full and LoRA (the issue's configs), four sequences of 128 completion tokens.
+CONFIGS = [
+    {"name": f"{model}-{kind}{'-expandable' if conf else ''}", "model": model, "allocator_conf": conf,
+     "settings": {"per_device_train_batch_size": 4, "num_generations": 4, "gradient_accumulation_steps": 1,
+                  "max_completion_length": 128, "gradient_checkpointing": True,
+                  **({"lora_r": 16} if kind == "lora16" else {})}}
+    for conf in ("", EXPANDABLE) for model in ("Qwen2.5-0.5B", "Llama-3.2-1B") for kind in ("full", "lora16")
+    if not conf or (model, kind) in {("Qwen2.5-0.5B", "full"), ("Llama-3.2-1B", "lora16")}
+]
+# The largest micro-batch `plan --maximize per_device_train_batch_size` finds for a card, trained on the H100 limited
+# to that card's capacity less its CUDA context (torch.cuda.set_per_process_memory_fraction): "fits" must run.
+PLANNED = [{"name": f"{model}-{kind}-max-batch-{card}", "model": model, "allocator_conf": "", "plan_on": card,
+            "snapshot": False,
+            "settings": {"optim": "adamw_torch_fused", **({"lora_r": 16} if kind == "lora16" else {})}}
+           for model, kind, card in (("Qwen2.5-0.5B", "full", "rtx3080-mobile-16gb"),
+                                     ("Llama-3.2-1B", "lora16", "rtx3080-mobile-16gb"),
+                                     ("Qwen2.5-1.5B", "lora16", "rtx4090"))]
+# The same runs with the allocator limited to the planner's predicted peak less the context (no safety margin): does
+# the step need more than the planner says?
+PLANNED += [{**c, "name": c["name"] + "-at-prediction", "limit": "prediction"} for c in PLANNED]
+QUICK = [{"name": "SmolLM2-135M-lora16", "model": "SmolLM2-135M", "allocator_conf": "",
+          "settings": {"per_device_train_batch_size": 2, "num_generations": 2, "gradient_accumulation_steps": 1,
+                       "max_completion_length": 32, "gradient_checkpointing": True, "lora_r": 16}}]
+TRACE_KEYS, SEGMENT_KEYS = ("action", "addr", "size", "stream"), ("device", "address", "total_size", "stream",
+                                                                   "segment_type", "is_expandable")
+
+
+def model_folder(model: str, cache: Path) -> Path:
+    """A folder with the catalog model's config, random bfloat16 weights and a small BPE tokenizer trained on the
+    bundled prompts (memory does not depend on the weights; ids past the tokenizer's vocabulary decode to nothing)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from vram_planner.probe.fit import _config_json
+    from vram_planner.run.train_data import load_prompts
+
+    folder = cache / model
+    if (folder / "config.json").is_file():
+        return folder
+    texts = [row["prompt"] + row["answer"] for row in load_prompts("math-sample")]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>",
+                                                                                            "<unk>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+    config = _config_json(model)
+    built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
+    partial = Path(tempfile.mkdtemp(dir=cache))
+    built.save_pretrained(partial)
+    fast.save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
+class PhaseMeter:
+    """Peak allocated and reserved bytes of each phase of each step, from the caching allocator's statistics."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.rows, self.step, self.phase = cuda, [], 0, None
+
+    def start(self, phase: str) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.phase = phase
+        self.reserved_at_start = torch.cuda.memory_reserved() if self.cuda else 0
+
+    def end(self, phase: str) -> None:
+        import torch
+
+        if self.phase != phase:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        stats = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(),
+                 torch.cuda.memory_allocated()) if self.cuda else (0, 0, 0)
+        self.rows.append({"step": self.step, "phase": phase, "allocated_peak_bytes": stats[0],
+                          "reserved_peak_bytes": stats[1], "allocated_after_bytes": stats[2],
+                          "reserved_at_start_bytes": self.reserved_at_start})
+        self.phase = None
+
+
+def instrument(meter: PhaseMeter) -> Any:
+    """Wrap GRPOTrainer's phases (TRL 1.16 method names) and return the callback that times the optimizer step."""
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    def around(name: str, before, after) -> None:
+        original = getattr(GRPOTrainer, name)
+
+        def wrapped(self, *args, **kwargs):
+            before()
+            out = original(self, *args, **kwargs)
+            after()
+            return out
+
+        setattr(GRPOTrainer, name, wrapped)
+
+    def step_begins() -> None:
+        meter.step += 1
+
+    around("training_step", step_begins, lambda: meter.end("training"))
+    around("_generate", lambda: meter.start("generation"), lambda: meter.end("generation"))
+    around("_prepare_inputs", lambda: None, lambda: meter.start("training"))
+    scoring = getattr(GRPOTrainer, "_get_per_token_logps_and_entropies")
+
+    def logps(self, *args, **kwargs):
+        if torch.is_grad_enabled():  # the training forward, inside the training phase
+            return scoring(self, *args, **kwargs)
+        meter.start("scoring")
+        out = scoring(self, *args, **kwargs)
+        meter.end("scoring")
+        return out
+
+    GRPOTrainer._get_per_token_logps_and_entropies = logps
+
+    class OptimizerPhase(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            meter.start("optimizer")
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            meter.end("optimizer")
+
+    return OptimizerPhase()
+
+
+def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
+    """Train two steps of one config in this process and measure them (the parent set the allocator's env)."""
+    import torch
+
+    from vram_planner import api
+    from vram_planner.probe.cuda import _nvidia_smi
+    from vram_planner.run import launch
+    from vram_planner.run.launch import RunSetup, longest_first, prepared_dataset, start_run
+    from vram_planner.run.train_data import load_prompts, longest_prompt_tokens
+
+    cuda = torch.cuda.is_available()
+    used_before_mib = float(_nvidia_smi("memory.used") or 0) if cuda else 0.0
+    if cuda and config.get("snapshot", True):
+        torch.cuda.memory._record_memory_history(context=None, max_entries=50_000_000)
+    from transformers import AutoTokenizer
+
+    settings = dict(config["settings"])
+    settings["max_prompt_length"] = longest_prompt_tokens(load_prompts("math-sample"),
+                                                          AutoTokenizer.from_pretrained(folder))
+    if config["allocator_conf"]:
+        settings["allocator_conf"] = config["allocator_conf"]
+    limit = None
+    if config.get("plan_on"):
+        verdict = api.maximize(config["model"], config["plan_on"], "per_device_train_batch_size", settings).plan.chosen
+        if verdict is None:
+            raise SystemExit(f"nothing fits {config['plan_on']}")
+        if cuda:
+            limit = (verdict.estimate.peak_bytes if config.get("limit") == "prediction"
+                     else verdict.context.capacity_bytes) - verdict.context.cuda_context.bytes
+            torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.mem_get_info()[1])
+    else:
+        verdict = api.check(config["model"], CARD, settings)
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-steps-"))
+    setup = RunSetup(verdict=verdict, model_id=str(folder), dataset="math-sample", rewards=["format", "correctness"],
+                     output_dir=scratch / "run", max_steps=2, on_cpu=not cuda)
+    meter = PhaseMeter(cuda)
+    launch.EXTRA_CALLBACKS.append(instrument(meter))
+    dataset = longest_first(prepared_dataset(setup), verdict.train.per_device_train_batch_size * 2)
+    start = time.perf_counter()
+    try:
+        start_run(setup, dataset, smoke=True)  # smoke: full-length completions, nothing saved
+        ran = True
+    except launch.RunOutOfMemory:
+        ran = False
+    seconds = time.perf_counter() - start
+    result: dict[str, Any] = {**config, "ran": ran, "fits": verdict.fits, "limit_bytes": limit if cuda else None,
+                              "train": verdict.train.model_dump(mode="json", exclude_defaults=True),
+                              "predicted_peak_bytes": verdict.estimate.peak_bytes, "phases": meter.rows,
+                              "seconds": round(seconds, 1)}
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        result.update(capacity_bytes=total, max_reserved_bytes=torch.cuda.max_memory_reserved(),
+                      context_bytes=int(total - free - used_before_mib * 2**20 - torch.cuda.memory_reserved()),
+                      used_before_bytes=int(used_before_mib * 2**20))
+        if config.get("snapshot", True):
+            result["snapshot"] = save_snapshot(torch.cuda.memory._snapshot(), out / f"{config['name']}.pkl.gz")
+    return result
+
+
+def save_snapshot(snapshot: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The snapshot in torch's format, without stack frames or blocks (a replay reads neither), gzip-compressed."""
+    small = {"device_traces": [[{k: e[k] for k in TRACE_KEYS if k in e} for e in trace]
+                               for trace in snapshot.get("device_traces", [])],
+             "segments": [{k: s[k] for k in SEGMENT_KEYS if k in s} for s in snapshot.get("segments", [])]}
+    for key, value in snapshot.items():  # allocator settings and the like: small plain data, kept as recorded
+        if key not in small and len(repr(value)) < 20_000:
+            small[key] = value
+    path.write_bytes(gzip.compress(pickle.dumps(small, protocol=4), compresslevel=9))
+    return {"file": path.name, "keys": sorted(snapshot), "events": sum(len(t) for t in small["device_traces"]),
+            "bytes": path.stat().st_size}
+
+
+def replay_check(path: Path, conf_text: str) -> dict[str, Any]:
+    """The allocator model's replay of a recorded snapshot beside what the allocator recorded."""
+    from vram_planner.allocator.conf import parse_allocator_conf
+    from vram_planner.allocator.snapshot import load_snapshot
+    from vram_planner.allocator.snapshot_replay import pick_device, replay_snapshot
+
+    snapshot = load_snapshot(path)
+    replay = replay_snapshot(snapshot, pick_device(snapshot, None), parse_allocator_conf(conf_text, "benchmark"))
+    predicted, recorded = replay.predicted_segment_sizes, replay.recorded.segment_sizes
+    return {"predicted_segment_sizes": predicted, "recorded_segment_sizes": recorded,
+            "segments_match": predicted == recorded,
+            "predicted_max_reserved_bytes": replay.predicted_max_reserved_bytes,
+            "recorded_max_reserved_bytes": replay.recorded.max_reserved_bytes, "notes": replay.notes}
+
+
+def device_info() -> dict[str, Any]:
+    import torch
+
+    from vram_planner.probe.cuda import _nvidia_smi
+    from vram_planner.tracing.step import engine_versions
+
+    info = {**engine_versions(), "cuda": str(torch.version.cuda), "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(), driver=_nvidia_smi("driver_version") or "unknown",
+                    capacity_bytes=torch.cuda.mem_get_info()[1],
+                    sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
+    parser.add_argument("--replay", action="store_true", help="replay each snapshot through the allocator model")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a config as JSON: run it in this process
+    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "vram-plan-gpu-models")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.models.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        config = json.loads(args.one)
+        print("RESULT " + json.dumps(run_one(config, model_folder(config["model"], args.models), args.out)))
+        return 0
+    configs = [c for c in (QUICK if args.quick else CONFIGS + PLANNED) if not args.only or c["name"] in args.only]
+    summary_path = args.out / "gpu_steps.json"
+    summary = {"device": device_info(), "configs": []}
+    for config in configs:
+        model_folder(config["model"], args.models)  # built once, before any process holds CUDA memory
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": config["allocator_conf"]}
+        done = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--models", str(args.models),
+                               "--one", json.dumps(config)], env=env, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode or not lines:
+            result = {**config, "error": done.stderr[-3000:]}
+        else:
+            result = json.loads(lines[-1][len("RESULT "):])
+            if "snapshot" in result and args.replay:
+                try:
+                    result["replay"] = replay_check(args.out / result["snapshot"]["file"], config["allocator_conf"])
+                except Exception as exc:  # report and go on: the other configs' measurements still count
+                    result["replay"] = {"error": repr(exc)}
+        summary["configs"].append(result)
+        summary_path.write_text(json.dumps(summary, indent=1))
+        reserved_gib = result.get("max_reserved_bytes", 0) / 2**30
+        print(f"{config['name']}: " + ("ERROR " + result["error"][-600:] if "error" in result else
+                                       f"ran: {result['ran']}, {reserved_gib:.2f} GiB reserved, {result['seconds']} s, "
+                                       f"segments match: {result.get('replay', {}).get('segments_match')}"),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
