@@ -1,6 +1,7 @@
 """The planner beside what a real GPU measured (no GPU needed): TRL GRPO steps and the probe's emulated-card runs.
 
     python benchmarks/gpu_compare.py            # prints the tables, writes benchmarks/results/gpu/h100-compare.txt
+    python benchmarks/gpu_compare.py --trace    # also the trace engine's reserved bytes for the validation runs
 
 Inputs (committed, with GPU, driver, CUDA, torch, transformers and TRL versions): benchmarks/results/gpu/
 h100-trl-steps.json (benchmarks/gpu_steps.py: TRL 1.16's GRPOTrainer, two steps, every completion full length) and
@@ -12,6 +13,7 @@ measured. A run on an emulated card ran with the allocator limited to that card'
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -19,6 +21,8 @@ from pathlib import Path
 
 from vram_planner import api
 from vram_planner.model.calibration import calibration_for, default_calibration
+from vram_planner.probe.fit import label_settings
+from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
@@ -60,7 +64,28 @@ def emulated_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def validation_rows(rows: list[dict], traced: bool = False) -> list[dict]:
+    """Each `probe --validate` run judged again with today's model and the card's shipped calibration; with
+    `traced`, also what the trace engine's replay through the allocator model reserves for the runs that ran (what
+    the allocator holds on a card with room, where `check` answers what the step needs)."""
+    judged = []
+    for row in rows:
+        model, settings = label_settings(row["config"])
+        card = GpuProfile(name=f"{row['capacity_gib']:g}GiB", total_memory_gib=row["capacity_gib"],
+                          source="emulated", capacity_source="user", compute_capability="9.0")
+        verdict = api.check(model, card, settings, calibration=calibration_for("h100-80gb"))
+        entry = {**row, "fits": verdict.fits, "predicted_gib": verdict.estimate.peak_bytes / GiB}
+        if traced and row["ran"]:
+            outcome = api.trace(model, card, settings, calibration=calibration_for("h100-80gb"))
+            entry["traced_gib"] = outcome.traced.estimate.peak_bytes / GiB
+        judged.append(entry)
+    return judged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", action="store_true", help="also trace the validation runs that ran (minutes)")
+    traced = parser.parse_args(argv).trace
     steps = json.loads((RESULTS / "h100-trl-steps.json").read_text())
     device = steps["device"]
     lines = [f"{device['gpu']}, driver {device['driver']}, CUDA {device['cuda']}, torch {device['torch']}, "
@@ -80,6 +105,25 @@ def main() -> int:
     for r in emulated_rows(steps["configs"]):
         lines.append(f"{r['config']:<58} {r['limit_gib']:6.2f} {'fits' if r['fits'] else 'does not fit':>12} "
                      f"{'yes' if r['ran'] else 'OOM':>4} {r['predicted_gib']:9.2f} {r['reserved_gib']:9.2f}")
+    lines += ["", "probe --validate runs on emulated cards, judged again (GiB; measured: peak reserved + context):",
+              f"{'card':>5} {'config':<54} {'verdict':>12} {'ran':>4} {'predicted':>9} {'measured':>9} {'error':>7}"]
+    judged = validation_rows(json.loads((RESULTS / "h100-probe-validation.json").read_text())["rows"], traced)
+    for r in judged:
+        measured = r["measured_gib"]
+        lines.append(f"{r['capacity_gib']:5g} {r['config']:<54} {'fits' if r['fits'] else 'does not fit':>12} "
+                     f"{'yes' if r['ran'] else 'OOM':>4} {r['predicted_gib']:9.2f} "
+                     + (f"{measured:9.2f} {r['predicted_gib'] / measured - 1:+7.1%}" if measured else f"{'-':>9}")
+                     + (f"  trace {r['traced_gib']:.2f} {r['traced_gib'] / measured - 1:+.1%}" if "traced_gib" in r
+                        else ""))
+    errors = [abs(r["predicted_gib"] / r["measured_gib"] - 1) for r in judged if r["measured_gib"]]
+    right = sum(r["fits"] == r["ran"] for r in judged)
+    lines.append(f"verdicts that match what happened: {right} of {len(judged)}; wrong \"fits\": "
+                 f"{sum(r['fits'] and not r['ran'] for r in judged)}; |error| of the runs: median "
+                 f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
+    if traced:
+        errors = [abs(r["traced_gib"] / r["measured_gib"] - 1) for r in judged if "traced_gib" in r]
+        lines.append(f"vram-plan trace (reserved by the allocator model + context) against the runs: median |error| "
+                     f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     (RESULTS / "h100-compare.txt").write_text(text)

@@ -62,22 +62,17 @@ def model_folder(model: str, cache: Path) -> Path:
     """A folder with the catalog model's config, random bfloat16 weights and a small BPE tokenizer trained on the
     bundled prompts (memory does not depend on the weights; ids past the tokenizer's vocabulary decode to nothing)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from vram_planner.probe.fit import _config_json
-    from vram_planner.run.train_data import load_prompts
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import math_sample_tokenizer
 
     folder = cache / model
     if (folder / "config.json").is_file():
         return folder
-    texts = [row["prompt"] + row["answer"] for row in load_prompts("math-sample")]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>",
-                                                                                            "<unk>"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    fast = math_sample_tokenizer()
     config = _config_json(model)
     built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
     partial = Path(tempfile.mkdtemp(dir=cache))

@@ -41,18 +41,11 @@ def llama_1b() -> ModelArchitecture:
 @pytest.fixture(scope="module")
 def tiny_model_folder(tmp_path_factory):
     """A Llama-style model with random weights and a byte-level BPE tokenizer trained here, saved as a folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vram_planner.run.train_data import load_prompts
+    from helpers import math_sample_tokenizer
 
-    texts = [row["prompt"] + row["answer"] for row in load_prompts("math-sample")]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>",
-                                                                                            "<unk>"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    fast = math_sample_tokenizer()
     config = json.loads((FIXTURES / "tiny-llama-headdim.json").read_text())
     config.update(vocab_size=len(fast), pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
                   bos_token_id=None)

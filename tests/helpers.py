@@ -1,5 +1,6 @@
 """What several test modules share: model configs, running the CLI in-process, paths nothing can be written at, an
-out-of-memory message, a time limit, and models built as TRL builds them. Fixtures live in conftest.py."""
+out-of-memory message, a time limit, models built as TRL builds them, and a tokenizer trained here (benchmarks/
+gpu_steps.py uses it too). Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
@@ -101,3 +102,19 @@ def linear_names(model) -> set[str]:
 
     return {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
             if isinstance(mod, torch.nn.Linear) and ".layers." in name}
+
+
+def math_sample_tokenizer():
+    """A byte-level BPE tokenizer of 400 tokens trained on the bundled prompts: no hub needed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from vram_planner.run.train_data import load_prompts
+
+    texts = [row["prompt"] + row["answer"] for row in load_prompts("math-sample")]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>",
+                                                                                            "<unk>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")

@@ -80,11 +80,11 @@ def test_nothing_fits_beside_vllm_offers_server_mode(capsys):
 
 
 def test_sleep_mode_is_offered_when_vllm_starts_but_the_trainer_does_not_fit_beside_it(capsys):
-    code, plan = judged(capsys, "plan", "--gpu", "6GiB", "--model", "Llama-3.2-3B", "--use-vllm")
+    code, plan = judged(capsys, "plan", "--gpu", "6.2GiB", "--model", "Llama-3.2-3B", "--use-vllm")
     assert code == 1 and plan["vllm"]["problem"] is None
     assert "--vllm-enable-sleep-mode frees vLLM's weights and KV cache outside generation (the smallest config then " \
            "needs" in plan["notes"][-1] and ": it fits)" in plan["notes"][-1]
-    code, asleep = judged(capsys, "plan", "--gpu", "6GiB", "--model", "Llama-3.2-3B", "--use-vllm",
+    code, asleep = judged(capsys, "plan", "--gpu", "6.2GiB", "--model", "Llama-3.2-3B", "--use-vllm",
                           "--vllm-enable-sleep-mode")
     assert code == 0 and asleep["fits"]
 

@@ -5,7 +5,6 @@ emulated smaller cards, and the shipped calibration of that card, which is the p
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 
 from vram_planner import api
 from vram_planner.model.calibration import calibration_for, load_calibration_file
-from vram_planner.probe.fit import ProbeRecord, fit_calibration, fit_quality, summary
+from vram_planner.probe.fit import ProbeRecord, fit_calibration, fit_quality, label_settings, summary
 from vram_planner.profiles import GpuProfile, profile_dirs
 from vram_planner.units import GiB
 
@@ -54,23 +53,12 @@ def test_what_plan_maximizes_for_a_card_ran_on_that_card_emulated():
         assert verdict.fits and run["ran"], run["name"]
 
 
-def _settings(label: str) -> tuple[str, dict]:
-    model, kind, gc, *rest = label.split()
-    values = dict(re.fullmatch(r"(\w+)=(\d+)", item).groups() for item in rest)
-    return model, {"lora_r": int(kind[4:]) if kind.startswith("lora") else None,
-                   "gradient_checkpointing": gc == "gc=on",
-                   "max_prompt_length": int(values["p"]), "max_completion_length": int(values["c"]),
-                   "per_device_train_batch_size": int(values["B"]), "num_generations": int(values["G"]),
-                   "gradient_accumulation_steps": int(values["GA"])}
-
-
 @pytest.mark.parametrize("row", VALIDATION, ids=lambda r: f"{r['capacity_gib']:g}GiB {r['config']}")
-def test_no_config_that_ran_out_of_memory_on_an_emulated_card_is_said_to_fit(row):
-    model, settings = _settings(row["config"])
+def test_every_verdict_on_an_emulated_card_is_what_happened(row):
+    model, settings = label_settings(row["config"])
     card = GpuProfile(name=f"{row['capacity_gib']:g}GiB", total_memory_gib=row["capacity_gib"], source="emulated",
                       capacity_source="user", compute_capability="9.0")
     verdict = api.check(model, card, settings, calibration=calibration_for("h100-80gb"))
-    if not row["ran"]:
-        assert not verdict.fits
-    else:
-        assert verdict.estimate.peak_bytes / GiB == pytest.approx(row["measured_gib"], rel=0.15)
+    assert verdict.fits == row["ran"]
+    if row["ran"]:  # what it needs, against what the allocator held there (it keeps what it cached until it must not)
+        assert verdict.estimate.peak_bytes / GiB == pytest.approx(row["measured_gib"], rel=0.12)

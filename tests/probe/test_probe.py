@@ -17,7 +17,7 @@ from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.probe.fit import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
                                     SimulatedMeasurer, compute_capability, fit_calibration, fit_quality,
-                                    measure_points, record_path, save_calibration, validate_verdicts)
+                                    label_settings, measure_points, record_path, save_calibration, validate_verdicts)
 from vram_planner.profiles import data_home
 from vram_planner.units import GiB
 
@@ -199,3 +199,10 @@ def test_an_unwritable_data_home_is_refused_before_measuring(capsys, tmp_path, m
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "VRAM_PLAN_HOME" in err and str(a_file) in err
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("point", tiny_points(3) + [ProbePoint("Qwen2.5-0.5B", TrainingConfig(
+    per_device_train_batch_size=3, num_generations=3, gradient_accumulation_steps=2, lora_r=8))], ids=lambda p: p.label)
+def test_a_label_names_the_settings_it_was_made_from(point):
+    model, settings = label_settings(point.label)
+    assert model == point.model and ProbePoint(model, TrainingConfig(**settings)).label == point.label

@@ -31,7 +31,8 @@ class Calibration(BaseModel):
     # and phase: bytes of reserve per byte of each tensor component (each its own allocation pattern), fitted over
     # replays of traced steps through the allocator model (benchmarks/allocator_fit.py).
     allocator_reserve: dict[str, dict[str, dict[str, float]]] = Field(default_factory=dict)
-    # A probe's measured reserve, as a fraction of the allocated peak, replaces the fitted one (None: not measured).
+    # A flat reserve, as a fraction of the tensors, in place of the fitted function (None: the fitted one). Probes
+    # wrote it before they scaled the fitted function to their measurements; a hand-made calibration may set it.
     allocator_overhead_fraction: float | None = Field(default=None, ge=0, lt=1)
 
     # What a layer keeps for backward is counted tensor by tensor (vram_planner/model/activations.py, checked against

@@ -55,6 +55,17 @@ class ProbePoint:
                 f"G={t.num_generations} GA={t.gradient_accumulation_steps}{extra}")
 
 
+def label_settings(label: str) -> tuple[str, dict[str, Any]]:
+    """The model and knobs a ProbePoint label names (its inverse, for the labels of the default knobs' points that
+    `probe_grid` and `boundary_points` make), as a validation table lists them."""
+    model, kind, checkpointing, *rest = label.split()
+    values = dict(item.split("=", 1) for item in rest)
+    return model, {"lora_r": int(kind.removeprefix("lora")) if kind.startswith("lora") else None,
+                   "gradient_checkpointing": checkpointing == "gc=on", "max_prompt_length": int(values["p"]),
+                   "max_completion_length": int(values["c"]), "per_device_train_batch_size": int(values["B"]),
+                   "num_generations": int(values["G"]), "gradient_accumulation_steps": int(values["GA"])}
+
+
 def probe_grid(models: Iterable[str] = ("Qwen2.5-0.5B", "Llama-3.2-1B"), completions: Iterable[int] = (128, 512),
                batch: int = 4) -> list[ProbePoint]:
     """Two sequence lengths, LoRA and full, checkpointing on and off, for each model."""
@@ -232,8 +243,10 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
     workspaces = cublas_workspace_bytes(compute_capability(gpu_name))
     coefficients = _fit_coefficients(record, base, workspaces)
     fitted = base.model_copy(update=coefficients)
-    setting = "expandable_segments" if "expandable_segments:true" in record.device.get(
-        "allocator_conf", "").replace(" ", "").lower() else "default"
+    from vram_planner.allocator import parse_allocator_conf
+
+    ran_under = parse_allocator_conf(record.device.get("allocator_conf", ""), "the probe's PYTORCH_CUDA_ALLOC_CONF")
+    setting = "expandable_segments" if ran_under.expandable_segments else "default"
     scale = _reserve_scale(record, fitted, compute_capability(gpu_name), setting)
     reserve = {name: ({phase: {c: round(v * scale, 4) for c, v in per.items()} for phase, per in phases.items()}
                       if name == setting else phases) for name, phases in base.allocator_reserve.items()}
