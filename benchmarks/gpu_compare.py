@@ -1,7 +1,7 @@
 """The planner beside what a real GPU measured (no GPU needed): TRL GRPO steps and the probe's emulated-card runs.
 
     python benchmarks/gpu_compare.py            # prints the tables, writes benchmarks/results/gpu/h100-compare.txt
-    python benchmarks/gpu_compare.py --trace    # also the trace engine's reserved bytes for the validation runs
+    python benchmarks/gpu_compare.py --trace    # also the trace engine's reserved bytes (per phase, minutes)
 
 Inputs (committed, with GPU, driver, CUDA, torch, transformers and TRL versions): benchmarks/results/gpu/
 h100-trl-steps.json (benchmarks/gpu_steps.py: TRL 1.16's GRPOTrainer, two steps, every completion full length) and
@@ -49,6 +49,23 @@ def step_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def phase_rows(runs: list[dict]) -> list[dict]:
+    """Each full step's phases: the reserved bytes the H100 held (the most during the phase, as
+    torch.cuda.max_memory_reserved reads after a reset at its start; step 2, the optimizer step's from step 1 as the
+    trace reports it) beside what `vram-plan trace` replays through the allocator model, with either setting."""
+    rows = []
+    for run in runs:
+        if run.get("plan_on"):
+            continue
+        traced = api.trace(run["model"], "h100-80gb", run["train"]).reserved.by_phase
+        for phase in run["phases"]:
+            if phase["step"] == (1 if phase["phase"] == "optimizer" else 2) and phase["phase"] in traced:
+                rows.append({"config": run["name"], "phase": phase["phase"],
+                             "measured_gib": phase["reserved_peak_bytes"] / GiB,
+                             "traced_gib": traced[phase["phase"]] / GiB})
+    return rows
+
+
 def emulated_rows(runs: list[dict]) -> list[dict]:
     """Each run on an emulated smaller card: the planner's verdict there and what happened."""
     rows = []
@@ -82,17 +99,10 @@ def validation_rows(rows: list[dict], traced: bool = False) -> list[dict]:
     return judged
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", action="store_true", help="also trace the validation runs that ran (minutes)")
-    traced = parser.parse_args(argv).trace
-    steps = json.loads((RESULTS / "h100-trl-steps.json").read_text())
-    device = steps["device"]
-    lines = [f"{device['gpu']}, driver {device['driver']}, CUDA {device['cuda']}, torch {device['torch']}, "
-             f"transformers {device['transformers']}, TRL {device['trl']}, PEFT {device['peft']}", "",
-             "TRL GRPO steps (GiB, peak reserved of step 2 + context); error of check's peak:",
+def step_lines(runs: list[dict]) -> list[str]:
+    lines = ["TRL GRPO steps (GiB, peak reserved of step 2 + context); error of check's peak:",
              f"{'config':<36} {'measured':>9} {'default':>9} {'error':>7} {'h100 cal':>9} {'error':>7}"]
-    rows = step_rows(steps["configs"])
+    rows = step_rows(runs)
     for r in rows:
         lines.append(f"{r['config']:<36} {r['measured_gib']:9.2f} {r['default_gib']:9.2f} {r['default']:+7.1%} "
                      f"{r['card_gib']:9.2f} {r['card']:+7.1%}")
@@ -100,13 +110,32 @@ def main(argv: list[str] | None = None) -> int:
         errors = [abs(r[label]) for r in rows]
         lines.append(f"{'default calibration' if label == 'default' else 'h100-80gb calibration'}: median |error| "
                      f"{statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} steps")
-    lines += ["", "Runs on emulated cards (allocator limited; GiB):",
-              f"{'config':<58} {'limit':>6} {'verdict':>12} {'ran':>4} {'predicted':>9} {'reserved':>9}"]
-    for r in emulated_rows(steps["configs"]):
+    return lines
+
+
+def emulated_lines(runs: list[dict]) -> list[str]:
+    lines = ["Runs on emulated cards (allocator limited; GiB):",
+             f"{'config':<58} {'limit':>6} {'verdict':>12} {'ran':>4} {'predicted':>9} {'reserved':>9}"]
+    for r in emulated_rows(runs):
         lines.append(f"{r['config']:<58} {r['limit_gib']:6.2f} {'fits' if r['fits'] else 'does not fit':>12} "
                      f"{'yes' if r['ran'] else 'OOM':>4} {r['predicted_gib']:9.2f} {r['reserved_gib']:9.2f}")
-    lines += ["", "probe --validate runs on emulated cards, judged again (GiB; measured: peak reserved + context):",
-              f"{'card':>5} {'config':<54} {'verdict':>12} {'ran':>4} {'predicted':>9} {'measured':>9} {'error':>7}"]
+    return lines
+
+
+def phase_lines(runs: list[dict]) -> list[str]:
+    lines = ["Reserved per phase (GiB): the H100 against vram-plan trace's replay through the allocator model:",
+             f"{'config':<36} {'phase':<11} {'measured':>9} {'trace':>7} {'error':>7}"]
+    rows = phase_rows(runs)
+    for r in rows:
+        lines.append(f"{r['config']:<36} {r['phase']:<11} {r['measured_gib']:9.2f} {r['traced_gib']:7.2f} "
+                     f"{r['traced_gib'] / r['measured_gib'] - 1:+7.1%}")
+    errors = [abs(r["traced_gib"] / r["measured_gib"] - 1) for r in rows]
+    return lines + [f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(rows)} phases"]
+
+
+def validation_lines(traced: bool) -> list[str]:
+    lines = ["probe --validate runs on emulated cards, judged again (GiB; measured: peak reserved + context):",
+             f"{'card':>5} {'config':<54} {'verdict':>12} {'ran':>4} {'predicted':>9} {'measured':>9} {'error':>7}"]
     judged = validation_rows(json.loads((RESULTS / "h100-probe-validation.json").read_text())["rows"], traced)
     for r in judged:
         measured = r["measured_gib"]
@@ -116,14 +145,28 @@ def main(argv: list[str] | None = None) -> int:
                      + (f"  trace {r['traced_gib']:.2f} {r['traced_gib'] / measured - 1:+.1%}" if "traced_gib" in r
                         else ""))
     errors = [abs(r["predicted_gib"] / r["measured_gib"] - 1) for r in judged if r["measured_gib"]]
-    right = sum(r["fits"] == r["ran"] for r in judged)
-    lines.append(f"verdicts that match what happened: {right} of {len(judged)}; wrong \"fits\": "
-                 f"{sum(r['fits'] and not r['ran'] for r in judged)}; |error| of the runs: median "
+    lines.append(f"verdicts that match what happened: {sum(r['fits'] == r['ran'] for r in judged)} of {len(judged)}; "
+                 f"wrong \"fits\": {sum(r['fits'] and not r['ran'] for r in judged)}; |error| of the runs: median "
                  f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
     if traced:
         errors = [abs(r["traced_gib"] / r["measured_gib"] - 1) for r in judged if "traced_gib" in r]
         lines.append(f"vram-plan trace (reserved by the allocator model + context) against the runs: median |error| "
                      f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", action="store_true", help="also trace the runs on the CPU (minutes)")
+    traced = parser.parse_args(argv).trace
+    steps = json.loads((RESULTS / "h100-trl-steps.json").read_text())
+    device = steps["device"]
+    lines = [f"{device['gpu']}, driver {device['driver']}, CUDA {device['cuda']}, torch {device['torch']}, "
+             f"transformers {device['transformers']}, TRL {device['trl']}, PEFT {device['peft']}", ""]
+    lines += step_lines(steps["configs"]) + [""] + emulated_lines(steps["configs"])
+    if traced:
+        lines += [""] + phase_lines(steps["configs"])
+    lines += [""] + validation_lines(traced)
     text = "\n".join(lines) + "\n"
     print(text, end="")
     (RESULTS / "h100-compare.txt").write_text(text)
