@@ -21,8 +21,7 @@ from pathlib import Path
 
 from vram_planner import api
 from vram_planner.model.calibration import calibration_for, default_calibration
-from vram_planner.probe.fit import label_settings
-from vram_planner.profiles import GpuProfile
+from vram_planner.probe.fit import compute_capability, emulated_card, label_settings
 from vram_planner.units import GiB
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
@@ -88,8 +87,7 @@ def validation_rows(rows: list[dict], traced: bool = False) -> list[dict]:
     judged = []
     for row in rows:
         model, settings = label_settings(row["config"])
-        card = GpuProfile(name=f"{row['capacity_gib']:g}GiB", total_memory_gib=row["capacity_gib"],
-                          source="emulated", capacity_source="user", compute_capability="9.0")
+        card = emulated_card(int(row["capacity_gib"] * GiB), compute_capability("h100-80gb"))
         verdict = api.check(model, card, settings, calibration=calibration_for("h100-80gb"))
         entry = {**row, "fits": verdict.fits, "predicted_gib": verdict.estimate.peak_bytes / GiB}
         if traced and row["ran"]:
@@ -97,6 +95,10 @@ def validation_rows(rows: list[dict], traced: bool = False) -> list[dict]:
             entry["traced_gib"] = outcome.traced.estimate.peak_bytes / GiB
         judged.append(entry)
     return judged
+
+
+def error_summary(errors: list[float]) -> str:
+    return f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}"
 
 
 def step_lines(runs: list[dict]) -> list[str]:
@@ -108,8 +110,8 @@ def step_lines(runs: list[dict]) -> list[str]:
                      f"{r['card_gib']:9.2f} {r['card']:+7.1%}")
     for label in ("default", "card"):
         errors = [abs(r[label]) for r in rows]
-        lines.append(f"{'default calibration' if label == 'default' else 'h100-80gb calibration'}: median |error| "
-                     f"{statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} steps")
+        lines.append(f"{'default calibration' if label == 'default' else 'h100-80gb calibration'}: "
+                     f"{error_summary(errors)} over {len(errors)} steps")
     return lines
 
 
@@ -130,7 +132,7 @@ def phase_lines(runs: list[dict]) -> list[str]:
         lines.append(f"{r['config']:<36} {r['phase']:<11} {r['measured_gib']:9.2f} {r['traced_gib']:7.2f} "
                      f"{r['traced_gib'] / r['measured_gib'] - 1:+7.1%}")
     errors = [abs(r["traced_gib"] / r["measured_gib"] - 1) for r in rows]
-    return lines + [f"median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(rows)} phases"]
+    return lines + [f"{error_summary(errors)} over {len(rows)} phases"]
 
 
 def validation_lines(traced: bool) -> list[str]:
@@ -146,12 +148,12 @@ def validation_lines(traced: bool) -> list[str]:
                         else ""))
     errors = [abs(r["predicted_gib"] / r["measured_gib"] - 1) for r in judged if r["measured_gib"]]
     lines.append(f"verdicts that match what happened: {sum(r['fits'] == r['ran'] for r in judged)} of {len(judged)}; "
-                 f"wrong \"fits\": {sum(r['fits'] and not r['ran'] for r in judged)}; |error| of the runs: median "
-                 f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
+                 f"wrong \"fits\": {sum(r['fits'] and not r['ran'] for r in judged)}; of the runs: "
+                 f"{error_summary(errors)}")
     if traced:
         errors = [abs(r["traced_gib"] / r["measured_gib"] - 1) for r in judged if "traced_gib" in r]
-        lines.append(f"vram-plan trace (reserved by the allocator model + context) against the runs: median |error| "
-                     f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
+        lines.append(f"vram-plan trace (reserved by the allocator model + context) against the runs: "
+                     f"{error_summary(errors)}")
     return lines
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tokenizer the tests train (helpers.math_sample_tokenizer)
 CARD = "h100-80gb"  # the card the verdict is judged against; the measured figures do not depend on it
 EXPANDABLE = "expandable_segments:True"
 # Qwen2.5-0.5B and Llama-3.2-1B, full and LoRA (the configs), four sequences of 128 completion tokens.
@@ -66,7 +67,6 @@ def model_folder(model: str, cache: Path) -> Path:
 
     from vram_planner.probe.fit import _config_json
 
-    sys.path.insert(0, str(ROOT / "tests"))
     from helpers import math_sample_tokenizer
 
     folder = cache / model

@@ -12,8 +12,9 @@ import pytest
 
 from vram_planner import api
 from vram_planner.model.calibration import calibration_for, load_calibration_file
-from vram_planner.probe.fit import ProbeRecord, fit_calibration, fit_quality, label_settings, summary
-from vram_planner.profiles import GpuProfile, profile_dirs
+from vram_planner.probe.fit import (ProbeRecord, compute_capability, emulated_card, fit_calibration, fit_quality,
+                                    label_settings, summary)
+from vram_planner.profiles import profile_dirs
 from vram_planner.units import GiB
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results" / "gpu"
@@ -56,8 +57,7 @@ def test_what_plan_maximizes_for_a_card_ran_on_that_card_emulated():
 @pytest.mark.parametrize("row", VALIDATION, ids=lambda r: f"{r['capacity_gib']:g}GiB {r['config']}")
 def test_every_verdict_on_an_emulated_card_is_what_happened(row):
     model, settings = label_settings(row["config"])
-    card = GpuProfile(name=f"{row['capacity_gib']:g}GiB", total_memory_gib=row["capacity_gib"], source="emulated",
-                      capacity_source="user", compute_capability="9.0")
+    card = emulated_card(int(row["capacity_gib"] * GiB), compute_capability("h100-80gb"))
     verdict = api.check(model, card, settings, calibration=calibration_for("h100-80gb"))
     assert verdict.fits == row["ran"]
     if row["ran"]:  # what it needs, against what the allocator held there (it keeps what it cached until it must not)

@@ -27,7 +27,7 @@ from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import trl_release
-from vram_planner.profiles import HOME_ENV, data_home, read_json
+from vram_planner.profiles import HOME_ENV, GpuProfile, data_home, read_json
 from vram_planner.units import GiB
 
 # Coefficients of the analytic model that real runs set and the probe fits (the rest of it is counted exactly).
@@ -237,17 +237,16 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
     """Least-squares fit of the working-set coefficients to the measured allocated peaks (less the cuBLAS
     workspaces, which the device allocates beside the tensors), and a scale of the base's fitted allocator reserve to
     the steps' measured peaks of reserved memory; the context is what the device reported."""
+    from vram_planner.allocator import parse_allocator_conf
+
     base = base or default_calibration()
     if not any(point.phases for point in record.points):
         raise VramPlanError("the probe has no measured points to fit")
-    workspaces = cublas_workspace_bytes(compute_capability(gpu_name))
-    coefficients = _fit_coefficients(record, base, workspaces)
-    fitted = base.model_copy(update=coefficients)
-    from vram_planner.allocator import parse_allocator_conf
-
+    capability = compute_capability(gpu_name)
+    fitted = base.model_copy(update=_fit_coefficients(record, base, cublas_workspace_bytes(capability)))
     ran_under = parse_allocator_conf(record.device.get("allocator_conf", ""), "the probe's PYTORCH_CUDA_ALLOC_CONF")
     setting = "expandable_segments" if ran_under.expandable_segments else "default"
-    scale = _reserve_scale(record, fitted, compute_capability(gpu_name), setting)
+    scale = _reserve_scale(record, fitted, capability)
     reserve = {name: ({phase: {c: round(v * scale, 4) for c, v in per.items()} for phase, per in phases.items()}
                       if name == setting else phases) for name, phases in base.allocator_reserve.items()}
     device = record.device
@@ -305,24 +304,22 @@ def _fit_coefficients(record: ProbeRecord, base: Calibration, workspaces: int) -
 RESERVE_SCALES = (0.0, 5.0, 5001)
 
 
-def _reserve_scale(record: ProbeRecord, cal: Calibration, capability: str, setting: str) -> float:
+def _reserve_scale(record: ProbeRecord, cal: Calibration, capability: str) -> float:
     """The factor on the fitted reserve that best predicts each step's measured peak reserved bytes (relative least
     squares). The probe reads reserved memory per phase, but a phase's reserved bytes hold what earlier phases
     cached, so only the step's peak is compared, as `fit_quality` does."""
     import numpy as np
 
-    held, reserve, peaks = [], [], []
-    for point in record.points:
-        estimate_ = _point_estimate(point, cal, capability)
-        held.append([p.total_bytes - p.components["allocator_overhead"] - p.components["cuda_context"]
-                     for p in estimate_.phases])
-        reserve.append([p.components["allocator_overhead"] for p in estimate_.phases])
-        peaks.append(max(p.reserved_bytes for p in point.phases))
-    width = max(len(row) for row in held)
-    pad = [row + [0.0] * (width - len(row)) for row in held], [row + [0.0] * (width - len(row)) for row in reserve]
-    held_, reserve_, measured = np.array(pad[0]), np.array(pad[1]), np.array(peaks, dtype=float)
+    estimates = [_point_estimate(point, cal, capability).phases for point in record.points]
+    # points without a scoring phase have a phase fewer: the padding holds nothing and reserves nothing
+    held, reserve = (np.zeros((len(estimates), max(map(len, estimates)))) for _ in range(2))
+    for i, phases in enumerate(estimates):
+        for j, p in enumerate(phases):
+            reserve[i, j] = p.components["allocator_overhead"]
+            held[i, j] = p.total_bytes - reserve[i, j] - p.components["cuda_context"]
+    measured = np.array([max(p.reserved_bytes for p in point.phases) for point in record.points], dtype=float)
     scales = np.linspace(*RESERVE_SCALES)
-    predicted = (held_[None] + scales[:, None, None] * reserve_[None]).max(axis=2)
+    predicted = (held[None] + scales[:, None, None] * reserve[None]).max(axis=2)
     loss = (((predicted - measured) / measured) ** 2).sum(axis=1)
     return float(scales[int(np.argmin(loss))])
 
@@ -340,10 +337,10 @@ class FitQuality(BaseModel):
 
 
 def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
-    rows = []
+    rows, capability = [], compute_capability(cal.gpu or "")
     for point in record.points:
         measured = max(p.reserved_bytes for p in point.phases) + record.context_bytes
-        predicted = _point_estimate(point, cal, compute_capability(cal.gpu or "")).peak_bytes
+        predicted = _point_estimate(point, cal, capability).peak_bytes
         rows.append(FitQuality(label=point.label, measured_bytes=measured, predicted_bytes=predicted))
     return rows
 
@@ -402,16 +399,20 @@ class ValidationRow(BaseModel):
         return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
 
 
+def emulated_card(capacity_bytes: int, capability: str) -> GpuProfile:
+    """A card of `capacity_bytes`, as `--validate` emulates it on the probed one (its compute capability)."""
+    return GpuProfile(name=f"{capacity_bytes / GiB:.2f}GiB", total_memory_gib=capacity_bytes / GiB,
+                      source="emulated with torch.cuda.set_per_process_memory_fraction", capacity_source="user",
+                      compute_capability=capability)
+
+
 def boundary_points(model: str, capacity_bytes: int, cal: Calibration, lora_r: int | None = None,
                     batches: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), completion: int = 256,
                     prompt: int = 128) -> list[tuple[ProbePoint, bool, float]]:
     """The largest micro-batch the planner says fits on a card of `capacity_bytes` and the next one up."""
     from vram_planner.model.verdict import Context, judge
-    from vram_planner.profiles import GpuProfile
 
-    gpu = GpuProfile(name=f"{capacity_bytes / GiB:.2f}GiB", total_memory_gib=capacity_bytes / GiB,
-                     source="emulated with torch.cuda.set_per_process_memory_fraction", capacity_source="user",
-                     compute_capability=compute_capability(cal.gpu or ""))
+    gpu = emulated_card(capacity_bytes, compute_capability(cal.gpu or ""))
     context = Context(arch=resolve_model(model), gpu=gpu, release=trl_release(), calibration=cal, model_id=model)
     judged = []
     for batch in batches:
