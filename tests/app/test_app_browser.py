@@ -140,9 +140,10 @@ def test_the_page_follows_the_model_and_the_completion_length(browser, server, t
     assert ARTIFACT.stat().st_size > 10_000
 
     type_into(browser, "max_completion_length", "abc")  # bad input: the CLI's message where the verdict goes
-    WebDriverWait(browser, WAIT_SECONDS).until(lambda d: "error" in d.find_element(By.ID, "verdict").text)
-    assert browser.find_element(By.ID, "verdict").text == ("✘ error: Invalid value for '--max-completion-length': "
-                                                           "'abc' is not a valid integer.")
+    expected = "✘ error: Invalid value for '--max-completion-length': 'abc' is not a valid integer."
+    # each keystroke re-judges the page: "ab" gives an error of its own before "abc" arrives, so wait for the last
+    WebDriverWait(browser, WAIT_SECONDS).until(lambda d: d.find_element(By.ID, "verdict").text == expected)
+    assert browser.find_element(By.ID, "verdict").text == expected
 
     type_into(browser, "max_completion_length", "1024")
     browser.find_element(By.XPATH, "//span[contains(text(), 'or paste a config.json')]").click()
