@@ -1,10 +1,13 @@
 """Wall time of `vram-plan --gpu rtx3080-mobile --model Llama-3.2-1B` against `python -c "import torch"`.
 
-Run with torch importable: python benchmarks/startup.py [--runs N] [--vram-plan PATH] [--out FILE]
+Run with torch importable: python benchmarks/startup.py [--runs N] [--vram-plan PATH] [--out FILE] [--instructions]
 Prints the median of N runs of each command and their ratio; the targets are a planner under 0.25 s and under
-0.15x `import torch` on the same machine in the same run. It also times the libraries the planner cannot do
+0.15x `import torch` on the same machine in the same run (the commands take turns, so a machine whose speed drifts
+slows both alike). It also times the libraries the planner cannot do
 without (pydantic, click, rich), imported alone and doing the least a planner must (one pydantic model built and
-validated, one rich table printed): the floor under any planner built on them.
+validated, one rich table printed): the floor under any planner built on them. With --instructions, valgrind counts
+the instructions of the planner and of that floor: what vram-plan's own code costs, to the percent, on a busy
+machine too.
 
 The package's modules are byte-compiled first, as `pip install` does and as Python does on an editable install's
 first run: a machine with PYTHONDONTWRITEBYTECODE set (this sandbox) would otherwise time the compiler.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -43,13 +47,44 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vram_planner"
 PLANNER_TARGET_S, RATIO_TARGET = 0.25, 0.15
 
 
-def wall_times(command: list[str], runs: int) -> list[float]:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        times.append(time.perf_counter() - start)
+def wall_time(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def interleaved_wall_times(commands: dict[str, list[str]], runs: dict[str, int]) -> dict[str, list[float]]:
+    """Wall times of each command, taken in rounds (a few of each per round): this machine's speed drifts by a
+    third over minutes, and a ratio of medians taken minutes apart measures the drift."""
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    rounds = max(runs.values())
+    for round_ in range(rounds):
+        for name, command in commands.items():
+            if round_ * runs[name] // rounds != (round_ + 1) * runs[name] // rounds:
+                times[name].append(wall_time(command))
     return times
+
+
+def instructions(command: list[str]) -> int | None:
+    """User-space instructions the command executes (valgrind's cachegrind): unlike wall time, the same on a busy
+    machine and an idle one, so a change's effect shows to the percent. None without valgrind."""
+    if shutil.which("valgrind") is None:
+        return None
+    done = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+                           *command], capture_output=True, text=True, check=True)
+    match = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+def instruction_lines(plan_cmd: list[str]) -> list[str]:
+    counts = {name: instructions(command) for name, command in
+              (("planner", plan_cmd), ("floor", LEAST_WORK), ("python", [sys.executable, "-c", "pass"]))}
+    if None in counts.values():
+        return ["instructions: valgrind is not installed"]
+    above = counts["planner"] - counts["floor"]
+    return [f"instructions (valgrind): planner {counts['planner'] / 1e6:,.0f} M, the libraries' least work "
+            f"{counts['floor'] / 1e6:,.0f} M, python alone {counts['python'] / 1e6:,.0f} M; vram-plan's own code "
+            f"{above / 1e6:,.0f} M ({above / counts['planner']:.0%} of the planner's)"]
 
 
 def main() -> None:
@@ -58,14 +93,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--vram-plan", default=shutil.which("vram-plan") or "vram-plan",
                         help="the vram-plan script to time (default: the one on PATH)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="also count instructions under valgrind (load-independent; about 20 s)")
     args = parser.parse_args()
     plan_cmd = [args.vram_plan, *PLAN[1:]]
     compileall.compile_dir(PACKAGE, quiet=1)
-    wall_times(plan_cmd, 1)  # warm the file cache
-    plan = wall_times(plan_cmd, args.runs)
-    torch = wall_times(TORCH, max(3, args.runs // 3))
-    libraries = wall_times(LIBRARIES, max(3, args.runs // 3))
-    least_work = wall_times(LEAST_WORK, max(3, args.runs // 3))
+    wall_time(plan_cmd)  # warm the file cache (and the parsed catalogs)
+    few = max(3, args.runs // 3)
+    times = interleaved_wall_times({"plan": plan_cmd, "torch": TORCH, "libraries": LIBRARIES,
+                                    "least_work": LEAST_WORK},
+                                   {"plan": args.runs, "torch": few, "libraries": few, "least_work": few})
+    plan, torch, libraries, least_work = (times[k] for k in ("plan", "torch", "libraries", "least_work"))
     plan_median, torch_median = statistics.median(plan), statistics.median(torch)
     ratio = plan_median / torch_median
     met = plan_median < PLANNER_TARGET_S and ratio < RATIO_TARGET
@@ -82,6 +120,8 @@ def main() -> None:
         f"ratio planner / import torch: {ratio:.3f}  (targets: planner under {PLANNER_TARGET_S:.3f} s and under "
         f"{RATIO_TARGET:.2f}x import torch: {'met' if met else 'MISSED'})",
     ]
+    if args.instructions:
+        lines += instruction_lines(plan_cmd)
     text = "\n".join(lines)
     print(text)
     if args.out:

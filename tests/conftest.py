@@ -13,11 +13,18 @@ from vram_planner import profiles
 from vram_planner.model.architecture import ModelArchitecture
 
 
+@pytest.fixture(scope="session")
+def _session_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vram-plan-cache")
+
+
 @pytest.fixture(autouse=True)
-def _private_home(tmp_path_factory, monkeypatch):
-    """Keep every test away from the user's own calibrations and profiles."""
+def _private_home(tmp_path_factory, monkeypatch, _session_cache):
+    """Keep every test away from the user's own calibrations, profiles and cache (one cache for the session: the
+    catalogs are parsed once)."""
     home = tmp_path_factory.mktemp("vram-plan-home")
     monkeypatch.setenv("VRAM_PLAN_HOME", str(home))
+    monkeypatch.setenv("VRAM_PLAN_CACHE", str(_session_cache))
     monkeypatch.delenv("VRAM_PLAN_PROFILES", raising=False)
     profiles.gpu_catalog.cache_clear()
     profiles.model_catalog.cache_clear()

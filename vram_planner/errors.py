@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,6 +47,8 @@ def closest_names(name: str, known: Iterable[str], limit: int = 3) -> list[str]:
     by_lower: dict[str, str] = {}
     for k in known:
         by_lower.setdefault(k.lower(), k)
+    import difflib  # only a refusal suggests names: not at every start
+
     query = name.lower()
     matches = difflib.get_close_matches(query, list(by_lower), n=limit, cutoff=0.5)
     if not matches:

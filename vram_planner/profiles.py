@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vram_planner.errors import ProfileError, UnknownNameError, json_kind, short_repr
+from vram_planner.toml_cache import load_toml
 from vram_planner.units import GiB, MiB, looks_like_size, parse_size_bytes
 
 PROFILES_ENV = "VRAM_PLAN_PROFILES"
@@ -120,9 +120,8 @@ def data_home() -> Path:
 
 def read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return load_toml(path)
+    except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
         raise ProfileError(f"cannot read {path}: {exc}") from exc
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -217,6 +218,30 @@ def test_plan_and_check_never_import_torch_transformers_or_trl(llama_1b_file):
             "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_loads_only_what_it_uses(tmp_path):
+    # Start-up (issue 10): the other commands' modules, the maximize search, the TOML parser once the catalogs are
+    # cached, difflib (only refusals suggest names) and rich's emoji table are not loaded by the README's command.
+    code = ("import sys, contextlib, io\n"
+            "from vram_planner.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['--gpu', 'rtx3080-mobile', '--model', 'Llama-3.2-1B'])\n"
+            "print(' '.join(sorted(sys.modules)))\n")
+    env = {**os.environ, "VRAM_PLAN_CACHE": str(tmp_path / "cache")}
+    for warm in (False, True):
+        loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                    env=env).stdout.split())
+        unused = {"vram_planner.cli.run", "vram_planner.cli.advise", "vram_planner.cli.replay",
+                  "vram_planner.model.maximize", "difflib", "rich._emoji_codes"} | ({"tomllib"} if warm else set())
+        assert "vram_planner.cli.plan" in loaded and not loaded & unused, loaded & unused
+
+
+def test_an_unknown_command_is_compared_with_every_command(capsys):
+    err = one_line_error(capsys, "replai", "x")
+    assert err.startswith("error: unknown command 'replai'; did you mean 'replay'") and "--help lists them" in err
+    err = one_line_error(capsys, "advice", "x")
+    assert "did you mean 'advise'" in err
 
 
 def test_bare_command_shows_help(capsys):

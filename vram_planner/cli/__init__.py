@@ -6,31 +6,51 @@ are a few lines each and stay here. Each command imports its engine only when it
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
 
 import click
 
-from vram_planner.cli.advise import advise_command
 from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, KNOBS, MAXIMIZE, MODEL_CONTEXT, PATH
-from vram_planner.cli.plan import check, plan, trace
-from vram_planner.cli.replay import replay
-from vram_planner.cli.run import run
-from vram_planner.errors import VramPlanError, first_line, one_line
+from vram_planner.errors import UnknownNameError, VramPlanError, first_line, one_line
+
+# The commands with modules of their own, loaded when they run (or when --help lists them): each declares dozens
+# of options, and `plan` should not pay for building those of `run`, `advise` and `replay` (click's documented
+# pattern for lazily loaded subcommands).
+LAZY_COMMANDS = {"plan": "vram_planner.cli.plan:plan", "check": "vram_planner.cli.plan:check",
+                 "trace": "vram_planner.cli.plan:trace", "run": "vram_planner.cli.run:run",
+                 "advise": "vram_planner.cli.advise:advise_command", "replay": "vram_planner.cli.replay:replay"}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyGroup(click.Group):
+    """A group whose LAZY_COMMANDS are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS:
+            module, name = LAZY_COMMANDS[cmd_name].split(":")
+            return getattr(importlib.import_module(module), name)
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple:
+        """click suggests only among the commands already loaded; an unknown name is compared with all of them."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and not ctx.resilient_parsing and self.get_command(ctx, name) is None:
+            raise UnknownNameError("command", name, self.list_commands(ctx), hint="(vram-plan --help lists them)")
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="vram-plan")
 def app() -> None:
     """Plan the GPU memory of TRL GRPO fine-tuning: will it fit, where does the memory go, what fits best.
 
     `vram-plan --gpu G --model M` is short for `vram-plan plan --gpu G --model M`.
     """
-
-
-for _command in (plan, check, trace, run, advise_command, replay):
-    app.add_command(_command)
 
 
 def _gpus_options(command):

@@ -8,7 +8,6 @@ from rich.text import Text
 
 from vram_planner.cli.report import MaximizedPlanReport, Report
 from vram_planner.model.grpo_config import python_snippet
-from vram_planner.model.maximize import UNITS
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import GpuProfile
@@ -20,6 +19,12 @@ COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients":
                     "lm_head_buffers": "bright_green", "vllm_reservation": "bright_cyan",
                     "cuda_context": "bright_black", "cublas_workspaces": "grey50",
                     "allocator_overhead": "white"}
+
+
+def terminal() -> Console:
+    """The console for what people read. Nothing we print means a `:name:` emoji code, so rich's emoji table (a
+    few ms to load at every start) is never loaded."""
+    return Console(emoji=False)
 
 
 def _g(n_bytes: float) -> str:
@@ -112,7 +117,7 @@ def footer(report: Report) -> Text:
 
 def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
            console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or terminal()
     console.print(Group(headline(report, gpu), Text(""), changes_text(report), breakdown_table(report),
                         peak_bar(report), Text("")))
     if report.fits or report.command == "plan":
@@ -125,7 +130,7 @@ def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
 def render_maximized(report: MaximizedPlanReport, gpu: GpuProfile, console: Console | None = None) -> bool:
     """`plan --maximize`: the value, the peak at it and what one step more needs (three decimals: they can be close);
     when nothing fits, that in one line and False."""
-    console = console or Console()
+    console = console or terminal()
     m, budget = report.maximized, report.capacity_bytes - report.safety_margin_bytes
     where = f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB)"
     if m.value is None:
@@ -137,6 +142,8 @@ def render_maximized(report: MaximizedPlanReport, gpu: GpuProfile, console: Cons
         console.print(Text(f"✘ even {m.field} {m.next_value} does not fit {where}: {why}; {fix}", style="bold red"),
                       soft_wrap=True)
         return False
+    from vram_planner.model.maximize import UNITS
+
     text = Text(f"Largest {m.field} that fits {where}: {m.value} {UNITS[m.field]}".rstrip(), style="bold")
     text.append(" (with the plan's savers, below)" if report.changes else "")
     if m.next_value is None:
@@ -189,7 +196,7 @@ def trace_table(report: Report) -> Table:
 
 def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None) -> None:
     """The verdict, trace against analytic per phase, the breakdown with the overheads, the wall time, notes."""
-    console = console or Console()
+    console = console or terminal()
     conf = f"PYTORCH_CUDA_ALLOC_CONF={report.allocator_conf}" if report.allocator_conf else "torch's defaults"
     seconds = Text(f"Traced in {report.seconds:.1f} s on the CPU. trace: tensor bytes (torch.cuda.memory_allocated);"
                    f" reserved: what a model of PyTorch's caching allocator ({conf}) reserves for them, the most "
@@ -200,7 +207,7 @@ def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None
 
 
 def render_advice(advice, console: Console | None = None) -> None:  # advice: vram_planner.advise.diagnosis.Advice
-    console = console or Console()
+    console = console or terminal()
     e = advice.error
     figures = [(name, getattr(e, name)) for name in ("tried_to_allocate", "total_capacity", "free", "process_in_use",
                                                      "allocated_by_pytorch", "reserved_unallocated")]
