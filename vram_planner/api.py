@@ -162,15 +162,12 @@ def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, A
 
 
 def _environment_allocator_conf() -> str:
-    """PYTORCH_CUDA_ALLOC_CONF as torch would read it at the run's first CUDA allocation ("" when unset)."""
-    import os
+    """The allocator conf as torch would read it at the run's first CUDA allocation ("" when unset)."""
+    from vram_planner.allocator.conf import environment_conf, parse_allocator_conf
 
-    text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if text.strip():  # the allocator model is imported only when there is something to read
-        from vram_planner.allocator import parse_allocator_conf
-        from vram_planner.allocator.conf import ENV_VAR
-
-        parse_allocator_conf(text, ENV_VAR)  # refused here in the variable's name, not the knob's
+    text, name = environment_conf()
+    if text.strip():
+        parse_allocator_conf(text, name)  # refused here in the variable's name, not the knob's
     return text.strip()
 
 

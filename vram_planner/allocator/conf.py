@@ -9,6 +9,8 @@ accident (std::stoull reads "-5" or "25.9" as a number) this parser asks for a p
 
 from __future__ import annotations
 
+import os
+
 import math
 import re
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, MiB,
 from vram_planner.errors import ConfigError, closest_names, short_repr
 
 ENV_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+ENV_VARS = (ENV_VAR, "PYTORCH_ALLOC_CONF")  # the order torch reads them in (the second is the device-generic name)
 
 # Keys that change what the device allocator reserves: modeled.
 MODELED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb",
@@ -61,6 +64,14 @@ class AllocatorConf:
         if self.ignored_keys:
             notes.append(f"{', '.join(self.ignored_keys)} do not change device memory and are ignored")
         return notes
+
+
+def environment_conf() -> tuple[str, str | None]:
+    """The allocator conf a torch process started now would read, and the variable it comes from (None: unset)."""
+    for name in ENV_VARS:
+        if os.environ.get(name) is not None:
+            return os.environ[name], name
+    return "", None
 
 
 def parse_allocator_conf(text: str | None, source: str = ENV_VAR) -> AllocatorConf:

@@ -3,7 +3,6 @@ recorded allocator did."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +14,6 @@ from vram_planner.cli.options import PATH
 if TYPE_CHECKING:
     from vram_planner.allocator.snapshot_replay import SnapshotReplay
 
-ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the order torch reads them in
 SHOWN_SIZES = 24  # segment sizes a person reads before "... N more"
 
 
@@ -76,12 +74,9 @@ def replay(snapshot: Path, allocator_conf: str | None, device: int | None, json_
 
 def _conf_text(flag: str | None) -> tuple[str, str | None]:
     """The allocator conf to replay with and where it came from; no source defers to the snapshot's."""
-    if flag is not None:
-        return flag, "--allocator-conf"
-    for name in ENV_VARS:
-        if os.environ.get(name) is not None:
-            return os.environ[name], name
-    return "", None
+    from vram_planner.allocator.conf import environment_conf
+
+    return (flag, "--allocator-conf") if flag is not None else environment_conf()
 
 
 def _report(path: Path, result: SnapshotReplay, conf_text: str, source: str) -> ReplayReport:

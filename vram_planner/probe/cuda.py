@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import shutil
 import subprocess
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vram_planner.allocator.conf import environment_conf
 from vram_planner.errors import VramPlanError
 from vram_planner.probe.fit import PhaseMeasurement, PointMeasurement, ProbePoint, _config_json, _settings
 from vram_planner.tracing.counter import PhaseState
@@ -66,7 +66,7 @@ class CudaMeasurer:
         return {"gpu": torch.cuda.get_device_name(), "capacity_bytes": str(total),
                 "driver": _nvidia_smi("driver_version") or "unknown", "cuda": str(torch.version.cuda),
                 # the allocator setting the steps ran under: the fit scales that setting's reserve
-                "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), **engine_versions()}
+                "allocator_conf": environment_conf()[0], **engine_versions()}
 
     def context_bytes(self) -> int:
         """What this process holds on the card outside torch's allocator (mem_get_info after initialisation, less

@@ -224,9 +224,16 @@ def compute_capability(gpu_name: str) -> str:
     return gpu.compute_capability if gpu is not None else ""
 
 
-def _point_estimate(point: PointMeasurement, cal: Calibration, capability: str = "") -> Estimate:
-    return estimate(_architecture(point.model), TrainingConfig(**point.settings), trl_release(), cal, 80 * GiB,
-                    compute_capability=capability)
+def _point_estimate(point: PointMeasurement, cal: Calibration, capability: str = "", allocator_conf: str = ""
+                    ) -> Estimate:
+    """The point's estimate; `allocator_conf` is the setting the probe ran under (the record's, not the point's: one
+    process measures every point), which decides the reserve."""
+    train = TrainingConfig(**{"allocator_conf": allocator_conf, **point.settings})
+    return estimate(_architecture(point.model), train, trl_release(), cal, 80 * GiB, compute_capability=capability)
+
+
+def _ran_under(record: ProbeRecord) -> str:
+    return record.device.get("allocator_conf") or ""
 
 
 def _phase_bytes(point: PointMeasurement, cal: Calibration) -> dict[str, float]:
@@ -244,7 +251,7 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
         raise VramPlanError("the probe has no measured points to fit")
     capability = compute_capability(gpu_name)
     fitted = base.model_copy(update=_fit_coefficients(record, base, cublas_workspace_bytes(capability)))
-    ran_under = parse_allocator_conf(record.device.get("allocator_conf", ""), "the probe's PYTORCH_CUDA_ALLOC_CONF")
+    ran_under = parse_allocator_conf(_ran_under(record), "the probe's PYTORCH_CUDA_ALLOC_CONF")
     setting = "expandable_segments" if ran_under.expandable_segments else "default"
     scale = _reserve_scale(record, fitted, capability)
     reserve = {name: ({phase: {c: round(v * scale, 4) for c, v in per.items()} for phase, per in phases.items()}
@@ -310,7 +317,7 @@ def _reserve_scale(record: ProbeRecord, cal: Calibration, capability: str) -> fl
     cached, so only the step's peak is compared, as `fit_quality` does."""
     import numpy as np
 
-    estimates = [_point_estimate(point, cal, capability).phases for point in record.points]
+    estimates = [_point_estimate(point, cal, capability, _ran_under(record)).phases for point in record.points]
     # points without a scoring phase have a phase fewer: the padding holds nothing and reserves nothing
     held, reserve = (np.zeros((len(estimates), max(map(len, estimates)))) for _ in range(2))
     for i, phases in enumerate(estimates):
@@ -340,7 +347,7 @@ def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
     rows, capability = [], compute_capability(cal.gpu or "")
     for point in record.points:
         measured = max(p.reserved_bytes for p in point.phases) + record.context_bytes
-        predicted = _point_estimate(point, cal, capability).peak_bytes
+        predicted = _point_estimate(point, cal, capability, _ran_under(record)).peak_bytes
         rows.append(FitQuality(label=point.label, measured_bytes=measured, predicted_bytes=predicted))
     return rows
 
