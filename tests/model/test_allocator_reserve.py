@@ -95,6 +95,19 @@ def test_the_knob_defaults_to_the_environment_as_torch_reads_it(monkeypatch, lla
         api.check(str(llama_1b_file), "24GiB")
 
 
+def test_the_device_generic_variable_counts_too_after_the_cuda_one(monkeypatch, llama_1b_file):
+    # torch reads PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF (the name newer releases document)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert api.check(str(llama_1b_file), "24GiB").train.expandable_segments
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert not api.check(str(llama_1b_file), "24GiB").train.expandable_segments
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:maybe")
+    with pytest.raises(ConfigError, match="^PYTORCH_ALLOC_CONF"):
+        api.check(str(llama_1b_file), "24GiB")
+
+
 def test_expandable_segments_replace_any_earlier_setting_of_it():
     assert with_expandable_segments("") == "expandable_segments:True"
     assert with_expandable_segments("max_split_size_mb:128,expandable_segments:False") == (

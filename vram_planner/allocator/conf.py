@@ -19,7 +19,9 @@ from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, MiB,
 from vram_planner.errors import ConfigError, closest_names, short_repr
 
 ENV_VAR = "PYTORCH_CUDA_ALLOC_CONF"
-ENV_VARS = (ENV_VAR, "PYTORCH_ALLOC_CONF")  # the order torch reads them in (the second is the device-generic name)
+# The order torch 2.13 reads them in (with both set, torch._C._accelerator_getAllocatorSettings() shows the first);
+# the second is the device-generic name newer releases document.
+ENV_VARS = (ENV_VAR, "PYTORCH_ALLOC_CONF")
 
 # Keys that change what the device allocator reserves: modeled.
 MODELED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb",
