@@ -56,6 +56,29 @@ def test_nothing_fits_exits_1_and_names_a_card(capsys, llama_1b_file):
     assert doc["smallest_fitting_gpu"]
 
 
+def test_the_smallest_fitting_card_is_judged_with_its_own_calibration(capsys, _private_home):
+    # A probe's calibration measures one card (its CUDA context above all): the card asked about keeps its own, and
+    # each larger card is judged with the calibration plan would pick for it.
+    from vram_planner.model.calibration import default_calibration
+
+    def smallest_fitting() -> str:
+        doc = json.loads(run(capsys, "--gpu", "rtx2060", "--model", "Qwen2.5-7B-Instruct", "--json")[1])
+        assert not doc["fits"]
+        return doc["smallest_fitting_gpu"]
+
+    def probe_calibration(gpu: str, context_gib: float) -> None:
+        cal = default_calibration().model_copy(update={"name": "probe", "gpu": gpu,
+                                                        "cuda_context_bytes": int(context_gib * 2**30)})
+        (_private_home / "calibrations").mkdir(exist_ok=True)
+        (_private_home / "calibrations" / f"{gpu}.json").write_text(cal.model_dump_json())
+
+    answer = smallest_fitting()
+    probe_calibration("rtx2060", 40.0)  # the small card's context must not weigh on the larger ones
+    assert smallest_fitting() == answer
+    probe_calibration(answer, 40.0)  # the larger card's own calibration decides for it
+    assert smallest_fitting() not in (answer, None)
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--num-generations", "1"], "--num-generations must be at least 2"),
     (["--per-device-train-batch-size", "3"], "must be evenly divisible by the number of generations per prompt (8)"),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from vram_planner.model.calibration import calibration_for
 from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_problems, lora_config_kwargs,
                                             quantization_config_kwargs)
 from vram_planner.model.phases import COMPONENTS, Phase
@@ -144,12 +146,13 @@ def plan_report(plan: Plan) -> Report:
 
 
 def smallest_fitting_gpu(context: Context, user_train: Any) -> GpuProfile | None:
-    """The smallest larger catalog card on which the bottom rung of the ladder (micro-batch 1) fits."""
+    """The smallest larger catalog card on which the bottom rung of the ladder (micro-batch 1) fits, each judged with
+    the calibration plan picks for it (a probe's measures one card), unless one was passed for all (as `gpus`)."""
+    picked = context.calibration == calibration_for(context.gpu.name)
     for gpu in gpus():
         if gpu.capacity_bytes <= context.capacity_bytes:
             continue
-        other = Context(context.arch, gpu, context.release, context.calibration, context.safety_margin,
-                        context.model_id)
+        other = replace(context, gpu=gpu, calibration=calibration_for(gpu.name) if picked else context.calibration)
         if judge(other, vllm_tuned(other, smallest_config(user_train, gpu.bf16))).fits:
             return gpu
     return None
