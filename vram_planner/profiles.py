@@ -211,7 +211,9 @@ def model_config(name: str) -> tuple[dict[str, Any], str, str]:
             raise ProfileError(f"cannot read the model folder {path}: permission denied")
         if not config_file.is_file():
             raise ProfileError(f"{path} has no config.json")
-        return _config_object(read_json(config_file), config_file), str(path), str(path)
+        # what from_pretrained takes: the folder of a config.json (GRPOTrainer(model=...) and `run` load it)
+        loadable = config_file.parent if config_file.name == "config.json" else path
+        return _config_object(read_json(config_file), config_file), str(path), str(loadable)
     if text.count("/") == 1 and not text.startswith((".", "/")) and not text.endswith(".json"):
         from vram_planner.hub import fetch_hub_config
 

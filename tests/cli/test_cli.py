@@ -326,3 +326,21 @@ def test_the_printed_snippet_is_valid_python_at_any_width(capsys, monkeypatch, t
         tree = ast.parse(printed_snippet(out))  # a SyntaxError here is what a paste would give
         calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
         assert {"GRPOConfig", "GRPOTrainer"} <= calls
+
+
+def trainer_model(out: str) -> str:
+    """The `model=` GRPOTrainer gets in the printed code."""
+    tree = ast.parse(printed_snippet(out))
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "GRPOTrainer")
+    return ast.literal_eval(next(k.value for k in call.keywords if k.arg == "model"))
+
+
+def test_the_printed_trainer_loads_a_model_folder_not_its_config_file(capsys, tmp_path):
+    # GRPOTrainer(model=...) calls from_pretrained, which takes a hub id or a folder: given a config.json, the code
+    # names its folder; a JSON file of another name is named as given (no folder would load it)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
+    (tmp_path / "llama.json").write_text(json.dumps(LLAMA_1B))
+    for given, loaded in ((tmp_path / "config.json", tmp_path), (tmp_path, tmp_path),
+                          (tmp_path / "llama.json", tmp_path / "llama.json")):
+        code, out, _ = run(capsys, "--gpu", "24GiB", "--model", str(given))
+        assert code == 0 and trainer_model(out) == str(loaded)
