@@ -47,7 +47,7 @@ def synthetic_record(truth: Calibration, points: list[ProbePoint], reserve_scale
                   for p in est.phases]
         measured.append(PointMeasurement(label=point.label, model=point.model,
                                          settings=point.train.model_dump(mode="json", exclude_defaults=True),
-                                         phases=phases, seconds=0.0))
+                                         phases=phases, seconds=0.0, lora_generation_autocast=False))
     return ProbeRecord(device={"gpu": gpu}, context_bytes=context, points=measured)
 
 
@@ -71,6 +71,33 @@ def test_the_fit_recovers_the_coefficients_a_device_behaves_by():
     recovered = [c for c in FITTED_COEFFICIENTS if getattr(fitted, c) == pytest.approx(getattr(truth, c), abs=0.01)]
     assert recovered == list(FITTED_COEFFICIENTS)
     assert all(abs(row.error) < 1e-3 for row in fit_quality(record, fitted))
+
+
+def test_lora_generation_measured_under_autocast_is_left_out_of_the_fit():
+    # Probes before 2026-11-23 generated LoRA under autocast (TRL never does): such a point's generation peak, and the
+    # reserved bytes of every phase after it (the cache it left), do not describe TRL's step.
+    truth = Calibration(inference_hidden_bytes=5, inference_mlp_bytes=3, backward_hidden_bytes=6,
+                        backward_mlp_bytes=7, allocator_reserve=default_calibration().allocator_reserve)
+    points = [ProbePoint(model, TrainingConfig(per_device_train_batch_size=4, num_generations=4, max_prompt_length=p,
+                                               max_completion_length=64, lora_r=lora_r, dtype="bfloat16"))
+              for model in ("Qwen2.5-0.5B", "Llama-3.2-1B") for p in (128, 2048) for lora_r in (None, 16)]
+    record = synthetic_record(truth, points, reserve_scale=1.3, context=300 * 2**20)
+    old = record.model_copy(update={"points": [
+        p.model_copy(update={"lora_generation_autocast": True, "phases": [
+            ph.model_copy(update={"allocated_bytes": ph.allocated_bytes * 2 if ph.name == "generation" else
+                                  ph.allocated_bytes, "reserved_bytes": ph.reserved_bytes * 2})
+            for ph in p.phases]}) if "lora_r" in p.settings else p for p in record.points]})
+    fitted = fit_calibration(old, "h100-80gb")
+    assert "of the 4 steps" in fitted.source
+    for c in FITTED_COEFFICIENTS:
+        assert getattr(fitted, c) == pytest.approx(getattr(truth, c), abs=0.01), c
+    assert fitted.allocator_reserve["default"]["training"] == pytest.approx(
+        {c: 1.3 * v for c, v in truth.allocator_reserve["default"]["training"].items()}, abs=1e-3)
+    assert [row.label for row in fit_quality(old, fitted)] == [p.label for p in old.points if "lora_r" not in p.settings]
+    # the same bytes from a probe that generated as TRL does are taken as measured, and pull the fit away
+    new = old.model_copy(update={"points": [p.model_copy(update={"lora_generation_autocast": False})
+                                            for p in old.points]})
+    assert fit_calibration(new, "h100-80gb").allocator_reserve != fitted.allocator_reserve
 
 
 @pytest.mark.slow

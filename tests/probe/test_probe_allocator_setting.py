@@ -34,7 +34,7 @@ def record_measured_as(conf: str, scale: float) -> ProbeRecord:
                                      reserved_bytes=round(p.total_bytes - p.components["cuda_context"]
                                                           - (1 - scale) * p.components["allocator_overhead"]))
                     for p in phases]
-        points.append(point.model_copy(update={"phases": measured}))
+        points.append(point.model_copy(update={"phases": measured, "lora_generation_autocast": False}))
     return record.model_copy(update={"points": points, "device": {**record.device, "allocator_conf": conf}})
 
 

@@ -246,6 +246,34 @@ def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> flo
     return sequences * length * length * (1 + sizes(train).compute)
 
 
-def generation_logits_bytes(arch: ModelArchitecture, sequences: int) -> float:
-    """Last-token logits per decoding step: the model's output, generate's fp32 copy, and the sampling probs."""
-    return sequences * arch.vocab_size * (2 + FP32_BYTES + FP32_BYTES)
+def generation_logits_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int) -> float:
+    """Last-token logits per decoding step: the model's output in the compute dtype (`as_generated`), generate's fp32
+    copy, and the sampling probs."""
+    return sequences * arch.vocab_size * (sizes(train).compute + FP32_BYTES + FP32_BYTES)
+
+
+def as_generated(train: TrainingConfig) -> TrainingConfig:
+    """`train` as generate() runs it. accelerate wraps the forward of the model it prepares in autocast, and a
+    transformers model's generate() calls that forward; PEFT's generate() calls the base model's generate() and its
+    own, unwrapped forward, so LoRA generates without autocast, in the weights' dtype (every TRL release: each
+    generates through unwrap_model_for_generation(...).generate)."""
+    return train.model_copy(update={"mixed_precision": "no"}) if train.uses_lora else train
+
+
+def adapter_forward_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
+    """What PEFT's LoRA forward adds to a no-grad forward without autocast, for `tokens` tokens, at the adapted linear
+    with the widest output (a gated MLP's up projection: the gate's activation and the base output alive).
+
+    The adapters compute in their own dtype: lora_B's output and its scaled copy exist beside the base output, in
+    place of one compute-dtype tensor of the plain forward's peak, and the input is copied to that dtype first.
+    """
+    if not train.uses_lora:
+        return 0
+    s = sizes(train)
+    targets = arch.resolve_lora_targets(train.lora_targets)
+    adapted = [lin for lin in arch.layer_linears() if lin.name in targets]
+    if not adapted:
+        return 0
+    widest = max(adapted, key=lambda lin: lin.out_features)
+    copy = widest.in_features * s.trainable if s.trainable != s.compute else 0
+    return tokens * (widest.out_features * max(2 * s.trainable - s.compute, 0) + copy)

@@ -129,20 +129,21 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         woken = " woken whole (sleep mode)" if train.vllm_enable_sleep_mode else ""
         return Phase("generation", base, f"vLLM generates{woken} (its memory is the reservation)")
     sequences, p = train.local_generation_batch_size, train.max_prompt_length
+    run = m.as_generated(train)
     # The last decoding step feeds the last sampled token with p + c - 1 tokens cached.
     kv = m.kv_cache_bytes(arch, train, sequences, train.sequence_length - 1)
     # DynamicCache grows by concatenation: one layer's keys and values exist twice for a moment.
     kv_growth = kv / max(arch.num_layers, 1)
     # Autocast casts every weight once per forward; the casts of trainable weights stay cached to its end.
-    casts = m.layer_weight_cast_bytes(arch, train) if not train.uses_lora else 0
-    casts += m.adapter_cast_bytes(arch, train)
+    casts = m.layer_weight_cast_bytes(arch, run) + m.adapter_cast_bytes(arch, run)
     with_casts = {**base, "weights": base["weights"] + casts}
-    prefill = (m.inference_working_bytes(arch, train, cal, sequences * p, p)
-               + m.padded_mask_bytes(train, sequences, p))
+    tokens = sequences * p
+    prefill = (m.inference_working_bytes(arch, run, cal, tokens, p) + m.padded_mask_bytes(run, sequences, p)
+               + m.adapter_forward_bytes(arch, run, tokens))
     prompt_kv = m.kv_cache_bytes(arch, train, sequences, p)
-    head = m.generation_logits_bytes(arch, sequences)
+    head = m.generation_logits_bytes(arch, run, sequences)
     # ... and the output projection is cast at the LM head, cached or not.
-    head_weights = with_casts["weights"] + m.lm_head_cast_bytes(arch, train)
+    head_weights = with_casts["weights"] + m.lm_head_cast_bytes(arch, run)
     moments = [
         Phase("generation", {**with_casts, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
         Phase("generation", {**with_casts, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),

@@ -82,7 +82,7 @@ class CudaMeasurer:
         finally:
             self._release()
         return PointMeasurement(label=point.label, model=point.model, settings=_settings(point.train),
-                                phases=phases, seconds=time.perf_counter() - start)
+                                lora_generation_autocast=False, phases=phases, seconds=time.perf_counter() - start)
 
     def run_within(self, point: ProbePoint, capacity_bytes: int) -> tuple[bool, int]:
         """Two steps with the process limited to `capacity_bytes` of the card (less the context)."""

@@ -93,6 +93,10 @@ class PointMeasurement(BaseModel):
     settings: dict[str, Any]
     phases: list[PhaseMeasurement]
     seconds: float
+    # Probes before 2026-11-23 generated LoRA under autocast, which TRL never does (PEFT's generate() bypasses
+    # accelerate's autocast wrapper); a point that does not say otherwise was measured so, and the fit leaves its
+    # LoRA generation out. New points say False.
+    lora_generation_autocast: bool = True
 
 
 class ProbeRecord(BaseModel):
@@ -150,6 +154,7 @@ class SimulatedMeasurer:
                                    reserved_bytes=reserved.by_phase.get(p.name, p.peak_bytes + held))
                   for p in result.phases]
         return PointMeasurement(label=point.label, model=point.model, settings=_settings(point.train),
+                                lora_generation_autocast=False,
                                 phases=phases, seconds=result.seconds)
 
     def run_within(self, point: ProbePoint, capacity_bytes: int) -> tuple[bool, int]:
@@ -232,6 +237,32 @@ def _point_estimate(point: PointMeasurement, cal: Calibration, capability: str =
     return estimate(_architecture(point.model), train, trl_release(), cal, 80 * GiB, compute_capability=capability)
 
 
+def _generated_under_autocast(point: PointMeasurement) -> bool:
+    return point.lora_generation_autocast and TrainingConfig(**point.settings).uses_lora
+
+
+def _as_trl_runs(record: ProbeRecord) -> ProbeRecord:
+    """The record less what was measured of a step TRL does not run: the allocated peak of LoRA generation under
+    autocast."""
+    def kept(point: PointMeasurement) -> list[PhaseMeasurement]:
+        return [p for p in point.phases if p.name != "generation"] if _generated_under_autocast(point) else point.phases
+
+    return record.model_copy(update={"points": [point.model_copy(update={"phases": kept(point)})
+                                                for point in record.points]})
+
+
+def _reserved_as_trl_runs(record: ProbeRecord) -> ProbeRecord:
+    """The points whose reserved bytes are TRL's: after LoRA generation under autocast, every later phase's reserved
+    bytes still hold what that generation left cached."""
+    return record.model_copy(update={"points": [p for p in record.points if not _generated_under_autocast(p)]})
+
+
+def _estimated_phases(point: PointMeasurement, cal: Calibration, capability: str, allocator_conf: str) -> list:
+    """The estimate's phases that were measured at the point."""
+    measured = {p.name for p in point.phases}
+    return [p for p in _point_estimate(point, cal, capability, allocator_conf).phases if p.name in measured]
+
+
 def _ran_under(record: ProbeRecord) -> str:
     return record.device.get("allocator_conf") or ""
 
@@ -250,10 +281,11 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
     if not any(point.phases for point in record.points):
         raise VramPlanError("the probe has no measured points to fit")
     capability = compute_capability(gpu_name)
-    fitted = base.model_copy(update=_fit_coefficients(record, base, cublas_workspace_bytes(capability)))
+    fitted = base.model_copy(update=_fit_coefficients(_as_trl_runs(record), base, cublas_workspace_bytes(capability)))
     ran_under = parse_allocator_conf(_ran_under(record), "the probe's PYTORCH_CUDA_ALLOC_CONF")
     setting = "expandable_segments" if ran_under.expandable_segments else "default"
-    scale = _reserve_scale(record, fitted, capability)
+    trl_reserved = _reserved_as_trl_runs(record)
+    scale, compared = _reserve_scale(trl_reserved, fitted, capability), len(trl_reserved.points)
     reserve = {name: ({phase: {c: round(v * scale, 4) for c, v in per.items()} for phase, per in phases.items()}
                       if name == setting else phases) for name, phases in base.allocator_reserve.items()}
     device = record.device
@@ -262,6 +294,8 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
         "gpu": gpu_name,
         "source": f"vram-plan probe: {len(record.points)} GRPO steps; the {setting} allocator reserve scaled by "
                   f"{scale:.3f} to the measured peaks"
+                  + (f" of the {compared} steps not LoRA generated under autocast (as probes before 2026-11-23 did "
+                     "and TRL never does)" if compared < len(record.points) else "")
                   + (", simulated with the trace engine (no GPU measured it: used only when passed with "
                      "--calibration)" if "simulated" in device else ""),
         "measured": device,
@@ -317,7 +351,9 @@ def _reserve_scale(record: ProbeRecord, cal: Calibration, capability: str) -> fl
     cached, so only the step's peak is compared, as `fit_quality` does."""
     import numpy as np
 
-    estimates = [_point_estimate(point, cal, capability, _ran_under(record)).phases for point in record.points]
+    estimates = [_estimated_phases(point, cal, capability, _ran_under(record)) for point in record.points]
+    if not estimates:  # no step measured as TRL runs it: the fitted reserve as it is
+        return 1.0
     # points without a scoring phase have a phase fewer: the padding holds nothing and reserves nothing
     held, reserve = (np.zeros((len(estimates), max(map(len, estimates)))) for _ in range(2))
     for i, phases in enumerate(estimates):
@@ -344,10 +380,11 @@ class FitQuality(BaseModel):
 
 
 def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
-    rows, capability = [], compute_capability(cal.gpu or "")
+    """Per point whose reserved bytes are TRL's, the peak over its phases."""
+    rows, capability, record = [], compute_capability(cal.gpu or ""), _reserved_as_trl_runs(record)
     for point in record.points:
         measured = max(p.reserved_bytes for p in point.phases) + record.context_bytes
-        predicted = _point_estimate(point, cal, capability, _ran_under(record)).peak_bytes
+        predicted = max(p.total_bytes for p in _estimated_phases(point, cal, capability, _ran_under(record)))
         rows.append(FitQuality(label=point.label, measured_bytes=measured, predicted_bytes=predicted))
     return rows
 

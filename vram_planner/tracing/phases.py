@@ -51,7 +51,7 @@ def run_generation(session: Session) -> PhasePeak:
     sequences, p, c = train.local_generation_batch_size, train.max_prompt_length, train.max_completion_length
     config = _generation_config(session.base_model, 1)
     tracker.reset_peak()
-    with torch.no_grad(), session.autocast(), tracker.tagged(ACTS, "prefill"):
+    with torch.no_grad(), session.generation_autocast(), tracker.tagged(ACTS, "prefill"):
         ids, mask = _prompt(session, sequences, p)
         cache = model.generate(input_ids=ids, attention_mask=mask,
                                generation_config=_generation_config(session.base_model, 1, returns_cache=True)
@@ -67,7 +67,7 @@ def run_generation(session: Session) -> PhasePeak:
         # What generate() prepares before the step's forward belongs with the previous step's sampling, which
         # head_tagging tags lm_head_buffers from the decoder's output to the next forward.
         tracker.tag, tracker.moment = HEAD, "last decoding step"
-        with session.autocast():
+        with session.generation_autocast():
             model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=config)
         del cache
     last = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)

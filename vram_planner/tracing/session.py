@@ -42,6 +42,12 @@ class Session:
         dtype = self.autocast_dtype
         return torch.autocast(self.device_type, dtype=dtype) if dtype else contextlib.nullcontext()
 
+    def generation_autocast(self) -> Any:
+        """The autocast generate() runs under: accelerate wraps the forward of the model it prepares, which a
+        transformers model's generate() calls; PEFT's generate() calls the base model's generate() and its own,
+        unwrapped forward, so LoRA generates without autocast (in the weights' dtype)."""
+        return self.autocast() if self.base_model is self.model else contextlib.nullcontext()
+
     @property
     def base_model(self) -> Any:
         """The transformers model under PEFT's wrappers: the one TRL patches with the fused LM head."""
