@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -17,7 +18,8 @@ from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.probe.fit import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
                                     SimulatedMeasurer, compute_capability, fit_calibration, fit_quality,
-                                    label_settings, measure_points, record_path, save_calibration, validate_verdicts)
+                                    label_settings, measure_points, record_path, save_calibration, summary,
+                                    validate_verdicts)
 from vram_planner.profiles import data_home
 from vram_planner.units import GiB
 
@@ -98,6 +100,11 @@ def test_lora_generation_measured_under_autocast_is_left_out_of_the_fit():
     new = old.model_copy(update={"points": [p.model_copy(update={"lora_generation_autocast": False})
                                             for p in old.points]})
     assert fit_calibration(new, "h100-80gb").allocator_reserve != fitted.allocator_reserve
+    # a record of such steps only: the coefficients are still fitted, the reserve kept, no step compared
+    lora_only = old.model_copy(update={"points": [p for p in old.points if "lora_r" in p.settings]})
+    kept = fit_calibration(lora_only, "h100-80gb")
+    assert kept.allocator_reserve == truth.allocator_reserve and fit_quality(lora_only, kept) == []
+    assert all(math.isnan(v) for v in summary([]).values())
 
 
 @pytest.mark.slow

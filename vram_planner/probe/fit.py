@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -391,6 +392,8 @@ def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
 
 def summary(rows: list[FitQuality]) -> dict[str, float]:
     errors = [abs(r.error) for r in rows]
+    if not errors:  # a record whose every step generated LoRA under autocast has no step to compare
+        return {"median_error": math.nan, "worst_error": math.nan}
     return {"median_error": statistics.median(errors), "worst_error": max(errors)}
 
 
