@@ -244,8 +244,9 @@ def test_plan_and_check_never_import_torch_transformers_or_trl(llama_1b_file):
 
 
 def test_plan_loads_only_what_it_uses(tmp_path):
-    # Start-up (issue 10): the other commands' modules, the maximize search, the TOML parser once the catalogs are
-    # cached, difflib (only refusals suggest names) and rich's emoji table are not loaded by the README's command.
+    # Start-up (issue 10): the other commands' modules, the maximize search, vLLM's model, the TOML parser once the
+    # catalogs are cached, difflib (only refusals suggest names) and rich's emoji table are not loaded by the README's
+    # command.
     code = ("import sys, contextlib, io\n"
             "from vram_planner.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
@@ -256,7 +257,7 @@ def test_plan_loads_only_what_it_uses(tmp_path):
         loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                                     env=env).stdout.split())
         unused = {"vram_planner.cli.run", "vram_planner.cli.advise", "vram_planner.cli.replay",
-                  "vram_planner.model.maximize", "difflib", "rich._emoji_codes"} | ({"tomllib"} if warm else set())
+                  "vram_planner.model.maximize", "vram_planner.model.vllm", "difflib", "rich._emoji_codes"} | ({"tomllib"} if warm else set())
         assert "vram_planner.cli.plan" in loaded and not loaded & unused, loaded & unused
 
 

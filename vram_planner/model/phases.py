@@ -9,6 +9,7 @@ every phase carries them (from step 2 on); gradients live from the first backwar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vram_planner.model import activations as act
 from vram_planner.model import components as m
@@ -20,7 +21,9 @@ from vram_planner.model.lm_head import lm_head_memory
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
-from vram_planner.model.vllm import VllmBudget, budget_notes, vllm_budget
+
+if TYPE_CHECKING:
+    from vram_planner.model.vllm import VllmBudget
 
 # Component names, in the order people read them.
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
@@ -89,13 +92,18 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
                                    "activations": m.optimizer_step_temporary_bytes(arch, train)}))
     # vLLM colocated on this card takes the budget it works out at start-up (all of it, or what sleep mode leaves)
     context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
-    vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16)
+    vllm, vllm_notes = None, []
+    if train.use_vllm:  # vLLM's model loads only for a config that starts one
+        from vram_planner.model.vllm import budget_notes, vllm_budget
+
+        vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16)
+        vllm_notes = budget_notes(vllm, train)
     colocated = vllm if vllm is not None and vllm.mode == "colocate" else None
     workspaces = cublas_workspace_bytes(compute_capability)
     phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train, context,
                                   workspaces) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
-                    notes=_notes(arch, train) + tuple(budget_notes(vllm, train)), vllm=vllm)
+                    notes=_notes(arch, train) + tuple(vllm_notes), vllm=vllm)
 
 
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,

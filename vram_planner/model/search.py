@@ -24,7 +24,6 @@ from vram_planner.errors import ConfigError
 from vram_planner.model.divisors import divisors, prime_factors
 from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, with_changes
 from vram_planner.model.verdict import Context, Verdict, judge
-from vram_planner.model.vllm import colocated_budget
 from vram_planner.units import GiB
 
 LORA_DEFAULT_RANK = 16  # common GRPO recipes (TRL docs, Unsloth notebooks) use r=16, alpha=2r, all linear layers
@@ -260,6 +259,10 @@ def vllm_tuned(context: Context, train: TrainingConfig) -> TrainingConfig:
     """The config with colocated vLLM's share as plan recommends it: vllm_max_model_length prompt + completion where
     TRL would take the model's whole context (0.26 and later), and the smallest multiple of 0.05 of the card that
     holds vLLM's start-up needs and a whole generation round's KV cache (the user's value when none does)."""
+    if not train.use_vllm:
+        return train
+    from vram_planner.model.vllm import colocated_budget
+
     budget = colocated_budget(context.arch, train, context.capacity_bytes, context.cuda_context.bytes,
                               context.gpu.label, context.gpu.bf16)
     if budget is None:

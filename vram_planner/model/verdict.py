@@ -12,7 +12,6 @@ from vram_planner.model.cuda_context import ContextFigure, context_figure
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.spec import TrainingConfig, with_changes
 from vram_planner.model.trl_releases import TrlRelease
-from vram_planner.model.vllm import vllm_config_problems
 from vram_planner.profiles import GpuProfile
 
 # Share of the card a plan leaves free: the analytic model's error before calibration is several percent
@@ -137,9 +136,17 @@ def lora_target_problems(train: TrainingConfig, arch: ModelArchitecture) -> list
             f"{', '.join(known)}, or all-linear"]
 
 
+def _vllm_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
+    if not train.use_vllm:  # vLLM's model loads only for a config that starts one
+        return []
+    from vram_planner.model.vllm import vllm_config_problems
+
+    return vllm_config_problems(train, arch)
+
+
 def check_training(train: TrainingConfig, context: Context) -> None:
     """Refuse settings this GPU cannot run or this model does not have, all problems at once."""
     problems = (gpu_problems(train, context.gpu) + lora_target_problems(train, context.arch)
-                + vllm_config_problems(train, context.arch))
+                + _vllm_problems(train, context.arch))
     if problems:
         raise ConfigError(problems)
