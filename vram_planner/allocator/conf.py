@@ -9,9 +9,8 @@ accident (std::stoull reads "-5" or "25.9" as a number) this parser asks for a p
 
 from __future__ import annotations
 
-import os
-
 import math
+import os
 import re
 from dataclasses import dataclass, field
 

@@ -197,16 +197,18 @@ class ModelArchitecture:
 
     def lora_params(self, rank: int, target_modules: list[str] | None) -> int:
         """Trainable LoRA parameters: rank x (in + out) per targeted linear (None: every linear)."""
-        targets = self.resolve_lora_targets(target_modules)
-        per_layer = sum(rank * (lin.in_features + lin.out_features)
-                        for lin in self.layer_linears() if lin.name in targets)
+        per_layer = sum(rank * (lin.in_features + lin.out_features) for lin in self.lora_linears(target_modules))
         return per_layer * self.num_layers
 
-    def resolve_lora_targets(self, target_modules: list[str] | None) -> set[str]:
-        names = {lin.name for lin in self.layer_linears()}
+    def lora_linears(self, target_modules: list[str] | None) -> list[Linear]:
+        """The linear layers of one decoder layer that LoRA adapts (None or all-linear: every one)."""
+        linears = self.layer_linears()
         if target_modules is None or target_modules == ["all-linear"]:
-            return names
-        return {t for t in target_modules if t in names}
+            return linears
+        return [lin for lin in linears if lin.name in target_modules]
+
+    def resolve_lora_targets(self, target_modules: list[str] | None) -> set[str]:
+        return {lin.name for lin in self.lora_linears(target_modules)}
 
     def kv_layers_tokens(self, sequence_tokens: int) -> int:
         """Sum over layers of the tokens each layer keeps in its KV cache for one sequence."""

@@ -167,8 +167,7 @@ def _small_tensor_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
     """Trainable parameters in tensors under bitsandbytes' min_8bit_size (norms, biases, small adapters)."""
     if train.uses_lora:
         r = train.lora_r or 0
-        targets = arch.resolve_lora_targets(train.lora_targets)
-        small = sum(r * dim for lin in arch.layer_linears() if lin.name in targets
+        small = sum(r * dim for lin in arch.lora_linears(train.lora_targets)
                     for dim in (lin.in_features, lin.out_features) if r * dim < BNB_MIN_8BIT_SIZE)
         return small * arch.num_layers
     norms = arch.family.norms_per_layer * arch.num_layers + 1
@@ -181,9 +180,7 @@ def _adafactor_state_elements(arch: ModelArchitecture, train: TrainingConfig) ->
     """Adafactor factors each matrix's second moment into a row and a column vector; vectors keep a full one."""
     if train.uses_lora:
         r = train.lora_r or 0
-        targets = arch.resolve_lora_targets(train.lora_targets)
-        per_layer = sum(r + lin.in_features + lin.out_features + r
-                        for lin in arch.layer_linears() if lin.name in targets)
+        per_layer = sum(r + lin.in_features + lin.out_features + r for lin in arch.lora_linears(train.lora_targets))
         return per_layer * arch.num_layers
     matrices = sum(lin.in_features + lin.out_features for lin in arch.layer_linears()) * arch.num_layers
     embeddings = (arch.vocab_size + arch.hidden_size) * (1 if arch.tie_word_embeddings else 2)
@@ -217,8 +214,7 @@ def _adapter_input_copy_bytes(arch: ModelArchitecture, train: TrainingConfig, to
     s = sizes(train)
     if not train.uses_lora or train.mixed_precision == "no" or s.trainable == s.compute:
         return 0
-    targets = arch.resolve_lora_targets(train.lora_targets)
-    widest = max((lin.in_features for lin in arch.layer_linears() if lin.name in targets), default=0)
+    widest = max((lin.in_features for lin in arch.lora_linears(train.lora_targets)), default=0)
     return tokens * widest * FP32_BYTES
 
 
@@ -270,8 +266,7 @@ def adapter_forward_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens
     if not train.uses_lora:
         return 0
     s = sizes(train)
-    targets = arch.resolve_lora_targets(train.lora_targets)
-    adapted = [lin for lin in arch.layer_linears() if lin.name in targets]
+    adapted = arch.lora_linears(train.lora_targets)
     if not adapted:
         return 0
     widest = max(adapted, key=lambda lin: lin.out_features)

@@ -402,9 +402,7 @@ def vllm_budget(arch: ModelArchitecture, train: TrainingConfig, capacity_bytes: 
 
 
 def budget_notes(budget: VllmBudget | None, train: TrainingConfig) -> list[str]:
-    """What the plan assumed about vLLM and what to watch, in words."""
-    if not train.use_vllm:
-        return []
+    """What the plan assumed about vLLM and what to watch, in words (for a config that starts vLLM)."""
     if budget is None:
         if not train.release.accepts_vllm_mode:
             return [f"TRL {train.release.version} runs vLLM on a GPU of its own: this card holds none of it "
@@ -444,9 +442,8 @@ def _summary(b: VllmBudget) -> str:
 
 
 def vllm_config_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
-    """vLLM settings this model or card cannot run, whatever the memory (vLLM's own checks at start-up)."""
-    if not train.use_vllm:
-        return []
+    """vLLM settings this model or card cannot run, whatever the memory (vLLM's own checks at start-up), for a config
+    that starts vLLM."""
     problems = []
     tp = train.vllm_tensor_parallel_size
     if arch.num_attention_heads % tp:  # ModelConfig.verify_with_parallel_config
