@@ -162,6 +162,7 @@ def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
     import torch
 
     from vram_planner import api
+    from vram_planner.model.spec import changed_settings
     from vram_planner.probe.cuda import _nvidia_smi
     from vram_planner.run import launch
     from vram_planner.run.launch import RunSetup, longest_first, prepared_dataset, start_run
@@ -203,7 +204,7 @@ def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
         ran = False
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {**config, "ran": ran, "fits": verdict.fits, "limit_bytes": limit if cuda else None,
-                              "train": verdict.train.model_dump(mode="json", exclude_defaults=True),
+                              "train": changed_settings(verdict.train),
                               "predicted_peak_bytes": verdict.estimate.peak_bytes, "phases": meter.rows,
                               "seconds": round(seconds, 1)}
     if cuda:

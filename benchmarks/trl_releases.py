@@ -35,6 +35,7 @@ from packaging.version import Version
 from vram_planner.errors import VramPlanError
 from vram_planner.files import write_atomically
 from vram_planner.model.trl_releases import TrlRelease, trl_release
+from vram_planner.validation import field_names
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "trl_releases.json"
@@ -723,7 +724,7 @@ def disagreements(document: dict[str, Any]) -> list[str]:
             fact = fact_of(facts)
             if fact is SKIP:
                 continue
-            if column not in TrlRelease.model_fields:
+            if column not in field_names(TrlRelease):
                 lines.append(f"{facts['version']}: {column}: table has no such column, fact {fact!r}")
             elif getattr(row, column) != fact:
                 lines.append(f"{facts['version']}: {column}: table {getattr(row, column)!r}, fact {fact!r}")

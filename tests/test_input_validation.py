@@ -334,8 +334,8 @@ def test_the_safety_margin_is_a_share_of_the_card(margin):
     ({"cuda_context_bytes": -1}, "cuda_context_bytes: Input should be greater than or equal to 0 (got -1)"),
     ({"backward_mlp_bytes": -4.0}, "backward_mlp_bytes: Input should be greater than or equal to 0"),
     ({"unknown_coefficient": 1}, "unknown_coefficient: Extra inputs are not permitted"),
-    ([1, 2], "Input should be a valid dictionary or instance of Calibration (got [1, 2])"),
-    ("calibration", "Input should be a valid dictionary"),
+    ([1, 2], "Input should be a dictionary or an instance of Calibration (got [1, 2])"),
+    ("calibration", "Input should be a dictionary"),
 ])
 def test_calibrations_of_the_wrong_shape_are_one_line(tmp_path, content, problem):
     path = tmp_path / "cal.json"
@@ -347,7 +347,7 @@ def test_calibrations_of_the_wrong_shape_are_one_line(tmp_path, content, problem
     assert "\n" not in message and "validation error" not in message
 
 
-@pytest.mark.parametrize("text,problem", [("", "is empty"), ("NaN", "Input should be a valid dictionary"),
+@pytest.mark.parametrize("text,problem", [("", "is empty"), ("NaN", "Input should be a dictionary"),
                                           ('{"inference_mlp_bytes": NaN}', "inference_mlp_bytes: Input should be "
                                                                            "a finite number"),
                                           ("{", "is not valid JSON")])

@@ -1,6 +1,7 @@
 """The package's folders are its architecture: imports only point down the layers, and no modules import in a circle.
 
-cli, app -> api | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras -> units, errors, files, toml_cache.
+cli, app -> api | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras -> units, errors, files,
+profile_cache, validation.
 api, run, probe and advise sit side by side and do not import each other. Every import counts: at the top of a
 module, inside a function, under TYPE_CHECKING.
 """
@@ -22,8 +23,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("model", ["vram_planner.model", "vram_planner.allocator"]),
     ("data", ["vram_planner.profiles", "vram_planner.local_gpu", "vram_planner.hub", "vram_planner.extras",
               "vram_planner.profile_data"]),
-    ("base", ["vram_planner.units", "vram_planner.errors", "vram_planner.files", "vram_planner.toml_cache",
-              "vram_planner"]),
+    ("base", ["vram_planner.units", "vram_planner.errors", "vram_planner.files", "vram_planner.profile_cache",
+              "vram_planner.validation", "vram_planner"]),
 ]
 # Layers whose groups stand side by side: a group may import only from itself within the layer.
 SIDE_BY_SIDE = {"entry points"}

@@ -16,7 +16,7 @@ from vram_planner.errors import ConfigError, VramPlanError, short_repr
 from vram_planner.model.calibration import Calibration, calibration_for
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.search import Plan, best_plan
-from vram_planner.model.spec import TrainingConfig, training_config, with_changes
+from vram_planner.model.spec import TrainingConfig, as_settings, knob_names, release_config, training_config
 from vram_planner.model.trl_semantics import release_defaults
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, check_safety_margin,
@@ -44,15 +44,16 @@ def make_context(model: str, gpu: str | GpuProfile, *, trl_version: str | None =
 def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | None = None) -> TrainingConfig:
     """Validate the knobs, fill the TRL release's defaults and adapt unset defaults to the GPU."""
     if isinstance(settings, TrainingConfig):
-        train, explicit = settings, set(settings.model_fields_set)
-        if train.trl_version != context.release.version:  # the knobs mean what they mean in the context's release
-            train = with_changes(train, trl_version=context.release.version)
+        # a config object is the user's too: validated whole; its knobs at their defaults count as unset
+        unset = as_settings(TrainingConfig())
+        explicit = {name for name, value in as_settings(settings).items() if value != unset[name]}
+        train = training_config({**as_settings(settings), "trl_version": context.release.version})
     elif settings is not None and not isinstance(settings, dict):
         raise ConfigError([f"settings should be a mapping of GRPOConfig-style knobs to values (got {settings!r:.60})"])
     else:
         # None means "not given" for a knob; an unknown name is reported whatever its value (a typo'd YAML key
         # left empty must not vanish silently)
-        values = {k: v for k, v in (settings or {}).items() if v is not None or k not in TrainingConfig.model_fields}
+        values = {k: v for k, v in (settings or {}).items() if v is not None or k not in knob_names()}
         explicit = set(values)
         given = values.get("trl_version")
         if given is not None and given != context.release.version:
@@ -63,7 +64,10 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
         if values.get("allocator_conf") is None:  # as torch does: the environment's, unless the run says otherwise
             values["allocator_conf"] = _environment_allocator_conf()
         defaults = release_defaults(context.release, use_vllm=values.get("use_vllm") is True)
-        train = training_config({**defaults, **values})
+        if explicit - {"trl_version"}:  # the user's knobs: validated at the edge
+            train = training_config({**defaults, **values})
+        else:
+            train = release_config({**defaults, **values})
     train = adapt_to_gpu(train, context.gpu, explicit)
     check_training(train, context)
     return train

@@ -12,11 +12,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from dataclasses import dataclass, field
+from typing import Annotated
 
 from vram_planner.errors import ProfileError, UnknownNameError, json_kind, short_repr
-from vram_planner.toml_cache import load_toml
+from vram_planner.profile_cache import cached
 from vram_planner.units import GiB, MiB, looks_like_size, parse_size_bytes
+from vram_planner.validation import Rules, error_message, validate
 
 PROFILES_ENV = "VRAM_PLAN_PROFILES"
 HOME_ENV = "VRAM_PLAN_HOME"
@@ -25,18 +27,19 @@ HOME_ENV = "VRAM_PLAN_HOME"
 UNKNOWN_CARD_USABLE_FRACTION = 0.98
 
 
-class GpuProfile(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class GpuProfile:
     """One CUDA card as the CUDA runtime sees it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+    __pydantic_config__ = {"extra": "forbid"}
 
     name: str
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
     cuda_name: str = ""
     marketed_memory_gb: float | None = None
-    total_memory_gib: float = Field(gt=0)
+    total_memory_gib: Annotated[float, Rules(gt=0)]
     compute_capability: str = ""
-    sm_count: int | None = Field(default=None, gt=0, le=10_000)  # multiprocessors: they size the CUDA context
+    sm_count: Annotated[int | None, Rules(gt=0, le=10_000)] = None  # multiprocessors: they size the CUDA context
     bf16: bool = True
     flash_attention_2: bool = False
     segment: Literal["consumer", "laptop", "workstation", "datacenter", "custom"] = "custom"
@@ -85,14 +88,15 @@ def local_gpu_profile() -> GpuProfile:
                       capacity_source="estimated")
 
 
-class ModelEntry(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class ModelEntry:
     """One catalog model: where its config.json facts are and what it is called."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+    __pydantic_config__ = {"extra": "forbid"}
 
     name: str
     hub_id: str
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
     family: str = ""
     params_label: str = ""
     source: str = ""
@@ -119,8 +123,11 @@ def data_home() -> Path:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    import tomllib  # profile_cache keeps what the loaders make of a file: this runs when a file is new or changed
+
     try:
-        return load_toml(path)
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
     except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
         raise ProfileError(f"cannot read {path}: {exc}") from exc
 
@@ -141,16 +148,19 @@ def read_json(path: Path) -> Any:
         raise ProfileError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def validated(model: type[BaseModel], data: Any, where: str) -> Any:
-    """`data` as a `model`, or one ProfileError line naming `where`, the field and the problem."""
+def validated(spec: type, data: Any, where: str) -> Any:
+    """`data` as a `spec` (validated by pydantic), or one ProfileError line naming `where`, the field and the
+    problem."""
+    from pydantic import ValidationError
+
     try:
-        return model.model_validate(data)
+        return validate(spec, data)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         got = first.get("input")
         shown = "" if isinstance(got, (dict, list)) and loc else f" (got {short_repr(got, 60)})"
-        raise ProfileError(f"{where}: {loc + ': ' if loc else ''}{first['msg']}{shown}") from exc
+        raise ProfileError(f"{where}: {loc + ': ' if loc else ''}{error_message(first)}{shown}") from exc
 
 
 @lru_cache(maxsize=1)
@@ -161,11 +171,14 @@ def gpu_catalog() -> dict[str, GpuProfile]:
         path = folder / "gpus.toml"
         if not path.is_file():
             continue
-        for i, row in enumerate(read_toml(path).get("gpu", [])):
-            gpu = validated(GpuProfile, row, f"{path} gpu #{i + 1}")
+        for gpu in cached(path, _catalog_gpus):
             for key in [gpu.name, *gpu.aliases]:
                 by_key[key.lower()] = gpu
     return by_key
+
+
+def _catalog_gpus(path: Path) -> list[GpuProfile]:
+    return [validated(GpuProfile, row, f"{path} gpu #{i + 1}") for i, row in enumerate(read_toml(path).get("gpu", []))]
 
 
 def gpus() -> list[GpuProfile]:
@@ -182,12 +195,15 @@ def model_catalog() -> dict[str, ModelEntry]:
         path = folder / "models.toml"
         if not path.is_file():
             continue
-        for i, row in enumerate(read_toml(path).get("model", [])):
-            entry = validated(ModelEntry, {**row, "config_path": folder / "models" / f"{row.get('name')}.json"},
-                              f"{path} model #{i + 1}")
+        for entry in cached(path, _catalog_models):
             for key in [entry.name, entry.hub_id, *entry.aliases]:
                 by_key[key.lower()] = entry
     return by_key
+
+
+def _catalog_models(path: Path) -> list[ModelEntry]:
+    return [validated(ModelEntry, {**row, "config_path": path.parent / "models" / f"{row.get('name')}.json"},
+                      f"{path} model #{i + 1}") for i, row in enumerate(read_toml(path).get("model", []))]
 
 
 def models() -> list[ModelEntry]:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,7 @@ def test_the_smallest_fitting_card_is_judged_with_its_own_calibration(capsys, _p
     # A probe's calibration measures one card (its CUDA context above all): the card asked about keeps its own, and
     # each larger card is judged with the calibration plan would pick for it.
     from vram_planner.model.calibration import default_calibration
+    from vram_planner.validation import to_json
 
     def smallest_fitting() -> str:
         doc = json.loads(run(capsys, "--gpu", "rtx2060", "--model", "Qwen2.5-7B-Instruct", "--json")[1])
@@ -67,10 +69,10 @@ def test_the_smallest_fitting_card_is_judged_with_its_own_calibration(capsys, _p
         return doc["smallest_fitting_gpu"]
 
     def probe_calibration(gpu: str, context_gib: float) -> None:
-        cal = default_calibration().model_copy(update={"name": "probe", "gpu": gpu,
+        cal = replace(default_calibration(), **{"name": "probe", "gpu": gpu,
                                                         "cuda_context_bytes": int(context_gib * 2**30)})
         (_private_home / "calibrations").mkdir(exist_ok=True)
-        (_private_home / "calibrations" / f"{gpu}.json").write_text(cal.model_dump_json())
+        (_private_home / "calibrations" / f"{gpu}.json").write_text(to_json(cal))
 
     answer = smallest_fitting()
     probe_calibration("rtx2060", 40.0)  # the small card's context must not weigh on the larger ones
@@ -244,21 +246,30 @@ def test_plan_and_check_never_import_torch_transformers_or_trl(llama_1b_file):
 
 
 def test_plan_loads_only_what_it_uses(tmp_path):
-    # Start-up (issue 10): the other commands' modules, the maximize search, vLLM's model, the TOML parser once the
-    # catalogs are cached, difflib (only refusals suggest names) and rich's emoji table are not loaded by the README's
-    # command.
+    # Start-up (issue 10): the other commands' modules, the maximize search, vLLM's model, difflib (only refusals
+    # suggest names) and rich's emoji table are not loaded by the README's command; once the profiles are cached
+    # neither are the TOML parser, pydantic (the catalogs were validated when cached, and no knob was given) nor
+    # importlib.metadata (the installed TRL's version is remembered). Cold and warm, the answer is the same.
     code = ("import sys, contextlib, io\n"
             "from vram_planner.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
             "    main(['--gpu', 'rtx3080-mobile', '--model', 'Llama-3.2-1B'])\n"
-            "print(' '.join(sorted(sys.modules)))\n")
-    env = {**os.environ, "VRAM_PLAN_CACHE": str(tmp_path / "cache")}
+            "print(' '.join(sorted(sys.modules)))\n"
+            "print(out.getvalue())\n")
+    env = {**os.environ, "VRAM_PLAN_CACHE": str(tmp_path / "cache"), "COLUMNS": "120"}
+    answers = []
     for warm in (False, True):
-        loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                                    env=env).stdout.split())
+        modules, answer = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                         env=env).stdout.split("\n", 1)
+        loaded = set(modules.split())
         unused = {"vram_planner.cli.run", "vram_planner.cli.advise", "vram_planner.cli.replay",
-                  "vram_planner.model.maximize", "vram_planner.model.vllm", "difflib", "rich._emoji_codes"} | ({"tomllib"} if warm else set())
+                  "vram_planner.model.maximize", "vram_planner.model.vllm", "difflib", "rich._emoji_codes"}
+        if warm:
+            unused |= {"tomllib", "pydantic", "pydantic_core", "importlib.metadata", "email"}
         assert "vram_planner.cli.plan" in loaded and not loaded & unused, loaded & unused
+        answers.append(answer)
+    assert answers[0] == answers[1] and "GRPOConfig" in answers[0]
 
 
 def test_an_unknown_command_is_compared_with_every_command(capsys):

@@ -4,6 +4,7 @@ PYTORCH_CUDA_ALLOC_CONF as a knob; expandable segments as the plan's free first 
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from vram_planner.model.search import with_expandable_segments
 from vram_planner.model.spec import training_config
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
+from vram_planner.validation import to_json
 
 # A KV cache grown by concatenation fragments a cache without expandable segments (made-up figures, steep enough
 # that generation sets the peak)
@@ -29,7 +31,7 @@ TENSORS = {"weights": 4 * GiB, "kv_cache": 2 * GiB, "activations": 1 * GiB}
 @pytest.fixture
 def fitted_file(tmp_path):
     path = tmp_path / "fitted.json"
-    path.write_text(FITTED.model_dump_json())
+    path.write_text(to_json(FITTED))
     return path
 
 
@@ -45,7 +47,7 @@ def test_a_phase_the_fit_has_not_seen_takes_the_flat_fraction():
 
 
 def test_a_probes_measured_fraction_replaces_the_fit():
-    measured = FITTED.model_copy(update={"allocator_overhead_fraction": 0.2})
+    measured = replace(FITTED, allocator_overhead_fraction=0.2)
     assert allocator_reserve_bytes(measured, "generation", TENSORS, expandable=True) == pytest.approx(0.2 * 7 * GiB)
 
 

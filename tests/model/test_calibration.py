@@ -10,6 +10,7 @@ from vram_planner import api
 from vram_planner.errors import ProfileError
 from vram_planner.model.calibration import Calibration, calibration_for, default_calibration
 from vram_planner.profiles import GpuProfile
+from vram_planner.validation import to_json
 
 
 def test_defaults_ship_with_sources():
@@ -24,7 +25,7 @@ def test_a_probe_calibration_for_the_gpu_is_picked_up(_private_home, llama_1b_fi
     folder = _private_home / "calibrations"
     folder.mkdir()
     measured = Calibration(name="probe-2026-11-22", gpu="card", cuda_context_bytes=0, allocator_overhead_fraction=0)
-    (folder / "card.json").write_text(measured.model_dump_json())
+    (folder / "card.json").write_text(to_json(measured))
     assert calibration_for("card") == measured
     gpu = GpuProfile(name="card", total_memory_gib=24)
     verdict = api.check(str(llama_1b_file), gpu, {"lora_r": 8, "dtype": "bfloat16"})

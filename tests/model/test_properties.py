@@ -22,7 +22,7 @@ from vram_planner.model.calibration import UNFITTED_RESERVE_FRACTION
 from vram_planner.model.components import FP32_BYTES, sizes
 from vram_planner.model.search import (Plan, best_plan, ladder_runs, micro_batch_variants, smallest_micro_batch,
                                       with_micro_batch)
-from vram_planner.model.spec import Optimizer, TrainingConfig, with_changes
+from vram_planner.model.spec import Optimizer, TrainingConfig, knob_names, knob_types, with_changes
 from vram_planner.model.trl_releases import trl_releases
 from vram_planner.model.verdict import Verdict, judge
 from vram_planner.profiles import gpus, models
@@ -48,7 +48,7 @@ WRONG_TYPES = [None, "", "eight", "8", [], [1], {}, {"a": 1}, b"\x00", 1.5, True
 
 def edge_values(field: str) -> list[Any]:
     """Values of a TrainingConfig field at and beyond its range's edges, and of the wrong types."""
-    annotation = str(TrainingConfig.model_fields[field].annotation)
+    annotation = str(knob_types()[field])
     if "int" in annotation:
         typed = [1, 2, 3, 0, -1, -(2**40), *HUGE_INTS, 8.0, math.inf, math.nan]
     elif "float" in annotation:
@@ -67,13 +67,13 @@ def edge_values(field: str) -> list[Any]:
 
 def _any_value(field: str) -> st.SearchStrategy[Any]:
     """Edge values, and values drawn at random from the field's type and others."""
-    annotation = str(TrainingConfig.model_fields[field].annotation)
+    annotation = str(knob_types()[field])
     drawn = (st.integers() if "int" in annotation else st.floats() if "float" in annotation
              else st.text(max_size=8))
     return st.one_of(st.sampled_from(edge_values(field)), drawn)
 
 
-EDGES = [(field, value) for field in TrainingConfig.model_fields for value in edge_values(field)]
+EDGES = [(field, value) for field in knob_names() for value in edge_values(field)]
 
 
 ANY_CONTEXT = st.fixed_dictionaries({}, optional={
@@ -137,7 +137,7 @@ def valid_knobs(draw) -> dict[str, Any]:
 def any_knobs(draw) -> dict[str, Any]:
     """A valid config with up to three knobs set to anything: far from valid, the first check would refuse it."""
     knobs = draw(valid_knobs())
-    for field in draw(st.lists(st.sampled_from(list(TrainingConfig.model_fields)), max_size=2, unique=True)):
+    for field in draw(st.lists(st.sampled_from(list(knob_names())), max_size=2, unique=True)):
         knobs[field] = draw(_any_value(field))
     # every field's edges equally likely, whatever hypothesis makes of the strategies above
     knobs.update(draw(st.lists(st.sampled_from(EDGES), max_size=2)))
@@ -157,7 +157,7 @@ def test_any_input_gives_a_verdict_a_plan_or_one_clear_error(model, card, knobs,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("field", list(TrainingConfig.model_fields))
+@pytest.mark.parametrize("field", list(knob_names()))
 def test_every_knob_at_its_edges_gives_a_verdict_a_plan_or_one_clear_error(field):
     for value in edge_values(field):
         for base in ({}, {"lora_r": 16, "load_in_4bit": True}):  # fields that need LoRA are checked with it

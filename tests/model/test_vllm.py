@@ -14,7 +14,7 @@ from vram_planner.model import vllm
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.phases import estimate
-from vram_planner.model.spec import training_config
+from vram_planner.model.spec import as_settings, training_config
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.units import GiB, MiB
 
@@ -164,7 +164,7 @@ def test_the_training_gpu_carries_the_budget_and_sleep_mode_leaves_graphs_and_no
     # level 2 (TRL 0.25 and later): only the model's buffers (the rotary cache) go to host RAM
     assert est.vllm.sleep_level == 2 and est.vllm.host_bytes == 4096 * 128 * 2
     assert any("sleep mode (level 2)" in n for n in est.notes)
-    older = vllm.colocated_budget(GQA, training_config({**train.model_dump(), "trl_version": "0.23.0"}), CAPACITY,
+    older = vllm.colocated_budget(GQA, training_config({**as_settings(train), "trl_version": "0.23.0"}), CAPACITY,
                                   CONTEXT)
     assert older.sleep_level == 1 and older.host_bytes == older.weights_bytes + 4096 * 128 * 2
 
@@ -194,7 +194,7 @@ def test_server_mode_plans_the_servers_card_as_trl_vllm_serve_starts_it():
     # vllm serve's defaults on an H100: 1024 sequences, 8192 batched tokens; a round of 8 runs at once
     assert (b.max_num_seqs, b.max_num_batched_tokens, b.batch_sequences) == (1024, 8192, 8)
     assert b.problem is None
-    small = training_config({**train.model_dump(), "vllm_server_gpu": "rtx4060-ti-8gb"})
+    small = training_config({**as_settings(train), "vllm_server_gpu": "rtx4060-ti-8gb"})
     assert "vLLM cannot start" in vllm.server_budget(GQA, small, CONTEXT).problem  # 11 GiB of weights on 8 GiB
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ from vram_planner.model.calibration import Calibration, default_calibration
 from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.phases import estimate
 from vram_planner.model.resolve import resolve_model
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig, changed_settings
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.probe.fit import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
                                     SimulatedMeasurer, compute_capability, fit_calibration, fit_quality,
@@ -48,7 +49,7 @@ def synthetic_record(truth: Calibration, points: list[ProbePoint], reserve_scale
                                                         + reserve_scale * p.components["allocator_overhead"]))
                   for p in est.phases]
         measured.append(PointMeasurement(label=point.label, model=point.model,
-                                         settings=point.train.model_dump(mode="json", exclude_defaults=True),
+                                         settings=changed_settings(point.train),
                                          phases=phases, seconds=0.0, lora_generation_autocast=False))
     return ProbeRecord(device={"gpu": gpu}, context_bytes=context, points=measured)
 
@@ -127,7 +128,7 @@ def test_a_simulated_probe_writes_a_calibration_that_check_uses_only_when_asked(
 
 
 def test_a_real_probes_calibration_replaces_the_defaults_for_its_card():
-    truth = default_calibration().model_copy(update={"backward_hidden_bytes": 3})
+    truth = replace(default_calibration(), backward_hidden_bytes=3)
     record = synthetic_record(truth, tiny_points(2), reserve_scale=1.2, context=400 * 2**20)
     record = record.model_copy(update={"device": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "570.00"}})
     cal = fit_calibration(record, "h100-80gb")

@@ -28,7 +28,7 @@ from vram_planner.cli.report import Report
 from vram_planner.errors import ProfileError, VramPlanError, first_line
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.grpo_config import python_snippet
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig, knob_types
 from vram_planner.model.trl_releases import NEWEST_KNOWN, trl_release, trl_releases, version_tuple
 from vram_planner.model.verdict import DEFAULT_SAFETY_MARGIN
 from vram_planner.profiles import GpuProfile, gpus, models
@@ -93,7 +93,7 @@ def choices_of(param: click.Option) -> list[tuple[str, str]]:
 
 def field_choices(name: str) -> list[str] | None:
     """The names a TrainingConfig field accepts, from its Literal or Enum type; None for free values."""
-    annotation = TrainingConfig.model_fields[name].annotation
+    annotation = knob_types()[name]
     for member in (annotation, *get_args(annotation)):
         if get_origin(member) is Literal:
             return [str(v) for v in get_args(member)]

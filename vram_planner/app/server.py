@@ -14,6 +14,7 @@ import click
 from vram_planner.app import require_app_extra
 from vram_planner.app.query import COMMANDS, error_line, query_report
 from vram_planner.errors import VramPlanError, first_line
+from vram_planner.validation import to_json
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _document(command: str, query: list[tuple[str, str]]) -> Any:
     except Exception as exc:  # a bug, not bad input: said as the CLI says it, the traceback in the log
         log.exception("/api/%s failed", command)
         return JSONResponse({"error": f"internal error: {first_line(exc)}"}, status_code=500)
-    return Response(report.model_dump_json(indent=2) + "\n", media_type="application/json")
+    return Response(to_json(report, indent=2) + "\n", media_type="application/json")
 
 
 def check_address(host: str, port: int) -> None:

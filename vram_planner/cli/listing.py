@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vram_planner.model.resolve import catalog_architecture
 from vram_planner.profiles import gpus, models
+from vram_planner.validation import to_jsonable
 
 if TYPE_CHECKING:  # rich is imported where a table is printed: `--json` goes without it
     from rich.console import Console
@@ -46,7 +47,7 @@ def print_models(console: Console | None = None) -> None:
 
 
 def gpus_json() -> str:
-    return json.dumps([{**g.model_dump(), "capacity_bytes": g.capacity_bytes} for g in gpus()], indent=2)
+    return json.dumps([{**to_jsonable(g), "capacity_bytes": g.capacity_bytes} for g in gpus()], indent=2)
 
 
 def models_json() -> str:

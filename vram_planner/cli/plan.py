@@ -57,7 +57,9 @@ def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
 
         plot_phases(report, options["plot"])
     if options["json_output"]:
-        click.echo(report.model_dump_json(indent=2))
+        from vram_planner.validation import to_json
+
+        click.echo(to_json(report, indent=2))
     else:
         human()
     raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)

@@ -1,11 +1,10 @@
-"""The JSON document `check` and `plan` print with --json: bytes throughout, one schema."""
+"""The JSON document `check` and `plan` print with --json: bytes throughout, one schema (pydantic writes it:
+vram_planner.validation.to_json)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict
 
 from vram_planner.model.calibration import calibration_for
 from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_problems, lora_config_kwargs,
@@ -14,9 +13,11 @@ from vram_planner.model.phases import COMPONENTS, Phase
 from vram_planner.model.search import Plan, smallest_config, vllm_fallback_note, vllm_tuned
 from vram_planner.model.verdict import Context, Verdict, judge
 from vram_planner.profiles import GpuProfile, gpus
+from vram_planner.validation import field_names
 
 
-class PhaseReport(BaseModel):
+@dataclass(kw_only=True)
+class PhaseReport:
     name: str
     peak_moment: str
     total_bytes: int
@@ -28,7 +29,8 @@ class PhaseReport(BaseModel):
     analytic_relative_error: float | None = None
 
 
-class ChangeReport(BaseModel):
+@dataclass(kw_only=True)
+class ChangeReport:
     knob: str
     before: Any
     after: Any
@@ -36,11 +38,10 @@ class ChangeReport(BaseModel):
     reason: str
 
 
-class VllmReport(BaseModel):
+@dataclass(kw_only=True)
+class VllmReport:
     """vLLM's budget on one GPU of the card it runs on (the training card in colocate mode, --vllm-server-gpu in
     server mode), as vLLM works it out at start-up (vram_planner/model/vllm.py)."""
-
-    model_config = ConfigDict(defer_build=True)
 
     weights_bytes: int
     kv_cache_bytes: int  # what one generation round's sequences need at full length
@@ -64,7 +65,8 @@ def vllm_report(budget: Any) -> VllmReport | None:  # budget: vram_planner.model
                       min_gpu_memory_utilization=budget.min_gpu_memory_utilization, problem=budget.problem)
 
 
-class Report(BaseModel):
+@dataclass(kw_only=True)
+class Report:
     """What `vram-plan check/plan --json` prints."""
 
     command: str
@@ -89,7 +91,7 @@ class Report(BaseModel):
     cuda_context_source: str = ""  # where each phase's cuda_context figure comes from: the GPU catalog or a calibration
     trl_version: str
     notes: list[str]
-    changes: list[ChangeReport] = []
+    changes: list[ChangeReport] = field(default_factory=list)
     vllm: VllmReport | None = None  # null when no vLLM runs on a planned card
     requested_peak_bytes: int | None = None
     smallest_config_peak_bytes: int | None = None
@@ -184,10 +186,9 @@ def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutc
     return report
 
 
-class MaximizedReport(BaseModel):
+@dataclass(kw_only=True)
+class MaximizedReport:
     """`plan --maximize`: the largest value of one knob that fits, and what one step more needs (bytes)."""
-
-    model_config = ConfigDict(defer_build=True)
 
     field: str
     value: int | None  # null: even the smallest valid value does not fit
@@ -198,10 +199,9 @@ class MaximizedReport(BaseModel):
     allow_savers: bool
 
 
+@dataclass(kw_only=True)
 class MaximizedPlanReport(Report):
     """What `vram-plan plan --maximize FIELD --json` prints: the plan at the value, plus the answer."""
-
-    model_config = ConfigDict(defer_build=True)
 
     maximized: MaximizedReport
 
@@ -212,7 +212,7 @@ def maximized_report(result: Any) -> MaximizedPlanReport:  # result: vram_planne
     answer = MaximizedReport(field=result.field, value=result.value, peak_bytes=_rounded(result.peak_bytes),
                              next_value=result.next_value, next_peak_bytes=_rounded(result.next_peak_bytes),
                              limited_by=result.limited_by, allow_savers=result.allow_savers)
-    return MaximizedPlanReport(**plan.model_dump(), maximized=answer)
+    return MaximizedPlanReport(**{f: getattr(plan, f) for f in field_names(Report)}, maximized=answer)
 
 
 def _rounded(n_bytes: float | None) -> int | None:

@@ -8,32 +8,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from dataclasses import dataclass, field
+from typing import Annotated
 
 from vram_planner.errors import ProfileError
+from vram_planner.profile_cache import cached
 from vram_planner.profiles import data_home, profile_dirs, read_json, validated
+from vram_planner.validation import Rules
 
 
-class Calibration(BaseModel):
+@dataclass(frozen=True)
+class Calibration:
     """Memory-model coefficients. Bytes are bytes; `*_bytes_per_*` are per element of the named size."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
+    __pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False}
 
     name: str = "default"
     gpu: str | None = None  # catalog name this calibration was measured on; None for the defaults
     source: str = ""
-    measured: dict[str, str] = Field(default_factory=dict)  # versions of GPU, driver, CUDA, torch, ...
+    measured: dict[str, str] = field(default_factory=dict)  # versions of GPU, driver, CUDA, torch, ...
 
     # CUDA context and kernels: outside torch's allocator, seen by mem_get_info. None: the GPU catalog's figure for
     # the card (profiles/cuda_context.toml, vram_planner.model.cuda_context); a probe writes what it measured.
-    cuda_context_bytes: int | None = Field(default=None, ge=0, le=2**50)  # at most a PiB: a typo beyond
+    cuda_context_bytes: Annotated[int | None, Rules(ge=0, le=2**50)] = None  # at most a PiB: a typo beyond
     # The caching allocator's reserve beyond the tensors, per allocator setting ("default", "expandable_segments")
     # and phase: bytes of reserve per byte of each tensor component (each its own allocation pattern), fitted over
     # replays of traced steps through the allocator model (benchmarks/allocator_fit.py).
-    allocator_reserve: dict[str, dict[str, dict[str, float]]] = Field(default_factory=dict)
+    allocator_reserve: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     # A flat reserve, as a fraction of the tensors, in place of the fitted function (None: the fitted one). Probes
     # wrote it before they scaled the fitted function to their measurements; a hand-made calibration may set it.
-    allocator_overhead_fraction: float | None = Field(default=None, ge=0, lt=1)
+    allocator_overhead_fraction: Annotated[float | None, Rules(ge=0, lt=1)] = None
 
     # What a layer keeps for backward is counted tensor by tensor (vram_planner/model/activations.py, checked against
     # the trace engine); only Liger's kernels, which the CPU trace cannot run, and the transient working sets below
@@ -41,17 +45,17 @@ class Calibration(BaseModel):
     # With use_liger_kernel (layer kernels: RMSNorm, SwiGLU, RoPE): RMSNorm keeps only its input and a per-row
     # rstd, SwiGLU keeps gate and up and recomputes the activation, RoPE works in place (Liger-Kernel's
     # ops/rms_norm.py, ops/swiglu.py, ops/rope.py). Per element, for a 2-byte residual stream.
-    liger_act_hidden_bytes: float = Field(default=8.0, ge=0)
-    liger_act_query_bytes: float = Field(default=4.0, ge=0)
-    liger_act_kv_bytes: float = Field(default=4.0, ge=0)
-    liger_act_mlp_bytes: float = Field(default=6.0, ge=0)
+    liger_act_hidden_bytes: Annotated[float, Rules(ge=0)] = 8.0
+    liger_act_query_bytes: Annotated[float, Rules(ge=0)] = 4.0
+    liger_act_kv_bytes: Annotated[float, Rules(ge=0)] = 4.0
+    liger_act_mlp_bytes: Annotated[float, Rules(ge=0)] = 6.0
     # Working set of a no-grad forward (generation prefill, log-prob scoring), per token, per element.
-    inference_hidden_bytes: float = Field(default=8.0, ge=0)
-    inference_mlp_bytes: float = Field(default=6.0, ge=0)
+    inference_hidden_bytes: Annotated[float, Rules(ge=0)] = 8.0
+    inference_mlp_bytes: Annotated[float, Rules(ge=0)] = 6.0
     # Gradient buffers alive at the peak of one layer's backward, per token: fitted by least squares to the
     # trace engine over benchmarks/accuracy.py's grid (the peak moves inside the MLP's backward).
-    backward_hidden_bytes: float = Field(default=2.0, ge=0)
-    backward_mlp_bytes: float = Field(default=4.0, ge=0)
+    backward_hidden_bytes: Annotated[float, Rules(ge=0)] = 2.0
+    backward_mlp_bytes: Annotated[float, Rules(ge=0)] = 4.0
 
 
 def default_calibration() -> Calibration:
@@ -70,7 +74,14 @@ def load_calibration_file(path: Path | str) -> Calibration:
     """A calibration profile from a JSON file; ProfileError in one line naming the file, the field and the problem."""
     if not isinstance(path, (str, Path)):
         raise ProfileError(f"--calibration should be a calibration file's path (got {path!r:.60})")
-    return validated(Calibration, read_json(Path(path)), f"{path} is not a valid calibration")
+    try:
+        return cached(Path(path), _calibration)
+    except OSError as exc:
+        raise ProfileError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def _calibration(path: Path) -> Calibration:
+    return validated(Calibration, read_json(path), f"{path} is not a valid calibration")
 
 
 def calibration_for(gpu_name: str, explicit: Path | str | None = None) -> Calibration:

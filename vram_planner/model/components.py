@@ -7,7 +7,7 @@ B per_device_train_batch_size, S steps_per_generation. Every function returns by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
@@ -111,7 +111,7 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
 def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Weights during generation: ZeRO-3 gathers the whole model (ds3_gather_for_generation), FSDP summons it."""
     if train.zero_stage == 3 or train.fsdp:
-        unsharded = train.model_copy(update={"num_gpus": 1})
+        unsharded = replace(train, num_gpus=1)
         return weight_bytes(arch, unsharded)
     return weight_bytes(arch, train)
 
@@ -253,7 +253,7 @@ def as_generated(train: TrainingConfig) -> TrainingConfig:
     transformers model's generate() calls that forward; PEFT's generate() calls the base model's generate() and its
     own, unwrapped forward, so LoRA generates without autocast, in the weights' dtype (every TRL release: each
     generates through unwrap_model_for_generation(...).generate)."""
-    return train.model_copy(update={"mixed_precision": "no"}) if train.uses_lora else train
+    return replace(train, mixed_precision="no") if train.uses_lora else train
 
 
 def adapter_forward_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:

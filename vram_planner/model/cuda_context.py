@@ -7,16 +7,17 @@ carries a measured figure (`vram-plan probe`, or an older file with a number) re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from pathlib import Path
+from typing import Annotated, Literal
 
 from vram_planner.errors import ProfileError
 from vram_planner.model.calibration import Calibration
+from vram_planner.profile_cache import cached
 from vram_planner.profiles import GpuProfile, profile_dirs, read_toml, validated
 from vram_planner.units import GiB, MiB
+from vram_planner.validation import Rules
 
 _CUDA = r"^\d+(\.\d+)?$"  # major or major.minor
 
@@ -27,22 +28,23 @@ def cuda_tuple(version: str) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
-class ContextRow(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class ContextRow:
     """The figure's two terms for one generation under one range of CUDA versions."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+    __pydantic_config__ = {"extra": "forbid"}
 
     architecture: str
-    compute_capabilities: list[str] = Field(min_length=1)
-    cuda_min: str = Field(pattern=_CUDA)
-    cuda_max: str | None = Field(default=None, pattern=_CUDA)
+    compute_capabilities: Annotated[list[str], Rules(min_length=1)]
+    cuda_min: Annotated[str, Rules(pattern=_CUDA)]
+    cuda_max: Annotated[str | None, Rules(pattern=_CUDA)] = None
     module_loading: Literal["lazy", "eager"]
-    resident_threads_per_sm: int = Field(gt=0)
-    bytes_per_resident_thread: int = Field(gt=0)
-    kernels_bytes: int = Field(ge=0)
+    resident_threads_per_sm: Annotated[int, Rules(gt=0)]
+    bytes_per_resident_thread: Annotated[int, Rules(gt=0)]
+    kernels_bytes: Annotated[int, Rules(ge=0)]
     basis: Literal["measured", "derived"]
     measurements: list[str]
-    how: str = Field(min_length=1)
+    how: Annotated[str, Rules(min_length=1)]
     confidence: Literal["high", "medium", "low"]
 
     def covers(self, cuda: str) -> bool:
@@ -54,37 +56,40 @@ class ContextRow(BaseModel):
         return f"CUDA {self.cuda_min}" + (f"-{self.cuda_max}" if self.cuda_max else " and later")
 
 
-class Measurement(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
     """One public measurement of what a process held outside PyTorch's allocator."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+    __pydantic_config__ = {"extra": "forbid"}
 
     id: str
     gpu: str
     device: str
     compute_capability: str
-    sm_count: int = Field(ge=0)
-    cuda: str = Field(pattern=_CUDA)
+    sm_count: Annotated[int, Rules(ge=0)]
+    cuda: Annotated[str, Rules(pattern=_CUDA)]
     torch: str
     kind: Literal["bare_context", "working_oom", "loading_oom", "kernels_increment", "eager_process",
                   "working_step", "unattributed"]
-    bytes: int = Field(gt=0)
-    how: str = Field(min_length=1)
-    url: str = Field(pattern=r"^(https://|benchmarks/results/)")  # a public source, or this repository's measurement
-    quote: str = Field(min_length=1)
+    bytes: Annotated[int, Rules(gt=0)]
+    how: Annotated[str, Rules(min_length=1)]
+    # a public source, or this repository's measurement
+    url: Annotated[str, Rules(pattern=r"^(https://|benchmarks/results/)")]
+    quote: Annotated[str, Rules(min_length=1)]
     confidence: Literal["high", "medium", "low"]
 
 
-class ContextTable(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class ContextTable:
     """profiles/cuda_context.toml."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+    __pydantic_config__ = {"extra": "forbid"}
 
-    default_cuda: str = Field(pattern=_CUDA)
-    unknown_card_bytes: int = Field(gt=0)
+    default_cuda: Annotated[str, Rules(pattern=_CUDA)]
+    unknown_card_bytes: Annotated[int, Rules(gt=0)]
     unknown_card_how: str
     context: list[ContextRow]
-    measurement: list[Measurement] = []
+    measurement: list[Measurement] = field(default_factory=list)
 
     def row_for(self, compute_capability: str, cuda: str) -> ContextRow | None:
         return next((r for r in self.context if compute_capability in r.compute_capabilities and r.covers(cuda)),
@@ -95,6 +100,10 @@ class ContextTable(BaseModel):
 def context_table() -> ContextTable:
     """The shipped table; a cuda_context.toml in $VRAM_PLAN_PROFILES replaces it."""
     path = next(p for p in (d / "cuda_context.toml" for d in reversed(profile_dirs())) if p.is_file())
+    return cached(path, _table)
+
+
+def _table(path: Path) -> ContextTable:
     return validated(ContextTable, read_toml(path), str(path))
 
 

@@ -23,7 +23,7 @@ from vram_planner.errors import ConfigError, UnknownNameError
 from vram_planner.model.divisors import divisors
 from vram_planner.model.search import (BATCH_FIELDS, Plan, best_plan, describe_changes, ladder_runs,
                                        smallest_micro_batch, vllm_tuned, with_micro_batch)
-from vram_planner.model.spec import MAX_COUNT, TrainingConfig, flag, with_changes
+from vram_planner.model.spec import MAX_COUNT, TrainingConfig, flag, knob_names, with_changes
 from vram_planner.model.verdict import Context, Verdict, judge
 
 MAXIMIZABLE = ("max_completion_length", "max_prompt_length", "num_generations", "per_device_train_batch_size",
@@ -43,7 +43,7 @@ def maximizable_field(name: object) -> str:
     text = name.strip().lstrip("-").replace("-", "_") if isinstance(name, str) else ""
     if text in MAXIMIZABLE:
         return text
-    if text in TrainingConfig.model_fields:
+    if text in knob_names():
         raise ConfigError([f"--maximize {text} is not supported: it maximizes one of {', '.join(MAXIMIZABLE)}"])
     raise UnknownNameError("--maximize field", str(name), MAXIMIZABLE, hint=f"(choose from {', '.join(MAXIMIZABLE)})")
 
@@ -312,7 +312,7 @@ def _saver_changes(train: TrainingConfig, gpu_bf16: bool, field: str) -> list[di
         for rung in run:
             if any(getattr(rung, f) != getattr(train, f) for f in SEMANTIC_FIELDS):
                 return changes
-            changes.append({f: getattr(rung, f) for f in TrainingConfig.model_fields
+            changes.append({f: getattr(rung, f) for f in knob_names()
                             if f != field and getattr(rung, f) != getattr(train, f)})
     return changes
 
@@ -343,8 +343,8 @@ def _plan_at(context: Context, peaks: SaverPeaks, value: int, describe: bool = T
 def peak_memo_key(context: Context, train: TrainingConfig) -> tuple[Any, ...]:
     """Contexts with equal keys give every config the same estimate: the card enters it through its CUDA context,
     vLLM's budget on it, and (for the savers) its bf16 support."""
-    vllm_card = context.gpu.model_dump_json() if train.use_vllm else None  # its budget and messages follow the card
-    return (train.model_dump_json(), context.calibration.model_dump_json(), context.cuda_context.bytes,
+    vllm_card = repr(context.gpu) if train.use_vllm else None  # its budget and messages follow the card
+    return (repr(train), repr(context.calibration), context.cuda_context.bytes,
             context.gpu.bf16, vllm_card)
 
 

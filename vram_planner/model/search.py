@@ -22,7 +22,7 @@ from typing import Any
 
 from vram_planner.errors import ConfigError
 from vram_planner.model.divisors import divisors, prime_factors
-from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, with_changes
+from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, knob_names, with_changes
 from vram_planner.model.verdict import Context, Verdict, judge
 from vram_planner.units import GiB
 
@@ -390,7 +390,7 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
             continue
         knobs = [k for k, _, _ in pending]
         after_peak = judge(context, step).estimate.peak_bytes
-        settings = {f: getattr(step, f) for f in TrainingConfig.model_fields if getattr(step, f) != getattr(current, f)}
+        settings = {f: getattr(step, f) for f in knob_names() if getattr(step, f) != getattr(current, f)}
         steps.append(Change(" + ".join(knobs), _values(current, knobs), _values(step, knobs),
                             before_peak - after_peak, settings))
         current, before_peak, pending = step, after_peak, []

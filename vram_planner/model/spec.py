@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from functools import lru_cache
-from typing import Any, Literal, get_args
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from typing import Annotated, Any, Literal, get_args
 
 from vram_planner.errors import ConfigError, closest_names, short_repr
 from vram_planner.model import trl_releases
 from vram_planner.model.divisors import divisors
 from vram_planner.model.trl_releases import TrlRelease, version_tuple
+from vram_planner.validation import After, Before, Rules, error_message, field_names, to_jsonable, validate
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Upper bound of every count (sequences, tokens, steps, ranks, GPUs): no GPU holds 2**40 of anything, and products
 # of a few such counts stay finite as floats, so bytes never overflow.
 MAX_COUNT = 2**40
+COUNT = Rules(gt=0, le=MAX_COUNT)
 
 
 class Optimizer(str, Enum):
@@ -46,25 +47,69 @@ class Optimizer(str, Enum):
         return "8bit" in self.value or self.value.startswith(("paged_", "lion_"))
 
 
-class TrainingConfig(BaseModel):
+def _allocator_settings(value: str) -> str:
+    if value:
+        from vram_planner.allocator import parse_allocator_conf  # only when one is given: start-up stays lean
+
+        try:
+            parse_allocator_conf(value, "allocator_conf")
+        except ConfigError as exc:
+            # the knob's message shows the value itself: the parser's echo of it goes
+            reason = str(exc).removeprefix("allocator_conf").removeprefix(":").strip()
+            reason = reason.replace(f"{value!r}: ", "").replace(f"{value!r} ", "the text ")
+            raise ValueError(f"a PYTORCH_CUDA_ALLOC_CONF text torch accepts; {reason}") from exc
+    return value.strip()
+
+
+def _known_release(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return trl_releases.trl_release(value).version
+    except ConfigError as exc:
+        raise ValueError(exc.problems[0].removeprefix("--trl-version ")) from exc
+
+
+def _split_module_names(value: Any) -> Any:
+    """'q_proj,v_proj' from a flag or a config file is a list of module names."""
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    if isinstance(value, (list, tuple)):  # a config file's list: its items stripped, as the flag's are
+        return [name.strip() if isinstance(name, str) else name for name in value]
+    return value
+
+
+def _some_module_names(value: list[str] | None) -> list[str] | None:
+    if value is not None and (not value or not all(value)):
+        raise ValueError("a comma-separated list of module names such as q_proj,v_proj, or all-linear")
+    if value is not None and "all-linear" in value and len(value) > 1:
+        raise ValueError("all-linear alone (it already targets every linear layer)")
+    return value
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
     """Everything about the run except the model and the GPU. Defaults are TRL 1.16's GRPOConfig defaults.
 
     The knobs mean what they meant in TRL `trl_version` (None: the newest release vram-plan knows): in 0.14
     per_device_train_batch_size counted prompts, before 0.17 each micro-batch generated its own completions, and so
     on (profiles/trl.toml). The properties below translate them into completions and generation rounds.
+
+    `training_config(values)` validates (pydantic, with the rules annotated here, then `cross_field_problems`);
+    constructing one directly takes the values as given, as pydantic's model_construct does.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
+    __pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False}
 
-    per_device_train_batch_size: int = Field(8, gt=0, le=MAX_COUNT)
-    gradient_accumulation_steps: int = Field(1, gt=0, le=MAX_COUNT)
-    steps_per_generation: int | None = Field(None, gt=0, le=MAX_COUNT)
-    num_generations: int = Field(8, le=MAX_COUNT)
+    per_device_train_batch_size: Annotated[int, COUNT] = 8
+    gradient_accumulation_steps: Annotated[int, COUNT] = 1
+    steps_per_generation: Annotated[int | None, COUNT] = None
+    num_generations: Annotated[int, Rules(le=MAX_COUNT)] = 8
     # TRL >= 0.28 no longer truncates prompts: this is the longest prompt of the dataset, in tokens.
-    max_prompt_length: int = Field(256, gt=0, le=MAX_COUNT)
-    max_completion_length: int = Field(512, gt=0, le=MAX_COUNT)
-    beta: float = Field(0.0, ge=0)
-    num_iterations: int = Field(1, gt=0, le=MAX_COUNT)
+    max_prompt_length: Annotated[int, COUNT] = 256
+    max_completion_length: Annotated[int, COUNT] = 512
+    beta: Annotated[float, Rules(ge=0)] = 0.0
+    num_iterations: Annotated[int, COUNT] = 1
     optim: Optimizer = Optimizer.adamw_torch_fused
     gradient_checkpointing: bool = True
     dtype: Dtype = "float32"
@@ -73,75 +118,28 @@ class TrainingConfig(BaseModel):
     use_liger_kernel: bool = False
     use_vllm: bool = False
     vllm_mode: Literal["colocate", "server"] = "colocate"
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    vllm_gpu_memory_utilization: Annotated[float, Rules(gt=0, lt=1)] = 0.3
     vllm_enable_sleep_mode: bool = False
-    vllm_max_model_length: int | None = Field(None, gt=0, le=MAX_COUNT)
-    vllm_tensor_parallel_size: int = Field(1, gt=0, le=MAX_COUNT)
+    vllm_max_model_length: Annotated[int | None, COUNT] = None
+    vllm_tensor_parallel_size: Annotated[int, COUNT] = 1
     vllm_server_gpu: str | None = None  # server mode: the card trl vllm-serve runs on (not a GRPOConfig field)
-    lora_r: int | None = Field(None, gt=0, le=MAX_COUNT)
-    lora_alpha: int | None = Field(None, gt=0, le=MAX_COUNT)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_target_modules: list[str] | None = None
+    lora_r: Annotated[int | None, COUNT] = None
+    lora_alpha: Annotated[int | None, COUNT] = None
+    lora_dropout: Annotated[float, Rules(ge=0, lt=1)] = 0.0
+    lora_target_modules: Annotated[list[str] | None, Before(_split_module_names), After(_some_module_names)] = None
     load_in_4bit: bool = False
     bnb_4bit_quant_type: Literal["nf4", "fp4"] | None = None
     bnb_4bit_use_double_quant: bool | None = None
-    num_gpus: int = Field(1, gt=0, le=MAX_COUNT)
-    zero_stage: int | None = Field(None, ge=0, le=3)
+    num_gpus: Annotated[int, COUNT] = 1
+    zero_stage: Annotated[int | None, Rules(ge=0, le=3)] = None
     fsdp: bool = False
-    trl_version: str | None = None
+    trl_version: Annotated[str | None, After(_known_release)] = None
     # PYTORCH_CUDA_ALLOC_CONF of the run ("" for torch's defaults): expandable segments change the allocator's reserve
-    allocator_conf: str = ""
+    allocator_conf: Annotated[str, After(_allocator_settings)] = ""
 
-    @field_validator("allocator_conf")
-    @classmethod
-    def _allocator_settings(cls, value: str) -> str:
-        if value:
-            from vram_planner.allocator import parse_allocator_conf  # only when one is given: start-up stays lean
-
-            try:
-                parse_allocator_conf(value, "allocator_conf")
-            except ConfigError as exc:
-                # the knob's message shows the value itself: the parser's echo of it goes
-                reason = str(exc).removeprefix("allocator_conf").removeprefix(":").strip()
-                reason = reason.replace(f"{value!r}: ", "").replace(f"{value!r} ", "the text ")
-                raise ValueError(f"a PYTORCH_CUDA_ALLOC_CONF text torch accepts; {reason}") from exc
-        return value.strip()
-
-    @field_validator("trl_version")
-    @classmethod
-    def _known_release(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        try:
-            return trl_releases.trl_release(value).version
-        except ConfigError as exc:
-            raise ValueError(exc.problems[0].removeprefix("--trl-version ")) from exc
-
-    @field_validator("lora_target_modules", mode="before")
-    @classmethod
-    def _split_module_names(cls, value: Any) -> Any:
-        """'q_proj,v_proj' from a flag or a config file is a list of module names."""
-        if isinstance(value, str):
-            return [name.strip() for name in value.split(",") if name.strip()]
-        if isinstance(value, (list, tuple)):  # a config file's list: its items stripped, as the flag's are
-            return [name.strip() if isinstance(name, str) else name for name in value]
-        return value
-
-    @field_validator("lora_target_modules")
-    @classmethod
-    def _some_module_names(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and (not value or not all(value)):
-            raise ValueError("a comma-separated list of module names such as q_proj,v_proj, or all-linear")
-        if value is not None and "all-linear" in value and len(value) > 1:
-            raise ValueError("all-linear alone (it already targets every linear layer)")
-        return value
-
-    @model_validator(mode="after")
-    def _cross_field_rules(self) -> TrainingConfig:
-        problems = cross_field_problems(self)
-        if problems:
-            raise ValueError(" | ".join(problems))
-        return self
+    def __post_init__(self) -> None:
+        if not isinstance(self.optim, Optimizer):  # a name, as settings files and records hold it
+            object.__setattr__(self, "optim", Optimizer(self.optim))
 
     # Derived quantities, named as TRL names them.
     @property
@@ -319,29 +317,61 @@ def generation_batch_problems(c: TrainingConfig) -> list[str]:
             f"(change {flags})"]
 
 
+@lru_cache(maxsize=1)
+def knob_names() -> tuple[str, ...]:
+    return field_names(TrainingConfig)
+
+
+@lru_cache(maxsize=1)
+def knob_types() -> dict[str, Any]:
+    """Each knob's type, without its rules (`int | None`, `Literal['sdpa', 'eager', 'flash_attention_2']`, ...)."""
+    from typing import get_type_hints
+
+    return get_type_hints(TrainingConfig)
+
+
 def training_config(values: dict[str, Any]) -> TrainingConfig:
     """Validate user values (from flags or a config file); every problem in one ConfigError."""
-    unknown = [str(k) for k in values if k not in TrainingConfig.model_fields]
+    names = knob_names()
     problems = []
-    for key in unknown:
-        near = closest_names(key, TrainingConfig.model_fields)
+    for key in (str(k) for k in values if k not in names):
+        near = closest_names(key, names)
         problems.append(f"unknown setting {flag(key)}" + (f" (did you mean {flag(near[0])}?)" if near else ""))
-    known = {k: v for k, v in values.items() if k in TrainingConfig.model_fields and v is not None}
+    known = {k: v for k, v in values.items() if k in names and v is not None}
+    from pydantic import ValidationError
+
     try:
-        config = TrainingConfig(**known)
+        config = validate(TrainingConfig, known)
     except ValidationError as exc:
         problems.extend(_describe(exc))
         raise ConfigError(problems) from exc
+    problems.extend(cross_field_problems(config))
     if problems:
         raise ConfigError(problems)
     return config
 
 
-def _describe(exc: ValidationError) -> list[str]:
+def release_config(values: dict[str, Any]) -> TrainingConfig:
+    """A TRL release's defaults (trl_semantics.release_defaults) with nothing of the user's but the environment's
+    allocator setting: `training_config` without pydantic, which `plan` with no knobs then never loads.
+
+    The defaults keep the field rules by construction (tests/model/test_release_config.py holds every release row to
+    training_config's answer); the allocator text and the cross-field rules are checked here, and anything they find
+    is left to training_config to put in its words.
+    """
+    try:
+        config = TrainingConfig(**{name: value for name, value in values.items() if value is not None})
+        config = replace(config, allocator_conf=_allocator_settings(config.allocator_conf))
+    except (TypeError, ValueError):
+        return training_config(values)
+    return training_config(values) if cross_field_problems(config) else config
+
+
+def _describe(exc: Any) -> list[str]:  # pydantic's ValidationError
     out = []
     for err in exc.errors():
-        if not err["loc"]:  # the cross-field validator
-            out.extend(str(err["ctx"]["error"]).split(" | ") if "ctx" in err else [err["msg"]])
+        if not err["loc"]:
+            out.append(err["msg"].removeprefix("Value error, "))
             continue
         field = str(err["loc"][0])
         value = err.get("input")
@@ -351,13 +381,13 @@ def _describe(exc: ValidationError) -> list[str]:
             hint = f"did you mean {near[0]!r}? " if near else ""
             out.append(f"{flag(field)} {value!r} is not known; {hint}choose from {', '.join(allowed)}")
             continue
-        message = err["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
+        message = error_message(err).removeprefix("Input should be ").removeprefix("Value error, ")
         out.append(f"{flag(field)} should be {message} (got {short_repr(value)})")
     return out
 
 
 def _allowed_values(field: str) -> list[str]:
-    annotation = TrainingConfig.model_fields[field].annotation
+    annotation = knob_types()[field]
     if isinstance(annotation, type) and issubclass(annotation, Enum):
         return [member.value for member in annotation]
     return [str(a) for a in get_args(annotation) if isinstance(a, str)] or [
@@ -365,12 +395,64 @@ def _allowed_values(field: str) -> list[str]:
 
 
 def with_changes(train: TrainingConfig, **changes: Any) -> TrainingConfig:
-    """A copy with some fields changed, validated again (model_copy would skip the cross-field rules); ConfigError
-    with every problem when the result is not a valid config."""
+    """A config derived from a valid one, checked again; ConfigError with every problem.
+
+    The planner derives thousands of configs per plan. Without pydantic, each changed value goes through its field's
+    own validators and is held to its field's rules, and the cross-field rules run again; a value those checks do
+    not admit goes through training_config, whose words the error then has.
+    """
+    names, metadata = knob_names(), _knob_rules()
+    unknown = [name for name in changes if name not in names]
+    if unknown:
+        raise ConfigError([f"unknown setting {flag(name)}" for name in unknown])
     try:
-        return TrainingConfig.model_validate({**train.model_dump(), **changes})
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from exc
+        checked = {name: _checked(metadata.get(name), value) for name, value in changes.items()}
+    except (ValueError, OverflowError):
+        return training_config({**as_settings(train), **changes})
+    changed = replace(train, **checked)
+    problems = cross_field_problems(changed)
+    if problems:
+        raise ConfigError(problems)
+    return changed
+
+
+def _checked(annotated: Any, value: Any) -> Any:
+    """The value after its field's validators, as the field's number type; ValueError where they, the type or the
+    rules do not admit it."""
+    if annotated is None:
+        return value
+    numbers = [t for t in (*get_args(annotated.__origin__), annotated.__origin__) if t in (int, float)]
+    if value is not None and numbers:
+        if float in numbers and type(value) in (int, float):
+            value = float(value)
+        elif type(value) is not int:
+            raise ValueError(f"{value!r} is not an int")
+    for item in annotated.__metadata__:
+        if isinstance(item, (Before, After)):
+            value = item.function(value)
+        elif value is not None and not item.admits(value):
+            raise ValueError(f"{value!r} is outside {item!r}")
+    return value
+
+
+@lru_cache(maxsize=1)
+def _knob_rules() -> dict[str, Any]:
+    """Each annotated knob's annotation (`Annotated[int, Rules(...)]`); the knobs without rules are left out."""
+    from typing import get_type_hints
+
+    hints = get_type_hints(TrainingConfig, include_extras=True)
+    return {name: hint for name, hint in hints.items() if hasattr(hint, "__metadata__")}
+
+
+def as_settings(train: TrainingConfig) -> dict[str, Any]:
+    """Every knob's value (lists copied), as training_config takes them."""
+    return asdict(train)
+
+
+def changed_settings(train: TrainingConfig) -> dict[str, Any]:
+    """The knobs not at TrainingConfig's defaults, as JSON values (what a probe record keeps of a config)."""
+    defaults = to_jsonable(TrainingConfig())
+    return {name: value for name, value in to_jsonable(train).items() if value != defaults[name]}
 
 
 @lru_cache(maxsize=64)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from importlib import metadata
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from pathlib import Path
+from typing import Annotated, Literal
 
 from vram_planner.errors import ConfigError, ProfileError
+from vram_planner.profile_cache import cached, remembered
 from vram_planner.profiles import profile_dirs, read_toml, validated
+from vram_planner.validation import Rules
 
 # The newest TRL release the rows of profiles/trl.toml were checked against: its whole 1.16.x series is supported.
 NEWEST_KNOWN = "1.16.0"
@@ -23,22 +26,23 @@ _VERSION = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?"
 _RELEASE = r"^\d+\.\d+\.\d+$"  # the table's bounds: plain releases
 
 
-class TrlRelease(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class TrlRelease:
     """The memory-relevant behaviour of a range of TRL releases."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+    __pydantic_config__ = {"extra": "forbid"}
 
-    min_version: str = Field(pattern=_RELEASE)
-    below_version: str = Field(pattern=_RELEASE)
-    default_per_device_train_batch_size: int = Field(gt=0)
-    default_gradient_accumulation_steps: int = Field(gt=0)
+    min_version: Annotated[str, Rules(pattern=_RELEASE)]
+    below_version: Annotated[str, Rules(pattern=_RELEASE)]
+    default_per_device_train_batch_size: Annotated[int, Rules(gt=0)]
+    default_gradient_accumulation_steps: Annotated[int, Rules(gt=0)]
     default_gradient_checkpointing: bool
     default_mixed_precision: Literal["bf16", "no"]
-    default_beta: float = Field(ge=0)
-    default_max_prompt_length: int | None = Field(None, gt=0)
-    default_max_completion_length: int = Field(gt=0)
+    default_beta: Annotated[float, Rules(ge=0)]
+    default_max_prompt_length: Annotated[int | None, Rules(gt=0)] = None
+    default_max_completion_length: Annotated[int, Rules(gt=0)]
     default_vllm_mode: Literal["colocate", "server"]
-    default_vllm_gpu_memory_utilization: float | None = Field(None, gt=0, lt=1)
+    default_vllm_gpu_memory_utilization: Annotated[float | None, Rules(gt=0, lt=1)] = None
     default_optim: str
     default_model_dtype: Literal["float32", "bfloat16", "float16"]
     accepts_max_prompt_length: bool
@@ -88,13 +92,38 @@ def trl_releases() -> list[TrlRelease]:
     for folder in profile_dirs():
         path = folder / "trl.toml"
         if path.is_file():
-            rows.extend(validated(TrlRelease, row, f"{path} release #{i + 1}")
-                        for i, row in enumerate(read_toml(path).get("release", [])))
+            rows.extend(cached(path, _release_rows))
     return rows
 
 
+def _release_rows(path: Path) -> list[TrlRelease]:
+    return [validated(TrlRelease, row, f"{path} release #{i + 1}")
+            for i, row in enumerate(read_toml(path).get("release", []))]
+
+
 def installed_trl_version() -> str | None:
-    """The installed TRL's version, read from its metadata (TRL itself is not imported)."""
+    """The installed TRL's version, read from its metadata (TRL itself is not imported).
+
+    Kept for as long as the import path's folders stay as they are (installing, upgrading or removing a package
+    changes its folder's modification time, as Python's own import system counts on): importlib.metadata, with the
+    email package it reads metadata with, was a sixth of `plan`'s start-up.
+    """
+    return remembered(("installed TRL version",), _import_path_state(), _read_installed_trl_version)
+
+
+def _import_path_state() -> tuple[object, ...]:
+    state = []
+    for entry in sys.path:
+        try:
+            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            state.append((entry, None))
+    return tuple(state)
+
+
+def _read_installed_trl_version() -> str | None:
+    from importlib import metadata
+
     try:
         return metadata.version("trl")
     except metadata.PackageNotFoundError:
@@ -136,18 +165,18 @@ def trl_release(version: str | None = None) -> TrlRelease:
         if not _supported(parsed[0]):
             raise ConfigError([f"--trl-version {parsed[1]} is outside the TRL releases vram-plan knows "
                                f"({supported_range()}); choose one of those"])
-        return _row(parsed[0]).model_copy(update={"version": parsed[1]})
+        return replace(_row(parsed[0]), version=parsed[1])
     installed = installed_trl_version()
     parsed = parse_version(installed) if installed else None
     if parsed is not None and _supported(parsed[0]):
-        return _row(parsed[0]).model_copy(update={"version": parsed[1]})
+        return replace(_row(parsed[0]), version=parsed[1])
     newest = _bounds()[1]
     newest_text = ".".join(map(str, newest))
     note = ""
     if installed is not None:
         note = (f"the installed TRL {installed} is outside the releases vram-plan knows ({supported_range()}): "
                 f"planned for TRL {newest_text}, the newest it knows; pass --trl-version to plan for another")
-    return _row(newest).model_copy(update={"version": newest_text, "note": note})
+    return replace(_row(newest), version=newest_text, note=note)
 
 
 def _row(release: tuple[int, int, int]) -> TrlRelease:

@@ -13,6 +13,7 @@ from vram_planner.errors import VramPlanError
 from vram_planner.probe import fit as p
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
+from vram_planner.validation import to_jsonable
 
 # A short grid for --quick (and CI): one small model, one length, LoRA and full, checkpointing on and off.
 QUICK_MODELS, QUICK_COMPLETIONS = ("SmolLM2-135M",), (64,)
@@ -65,7 +66,7 @@ def run_probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, va
                                        progress=lambda n, total, what: progress.update(
                                            task, total=total, completed=n - 1, description=what))
     if json_output:
-        print(json.dumps({"calibration": json.loads(cal.model_dump_json()), "written": [str(w) for w in written],
+        print(json.dumps({"calibration": to_jsonable(cal), "written": [str(w) for w in written],
                           "fit": [{**r.model_dump(), "error": r.error} for r in quality],
                           "validation": [{**r.model_dump(), "error": r.error, "wrong_fit": r.wrong_fit}
                                          for r in rows]}, indent=2))

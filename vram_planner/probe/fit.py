@@ -13,7 +13,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,10 +26,11 @@ from vram_planner.model.calibration import Calibration, default_calibration
 from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.resolve import resolve_model
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig, changed_settings
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.profiles import HOME_ENV, GpuProfile, data_home, read_json
 from vram_planner.units import GiB
+from vram_planner.validation import to_json
 
 # Coefficients of the analytic model that real runs set and the probe fits (the rest of it is counted exactly).
 FITTED_COEFFICIENTS = ("inference_hidden_bytes", "inference_mlp_bytes", "backward_hidden_bytes", "backward_mlp_bytes")
@@ -164,7 +165,7 @@ class SimulatedMeasurer:
 
 
 def _settings(train: TrainingConfig) -> dict[str, Any]:
-    return train.model_dump(mode="json", exclude_defaults=True)
+    return changed_settings(train)
 
 
 def _config_json(model: str) -> dict[str, Any]:
@@ -282,7 +283,7 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
     if not any(point.phases for point in record.points):
         raise VramPlanError("the probe has no measured points to fit")
     capability = compute_capability(gpu_name)
-    fitted = base.model_copy(update=_fit_coefficients(_as_trl_runs(record), base, cublas_workspace_bytes(capability)))
+    fitted = replace(base, **_fit_coefficients(_as_trl_runs(record), base, cublas_workspace_bytes(capability)))
     ran_under = parse_allocator_conf(_ran_under(record), "the probe's PYTORCH_CUDA_ALLOC_CONF")
     setting = "expandable_segments" if ran_under.expandable_segments else "default"
     trl_reserved = _reserved_as_trl_runs(record)
@@ -290,7 +291,7 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
     reserve = {name: ({phase: {c: round(v * scale, 4) for c, v in per.items()} for phase, per in phases.items()}
                       if name == setting else phases) for name, phases in base.allocator_reserve.items()}
     device = record.device
-    return fitted.model_copy(update={
+    return replace(fitted, **{
         "name": "simulated probe" if "simulated" in device else "probe",
         "gpu": gpu_name,
         "source": f"vram-plan probe: {len(record.points)} GRPO steps; the {setting} allocator reserve scaled by "
@@ -315,7 +316,7 @@ def _fit_coefficients(record: ProbeRecord, base: Calibration, workspaces: int) -
     measured = np.array([phase.allocated_bytes - workspaces for _, phase in pairs], dtype=float)
 
     def predicted(values: np.ndarray) -> np.ndarray:
-        cal = base.model_copy(update=dict(zip(FITTED_COEFFICIENTS, values.tolist(), strict=True)))
+        cal = replace(base, **dict(zip(FITTED_COEFFICIENTS, values.tolist(), strict=True)))
         by_point = {point.label: _phase_bytes(point, cal) for point in record.points}
         return np.array([by_point[point.label].get(phase.name, 0.0) for point, phase in pairs])
 
@@ -420,7 +421,7 @@ def check_targets(gpu_name: str, simulated: bool, out: Path | None = None) -> No
 def save_calibration(cal: Calibration, gpu_name: str, out: Path | None = None) -> list[Path]:
     """Write the calibration where plan/check look for this GPU's, or for a simulated one beside it under its own
     name (and to `out`), atomically."""
-    text = cal.model_dump_json(indent=2) + "\n"
+    text = to_json(cal, indent=2) + "\n"
     targets = [calibration_path(gpu_name, is_simulated(cal))] + ([out] if out else [])
     return [write_atomically(path, text) for path in targets]
 

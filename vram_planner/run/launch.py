@@ -24,7 +24,7 @@ from vram_planner.extras import require_bitsandbytes, require_vllm
 from vram_planner.files import check_writable
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig, knob_names
 from vram_planner.model.verdict import Verdict, judge
 from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
 from vram_planner.units import GiB
@@ -475,7 +475,7 @@ def train(setup: RunSetup, prepared: PreparedRun, auto_fallback: bool, say: Call
 
 def changed(before: TrainingConfig, after: TrainingConfig) -> str:
     """The fields two configs differ in, as 'name before -> after'."""
-    fields = type(before).model_fields
+    fields = knob_names()
     return ", ".join(f"{k} {getattr(before, k)} -> {getattr(after, k)}" for k in fields
                      if getattr(before, k) != getattr(after, k))
 
