@@ -93,6 +93,14 @@ def test_a_changed_loader_loads_again(cache, tmp_path, monkeypatch):
     sys.modules.pop("catalog_loader")
 
 
+def test_two_keys_with_one_entry_name_never_read_each_other(cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(profile_cache, "_digest", lambda text: "same")
+    for name in ("a", "b", "a"):
+        (tmp_path / name).mkdir(exist_ok=True)
+        write_catalog(tmp_path / name / "gpus.toml", name)
+        assert [g.name for g in profile_cache.cached(tmp_path / name / "gpus.toml", profiles._catalog_gpus)] == [name]
+
+
 @pytest.mark.parametrize("damage", [b"", b"not a pickle", b"\x80\x05K"])
 def test_a_damaged_entry_is_loaded_again(cache, tmp_path, damage):
     load, calls = counting(profiles._catalog_gpus)

@@ -12,10 +12,10 @@ and only files the user owns are read back.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import sys
+import zlib
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -48,42 +48,51 @@ def cached(path: Path, load: Callable[[Path], Loaded]) -> Loaded:
 
 def remembered(what: tuple[object, ...], version: tuple[object, ...], compute: Callable[[], Loaded]) -> Loaded:
     """`compute()`, kept under `what` for as long as `version` (the state of whatever it depends on) stays the same."""
-    entry = cache_home() / "validated" / f"{_digest(FORMAT, *what)}-{_digest(*version)}.pickle"
-    found, value = _read(entry)
+    key = _text(FORMAT, *what), _text(*version)
+    entry = cache_home() / "validated" / f"{_digest(key[0])}-{_digest(key[1])}.pickle"
+    found, value = _read(entry, key)
     if found:
         return value  # type: ignore[return-value]
     value = compute()
-    _store(entry, value)
+    _store(entry, key, value)
     return value
 
 
-def _digest(*parts: object) -> str:
-    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:24]
+def _text(*parts: object) -> str:
+    return "\0".join(map(str, parts))
+
+
+def _digest(text: str) -> str:
+    """A short name for a key: the entry holds the whole key, so two keys with one name only cost a load (hashlib,
+    which loads OpenSSL, would cost every start more than that ever will)."""
+    data = text.encode("utf-8", "surrogateescape")
+    return f"{zlib.crc32(data):08x}{zlib.adler32(data):08x}"
 
 
 @lru_cache(maxsize=None)
 def _code_version(module: str) -> str:
     """The loader's module and the validation rules' module, as their files are now."""
     files = [sys.modules[module].__file__, sys.modules["vram_planner.validation"].__file__]
-    return _digest(*((s.st_size, s.st_mtime_ns) for s in (os.stat(f) for f in files if f)))
+    return _text(*((s.st_size, s.st_mtime_ns) for s in (os.stat(f) for f in files if f)))
 
 
-def _read(entry: Path) -> tuple[bool, object]:
+def _read(entry: Path, key: tuple[str, str]) -> tuple[bool, object]:
     try:
         with entry.open("rb") as fh:
             if hasattr(os, "getuid") and os.fstat(fh.fileno()).st_uid != os.getuid():
                 return False, None  # someone else's file in a shared cache folder: never unpickled
-            return True, pickle.load(fh)
+            stored_key, value = pickle.load(fh)
     except Exception:  # noqa: BLE001 - missing, unreadable or damaged (pickle raises many kinds): load the file again
         return False, None
+    return (True, value) if stored_key == key else (False, None)
 
 
-def _store(entry: Path, value: object) -> None:
+def _store(entry: Path, key: tuple[str, str], value: object) -> None:
     """Write the entry; drop the entries of the file's earlier versions, which no key reaches again."""
     from vram_planner.files import write_atomically
 
     try:
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - an object pickle cannot hold: load the file every time
         return
     try:

@@ -67,7 +67,7 @@ def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
 
 def _maximize(options: dict[str, Any]) -> None:
     """`plan --maximize FIELD`: the answer, then the plan at it; the impossible case in one line (exit 1)."""
-    from vram_planner.cli.report import maximized_report
+    from vram_planner.cli.maximized_report import maximized_report
     from vram_planner.model.maximize import maximizable_field, maximize
 
     if options["maximize"] is None:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from vram_planner.cli.report import MaximizedPlanReport, Report
+from vram_planner.cli.report import Report
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB, KiB, MiB
+
+if TYPE_CHECKING:  # --maximize's report: its module loads only for --maximize
+    from vram_planner.cli.maximized_report import MaximizedPlanReport
 
 BAR_WIDTH = 40
 COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients": "magenta",

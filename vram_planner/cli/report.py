@@ -13,7 +13,6 @@ from vram_planner.model.phases import COMPONENTS, Phase
 from vram_planner.model.search import Plan, smallest_config, vllm_fallback_note, vllm_tuned
 from vram_planner.model.verdict import Context, Verdict, judge
 from vram_planner.profiles import GpuProfile, gpus
-from vram_planner.validation import field_names
 
 
 @dataclass(kw_only=True)
@@ -184,36 +183,3 @@ def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutc
             phase.analytic_tensor_bytes = round(row.analytic_bytes)
             phase.analytic_relative_error = row.relative_error
     return report
-
-
-@dataclass(kw_only=True)
-class MaximizedReport:
-    """`plan --maximize`: the largest value of one knob that fits, and what one step more needs (bytes)."""
-
-    field: str
-    value: int | None  # null: even the smallest valid value does not fit
-    peak_bytes: int | None
-    next_value: int | None  # the next valid value above (the smallest valid one when nothing fits)
-    next_peak_bytes: int | None  # the least it needs (with --allow-savers: the least the savers make it need)
-    limited_by: str  # "memory", or why no larger value is valid
-    allow_savers: bool
-
-
-@dataclass(kw_only=True)
-class MaximizedPlanReport(Report):
-    """What `vram-plan plan --maximize FIELD --json` prints: the plan at the value, plus the answer."""
-
-    maximized: MaximizedReport
-
-
-def maximized_report(result: Any) -> MaximizedPlanReport:  # result: vram_planner.model.maximize.Maximized
-    plan = plan_report(result.plan)
-    plan.notes += list(result.notes)
-    answer = MaximizedReport(field=result.field, value=result.value, peak_bytes=_rounded(result.peak_bytes),
-                             next_value=result.next_value, next_peak_bytes=_rounded(result.next_peak_bytes),
-                             limited_by=result.limited_by, allow_savers=result.allow_savers)
-    return MaximizedPlanReport(**{f: getattr(plan, f) for f in field_names(Report)}, maximized=answer)
-
-
-def _rounded(n_bytes: float | None) -> int | None:
-    return None if n_bytes is None else round(n_bytes)
