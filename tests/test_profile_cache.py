@@ -167,6 +167,20 @@ def test_the_installed_trl_version_is_read_again_when_the_import_path_changes(ca
     assert trl_releases.installed_trl_version() == "1.16.2" and len(reads) == 2
 
 
+def test_each_import_path_keeps_its_own_trl_version(cache, tmp_path, monkeypatch):
+    """The `vram-plan` script and `python -m vram_planner` see different import paths; taking turns must not make
+    each read the metadata again."""
+    reads = []
+    monkeypatch.setattr(trl_releases, "_read_installed_trl_version", lambda: reads.append(1) or "1.16.0")
+    original = list(sys.path)
+    for folder in (tmp_path / "bin", tmp_path / "work"):
+        folder.mkdir()
+    for _ in range(2):
+        for first in (tmp_path / "bin", tmp_path / "work"):
+            monkeypatch.setattr(sys, "path", [str(first), *original])
+            assert trl_releases.installed_trl_version() == "1.16.0"
+    assert len(reads) == 2
+
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("VRAM_PLAN_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -106,9 +106,10 @@ def installed_trl_version() -> str | None:
 
     Kept for as long as the import path's folders stay as they are (installing, upgrading or removing a package
     changes its folder's modification time, as Python's own import system counts on): importlib.metadata, with the
-    email package it reads metadata with, was a sixth of `plan`'s start-up.
+    email package it reads metadata with, was a sixth of `plan`'s start-up. Each import path keeps its own entry (the
+    `vram-plan` script and `python -m vram_planner` see different ones).
     """
-    return remembered(("installed TRL version",), _import_path_state(), _read_installed_trl_version)
+    return remembered(("installed TRL version", *sys.path), _import_path_state(), _read_installed_trl_version)
 
 
 def _import_path_state() -> tuple[object, ...]:
