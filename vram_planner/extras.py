@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
+from collections.abc import Iterator
 
 from vram_planner.errors import VramPlanError
 
@@ -21,6 +24,26 @@ def require_train_extra(what: str) -> None:
         if importlib.util.find_spec(package) is None:
             raise VramPlanError(f"{what} needs torch, transformers, TRL and PEFT ({package} cannot be imported): "
                                 f"{TRAIN_EXTRA}")
+
+
+@contextlib.contextmanager
+def library_log_warnings_hidden() -> Iterator[None]:
+    """Only errors from libraries that log without setting logging up.
+
+    Their records reach stderr through logging's last-resort handler, which prints warnings: bitsandbytes 0.50,
+    which PEFT imports, warns on every CPU with AVX512-BF16 that the optional `kernels` package is missing. Such a
+    line is not the command's; `run --verbose` shows it.
+    """
+    handler = logging.lastResort
+    if handler is None:  # the application turned the last resort off: nothing reaches stderr that way
+        yield
+        return
+    level = handler.level
+    handler.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        handler.setLevel(level)
 
 
 def require_bitsandbytes(why: str) -> None:

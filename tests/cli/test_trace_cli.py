@@ -156,6 +156,23 @@ def test_a_failure_inside_torch_is_one_line_without_torchs_logged_traceback(tmp_
     assert "max_position_embeddings" in done.stderr
 
 
+def test_library_warnings_while_the_engine_loads_and_runs_stay_off_stderr():
+    # what bitsandbytes 0.50 does when PEFT imports it on a CPU with AVX512-BF16: a warning through logging's
+    # last-resort handler (pytest's own handlers would hide it in this process)
+    code = ("import logging, sys\nfrom vram_planner.tracing import session, step\n"
+            "load, build = step._import_engine, session.build_session\n"
+            "def noisy(function, when):\n"
+            "    def call(*args, **kwargs):\n"
+            "        logging.getLogger('bitsandbytes').warning('a library warning %s', when)\n"
+            "        return function(*args, **kwargs)\n"
+            "    return call\n"
+            "step._import_engine, session.build_session = noisy(load, 'loading'), noisy(build, 'building')\n"
+            "from vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    done = subprocess.run([sys.executable, "-c", code, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "a library warning" not in done.stderr and "peak" in done.stdout
+
 @pytest.mark.parametrize("sizes", [["--per-device-train-batch-size", "1000000000000", "--num-generations", "2"],
                                    ["--max-completion-length", "100000000"],
                                    ["--per-device-train-batch-size", "4096", "--max-completion-length", "65536",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 import time
 
@@ -425,3 +426,18 @@ def test_bitsandbytes_from_the_train_extra_imports_without_a_gpu():
 
     bitsandbytes = importlib.import_module("bitsandbytes")  # CI installs .[test], which includes .[train]
     assert bitsandbytes.optim.AdamW8bit is not None
+
+
+def test_warnings_of_libraries_that_never_set_logging_up_show_only_with_verbose():
+    # bitsandbytes 0.50 logs such a warning when PEFT imports it on a CPU with AVX512-BF16; it reaches stderr through
+    # logging's last-resort handler, which pytest's own handlers would hide in this process
+    code = ("import logging\nfrom vram_planner.run.launch import library_output\n"
+            "for verbose in (False, True):\n"
+            "    with library_output(verbose):\n"
+            "        logging.getLogger('bitsandbytes.backends.cpu.ops').warning('kernels missing, verbose=%s', verbose)\n"
+            "        logging.getLogger('bitsandbytes').error('an error, verbose=%s', verbose)\n"
+            "logging.getLogger('bitsandbytes').warning('after the run')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["an error, verbose=False", "kernels missing, verbose=True",
+                                        "an error, verbose=True", "after the run"]

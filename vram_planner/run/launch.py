@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
-from vram_planner.extras import require_bitsandbytes, require_vllm
+from vram_planner.extras import library_log_warnings_hidden, require_bitsandbytes, require_vllm
 from vram_planner.files import check_writable
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
@@ -279,7 +279,8 @@ def is_main_process() -> bool:
 @contextlib.contextmanager
 def library_output(verbose: bool) -> Iterator[None]:
     """Without --verbose, the run's own lines only: no deprecation warnings, library log lines or progress bars
-    (loading weights, writing shards, datasets' maps) from transformers, datasets and the hub client."""
+    (loading weights, writing shards, datasets' maps) from transformers, datasets and the hub client, nor the
+    warnings of libraries that log without setting logging up (bitsandbytes)."""
     if verbose:
         yield
         return
@@ -293,7 +294,7 @@ def library_output(verbose: bool) -> Iterator[None]:
     transformers_logging.disable_progress_bar()  # the hub client's bars too
     datasets.disable_progress_bars()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), library_log_warnings_hidden():
             for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
                 warnings.simplefilter("ignore", category)
             yield

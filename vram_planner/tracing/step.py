@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
-from vram_planner.extras import TRAIN_EXTRA, require_train_extra
+from vram_planner.extras import TRAIN_EXTRA, library_log_warnings_hidden, require_train_extra
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, parse_version
@@ -123,7 +123,8 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
 
     notes = check_traceable(train, release, ModelArchitecture.from_config(arch_config).max_position_embeddings)
     start = time.perf_counter()
-    _import_engine()
+    with library_log_warnings_hidden():
+        _import_engine()
     from vram_planner.tracing import phases as tp
     from vram_planner.tracing.counter import GRADS
     from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
@@ -257,7 +258,7 @@ def _quiet() -> Iterator[None]:
     fake_tensor_disabled = fake_tensor_log.disabled
     fake_tensor_log.disabled = True
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), library_log_warnings_hidden():
             warnings.simplefilter("ignore")
             yield
     finally:
