@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -241,3 +244,20 @@ def test_an_unwritable_data_home_is_refused_before_measuring(capsys, tmp_path, m
 def test_a_label_names_the_settings_it_was_made_from(point):
     model, settings = label_settings(point.label)
     assert model == point.model and ProbePoint(model, TrainingConfig(**settings)).label == point.label
+
+
+@pytest.mark.slow
+def test_library_warnings_while_probing_stay_off_stderr(tmp_path):
+    # what bitsandbytes 0.50 does when PEFT imports it on a CPU with AVX512-BF16: a warning through logging's
+    # last-resort handler (pytest's own handlers would hide it in this process)
+    code = ("import logging, sys\nfrom vram_planner.probe import fit\nmeasure = fit.SimulatedMeasurer.measure\n"
+            "def noisy(self, point):\n"
+            "    logging.getLogger('bitsandbytes').warning('a library warning')\n"
+            "    return measure(self, point)\n"
+            "fit.SimulatedMeasurer.measure = noisy\n"
+            "from vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    done = subprocess.run([sys.executable, "-c", code, "probe", "--simulate", "--gpu", "h100", "--quick", "--json",
+                           "--out", str(tmp_path / "h100.json")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VRAM_PLAN_HOME": str(tmp_path / "home")})
+    assert done.returncode == 0, done.stderr
+    assert "a library warning" not in done.stderr and json.loads(done.stdout)["written"]

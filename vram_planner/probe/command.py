@@ -41,6 +41,13 @@ def _measurer(simulate: bool, gpu: str | None) -> tuple[p.Measurer, str]:
 def run_probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, validate: bool,
               json_output: bool) -> int:
     """Measure, fit, save (and validate); the exit code: 0, or 1 when a validated "fits" did not run."""
+    from vram_planner.extras import library_log_warnings_hidden
+
+    with library_log_warnings_hidden():  # the training stack's imports (bitsandbytes) log outside the progress bar
+        return _probe(gpu, simulate, out, quick, validate, json_output)
+
+
+def _probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, validate: bool, json_output: bool) -> int:
     measurer, gpu_name = _measurer(simulate, gpu)
     p.check_targets(gpu_name, measurer.simulated, out)  # before minutes of measuring
     console = Console(stderr=True)
