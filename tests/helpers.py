@@ -1,11 +1,13 @@
-"""What several test modules share: model configs, running the CLI in-process, paths nothing can be written at, an
-out-of-memory message, a time limit, models built as TRL builds them, and a tokenizer trained here (benchmarks/
-gpu_steps.py uses it too). Fixtures live in conftest.py."""
+"""What several test modules share: model configs, running the CLI in-process or in a process of its own, paths
+nothing can be written at, an out-of-memory message, a time limit, models built as TRL builds them, and a tokenizer
+trained here (benchmarks/gpu_steps.py uses it too). Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,31 @@ def one_line_error(capsys, *args) -> str:
     assert code == 2, (out, err)
     assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
     return err
+
+
+def cli_in_a_subprocess(*args: str, setup: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real command's output in a process of its own, after `setup` (Python code): torch and libraries that
+    never set logging up write to the process's own stderr, which pytest's handlers would take in this process."""
+    code = f"import sys\n{setup}\nfrom vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def library_warning_before(*targets: str) -> str:
+    """Setup code for cli_in_a_subprocess: each target ('module:attribute.path') first logs a warning as bitsandbytes
+    0.50 does when PEFT imports it on a CPU with AVX512-BF16 (through logging's last-resort handler)."""
+    return ("import importlib, logging\n"
+            "def noisy(function):\n"
+            "    def call(*args, **kwargs):\n"
+            "        logging.getLogger('bitsandbytes').warning('a library warning')\n"
+            "        return function(*args, **kwargs)\n"
+            "    return call\n"
+            f"for target in {list(targets)!r}:\n"
+            "    module, _, path = target.partition(':')\n"
+            "    *parents, name = path.split('.')\n"
+            "    owner = importlib.import_module(module)\n"
+            "    for parent in parents:\n"
+            "        owner = getattr(owner, parent)\n"
+            "    setattr(owner, name, noisy(getattr(owner, name)))\n")
 
 
 def unwritable_targets(tmp_path) -> dict[str, str]:

@@ -181,6 +181,7 @@ def test_each_import_path_keeps_its_own_trl_version(cache, tmp_path, monkeypatch
             assert trl_releases.installed_trl_version() == "1.16.0"
     assert len(reads) == 2
 
+
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("VRAM_PLAN_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import FIXTURES, one_line_error, run
+from helpers import FIXTURES, cli_in_a_subprocess, library_warning_before, one_line_error, run
 from vram_planner.cli import main
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.tracing.step import trace_step
@@ -126,9 +126,7 @@ def test_a_config_too_large_for_torch_to_size_is_one_line(capsys, tmp_path):
 
 def _cli_in_a_subprocess(*args: str, blocked: str = "") -> subprocess.CompletedProcess:
     """The real command's stderr (torch logs to the process's own stream), with a package made unimportable."""
-    code = (f"import sys\nif {blocked!r}: sys.modules[{blocked!r}] = None\n"
-            "from vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    return cli_in_a_subprocess(*args, setup=f"sys.modules[{blocked!r}] = None" if blocked else "")
 
 
 @pytest.mark.parametrize("blocked", ["torch", pytest.param("trl", marks=pytest.mark.slow)])
@@ -157,21 +155,12 @@ def test_a_failure_inside_torch_is_one_line_without_torchs_logged_traceback(tmp_
 
 
 def test_library_warnings_while_the_engine_loads_and_runs_stay_off_stderr():
-    # what bitsandbytes 0.50 does when PEFT imports it on a CPU with AVX512-BF16: a warning through logging's
-    # last-resort handler (pytest's own handlers would hide it in this process)
-    code = ("import logging, sys\nfrom vram_planner.tracing import session, step\n"
-            "load, build = step._import_engine, session.build_session\n"
-            "def noisy(function, when):\n"
-            "    def call(*args, **kwargs):\n"
-            "        logging.getLogger('bitsandbytes').warning('a library warning %s', when)\n"
-            "        return function(*args, **kwargs)\n"
-            "    return call\n"
-            "step._import_engine, session.build_session = noisy(load, 'loading'), noisy(build, 'building')\n"
-            "from vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    done = subprocess.run([sys.executable, "-c", code, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT],
-                          capture_output=True, text=True, timeout=300)
+    setup = library_warning_before("vram_planner.tracing.step:_import_engine",
+                                   "vram_planner.tracing.session:build_session")
+    done = cli_in_a_subprocess("trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, setup=setup)
     assert done.returncode == 0, done.stderr
     assert "a library warning" not in done.stderr and "peak" in done.stdout
+
 
 @pytest.mark.parametrize("sizes", [["--per-device-train-batch-size", "1000000000000", "--num-generations", "2"],
                                    ["--max-completion-length", "100000000"],

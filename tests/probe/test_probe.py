@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
 import pytest
 
-from helpers import FIXTURES
+from helpers import FIXTURES, cli_in_a_subprocess, library_warning_before
 from vram_planner import api
 from vram_planner.model.calibration import Calibration, default_calibration
 from vram_planner.model.cublas import cublas_workspace_bytes
@@ -248,16 +245,8 @@ def test_a_label_names_the_settings_it_was_made_from(point):
 
 @pytest.mark.slow
 def test_library_warnings_while_probing_stay_off_stderr(tmp_path):
-    # what bitsandbytes 0.50 does when PEFT imports it on a CPU with AVX512-BF16: a warning through logging's
-    # last-resort handler (pytest's own handlers would hide it in this process)
-    code = ("import logging, sys\nfrom vram_planner.probe import fit\nmeasure = fit.SimulatedMeasurer.measure\n"
-            "def noisy(self, point):\n"
-            "    logging.getLogger('bitsandbytes').warning('a library warning')\n"
-            "    return measure(self, point)\n"
-            "fit.SimulatedMeasurer.measure = noisy\n"
-            "from vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    done = subprocess.run([sys.executable, "-c", code, "probe", "--simulate", "--gpu", "h100", "--quick", "--json",
-                           "--out", str(tmp_path / "h100.json")], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VRAM_PLAN_HOME": str(tmp_path / "home")})
+    done = cli_in_a_subprocess("probe", "--simulate", "--gpu", "h100", "--quick", "--json", "--out",
+                               str(tmp_path / "h100.json"), timeout=600,
+                               setup=library_warning_before("vram_planner.probe.fit:SimulatedMeasurer.measure"))
     assert done.returncode == 0, done.stderr
     assert "a library warning" not in done.stderr and json.loads(done.stdout)["written"]

@@ -112,13 +112,14 @@ def installed_trl_version() -> str | None:
     return remembered(("installed TRL version", *sys.path), _import_path_state(), _read_installed_trl_version)
 
 
-def _import_path_state() -> tuple[object, ...]:
+def _import_path_state() -> tuple[int | None, ...]:
+    """The modification time of each folder of the import path (None where there is none)."""
     state = []
     for entry in sys.path:
         try:
-            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+            state.append(os.stat(entry or ".").st_mtime_ns)
         except OSError:
-            state.append((entry, None))
+            state.append(None)
     return tuple(state)
 
 

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vram_planner.errors import VramPlanError
+from vram_planner.extras import library_log_warnings_hidden
 from vram_planner.probe import fit as p
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
@@ -38,16 +39,10 @@ def _measurer(simulate: bool, gpu: str | None) -> tuple[p.Measurer, str]:
     return measurer, GpuProfile.from_name(gpu or "auto").name
 
 
+@library_log_warnings_hidden()  # the training stack's imports (bitsandbytes) log beside the progress bar
 def run_probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, validate: bool,
               json_output: bool) -> int:
     """Measure, fit, save (and validate); the exit code: 0, or 1 when a validated "fits" did not run."""
-    from vram_planner.extras import library_log_warnings_hidden
-
-    with library_log_warnings_hidden():  # the training stack's imports (bitsandbytes) log outside the progress bar
-        return _probe(gpu, simulate, out, quick, validate, json_output)
-
-
-def _probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, validate: bool, json_output: bool) -> int:
     measurer, gpu_name = _measurer(simulate, gpu)
     p.check_targets(gpu_name, measurer.simulated, out)  # before minutes of measuring
     console = Console(stderr=True)
