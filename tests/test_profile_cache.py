@@ -157,7 +157,8 @@ def test_a_broken_or_missing_file_is_one_profile_error(cache, tmp_path):
 
 def test_the_installed_trl_version_is_read_again_when_the_import_path_changes(cache, tmp_path, monkeypatch):
     reads = []
-    monkeypatch.setattr(trl_releases, "_read_installed_trl_version", lambda: reads.append(1) or f"1.16.{len(reads)}")
+    monkeypatch.setattr(trl_releases, "_read_installed_version",
+                        lambda name: reads.append(name) or f"1.16.{len(reads)}")
     folder = tmp_path / "site-packages"
     folder.mkdir()
     monkeypatch.syspath_prepend(str(folder))
@@ -171,7 +172,7 @@ def test_each_import_path_keeps_its_own_trl_version(cache, tmp_path, monkeypatch
     """The `vram-plan` script and `python -m vram_planner` see different import paths; taking turns must not make
     each read the metadata again."""
     reads = []
-    monkeypatch.setattr(trl_releases, "_read_installed_trl_version", lambda: reads.append(1) or "1.16.0")
+    monkeypatch.setattr(trl_releases, "_read_installed_version", lambda name: reads.append(name) or "1.16.0")
     original = list(sys.path)
     for folder in (tmp_path / "bin", tmp_path / "work"):
         folder.mkdir()

@@ -86,11 +86,17 @@ def test_kv_cache_bf16(llama_1b):
     assert m.kv_cache_bytes(llama_1b, train, 8, 768) == 2 * N_LAYERS * KV_WIDTH * 2 * 8 * 768
 
 
-def test_kv_cache_of_fp32_weights_is_fp32_even_under_autocast(llama_1b):
-    # rotary's cos/sin follow the fp32 residual stream, and DynamicLayer starts values in the keys' dtype
-    assert m.kv_cache_bytes(llama_1b, cfg(), 8, 768) == N_LAYERS * KV_WIDTH * (4 + 4) * 8 * 768
-    no_autocast = cfg(mixed_precision="no")
+@pytest.mark.parametrize(("transformers_version", "value_bytes"), [("4.48.0", 2), ("5.23.0", 4), ("5.24.0", 2)])
+def test_kv_cache_of_fp32_weights_under_autocast_follows_the_transformers_release(llama_1b, transformers_version,
+                                                                                  value_bytes):
+    # rotary's cos/sin follow the fp32 residual stream, so keys are fp32; values leave v_proj in bf16, and
+    # DynamicLayer started them in the keys' dtype from 4.56 to 5.23
+    train = cfg(transformers_version=transformers_version)
+    assert m.kv_cache_bytes(llama_1b, train, 8, 768) == N_LAYERS * KV_WIDTH * (4 + value_bytes) * 8 * 768
+    no_autocast = cfg(mixed_precision="no", transformers_version=transformers_version)
     assert m.kv_cache_bytes(llama_1b, no_autocast, 8, 768) == N_LAYERS * KV_WIDTH * (4 + 4) * 8 * 768
+    lora = cfg(lora_r=16, transformers_version=transformers_version)  # LoRA generates without autocast
+    assert m.kv_cache_bytes(llama_1b, lora, 8, 768) == N_LAYERS * KV_WIDTH * (4 + 4) * 8 * 768
 
 
 def test_autocast_copies_fp32_weights_but_not_bf16_or_sharded_ones(llama_1b):

@@ -101,7 +101,9 @@ def test_the_recorded_cache_growth_is_what_running_every_decoding_step_allocates
     recorded = trace_step(config, train)
     monkeypatch.delattr(LiveBytes, "record_growth")  # a meter without it runs every step, as a real device does
     every_step = trace_step(config, train)
-    prompt_cache = 2 * 1 * 32 * 4 * 16  # 2 sequences x 1 KV head x head_dim 32 x float32 x 16 prompt tokens
+    # 2 sequences x 1 KV head x head_dim 32 x 16 prompt tokens, in bf16: the smaller of the keys' (float32) and the
+    # values' (bf16 or float32, as the installed transformers keeps them) storage
+    prompt_cache = 2 * 1 * 32 * 2 * 16
 
     def cache_events(result):
         return [(e.kind, e.size_bytes) for e in result.events

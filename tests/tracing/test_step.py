@@ -83,16 +83,19 @@ def test_optimizer_states_are_carried_by_every_phase_at_steady_state(full):
 
 @pytest.mark.parametrize(("dtype", "element_bytes"), [("float32", 4), ("bfloat16", 2)])
 def test_kv_cache_at_the_last_decoding_step(dtype, element_bytes):
-    # transformers 5.23's DynamicLayer starts each layer from an empty tensor of the keys' dtype, so under bf16
-    # autocast over float32 weights the values are kept in float32 like the (rotary, float32) keys.
-    result = trace_step(TINY, TrainingConfig(**{**SHORT, "max_prompt_length": 4, "max_completion_length": 60},
-                                             dtype=dtype))
+    # Keys leave rotary in the weights' dtype, values leave v_proj in autocast's bf16; the installed transformers' row
+    # says whether the cache keeps them so (5.24) or promotes the values to the keys' dtype (4.56 to 5.23): the
+    # trace runs the installed transformers, so a wrong row fails here.
+    train = TrainingConfig(**{**SHORT, "max_prompt_length": 4, "max_completion_length": 60}, dtype=dtype)
+    result = trace_step(TINY, train)
     arch = ModelArchitecture.from_config(TINY)
     sequences, tokens = 2, 4 + 60 - 1  # the last step caches p + c - 1 tokens
-    per_tensor = rounded(sequences * arch.num_kv_heads * tokens * arch.head_dim * element_bytes)
+    value_bytes = element_bytes if train.transformers.kv_values_dtype == "keys" else 2
+    keys = rounded(sequences * arch.num_kv_heads * tokens * arch.head_dim * element_bytes)
+    values = rounded(sequences * arch.num_kv_heads * tokens * arch.head_dim * value_bytes)
     generation = result.phase("generation")
     assert generation.moment.startswith("last decoding step")
-    assert generation.components["kv_cache"] == arch.num_layers * 2 * per_tensor
+    assert generation.components["kv_cache"] == arch.num_layers * (keys + values)
 
 
 def test_autocast_keeps_bf16_copies_of_float32_weights_during_generation(full):

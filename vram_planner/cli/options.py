@@ -46,6 +46,8 @@ KNOBS = [
     click.option("--num-gpus", type=int),
     click.option("--zero-stage", type=int),
     click.option("--fsdp/--no-fsdp", default=None),
+    click.option("--transformers-version", metavar="VERSION",
+                 help="Plan for this transformers release (default: the installed one, if of the TRL release's time)."),
     click.option("--allocator-conf", metavar="TEXT",
                  help="PYTORCH_CUDA_ALLOC_CONF of the run, e.g. expandable_segments:True (default: that environment "
                       "variable)."),

@@ -192,11 +192,14 @@ def _adafactor_state_elements(arch: ModelArchitecture, train: TrainingConfig) ->
 def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int) -> float:
     """Keys and values of every layer for `sequences` sequences of `tokens` tokens.
 
-    Keys come out of rotary in the residual stream's dtype (cos and sin follow it), and DynamicLayer starts values
-    from an empty tensor of the keys' dtype, so concatenation promotes them too: with float32 weights under autocast
-    both are float32.
+    Keys come out of rotary in the residual stream's dtype (cos and sin follow it); values come out of v_proj in
+    the dtype generate() computes in (autocast's, or the weights' for LoRA). Where the installed transformers starts
+    each layer's storage from an empty tensor of the keys' dtype (4.56 to 5.23), concatenation promotes the values
+    to it: with float32 weights under autocast both are float32 (profiles/transformers.toml).
     """
-    per_token_layer = arch.num_kv_heads * arch.head_dim * 2 * sizes(train).residual
+    key_bytes = sizes(train).residual
+    value_bytes = key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(as_generated(train)).compute
+    per_token_layer = arch.num_kv_heads * arch.head_dim * (key_bytes + value_bytes)
     return sequences * arch.kv_layers_tokens(tokens) * per_token_layer
 
 

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal, get_args
 from vram_planner.errors import ConfigError, closest_names, short_repr
 from vram_planner.model import trl_releases
 from vram_planner.model.divisors import divisors
+from vram_planner.model.transformers_releases import (TransformersRelease, known_transformers_version,
+                                                     transformers_release)
 from vram_planner.model.trl_releases import TrlRelease, version_tuple
 from vram_planner.validation import After, Before, Rules, error_message, field_names, to_jsonable, validate
 
@@ -68,6 +70,10 @@ def _known_release(value: str | None) -> str | None:
         return trl_releases.trl_release(value).version
     except ConfigError as exc:
         raise ValueError(exc.problems[0].removeprefix("--trl-version ")) from exc
+
+
+def _known_transformers(value: str | None) -> str | None:
+    return None if value is None else known_transformers_version(value)
 
 
 def _split_module_names(value: Any) -> Any:
@@ -134,6 +140,8 @@ class TrainingConfig:
     zero_stage: Annotated[int | None, Rules(ge=0, le=3)] = None
     fsdp: bool = False
     trl_version: Annotated[str | None, After(_known_release)] = None
+    # None: the installed transformers when it is of the TRL release's time, else the newest of that time we know
+    transformers_version: Annotated[str | None, After(_known_transformers)] = None
     # PYTORCH_CUDA_ALLOC_CONF of the run ("" for torch's defaults): expandable segments change the allocator's reserve
     allocator_conf: Annotated[str, After(_allocator_settings)] = ""
 
@@ -151,6 +159,11 @@ class TrainingConfig:
     def release(self) -> TrlRelease:
         """The TRL release whose meaning the knobs have."""
         return trl_releases.trl_release(self.trl_version or trl_releases.NEWEST_KNOWN)
+
+    @property
+    def transformers(self) -> TransformersRelease:
+        """The transformers release the run's model code comes from."""
+        return transformers_release(self.transformers_version, self.release.transformers_major)
 
     @property
     def steps_per_generation_resolved(self) -> int:

@@ -102,14 +102,20 @@ def _release_rows(path: Path) -> list[TrlRelease]:
 
 
 def installed_trl_version() -> str | None:
-    """The installed TRL's version, read from its metadata (TRL itself is not imported).
+    """The installed TRL's version, read from its metadata (TRL itself is not imported)."""
+    return installed_version("trl")
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a distribution (trl, transformers), read from its metadata, or None.
 
     Kept for as long as the import path's folders stay as they are (installing, upgrading or removing a package
     changes its folder's modification time, as Python's own import system counts on): importlib.metadata, with the
     email package it reads metadata with, was a sixth of `plan`'s start-up. Each import path keeps its own entry (the
     `vram-plan` script and `python -m vram_planner` see different ones).
     """
-    return remembered(("installed TRL version", *sys.path), _import_path_state(), _read_installed_trl_version)
+    return remembered(("installed version", distribution, *sys.path), _import_path_state(),
+                      lambda: _read_installed_version(distribution))
 
 
 def _import_path_state() -> tuple[int | None, ...]:
@@ -123,11 +129,11 @@ def _import_path_state() -> tuple[int | None, ...]:
     return tuple(state)
 
 
-def _read_installed_trl_version() -> str | None:
+def _read_installed_version(distribution: str) -> str | None:
     from importlib import metadata
 
     try:
-        return metadata.version("trl")
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
 
