@@ -131,3 +131,17 @@ def test_every_fix_is_flags_that_check_accepts(capsys, tmp_path, knobs):
         # later flags win in click, so the fix's flags override the run's own: check must accept the result
         code, out, err = run(capsys, "check", *base, *change.split(), "--json")
         assert code in (0, 1), (change, err)
+
+
+def test_a_larger_vllm_share_is_never_a_fix_that_saves_less_than_nothing(capsys, tmp_path):
+    # the plan raises vLLM's share first (0.3 -> 0.45 of 8 GiB costs 1.20 GiB): alone it is no fix, it goes with the
+    # next step, whose fix carries both and what they save together
+    log = tmp_path / "crash.log"
+    log.write_text(CURRENT)
+    code, out, _ = run(capsys, "advise", str(log), "--gpu", "8GiB", "--model", "Llama-3.2-1B", "--use-vllm", "--json")
+    fixes = [f for f in json.loads(out)["fixes"] if f["change"].startswith("--")]
+    assert code == 0 and fixes and all(f["saves_bytes"] > 0 for f in fixes), fixes
+    assert not any(f["change"] == "--vllm-max-model-length 768 --vllm-gpu-memory-utilization 0.45" for f in fixes)
+    first = min(fixes, key=lambda f: len(f["change"]))
+    assert "--vllm-gpu-memory-utilization 0.45" in first["change"] and "--dtype bfloat16" in first["change"]
+    assert "vLLM's share of the card" in first["cost"]

@@ -212,15 +212,17 @@ def _upgrade_fix(context: Any, train: Any, verdict: Any) -> Fix | None:
 
 def _plan_fixes(changes: Any) -> list[Fix]:
     """The plan's steps as fixes that stand alone: each applies every step up to it (a step is measured after the
-    ones before it, so alone it may not even be valid), and saves what they save together."""
+    ones before it, so alone it may not even be valid), and saves what they save together. Steps that save nothing
+    together yet (a larger vLLM share comes first, and costs) are no fix on their own: they join the next one."""
     from vram_planner.model.spec import command_line_flags
 
     fixes, settings, saved, knobs, reasons = [], {}, 0.0, [], []
     for change in changes:
-        settings, saved = {**settings, **change.settings}, saved + change.saved_bytes
+        settings, saved = {**settings, **change.settings}, saved + change.net_saved_bytes
         knobs, reasons = knobs + [change.knob], reasons + [change.reason]
-        fixes.append(Fix(change=command_line_flags(settings), saves_bytes=round(saved),
-                         cost=_cost(" + ".join(knobs)), why="; ".join(reasons)))
+        if saved > 0:
+                fixes.append(Fix(change=command_line_flags(settings), saves_bytes=round(saved),
+                             cost=_cost(" + ".join(knobs)), why="; ".join(reasons)))
     return fixes
 
 
@@ -235,4 +237,7 @@ def _cost(knob: str) -> str:
             "optim": "8-bit optimizer states (negligible quality loss)",
             "dtype": "bf16 weights (small quality risk)",
             "lora_r": "LoRA instead of full fine-tuning",
-            "load_in_4bit": "4-bit base weights (QLoRA)"}.get(knob, "changes the training itself")
+            "load_in_4bit": "4-bit base weights (QLoRA)",
+            "vllm_max_model_length": "none (vLLM's context: the longest prompt + completion)",
+            "vllm_gpu_memory_utilization": "none in quality or speed (vLLM's share of the card)"}.get(
+                knob, "changes the training itself")

@@ -85,13 +85,14 @@ def bars_title(report: Report, what: str) -> str:
 
 
 def changes_markdown(planned: Report) -> str:
-    """The plan's changes as a table, with the GiB each saves."""
+    """The plan's changes as a table, with the GiB each saves (or costs: a larger vLLM share)."""
     if not planned.changes:
         return "Your config fits as it is: the plan changes nothing." if planned.fits else ""
-    rows = [f"| `{c.knob}` | {c.before} → **{c.after}** | {gib(c.saved_bytes)} | {c.reason} |"
+    rows = [f"| `{c.knob}` | {c.before} → **{c.after}** | "
+            f"{f'costs {gib(c.cost_bytes)}' if c.cost_bytes > 0 else f'saves {gib(c.saved_bytes)}'} | {c.reason} |"
             for c in planned.changes]
     head = f"**The plan's changes** (as given the config needs {gib(planned.requested_peak_bytes or 0)} GiB):"
-    return "\n".join([head, "", "| knob | change | saves GiB | why |", "|---|---|---|---|", *rows])
+    return "\n".join([head, "", "| knob | change | GiB | why |", "|---|---|---|---|", *rows])
 
 
 def longest_markdown(as_given: Any, with_savers: Any) -> str:

@@ -68,8 +68,8 @@ def changes_text(report: Report) -> Text:
                 style="bold")
     for c in report.changes:
         text.append(f"  {c.knob}: {c.before} → {c.after}", style="bold")
-        if c.saved_bytes < 0:  # vLLM's share raised so that it can start: a cost, said as one
-            text.append(f"  costs {_g(-c.saved_bytes)} GiB", style="yellow")
+        if c.cost_bytes > 0:  # vLLM's share raised so that it can start: a cost, said as one
+            text.append(f"  costs {_g(c.cost_bytes)} GiB", style="yellow")
         else:
             text.append(f"  saves {_g(c.saved_bytes)} GiB", style="green")
         text.append(f"  ({c.reason})\n")

@@ -33,7 +33,8 @@ class ChangeReport:
     knob: str
     before: Any
     after: Any
-    saved_bytes: int
+    saved_bytes: int  # what the change takes off the peak; never negative
+    cost_bytes: int  # what it adds (vLLM's share raised so that vLLM starts and holds a round); never negative
     reason: str
 
 
@@ -135,7 +136,7 @@ def plan_report(plan: Plan) -> Report:
     report = verdict_report(shown, command="plan")
     report.fits = plan.fits
     report.changes = [ChangeReport(knob=c.knob, before=c.before, after=c.after, saved_bytes=round(c.saved_bytes),
-                                   reason=c.reason) for c in plan.changes]
+                                   cost_bytes=round(c.cost_bytes), reason=c.reason) for c in plan.changes]
     report.requested_peak_bytes = round(plan.requested.estimate.peak_bytes)
     if not plan.fits:
         report.smallest_config_peak_bytes = round(plan.smallest.estimate.peak_bytes)

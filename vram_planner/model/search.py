@@ -50,15 +50,31 @@ REASONS = {
 
 @dataclass(frozen=True)
 class Change:
+    """One step from the user's config to the plan's, with what it does to the peak: it saves bytes or it costs
+    them, never both, and neither is ever negative (a negative saving reads as a saving to people and programs)."""
+
     knob: str
     before: Any
     after: Any
     saved_bytes: float
     settings: dict[str, Any] = field(default_factory=dict)  # every field the change sets, to its new value
+    # What the change adds to the peak. Only a larger vLLM share costs: the trainer's changes that cost where they
+    # are made are reported with the change that pays for them (describe_changes).
+    cost_bytes: float = 0.0
 
     @property
     def reason(self) -> str:
         return "; ".join(REASONS.get(k, "") for k in self.knob.split(" + "))
+
+    @property
+    def net_saved_bytes(self) -> float:
+        """Saved less cost: what the change takes off the peak (negative when it adds to it)."""
+        return self.saved_bytes - self.cost_bytes
+
+
+def change(knob: str, before: Any, after: Any, net_saved_bytes: float, settings: dict[str, Any]) -> Change:
+    """A change that takes `net_saved_bytes` off the peak, said as a saving or as a cost."""
+    return Change(knob, before, after, max(net_saved_bytes, 0.0), settings, max(-net_saved_bytes, 0.0))
 
 
 @dataclass(frozen=True)
@@ -369,13 +385,14 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
     """The changes from the user's config to the chosen one, each with the peak bytes it saved, in the order the
     ladder makes them: its savers and semantic changes up to the chosen rung, then the micro-batch of that rung.
 
-    Each change is measured applied after the ones before it, so the savings add up to the requested peak minus the
-    chosen one. A change that is not valid on its own (float16 weights without LoRA, say) is made together with the
+    Each change is measured applied after the ones before it, so the savings less the costs add up to the requested
+    peak minus the chosen one. A change that is not valid on its own (float16 weights without LoRA, say) is made together with the
     next one. The ladder reaches the chosen micro-batch only because the rung's own did not fit, so the micro-batch
     change, last, always saves; but a change can cost memory where it is made (a smaller micro-batch turns on
     gradient accumulation, which keeps every gradient through the forward; checkpointing a model of one layer): such
     a change is reported together with the change after it that pays for it (the one before it, when it is the
-    last), so that every reported change saves zero or more and says truthfully what the pair saves.
+    last), so that every reported change of the trainer saves zero or more and says truthfully what the pair saves.
+    vLLM's share is set to what vLLM needs, not to save: a larger share is reported as the cost it is.
     """
     steps: list[Change] = []
     current, before_peak = user, judge(context, user).estimate.peak_bytes
@@ -391,7 +408,7 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
         knobs = [k for k, _, _ in pending]
         after_peak = judge(context, step).estimate.peak_bytes
         settings = {f: getattr(step, f) for f in knob_names() if getattr(step, f) != getattr(current, f)}
-        steps.append(Change(" + ".join(knobs), _values(current, knobs), _values(step, knobs),
+        steps.append(change(" + ".join(knobs), _values(current, knobs), _values(step, knobs),
                             before_peak - after_peak, settings))
         current, before_peak, pending = step, after_peak, []
     # vLLM's share is set, not saved: raising it costs the trainer memory and is reported as it is
@@ -403,18 +420,18 @@ def _paid_for(steps: list[Change]) -> tuple[Change, ...]:
     """The steps, each one that costs memory joined with the next (with the previous when it is last)."""
     joined: list[Change] = []
     for step in steps:
-        if joined and joined[-1].saved_bytes < 0:
+        if joined and joined[-1].net_saved_bytes < 0:
             step = _join(joined.pop(), step)
         joined.append(step)
-    while len(joined) > 1 and joined[-1].saved_bytes < 0:
+    while len(joined) > 1 and joined[-1].net_saved_bytes < 0:
         last = joined.pop()
         joined.append(_join(joined.pop(), last))
     return tuple(joined)
 
 
 def _join(first: Change, second: Change) -> Change:
-    return Change(f"{first.knob} + {second.knob}", f"{first.before}, {second.before}",
-                  f"{first.after}, {second.after}", first.saved_bytes + second.saved_bytes,
+    return change(f"{first.knob} + {second.knob}", f"{first.before}, {second.before}",
+                  f"{first.after}, {second.after}", first.net_saved_bytes + second.net_saved_bytes,
                   {**first.settings, **second.settings})
 
 
