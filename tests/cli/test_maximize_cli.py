@@ -64,6 +64,23 @@ def test_even_one_token_not_fitting_is_one_line_and_exit_1(capsys):
     assert doc["maximized"]["next_value"] == 1 and doc["maximized"]["next_peak_bytes"] > doc["capacity_bytes"] * 0.95
 
 
+@pytest.mark.parametrize("field,other", [("max_prompt_length", 512), ("max_completion_length", 256)])
+@pytest.mark.parametrize("savers", [False, True])
+def test_a_length_stops_at_vllms_context(capsys, field, other, savers):
+    # was "internal error: min() arg is an empty sequence" for the prompt, and a 4714-token completion vLLM cannot
+    # generate in its 1024-token context
+    a40 = ["--gpu", "a40", "--model", "Llama-3.2-1B", "--use-vllm", "--vllm-max-model-length", "1024"]
+    code, out, err = run(capsys, "plan", *a40, "--maximize", field, "--json", *(["--allow-savers"] if savers else []))
+    maximized = json.loads(out)["maximized"]
+    assert code == 0 and err == "" and maximized["value"] == 1024 - other and maximized["next_value"] is None
+    assert maximized["limited_by"] == (f"vLLM's context of 1024 tokens (--vllm-max-model-length) less the "
+                                       f"{other}-token {'completion' if other == 512 else 'prompt'}")
+    length = ["--max-prompt-length" if field == "max_prompt_length" else "--max-completion-length", str(1024 - other)]
+    assert run(capsys, "check", *a40, *length)[0] == 0  # check agrees the answer runs
+    assert "exceed --vllm-max-model-length 1024" in one_line_error(capsys, "check", *a40, length[0],
+                                                                   str(1025 - other))
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--maximize", "max_completion"], "did you mean 'max_completion_length'"),
     (["--maximize", "beta"], "--maximize beta is not supported"),

@@ -73,6 +73,29 @@ def test_plan_says_costs_when_it_raises_vllms_share(capsys):
     assert "vllm_gpu_memory_utilization=0.25," in out and "vllm_max_model_length=768," in out
 
 
+def test_json_says_a_larger_vllm_share_costs_and_no_change_saves_a_negative_amount(capsys):
+    code, plan = judged(capsys, "plan", "--gpu", "8GiB", "--model", "Llama-3.2-1B", "--use-vllm")
+    assert code == 0 and plan["changes"]
+    assert all(c["saved_bytes"] >= 0 and c["cost_bytes"] >= 0 for c in plan["changes"]), plan["changes"]
+    share = next(c for c in plan["changes"] if c["knob"] == "vllm_gpu_memory_utilization")
+    assert (share["saved_bytes"], share["cost_bytes"]) == (0, 1288490189)  # 0.15 of the card, rounded as vLLM does
+    net = sum(c["saved_bytes"] - c["cost_bytes"] for c in plan["changes"])
+    assert abs(plan["requested_peak_bytes"] - net - plan["peak_bytes"]) <= len(plan["changes"])  # each rounded
+    _, out, _ = run(capsys, "plan", "--gpu", "8GiB", "--model", "Llama-3.2-1B", "--use-vllm")
+    assert "vllm_gpu_memory_utilization: 0.3 → 0.45 costs 1.20 GiB" in " ".join(out.split())
+
+
+def test_prompt_and_completion_beyond_vllms_context_are_one_line_naming_the_flags(capsys):
+    a40 = ["--gpu", "a40", "--model", "Llama-3.2-1B", "--use-vllm", "--vllm-max-model-length", "1024"]
+    err = one_line_error(capsys, "check", *a40, "--max-completion-length", "4714")
+    assert "--max-prompt-length 256 + --max-completion-length 4714 = 4970 tokens exceed --vllm-max-model-length " \
+           "1024" in err and "use --vllm-max-model-length 4970 or more, or --max-completion-length 768 or less" in err
+    assert "vLLM's server refuses every such request" in one_line_error(
+        capsys, "plan", *a40, "--max-completion-length", "4714", "--vllm-mode", "server")
+    code, out, _ = run(capsys, "check", *a40, "--max-completion-length", "768", "--json")  # 1024 tokens: vLLM's all
+    assert code == 0 and json.loads(out)["vllm"]["max_model_len"] == 1024
+
+
 def test_nothing_fits_beside_vllm_offers_server_mode(capsys):
     code, plan = judged(capsys, "plan", "--gpu", "rtx3060-12gb", "--model", "Llama-3.1-8B", "--use-vllm")
     assert code == 1 and plan["vllm"]["problem"] is not None

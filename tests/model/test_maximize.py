@@ -20,6 +20,7 @@ from vram_planner.model.maximize import (MAXIMIZABLE, SaverPeaks, largest_within
                                          valid_values)
 from vram_planner.model.spec import MAX_COUNT, TrainingConfig, with_changes
 from vram_planner.model.trl_releases import trl_releases
+from vram_planner.model.verdict import check_training, judge
 from vram_planner.profiles import gpus, models
 
 MODELS = [m.name for m in models()] + [str(p) for p in sorted(FIXTURES.glob("tiny-*.json"))]
@@ -319,3 +320,66 @@ def test_every_card_gets_the_answer_maximize_gives_on_it(field, savers):
             alone = api.maximize("Llama-3.2-1B", card.name, field, LORA, allow_savers=savers)
             assert (alone.value, alone.peak_bytes) == (card.maximized.value, card.maximized.peak_bytes), card.name
     assert elapsed < 10  # seconds, a bound for 2 busy cores (about a second unloaded)
+
+
+# --- vLLM's knobs --------------------------------------------------------------------------------------------------
+
+VLLM_MODELS = ["Llama-3.2-1B", "Qwen2.5-0.5B", "gemma-3-1b-it", *(str(p) for p in sorted(FIXTURES.glob("tiny-*.json")))]
+
+
+@st.composite
+def vllm_knobs(draw) -> dict[str, Any]:
+    """Settings with vLLM on, its knobs drawn around the lengths (so that its context is often the tighter bound)."""
+    drawn = draw(st.fixed_dictionaries({"use_vllm": st.just(True)}, optional={
+        "vllm_max_model_length": st.one_of(st.integers(2, 2048), st.integers(2048, 200_000)),
+        "vllm_gpu_memory_utilization": st.sampled_from([0.05, 0.1, 0.3, 0.5, 0.9]),
+        "vllm_enable_sleep_mode": st.booleans(), "max_prompt_length": st.integers(1, 3000),
+        "max_completion_length": st.integers(1, 6000), "lora_r": st.sampled_from([8, 64]),
+        "dtype": st.sampled_from(["bfloat16", "float32"]), "per_device_train_batch_size": st.sampled_from([8, 16])}))
+    where = draw(st.sampled_from(["colocate", "colocate", "server", "tensor parallel"]))
+    if where == "server":
+        drawn.update(vllm_mode="server", vllm_server_gpu=draw(st.sampled_from(["a40", "t4", "h100-80gb"])))
+    elif where == "tensor parallel":
+        drawn.update(vllm_tensor_parallel_size=2, num_gpus=2)
+    return drawn
+
+
+def _runs(context, train: TrainingConfig, **changes: Any) -> bool:
+    """Whether TRL and vLLM accept `train` with these changes (the checks `check` makes before judging memory)."""
+    try:
+        check_training(with_changes(train, **changes), context)
+        return True
+    except ConfigError:
+        return False
+
+
+@settings(QUICK, max_examples=200)
+@given(field=st.sampled_from(MAXIMIZABLE), model=st.sampled_from(VLLM_MODELS),
+       card=st.sampled_from(["8GiB", "rtx4090", "a40", "h100-80gb"]), drawn=vllm_knobs(), savers=st.booleans())
+def test_maximize_answers_every_vllm_setting_with_a_config_vllm_runs(field, model, card, drawn, savers):
+    # found by a sweep of plan: maximizing a length past --vllm-max-model-length gave "internal error: min() arg is
+    # an empty sequence" (no config of the next value was valid), or an answer vLLM cannot generate
+    context = api.make_context(model, card)
+    try:
+        train = api.make_training(context, drawn)
+    except ConfigError:
+        assume(False)  # settings TRL, vLLM or the card refuse: one clear line before any search
+        raise
+    try:
+        with within_seconds(30):
+            result = maximize(context, train, field, allow_savers=savers)
+    except ConfigError as error:  # no value to search (lora_r without LoRA, a length already at the context)
+        assert str(error).count("\n") == 0 and ("--maximize lora_r needs LoRA" in str(error) or "already fills" in
+                                                 str(error)), error
+        return
+    if result.fits:
+        chosen = result.plan.chosen.train
+        assert getattr(chosen, field) == result.value and _runs(context, chosen)
+        assert judge(context, chosen).fits
+    if result.next_value is not None:  # the search stopped at memory or at vLLM's start-up, not at a refused value
+        assert _runs(context, train, **{field: result.next_value}), result.limited_by
+    elif field in ("max_prompt_length", "max_completion_length"):  # at the largest length vLLM and the model take
+        above = (result.value or 0) + 1
+        positions = context.arch.max_position_embeddings
+        assert not _runs(context, train, **{field: above}) or (
+            positions is not None and with_changes(train, **{field: above}).sequence_length > positions)

@@ -7,6 +7,8 @@ import math
 import re
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from vram_planner import api
 from vram_planner.errors import ConfigError
@@ -16,6 +18,7 @@ from vram_planner.model.calibration import Calibration
 from vram_planner.model.phases import estimate
 from vram_planner.model.spec import as_settings, training_config
 from vram_planner.model.trl_releases import trl_release
+from vram_planner.model.verdict import check_training
 from vram_planner.units import GiB, MiB
 
 CAPACITY = 80 * GiB
@@ -234,3 +237,61 @@ def test_a_trainer_that_fills_the_card_alone_is_said_so_not_as_negative_free_mem
     problem = api.check("Qwen2.5-3B", "rtx2060", {"use_vllm": True}).estimate.vllm.problem
     assert "the trainer's CUDA context and weights already take" in problem
     assert not re.search(r"-\d+(\.\d+)? GiB", problem)
+
+
+def test_a_larger_vllm_share_is_a_cost_not_a_negative_saving():
+    # 8 GiB: vLLM's round needs 0.45 of the card, not TRL's 0.3; the trainer then has 0.15 x 8 GiB less
+    plan = api.plan("Llama-3.2-1B", "8GiB", {"use_vllm": True})
+    assert plan.fits
+    share = next(c for c in plan.changes if c.knob == "vllm_gpu_memory_utilization")
+    assert (share.before, share.after) == (0.3, 0.45)
+    assert share.saved_bytes == 0 and share.cost_bytes == math.ceil(0.45 * 8 * GiB) - math.ceil(0.3 * 8 * GiB)
+    assert all(c.saved_bytes >= 0 and c.cost_bytes == 0 for c in plan.changes if c is not share)
+    net = sum(c.saved_bytes - c.cost_bytes for c in plan.changes)
+    assert plan.requested.estimate.peak_bytes - net == pytest.approx(plan.chosen.estimate.peak_bytes)
+
+
+def test_prompt_and_completion_beyond_vllms_context_are_refused_with_vllms_reason():
+    arch = api.make_context("Llama-3.2-1B", "a40").arch
+
+    def problems(**knobs):
+        return vllm.vllm_config_problems(training_config({"use_vllm": True, **knobs}), arch)
+
+    # 256 + 768 tokens is exactly vLLM's context of 1024: one token more is not
+    assert problems(vllm_max_model_length=1024, max_completion_length=768) == []
+    [colocated] = problems(vllm_max_model_length=1024, max_completion_length=769)
+    assert colocated.startswith("--max-prompt-length 256 + --max-completion-length 769 = 1025 tokens exceed "
+                                "--vllm-max-model-length 1024")
+    assert "vLLM stops each sequence at 1024 tokens, so no completion reaches 769 tokens" in colocated
+    assert colocated.endswith("use --vllm-max-model-length 1025 or more, or --max-completion-length 768 or less")
+    [server] = problems(vllm_max_model_length=1024, max_completion_length=4714, vllm_mode="server")
+    assert "vLLM's server refuses every such request (\"This model's maximum context length is 1024 tokens\"" in server
+    [whole_prompt] = problems(vllm_max_model_length=256)  # the prompt leaves no room for one token
+    assert "The decoder prompt (length 256) plus the number of requested output tokens (at least 1) is longer than " \
+           "the maximum model length of 256" in whole_prompt and "--max-completion-length" not in whole_prompt.split(
+               "; use ")[1]
+    # beyond the model's own context no --vllm-max-model-length helps: only shorter lengths do
+    [too_long] = problems(vllm_max_model_length=131072, max_prompt_length=1000, max_completion_length=130100)
+    assert too_long.endswith("use --max-completion-length 130072 or less")
+    assert problems(max_completion_length=4714) == []  # no --vllm-max-model-length: vLLM derives the model's context
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=60,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(model=st.sampled_from(["Llama-3.2-1B", "Qwen2.5-0.5B", "gemma-3-1b-it"]),
+       card=st.sampled_from(["6GiB", "8GiB", "rtx4090", "a40"]), prompt=st.integers(1, 3000),
+       completion=st.integers(1, 6000), slack=st.integers(-64, 4000), server=st.booleans())
+def test_the_plan_never_proposes_what_vllms_context_cannot_hold(model, card, prompt, completion, slack, server):
+    context = max(2, prompt + completion + slack)  # around the boundary, mostly within it
+    knobs = {"use_vllm": True, "vllm_max_model_length": context, "max_prompt_length": prompt,
+             "max_completion_length": completion, **({"vllm_mode": "server"} if server else {})}
+    try:
+        plan = api.plan(model, card, knobs)
+    except ConfigError as error:
+        assume("exceed --vllm-max-model-length" not in str(error) and prompt + completion <= context)
+        raise  # prompt + completion within vLLM's context: nothing else here is a reason to refuse
+    assert prompt + completion <= context, "planned a config vLLM cannot generate"
+    for verdict in (plan.chosen, plan.smallest):
+        if verdict is not None:
+            check_training(verdict.train, verdict.context)  # vLLM takes what the plan prints
+            assert verdict.train.sequence_length <= context

@@ -90,16 +90,21 @@ def valid_values(context: Context, train: TrainingConfig, field: str) -> ValidVa
 
 def _lengths(context: Context, train: TrainingConfig, field: str, largest: str) -> ValidValues:
     """Whole tokens, up to the model's context less the other length (rotary models run past it, but no longer
-    as trained)."""
-    context_tokens = context.arch.max_position_embeddings
-    if context_tokens is None:
-        return ValidValues(MAX_COUNT, largest)
+    as trained), and up to vLLM's context less the other length when --vllm-max-model-length sets it (vLLM cannot
+    generate past it: vram_planner/model/vllm.py context_problem)."""
     other = train.max_prompt_length if field == "max_completion_length" else train.max_completion_length
-    if other >= context_tokens:
-        raise ConfigError([f"{flag(_other(field))} {other} already fills the model's context of {context_tokens} "
-                           f"tokens (max_position_embeddings): no {field} is left to maximize"])
-    return ValidValues(min(context_tokens - other, MAX_COUNT),
-                       f"the model's context of {context_tokens} tokens (max_position_embeddings) less the "
+    contexts = [(train.vllm_max_model_length, "vLLM's context", "--vllm-max-model-length")] if (
+        train.use_vllm and train.vllm_max_model_length is not None) else []
+    if context.arch.max_position_embeddings is not None:
+        contexts.append((context.arch.max_position_embeddings, "the model's context", "max_position_embeddings"))
+    if not contexts:
+        return ValidValues(MAX_COUNT, largest)
+    tokens, whose, source = min(contexts, key=lambda found: found[0])
+    if other >= tokens:
+        raise ConfigError([f"{flag(_other(field))} {other} already fills {whose} of {tokens} tokens ({source}): no "
+                           f"{field} is left to maximize"])
+    return ValidValues(min(tokens - other, MAX_COUNT),
+                       f"{whose} of {tokens} tokens ({source}) less the "
                        f"{other}-token {_other(field).removeprefix('max_').removesuffix('_length')}")
 
 

@@ -452,6 +452,8 @@ def vllm_config_problems(train: TrainingConfig, arch: ModelArchitecture) -> list
     if train.vllm_max_model_length and arch.context_length and train.vllm_max_model_length > arch.context_length:
         problems.append(f"--vllm-max-model-length {train.vllm_max_model_length} exceeds the model's context "
                         f"({arch.context_length} tokens): vLLM refuses it")
+    elif train.vllm_max_model_length and train.sequence_length > train.vllm_max_model_length:
+        problems.append(context_problem(train, arch))
     if train.vllm_server_gpu:
         from vram_planner.errors import VramPlanError
 
@@ -460,3 +462,27 @@ def vllm_config_problems(train: TrainingConfig, arch: ModelArchitecture) -> list
         except VramPlanError as exc:
             problems.append(f"--vllm-server-gpu: {str(exc).removeprefix('--gpu ')}")
     return problems
+
+
+def context_problem(train: TrainingConfig, arch: ModelArchitecture) -> str:
+    """Why vLLM cannot generate the planned completions when prompt + completion exceed the max_model_len TRL passes
+    (vllm_max_model_length; trl vllm-serve's --max_model_len in server mode), in vLLM's terms: the server refuses
+    each such request (its OpenAI endpoint, which TRL's client calls, checks prompt + max_tokens against
+    max_model_len); the colocated engine refuses a prompt that leaves no room for one token
+    (InputProcessor._validate_prompt_len) and otherwise stops each sequence at max_model_len (check_stop), so no
+    completion reaches max_completion_length and the memory planned for it is not what runs."""
+    p, c, m = train.max_prompt_length, train.max_completion_length, train.vllm_max_model_length
+    if train.vllm_mode == "server":
+        why = (f"vLLM's server refuses every such request (\"This model's maximum context length is {m} tokens\", "
+               f"and {p} prompt + {c} completion tokens are {p + c})")
+    elif p >= m:
+        why = (f"vLLM refuses the prompt (\"The decoder prompt (length {p}) plus the number of requested output "
+               f"tokens (at least 1) is longer than the maximum model length of {m}\")")
+    else:
+        why = f"vLLM stops each sequence at {m} tokens, so no completion reaches {c} tokens after a {p}-token prompt"
+    fixes = [f"--max-completion-length {m - p} or less"] if m > p else []
+    if arch.context_length is None or p + c <= arch.context_length:
+        fixes.insert(0, f"--vllm-max-model-length {p + c} or more")
+    fix = ", or ".join(fixes) if fixes else "a shorter --max-prompt-length or --max-completion-length"
+    return (f"--max-prompt-length {p} + --max-completion-length {c} = {p + c} tokens exceed --vllm-max-model-length "
+            f"{m}, vLLM's context for prompt and completion together: {why}; use {fix}")
