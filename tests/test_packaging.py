@@ -28,3 +28,40 @@ def test_every_profile_data_file_is_shipped():
     data = [p for p in (ROOT / "profiles").rglob("*") if p.is_file() and p.suffix in (".toml", ".json", ".jsonl")]
     unshipped = [p for p in data if not any(p.relative_to(ROOT / "profiles").match(pattern) for pattern in patterns)]
     assert not unshipped, unshipped
+
+
+def _tested_set() -> dict[str, str]:
+    """constraints.txt: the tested set of library versions, name -> version."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def test_the_readme_and_ci_install_the_tested_set():
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv .venv"))
+    assert '.venv/bin/pip install -e ".[test]" -c constraints.txt' in command
+    assert '-e ".[test]" -c constraints.txt' in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_tested_set_pins_the_training_stack_within_the_packages_own_ranges():
+    from packaging.requirements import Requirement
+
+    pins = _tested_set()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["train"]]
+    for requirement in requirements:
+        assert requirement.name in pins, f"constraints.txt pins no {requirement.name}"
+        assert requirement.specifier.contains(pins[requirement.name]), (requirement, pins[requirement.name])
+
+
+def test_the_tested_releases_are_rows_of_the_release_tables():
+    from vram_planner.model.transformers_releases import known_transformers_version
+    from vram_planner.model.trl_releases import trl_release
+
+    pins = _tested_set()
+    assert trl_release(pins["trl"]).version == pins["trl"]
+    assert known_transformers_version(pins["transformers"]) == pins["transformers"]

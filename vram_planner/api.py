@@ -19,8 +19,8 @@ from vram_planner.model.search import Plan, best_plan
 from vram_planner.model.spec import TrainingConfig, as_settings, knob_names, release_config, training_config
 from vram_planner.model.trl_semantics import release_defaults
 from vram_planner.model.trl_releases import trl_release
-from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, check_safety_margin,
-                                        check_training, judge)
+from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, adapt_to_model,
+                                        check_safety_margin, check_training, judge)
 from vram_planner.profiles import GpuProfile, gpus, model_config
 
 if TYPE_CHECKING:  # `plan` and `check` do not search for a largest value: the module loads when one is asked for
@@ -68,7 +68,7 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
             train = training_config({**defaults, **values})
         else:
             train = release_config({**defaults, **values})
-    train = adapt_to_gpu(train, context.gpu, explicit)
+    train = adapt_to_model(adapt_to_gpu(train, context.gpu, explicit), context.arch, explicit)
     check_training(train, context)
     return train
 

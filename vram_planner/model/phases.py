@@ -315,6 +315,9 @@ def _notes(arch: ModelArchitecture, train: TrainingConfig) -> tuple[str, ...]:
     if not arch.exact:
         notes.append(f"model_type {arch.model_type!r} is not one vram-plan knows; it was read as a Llama-style "
                      "decoder, so counts may be off")
+    if train.attn_implementation == "eager" and not train.transformers.supports_sdpa(arch.model_type):
+        notes.append(f"attention: eager, as transformers {train.transformers.version} runs {arch.model_type} (it has "
+                     "no SDPA path for this model), which keeps each layer's attention probabilities for backward")
     if arch.max_position_embeddings and train.sequence_length > arch.max_position_embeddings:
         notes.append(f"prompt + completion ({train.sequence_length} tokens) exceeds the model's "
                      f"max_position_embeddings ({arch.max_position_embeddings})")

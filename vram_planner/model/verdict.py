@@ -115,6 +115,23 @@ def adapt_to_gpu(train: TrainingConfig, gpu: GpuProfile, explicit: set[str]) -> 
     return train
 
 
+def adapt_to_model(train: TrainingConfig, arch: ModelArchitecture, explicit: set[str]) -> TrainingConfig:
+    """The attention the installed transformers runs this model with when the run names none: eager where the
+    model's code has no SDPA (gemma2 from transformers 5.21: SDPA has no softcapping)."""
+    if ("attn_implementation" not in explicit and train.attn_implementation == "sdpa"
+            and not train.transformers.supports_sdpa(arch.model_type)):
+        return with_changes(train, attn_implementation="eager")
+    return train
+
+
+def attention_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
+    """An attention implementation the model's code refuses to load with."""
+    if train.attn_implementation == "sdpa" and not train.transformers.supports_sdpa(arch.model_type):
+        return [f"--attn-implementation sdpa: transformers {train.transformers.version} has no SDPA attention for "
+                f"{arch.model_type} (from_pretrained refuses it); use eager (its default) or flash_attention_2"]
+    return []
+
+
 def lora_target_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
     """LoRA target names that are not linear layers of this model's decoder layers, with the closest names.
 
@@ -146,7 +163,7 @@ def _vllm_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
 
 def check_training(train: TrainingConfig, context: Context) -> None:
     """Refuse settings this GPU cannot run or this model does not have, all problems at once."""
-    problems = (gpu_problems(train, context.gpu) + lora_target_problems(train, context.arch)
-                + _vllm_problems(train, context.arch))
+    problems = (gpu_problems(train, context.gpu) + attention_problems(train, context.arch)
+                + lora_target_problems(train, context.arch) + _vllm_problems(train, context.arch))
     if problems:
         raise ConfigError(problems)
