@@ -125,10 +125,12 @@ def parameter_count(model) -> int:
 
 
 def linear_names(model) -> set[str]:
+    """The linear layers' names in the decoder layers (a multimodal model's vision tower has layers of its own)."""
     import torch
 
-    return {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-            if isinstance(mod, torch.nn.Linear) and ".layers." in name}
+    decoder = model.get_decoder()
+    return {name.rsplit(".", 1)[-1] for name, mod in decoder.named_modules()
+            if isinstance(mod, torch.nn.Linear) and "layers." in name}
 
 
 def math_sample_tokenizer():

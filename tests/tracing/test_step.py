@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURES
+from helpers import FIXTURES, family_fixture_files
 from vram_planner.errors import VramPlanError
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
@@ -258,3 +258,17 @@ def test_analytic_model_stays_within_5_percent_of_the_trace(name):
     assert all(abs(e) < 0.05 for e in errors.values()), errors
     assert abs(analytic.tensor_peak_bytes - traced.peak_bytes) / traced.peak_bytes < 0.05
     assert traced.params == analytic.params and traced.trainable_params == analytic.trainable_params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", family_fixture_files(), ids=lambda path: path.stem)
+def test_every_fixture_architecture_traces_as_check_resolves_it(fixture):
+    """Every family (a multimodal Gemma 3 among them) traces with the attention the installed transformers runs it
+    with, and the trace counts the parameters the analytic model counts (a vision tower included)."""
+    from vram_planner import api
+
+    context = api.make_context(str(fixture), "h100-80gb")
+    train = api.make_training(context, {**SHORT, "beta": 0.04})
+    result = trace_step(json.loads(fixture.read_text()), train, context.release)
+    assert result.params == context.arch.params
+    assert [p.name for p in result.phases] == ["generation", "scoring", "training", "optimizer"]

@@ -31,11 +31,14 @@ def _generation_config(model: Any, max_new_tokens: int, returns_cache: bool = Fa
 
     defaults = {name: GRPOConfig.__dataclass_fields__[name].default
                 for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-    eos = model.config.eos_token_id
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos
+    # A multimodal config (Gemma 3's) keeps the token ids in its text config, as the tokenizer TRL pads with does
+    text = model.config.get_text_config()
+    eos = getattr(text, "eos_token_id", None)
+    pad = getattr(text, "pad_token_id", None)
+    pad = eos if pad is None else pad
     pad = pad[0] if isinstance(pad, list) else pad  # TRL pads with the tokenizer's pad token, often the first EOS
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=pad, eos_token_id=eos,
-                            bos_token_id=model.config.bos_token_id, disable_compile=True,
+                            bos_token_id=getattr(text, "bos_token_id", None), disable_compile=True,
                             return_dict_in_generate=returns_cache, **defaults)
 
 
