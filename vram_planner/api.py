@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from vram_planner.errors import ConfigError, VramPlanError, short_repr
 from vram_planner.model.calibration import Calibration, calibration_for
@@ -73,18 +73,45 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
     return train
 
 
-def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None,
-          **context_options: Any) -> Verdict:
-    """The verdict for exactly this configuration."""
+@overload
+def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+          exact: Literal[False] = False, progress: Callable[[str], None] | None = None,
+          **context_options: Any) -> Verdict: ...
+@overload
+def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+          exact: Literal[True], progress: Callable[[str], None] | None = None,
+          **context_options: Any) -> TraceOutcome: ...
+def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+          exact: bool = False, progress: Callable[[str], None] | None = None,
+          **context_options: Any) -> Verdict | TraceOutcome:
+    """The verdict for exactly this configuration. With `exact`, the step traced and judged by its need (`trace`'s
+    outcome: `.fits` is `need_bytes <= capacity`, `.analytic` the verdict without `exact`); needs the train extra,
+    and `progress` is called with what it is doing."""
+    if exact:
+        _require_tracing("an exact verdict (--exact)")
     context = make_context(model, gpu, **context_options)
-    return judge(context, make_training(context, settings))
+    train = make_training(context, settings)
+    return _traced(model, context, train, progress) if exact else judge(context, train)
 
 
-def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None,
-         **context_options: Any) -> Plan:
-    """The best configuration that fits, starting from these settings."""
+@overload
+def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+         exact: Literal[False] = False, progress: Callable[[str], None] | None = None,
+         **context_options: Any) -> Plan: ...
+@overload
+def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+         exact: Literal[True], progress: Callable[[str], None] | None = None,
+         **context_options: Any) -> ExactPlan: ...
+def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+         exact: bool = False, progress: Callable[[str], None] | None = None,
+         **context_options: Any) -> Plan | ExactPlan:
+    """The best configuration that fits, starting from these settings. With `exact`, the plan's choice and the
+    config ranked just above it traced and judged by their needs (`ExactPlan`)."""
+    if exact:
+        _require_tracing("an exact plan (--exact)")
     context = make_context(model, gpu, **context_options)
-    return best_plan(context, make_training(context, settings))
+    user = make_training(context, settings)
+    return _exact_plan(model, context, user, progress) if exact else best_plan(context, user)
 
 
 # Without --gpu a trace judges against the local card, and on a machine without one (where traces usually run)
@@ -94,22 +121,38 @@ FALLBACK_TRACE_GPU = "rtx3080-mobile"
 
 @dataclass(frozen=True)
 class TraceOutcome:
-    """A traced step judged like `check`, but on what the caching allocator model reserves for the traced events
-    (plus the CUDA context, which the trace cannot see), and the analytic verdict for the same config."""
+    """A traced step, the analytic verdict for the same config, and the verdict by the step's need: the least card
+    on which the caching allocator model replays the traced events without running out. `traced` is judged like
+    `check`, on what the allocator model holds on this card (plus the CUDA context, which the trace cannot see)."""
 
     traced: Verdict
     analytic: Verdict
     result: Any  # vram_planner.tracing.step.TraceResult: tensor bytes only, per phase and component
     reserved: Any = None  # vram_planner.tracing.reserve.ReservedMemory: the allocator model's reserved bytes
+    need: Any = None  # vram_planner.tracing.need.Need: the least capacity the step runs in, bisected
 
     @property
     def fits(self) -> bool:
-        return self.traced.fits
+        """Whether the step runs on the card: its need within the capacity, without a safety margin (the margin is
+        for the analytic answer's error; here the allocator model replays the step itself)."""
+        return self.traced.fits if self.need is None else self.need_bytes <= self.traced.context.capacity_bytes
+
+    @property
+    def need_bytes(self) -> int:
+        """The least card on which the step runs: the CUDA context, and what cudaMalloc must be able to hand out
+        for the traced tensors, the cuBLAS workspaces and the allocator's rounding and fragmentation."""
+        return self.need.capacity_bytes + round(self.traced.context.cuda_context.bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """The most the allocator reserves at once on this card (or, where the step runs out there, on a card with
+        room), with the CUDA context: what nvidia-smi shows."""
+        return self.need.held_bytes + round(self.traced.context.cuda_context.bytes)
 
     @property
     def seconds(self) -> float:
-        """The trace's wall time and the allocator replay's."""
-        return self.result.seconds + (self.reserved.seconds if self.reserved is not None else 0.0)
+        """The trace's wall time, the allocator replay's and the need's bisection's."""
+        return self.result.seconds + sum(part.seconds for part in (self.reserved, self.need) if part is not None)
 
     def comparison(self) -> list[Any]:
         """Per phase: traced against analytic tensor bytes (vram_planner.tracing.step.PhaseComparison)."""
@@ -133,36 +176,104 @@ def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, A
     extras), next to the analytic verdict. `progress` is called with what the trace is doing. The verdict takes
     each phase's reserved bytes from the caching allocator model, configured by the settings' `allocator_conf` (a
     PYTORCH_CUDA_ALLOC_CONF text; when not given, that environment variable, as torch reads it)."""
-    from vram_planner.model.cublas import workspace_bytes
-    from vram_planner.model.phases import Estimate
-    from vram_planner.tracing.events import with_workspaces
-    from vram_planner.tracing.reserve import reserved_memory
-    from vram_planner.tracing.step import check_traceable, trace_step
-
     notes: tuple[str, ...] = ()
     if gpu is None:
         gpu, note = default_trace_gpu()
         notes += (note,) if note else ()
     context = make_context(model, gpu, **context_options)
-    train = make_training(context, settings)
-    from vram_planner.allocator import parse_allocator_conf
+    return _traced(model, context, make_training(context, settings), progress, notes)
 
+
+def _traced(model: str, context: Context, train: TrainingConfig, progress: Callable[[str], None] | None,
+            notes: tuple[str, ...] = ()) -> TraceOutcome:
+    """The step traced, replayed through the allocator model on this card, and its need bisected."""
+    from vram_planner.allocator import parse_allocator_conf
+    from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.model.phases import Estimate
+    from vram_planner.tracing.events import with_workspaces
+    from vram_planner.tracing.need import least_capacity
+    from vram_planner.tracing.reserve import reserved_memory
+    from vram_planner.tracing.step import check_traceable, trace_step
+
+    say = progress or (lambda what: None)
     conf = parse_allocator_conf(train.allocator_conf, "--allocator-conf")
     check_traceable(train, context.release)  # before model_config: a hub id is not fetched twice for nothing
     config, _, _ = model_config(model)
     result = trace_step(config, train, context.release, progress)
-    if progress is not None:
-        progress("replaying the allocations through the caching allocator model")
+    say("replaying the allocations through the caching allocator model")
     # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
     # calibration when it measured one, else from the GPU catalog).
-    context_bytes = context.cuda_context.bytes
     stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
-    reserved = reserved_memory(stream, conf, max(int(context.capacity_bytes - context_bytes), 0))
+    card = max(int(context.capacity_bytes - context.cuda_context.bytes), 0)
+    reserved = reserved_memory(stream, conf, card)
+    say("bisecting the least memory the step runs in")
+    need = least_capacity([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, card)
     phases = tuple(_traced_phase(p, reserved.by_phase, context, train) for p in result.phases)
     traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
                       notes=tuple(result.notes) + notes + reserved.notes)
     return TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result,
-                        reserved=reserved)
+                        reserved=reserved, need=need)
+
+
+@dataclass(frozen=True)
+class ExactPlan:
+    """`plan(exact=True)`: the analytic plan, its choice moved one rank up where the config there runs by its
+    traced need, and the traced outcomes that decided it. The trace cannot run every config the ladder offers (8-bit
+    optimizers, 4-bit weights): where it cannot trace the shown one, `outcome` is None, `problem` says why, and the
+    verdict is the estimate's."""
+
+    plan: Plan  # what is shown: the analytic plan, or the same with the config ranked above it as its choice
+    analytic: Plan  # best_plan's answer
+    outcome: TraceOutcome | None  # the shown config traced: the choice, or the smallest config when none was chosen
+    problem: str | None = None  # why the shown config could not be traced
+    above_config: TrainingConfig | None = None  # the config ranked just above the analytic choice; None: none
+    above: TraceOutcome | None = None  # that config traced
+    above_problem: str | None = None  # why it could not be traced
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits if self.outcome is None else self.outcome.fits
+
+
+def _exact_plan(model: str, context: Context, user: TrainingConfig,
+                progress: Callable[[str], None] | None) -> ExactPlan:
+    """Trace the config above the analytic choice first: where it runs, it is the answer and the choice below it
+    need not be traced."""
+    from vram_planner.model.rung_above import config_above, ladder, plan_choosing
+
+    analytic = best_plan(context, user)
+    rungs = ladder(context, user)
+
+    def traced(train: TrainingConfig, which: str) -> tuple[TraceOutcome | None, str | None]:
+        say = (lambda what: progress(f"{which}: {what}")) if progress is not None else None
+        try:
+            return _traced(model, context, train, say), None
+        except VramPlanError as error:  # what the CPU cannot run, said in the plan's words
+            return None, f"{which} could not be traced: {error}"
+
+    if analytic.chosen is None:  # nothing fits by the estimate; by its need the smallest config may
+        outcome, problem = traced(analytic.smallest.train, "the smallest config")
+        shown = analytic
+        if outcome is not None and outcome.fits:
+            shown = plan_choosing(context, user, analytic, rungs[-1], len(rungs) - 1, analytic.smallest.train)
+        return ExactPlan(shown, analytic, outcome, problem)
+    neighbour = config_above(rungs, analytic.rank)
+    above = above_problem = above_config = None
+    if neighbour is not None:
+        index, above_config = neighbour
+        above, above_problem = traced(above_config, "the config ranked above the choice")
+        if above is not None and above.fits:
+            shown = plan_choosing(context, user, analytic, rungs[index], index, above_config)
+            return ExactPlan(shown, analytic, above, None, above_config, above)
+    outcome, problem = traced(analytic.chosen.train, "the choice")
+    return ExactPlan(analytic, analytic, outcome, problem, above_config, above, above_problem)
+
+
+def _require_tracing(what: str) -> None:
+    """The train extra is installed, or one line says how to install it, before a hub id is fetched for nothing."""
+    from vram_planner.extras import require_train_extra
+
+    require_train_extra(what)
 
 
 def _environment_allocator_conf() -> str:

@@ -107,7 +107,8 @@ def test_the_library_returns_both_engines(traced_directly):
                                              "max_prompt_length": 16, "max_completion_length": 16},
                         progress=said.append)
     assert said == ["building the model on fake tensors", "tracing generation", "tracing loss forward and backward",
-                    "tracing the optimizer step", "replaying the allocations through the caching allocator model"]
+                    "tracing the optimizer step", "replaying the allocations through the caching allocator model",
+                    "bisecting the least memory the step runs in"]
     assert [p.peak_bytes for p in outcome.result.phases] == [p.peak_bytes for p in traced_directly.phases]
     assert outcome.fits and outcome.seconds > 0 and outcome.analytic.estimate.params == outcome.result.params
     assert [c.name for c in outcome.comparison()] == [p.name for p in traced_directly.phases]
