@@ -78,8 +78,13 @@ MAXIMIZE = [
                       "bf16 weights, LoRA, QLoRA) make room."),
 ]
 
+# `check --exact` and `plan --exact`: the verdict from the traced step's need (the train extra).
+EXACT = click.option("--exact", is_flag=True,
+                     help="Trace the step and judge by the least card it runs on, found by replaying it through "
+                          "the caching allocator model (needs the train extra; seconds to a minute).")
+
 NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin",
-             "maximize", "allow_savers")
+             "maximize", "allow_savers", "exact")
 
 
 def settings_from(command: str, options: dict[str, Any],

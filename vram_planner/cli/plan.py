@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from vram_planner.cli.options import (CONTEXT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT, resolve,
+from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT, resolve,
                                       settings_from)
 from vram_planner.errors import VramPlanError
 
@@ -23,11 +23,15 @@ def training_command(command: str, doc: str, extra: tuple = ()) -> click.Command
 
 
 plan = training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes; "
-                                "with --maximize FIELD, the largest value of that knob that fits.", tuple(MAXIMIZE))
-check = training_command("check", "The verdict for exactly this config.")
+                                "with --maximize FIELD, the largest value of that knob that fits; with --exact, the "
+                                "choice and the config ranked above it traced and judged by their needs.",
+                        (*MAXIMIZE, EXACT))
+check = training_command("check", "The verdict for exactly this config (with --exact: by the traced step's need).",
+                         (EXACT,))
 trace = training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic "
-                                  "model, and what PyTorch's caching allocator reserves for it (needs the train "
-                                  "extras; without --gpu: the local card, else rtx3080-mobile).")
+                                  "model, and what PyTorch's caching allocator reserves for it; judged by the least "
+                                  "card the step runs on (needs the train extras; without --gpu: the local card, "
+                                  "else rtx3080-mobile).")
 
 
 def _execute(command: str, options: dict[str, Any]) -> None:
@@ -37,6 +41,8 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         check_plot_target(options["plot"])
     if command == "trace":
         _trace(options)
+    if options.get("exact"):
+        _exact(command, options)
     if options.get("maximize") is not None or options.get("allow_savers"):
         _maximize(options)
     context, train = resolve(command, options)
@@ -104,6 +110,36 @@ def _trace(options: dict[str, Any]) -> None:
         from vram_planner.cli.render import render_trace
 
         render_trace(report, outcome.traced.context.gpu)
+
+    _emit(report, options, human)
+
+
+def _exact(command: str, options: dict[str, Any]) -> None:
+    """`check --exact` and `plan --exact`: the analytic answer's document, judged by the traced step's need."""
+    from rich.console import Console
+
+    from vram_planner import api
+    from vram_planner.cli import report as reports
+
+    if options.get("maximize") is not None or options.get("allow_savers"):
+        raise VramPlanError("--exact judges one config (check) or the plan's choice (plan), not --maximize: run "
+                            "`vram-plan check --exact` with the value --maximize finds")
+    model, gpu, trl_version, knobs = settings_from(command, options)
+    context_options = {"trl_version": trl_version, "calibration": options["calibration"],
+                       "safety_margin": options["safety_margin"]}
+    with Console(stderr=True).status("resolving the model and the config") as status:
+        if command == "check":
+            outcome = api.check(model, gpu, knobs, exact=True, progress=status.update, **context_options)
+            report, shown, context = reports.exact_check_report(outcome), outcome.traced.train, outcome.traced.context
+        else:
+            exact = api.plan(model, gpu, knobs, exact=True, progress=status.update, **context_options)
+            report, context = reports.exact_plan_report(exact), exact.plan.requested.context
+            shown = (exact.plan.chosen or exact.plan.smallest).train
+
+    def human() -> None:
+        from vram_planner.cli.render import render
+
+        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
 
     _emit(report, options, human)
 

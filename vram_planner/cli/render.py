@@ -39,6 +39,8 @@ def _g(n_bytes: float) -> str:
 def headline(report: Report, gpu: GpuProfile) -> Text:
     title = Text(f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB), TRL {report.trl_version} GRPO\n",
                  style="bold")
+    if report.exact is not None:
+        return exact_headline(report, title)
     peak_phase = PHASE_TITLES.get(report.peak_phase, report.peak_phase)
     if report.fits:
         title.append("✔ fits: ", style="bold green")
@@ -59,6 +61,56 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
         title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {over}; "
                      "`vram-plan plan` with the same flags finds the best config that fits")
     return title
+
+
+# Why the allocator holds more than the step needs, as nvidia-smi shows it: the question users ask.
+WHY_HELD = ("it keeps freed blocks cached until cudaMalloc fails, and on a card with room those too small for the "
+            "next request (each decoding step's shorter KV cache, say) pile up")
+
+
+def exact_headline(report: Report, title: Text) -> Text:
+    """The verdict by the traced step's need, without a safety margin, and in one line what the run needs against
+    what the allocator holds on this card, and why they differ."""
+    exact, capacity = report.exact, report.capacity_bytes
+    how = "traced, no safety margin"
+    if report.command != "trace":
+        how += f"; estimated {_g(report.peak_bytes)} GiB without --exact"
+    if report.fits:
+        title.append("✔ fits: ", style="bold green")
+        title.append(f"the step needs {_g(exact.need_bytes)} GiB of the card's {_g(capacity)} GiB ({how})\n")
+    else:
+        title.append("✘ does not fit: ", style="bold red")
+        title.append(f"the step needs {_g(exact.need_bytes)} GiB, {_g(exact.need_bytes - capacity)} GiB more than "
+                     f"the card's {_g(capacity)} GiB ({how})\n")
+    title.append(held_line(report))
+    if report.exact_rung_above is not None:
+        title.append("\n" + rung_above_line(report))
+    return title
+
+
+def held_line(report: Report) -> str:
+    """What the run needs against what the allocator holds on this card, the figure nvidia-smi shows."""
+    exact = report.exact
+    context = report.phases[0].components.get("cuda_context", 0) if report.phases else 0
+    held = exact.reserved_peak_bytes + context
+    needs = (f"It needs {_g(exact.need_bytes)} GiB (tensors and cuBLAS workspaces peak at "
+             f"{_g(exact.tensor_peak_bytes)} GiB, the CUDA context and the allocator's segments make the rest)")
+    if not report.fits:
+        return f"{needs}; on a card with room the allocator would hold {_g(held)} GiB, as {WHY_HELD}."
+    if held <= exact.need_bytes:
+        return f"{needs}; on this card the allocator holds that much too (what nvidia-smi shows)."
+    return f"{needs}; on this card the allocator will hold {_g(held)} GiB (what nvidia-smi shows), as {WHY_HELD}."
+
+
+def rung_above_line(report: Report) -> str:
+    above = report.exact_rung_above
+    knobs = ", ".join(f"{k} {v}" for k, v in above.settings.items()) or "the same knobs"
+    if above.problem is not None:
+        return f"The config ranked above the choice ({knobs}) could not be traced: {above.problem}."
+    if above.fits:
+        return (f"The config ranked above the estimate's choice ({knobs}) needs {_g(above.need_bytes)} GiB: it runs, "
+                "so it is the choice.")
+    return f"The config ranked above the choice ({knobs}) needs {_g(above.need_bytes)} GiB: it does not fit."
 
 
 def changes_text(report: Report) -> Text:

@@ -66,6 +66,28 @@ def vllm_report(budget: Any) -> VllmReport | None:  # budget: vram_planner.model
 
 
 @dataclass(kw_only=True)
+class ExactReport:
+    """`--exact` and `trace`: the step traced and replayed through the caching allocator model."""
+
+    need_bytes: int  # the least card on which the step runs: CUDA context and cuBLAS workspaces included
+    tensor_peak_bytes: int  # the step's tensors and cuBLAS workspaces at their peak, in 512-byte blocks
+    # the most the allocator holds at once on this card (where the step runs out there: on a card with room), the
+    # CUDA context left out (nvidia-smi shows the two together)
+    reserved_peak_bytes: int
+    seconds: float  # the trace, the replay on this card and the need's bisection
+
+
+@dataclass(kw_only=True)
+class RungAboveReport:
+    """`plan --exact`: the config ranked just above the analytic plan's choice, traced; it is the choice when it fits."""
+
+    settings: dict[str, Any]  # its knobs that differ from the analytic choice's
+    need_bytes: int | None  # null when it could not be traced
+    fits: bool | None
+    problem: str | None  # why it could not be traced, else null
+
+
+@dataclass(kw_only=True)
 class Report:
     """What `vram-plan check/plan --json` prints."""
 
@@ -103,6 +125,10 @@ class Report:
     trace_counts: str | None = None  # what tensor_bytes include and what they do not, in words
     reserved_peak_bytes: int | None = None  # the most the allocator model reserves at any moment of the step
     allocator_conf: str | None = None  # the PYTORCH_CUDA_ALLOC_CONF it was configured by ("": torch's defaults)
+    # `--exact` and `trace`: the traced step's need, which then decides `fits` (need_bytes <= capacity_bytes, no
+    # safety margin); peak_bytes, spare_bytes and the phases stay the engine's own figures
+    exact: ExactReport | None = None
+    exact_rung_above: RungAboveReport | None = None  # `plan --exact` only
 
 
 def _phase(p: Phase) -> PhaseReport:
@@ -169,9 +195,46 @@ TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as t
                 "calibration or the GPU catalog (see cuda_context_source); total_bytes, peak_bytes and fits add them")
 
 
+def exact_report(outcome: Any) -> ExactReport:  # outcome: vram_planner.api.TraceOutcome
+    return ExactReport(need_bytes=outcome.need_bytes, tensor_peak_bytes=outcome.need.tensor_peak_bytes,
+                       reserved_peak_bytes=outcome.need.held_bytes, seconds=round(outcome.seconds, 2))
+
+
+def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutcome
+    """`check --exact`: check's document, judged by the traced step's need."""
+    report = verdict_report(outcome.analytic)
+    report.fits, report.exact = outcome.fits, exact_report(outcome)
+    report.notes += [note for note in outcome.traced.estimate.notes if note not in report.notes]
+    return report
+
+
+def exact_plan_report(exact: Any) -> Report:  # exact: vram_planner.api.ExactPlan
+    """`plan --exact`: plan's document for the config the traced needs chose, with the need that decided it."""
+    from vram_planner.model.spec import as_settings
+
+    report = plan_report(exact.plan)
+    report.fits = exact.fits
+    if exact.outcome is None:  # the estimate's verdict stands, and says so
+        report.notes.append(f"{exact.problem}; the verdict is the estimate's")
+    else:
+        report.exact = exact_report(exact.outcome)
+        report.notes += [note for note in exact.outcome.traced.estimate.notes if note not in report.notes]
+    if exact.above_config is not None:
+        below = as_settings(exact.analytic.chosen.train)
+        settings = {k: v for k, v in as_settings(exact.above_config).items() if v != below[k]}
+        above = exact.above
+        report.exact_rung_above = RungAboveReport(settings=settings,
+                                                  need_bytes=None if above is None else above.need_bytes,
+                                                  fits=None if above is None else above.fits,
+                                                  problem=exact.above_problem)
+    return report
+
+
 def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutcome
-    """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic tensor bytes beside it."""
+    """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic tensor bytes beside it, judged
+    by the step's need."""
     report = verdict_report(outcome.traced, command="trace")
+    report.fits, report.exact = outcome.fits, exact_report(outcome)
     report.engine, report.seconds, report.trace_counts = "trace", round(outcome.seconds, 2), TRACE_COUNTS
     report.reserved_peak_bytes = outcome.reserved.peak_bytes
     report.allocator_conf = outcome.reserved.allocator_conf
