@@ -64,8 +64,8 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
 
 
 # Why the allocator holds more than the step needs, as nvidia-smi shows it: the question users ask.
-WHY_HELD = ("it keeps freed blocks cached until cudaMalloc fails, and on a card with room those too small for the "
-            "next request (each decoding step's shorter KV cache, say) pile up")
+WHY_HELD = ("blocks the step freed, which it keeps cached until cudaMalloc fails (on a card with room, those too "
+            "small for the next request pile up: each decoding step's shorter KV cache, say)")
 
 
 def exact_headline(report: Report, title: Text) -> Text:
@@ -96,10 +96,12 @@ def held_line(report: Report) -> str:
     needs = (f"It needs {_g(exact.need_bytes)} GiB (tensors and cuBLAS workspaces peak at "
              f"{_g(exact.tensor_peak_bytes)} GiB, the CUDA context and the allocator's segments make the rest)")
     if not report.fits:
-        return f"{needs}; on a card with room the allocator would hold {_g(held)} GiB, as {WHY_HELD}."
+        return (f"{needs}; on a card with room the allocator would hold {_g(held)} GiB, "
+                f"{_g(held - exact.need_bytes)} GiB of them {WHY_HELD}.")
     if held <= exact.need_bytes:
         return f"{needs}; on this card the allocator holds that much too (what nvidia-smi shows)."
-    return f"{needs}; on this card the allocator will hold {_g(held)} GiB (what nvidia-smi shows), as {WHY_HELD}."
+    return (f"{needs}; on this card the allocator will hold {_g(held)} GiB (what nvidia-smi shows), "
+            f"{_g(held - exact.need_bytes)} GiB more: {WHY_HELD}.")
 
 
 def rung_above_line(report: Report) -> str:
@@ -257,8 +259,9 @@ def render_trace(report: Report, gpu: GpuProfile, console: Console | None = None
     conf = f"PYTORCH_CUDA_ALLOC_CONF={report.allocator_conf}" if report.allocator_conf else "torch's defaults"
     seconds = Text(f"Traced in {report.seconds:.1f} s on the CPU. trace: tensor bytes (torch.cuda.memory_allocated);"
                    f" reserved: what a model of PyTorch's caching allocator ({conf}) reserves for them, the most "
-                   "during the phase (torch.cuda.max_memory_reserved). The verdict adds the CUDA context, which "
-                   f"neither counts, from the calibration ({report.calibration}) or the GPU catalog.", style="dim")
+                   "during the phase (torch.cuda.max_memory_reserved). The totals and the need add the CUDA "
+                   f"context, which neither counts, from the calibration ({report.calibration}) or the GPU catalog; "
+                   "the verdict is the need within the card.", style="dim")
     console.print(Group(headline(report, gpu), Text(""), trace_table(report), Text(""), breakdown_table(report),
                         peak_bar(report), Text(""), seconds, footer(report)))
 

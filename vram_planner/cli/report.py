@@ -119,7 +119,7 @@ class Report:
     smallest_config_peak_bytes: int | None = None
     smallest_fitting_gpu: str | None = None
     # `trace` only. engine "trace": each phase's tensor_bytes were counted on fake tensors; its components add the
-    # CUDA context and allocator reserve as check does, so total_bytes, peak_bytes and fits judge the card as check.
+    # CUDA context and allocator reserve as check does (total_bytes, peak_bytes); fits comes from `exact`.
     engine: Literal["analytic", "trace"] = "analytic"
     seconds: float | None = None  # wall time of the trace, model building and the allocator replay included
     trace_counts: str | None = None  # what tensor_bytes include and what they do not, in words
@@ -192,7 +192,9 @@ TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as t
                 "reserves for the step's allocations and frees: the most during the phase at steady state, as "
                 "torch.cuda.max_memory_reserved reports it after reset_peak_memory_stats at the phase's start. "
                 "Component allocator_overhead is reserved_bytes - tensor_bytes, cuda_context comes from the "
-                "calibration or the GPU catalog (see cuda_context_source); total_bytes, peak_bytes and fits add them")
+                "calibration or the GPU catalog (see cuda_context_source); total_bytes and peak_bytes add them. fits "
+                "is exact.need_bytes <= capacity_bytes: the least card on which the allocator model replays the step "
+                "without running out, found by bisection")
 
 
 def exact_report(outcome: Any) -> ExactReport:  # outcome: vram_planner.api.TraceOutcome
