@@ -173,9 +173,10 @@ def default_trace_gpu() -> tuple[GpuProfile, str | None]:
 def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, Any] | TrainingConfig | None = None,
           progress: Callable[[str], None] | None = None, **context_options: Any) -> TraceOutcome:
     """Trace one GRPO step of this config on fake tensors (needs torch, transformers, TRL and PEFT: the `train`
-    extras), next to the analytic verdict. `progress` is called with what the trace is doing. The verdict takes
-    each phase's reserved bytes from the caching allocator model, configured by the settings' `allocator_conf` (a
-    PYTORCH_CUDA_ALLOC_CONF text; when not given, that environment variable, as torch reads it)."""
+    extras), next to the analytic verdict. `progress` is called with what the trace is doing. Each phase's reserved
+    bytes come from the caching allocator model, configured by the settings' `allocator_conf` (a
+    PYTORCH_CUDA_ALLOC_CONF text; when not given, that environment variable, as torch reads it), and the verdict
+    from the step's need, bisected with the same model."""
     notes: tuple[str, ...] = ()
     if gpu is None:
         gpu, note = default_trace_gpu()
