@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+from pathlib import Path
+
 import click
 import pytest
 
@@ -17,6 +19,7 @@ from vram_planner.app.query import error_line, options_from_query, query_paramet
 from vram_planner.cli.options import NOT_KNOBS
 from vram_planner.cli.plan import check, plan
 from vram_planner.errors import VramPlanError
+from vram_planner.model.verdict import DEFAULT_SAFETY_MARGIN
 from vram_planner.model.phases import COMPONENTS
 from vram_planner.units import GiB
 from vram_planner.validation import to_json
@@ -28,7 +31,7 @@ def test_every_flag_of_check_and_plan_but_the_files_and_the_output_is_a_query_pa
     for command in (check, plan):
         flags = {p.name for p in command.params} - set(NOT_KNOBS)
         assert flags <= set(query_parameters(command))
-        assert set(query_parameters(command)) - flags == {"gpu", "model", "trl_version", "safety_margin"}
+        assert set(query_parameters(command)) - flags == {"gpu", "model", "trl_version", "safety_margin", "exact"}
 
 
 def test_a_query_gives_the_options_its_flags_give():
@@ -143,3 +146,45 @@ def test_the_api_documents_are_the_clis_json(capsys):
     for command in ("check", "plan"):
         code, out, _ = run(capsys, command, "--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B", "--json")
         assert json.loads(to_json(query_report(command, LLAMA))) == json.loads(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["check", "plan"])
+def test_exact_true_serves_the_documents_of_exact(capsys, command):
+    """`?exact=true` traces the step as --exact does; exact=false is the estimate's document."""
+    pytest.importorskip("trl")
+    model = str(Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2.json")
+    query = [("gpu", "rtx3080-mobile"), ("model", model), ("max_completion_length", "64")]
+    code, out, _ = run(capsys, command, "--gpu", "rtx3080-mobile", "--model", model, "--max-completion-length", "64",
+                       "--exact", "--json")
+    assert code == 0
+    served, printed = json.loads(to_json(query_report(command, [*query, ("exact", "true")]))), json.loads(out)
+    assert served["exact"]["need_bytes"] == printed["exact"]["need_bytes"] > 0
+    for document in (served, printed):
+        document["exact"].pop("seconds")
+    assert served == printed
+    assert json.loads(to_json(query_report(command, [*query, ("exact", "false")])))["exact"] is None
+
+
+@pytest.mark.slow
+def test_the_page_checks_exactly_on_request_and_says_when_the_estimate_is_near_the_boundary():
+    pytest.importorskip("gradio")
+    pytest.importorskip("trl")
+    import gradio as gr
+
+    from vram_planner.app import page
+
+    with gr.Blocks():
+        knobs = page._knob_fields()
+    values = [None] * len(knobs)
+    values[[k.name for k in knobs].index("max_completion_length")] = 64
+    model = str(Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2.json")
+    said = page.exact_output(knobs, "rtx3080-mobile", model, "", page.UNSET, DEFAULT_SAFETY_MARGIN, *values)
+    assert said.startswith("**✔ Fits exactly:** the traced step needs ") and "Traced in" in said
+    wrong = page.exact_output(knobs, "rtx3080-mobil", model, "", page.UNSET, DEFAULT_SAFETY_MARGIN, *values)
+    assert wrong.startswith("✘ error: ") and "rtx3080-mobile" in wrong  # the closest name
+    near = query_report("check", [("gpu", "9.5GiB"), ("model", "Qwen2.5-0.5B")])
+    far = query_report("check", [("gpu", "80GiB"), ("model", "Qwen2.5-0.5B")])
+    assert near.near_boundary and not far.near_boundary
+    assert "**Near the boundary:**" in views.verdict_markdown(near, near)
+    assert "Near the boundary" not in views.verdict_markdown(far, far)

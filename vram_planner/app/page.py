@@ -7,9 +7,11 @@ CLI's own options, so the page, the API and the CLI judge the same config the sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -21,7 +23,7 @@ import pandas as pd
 
 from vram_planner import api
 from vram_planner.app import views
-from vram_planner.app.query import error_line, knob_parameters, options_from_query
+from vram_planner.app.query import error_line, knob_parameters, options_from_query, query_report
 from vram_planner.cli.options import resolve, settings_from
 from vram_planner.cli.plan import judge_report
 from vram_planner.cli.report import Report
@@ -37,7 +39,7 @@ DEFAULT_GPU, DEFAULT_MODEL = "rtx3080-mobile", "Llama-3.2-1B"  # the command-lin
 PASTED = "pasted config.json"
 # The knobs' fields, grouped as people look for them; the knobs not named here open the list.
 KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "dtype", "mixed_precision",
-                                          "attn_implementation", "use_liger_kernel")),
+                                          "attn_implementation", "use_liger_kernel", "transformers_version")),
                ("LoRA and 4-bit weights", ("lora_", "load_in_4bit", "bnb_")),
                ("vLLM", ("use_vllm", "vllm_")),
                ("Several GPUs", ("num_gpus", "zero_stage", "fsdp")))
@@ -159,6 +161,9 @@ def build_page() -> gr.Blocks:
                 gr.HTML(views.legend_html(), elem_id="legend")
                 changes = gr.Markdown(elem_id="changes")
                 longest = gr.Markdown(elem_id="longest")
+                exact_button = gr.Button("Check exactly: trace the step (the train extra; seconds to a minute)",
+                                         elem_id="exact_button", variant="secondary")
+                exact = gr.Markdown(elem_id="exact")
                 code = gr.Code(language="python", label="GRPOConfig to copy", elem_id="code")
                 notes = gr.Markdown(elem_id="notes")
                 links = gr.Markdown(elem_id="api_links")
@@ -171,6 +176,13 @@ def build_page() -> gr.Blocks:
 
         gr.on([page.load, *(c.change for c in inputs)], evaluate, inputs, outputs, trigger_mode="always_last",
               show_progress="hidden", api_visibility="private")
+        # a changed field makes the exact answer stale: it goes until asked for again
+        gr.on([c.change for c in inputs], lambda: "", None, [exact], show_progress="hidden", api_visibility="private")
+
+        def evaluate_exactly(*values: Any) -> str:
+            return exact_output(knobs, *values)
+
+        exact_button.click(evaluate_exactly, inputs, [exact], api_visibility="private")
     return page
 
 
@@ -194,17 +206,40 @@ def _knob_fields() -> list[Knob]:
     return knobs
 
 
-def page_outputs(knobs: list[Knob], gpu: str, model: str, pasted: str, release: str, margin: float | None,
-                 *values: Any) -> list[Any]:
-    """Every output of the page for what its fields hold."""
+def page_query(knobs: list[Knob], gpu: str, release: str, margin: float | None, values: tuple) -> list[tuple[str, str]]:
+    """The API's query for what the page's fields hold, the model aside."""
     margin = None if margin == DEFAULT_SAFETY_MARGIN else margin  # the default needs no parameter
     query = [("gpu", gpu or ""), ("trl_version", release), ("safety_margin", margin)]
     query += [(k.name, k.query_value(v)) for k, v in zip(knobs, values)]
-    query = [(name, str(value)) for name, value in query if value not in (None, "")]
+    return [(name, str(value)) for name, value in query if value not in (None, "")]
+
+
+def exact_output(knobs: list[Knob], gpu: str, model: str, pasted: str, release: str, margin: float | None,
+                 *values: Any) -> str:
+    """The exact verdict (`check --exact`) of the config the fields hold, or the one-line reason there is none."""
+    query = page_query(knobs, gpu, release, margin, values)
+    try:
+        with model_parameter(model, pasted) as model_query:
+            return views.exact_markdown(query_report("check", [model_query, *query, ("exact", "true")]))
+    except (VramPlanError, click.ClickException) as exc:
+        return f"✘ error: {error_line(exc)}"
+
+
+@contextlib.contextmanager
+def model_parameter(model: str, pasted: str) -> Iterator[tuple[str, str]]:
+    """The query's model: the field's, or a pasted config.json written to a folder for as long as it is read."""
+    pasted = (pasted or "").strip()
+    with tempfile.TemporaryDirectory(prefix="vram-plan-app-") as folder:
+        yield "model", pasted_model(pasted, Path(folder)) if pasted else model or ""
+
+
+def page_outputs(knobs: list[Knob], gpu: str, model: str, pasted: str, release: str, margin: float | None,
+                 *values: Any) -> list[Any]:
+    """Every output of the page for what its fields hold."""
+    query = page_query(knobs, gpu, release, margin, values)
     pasted = (pasted or "").strip()
     try:
-        with tempfile.TemporaryDirectory(prefix="vram-plan-app-") as folder:
-            model_query = ("model", pasted_model(pasted, Path(folder)) if pasted else model or "")
+        with model_parameter(model, pasted) as model_query:
             shown = evaluate_query([model_query, *query], pasted_name(pasted) if pasted else None)
     except (VramPlanError, click.ClickException) as exc:  # what the CLI would say, where the verdict goes
         cleared = ["", None, gr.update(visible=False), "", None, "", "", "", "", ""]

@@ -9,14 +9,14 @@ from typing import Any
 import click
 
 from vram_planner.cli.options import NOT_KNOBS, resolve
-from vram_planner.cli.plan import check, judge_report, plan
+from vram_planner.cli.plan import check, exact_judgement, judge_report, plan
 from vram_planner.cli.report import Report
 from vram_planner.errors import UnknownNameError, VramPlanError, one_line
 
 COMMANDS: dict[str, click.Command] = {"check": check, "plan": plan}
-# Besides the knobs: what names the model, the card and the release. The files of the command line (--config,
-# --calibration, --plot) are not read or written over HTTP.
-CONTEXT_PARAMETERS = ("gpu", "model", "trl_version", "safety_margin")
+# Besides the knobs: what names the model, the card and the release, and exact=true (the traced step's need decides,
+# as with --exact). The files of the command line (--config, --calibration, --plot) are not read or written over HTTP.
+CONTEXT_PARAMETERS = ("gpu", "model", "trl_version", "safety_margin", "exact")
 HINT = "(query parameters are spelled as GRPOConfig fields, e.g. max_completion_length=1024, plus gpu and model)"
 
 
@@ -49,12 +49,17 @@ def _flag(param: click.Option, value: str) -> list[str]:
     """`--name=value`, so that a value starting with a dash stays a value; on/off switches from a boolean."""
     if param.secondary_opts:
         return [param.opts[0] if click.BOOL.convert(value, param, None) else param.secondary_opts[0]]
+    if param.is_flag:
+        return [param.opts[0]] if click.BOOL.convert(value, param, None) else []
     return [f"{param.opts[0]}={value}"]
 
 
 def query_report(command: str, query: Iterable[tuple[str, str]]) -> Report:
     """Exactly the document `vram-plan <command> --json` prints for the flags these parameters spell."""
-    context, train = resolve(command, options_from_query(command, query))
+    options = options_from_query(command, query)
+    if options.get("exact"):
+        return exact_judgement(command, options)[0]
+    context, train = resolve(command, options)
     return judge_report(command, context, train)[0]
 
 

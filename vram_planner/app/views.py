@@ -10,6 +10,7 @@ from vram_planner.cli.plot import COMPONENT_COLOURS
 from vram_planner.cli.render import footer
 from vram_planner.cli.report import Report
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
+from vram_planner.model.verdict import ANALYTIC_ERROR_BAND
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
 
@@ -42,6 +43,9 @@ def title_markdown(report: Report, gpu: GpuProfile) -> str:
 def verdict_markdown(checked: Report, planned: Report) -> str:
     """The verdict on the config as given and, when it does not fit, on the plan's."""
     lines = [f"### {_verdict(checked)}"]
+    if checked.near_boundary:
+        lines.append(f"**Near the boundary:** the estimate is within its measured error ({ANALYTIC_ERROR_BAND:.0%} "
+                     "of the card) of the budget; *Check exactly* traces the step and decides.")
     if planned.changes and planned.fits:
         count = len(planned.changes)
         lines.append(f"**✔ With the plan's {count} change{'s' * (count != 1)} below it fits:** peak "
@@ -52,6 +56,16 @@ def verdict_markdown(checked: Report, planned: Report) -> str:
         lines.append(f"**✘ Nothing fits this card:** the smallest config vram-plan knows needs "
                      f"{gib(planned.peak_bytes)} GiB; {card}.")
     return "\n\n".join(lines)
+
+
+def exact_markdown(report: Report) -> str:
+    """`check --exact`: what the traced step needs against the card, and what the allocator will hold there."""
+    exact = report.exact
+    mark = "✔ Fits exactly" if report.fits else "✘ Does not fit exactly"
+    return (f"**{mark}:** the traced step needs {gib(exact.need_bytes)} GiB of the card's "
+            f"{gib(report.capacity_bytes)} GiB (no safety margin; estimated {gib(report.peak_bytes)} GiB); the "
+            f"allocator will hold {gib(exact.reserved_peak_bytes)} GiB besides the CUDA context, as it keeps freed "
+            f"blocks cached until the card runs out. Traced in {exact.seconds:.1f} s.")
 
 
 def _verdict(report: Report) -> str:

@@ -118,6 +118,20 @@ def _exact(command: str, options: dict[str, Any]) -> None:
     """`check --exact` and `plan --exact`: the analytic answer's document, judged by the traced step's need."""
     from rich.console import Console
 
+    with Console(stderr=True).status("resolving the model and the config") as status:
+        report, shown, context = exact_judgement(command, options, status.update)
+
+    def human() -> None:
+        from vram_planner.cli.render import render
+
+        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
+
+    _emit(report, options, human)
+
+
+def exact_judgement(command: str, options: dict[str, Any], progress: Any = None):
+    """The report `command --exact` prints, the training config it shows and its context (the web app's HTTP API
+    serves the same report for exact=true)."""
     from vram_planner import api
     from vram_planner.cli import report as reports
 
@@ -127,21 +141,12 @@ def _exact(command: str, options: dict[str, Any]) -> None:
     model, gpu, trl_version, knobs = settings_from(command, options)
     context_options = {"trl_version": trl_version, "calibration": options["calibration"],
                        "safety_margin": options["safety_margin"]}
-    with Console(stderr=True).status("resolving the model and the config") as status:
-        if command == "check":
-            outcome = api.check(model, gpu, knobs, exact=True, progress=status.update, **context_options)
-            report, shown, context = reports.exact_check_report(outcome), outcome.traced.train, outcome.traced.context
-        else:
-            exact = api.plan(model, gpu, knobs, exact=True, progress=status.update, **context_options)
-            report, context = reports.exact_plan_report(exact), exact.plan.requested.context
-            shown = (exact.plan.chosen or exact.plan.smallest).train
-
-    def human() -> None:
-        from vram_planner.cli.render import render
-
-        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
-
-    _emit(report, options, human)
+    if command == "check":
+        outcome = api.check(model, gpu, knobs, exact=True, progress=progress, **context_options)
+        return reports.exact_check_report(outcome), outcome.traced.train, outcome.traced.context
+    exact = api.plan(model, gpu, knobs, exact=True, progress=progress, **context_options)
+    return (reports.exact_plan_report(exact), (exact.plan.chosen or exact.plan.smallest).train,
+            exact.plan.requested.context)
 
 
 def judge_report(command: str, context, train):

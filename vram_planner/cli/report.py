@@ -129,6 +129,8 @@ class Report:
     # safety margin); peak_bytes, spare_bytes and the phases stay the engine's own figures
     exact: ExactReport | None = None
     exact_rung_above: RungAboveReport | None = None  # `plan --exact` only
+    # the estimate lies within its measured error of the budget, where `--exact` decides (false for exact verdicts)
+    near_boundary: bool = False
 
 
 def _phase(p: Phase) -> PhaseReport:
@@ -153,7 +155,7 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
                      "distributed": train.distributed, "generation_batch_size": train.generation_batch_size},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
-        vllm=vllm_report(est.vllm),
+        vllm=vllm_report(est.vllm), near_boundary=verdict.near_boundary,
     )
 
 
@@ -202,10 +204,16 @@ def exact_report(outcome: Any) -> ExactReport:  # outcome: vram_planner.api.Trac
                        reserved_peak_bytes=outcome.need.held_bytes, seconds=round(outcome.seconds, 2))
 
 
+def _judged_exactly(report: Report, outcome: Any) -> None:
+    """The traced step's need decides the report's verdict, so no boundary is left for the estimate's error."""
+    report.exact, report.near_boundary = exact_report(outcome), False
+
+
 def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutcome
     """`check --exact`: check's document, judged by the traced step's need."""
     report = verdict_report(outcome.analytic)
-    report.fits, report.exact = outcome.fits, exact_report(outcome)
+    report.fits = outcome.fits
+    _judged_exactly(report, outcome)
     report.notes += [note for note in outcome.traced.estimate.notes if note not in report.notes]
     return report
 
@@ -219,7 +227,7 @@ def exact_plan_report(exact: Any) -> Report:  # exact: vram_planner.api.ExactPla
     if exact.outcome is None:  # the estimate's verdict stands, and says so
         report.notes.append(f"{exact.problem}; the verdict is the estimate's")
     else:
-        report.exact = exact_report(exact.outcome)
+        _judged_exactly(report, exact.outcome)
         report.notes += [note for note in exact.outcome.traced.estimate.notes if note not in report.notes]
     if exact.above_config is not None:
         below = as_settings(exact.analytic.chosen.train)
@@ -236,7 +244,8 @@ def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutc
     """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic tensor bytes beside it, judged
     by the step's need."""
     report = verdict_report(outcome.traced, command="trace")
-    report.fits, report.exact = outcome.fits, exact_report(outcome)
+    report.fits = outcome.fits
+    _judged_exactly(report, outcome)
     report.engine, report.seconds, report.trace_counts = "trace", round(outcome.seconds, 2), TRACE_COUNTS
     report.reserved_peak_bytes = outcome.reserved.peak_bytes
     report.allocator_conf = outcome.reserved.allocator_conf

@@ -18,6 +18,10 @@ from vram_planner.profiles import GpuProfile
 # (fitcheck-llm's mean 5.5% total error on T4, ../shared/design/grpo-memory.md), so "fits" keeps 5% spare.
 DEFAULT_SAFETY_MARGIN = 0.05
 MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a margin
+# The analytic answer's measured error, as a share of the card: TRL's steps on the H100 landed within 1-5% of
+# `check` (benchmarks/results/gpu, README "Measured"). A peak that close to the budget, on either side, is a verdict the
+# error could turn: `check --exact` decides it.
+ANALYTIC_ERROR_BAND = 0.05
 
 
 def check_safety_margin(value: object) -> float:
@@ -79,6 +83,12 @@ class Verdict:
     def spare_bytes(self) -> float:
         """Capacity left at the peak (negative: missing), before the safety margin."""
         return self.context.capacity_bytes - self.estimate.peak_bytes
+
+    @property
+    def near_boundary(self) -> bool:
+        """Whether the peak lies within the analytic model's measured error of the budget, where `--exact` decides."""
+        band = ANALYTIC_ERROR_BAND * self.context.capacity_bytes
+        return abs(self.estimate.peak_bytes - self.context.budget_bytes) <= band
 
 
 def judge(context: Context, train: TrainingConfig) -> Verdict:
