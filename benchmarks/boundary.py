@@ -1,0 +1,154 @@
+"""Where the verdict is decided: the analytic peak of `check` beside the exact need, over a broad grid.
+
+    python benchmarks/boundary.py              # the whole grid (traces are cached; the first run takes a while)
+    python benchmarks/boundary.py --quick      # the fixture architectures and the smallest catalog configs
+    python benchmarks/boundary.py --models Qwen3-0.6B phi-2
+
+For every point the step is traced and its need bisected with the caching allocator model (`check --exact`: the
+least card capacity, CUDA context and cuBLAS workspaces included, on which the step runs), and printed beside the
+analytic peak and the capacity from which `check` says "fits" (peak / (1 - safety margin)). A window is a point
+where `check` says "fits" on a card the exact engine says is too small: fits-from below the need. Targets: no window;
+the analytic peak never more than 1% below the need (the safety margin is left for the allocator model's own error
+against a GPU); median |analytic - need| under 2%.
+
+Needs are cached in benchmarks/results/boundary-needs.json, keyed by the point and the versions of torch,
+transformers, TRL and PEFT and the tracing and allocator code; the analytic side is recomputed on every run. Writes
+boundary.txt (the table and the summary) and boundary.json next to the cache when the whole grid ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from accuracy import _code_only, load_cache, save_atomically, trace_key
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+FIXTURES = ROOT / "tests" / "fixtures"
+CARD = "h100-80gb"  # the CUDA context and cuBLAS workspaces of the need; a card with room for most points
+# One catalog model per family (and the architectures whose windows were measured), each across the knobs where
+# the verdict turns: long completions, large micro-batches, several micro-batches per generation, a reference model,
+# LoRA and full fine-tuning, eager attention and expandable segments.
+MODELS = ("SmolLM2-135M", "Qwen2.5-0.5B", "Qwen3-0.6B", "Llama-3.2-1B", "DeepSeek-R1-Distill-Qwen-1.5B",
+          "gemma-2-2b", "gemma-3-1b-it", "phi-2", "Phi-3-mini-4k-instruct", "Mistral-7B-v0.3")
+BF16_LORA = {"dtype": "bfloat16", "lora_r": 16}
+CONFIGS = {
+    "full c1024 B8": {"dtype": "bfloat16", "max_completion_length": 1024},
+    "lora c4096 B16": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,
+                       "max_completion_length": 4096},
+    "lora c8192 B4": {**BF16_LORA, "num_generations": 4, "per_device_train_batch_size": 4,
+                      "max_completion_length": 8192},
+    "lora c256 B128": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 128,
+                       "max_completion_length": 256},
+    "lora p512 c2048 G16 S2 beta": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 8,
+                                    "gradient_accumulation_steps": 2, "max_prompt_length": 512,
+                                    "max_completion_length": 2048, "beta": 0.04},
+    "fp32 lora c1024 eager": {"lora_r": 16, "attn_implementation": "eager", "max_completion_length": 1024},
+    "lora c2048 B32 expandable": {**BF16_LORA, "num_generations": 8, "per_device_train_batch_size": 32,
+                                  "max_completion_length": 2048, "allocator_conf": "expandable_segments:True"},
+}
+QUICK_CONFIGS = ("full c1024 B8",)
+FIXTURE_CONFIGS = {
+    "full beta": {"per_device_train_batch_size": 4, "num_generations": 4, "max_prompt_length": 32,
+                  "max_completion_length": 256, "beta": 0.04},
+    "lora B32": {"lora_r": 8, "per_device_train_batch_size": 32, "num_generations": 8, "max_prompt_length": 32,
+                 "max_completion_length": 128},
+}
+
+
+def points(models: list[str], quick: bool) -> list[tuple[str, str, dict]]:
+    """(label, model, settings): the fixture architectures, then the catalog grid."""
+    out = [(f"{path.stem} {name}", str(path), settings) for path in sorted(FIXTURES.glob("tiny-*.json"))
+           for name, settings in FIXTURE_CONFIGS.items()]
+    configs = {name: CONFIGS[name] for name in QUICK_CONFIGS} if quick else CONFIGS
+    return out + [(f"{model} {name}", model, settings) for model in models for name, settings in configs.items()]
+
+
+def need_key() -> str:
+    """What a cached need depends on: the trace's key, and the allocator model's code."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "vram_planner" / "allocator").glob("*.py")):
+        digest.update(_code_only(path.read_text()).encode())
+    return f"{trace_key()} / allocator {digest.hexdigest()[:12]}"
+
+
+def exact(model: str, settings: dict, cache: dict, label: str) -> dict:
+    if label not in cache:
+        from vram_planner import api
+
+        outcome = api.check(model, CARD, settings, exact=True)
+        cache[label] = {"need_bytes": outcome.need_bytes, "held_bytes": outcome.held_bytes,
+                        "seconds": outcome.seconds}
+    return cache[label]
+
+
+def row(label: str, model: str, settings: dict, need: dict) -> dict:
+    from vram_planner import api
+
+    verdict = api.check(model, CARD, settings)
+    peak = verdict.estimate.peak_bytes
+    fits_from = peak / (1 - verdict.context.safety_margin)
+    return {"point": label, "analytic_bytes": peak, "fits_from_bytes": fits_from, "need_bytes": need["need_bytes"],
+            "held_bytes": need["held_bytes"], "error": (peak - need["need_bytes"]) / need["need_bytes"],
+            "window": fits_from < need["need_bytes"], "seconds": need["seconds"]}
+
+
+def table(rows: list[dict]) -> list[str]:
+    gib = 2 ** 30
+    lines = [f"{'point':50} {'analytic':>9} {'fits from':>9} {'need':>9} {'held':>9} {'error':>7}  window",
+             f"{'':50} {'GiB':>9} {'GiB':>9} {'GiB':>9} {'GiB':>9}"]
+    for r in rows:
+        lines.append(f"{r['point']:50} {r['analytic_bytes'] / gib:9.2f} {r['fits_from_bytes'] / gib:9.2f} "
+                     f"{r['need_bytes'] / gib:9.2f} {r['held_bytes'] / gib:9.2f} {r['error']:+7.1%}  "
+                     + ("WINDOW" if r["window"] else ""))
+    return lines
+
+
+def summary(rows: list[dict]) -> list[str]:
+    errors = [r["error"] for r in rows]
+    windows = [r for r in rows if r["window"]]
+    under = [r for r in rows if r["error"] < -0.01]
+    worst = min(rows, key=lambda r: r["error"])
+    return ["",
+            f"{len(rows)} points: {len(windows)} window(s) (check says fits below the need); "
+            f"{len(under)} with the analytic peak more than 1% below the need",
+            f"|analytic - need| / need: median {statistics.median(abs(e) for e in errors):.2%}, "
+            f"worst under {worst['error']:+.1%} ({worst['point']}), worst over {max(errors):+.1%}"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--quick", action="store_true", help="fixtures and one config per catalog model")
+    args = parser.parse_args()
+    cache_path = RESULTS / "boundary-needs.json"
+    key = need_key()
+    cache = load_cache(cache_path, key)
+    rows = []
+    grid = points(args.models, args.quick)
+    for n, (label, model, settings) in enumerate(grid, 1):
+        fresh = label not in cache
+        try:
+            rows.append(row(label, model, settings, exact(model, settings, cache, label)))
+        except Exception as exc:  # a point the engines cannot run is reported, not fatal to the grid
+            print(f"[{n}/{len(grid)}] {label}: {exc}", file=sys.stderr, flush=True)
+            continue
+        if fresh:
+            print(f"[{n}/{len(grid)}] {label}: need bisected in {cache[label]['seconds']:.1f} s", file=sys.stderr,
+                  flush=True)
+            save_atomically(cache_path, json.dumps({"key": key, "points": cache}, indent=1))
+    lines = table(rows) + summary(rows) + [f"needs from {key}"]
+    print("\n".join(lines))
+    if not args.quick and args.models == list(MODELS):
+        save_atomically(RESULTS / "boundary.txt", "\n".join(lines) + "\n")
+        save_atomically(RESULTS / "boundary.json", json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
