@@ -5,6 +5,7 @@ trained here (benchmarks/gpu_steps.py uses it too). Fixtures live in conftest.py
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -31,6 +32,13 @@ def run(capsys, *args):
     code = main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def json_of(capsys, *args: str) -> tuple[int, dict]:
+    """A command's exit code (0 or 1: a verdict) and its --json document."""
+    code, out, err = run(capsys, *args, "--json")
+    assert code in (0, 1), err
+    return code, json.loads(out)
 
 
 def one_line_error(capsys, *args) -> str:

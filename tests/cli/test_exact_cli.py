@@ -3,11 +3,9 @@ model replays it), check's and plan's documents with an `exact` block, and one-l
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from helpers import FIXTURES, cli_in_a_subprocess, one_line_error, run
+from helpers import FIXTURES, cli_in_a_subprocess, json_of, one_line_error, run
 from vram_planner.allocator import replay_events
 from vram_planner.units import MiB
 
@@ -19,12 +17,6 @@ SHORT = ["--per-device-train-batch-size", "2", "--num-generations", "2", "--max-
 # Four 512-token completions in micro-batches of four, LoRA: the plan's ladder halves the micro-batch
 LADDER = ["--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "1", "--num-generations", "4",
           "--max-prompt-length", "16", "--max-completion-length", "512", "--lora-r", "8"]
-
-
-def json_of(capsys, *args: str) -> tuple[int, dict]:
-    code, out, err = run(capsys, *args, "--json")
-    assert code in (0, 1), err
-    return code, json.loads(out)
 
 
 @pytest.fixture(scope="module")

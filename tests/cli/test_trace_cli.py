@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import FIXTURES, cli_in_a_subprocess, library_warning_before, one_line_error, run
+from helpers import FIXTURES, cli_in_a_subprocess, json_of, library_warning_before, one_line_error, run
 from vram_planner.cli import main
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.tracing.step import trace_step
@@ -191,9 +191,7 @@ def no_alloc_conf(monkeypatch):
 
 
 def traced_json(capsys, *flags: str) -> tuple[int, dict]:
-    code, out, err = run(capsys, "trace", "--model", str(TINY), *SHORT, *flags, "--json")
-    assert code in (0, 1), err
-    return code, json.loads(out)
+    return json_of(capsys, "trace", "--model", str(TINY), *SHORT, *flags)
 
 
 @pytest.fixture(scope="module")
