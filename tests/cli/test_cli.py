@@ -359,18 +359,23 @@ def test_the_printed_trainer_loads_a_model_folder_not_its_config_file(capsys, tm
 
 
 def test_a_verdict_near_the_boundary_says_so_and_names_exact(capsys):
-    """Qwen2.5-0.5B's defaults peak at 8.8 GiB: within 5% of a 9.5 GiB card's budget, far from an 80 GiB card's."""
+    """Qwen2.5-0.5B's defaults peak at 8.8 GiB: a 9.5 GiB card could be short of a need 17% above that (the most
+    measured), an 80 GiB card could not; on an 8.5 GiB card a need 4% below could fit."""
     code, out, _ = run(capsys, "check", "--gpu", "9.5GiB", "--model", "Qwen2.5-0.5B", "--json")
     near = json.loads(out)
-    assert near["near_boundary"] is True
-    assert abs(near["peak_bytes"] - (near["capacity_bytes"] - near["safety_margin_bytes"])) <= 0.05 * near[
-        "capacity_bytes"]
+    assert near["fits"] is True and near["near_boundary"] is True
+    assert near["peak_bytes"] * 1.17 > near["capacity_bytes"]
     code, out, _ = run(capsys, "check", "--gpu", "80GiB", "--model", "Qwen2.5-0.5B", "--json")
     assert json.loads(out)["near_boundary"] is False
     for command in ("check", "plan"):
         code, out, _ = run(capsys, command, "--gpu", "9.5GiB", "--model", "Qwen2.5-0.5B")
         said = " ".join(out.split())
-        assert f"Near the boundary: the estimate is within its measured error (5% of the card) of the budget; " \
-               f"`vram-plan {command} --exact` with the same flags traces the step and decides" in said
+        assert ("Near the boundary: steps have needed up to 17% more than the estimate (the most measured), and this "
+                f"card would not hold that; `vram-plan {command} --exact` with the same flags traces the step and "
+                "decides") in said
+    code, out, _ = run(capsys, "check", "--gpu", "8.5GiB", "--model", "Qwen2.5-0.5B")
+    assert code == 1 and "steps have needed up to 4% less than the estimate" in " ".join(out.split())
+    code, out, _ = run(capsys, "check", "--gpu", "6GiB", "--model", "Qwen2.5-0.5B")
+    assert code == 1 and "Near the boundary" not in out
     code, out, _ = run(capsys, "check", "--gpu", "80GiB", "--model", "Qwen2.5-0.5B")
     assert "Near the boundary" not in out

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from vram_planner.cli.plot import COMPONENT_COLOURS
-from vram_planner.cli.render import footer
+from vram_planner.cli.render import footer, near_boundary_reason
 from vram_planner.cli.report import Report
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
-from vram_planner.model.verdict import ANALYTIC_ERROR_BAND
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
 
@@ -44,8 +43,8 @@ def verdict_markdown(checked: Report, planned: Report) -> str:
     """The verdict on the config as given and, when it does not fit, on the plan's."""
     lines = [f"### {_verdict(checked)}"]
     if checked.near_boundary:
-        lines.append(f"**Near the boundary:** the estimate is within its measured error ({ANALYTIC_ERROR_BAND:.0%} "
-                     "of the card) of the budget; *Check exactly* traces the step and decides.")
+        lines.append(f"**Near the boundary:** {near_boundary_reason(checked)}; *Check exactly* traces the step and "
+                     "decides.")
     if planned.changes and planned.fits:
         count = len(planned.changes)
         lines.append(f"**✔ With the plan's {count} change{'s' * (count != 1)} below it fits:** peak "

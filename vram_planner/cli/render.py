@@ -12,7 +12,7 @@ from vram_planner.cli.report import Report
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.model.spec import TrainingConfig
-from vram_planner.model.verdict import ANALYTIC_ERROR_BAND
+from vram_planner.model.verdict import NEED_ABOVE_ESTIMATE, NEED_BELOW_ESTIMATE
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB, KiB, MiB
 
@@ -62,12 +62,18 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
         title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {over}; "
                      "`vram-plan plan` with the same flags finds the best config that fits")
     if report.near_boundary:
-        title.append(f"\n{NEAR_BOUNDARY.format(command=report.command)}", style="yellow")
+        title.append(f"\nNear the boundary: {near_boundary_reason(report)}; `vram-plan {report.command} --exact` "
+                     "with the same flags traces the step and decides", style="yellow")
     return title
 
 
-NEAR_BOUNDARY = (f"Near the boundary: the estimate is within its measured error ({ANALYTIC_ERROR_BAND:.0%} of the card) "
-                 f"of the budget; `vram-plan {{command}} --exact` with the same flags traces the step and decides")
+def near_boundary_reason(report: Report) -> str:
+    """Why the estimate's verdict could be the other way round (the web page says it too)."""
+    if report.fits:
+        return (f"steps have needed up to {NEED_ABOVE_ESTIMATE:.0%} more than the estimate (the most measured), and "
+                "this card would not hold that")
+    return (f"steps have needed up to {NEED_BELOW_ESTIMATE:.0%} less than the estimate (the most measured), and "
+            "this card would hold that")
 
 
 # Why the allocator holds more than the step needs, as nvidia-smi shows it: the question users ask.
