@@ -13,7 +13,20 @@ Counted from the autograd graph that transformers 5.x builds for a Llama-style l
   head the repeat is a view), its output and a
   float32 log-sum-exp per head, plus a [B, 1, L, L] float mask in the compute dtype that each layer converts from the
   boolean one.
-- The gated MLP keeps the gate and up projections, the activation of the gate, and the product (down's input).
+- Eager attention (transformers' eager_attention_forward, llama's and gemma2's alike) keeps, per head and query, a row
+  of L: softmax's float32 output, the probabilities in the compute dtype for the matmul with v (a cast of their own
+  unless that is float32), and with Gemma 2's softcapping tanh's output. Backward through softmax then holds the
+  gradient of its output and of its input, both float32, after the matmul has freed its copy
+  (`eager_softmax_backward_bytes`). Its masks are float, in the embeddings' dtype.
+- Gemma 2 and 3 build a full and a sliding mask for their two kinds of layers; checkpointed layers keep both.
+- The gated MLP keeps the gate and up projections, the activation of the gate, and the product (down's input). A
+  kernel activation (silu, gelu) keeps its input; phi's gelu_new is a Python expression and keeps four tensors
+  as wide as the MLP (`ACTIVATION_SAVED_TENSORS`).
+- phi runs attention and MLP side by side on one LayerNorm's output (four readers of one tensor). LayerNorm's
+  kernel keeps its input, a mean and a reciprocal deviation per row, and recomputes the normalised tensor.
+  phi-2's resid_pdrop puts dropout on both outputs: the trace runs the CPU kernel, which keeps a noise tensor in the
+  input's dtype (CUDA's fused kernel keeps a one-byte mask). Partial rotary changes nothing kept: q and k leave
+  rotary as one concatenated tensor, which SDPA's casts replace as before.
 - phi3 fuses q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`): each norm output has one reader, and the v that SDPA
   keeps is a slice of the fused output, which keeps all of it alive. (The CPU flash kernel lays its output out like
   its query, which phi3's rotary makes head-major, so with full fine-tuning the trace also counts o_proj's contiguous
@@ -31,6 +44,11 @@ from vram_planner.model.components import FP32_BYTES, sizes
 from vram_planner.model.spec import TrainingConfig
 
 BOOL_BYTES = 1
+# Tensors as wide as the MLP that an activation keeps for backward, where transformers writes it as an expression
+# (transformers/activations.py); a kernel (silu, gelu, gelu_pytorch_tanh, relu) keeps its input only.
+# gelu_new, 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3))): pow keeps x, tanh its output, and the
+# last product its two factors, 0.5 * x and 1 + tanh(...).
+ACTIVATION_SAVED_TENSORS = {"gelu_new": 4}
 
 
 def _autocast(train: TrainingConfig) -> bool:
@@ -45,8 +63,11 @@ def norm_saved_bytes(arch: ModelArchitecture, width: int, input_bytes: int, trai
     """RMSNorm over `width` elements: its float32 input (or upcast copy), rsqrt per row, the normalised tensor.
 
     Llama-style norms cast the normalised tensor back to the input's dtype before the weight multiplies it; Gemma's
-    multiply in float32.
+    multiply in float32. LayerNorm (phi) keeps its input, a mean and a reciprocal deviation per row, and never the
+    normalised tensor (its backward recomputes it); the input as float32, as CUDA's autocast casts it.
     """
+    if arch.family.layer_norm_bias:
+        return FP32_BYTES * width + 2 * FP32_BYTES * rows
     normed_bytes = FP32_BYTES if arch.family.fp32_norm_scale else input_bytes
     return FP32_BYTES * width + FP32_BYTES * rows + (normed_bytes * width if trainable else 0)
 
@@ -69,13 +90,13 @@ def linear_inputs_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, re
     return width * kept if shared else len(adapted) * width * (kept + mask)
 
 
-def lora_rank_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Per token: x @ A of every adapter, rank wide, kept by lora_B."""
+def lora_rank_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, linears: list[Linear] | None = None) -> float:
+    """Per token: x @ A of every adapter (of `linears`, None: the layer's), rank wide, kept by lora_B."""
     if not train.uses_lora:
         return 0
     s = sizes(train)
     kept = s.compute if _autocast(train) else s.trainable
-    adapted = [lin for lin in arch.layer_linears() if lin.name in _lora_targets(arch, train)]
+    adapted = [lin for lin in linears or arch.layer_linears() if lin.name in _lora_targets(arch, train)]
     return len(adapted) * (train.lora_r or 0) * kept
 
 
@@ -85,36 +106,108 @@ def attention_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     c, a, k = s.compute, arch.num_attention_heads, arch.num_kv_heads
     q_width, kv_width = a * arch.head_dim, k * arch.head_dim
     full = not train.uses_lora
-    total = 0.0
-    if arch.family.qk_norm:  # per-head RMSNorm of q and k, on the projections' compute-dtype output
-        total += norm_saved_bytes(arch, q_width, c, full, rows=a) + norm_saved_bytes(arch, kv_width, c, full, rows=k)
+    total = _qk_norm_saved_bytes(arch, train)
     if train.attn_implementation == "flash_attention_2":
         return total + c * (2 * q_width + 2 * kv_width) + FP32_BYTES * a  # q, k, v, output, log-sum-exp
-    total += c * 2 * q_width + _repeated_kv_saved_bytes(arch, train)  # q and the output; k and v
     if train.attn_implementation == "eager":
-        # float32 softmax output (kept by softmax) and its compute-dtype cast (kept by the matmul with v), per query
-        return total + a * train.sequence_length * (FP32_BYTES + c)
+        # q and k as the scores' matmul keeps them, v as the probabilities' matmul does, the scores' rows; neither
+        # matmul keeps its output, which only a trained o_proj keeps (with LoRA, lora_A keeps its own copy)
+        output = 0 if train.uses_lora else c * q_width
+        return (total + c * q_width + output + _repeated_kv_saved_bytes(arch, train)
+                + a * train.sequence_length * eager_scores_saved_bytes(arch, train))
+    total += c * 2 * q_width + _repeated_kv_saved_bytes(arch, train)  # q and the output; k and v
     # log-sum-exp per head; transformers 5 converts the boolean mask to a float one in each layer (a row per token),
     # transformers 4 built one float mask for all layers (kept_mask_bytes)
     return total + FP32_BYTES * a + (c * train.sequence_length if train.release.transformers_major >= 5 else 0)
 
 
+def _qk_norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Per token: the per-head RMSNorm of q and k (Qwen3, Gemma 3), on the projections' compute-dtype output."""
+    if not arch.family.qk_norm:
+        return 0
+    c, a, k, full = sizes(train).compute, arch.num_attention_heads, arch.num_kv_heads, not train.uses_lora
+    return (norm_saved_bytes(arch, a * arch.head_dim, c, full, rows=a)
+            + norm_saved_bytes(arch, k * arch.head_dim, c, full, rows=k))
+
+
+def eager_scores_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Per head, query and key: what eager attention keeps of its scores.
+
+    softmax(..., dtype=float32) keeps its float32 output; the matmul with v keeps the probabilities in the compute
+    dtype, a copy of their own (`.to(query.dtype)` or autocast's cast) unless that is float32; softcapping's tanh
+    keeps its output in the scores' dtype, the compute dtype. Scaling, softcapping's divide and multiply by a number,
+    and adding the mask keep nothing.
+    """
+    c = sizes(train).compute
+    return FP32_BYTES + _probabilities_cast_bytes(train) + (c if arch.attn_logit_softcapping else 0)
+
+
+def eager_softmax_backward_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration,
+                                 tokens: int) -> float:
+    """One layer's tensors at the peak of eager attention's backward, softmax's, over `tokens` tokens (0 without
+    eager attention).
+
+    Backward has freed what the layer made after the scores (the MLP's tensors, o_proj's input, the probabilities'
+    compute-dtype copy and v, which the matmul with v kept), and holds the gradient of softmax's float32 output
+    while it makes the gradient of its input, float32 too: a [B, a, L, L] each. Alive besides: what the layer kept
+    up to the scores (its input norm, the q/k/v projections' inputs and adapter ranks, q and k as the scores'
+    matmul keeps them, softmax's and tanh's outputs), v's gradient as the matmul gave it (autograd runs the scores'
+    branch first), and the gradient of the layer's output.
+    """
+    if train.attn_implementation != "eager" or train.use_liger_kernel:
+        return 0
+    s = sizes(train)
+    c, a = s.compute, arch.num_attention_heads
+    q_width = a * arch.head_dim
+    linears = {lin.name: lin for lin in arch.layer_linears()}
+    attention_in = [lin for lin in linears.values()
+                    if lin.name in ("qkv_proj", "q_proj", "k_proj", "v_proj")] or [linears["q_proj"]]
+    per_token = norm_saved_bytes(arch, arch.hidden_size, s.residual, not train.uses_lora)
+    per_token += linear_inputs_saved_bytes(arch, train, attention_in, s.residual)
+    per_token += _qk_norm_saved_bytes(arch, train) + c * q_width + _key_saved_bytes(arch, train)
+    per_token += a * train.sequence_length * (eager_scores_saved_bytes(arch, train) - _probabilities_cast_bytes(train)
+                                              + 2 * FP32_BYTES)
+    per_token += c * q_width  # v's gradient, repeated to every head
+    per_token += lora_rank_saved_bytes(arch, train, attention_in)
+    per_token += cal.backward_hidden_bytes * arch.hidden_size * s.residual / 2
+    return tokens * per_token
+
+
+def _probabilities_cast_bytes(train: TrainingConfig) -> int:
+    """Per score: eager attention's compute-dtype copy of the float32 probabilities (none when that is float32)."""
+    c = sizes(train).compute
+    return c if c != FP32_BYTES else 0
+
+
+def activation_saved_tensors(arch: ModelArchitecture) -> int:
+    """MLP-wide tensors the MLP's activation keeps for backward (its input among them)."""
+    return ACTIVATION_SAVED_TENSORS.get(arch.hidden_act, 1)
+
+
 def _repeated_kv_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Per token: k and v as SDPA keeps them, repeated to every query head by transformers' repeat_kv.
+    """Per token: k and v as SDPA (or eager attention's two matmuls) keeps them, repeated to every query head by
+    transformers' repeat_kv.
 
     With one key/value head the repeat is a view (expand, then a reshape that needs no copy), so v stays kv wide; k
     does too unless autocast has to cast it (its rotary output follows a float32 residual stream), and the cast of
     the expanded view is q wide. The same holds for multi-head attention, where nothing repeats.
     """
-    s = sizes(train)
-    c, k = s.compute, arch.num_kv_heads
+    c, k = sizes(train).compute, arch.num_kv_heads
     q_width, kv_width = arch.num_attention_heads * arch.head_dim, k * arch.head_dim
     if k > 1 and q_width != kv_width:
         return 2 * c * q_width
-    key_cast = _autocast(train) and s.residual != c
     # phi3's v is a slice of the fused qkv_proj output: keeping it keeps the q and k columns of that tensor too
     fused = c * (q_width + kv_width) if arch.family.fused_qkv else 0
-    return c * (q_width if key_cast else kv_width) + c * kv_width + fused
+    return _key_saved_bytes(arch, train) + c * kv_width + fused
+
+
+def _key_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Per token: k as the attention keeps it (`_repeated_kv_saved_bytes`)."""
+    s = sizes(train)
+    c, k = s.compute, arch.num_kv_heads
+    q_width, kv_width = arch.num_attention_heads * arch.head_dim, k * arch.head_dim
+    key_cast = _autocast(train) and s.residual != c
+    return c * (q_width if (k > 1 and q_width != kv_width) or key_cast else kv_width)
 
 
 def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
@@ -130,16 +223,23 @@ def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: in
     mlp_in, mlp_out = [linears[n] for n in f.mlp_names[:-1]], linears[f.mlp_names[-1]]
     i = arch.intermediate_size
 
-    per_token = 2 * norm_saved_bytes(arch, arch.hidden_size, r, full)
-    per_token += linear_inputs_saved_bytes(arch, train, attention_in, r)
+    parallel = f.norms_per_layer == 1  # phi: attention and MLP read the output of the layer's one norm
+    per_token = (1 if parallel else 2) * norm_saved_bytes(arch, arch.hidden_size, r, full)
+    if parallel:
+        per_token += linear_inputs_saved_bytes(arch, train, attention_in + mlp_in, r)
+    else:
+        per_token += linear_inputs_saved_bytes(arch, train, attention_in, r)
+        per_token += linear_inputs_saved_bytes(arch, train, mlp_in, r)
     per_token += attention_saved_bytes(arch, train)
     if train.uses_lora:  # fully trained, o_proj keeps the attention output that the attention kept already
         per_token += linear_inputs_saved_bytes(arch, train, [out_proj], c)
     if f.norms_per_layer == 4:  # Gemma 2/3 also normalise each sublayer's compute-dtype output
         per_token += 2 * norm_saved_bytes(arch, arch.hidden_size, c, full)
-    # gated: gate and up outputs, the activation; plain: fc1's output kept by the activation
-    per_token += c * i * (3 if f.gated_mlp else 1)
-    per_token += linear_inputs_saved_bytes(arch, train, mlp_in, r)
+    if arch.resid_dropout:  # phi: dropout on the attention's and the MLP's outputs keeps its noise (CPU kernel)
+        per_token += 2 * arch.hidden_size * c
+    # what the activation keeps of the gate's (plain: fc1's) output; gated: also the up projection and the
+    # activation's output, the product's factors
+    per_token += c * i * (activation_saved_tensors(arch) + (2 if f.gated_mlp else 0))
     per_token += linear_inputs_saved_bytes(arch, train, [mlp_out], c)
     per_token += lora_rank_saved_bytes(arch, train)
     return tokens * per_token
@@ -183,16 +283,19 @@ def one_layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: C
 
 def attention_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
     """The [B, 1, L, L] mask transformers builds for padded batches (FlashAttention-2 unpads instead): boolean in
-    transformers 5; in transformers 4 a float mask in the embeddings' dtype, shared by every layer."""
+    transformers 5 for SDPA, float in the embeddings' dtype for eager attention (masking_utils.eager_mask); in
+    transformers 4 a float mask in the embeddings' dtype, shared by every layer."""
     if train.attn_implementation == "flash_attention_2":
         return 0
-    per_entry = BOOL_BYTES if train.release.transformers_major >= 5 else sizes(train).residual
+    boolean = train.release.transformers_major >= 5 and train.attn_implementation != "eager"
+    per_entry = BOOL_BYTES if boolean else sizes(train).residual
     return sequences * length * length * per_entry
 
 
-def kept_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
-    """The mask kept for backward besides the layers' own tensors: transformers 4's shared float mask (every layer's
-    attention keeps it), or under checkpointing transformers 5's boolean mask (the checkpointed layers' input)."""
+def kept_mask_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, length: int) -> float:
+    """The masks kept for backward besides the layers' own tensors: transformers 4's shared float mask (every layer's
+    attention keeps it), or under checkpointing transformers 5's masks (the checkpointed layers' input): one per
+    kind of layer (Gemma 2 and 3: full and sliding)."""
     if train.release.transformers_major < 5 or train.gradient_checkpointing:
-        return attention_mask_bytes(train, sequences, length)
+        return arch.attention_mask_kinds * attention_mask_bytes(train, sequences, length)
     return 0

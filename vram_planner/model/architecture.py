@@ -91,6 +91,9 @@ class ModelArchitecture:
     config_dtype: str | None = None
     mlp_bias: bool = False
     vision_params: int = 0  # a multimodal model's vision tower and projector (idle in text-only GRPO)
+    hidden_act: str = "silu"  # the MLP's activation, as ACT2FN names it (what it keeps for backward)
+    attn_logit_softcapping: float | None = None  # Gemma 2: tanh softcapping of the attention scores (eager only)
+    resid_dropout: float = 0.0  # phi: dropout on the attention's and the MLP's outputs (resid_pdrop)
     name: str = ""
     hub_id: str = ""  # what to pass to from_pretrained / GRPOTrainer(model=...)
 
@@ -138,6 +141,9 @@ class ModelArchitecture:
             # phi's fc1/fc2 always carry biases; gated MLPs only when the config asks
             mlp_bias=_flag(config, "mlp_bias", False, where) if gated else True,
             vision_params=vision_params,
+            hidden_act=_hidden_act(config, model_type),
+            attn_logit_softcapping=_softcapping(config, model_type, where),
+            resid_dropout=_probability(config, "resid_pdrop", where) if model_type == "phi" else 0.0,
             name=name,
             hub_id=hub_id or name,
         )
@@ -209,6 +215,12 @@ class ModelArchitecture:
 
     def resolve_lora_targets(self, target_modules: list[str] | None) -> set[str]:
         return {lin.name for lin in self.lora_linears(target_modules)}
+
+    @property
+    def attention_mask_kinds(self) -> int:
+        """How many [B, 1, L, L] masks a forward builds that some layer reads: a full-attention one and a sliding one
+        where layers of both kinds exist (Gemma 2 and 3), else one."""
+        return 2 if 0 < self.sliding_layers < self.num_layers else 1
 
     def kv_layers_tokens(self, sequence_tokens: int) -> int:
         """Sum over layers of the tokens each layer keeps in its KV cache for one sequence."""
@@ -343,6 +355,42 @@ def _vision_params(config: dict[str, Any], where: str) -> tuple[int, bool]:
     text_hidden = config["text_config"].get("hidden_size") if isinstance(config["text_config"], dict) else None
     projector = h * text_hidden + h if config.get("model_type") == "gemma3" and _positive_int(text_hidden) else 0
     return tower + projector, True
+
+
+# The default activation of each family's config class (transformers 5), where the config may leave it out.
+DEFAULT_HIDDEN_ACT = {"phi": "gelu_new", "gemma": "gelu_pytorch_tanh", "gemma2": "gelu_pytorch_tanh",
+                      "gemma3_text": "gelu_pytorch_tanh"}
+
+
+def _hidden_act(config: dict[str, Any], model_type: str) -> str:
+    """The MLP's activation as the modeling code reads it: Gemma 2 and 3's `hidden_activation`, else `hidden_act`."""
+    keys = ("hidden_activation", "hidden_act") if model_type in ("gemma2", "gemma3_text") else ("hidden_act",)
+    for key in keys:
+        if isinstance(config.get(key), str):
+            return config[key]
+    return DEFAULT_HIDDEN_ACT.get(model_type, "silu")
+
+
+def _softcapping(config: dict[str, Any], model_type: str, where: str) -> float | None:
+    """Gemma 2's attn_logit_softcapping (its config's default 50.0 when left out; null turns it off); Gemma 3 has the
+    setting but no default; other families have none."""
+    if model_type not in ("gemma2", "gemma3_text"):
+        return None
+    value = config.get("attn_logit_softcapping", 50.0 if model_type == "gemma2" else None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ProfileError(f"{where}: attn_logit_softcapping should be a positive number or null (got {value!r})")
+    return float(value)
+
+
+def _probability(config: dict[str, Any], key: str, where: str) -> float:
+    value = config.get(key)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ProfileError(f"{where}: {key} should be a number from 0 up to 1 (got {value!r})")
+    return float(value)
 
 
 def _with_config_biases(family: Family, config: dict[str, Any], where: str) -> Family:

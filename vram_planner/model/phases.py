@@ -196,7 +196,7 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
     head = lm_head_memory(arch, train, release, b, with_grad=True)
     saved = act.decoder_saved_bytes(arch, train, cal, tokens)
     final_norm = act.final_norm_saved_bytes(arch, train, tokens)
-    mask = act.kept_mask_bytes(train, b, length)
+    mask = act.kept_mask_bytes(arch, train, b, length)
     # From the second micro-batch of an accumulation on, every gradient exists before the forward starts.
     accumulating = train.gradient_accumulation_steps > 1
     grads_before = all_grads if accumulating else 0.0
@@ -242,6 +242,13 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
                                arch, train, all_grads)),
                            "activations": first_layer}, "backward through the first layer"),
     ]
+    eager = act.eager_softmax_backward_bytes(arch, train, cal, tokens)
+    if eager:
+        # Inside a layer's eager attention, softmax's backward: the layer's later tensors are gone, the scores'
+        # float32 gradients are there (act.eager_softmax_backward_bytes), in place of one_layer + working.
+        swap = eager - one_layer - working
+        moments += [Phase("training", {**p.components, "activations": p.components["activations"] + swap},
+                          f"{p.moment}: eager attention's softmax") for p in moments[-2:]]
     if tied:
         # The embedding's dense gradient joins the output projection's before they are summed.
         dense = _head_gradient_bytes(arch, train)
