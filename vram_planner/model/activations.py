@@ -105,7 +105,6 @@ def attention_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     s = sizes(train)
     c, a, k = s.compute, arch.num_attention_heads, arch.num_kv_heads
     q_width, kv_width = a * arch.head_dim, k * arch.head_dim
-    full = not train.uses_lora
     total = _qk_norm_saved_bytes(arch, train)
     if train.attn_implementation == "flash_attention_2":
         return total + c * (2 * q_width + 2 * kv_width) + FP32_BYTES * a  # q, k, v, output, log-sum-exp
