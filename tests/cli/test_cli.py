@@ -359,18 +359,18 @@ def test_the_printed_trainer_loads_a_model_folder_not_its_config_file(capsys, tm
 
 
 def test_a_verdict_near_the_boundary_says_so_and_names_exact(capsys):
-    """Qwen2.5-0.5B's defaults peak at 8.8 GiB: a 9.5 GiB card could be short of a need 17% above that (the most
+    """Qwen2.5-0.5B's defaults peak at 8.8 GiB: a 9.5 GiB card could be short of a need 18% above that (the most
     measured), an 80 GiB card could not; on an 8.5 GiB card a need 4% below could fit."""
     code, out, _ = run(capsys, "check", "--gpu", "9.5GiB", "--model", "Qwen2.5-0.5B", "--json")
     near = json.loads(out)
     assert near["fits"] is True and near["near_boundary"] is True
-    assert near["peak_bytes"] * 1.17 > near["capacity_bytes"]
+    assert near["peak_bytes"] * 1.18 > near["capacity_bytes"]
     code, out, _ = run(capsys, "check", "--gpu", "80GiB", "--model", "Qwen2.5-0.5B", "--json")
     assert json.loads(out)["near_boundary"] is False
     for command in ("check", "plan"):
         code, out, _ = run(capsys, command, "--gpu", "9.5GiB", "--model", "Qwen2.5-0.5B")
         said = " ".join(out.split())
-        assert ("Near the boundary: steps have needed up to 17% more than the estimate (the most measured), and this "
+        assert ("Near the boundary: steps have needed up to 18% more than the estimate (the most measured), and this "
                 f"card would not hold that; `vram-plan {command} --exact` with the same flags traces the step and "
                 "decides") in said
     code, out, _ = run(capsys, "check", "--gpu", "8.5GiB", "--model", "Qwen2.5-0.5B")
@@ -379,3 +379,5 @@ def test_a_verdict_near_the_boundary_says_so_and_names_exact(capsys):
     assert code == 1 and "Near the boundary" not in out
     code, out, _ = run(capsys, "check", "--gpu", "80GiB", "--model", "Qwen2.5-0.5B")
     assert "Near the boundary" not in out
+    code, out, _ = run(capsys, "check", "--gpu", "12GiB", "--model", "Qwen2.5-0.5B", "--attn-implementation", "eager")
+    assert code == 0 and "steps with eager attention have needed up to 33% more" in " ".join(out.split())

@@ -12,7 +12,7 @@ from vram_planner.cli.report import Report
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.model.spec import TrainingConfig
-from vram_planner.model.verdict import NEED_ABOVE_ESTIMATE, NEED_BELOW_ESTIMATE
+from vram_planner.model.verdict import NEED_BELOW_ESTIMATE, need_above_estimate
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB, KiB, MiB
 
@@ -70,7 +70,9 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
 def near_boundary_reason(report: Report) -> str:
     """Why the estimate's verdict could be the other way round (the web page says it too)."""
     if report.fits:
-        return (f"steps have needed up to {NEED_ABOVE_ESTIMATE:.0%} more than the estimate (the most measured), and "
+        above = need_above_estimate(report.assumptions["attn_implementation"])
+        attention = " with eager attention" if report.assumptions["attn_implementation"] == "eager" else ""
+        return (f"steps{attention} have needed up to {above:.0%} more than the estimate (the most measured), and "
                 "this card would not hold that")
     return (f"steps have needed up to {NEED_BELOW_ESTIMATE:.0%} less than the estimate (the most measured), and "
             "this card would hold that")

@@ -20,11 +20,18 @@ DEFAULT_SAFETY_MARGIN = 0.05
 MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a margin
 # How far the exact need of a step has been measured from the estimate (benchmarks/boundary.py: the traced step's
 # need, bisected through the allocator model, beside the analytic peak; benchmarks/results/boundary.txt): up to this
-# much above it (the allocator's reserve for LoRA's checkpointed activations at long context and large batches is
-# larger than the fitted one) and this much below. A verdict whose peak lies that close to the card could be the
-# other way round: `check --exact` decides it.
-NEED_ABOVE_ESTIMATE = 0.17
+# much above it, and this much below. The allocator's reserve is what the estimate misses: for LoRA's checkpointed
+# activations at long context and large batches (17.2% for SmolLM2-135M at 128 sequences), and far more for eager
+# attention's float32 [B, heads, L, L] scores, blocks the cache cannot reuse (32.3% for gemma-2-2b at 4352 tokens).
+# A verdict whose peak lies that close to the card could be the other way round: `check --exact` decides it.
+NEED_ABOVE_ESTIMATE = 0.18
+NEED_ABOVE_ESTIMATE_EAGER = 0.33
 NEED_BELOW_ESTIMATE = 0.04
+
+
+def need_above_estimate(attn_implementation: str) -> float:
+    """The most a step with this attention has been measured to need above its estimate."""
+    return NEED_ABOVE_ESTIMATE_EAGER if attn_implementation == "eager" else NEED_ABOVE_ESTIMATE
 
 
 def check_safety_margin(value: object) -> float:
@@ -96,7 +103,7 @@ class Verdict:
             return False
         peak, capacity = self.estimate.peak_bytes, self.context.capacity_bytes
         if self.fits:
-            return peak * (1 + NEED_ABOVE_ESTIMATE) > capacity
+            return peak * (1 + need_above_estimate(self.train.attn_implementation)) > capacity
         return peak * (1 - NEED_BELOW_ESTIMATE) <= capacity
 
 
