@@ -39,6 +39,18 @@ def test_the_installed_transformers_has_a_row_and_it_names_the_model_types_witho
         assert row.supports_sdpa(model_type) == supports, model_type
 
 
+def test_the_installed_transformers_names_the_cache_as_its_row_says():
+    pytest.importorskip("transformers")
+    import inspect
+
+    from transformers import GenerationMixin
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    row = transformers_release(None, int(installed_version("transformers").split(".")[0]))
+    assert row.cache_argument in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    assert row.cache_argument in GenerateDecoderOnlyOutput.__dataclass_fields__
+
+
 def test_a_trl_release_of_another_generation_is_planned_with_the_transformers_of_its_time():
     installed_major = int(installed_version("transformers").split(".")[0])
     other = 4 if installed_major == 5 else 5

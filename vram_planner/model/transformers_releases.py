@@ -29,6 +29,7 @@ class TransformersRelease:
     min_version: Annotated[str, Rules(pattern=_RELEASE)]
     below_version: Annotated[str, Rules(pattern=_RELEASE)]
     kv_values_dtype: Literal["keys", "values"]
+    cache_argument: Literal["past_key_values", "cache"]
     sdpa_unsupported: tuple[str, ...] = ()
     version: str = ""  # the release planned for, filled in by `transformers_release`
 

@@ -56,9 +56,10 @@ def run_generation(session: Session) -> PhasePeak:
     tracker.reset_peak()
     with torch.no_grad(), session.generation_autocast(), tracker.tagged(ACTS, "prefill"):
         ids, mask = _prompt(session, sequences, p)
-        cache = model.generate(input_ids=ids, attention_mask=mask,
-                               generation_config=_generation_config(session.base_model, 1, returns_cache=True)
-                               ).past_key_values
+        cache_argument = train.transformers.cache_argument  # the installed transformers' (check_traceable)
+        cache = getattr(model.generate(input_ids=ids, attention_mask=mask,
+                                       generation_config=_generation_config(session.base_model, 1, returns_cache=True)),
+                        cache_argument)
         del ids, mask
     prefill = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     if c < 2:
@@ -71,7 +72,7 @@ def run_generation(session: Session) -> PhasePeak:
         # head_tagging tags lm_head_buffers from the decoder's output to the next forward.
         tracker.tag, tracker.moment = HEAD, "last decoding step"
         with session.generation_autocast():
-            model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=config)
+            model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **{cache_argument: cache})
         del cache
     last = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     return max(prefill, last, key=lambda phase: phase.peak_bytes)

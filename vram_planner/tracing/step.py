@@ -35,7 +35,7 @@ from vram_planner.errors import VramPlanError, first_line
 from vram_planner.extras import TRAIN_EXTRA, library_log_warnings_hidden, require_train_extra
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
-from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, parse_version
+from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
 from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream
 
 
@@ -188,6 +188,11 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append("FlashAttention-2 has no CPU kernel; trace with --attn-implementation sdpa")
     if train.optim.needs_bitsandbytes:
         problems.append(f"bitsandbytes optimizers (--optim {train.optim.value}) need CUDA kernels")
+    installed = installed_version("transformers")
+    parsed = parse_version(installed) if installed else None
+    if train.transformers_version is not None and (parsed is None or train.transformers.version != parsed[1]):
+        problems.append(f"it runs the installed transformers {installed}, not --transformers-version "
+                        f"{train.transformers.version}")
     notes = _release_notes(release, problems)
     if problems:
         raise VramPlanError("the trace cannot run this config: " + "; ".join(problems)
