@@ -74,8 +74,8 @@ def transformers_release(version: str | None, major: int) -> TransformersRelease
         if parsed is not None and parsed[0][0] == major and _row(parsed[0]) is not None:
             version = parsed[1]
     if version is not None:
-        row = _row(version_tuple(known_transformers_version(version)))
-        return replace(row, version=known_transformers_version(version))  # type: ignore[arg-type]
+        normalised = known_transformers_version(version)
+        return replace(_row(version_tuple(normalised)), version=normalised)  # type: ignore[arg-type]
     of_major = [r for r in transformers_releases() if version_tuple(r.min_version)[0] == major]
     if not of_major:
         raise ProfileError(f"no row of transformers.toml covers transformers {major}.x")
