@@ -94,6 +94,8 @@ BAD_KNOBS = [
     *(["--num-gpus", "2", "--zero-stage", v] for v in ["4", "-1"]),
     *(["--safety-margin", v] for v in ["nan", "inf", "-0.1", "0.9"]),
     *(["--trl-version", v] for v in ["2.0", "-1", "abc", "", "99.1"]),
+    *(["--transformers-version", v] for v in ["7.0", "3.9", "-1", "abc", "", "latest"]),
+    ["--model", "gemma-2-2b", "--attn-implementation", "sdpa"],
     *(["--lora-r", "8", "--lora-target-modules", v] for v in ["qproj", ",,,", ""]),
     ["--gpu", "rtx9999"], ["--gpu", ""], ["--gpu", "0GiB"], ["--gpu", "-3GiB"], ["--gpu", "nanGiB"],
     ["--gpu", "infGiB"], ["--gpu", "1e400GiB"], ["--gpu", "auto"],

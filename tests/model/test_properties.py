@@ -23,6 +23,7 @@ from vram_planner.model.components import FP32_BYTES, sizes
 from vram_planner.model.search import (Plan, best_plan, ladder_runs, micro_batch_variants, smallest_micro_batch,
                                       with_micro_batch)
 from vram_planner.model.spec import Optimizer, TrainingConfig, knob_names, knob_types, with_changes
+from vram_planner.model.transformers_releases import transformers_releases
 from vram_planner.model.trl_releases import trl_releases
 from vram_planner.model.verdict import Verdict, judge
 from vram_planner.profiles import gpus, models
@@ -30,6 +31,7 @@ from vram_planner.profiles import gpus, models
 MODELS = [m.name for m in models()] + [str(p) for p in sorted(FIXTURES.glob("tiny-*.json"))]
 CARDS = [g.name for g in gpus()]
 TRL_VERSIONS = [row.min_version for row in trl_releases()]
+TRANSFORMERS_VERSIONS = [row.min_version for row in transformers_releases()]
 # Derandomized, so CI runs the same examples every time; the per-example deadline is generous for 2 busy cores and
 # the alarm of within_seconds stops a hang that the deadline (measured after the fact) would wait out.
 EXAMPLE_DEADLINE = timedelta(seconds=3)
@@ -57,6 +59,8 @@ def edge_values(field: str) -> list[Any]:
         typed = [True, False, "yes", "maybe", 2]
     elif field == "optim":
         typed = [o.value for o in Optimizer] + ["adamw-8bit", "ADAMW_8BIT", "adam"]
+    elif field == "transformers_version":
+        typed = [*TRANSFORMERS_VERSIONS, "5.24", "4.48.3", "5.25.0.dev0", "7.0", "3.9", "v5", "latest"]
     elif field == "lora_target_modules":
         typed = ["q_proj,v_proj", "all-linear", "qproj", ",,,", "gate_up_proj", ["q_proj", "q_proj"], [""]]
     else:  # a Literal of names
@@ -105,6 +109,19 @@ def test_every_model_is_judged_and_planned_on_every_release_and_card(model):
         assert isinstance(_answer(lambda: api.plan(model, card, trl_version=trl_version)), Plan)
 
 
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.rsplit("/", 1)[-1])
+def test_every_model_is_judged_and_planned_under_every_transformers_release(model):
+    # each transformers row with the newest TRL and with the oldest, on the catalog's cards in turn
+    offset = MODELS.index(model) * len(TRANSFORMERS_VERSIONS)
+    for i, version in enumerate(TRANSFORMERS_VERSIONS):
+        card, trl_version = CARDS[(offset + i) % len(CARDS)], TRL_VERSIONS[i % 2 - 1]
+        settings = {"transformers_version": version}
+        verdict = _answer(lambda: api.check(model, card, settings, trl_version=trl_version))
+        assert isinstance(verdict, Verdict) and verdict.estimate.peak_bytes > 0, verdict
+        assert verdict.train.transformers.version == version
+        assert isinstance(_answer(lambda: api.plan(model, card, settings, trl_version=trl_version)), Plan)
+
+
 # --- valid configurations and the laws memory follows on them -------------------------------------------------
 
 LORA = st.one_of(st.just({}), st.fixed_dictionaries(
@@ -127,7 +144,8 @@ def valid_knobs(draw) -> dict[str, Any]:
         "attn_implementation": st.sampled_from(["sdpa", "eager", "flash_attention_2"]),
         "use_liger_kernel": st.booleans(), "use_vllm": st.booleans(), "vllm_enable_sleep_mode": st.booleans(),
         "vllm_gpu_memory_utilization": st.floats(0.05, 0.95), "num_gpus": st.integers(1, 8),
-        "zero_stage": st.integers(0, 3), "fsdp": st.booleans()}))
+        "zero_stage": st.integers(0, 3), "fsdp": st.booleans(),
+        "transformers_version": st.sampled_from(TRANSFORMERS_VERSIONS)}))
     knobs["num_generations"] = generations
     knobs["per_device_train_batch_size"] = generations * draw(st.integers(1, 4))
     return {**knobs, **draw(LORA)}
