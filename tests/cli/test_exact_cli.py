@@ -158,8 +158,8 @@ def test_exact_with_maximize_is_one_line(capsys):
 
 
 def test_check_exact_of_what_the_cpu_cannot_trace_is_one_line(capsys):
-    err = one_line_error(capsys, "check", "--exact", "--gpu", "24GiB", "--model", TINY, "--optim", "adamw_8bit")
-    assert "cannot run this config" in err and "bitsandbytes" in err
+    err = one_line_error(capsys, "check", "--exact", "--gpu", "24GiB", "--model", TINY, "--optim", "paged_adamw_8bit")
+    assert "cannot run this config" in err and "managed memory" in err
 
 
 @pytest.mark.parametrize("command", ["check", "plan"])

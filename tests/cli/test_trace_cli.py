@@ -62,7 +62,7 @@ def test_a_trace_that_does_not_fit_exits_1(capsys):
     assert code == 1 and not json.loads(out)["fits"]
 
 
-@pytest.mark.parametrize("flags", [["--use-vllm"], ["--load-in-4bit", "--lora-r", "8"], ["--optim", "adamw_8bit"],
+@pytest.mark.parametrize("flags", [["--use-vllm"], ["--load-in-4bit", "--lora-r", "8"], ["--optim", "paged_adamw_8bit"],
                                    ["--num-gpus", "2", "--zero-stage", "3"]])
 def test_what_the_cpu_cannot_trace_is_one_line(capsys, flags):
     err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", "Llama-3.2-1B", *flags)

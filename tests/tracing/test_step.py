@@ -143,7 +143,7 @@ def test_notes_say_what_fake_tensors_could_not_tell(full):
 
 @pytest.mark.parametrize("changes", [
     {"load_in_4bit": True, "lora_r": 8}, {"use_vllm": True}, {"num_gpus": 2}, {"zero_stage": 2},
-    {"use_liger_kernel": True}, {"attn_implementation": "flash_attention_2"}, {"optim": "adamw_8bit"},
+    {"use_liger_kernel": True}, {"attn_implementation": "flash_attention_2"}, {"optim": "paged_adamw_8bit"},
 ])
 def test_what_the_cpu_trace_cannot_run_is_a_clear_error(changes):
     with pytest.raises(VramPlanError, match="the trace cannot run"):
@@ -272,3 +272,26 @@ def test_every_fixture_architecture_traces_as_check_resolves_it(fixture):
     result = trace_step(json.loads(fixture.read_text()), train, context.release)
     assert result.params == context.arch.params
     assert [p.name for p in result.phases] == ["generation", "scoring", "training", "optimizer"]
+
+
+@pytest.mark.parametrize("optim", ["adamw_8bit", "lion_8bit"])
+def test_bitsandbytes_8bit_states_are_traced_as_bitsandbytes_makes_them(optim):
+    """bitsandbytes' own optimizer steps on the fake parameters: two uint8 states per element and a float32 absmax
+    per 256-element block (one state for Lion) where a parameter has 4096 elements or more, float32 states below;
+    the analytic model counts the same."""
+    pytest.importorskip("bitsandbytes")
+    train = TrainingConfig(**SHORT, optim=optim)
+    result = trace_step(TINY, train)
+    states = 1 if optim.startswith("lion") else 2
+    expected = 0
+    for p in tiny_model().parameters():
+        n = p.numel()
+        if n >= 4096:
+            expected += states * (rounded(n) + rounded(-(-n // 256) * 4))
+        else:
+            expected += states * rounded(n * 4)
+    traced = result.phase("optimizer").components["optimizer_states"]
+    assert traced == expected
+    analytic = estimate(ModelArchitecture.from_config(TINY), train, trl_release(), Calibration(), 80 * GiB)
+    analytic_states = next(p for p in analytic.phases if p.name == "optimizer").components["optimizer_states"]
+    assert analytic_states == pytest.approx(traced, rel=0.05)

@@ -172,8 +172,12 @@ def _small_tensor_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
         return small * arch.num_layers
     norms = arch.family.norms_per_layer * arch.num_layers + 1
     small = norms * arch.norm_params if arch.hidden_size < BNB_MIN_8BIT_SIZE else 0
-    biases = sum(lin.out_features for lin in arch.layer_linears() if lin.bias and lin.out_features < BNB_MIN_8BIT_SIZE)
-    return small + biases * arch.num_layers
+    per_layer = 0
+    for lin in arch.layer_linears():  # a small model's narrow projections, and biases
+        weight = lin.in_features * lin.out_features
+        per_layer += weight if weight < BNB_MIN_8BIT_SIZE else 0
+        per_layer += lin.out_features if lin.bias and lin.out_features < BNB_MIN_8BIT_SIZE else 0
+    return small + per_layer * arch.num_layers
 
 
 def _adafactor_state_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:

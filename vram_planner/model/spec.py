@@ -48,6 +48,11 @@ class Optimizer(str, Enum):
     def needs_bitsandbytes(self) -> bool:
         return "8bit" in self.value or self.value.startswith(("paged_", "lion_"))
 
+    @property
+    def is_paged(self) -> bool:
+        """bitsandbytes' paged optimizers keep their states in CUDA managed memory, which pages out to the host."""
+        return self.value.startswith("paged_")
+
 
 def _allocator_settings(value: str) -> str:
     if value:

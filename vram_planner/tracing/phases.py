@@ -245,9 +245,6 @@ def optimizer_recipe(train: TrainingConfig) -> tuple[type, dict[str, Any]]:
     from transformers import Trainer, TrainingArguments
 
     optim = train.optim
-    if optim.needs_bitsandbytes:
-        raise VramPlanError(f"the trace cannot run --optim {optim.value}: bitsandbytes optimizers need CUDA kernels "
-                            "(use `vram-plan check` for its analytic estimate)")
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(output_dir=tmp, optim=optim.value, report_to=[], use_cpu=True)
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
@@ -259,9 +256,14 @@ def optimizer_recipe(train: TrainingConfig) -> tuple[type, dict[str, Any]]:
 
 def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> PhasePeak:
     """The first optimizer step, which creates the states (their bytes go to `session.state_bytes`)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     tracker = session.tracker
     cls, kwargs = recipe
-    optimizer = session.optimizer = cls([p for p in session.model.parameters() if p.requires_grad], **kwargs)
+    # Built outside the fake world: bitsandbytes' 8-bit optimizers make their quantization maps from Python lists
+    # when built (a kilobyte, shared by every parameter); their states and their update run on the fake parameters.
+    with unset_fake_temporarily():
+        optimizer = session.optimizer = cls([p for p in session.model.parameters() if p.requires_grad], **kwargs)
     tracker.moment, tracker.assumed_number = "optimizer step", 1  # the step count, read for bias corrections
     tracker.reset_peak()
     with tracker.tagged(STEP):

@@ -186,8 +186,9 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append("Liger kernels (--use-liger-kernel) are Triton kernels")
     if train.attn_implementation == "flash_attention_2":
         problems.append("FlashAttention-2 has no CPU kernel; trace with --attn-implementation sdpa")
-    if train.optim.needs_bitsandbytes:
-        problems.append(f"bitsandbytes optimizers (--optim {train.optim.value}) need CUDA kernels")
+    if train.optim.is_paged:
+        problems.append(f"paged optimizers (--optim {train.optim.value}) keep their states in CUDA managed memory, "
+                        "outside torch's allocator")
     installed = installed_version("transformers")
     parsed = parse_version(installed) if installed else None
     if train.transformers_version is not None and (parsed is None or train.transformers.version != parsed[1]):
