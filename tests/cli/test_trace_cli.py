@@ -283,3 +283,11 @@ def test_when_the_allocator_finds_no_memory_the_trace_does_not_fit_and_says_wher
     assert code == 1 and not doc["fits"] and doc["peak_bytes"] > doc["capacity_bytes"]
     note = next(n for n in doc["notes"] if "could not find memory after freeing its cache" in n)
     assert re.search(r"in (generation|scoring|training|optimizer) \([^)]+, step [12]\) it asked for \d", note), note
+
+
+def test_tracing_an_8bit_optimizer_without_bitsandbytes_says_how_to_install_it():
+    done = cli_in_a_subprocess("trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT, "--optim", "adamw_8bit",
+                               setup="sys.modules['bitsandbytes'] = None")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == ("error: tracing --optim adamw_8bit needs bitsandbytes, which is not installed: "
+                           "pip install 'vram-plan[train]'\n")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
-from vram_planner.extras import TRAIN_EXTRA, library_log_warnings_hidden, require_train_extra
+from vram_planner.extras import TRAIN_EXTRA, library_log_warnings_hidden, require_bitsandbytes, require_train_extra
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
@@ -186,6 +186,8 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append("Liger kernels (--use-liger-kernel) are Triton kernels")
     if train.attn_implementation == "flash_attention_2":
         problems.append("FlashAttention-2 has no CPU kernel; trace with --attn-implementation sdpa")
+    if train.optim.needs_bitsandbytes and not train.optim.is_paged:
+        require_bitsandbytes(f"tracing --optim {train.optim.value}")
     if train.optim.is_paged:
         problems.append(f"paged optimizers (--optim {train.optim.value}) keep their states in CUDA managed memory, "
                         "outside torch's allocator")
