@@ -43,6 +43,8 @@ MODELS = ("SmolLM2-135M", "Qwen2.5-0.5B", "Qwen3-0.6B", "Llama-3.2-1B", "DeepSee
 BF16_LORA = {"dtype": "bfloat16", "lora_r": 16}
 CONFIGS = {
     "full c1024 B8": {"dtype": "bfloat16", "max_completion_length": 1024},
+    # TRL's defaults (float32 weights under autocast) with the 8-bit AdamW `plan` recommends first
+    "fp32 full adamw_8bit": {"optim": "adamw_8bit"},
     "lora c4096 B16": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,
                        "max_completion_length": 4096},
     "lora c8192 B4": {**BF16_LORA, "num_generations": 4, "per_device_train_batch_size": 4,
