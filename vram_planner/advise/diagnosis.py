@@ -221,7 +221,7 @@ def _plan_fixes(changes: Any) -> list[Fix]:
         settings, saved = {**settings, **change.settings}, saved + change.net_saved_bytes
         knobs, reasons = knobs + [change.knob], reasons + [change.reason]
         if saved > 0:
-                fixes.append(Fix(change=command_line_flags(settings), saves_bytes=round(saved),
+            fixes.append(Fix(change=command_line_flags(settings), saves_bytes=round(saved),
                              cost=_cost(" + ".join(knobs)), why="; ".join(reasons)))
     return fixes
 

@@ -129,7 +129,8 @@ class Report:
     # safety margin); peak_bytes, spare_bytes and the phases stay the engine's own figures
     exact: ExactReport | None = None
     exact_rung_above: RungAboveReport | None = None  # `plan --exact` only
-    # the estimate lies within its measured error of the budget, where `--exact` decides (false for exact verdicts)
+    # the step's need could lie on the other side of the card than the estimate's verdict, as far from the estimate
+    # as needs have been measured (Verdict.near_boundary): `--exact` decides; false where the need decided
     near_boundary: bool = False
 
 
@@ -206,8 +207,10 @@ def exact_report(outcome: Any) -> ExactReport:  # outcome: vram_planner.api.Trac
 
 
 def _judged_exactly(report: Report, outcome: Any) -> None:
-    """The traced step's need decides the report's verdict, so no boundary is left for the estimate's error."""
+    """The traced step's need decides the report's verdict, so no boundary is left for the estimate's error; the
+    trace's notes join the estimate's."""
     report.exact, report.near_boundary = exact_report(outcome), False
+    report.notes += [note for note in outcome.traced.estimate.notes if note not in report.notes]
 
 
 def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutcome
@@ -215,7 +218,6 @@ def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.api.Tra
     report = verdict_report(outcome.analytic)
     report.fits = outcome.fits
     _judged_exactly(report, outcome)
-    report.notes += [note for note in outcome.traced.estimate.notes if note not in report.notes]
     return report
 
 
@@ -229,7 +231,6 @@ def exact_plan_report(exact: Any) -> Report:  # exact: vram_planner.api.ExactPla
         report.notes.append(f"{exact.problem}; the verdict is the estimate's")
     else:
         _judged_exactly(report, exact.outcome)
-        report.notes += [note for note in exact.outcome.traced.estimate.notes if note not in report.notes]
     if exact.above_config is not None:
         below = as_settings(exact.analytic.chosen.train)
         settings = {k: v for k, v in as_settings(exact.above_config).items() if v != below[k]}

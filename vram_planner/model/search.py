@@ -386,8 +386,8 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
     ladder makes them: its savers and semantic changes up to the chosen rung, then the micro-batch of that rung.
 
     Each change is measured applied after the ones before it, so the savings less the costs add up to the requested
-    peak minus the chosen one. A change that is not valid on its own (float16 weights without LoRA, say) is made together with the
-    next one. The ladder reaches the chosen micro-batch only because the rung's own did not fit, so the micro-batch
+    peak minus the chosen one. A change that is not valid on its own (float16 weights without LoRA, say) is made
+    together with the next one. The ladder reaches the chosen micro-batch only because the rung's own did not fit, so the micro-batch
     change, last, always saves; but a change can cost memory where it is made (a smaller micro-batch turns on
     gradient accumulation, which keeps every gradient through the forward; checkpointing a model of one layer): such
     a change is reported together with the change after it that pays for it (the one before it, when it is the
