@@ -173,7 +173,8 @@ def fused_head_peaks(tokens: int, vocab: int, hidden: int = 64) -> tuple[int, in
     from vram_planner.tracing.patches import cuda_like_behaviour
 
     tracker = LiveBytes()
-    with FakeTensorMode(), tracker, cuda_like_behaviour(types.SimpleNamespace(tracker=tracker)):
+    session = types.SimpleNamespace(tracker=tracker, train=TrainingConfig())  # the installed TRL: the fused head
+    with FakeTensorMode(), tracker, cuda_like_behaviour(session):
         states = torch.empty(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
         weight = torch.empty(vocab, hidden, requires_grad=True)
         tracker.reset_peak()

@@ -31,20 +31,28 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
       so the trace's time does not grow with the tokens of a micro-batch.
     """
     import transformers.generation.utils as gen_utils
-    import trl.kernels.chunked_logprob as chunked
-    import trl.trainer.utils as trl_utils
 
-    patches = [(trl_utils, "_use_triton", lambda device: True),
-               (chunked, "_forward_tile", _in_place_kernel),
-               (chunked, "_backward_tile", _in_place_kernel),
-               (chunked, "_addmm_fp32", _in_place_kernel),
-               (chunked, "range", _representative_range),  # a module global shadows the builtin in its loops
-               (gen_utils.StopCheck, "__call__", lambda self, unfinished, tokens, length: True)]
+    from vram_planner.tracing.session import uses_fused_lm_head
+    from vram_planner.tracing.shims import one_step_generation
+
+    fused = uses_fused_lm_head(session.train)
+    patches = [one_step_generation(gen_utils)]
+    if fused:  # TRL 1.15 and later
+        import trl.kernels.chunked_logprob as chunked
+        import trl.trainer.utils as trl_utils
+
+        patches = [(trl_utils, "_use_triton", lambda device: True),
+                   (chunked, "_forward_tile", _in_place_kernel),
+                   (chunked, "_backward_tile", _in_place_kernel),
+                   (chunked, "_addmm_fp32", _in_place_kernel),
+                   (chunked, "range", _representative_range),  # a module global shadows the builtin in its loops
+                   *patches]
     saved = [(owner, name, owner.__dict__.get(name, _ABSENT)) for owner, name, _ in patches]
     try:
         for owner, name, value in patches:
             setattr(owner, name, value)
-        with _tagged_cache_updates(session.tracker), _head_gradients_tagged(session.tracker):
+        heads = _head_gradients_tagged(session.tracker) if fused else contextlib.nullcontext()
+        with _tagged_cache_updates(session.tracker), heads:
             yield
     finally:
         for owner, name, value in saved:
@@ -95,24 +103,31 @@ def _head_gradients_tagged(tracker: LiveBytes) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _tagged_cache_updates(tracker: LiveBytes) -> Iterator[None]:
-    """Count what the KV cache allocates and keeps as kv_cache."""
-    from transformers.cache_utils import Cache
+    """Count what the KV cache allocates and keeps as kv_cache (`Cache.update` in transformers 5; 4.x's
+    DynamicCache has an update of its own)."""
+    from transformers.cache_utils import Cache, DynamicCache
 
-    original = Cache.update
+    from vram_planner.tracing.shims import cache_layer
 
-    def update(self: Any, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
-        with tracker.tagged(KV):
-            out = original(self, key_states, value_states, layer_idx, *args, **kwargs)
-        layer = self.layers[layer_idx] if hasattr(self, "layers") else None
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            tracker.track(t, KV)  # a layer may keep the incoming states themselves
-        return out
+    def tagged(original: Callable[..., Any]) -> Callable[..., Any]:
+        def update(self: Any, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+            with tracker.tagged(KV):
+                out = original(self, key_states, value_states, layer_idx, *args, **kwargs)
+            layer = cache_layer(self, layer_idx)
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                tracker.track(t, KV)  # a layer may keep the incoming states themselves
+            return out
+        return update
 
-    Cache.update = update
+    owners = [cls for cls in (Cache, DynamicCache) if "update" in cls.__dict__]
+    originals = [cls.__dict__["update"] for cls in owners]
+    for cls, original in zip(owners, originals, strict=True):
+        cls.update = tagged(original)
     try:
         yield
     finally:
-        Cache.update = original
+        for cls, original in zip(owners, originals, strict=True):
+            cls.update = original
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from vram_planner.errors import VramPlanError
 from vram_planner.model.spec import Optimizer, TrainingConfig
 from vram_planner.tracing.counter import ACTS, GRADS, HEAD, STATES, STEP, PhasePeak
 from vram_planner.tracing.session import Session, set_checkpointing
+from vram_planner.tracing.shims import as_cache
 
 
 def _prompt(session: Session, sequences: int, length: int) -> tuple[Any, Any]:
@@ -29,8 +30,9 @@ def _generation_config(model: Any, max_new_tokens: int, returns_cache: bool = Fa
     from transformers import GenerationConfig
     from trl import GRPOConfig
 
-    defaults = {name: GRPOConfig.__dataclass_fields__[name].default
-                for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    fields = GRPOConfig.__dataclass_fields__  # TRL 0.14 has temperature only; the others keep generate()'s defaults
+    defaults = {name: fields[name].default
+                for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if name in fields}
     # A multimodal config (Gemma 3's) keeps the token ids in its text config, as the tokenizer TRL pads with does
     text = model.config.get_text_config()
     eos = getattr(text, "eos_token_id", None)
@@ -57,9 +59,8 @@ def run_generation(session: Session) -> PhasePeak:
     with torch.no_grad(), session.generation_autocast(), tracker.tagged(ACTS, "prefill"):
         ids, mask = _prompt(session, sequences, p)
         cache_argument = train.transformers.cache_argument  # the installed transformers' (check_traceable)
-        cache = getattr(model.generate(input_ids=ids, attention_mask=mask,
-                                       generation_config=_generation_config(session.base_model, 1, returns_cache=True)),
-                        cache_argument)
+        cache = as_cache(getattr(model.generate(input_ids=ids, attention_mask=mask, generation_config=_generation_config(
+            session.base_model, 1, returns_cache=True)), cache_argument))
         del ids, mask
     prefill = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     if c < 2:
@@ -92,7 +93,9 @@ def _grow_cache(session: Session, cache: Any, tokens: int) -> None:
     allocations (one token's activations, its logits and sampling) are those of the last step, which the trace runs
     whole. A real device runs every step.
     """
-    layers = [(i, layer) for i, layer in enumerate(cache.layers) if getattr(layer, "keys", None) is not None]
+    from vram_planner.tracing.shims import cache_layers
+
+    layers = [(i, layer) for i, layer in enumerate(cache_layers(cache)) if getattr(layer, "keys", None) is not None]
     if not layers or tokens <= 0:
         return
     tracker = session.tracker

@@ -24,6 +24,7 @@ class Session:
     ref_model: Any = None  # a second full model when beta != 0 without LoRA
     state_bytes: int = 0  # the optimizer states the first step leaves behind
     optimizer: Any = None  # kept after the first step, so a real device carries its states into the next
+    trainer: Any = None  # the installed GRPOTrainer whose loss runs (vram_planner.tracing.trainer), before TRL 1.15
 
     device_type: str = "cpu"  # "cuda" when the probe runs the phases on a real device
 
@@ -72,25 +73,41 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
         if train.computes_ref_logps and not train.uses_lora:
             session.ref_model = _build_model(arch_config, train)
     session.model = _on_fake_tensors(model, session.fake_mode)
-    _add_fused_head(session.base_model, outputs=("log_probs", "entropy"))
+    fused = uses_fused_lm_head(train)
+    if fused:
+        _add_fused_head(session.base_model, outputs=("log_probs", "entropy"))
     with session.tracker.tagged(WEIGHTS, "loading the model"):  # the moment of their allocation events
         for t in [*session.model.parameters(), *session.model.buffers()]:
             session.tracker.track(t, WEIGHTS)
         if session.ref_model is not None:
             session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode)
-            _add_fused_head(session.ref_model, outputs=("log_probs",))
+            if fused:
+                _add_fused_head(session.ref_model, outputs=("log_probs",))
             for t in [*session.ref_model.parameters(), *session.ref_model.buffers()]:
                 session.tracker.track(t, REFERENCE)
+    if not fused:
+        from vram_planner.tracing.trainer import build_trainer
+
+        session.trainer = build_trainer(session)
     return session
+
+
+def uses_fused_lm_head(train: TrainingConfig) -> bool:
+    """TRL 1.15 and later patch the model with a fused LM head the trace's own phases drive; older releases score
+    with full logits through their own GRPOTrainer methods (vram_planner.tracing.trainer)."""
+    return train.release.lm_head == "fused_chunked"
 
 
 def _build_model(arch_config: dict[str, Any], train: TrainingConfig) -> Any:
     import transformers
 
+    from vram_planner.tracing.shims import model_dtype_keyword
+
     try:
         config = transformers.AutoConfig.for_model(**arch_config)
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=getattr(torch, train.dtype), attn_implementation=train.attn_implementation)
+        from_config = transformers.AutoModelForCausalLM.from_config
+        model = from_config(config, attn_implementation=train.attn_implementation,
+                            **{model_dtype_keyword(transformers.__version__): getattr(torch, train.dtype)})
     except (ValueError, KeyError) as exc:  # unknown model_type, an attention implementation the model lacks
         reason = str(exc).split(". Should contain one of")[0].strip().splitlines()[0][:300]
         raise VramPlanError(f"transformers {transformers.__version__} cannot build this model for the trace "

@@ -37,6 +37,7 @@ from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
 from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream
+from vram_planner.tracing.support import check_supported_pair, pair_for
 
 
 @dataclass(frozen=True)
@@ -130,11 +131,18 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
     from vram_planner.tracing.session import build_session
 
-    runs = [("generation", "generation", tp.run_generation), ("scoring", "old/reference log-probs", tp.run_scoring),
-            ("training", "loss forward and backward", tp.run_training),
+    from vram_planner.tracing import trainer as own
+    from vram_planner.tracing.session import uses_fused_lm_head
+
+    # TRL 1.15 and later: the fused LM head TRL patches in, driven by tracing.phases; older releases: their own
+    # GRPOTrainer's compute_loss and _get_per_token_logps (tracing.trainer).
+    steps = tp if uses_fused_lm_head(train) else own
+    runs = [("generation", "generation", tp.run_generation),
+            ("scoring", "old/reference log-probs", steps.run_scoring),
+            ("training", "loss forward and backward", steps.run_training),
             (OPTIMIZER, "the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
-    if not (train.computes_old_logps or train.computes_ref_logps):
-        del runs[1]
+    if not (train.computes_old_logps or train.computes_ref_logps) or train.release.step_structure == "loss_merged":
+        del runs[1]  # TRL 0.14 scores inside compute_loss
     say = progress or (lambda what: None)
     with _quiet():
         say("building the model on fake tensors")
@@ -192,6 +200,9 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append(f"paged optimizers (--optim {train.optim.value}) keep their states in CUDA managed memory, "
                         "outside torch's allocator")
     installed = installed_version("transformers")
+    installed_trl = installed_trl_version()
+    if installed and installed_trl:  # without metadata (a source checkout) the installed code is trusted
+        check_supported_pair(installed_trl, installed)
     parsed = parse_version(installed) if installed else None
     if train.transformers_version is not None and (parsed is None or train.transformers.version != parsed[1]):
         problems.append(f"it runs the installed transformers {installed}, not --transformers-version "
@@ -213,8 +224,8 @@ def _release_notes(release: TrlRelease | None, problems: list[str]) -> list[str]
         return []
     if release.note:  # the installed TRL is outside the table and was read as the newest release: its code is traced
         return [f"traced with the installed TRL {installed}"]
-    problems.append(f"it runs the installed TRL {installed}, not --trl-version {release.version} (install that "
-                    "release to trace it)")
+    problems.append(f"it runs the installed TRL {installed}, not --trl-version {release.version} (to trace that "
+                    f"release, install it with a transformers it runs with: {pair_for(release.version)})")
     return []
 
 

@@ -1,0 +1,69 @@
+"""Which installed (TRL, transformers) pairs the trace runs, checked before anything is imported.
+
+The trace drives the installed TRL's own step on the installed transformers' models, so what it can run is a pair of
+releases, not a TRL release alone. Each range below was traced end to end by benchmarks/trl_matrix.py (its table is
+benchmarks/results/trl_matrix.json); a pair outside them is refused in one line that names what is installed and what
+works. Pure Python: no torch, so `check` and the CLI's bad-input path stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vram_planner.errors import VramPlanError
+from vram_planner.model.trl_releases import parse_version, version_tuple
+
+
+@dataclass(frozen=True)
+class SupportedPairs:
+    """TRL releases [trl_min, trl_below) traced with transformers releases [transformers_min, transformers_below)."""
+
+    trl_min: str
+    trl_below: str
+    transformers_min: str
+    transformers_below: str
+
+    def covers(self, trl: tuple[int, int, int], transformers: tuple[int, int, int]) -> bool:
+        return (version_tuple(self.trl_min) <= trl < version_tuple(self.trl_below)
+                and version_tuple(self.transformers_min) <= transformers < version_tuple(self.transformers_below))
+
+    def words(self) -> str:
+        return (f"TRL {self.trl_min} to {_before(self.trl_below)} with transformers {self.transformers_min} to "
+                f"{_before(self.transformers_below)}")
+
+
+# TRL before 1.15 scores with full logits through its own _get_per_token_logps (or 0.14's compute_loss); from 1.15
+# its fused LM head (trl.kernels.chunked_logprob, which needs transformers 5's model outputs). transformers 4.48 is
+# the oldest that runs on torch 2.13 with TRL 0.14's requirements (TRL 0.14 asks for >= 4.46).
+SUPPORTED = (
+    SupportedPairs("0.14.0", "1.15.0", "4.48.0", "6.0.0"),
+    SupportedPairs("1.15.0", "2.0.0", "5.0.0", "6.0.0"),
+)
+
+
+def _before(below: str) -> str:
+    major, minor, _ = version_tuple(below)
+    return f"{major - 1}.x" if minor == 0 else f"{major}.{minor - 1}.x"
+
+
+def check_supported_pair(trl: str, transformers: str) -> None:
+    """Raise VramPlanError, in one line, when the installed `trl` and `transformers` are not a pair the trace runs."""
+    parsed = (_release(trl), _release(transformers))
+    if any(p is None for p in parsed) or not any(s.covers(*parsed) for s in SUPPORTED):  # type: ignore[arg-type]
+        raise VramPlanError(f"the trace cannot run TRL {trl} with transformers {transformers} (installed); it runs "
+                            + "; ".join(s.words() for s in SUPPORTED)
+                            + " (`vram-plan check` gives the analytic estimate)")
+
+
+def pair_for(trl: str) -> str:
+    """The transformers releases the trace runs TRL `trl` with, in words ('transformers 4.48 to 5.x')."""
+    parsed = _release(trl)
+    for pairs in SUPPORTED:
+        if parsed is not None and version_tuple(pairs.trl_min) <= parsed < version_tuple(pairs.trl_below):
+            return f"transformers {pairs.transformers_min} to {_before(pairs.transformers_below)}"
+    return "; ".join(s.words() for s in SUPPORTED)
+
+
+def _release(version: str) -> tuple[int, int, int] | None:
+    parsed = parse_version(version)
+    return parsed[0] if parsed else None
