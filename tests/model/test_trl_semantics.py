@@ -36,21 +36,50 @@ def test_0_14_batch_counts_prompts(llama_1b_file):
             "micro-batch") in old.estimate.notes
 
 
-def test_0_14_merges_both_log_prob_passes_into_the_loss(llama_1b_file):
-    verdict = check(llama_1b_file, {**SEEDS, "mixed_precision": "bf16"}, "0.14.0")
+@pytest.mark.parametrize(("transformers", "positions"), [
+    ("4.48.2", 787),  # honours num_logits_to_keep: the completion's 786 positions + 1
+    ("4.51.3", 787),  # renames it to logits_to_keep (@deprecate_kwarg)
+    ("4.52.0", 256 + 786),  # drops it into **kwargs: every position of prompt + completion
+    ("4.57.1", 256 + 786),
+])
+def test_0_14_merges_both_log_prob_passes_into_the_loss(llama_1b_file, transformers, positions):
+    verdict = check(llama_1b_file, {**SEEDS, "mixed_precision": "bf16", "transformers_version": transformers},
+                    "0.14.0")
     assert [p.name for p in verdict.estimate.phases] == ["generation", "training", "optimizer"]  # no scoring phase
     training = verdict.estimate.phases[1]
     assert training.moment == "reference log-probs while the policy's graph is alive"
-    # 4 completions of 786 tokens: every row's fp32 log_softmax is kept for backward (4 x 786 x V x 4 B); the
-    # reference's bf16 logits over 787 positions and accelerate's fp32 copy (6 B each); one row's log_softmax
-    rows, converting, one_row = 4 * 786 * V * 4, 4 * 787 * V * (2 + 4), 786 * V * 4
+    # 4 completions: every row's fp32 log_softmax is kept for backward (4 x (positions - 1) x V x 4 B); the
+    # reference's bf16 logits and accelerate's fp32 copy (6 B each); one row's log_softmax
+    rows, converting, one_row = 4 * (positions - 1) * V * 4, 4 * positions * V * (2 + 4), (positions - 1) * V * 4
     assert training.components["lm_head_buffers"] == rows + converting + one_row
     # the reference's weights are loaded whatever beta (until 0.16) and stay beside the policy's graph
     assert training.components["reference_weights"] > 0
+    dropped = [n for n in verdict.estimate.notes if "ignores the num_logits_to_keep" in n]
+    assert bool(dropped) is (positions == 256 + 786)
+
+
+def test_0_15_passes_logits_to_keep_which_transformers_4_48_drops(llama_1b_file):
+    """TRL 0.15 asks with logits_to_keep, which 4.48 has no argument for: its logits cover the whole sequence (and
+    TRL slices them afterwards); 4.49 on honours it."""
+    knobs = {**SEEDS, "per_device_train_batch_size": 4, "mixed_precision": "bf16"}
+    heads = {}
+    for transformers in ("4.48.2", "4.49.0", "4.52.0"):
+        training = check(llama_1b_file, {**knobs, "transformers_version": transformers}, "0.15.0").estimate.phases
+        heads[transformers] = next(p for p in training if p.name == "training")
+    from vram_planner.model.lm_head import FULL_LOGITS_FORWARD_BYTES
+
+    forward = {t: p.components["lm_head_buffers"] for t, p in heads.items()
+               if p.moment == "forward: LM head"}
+    assert heads["4.49.0"].components == heads["4.52.0"].components
+    assert heads["4.48.2"].total_bytes > heads["4.49.0"].total_bytes
+    for transformers, buffers in forward.items():
+        positions = 256 + 786 if transformers == "4.48.2" else 787
+        assert buffers == 4 * positions * V * FULL_LOGITS_FORWARD_BYTES
 
 
 def test_without_autocast_the_logits_keep_the_weights_dtype(llama_1b_file):
-    verdict = check(llama_1b_file, SEEDS, "0.14.0")  # 0.14's default: bf16=False, so bf16 weights compute in bf16
+    # 0.14's default: bf16=False, so bf16 weights compute in bf16; 4.48 honours num_logits_to_keep
+    verdict = check(llama_1b_file, {**SEEDS, "transformers_version": "4.48"}, "0.14.0")
     training = verdict.estimate.phases[1]
     rows, logits, one_row = 4 * 786 * V * 2, 4 * 787 * V * 2, 786 * V * 2
     assert training.components["lm_head_buffers"] == rows + logits + one_row
@@ -186,13 +215,21 @@ def test_advise_names_the_0_14_logits_and_no_fix_saves_negative_memory(capsys, l
     code, out, _ = run(capsys, "advise", str(log), "--gpu", "rtx3080-mobile", "--model", str(llama_1b_file),
                        *SEEDS_FLAGS, *mixed_precision, "--trl-version", "0.14.0", "--json")
     advice = json.loads(out)
-    assert code == 0 and advice["culprit"].startswith("the fp32 logits of a micro-batch: 4 completions x 787 "
-                                                      f"positions x {V} vocabulary entries")
+    # transformers 4.56 (the newest 4.x planned) ignores num_logits_to_keep: the float32 copy spans prompt + completion
+    assert code == 0 and advice["culprit"].startswith("accelerate's float32 copy of the policy's logits over the whole "
+                                                      f"prompt + completion")
+    assert advice["culprit"].endswith(f"4 completions x 994 positions x {V} vocabulary entries x 4 B")
     assert ("most likely had bf16=True" in advice["culprit"]) is not mixed_precision
     assert advice["fixes"] and all(fix["saves_bytes"] is None or fix["saves_bytes"] > 0 for fix in advice["fixes"])
-    upgrade = [fix for fix in advice["fixes"] if fix["change"].startswith("pip install 'trl>=")]
-    # with autocast the newer TRL's fused head saves the float32 logits; without it, its float32 head gradients
-    # cost about what bfloat16 logits do, and an upgrade that saves nothing is not offered
+    # over the whole sequence the logits cost more than the fused head of the newer TRL in any case
+    assert any(fix["change"].startswith("pip install 'trl>=") for fix in advice["fixes"])
+    code, out, _ = run(capsys, "advise", str(log), "--gpu", "rtx3080-mobile", "--model", str(llama_1b_file),
+                       *SEEDS_FLAGS, *mixed_precision, "--trl-version", "0.14.0", "--transformers-version", "4.48.2",
+                       "--json")
+    upgrade = [fix for fix in json.loads(out)["fixes"] if fix["change"].startswith("pip install 'trl>=")]
+    # over the completion only (4.48 honours num_logits_to_keep): with autocast the newer TRL's fused head saves the
+    # float32 logits; without it, its float32 head gradients cost about what bfloat16 logits do, and an upgrade that
+    # saves nothing is not offered
     assert bool(upgrade) is bool(mixed_precision)
 
 
@@ -200,3 +237,5 @@ def test_trace_refuses_another_release_in_one_line(capsys, llama_1b_file):
     err = one_line_error(capsys, "trace", "--model", str(llama_1b_file), "--gpu", "rtx4090", "--trl-version", "0.14.0",
                          "--per-device-train-batch-size", "1", "--num-generations", "2")
     assert "runs the installed TRL 1.16.0, not --trl-version 0.14.0" in err
+    # and how to trace it: that release with a transformers the engine runs it with
+    assert "install it with a transformers it runs with: transformers 4.48.0 to 5.x" in err

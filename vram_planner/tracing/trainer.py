@@ -222,8 +222,10 @@ def run_training(session: Session) -> PhasePeak:
     tracker.reset_peak()
     try:
         with accelerate_prepared(session), _generation_traced_apart(session) if merged else contextlib.nullcontext():
-            for _ in range(2 if train.gradient_accumulation_steps > 1 else 1):
-                with tracker.tagged(ACTS, "forward"):
+            for micro_batch in range(1, 3 if train.gradient_accumulation_steps > 1 else 2):
+                # The first micro-batch runs before any gradient exists (a run can die there, before its first
+                # optimizer step); from the second on, every gradient exists before the forward starts.
+                with tracker.tagged(ACTS, "forward" if micro_batch == 1 else f"forward, micro-batch {micro_batch}"):
                     if merged:  # TRL 0.14's inputs are the prompts of the micro-batch
                         inputs: Any = [{"prompt": ""}] * train.per_device_train_batch_size
                     else:

@@ -1,0 +1,73 @@
+"""Older (TRL, transformers) pairs traced end to end, each in the virtual environment benchmarks/trl_matrix.py builds.
+
+CI installs one pair (constraints.txt); these run where the other pair's environment exists (VRAM_PLAN_RELEASE_VENVS,
+default /tmp: trl-X-transformers-Y, `python benchmarks/trl_matrix.py --build`) and are skipped, saying so, where it
+does not. The shims they rely on are tested without those environments in test_shims.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENVS = Path(os.environ.get("VRAM_PLAN_RELEASE_VENVS", "/tmp"))
+# The seeds' crash (issue 26): Llama-3.2-1B-Instruct, TRL 0.14, bf16 weights and autocast, 1 prompt x 4 generations,
+# 4 accumulation steps, 208-token prompts, 786-token completions, no checkpointing. SDPA stands in for
+# FlashAttention-2, which has no CPU kernel; the logits do not depend on it.
+SEEDS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4, "num_generations": 4,
+         "max_prompt_length": 208, "max_completion_length": 786, "gradient_checkpointing": False,
+         "dtype": "bfloat16", "mixed_precision": "bf16", "attn_implementation": "sdpa"}
+VOCAB, FP32 = 128256, 4
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    from vram_planner import api
+    from vram_planner.profiles import model_config
+    from vram_planner.tracing.step import trace_step
+    settings = json.loads(sys.argv[1])
+    context = api.make_context("Llama-3.2-1B-Instruct", "rtx3080-mobile", trl_version="0.14.0")
+    train = api.make_training(context, settings)
+    result = trace_step(model_config("Llama-3.2-1B-Instruct")[0], train, context.release)
+    allocs = [e for e in result.events if e.kind == "alloc"]
+    largest = max(allocs, key=lambda e: e.size_bytes)  # the first of the largest, in the order of the step
+    second = next((i for i, e in enumerate(allocs) if "micro-batch 2" in e.moment), len(allocs))
+    print(json.dumps({"bytes": largest.size_bytes, "phase": largest.phase, "moment": largest.moment,
+                      "before_second_micro_batch": allocs.index(largest) < second,
+                      "phases": [p.name for p in result.phases]}))
+""")
+
+
+def traced_in(trl: str, transformers: str) -> dict:
+    python = VENVS / f"trl-{trl}-transformers-{transformers}" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no environment with TRL {trl} and transformers {transformers} at {python.parent.parent} "
+                    "(python benchmarks/trl_matrix.py --build makes it)")
+    done = subprocess.run([str(python), "-c", SCRIPT, json.dumps(SEEDS)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+def test_the_seeds_1_90_gib_request_is_the_fp32_copy_of_full_sequence_logits_under_transformers_4_52():
+    # transformers 4.52 dropped Llama's num_logits_to_keep, which TRL 0.14 passes: the logits cover the whole prompt
+    # and completion, and accelerate's float32 copy of them is the request the seeds' run died on, in the first
+    # micro-batch of the first step.
+    largest = traced_in("0.14.0", "4.52.4")
+    assert largest["bytes"] == 4 * (208 + 786) * VOCAB * FP32  # 1.900 GiB
+    assert f"{largest['bytes'] / 2**30:.2f}" == "1.90"
+    assert (largest["phase"], largest["moment"]) == ("training", "forward: LM head")
+    assert largest["before_second_micro_batch"]
+    assert largest["phases"] == ["generation", "training", "optimizer"]  # 0.14 scores inside compute_loss
+
+
+@pytest.mark.slow
+def test_transformers_4_48_honours_num_logits_to_keep_and_no_1_90_gib_tensor_exists():
+    largest = traced_in("0.14.0", "4.48.2")
+    assert largest["bytes"] == 4 * (786 + 1) * VOCAB * FP32  # the completion's logits and one more, 1.50 GiB
+    assert largest["bytes"] < 1.85 * 2**30
