@@ -71,9 +71,15 @@ def test_with_the_config_it_names_the_tensor_and_ranks_the_fixes(capsys, tmp_pat
                        "--trl-version", "1.14.0", "--per-device-train-batch-size", "4", "--num-generations", "4",
                        "--max-completion-length", "1000", "--json")
     advice = json.loads(out)
-    assert code == 0 and "fp32 logits" in advice["culprit"] and advice["phase"] == "loss forward/backward"
-    savings = [f["saves_bytes"] for f in advice["fixes"]]
-    assert savings == sorted(savings, reverse=True) and savings[0] > 0
+    assert code == 0 and "float32 copy of the policy's logits" in advice["culprit"]
+    assert advice["phase"] == "loss forward/backward"
+    # the fixes that remove that tensor first (the upgrade: the fused head never makes the logits), then the rest,
+    # each group by the bytes it saves
+    removing = [f["removes_culprit"] for f in advice["fixes"]]
+    assert removing == sorted(removing, reverse=True) and removing[0]
+    for group in (True, False):
+        savings = [f["saves_bytes"] for f in advice["fixes"] if f["removes_culprit"] is group]
+        assert savings == sorted(savings, reverse=True) and savings[0] > 0
     assert advice["fitting_config"]["per_device_train_batch_size"] >= 1
     upgrade = next(f for f in advice["fixes"] if f["change"].startswith("pip install 'trl>="))
     # the same config on the installed TRL: the logits go away, the fused head's fp32 weight gradient comes
@@ -145,3 +151,101 @@ def test_a_larger_vllm_share_is_never_a_fix_that_saves_less_than_nothing(capsys,
     first = min(fixes, key=lambda f: len(f["change"]))
     assert "--vllm-gpu-memory-utilization 0.45" in first["change"] and "--dtype bfloat16" in first["change"]
     assert "vLLM's share of the card" in first["cost"]
+
+
+# The seeds' laptop run: Llama-3.2-1B-Instruct, TRL 0.14, bf16 weights under bf16 autocast, FlashAttention-2, one
+# prompt x 4 generations per micro-batch, GA 4, prompts up to 256, completions up to 786, no checkpointing.
+SEEDS_FLAGS = ["--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B-Instruct", "--trl-version", "0.14.0",
+               "--per-device-train-batch-size", "1", "--gradient-accumulation-steps", "4", "--num-generations", "4",
+               "--max-prompt-length", "256", "--max-completion-length", "786", "--dtype", "bfloat16",
+               "--mixed-precision", "bf16", "--attn-implementation", "flash_attention_2",
+               "--no-gradient-checkpointing"]
+VOCAB = 128256
+
+
+def _seeds_advice(capsys, tmp_path, *extra, log_lines=(CURRENT,)):
+    log = tmp_path / "crash.log"
+    log.write_text("\n".join(log_lines) + "\n")
+    code, out, _ = run(capsys, "advise", str(log), *SEEDS_FLAGS, *extra, "--json")
+    assert code == 0
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("transformers", [("--transformers-version", "4.52.0"), ()])
+def test_the_seeds_crash_to_the_byte(capsys, tmp_path, transformers):
+    """transformers 4.52 on drops the num_logits_to_keep TRL 0.14 passes: the policy's logits cover prompt +
+    completion, and accelerate's float32 copy of them is the 1.90 GiB request, exact at 994 positions (992-996 round
+    to 1.90 GiB), in the first micro-batch of the first step."""
+    advice = _seeds_advice(capsys, tmp_path, *transformers)
+    found = advice["attribution"]
+    assert found["culprit"] == ("accelerate's float32 copy of the policy's logits over the whole prompt + completion: "
+                                f"4 completions x 994 positions x {VOCAB} vocabulary entries x 4 B")
+    assert found["culprit_bytes"] == 4 * 994 * VOCAB * 4 == 2_039_783_424
+    assert found["requested_bytes"] == round(1.90 * 2**30) and found["exact"]
+    assert abs(found["culprit_bytes"] - found["requested_bytes"]) <= 0.005 * 2**30
+    assert "a 208-token prompt with 786-token completions, or 256 + 738" in found["assumption"]
+    assert "992-996 positions" in found["assumption"]
+    assert found["moment"] == "policy forward: the logits and accelerate's float32 copy"
+    assert found["first_micro_batch"] is True and found["phase"] == "loss forward/backward"
+    # live then, by the model at 994 positions: the policy's and the reference's bf16 weights, the policy's
+    # activations without checkpointing, and its bf16 logits (the request not yet made)
+    from vram_planner import api
+    from vram_planner.model.phases import micro_batch_moments
+
+    knobs = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=4,
+                 max_prompt_length=208, max_completion_length=786, dtype="bfloat16", mixed_precision="bf16",
+                 attn_implementation="flash_attention_2", gradient_checkpointing=False,
+                 transformers_version=found["transformers_version"])
+    verdict = api.check("Llama-3.2-1B-Instruct", "rtx3080-mobile", knobs, trl_version="0.14.0")
+    at = next(m for m in micro_batch_moments(verdict.context.arch, verdict.train, verdict.context.release,
+                                             verdict.context.calibration, first=True) if m.moment == found["moment"])
+    weights = at.components["weights"]
+    assert at.components["reference_weights"] == weights and at.components["gradients"] == 0
+    assert at.components["optimizer_states"] == 0
+    assert at.components["lm_head_buffers"] == 4 * 994 * VOCAB * (2 + 4)
+    assert found["live_bytes"] == round(at.tensor_bytes - 4 * 994 * VOCAB * 4)
+    assert abs(found["live_bytes"] / round(11.82 * 2**30) - 1) < 0.03  # the message's 11.82 GiB allocated
+    # the fix ranked first removes that tensor
+    assert advice["fixes"][0]["removes_culprit"]
+    removing = {f["change"] for f in advice["fixes"] if f["removes_culprit"]}
+    assert removing == {"pip install 'trl>=1.16.0'", "pip install 'transformers<4.52.0'"}
+    assert advice["transformers_version_from"] == ("flag" if transformers else "assumed")
+
+
+def test_the_transformers_release_is_read_from_the_log_and_decides_the_answer(capsys, tmp_path):
+    named = _seeds_advice(capsys, tmp_path, log_lines=("transformers==4.48.2", CURRENT))
+    assert named["transformers_version"] == "4.48.2" and named["transformers_version_from"] == "log"
+    found = named["attribution"]
+    # 4.48 honours num_logits_to_keep: the step has no 1.90 GiB tensor; a release that drops it would make one
+    assert found["exact"] and "a transformers release that ignores (from 4.52.0)" in found["assumption"]
+    assert any("worked out for transformers 4.48.2 (as the log says)" in n for n in named["diagnosis"])
+    # the flag wins over the log
+    flagged = _seeds_advice(capsys, tmp_path, "--transformers-version", "4.56", log_lines=("transformers==4.48.2",
+                                                                                            CURRENT))
+    assert flagged["transformers_version"] == "4.56.0" and flagged["transformers_version_from"] == "flag"
+
+
+def test_a_candidate_is_accepted_only_within_a_few_percent(capsys, tmp_path):
+    from vram_planner.advise.candidates import MATCH_TOLERANCE, Candidate, best_match
+
+    request = round(1.90 * 2**30)
+    near = Candidate("near", round(request * (1 + MATCH_TOLERANCE * 0.9)), "training")
+    far = Candidate("far", round(request * (1 + MATCH_TOLERANCE * 1.1)), "training")
+    exact = Candidate("exact", request - round(0.004 * 2**30), "training")
+    assert best_match([far], request) is None
+    assert best_match([near, far], request).candidate is near and not best_match([near], request).exact
+    assert best_match([near, exact], request).candidate is exact and best_match([exact], request).exact
+    # the issue's old reading of the seeds' crash: 4 x 787 positions is 21% below the request, and is no answer
+    old = Candidate("completion-only logits", 4 * 787 * VOCAB * 4, "training")
+    assert best_match([old], request) is None
+
+
+def test_the_candidates_size_is_printed_beside_the_request(capsys, tmp_path):
+    log = tmp_path / "crash.log"
+    log.write_text(CURRENT + "\n")
+    code, out, _ = run(capsys, "advise", str(log), *SEEDS_FLAGS)
+    assert code == 0
+    text = " ".join(out.split())
+    assert "2,039,783,424 B = 1.900 GiB beside the 1.90 GiB requested: exact to the message's rounding" in text
+    assert "When: the first micro-batch of the first step, before any optimizer state exists" in text
+    assert "removes that tensor" in text

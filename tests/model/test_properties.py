@@ -354,3 +354,19 @@ def test_every_reported_change_saves_memory_and_the_changes_add_up(model, card, 
     if plan.fits:
         saved = sum(change.saved_bytes - change.cost_bytes for change in plan.changes)
         assert plan.requested.estimate.peak_bytes - saved == pytest.approx(plan.chosen.estimate.peak_bytes)
+
+
+@settings(QUICK, max_examples=80)
+@given(**VALID)
+def test_the_first_micro_batch_is_judged_on_its_own_and_never_needs_more_than_the_step(model, card, trl_version,
+                                                                                      knobs):
+    # before the first optimizer step no optimizer state exists (nor, in the first micro-batch, any gradient kept
+    # from an earlier one): each of its phases holds at most what the same phase holds in the steady step
+    context, train = _valid(model, card, trl_version, knobs)
+    verdict = judge(context, train)
+    first, steady = verdict.first_micro_batch, {p.name: p for p in verdict.estimate.phases}
+    assert [p.name for p in first.phases] == [p.name for p in verdict.estimate.phases if p.name != "optimizer"]
+    for phase in first.phases:
+        assert phase.components["optimizer_states"] == 0
+        assert phase.total_bytes <= steady[phase.name].total_bytes * (1 + FLOAT_NOISE), phase.name
+    assert verdict.first_micro_batch_fits or not verdict.fits

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vram_planner import api
@@ -91,3 +93,67 @@ def test_gemma2_runs_eager_attention_where_transformers_has_no_sdpa_for_it(capsy
     code, _, _ = run(capsys, "check", "--gpu", "a100-80gb", "--model", "gemma-2-2b", "--attn-implementation", "sdpa",
                      "--transformers-version", "5.20.0")
     assert code == 0
+
+
+def _facts_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "transformers_releases.py"
+    spec = importlib.util.spec_from_file_location("transformers_releases_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_logits_to_keep_rows_agree_with_every_wheel_read():
+    """benchmarks/transformers_releases.py read each release's ...ForCausalLM.forward for every model type vram-plan
+    counts (benchmarks/results/transformers_releases.json); the rows say the same."""
+    script = _facts_script()
+    facts = json.loads(script.RESULTS.read_text())
+    assert script.disagreements(facts) == []
+    releases = facts["releases"]
+    # read by hand in models/llama/modeling_llama.py of each wheel
+    assert releases["4.44.0"]["llama"] == []
+    assert releases["4.48.2"]["llama"] == ["num_logits_to_keep"]  # forward(..., num_logits_to_keep: int = 0)
+    assert releases["4.51.0"]["llama"] == ["num_logits_to_keep", "logits_to_keep"]  # @deprecate_kwarg renames it
+    assert releases["4.52.0"]["llama"] == ["logits_to_keep"]  # the decorator is gone: the old name is dropped
+    assert all(set(types) >= {"llama", "qwen2", "mistral", "gemma2", "phi3"} for types in releases.values())
+    # a disagreement is reported
+    broken = {"releases": {"4.52.0": {"llama": ["num_logits_to_keep", "logits_to_keep"]}}}
+    assert script.disagreements(broken) == ["transformers 4.52.0 llama: logits_to_keep_names table ['logits_to_keep'], "
+                                            "wheel ['num_logits_to_keep', 'logits_to_keep']"]
+
+
+def test_the_installed_transformers_honours_what_its_row_says():
+    pytest.importorskip("transformers")
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import transformers
+
+    row = transformers_release(None, int(installed_version("transformers").split(".")[0]))
+    script = _facts_script()
+    for model_type in script.MODEL_TYPES:
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        if name is None:
+            continue
+        source = inspect.getsource(inspect.getmodule(getattr(transformers, name)))
+        assert script.honoured_names(source) == sorted(row.logits_to_keep_names, key=script.NAMES.index), model_type
+
+
+@pytest.mark.parametrize(("trl", "argument"), [
+    # trl/trainer/grpo_trainer.py 0.14.0: model(input_ids, num_logits_to_keep=num_logits_to_keep + 1)
+    ("0.14.0", "num_logits_to_keep"),
+    # 0.15.0 _get_per_token_logps: model(input_ids=..., attention_mask=..., logits_to_keep=logits_to_keep + 1)
+    ("0.15.0", "logits_to_keep"),
+    # 0.17.0-0.19.0 the same call, in chunks of the batch
+    ("0.17.0", "logits_to_keep"), ("0.19.0", "logits_to_keep"),
+])
+def test_each_trl_release_passes_the_keyword_its_row_names(trl, argument):
+    from vram_planner.model.trl_releases import trl_release
+
+    assert trl_release(trl).logits_to_keep_argument == argument

@@ -7,11 +7,12 @@ fixes, with the bytes each saves, from the planner's ladder.
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from vram_planner.advise.candidates import MATCH_TOLERANCE
 from vram_planner.advise.oom_log import OomError
 from vram_planner.units import GiB
 
@@ -25,6 +26,23 @@ class Fix(BaseModel):
     saves_bytes: int | None
     cost: str  # what it costs in quality or speed
     why: str
+    removes_culprit: bool = False  # the failed allocation's tensor is not made at all after it
+
+
+class Attribution(BaseModel):
+    """The tensor that asked for the failed allocation, to the byte, and its moment."""
+
+    culprit: str
+    culprit_bytes: int
+    requested_bytes: int
+    error: float  # culprit_bytes / requested_bytes - 1
+    exact: bool  # the tensor's size rounds to the figure the message printed
+    assumption: str | None = None  # what had to differ from the config as given for it to be exact
+    phase: str
+    moment: str | None = None
+    first_micro_batch: bool  # the moment comes in the first micro-batch of the run, before any optimizer state
+    live_bytes: int | None = None  # tensors the model counts alive just before the request, at that moment
+    transformers_version: str  # the transformers release the answer was worked out for
 
 
 class Advice(BaseModel):
@@ -32,6 +50,9 @@ class Advice(BaseModel):
     diagnosis: list[str]
     culprit: str | None = None  # the tensor that most likely asked for the failed allocation
     phase: str | None = None
+    attribution: Attribution | None = None
+    transformers_version: str | None = None  # the release planned for
+    transformers_version_from: Literal["flag", "log", "assumed"] | None = None
     fixes: list[Fix] = []
     fitting_config: dict[str, Any] | None = None
 
@@ -76,66 +97,86 @@ def diagnose(error: OomError) -> tuple[list[str], list[Fix]]:
     return notes, fixes
 
 
-def attribute(error: OomError, verdict: Any) -> tuple[str | None, str | None]:
-    """The component or buffer of the plan whose size is nearest the failed allocation, and its phase."""
-    if not error.tried_to_allocate:
-        return None, None
-    from vram_planner.model.components import sizes
+def attribute(error: OomError, verdict: Any) -> Attribution | None:
+    """The tensor of the planned step that asked for the failed allocation: one whose size is the request to the
+    message's rounding, or within MATCH_TOLERANCE; else one made exact by another sequence length or transformers
+    release, said as that assumption. None when no tensor comes near."""
+    from vram_planner.advise.candidates import best_match, explain_positions, logits_candidates, other_candidates
 
-    arch, train = verdict.context.arch, verdict.train
-    s = sizes(train)
-    b, c, v, h = train.micro_batch_completions, train.max_completion_length, arch.vocab_size, arch.hidden_size
-    if verdict.context.release.lm_head == "fused_chunked":
-        candidates = {"a logits tile of the fused LM head": (min(b * c, 4096) * 32768 * s.compute,
-                                                             "loss forward/backward")}
-    else:
-        candidates = _full_logits_candidates(train, verdict.context.release.version, v)
-    candidates |= {
-        "the LM head's fp32 weight gradient (V x h)": (v * h * 4, "loss forward/backward"),
-        "one fp32 Adam state of the embedding (created at the first optimizer step)": (v * h * 4, "optimizer step"),
-        "the KV cache of one layer for the generation batch": (
-            train.local_generation_batch_size * train.sequence_length * arch.num_kv_heads * arch.head_dim * 2
-            * s.residual, "generation"),
-        "an MLP activation of one layer": (b * train.sequence_length * arch.intermediate_size * s.compute,
-                                           "loss forward/backward"),
-    }
-    if train.distributed == "ddp":
-        candidates["a DDP gradient bucket (25 MiB by default)"] = (25 * 2**20, "loss forward/backward")
-    frames = " ".join(error.frames).lower()
-    hints = {"optimizer": "optimizer step", "step": "optimizer step", "generate": "generation",
-             "backward": "loss forward/backward", "logp": "loss forward/backward"}
-    hinted = {phase for word, phase in hints.items() if word in frames}
-
-    def distance(item: tuple[str, tuple[int, str]]) -> float:
-        size, phase = item[1]
-        return abs(math.log(max(size, 1) / error.tried_to_allocate)) - (0.5 if phase in hinted else 0)
-
-    name, (size, phase) = min(candidates.items(), key=distance)
-    if abs(math.log(max(size, 1) / error.tried_to_allocate)) > math.log(1.5):
-        return None, next(iter(hinted), None)
-    return name, phase
+    request = error.tried_to_allocate
+    if not request:
+        return None
+    arch, train, release = verdict.context.arch, verdict.train, verdict.context.release
+    logits = [] if _fused(train, release) else logits_candidates(arch, train, release)
+    candidates = logits + other_candidates(arch, train, release)
+    match = best_match(candidates, request)
+    if match is None:  # none within MATCH_TOLERANCE: one made exact by another sequence length or release, the
+        # one that asks least first (prompts no longer than the config's, then the nearest length)
+        solved = [m for m in (explain_positions(c, request, train, release) for c in logits) if m]
+        match = min(solved, key=lambda m: (m.positions > train.sequence_length,
+                                           abs(m.positions - m.candidate.positions)), default=None)
+    elif not match.exact and match.candidate.per_position:  # accepted, with what would make it exact
+        solved = explain_positions(match.candidate, request, train, release)
+        match = replace(match, assumption=solved.assumption) if solved else match
+    if match is None:
+        return None
+    return _attribution(match, request, verdict)
 
 
-def _full_logits_candidates(train: Any, version: str, vocab: int) -> dict[str, tuple[int, str]]:
-    """The logits of a micro-batch as a release without the fused head makes them: float32 under mixed precision
-    (accelerate's copy of the model's output); without autocast in the weights' dtype, and a float32 match then
-    says the run had mixed precision on."""
-    from vram_planner.model.components import sizes
+def _fused(train: Any, release: Any) -> bool:
+    from vram_planner.model.lm_head import _uses_fused_head
 
-    b, c = train.micro_batch_completions, train.max_completion_length
-    shape = f"{b} completion{'s' * (b != 1)} x {c + 1} positions x {vocab} vocabulary entries"
-    fp32 = f"the fp32 logits of a micro-batch: {shape} (TRL {version} materialises them)"
-    logits, phase = b * (c + 1) * vocab, "loss forward/backward"
-    compute = sizes(train).compute
-    if train.mixed_precision != "no" or compute == 4:
-        return {fp32: (logits * 4, phase)}
-    return {fp32 + "; they are float32 only under mixed precision, so the run most likely had bf16=True":
-            (logits * 4, phase),
-            f"the {train.dtype} logits of a micro-batch: {shape} (TRL {version} materialises them)":
-            (logits * compute, phase)}
+    return _uses_fused_head(train, release)
 
 
-def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
+def _attribution(match: Any, request: int, verdict: Any) -> Attribution:
+    """The match with its moment: the live bytes the model counts just before it, and whether that moment comes in
+    the first micro-batch of the run (before any optimizer state exists) or later."""
+    from vram_planner.model.phases import PHASE_TITLES, micro_batch_moments
+    from vram_planner.model.spec import with_changes
+    from vram_planner.model.verdict import judge
+
+    context, train, c = verdict.context, verdict.train, match.candidate
+    if match.positions and match.positions > train.max_completion_length + 1:
+        changes: dict[str, Any] = {"max_prompt_length": match.positions - train.max_completion_length}
+        if train.transformers.honours(context.release.logits_to_keep_argument):
+            changes["transformers_version"] = _dropping_release(train, context.release)
+        try:
+            train = with_changes(train, **changes)
+        except Exception:  # noqa: BLE001 (an assumption the config cannot take: the plan's own figures stay)
+            pass
+    first = not judge(context, train).first_micro_batch_fits
+    live = None
+    if c.moment:
+        moments = micro_batch_moments(context.arch, train, context.release, context.calibration, first)
+        at = next((m for m in moments if m.moment == c.moment), None)
+        live = round(at.tensor_bytes - c.size) if at is not None else None
+    return Attribution(culprit=c.described(), culprit_bytes=c.size, requested_bytes=request,
+                       error=round(match.error, 6), exact=match.exact, assumption=match.assumption or None,
+                       phase=PHASE_TITLES.get(c.phase, c.phase), moment=c.moment or None,
+                       first_micro_batch=first if c.phase in ("generation", "scoring", "training") else False,
+                       live_bytes=live, transformers_version=train.transformers.version)
+
+
+def _dropping_release(train: Any, release: Any) -> str | None:
+    """The first transformers release of the run's generation that ignores the keyword this TRL release passes."""
+    from vram_planner.model.transformers_releases import transformers_releases
+    from vram_planner.model.trl_releases import version_tuple
+
+    rows = sorted(transformers_releases(), key=lambda r: version_tuple(r.min_version))
+    seen_honouring = False
+    for row in rows:
+        seen_honouring = seen_honouring or row.honours(release.logits_to_keep_argument)
+        if seen_honouring and not row.honours(release.logits_to_keep_argument):
+            return row.min_version
+    return None
+
+
+def advise(error: OomError, context: Any = None, train: Any = None,
+           transformers_from: Literal["flag", "log", "assumed"] = "assumed") -> Advice:
+    """What the figures say, and with the run's config (`transformers_from`: where its transformers release came
+    from) the tensor that asked for the failed allocation, its moment, and the fixes: those that remove that tensor
+    first, then by the bytes they save."""
     notes, fixes = diagnose(error)
     advice = Advice(error=error, diagnosis=notes, fixes=fixes)
     if context is None or train is None:
@@ -148,20 +189,76 @@ def advise(error: OomError, context: Any = None, train: Any = None) -> Advice:
     if error.expandable_segments and not train.expandable_segments:  # the message shows the run had them on
         train = with_changes(train, allocator_conf=with_expandable_segments(train.allocator_conf))
     verdict = judge(context, train)
-    advice.culprit, advice.phase = attribute(error, verdict)
+    advice.transformers_version, advice.transformers_version_from = train.transformers.version, transformers_from
+    found = attribute(error, verdict)
+    if found is not None:
+        advice.attribution, advice.culprit, advice.phase = found, found.culprit, found.phase
+        advice.diagnosis.extend(_transformers_notes(found, train, context.release, transformers_from))
+    elif error.tried_to_allocate:
+        advice.diagnosis.append(f"no tensor of the planned step comes within {MATCH_TOLERANCE:.0%} of the "
+                                f"{_gib(error.tried_to_allocate)} request")
     if not train.expandable_segments and not verdict.fits:
         advice.diagnosis.append(_expandable_rescue(context, train, verdict))
         # the plan's own change says what they save from the model; the message's unallocated bytes are only a bound
         fixes = [f for f in fixes if not f.change.startswith("PYTORCH_CUDA_ALLOC_CONF")]
     plan = best_plan(context, train)
     ranked = _plan_fixes(plan.changes)
+    logits = found is not None and "logits" in found.culprit
     upgrade = _upgrade_fix(context, train, verdict)
     if upgrade is not None:
-        ranked.append(upgrade)
-    advice.fixes = sorted(fixes + ranked, key=lambda f: -(f.saves_bytes or 0))
+        ranked.append(upgrade.model_copy(update={"removes_culprit": logits and "never materialises" in upgrade.why}))
+    pin = None
+    if logits:  # the release the answer was worked out for, where the match needed one that ignores the keyword
+        answered = train if found.transformers_version == train.transformers.version else with_changes(
+            train, transformers_version=found.transformers_version)
+        pin = _transformers_fix(context, answered, judge(context, answered))
+    if pin is not None:
+        ranked.append(pin)
+    advice.fixes = sorted(fixes + ranked, key=lambda f: (not f.removes_culprit, -(f.saves_bytes or 0)))
     if plan.chosen is not None:
         advice.fitting_config = grpo_config_kwargs(plan.chosen.train)
     return advice
+
+
+def _transformers_notes(found: Attribution, train: Any, release: Any, source: str) -> list[str]:
+    """Where the transformers release decides the answer (the logits span the completion or the whole sequence by
+    it), which release it was worked out for and where that came from."""
+    if "logits" not in found.culprit and "log_softmax" not in found.culprit:
+        return []
+    where = {"flag": "as --transformers-version says", "log": "as the log says",
+             "assumed": "assumed: the newest of its time vram-plan knows; pass --transformers-version, or a log that "
+                        "names it, to decide"}[source]
+    honours = train.transformers.honours(release.logits_to_keep_argument)
+    return [f"the transformers release decides this answer: worked out for transformers {train.transformers.version} "
+            f"({where}), which {'honours' if honours else 'ignores'} the {release.logits_to_keep_argument} TRL "
+            f"{release.version} passes"]
+
+
+def _transformers_fix(context: Any, train: Any, verdict: Any) -> Fix | None:
+    """The newest transformers release of the run's generation that honours the keyword this TRL release passes,
+    where the one planned for ignores it: the logits then cover the completion only."""
+    from vram_planner.model.lm_head import drops_logits_to_keep
+    from vram_planner.model.spec import with_changes
+    from vram_planner.model.transformers_releases import transformers_releases
+    from vram_planner.model.trl_releases import version_tuple
+    from vram_planner.model.verdict import judge
+
+    release = context.release
+    if not drops_logits_to_keep(train, release):
+        return None
+    major = version_tuple(train.transformers.version)[0]
+    honouring = [r for r in transformers_releases() if r.honours(release.logits_to_keep_argument)
+                 and version_tuple(r.min_version)[0] == major]
+    if not honouring:
+        return None
+    row = max(honouring, key=lambda r: version_tuple(r.min_version))
+    pinned = with_changes(train, transformers_version=row.min_version)
+    saved = verdict.estimate.peak_bytes - judge(context, pinned).estimate.peak_bytes
+    return Fix(change=f"pip install 'transformers<{row.below_version}'", saves_bytes=round(saved),
+               cost="none (same training, an older transformers)", removes_culprit=True,
+               why=f"transformers {row.min_version} up to {row.below_version} honours the "
+                   f"{release.logits_to_keep_argument} TRL {release.version} passes: the logits cover the "
+                   f"completion's {train.max_completion_length + 1} positions, not all {train.sequence_length}")
 
 
 def _expandable_rescue(context: Any, train: Any, verdict: Any) -> str:

@@ -41,6 +41,10 @@ FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 ERROR_LINE = re.compile(r"OutOfMemoryError|out of memory|Tried to allocate|CUBLAS_STATUS_ALLOC_FAILED|"
                         r"CUDNN_STATUS_|KV cache|cache blocks|GPU memory utilization", re.I)
 CONTEXT_LINES = 80  # traceback frames kept above the error
+# The transformers release a log names: `pip freeze` (transformers==4.52.3), `transformers env` ("- `transformers`
+# version: 4.52.3"), a dist-info path (transformers-4.52.3.dist-info), a script's own print ("transformers 4.52.3")
+TRANSFORMERS_VERSION = re.compile(r"(?<![\w-])transformers`?(?:==|-|\s+version:?\s*|:\s*|\s+)v?(\d+\.\d+(?:\.\d+)?)"
+                                  r"(?!\.?\d)(?!\w)", re.I)
 
 
 class OomError(BaseModel):
@@ -59,6 +63,7 @@ class OomError(BaseModel):
     other_processes: dict[int, int] = {}  # pid -> bytes in use
     frames: list[str] = []  # "file:line in function", innermost last
     expandable_segments: bool = False
+    transformers_version: str | None = None  # the transformers release the log names, where it names one
 
 
 def size_bytes(number: str, unit: str) -> int:
@@ -71,9 +76,12 @@ def read_log(lines: Iterable[str]) -> OomError:
     found: tuple[list[str], str] | None = None
     expandable = False
     seen_text = False
+    transformers_version = None
     for raw in lines:
         line = RANK_PREFIX.sub("", raw.rstrip("\n"))[:4000]
         seen_text = seen_text or bool(line.strip())
+        if named := TRANSFORMERS_VERSION.search(line):
+            transformers_version = named.group(1)
         # PyTorch's own message suggests the setting; only a line that sets it says it was on
         expandable = expandable or ("expandable_segments:True" in line.replace(" ", "")
                                     and "try setting" not in line)
@@ -88,7 +96,8 @@ def read_log(lines: Iterable[str]) -> OomError:
     error = parse_error(line)
     frames = [f"{m.group(1).rsplit('site-packages/', 1)[-1]}:{m.group(2)} in {m.group(3)}"
               for m in map(FRAME.search, before) if m]
-    return error.model_copy(update={"frames": frames, "expandable_segments": expandable})
+    return error.model_copy(update={"frames": frames, "expandable_segments": expandable,
+                                    "transformers_version": transformers_version})
 
 
 def parse_error(line: str) -> OomError:

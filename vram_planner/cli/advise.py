@@ -27,13 +27,18 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
 
     error = read_log(_bounded_lines(log))
     context = train = None
+    source = "flag" if knobs.get("transformers_version") is not None else "assumed"
     # The run's model and card attribute the allocation; given one without the other (or a --config without
     # either), say what is missing rather than advise without them.
     if gpu is not None or model is not None or config_file is not None:
+        if source == "assumed" and _known_transformers(error.transformers_version):
+            knobs, source = {**knobs, "transformers_version": error.transformers_version}, "log"
         options = {"gpu": gpu, "model": model, "config_file": config_file, "trl_version": trl_version,
                    "calibration": None, "safety_margin": 0.05, **knobs}
         context, train = resolve("advise", options)
-    advice = advise(error, context, train)
+        if source == "assumed" and train.transformers_version is not None:  # a --config file named it
+            source = "flag"
+    advice = advise(error, context, train, source)
     if json_output:
         click.echo(advice.model_dump_json(indent=2))
     else:
@@ -44,6 +49,19 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
 
 for _knob in reversed(KNOBS):
     advise_command = _knob(advise_command)
+
+
+def _known_transformers(version: str | None) -> bool:
+    """Whether a release the log names is one the table knows (else the log's figure is left unused)."""
+    from vram_planner.model.transformers_releases import known_transformers_version
+
+    if version is None:
+        return False
+    try:
+        known_transformers_version(version)
+    except ValueError:
+        return False
+    return True
 
 
 def _bounded_lines(log: str):  # -> Iterator[str]

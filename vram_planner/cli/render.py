@@ -61,10 +61,24 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
                 f"inside the {_g(report.safety_margin_bytes)} GiB safety margin")
         title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {over}; "
                      "`vram-plan plan` with the same flags finds the best config that fits")
+    first = report.first_micro_batch
+    if not report.fits and first is not None and (report.command == "check" or report.smallest_config_peak_bytes):
+        title.append("\n" + first_micro_batch_line(first), style="red" if not first.fits else "")
     if report.near_boundary:
         title.append(f"\nNear the boundary: {near_boundary_reason(report)}; `vram-plan {report.command} --exact` "
                      "with the same flags traces the step and decides", style="yellow")
     return title
+
+
+def first_micro_batch_line(first) -> str:  # first: vram_planner.cli.report.FirstMicroBatchReport
+    """The first micro-batch of the run judged on its own, in words."""
+    where = f"{PHASE_TITLES.get(first.peak_phase, first.peak_phase)}, {first.peak_moment}".rstrip(", ")
+    if first.fits:
+        return (f"The first micro-batch fits ({_g(first.peak_bytes)} GiB in {where}, before any optimizer state "
+                "exists): the run gets past it and runs out once the optimizer states (or accumulated gradients) "
+                "exist")
+    return (f"Dies before its first optimizer step: the first micro-batch alone, with no optimizer state yet, needs "
+            f"{_g(first.peak_bytes)} GiB in {where}")
 
 
 def near_boundary_reason(report: Report) -> str:
@@ -292,17 +306,39 @@ def render_advice(advice, console: Console | None = None) -> None:  # advice: vr
     parts = [text]
     if e.frames:
         parts.append(Text(f"in {e.frames[-1]}", style="dim"))
-    if advice.culprit:
-        parts.append(Text(f"Most likely {advice.culprit}, in {advice.phase}.", style="bold"))
+    if advice.attribution is not None:
+        parts += attribution_lines(advice.attribution, e)
     parts += [Text(f"• {note}") for note in advice.diagnosis]
     if advice.fixes:
-        table = Table(title="Fixes, largest saving first", title_justify="left", show_edge=False)
+        first = "those that remove that tensor first, then " if any(f.removes_culprit for f in advice.fixes) else ""
+        table = Table(title=f"Fixes: {first}the largest saving first", title_justify="left", show_edge=False)
         for column in ("change", "saves GiB", "cost", "why"):
             table.add_column(column, justify="right" if column == "saves GiB" else "left")
         for fix in advice.fixes:
-            table.add_row(fix.change, "-" if fix.saves_bytes is None else _g(fix.saves_bytes), fix.cost, fix.why)
+            why = f"removes that tensor: {fix.why}" if fix.removes_culprit else fix.why
+            table.add_row(fix.change, "-" if fix.saves_bytes is None else _g(fix.saves_bytes), fix.cost, why)
         parts.append(table)
     if advice.fitting_config:
         parts.append(Text("A config that fits: " + ", ".join(f"{k}={v}" for k, v in advice.fitting_config.items()),
                           style="cyan"))
     console.print(Group(*parts))
+
+
+def attribution_lines(found, error) -> list[Text]:  # found: vram_planner.advise.diagnosis.Attribution
+    """The tensor beside the request, to the byte, what made it exact, and its moment with the live bytes then."""
+    how = "exact to the message's rounding" if found.exact else f"{found.error:+.1%} off"
+    lines = [Text(f"Most likely {found.culprit}, in {found.phase}.", style="bold"),
+             Text(f"  {found.culprit_bytes:,} B = {found.culprit_bytes / GiB:.3f} GiB beside the "
+                  f"{_g(found.requested_bytes)} GiB requested: {how}")]
+    if found.assumption:
+        lines.append(Text(f"  {found.assumption[0].upper()}{found.assumption[1:]}."))
+    when = ("the first micro-batch of the first step, before any optimizer state exists" if found.first_micro_batch
+            else "a micro-batch after the first (gradients and optimizer states exist)")
+    moment = f" ({found.moment})" if found.moment else ""
+    live = ""
+    if found.live_bytes is not None:
+        live = f"; the model counts {found.live_bytes / GiB:.2f} GiB of tensors alive then"
+        if error.allocated_by_pytorch is not None:
+            live += f" (the message: {_g(error.allocated_by_pytorch)} GiB allocated by PyTorch)"
+    lines.append(Text(f"  When: {when}{moment}{live}."))
+    return lines

@@ -132,6 +132,27 @@ class Report:
     # the step's need could lie on the other side of the card than the estimate's verdict, as far from the estimate
     # as needs have been measured (Verdict.near_boundary): `--exact` decides; false where the need decided
     near_boundary: bool = False
+    # the first micro-batch of the first step judged on its own: its phases run before any optimizer state exists
+    first_micro_batch: FirstMicroBatchReport | None = None
+
+
+@dataclass(kw_only=True)
+class FirstMicroBatchReport:
+    """The phases of the first micro-batch of the run (no optimizer state, no accumulated gradient yet), judged
+    against the same budget: where they do not fit, the run dies before its first optimizer step."""
+
+    fits: bool
+    peak_bytes: int
+    peak_phase: str
+    peak_moment: str
+    phases: list[PhaseReport]
+
+
+def first_micro_batch_report(verdict: Verdict) -> FirstMicroBatchReport:
+    first = verdict.first_micro_batch
+    return FirstMicroBatchReport(fits=verdict.first_micro_batch_fits, peak_bytes=round(first.peak_bytes),
+                                 peak_phase=first.peak_phase.name, peak_moment=first.peak_phase.moment,
+                                 phases=[_phase(p) for p in first.phases])
 
 
 def _phase(p: Phase) -> PhaseReport:
@@ -154,10 +175,12 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
         assumptions={"max_prompt_length": train.max_prompt_length,
                      "prompts_truncated": train.release.truncates_prompts, "num_gpus": train.num_gpus,
                      "distributed": train.distributed, "generation_batch_size": train.generation_batch_size,
-                     "attn_implementation": train.attn_implementation},
+                     "attn_implementation": train.attn_implementation,
+                     "transformers_version": train.transformers.version},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
         vllm=vllm_report(est.vllm), near_boundary=verdict.near_boundary,
+        first_micro_batch=first_micro_batch_report(verdict),
     )
 
 

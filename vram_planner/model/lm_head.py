@@ -3,7 +3,8 @@
 fused_chunked (TRL >= 1.15, trl/kernels/chunked_logprob.py): logits are projected in [4096, 32768] tiles and
 never kept. Forward keeps per-token fp32 statistics; backward allocates an fp32 grad_hidden [N, h] and, when the
 head is trainable, an fp32 grad_weight [V, h]. full_logits (older TRL): [B, c+1, V] logits in the compute dtype
-plus accelerate's fp32 copy.
+plus accelerate's fp32 copy, or [B, p+c, V] where the transformers release drops the name TRL asks with
+(`logit_positions`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,22 @@ class LmHeadMemory:
     backward_transient: float  # alive during the LM head's backward
 
 
+def logit_positions(train: TrainingConfig, release: TrlRelease) -> int:
+    """Positions per sequence the model's forward projects to logits where TRL materialises them: the completion's
+    c + 1 when the transformers release honours the keyword this TRL release passes (profiles/transformers.toml
+    logits_to_keep_names, profiles/trl.toml logits_to_keep_argument), else every position of prompt + completion
+    (the keyword falls into **kwargs and the forward keeps its default of all positions)."""
+    if train.transformers.honours(release.logits_to_keep_argument):
+        return train.max_completion_length + 1
+    return train.sequence_length
+
+
+def drops_logits_to_keep(train: TrainingConfig, release: TrlRelease) -> bool:
+    """Whether this TRL release's logits cover the whole sequence because transformers ignores its keyword."""
+    return release.lm_head == "full_logits" and not _uses_fused_head(train, release) and not (
+        train.transformers.honours(release.logits_to_keep_argument))
+
+
 def _uses_fused_head(train: TrainingConfig, release: TrlRelease) -> bool:
     if train.use_liger_kernel and release.liger in ("fused_loss", "chunked_logprobs"):
         return True
@@ -49,7 +66,7 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     scored = sequences * train.max_completion_length
     h, vocab = arch.hidden_size, arch.vocab_size
     if not _uses_fused_head(train, release):
-        logits = sequences * (train.max_completion_length + 1) * vocab
+        logits = sequences * logit_positions(train, release) * vocab
         return LmHeadMemory(forward_transient=logits * FULL_LOGITS_FORWARD_BYTES,
                             saved=logits * s.compute if with_grad else 0,
                             backward_transient=logits * FULL_LOGITS_BACKWARD_BYTES if with_grad else 0)

@@ -17,7 +17,7 @@ from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
 from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.cuda_context import context_bytes as resolved_context_bytes
-from vram_planner.model.lm_head import lm_head_memory
+from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, logit_positions
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
               "lm_head_buffers", "vllm_reservation", "cuda_context", "cublas_workspaces", "allocator_overhead")
 TENSOR_COMPONENTS = COMPONENTS[:7]
+# TRL 0.14's policy forward as its logits leave the model: under mixed precision accelerate's float32 copy of them
+# (convert_outputs_to_fp32) is made while the model's own are alive
+POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy"
+# The phases of the first micro-batch of the first step run before any optimizer state exists (and before any
+# gradient, when gradients accumulate): they are judged on their own, as a run can die there
+FIRST_MICRO_BATCH_PHASES = ("generation", "scoring", "training")
 PHASE_TITLES = {"generation": "generation", "scoring": "old/ref log-probs", "training": "loss forward/backward",
                 "optimizer": "optimizer step"}
 
@@ -73,23 +79,27 @@ class Estimate:
 
 def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
              capacity_bytes: int, context_bytes: float | None = None, gpu_label: str = "",
-             gpu_bf16: bool = True, compute_capability: str = "") -> Estimate:
+             gpu_bf16: bool = True, compute_capability: str = "", first_micro_batch: bool = False) -> Estimate:
     """The memory of one steady-state GRPO step of `train` on a GPU of `capacity_bytes` whose CUDA context takes
     `context_bytes` (None: the calibration's figure, else the one for a card the catalog does not know) and whose
-    `compute_capability` sets the cuBLAS workspaces ("": a card other than compute capability 9.0)."""
+    `compute_capability` sets the cuBLAS workspaces ("": a card other than compute capability 9.0).
+
+    With `first_micro_batch`, the phases of the first micro-batch of the first step instead: generation, scoring and
+    the loss before any optimizer state (or accumulated gradient) exists, and no optimizer step."""
     persistent = {
         "weights": m.weight_bytes(arch, train),
         "reference_weights": m.reference_weight_bytes(arch, train),
-        "optimizer_states": m.optimizer_state_bytes(arch, train),
+        "optimizer_states": 0.0 if first_micro_batch else m.optimizer_state_bytes(arch, train),
     }
     all_grads = m.gradient_bytes(arch, train)
     raw = [_generation(arch, train, cal, persistent)]
     merged = release.step_structure == "loss_merged"  # TRL 0.14: both log-prob passes run inside the loss
     if not merged and (train.computes_old_logps or train.computes_ref_logps):
         raw.append(_scoring(arch, train, release, cal, persistent))
-    raw.append(_training(arch, train, release, cal, persistent, all_grads))
-    raw.append(Phase("optimizer", {**persistent, "gradients": all_grads,
-                                   "activations": m.optimizer_step_temporary_bytes(arch, train)}))
+    raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch))
+    if not first_micro_batch:
+        raw.append(Phase("optimizer", {**persistent, "gradients": all_grads,
+                                       "activations": m.optimizer_step_temporary_bytes(arch, train)}))
     # vLLM colocated on this card takes the budget it works out at start-up (all of it, or what sleep mode leaves)
     context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
     vllm, vllm_notes = None, []
@@ -103,7 +113,16 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train, context,
                                   workspaces) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
-                    notes=_notes(arch, train) + tuple(vllm_notes), vllm=vllm)
+                    notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm)
+
+
+def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
+                        first: bool) -> list[Phase]:
+    """Every moment of a micro-batch's loss forward and backward, tensors only: the first micro-batch of the run
+    (`first`: no optimizer state, no gradient yet) or a later one."""
+    persistent = {"weights": m.weight_bytes(arch, train), "reference_weights": m.reference_weight_bytes(arch, train),
+                  "optimizer_states": 0.0 if first else m.optimizer_state_bytes(arch, train)}
+    return training_moments(arch, train, release, cal, persistent, m.gradient_bytes(arch, train), first)
 
 
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
@@ -188,8 +207,15 @@ def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, 
 
 
 def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
-              persistent: dict[str, float], all_grads: float) -> Phase:
-    """The largest moment of one micro-batch's forward and backward."""
+              persistent: dict[str, float], all_grads: float, first: bool = False) -> Phase:
+    """The largest moment of one micro-batch's forward and backward (`first`: the first micro-batch of the run)."""
+    return _heaviest(training_moments(arch, train, release, cal, persistent, all_grads, first), cal, train)
+
+
+def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
+                     persistent: dict[str, float], all_grads: float, first: bool = False) -> list[Phase]:
+    """Every moment of one micro-batch's forward and backward the model counts, tensors only; `first`: the first
+    micro-batch of the run, before any gradient exists."""
     b, length = train.micro_batch_completions, train.sequence_length
     tokens = b * length
     s = m.sizes(train)
@@ -198,7 +224,7 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
     final_norm = act.final_norm_saved_bytes(arch, train, tokens)
     mask = act.kept_mask_bytes(arch, train, b, length)
     # From the second micro-batch of an accumulation on, every gradient exists before the forward starts.
-    accumulating = train.gradient_accumulation_steps > 1
+    accumulating = train.gradient_accumulation_steps > 1 and not first
     grads_before = all_grads if accumulating else 0.0
     forward_casts, backward_casts = _training_casts(arch, train)
     weights = persistent["weights"]
@@ -225,7 +251,8 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
         last_layer_casts = backward_casts
     policy_graph = {"weights": weights + forward_casts, "gradients": grads_before, "activations": saved + mask}
     if release.step_structure == "loss_merged":
-        head_moments = _merged_log_prob_moments(arch, train, persistent, policy_graph, weights + backward_casts)
+        head_moments = _merged_log_prob_moments(arch, train, release, persistent, policy_graph,
+                                                weights + backward_casts)
     else:
         head_moments = [
             Phase("training", {**persistent, **policy_graph, "lm_head_buffers": head.forward_transient},
@@ -254,11 +281,12 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
         dense = _head_gradient_bytes(arch, train)
         moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
                                            "activations": layer_input}, "embedding backward"))
-    return _heaviest(moments, cal, train)
+    return moments
 
 
-def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
-                             policy_graph: dict[str, float], backward_weights: float) -> list[Phase]:
+def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease,
+                             persistent: dict[str, float], policy_graph: dict[str, float],
+                             backward_weights: float) -> list[Phase]:
     """TRL 0.14's compute_loss: the policy's forward with grad over full logits and a log_softmax per completion
     (each kept for backward), then the reference's log-probs while the policy's graph (`policy_graph`) is alive,
     then the backward of those rows.
@@ -270,15 +298,18 @@ def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, per
     s = m.sizes(train)
     autocast = train.mixed_precision != "no"
     logit = m.FP32_BYTES if autocast else s.compute  # bytes per logit as the loop sees them
-    sequences, c, vocab = train.micro_batch_completions, train.max_completion_length, arch.vocab_size
-    logits = sequences * (c + 1) * vocab
-    rows = sequences * c * vocab * logit  # every row's log_softmax (forward) or gradient (backward)
-    one_row = c * vocab * logit
+    sequences, vocab = train.micro_batch_completions, arch.vocab_size
+    positions = logit_positions(train, release)  # c + 1, or p + c where transformers drops num_logits_to_keep
+    logits = sequences * positions * vocab
+    # every row's log_softmax (forward) or gradient (backward): each covers the logits less the last position
+    rows = sequences * (positions - 1) * vocab * logit  # (the gather reads only the first c of each row)
+    one_row = (positions - 1) * vocab * logit
     converting = logits * (s.compute + logit) if autocast else logits * logit  # the model's output and its copy
     reference = dict(policy_graph)
     for name, value in _scoring_casts(arch, train).items():  # the reference's weight casts, cached by autocast
         reference[name] = reference.get(name, persistent[name]) + value - persistent[name]
     return [
+        Phase("training", {**persistent, **policy_graph, "lm_head_buffers": converting}, POLICY_LOGITS_MOMENT),
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": logits * logit + rows},
               "policy log-probs: the logits and every row's log_softmax"),
         Phase("training", {**persistent, **reference, "lm_head_buffers": rows + converting + one_row},
@@ -317,8 +348,13 @@ def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> floa
     return arch.vocab_size * arch.hidden_size * m.sizes(train).trainable
 
 
-def _notes(arch: ModelArchitecture, train: TrainingConfig) -> tuple[str, ...]:
+def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) -> tuple[str, ...]:
     notes = release_assumptions(train)
+    if drops_logits_to_keep(train, release):
+        notes.append(f"logits: transformers {train.transformers.version} ignores the {release.logits_to_keep_argument} "
+                     f"TRL {release.version} passes, so the logits (and accelerate's float32 copy under mixed "
+                     f"precision) cover all {train.sequence_length} positions of prompt + completion, not the "
+                     f"completion's {train.max_completion_length + 1}")
     if not arch.exact:
         notes.append(f"model_type {arch.model_type!r} is not one vram-plan knows; it was read as a Llama-style "
                      "decoder, so counts may be off")

@@ -31,10 +31,16 @@ class TransformersRelease:
     kv_values_dtype: Literal["keys", "values"]
     cache_argument: Literal["past_key_values", "cache"]
     sdpa_unsupported: tuple[str, ...] = ()
+    # the names ...ForCausalLM.forward honours to project only the last positions; another is dropped silently
+    logits_to_keep_names: tuple[Literal["num_logits_to_keep", "logits_to_keep"], ...]
     version: str = ""  # the release planned for, filled in by `transformers_release`
 
     def supports_sdpa(self, model_type: str) -> bool:
         return model_type not in self.sdpa_unsupported
+
+    def honours(self, argument: str) -> bool:
+        """Whether the model's forward projects only the last positions when TRL passes `argument`."""
+        return argument in self.logits_to_keep_names
 
 
 @lru_cache(maxsize=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from vram_planner.errors import ConfigError, closest_names
 from vram_planner.model.architecture import FAMILIES, ModelArchitecture
@@ -89,6 +90,16 @@ class Verdict:
         vllm = self.estimate.vllm
         return self.estimate.peak_bytes <= self.context.budget_bytes and (vllm is None or vllm.problem is None)
 
+    @cached_property
+    def first_micro_batch(self) -> Estimate:
+        """The first micro-batch of the first step, judged on its own: its phases run before any optimizer state
+        (or accumulated gradient) exists, so a run can die there, before its first optimizer step."""
+        return _estimate(self.context, self.train, first_micro_batch=True)
+
+    @property
+    def first_micro_batch_fits(self) -> bool:
+        return self.first_micro_batch.peak_bytes <= self.context.budget_bytes
+
     @property
     def spare_bytes(self) -> float:
         """Capacity left at the peak (negative: missing), before the safety margin."""
@@ -109,11 +120,16 @@ class Verdict:
 
 def judge(context: Context, train: TrainingConfig) -> Verdict:
     """The estimate of `train` in this context, with the context's own notes (a TRL release read as another)."""
+    return Verdict(context, train, _estimate(context, train))
+
+
+def _estimate(context: Context, train: TrainingConfig, first_micro_batch: bool = False) -> Estimate:
     est = estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes,
-                   context.cuda_context.bytes, context.gpu.label, context.gpu.bf16, context.gpu.compute_capability)
+                   context.cuda_context.bytes, context.gpu.label, context.gpu.bf16, context.gpu.compute_capability,
+                   first_micro_batch)
     if context.release.note:
         est = replace(est, notes=est.notes + (context.release.note,))
-    return Verdict(context, train, est)
+    return est
 
 
 def gpu_problems(train: TrainingConfig, gpu: GpuProfile) -> list[str]:
