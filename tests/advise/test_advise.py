@@ -249,3 +249,20 @@ def test_the_candidates_size_is_printed_beside_the_request(capsys, tmp_path):
     assert "2,039,783,424 B = 1.900 GiB beside the 1.90 GiB requested: exact to the message's rounding" in text
     assert "When: the first micro-batch of the first step, before any optimizer state exists" in text
     assert "removes that tensor" in text
+
+
+def test_a_release_the_log_names_that_vram_plan_does_not_know_is_left_unused_and_a_bad_flag_is_one_line(capsys,
+                                                                                                       tmp_path):
+    unknown = _seeds_advice(capsys, tmp_path, log_lines=("transformers==9.1.0", CURRENT))
+    assert unknown["transformers_version"] == "4.56.0" and unknown["transformers_version_from"] == "assumed"
+    log = tmp_path / "crash.log"
+    err = one_line_error(capsys, "advise", str(log), *SEEDS_FLAGS, "--transformers-version", "7.0")
+    assert "--transformers-version should be a transformers release vram-plan knows" in err
+    # TRL 1.16's generation: the installed transformers is the one planned for, and advise says so
+    log.write_text(CURRENT + "\n")
+    code, out, _ = run(capsys, "advise", str(log), "--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B", "--json")
+    from vram_planner.model.trl_releases import installed_version
+
+    installed = installed_version("transformers")
+    expected = "installed" if installed and installed.startswith("5.") else "assumed"
+    assert code == 0 and json.loads(out)["transformers_version_from"] == expected

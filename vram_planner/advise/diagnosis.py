@@ -52,7 +52,7 @@ class Advice(BaseModel):
     phase: str | None = None
     attribution: Attribution | None = None
     transformers_version: str | None = None  # the release planned for
-    transformers_version_from: Literal["flag", "log", "assumed"] | None = None
+    transformers_version_from: Literal["flag", "log", "installed", "assumed"] | None = None
     fixes: list[Fix] = []
     fitting_config: dict[str, Any] | None = None
 
@@ -173,7 +173,7 @@ def _dropping_release(train: Any, release: Any) -> str | None:
 
 
 def advise(error: OomError, context: Any = None, train: Any = None,
-           transformers_from: Literal["flag", "log", "assumed"] = "assumed") -> Advice:
+           transformers_from: Literal["flag", "log", "installed", "assumed"] = "assumed") -> Advice:
     """What the figures say, and with the run's config (`transformers_from`: where its transformers release came
     from) the tensor that asked for the failed allocation, its moment, and the fixes: those that remove that tensor
     first, then by the bytes they save."""
@@ -226,6 +226,8 @@ def _transformers_notes(found: Attribution, train: Any, release: Any, source: st
     if "logits" not in found.culprit and "log_softmax" not in found.culprit:
         return []
     where = {"flag": "as --transformers-version says", "log": "as the log says",
+             "installed": "the one installed here; pass --transformers-version, or a log that names it, if the run "
+                          "used another",
              "assumed": "assumed: the newest of its time vram-plan knows; pass --transformers-version, or a log that "
                         "names it, to decide"}[source]
     honours = train.transformers.honours(release.logits_to_keep_argument)

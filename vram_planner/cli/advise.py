@@ -38,6 +38,8 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
         context, train = resolve("advise", options)
         if source == "assumed" and train.transformers_version is not None:  # a --config file named it
             source = "flag"
+        elif source == "assumed" and train.transformers.version == _installed_transformers():
+            source = "installed"
     advice = advise(error, context, train, source)
     if json_output:
         click.echo(advice.model_dump_json(indent=2))
@@ -49,6 +51,14 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
 
 for _knob in reversed(KNOBS):
     advise_command = _knob(advise_command)
+
+
+def _installed_transformers() -> str | None:
+    from vram_planner.model.trl_releases import installed_version, parse_version
+
+    installed = installed_version("transformers")
+    parsed = parse_version(installed) if installed else None
+    return parsed[1] if parsed else None
 
 
 def _known_transformers(version: str | None) -> bool:
