@@ -238,4 +238,4 @@ def test_trace_refuses_another_release_in_one_line(capsys, llama_1b_file):
                          "--per-device-train-batch-size", "1", "--num-generations", "2")
     assert "runs the installed TRL 1.16.0, not --trl-version 0.14.0" in err
     # and how to trace it: that release with a transformers the engine runs it with
-    assert "install it with a transformers it runs with: transformers 4.48.0 to 5.x" in err
+    assert "install it with a transformers it runs with: transformers 4.48.0 to 4.x" in err

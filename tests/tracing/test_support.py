@@ -9,8 +9,9 @@ from vram_planner.tracing.support import check_supported_pair, pair_for
 
 
 @pytest.mark.parametrize(("trl", "transformers"), [
-    ("0.14.0", "4.48.2"), ("0.14.0", "4.52.4"), ("0.16.1", "4.50.3"), ("0.26.2", "4.57.3"), ("1.0.0", "5.4.0"),
-    ("1.14.2", "5.19.0"), ("1.16.0", "5.24.0"), ("1.16.0rc1", "5.24.0.dev0"),
+    ("0.14.0", "4.48.2"), ("0.14.0", "4.52.4"), ("0.14.0", "4.57.3"), ("0.16.1", "4.50.3"), ("0.19.1", "4.53.1"),
+    ("0.23.1", "4.56.2"), ("0.26.2", "4.57.3"), ("0.29.1", "5.3.0"), ("1.0.0", "5.4.0"), ("1.14.2", "5.19.0"),
+    ("1.16.0", "5.24.0"), ("1.16.0rc1", "5.24.0.dev0"),
 ])
 def test_the_pairs_the_release_matrix_traced_are_accepted(trl, transformers):
     check_supported_pair(trl, transformers)
@@ -18,7 +19,8 @@ def test_the_pairs_the_release_matrix_traced_are_accepted(trl, transformers):
 
 @pytest.mark.parametrize(("trl", "transformers"), [
     ("0.14.0", "4.46.3"),  # older than any transformers the engine ran
-    ("1.16.0", "4.57.3"),  # the fused LM head under transformers 4: not traced
+    ("0.14.0", "5.4.0"),  # TRL 0.14's GRPOTrainer does not import under transformers 5
+    ("1.16.0", "4.57.3"),  # a TRL release of the transformers 5 generation under 4.x
     ("0.13.0", "4.48.2"),  # before the oldest TRL row
     ("2.0.0", "5.24.0"),
     ("1.16.0", "6.0.0"),
@@ -30,10 +32,12 @@ def test_other_pairs_are_refused_in_one_line_naming_both_and_what_works(trl, tra
     message = str(caught.value)
     assert "\n" not in message
     assert f"TRL {trl} with transformers {transformers} (installed)" in message
-    assert "TRL 0.14.0 to 1.14.x with transformers 4.48.0 to 5.x" in message
-    assert "TRL 1.15.0 to 1.x with transformers 5.0.0 to 5.x" in message
+    assert "TRL 0.14.0 to 0.27.1 with transformers 4.48.0 to 4.x" in message
+    assert "TRL 0.27.2 to 1.x with transformers 5.0.0 to 5.x" in message
 
 
 def test_a_release_to_trace_is_named_with_the_transformers_it_runs_with():
-    assert pair_for("0.14.0") == "transformers 4.48.0 to 5.x"
+    assert pair_for("0.14.0") == "transformers 4.48.0 to 4.x"
+    assert pair_for("0.27.1") == "transformers 4.48.0 to 4.x"
+    assert pair_for("0.27.2") == "transformers 5.0.0 to 5.x"
     assert pair_for("1.16") == "transformers 5.0.0 to 5.x"

@@ -32,18 +32,22 @@ class SupportedPairs:
                 f"{_before(self.transformers_below)}")
 
 
-# TRL before 1.15 scores with full logits through its own _get_per_token_logps (or 0.14's compute_loss); from 1.15
-# its fused LM head (trl.kernels.chunked_logprob, which needs transformers 5's model outputs). transformers 4.48 is
-# the oldest that runs on torch 2.13 with TRL 0.14's requirements (TRL 0.14 asks for >= 4.46).
+# The trace reads the installed transformers through the row of the TRL release's own transformers generation
+# (profiles/trl.toml transformers_major: 4 up to TRL 0.27.1, 5 from 0.27.2), so a pair of two generations is refused:
+# TRL 0.14 does not import under transformers 5, and 1.16's trace under 4.57 would read 5.x's cache argument.
+# transformers 4.48 is the oldest that runs on torch 2.13 with TRL 0.14's requirements (TRL 0.14 asks for >= 4.46).
 SUPPORTED = (
-    SupportedPairs("0.14.0", "1.15.0", "4.48.0", "6.0.0"),
-    SupportedPairs("1.15.0", "2.0.0", "5.0.0", "6.0.0"),
+    SupportedPairs("0.14.0", "0.27.2", "4.48.0", "5.0.0"),
+    SupportedPairs("0.27.2", "2.0.0", "5.0.0", "6.0.0"),
 )
 
 
 def _before(below: str) -> str:
-    major, minor, _ = version_tuple(below)
-    return f"{major - 1}.x" if minor == 0 else f"{major}.{minor - 1}.x"
+    """The last release before `below`: '0.27.2' -> '0.27.1', '5.0.0' -> '4.x', '1.15.0' -> '1.14.x'."""
+    major, minor, patch = version_tuple(below)
+    if patch:
+        return f"{major}.{minor}.{patch - 1}"
+    return f"{major}.{minor - 1}.x" if minor else f"{major - 1}.x"
 
 
 def check_supported_pair(trl: str, transformers: str) -> None:
