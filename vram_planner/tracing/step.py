@@ -143,6 +143,13 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
             (OPTIMIZER, "the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
     if not (train.computes_old_logps or train.computes_ref_logps) or train.release.step_structure == "loss_merged":
         del runs[1]  # TRL 0.14 scores inside compute_loss
+    again = 0
+    if train.release.generation_batch == "micro_batch" and train.gradient_accumulation_steps > 1:
+        # TRL 0.14-0.16 generate (and score) each micro-batch inside the accumulation: from the second on with the
+        # gradients of the earlier ones alive. They run again after the training phase, as the next micro-batch's;
+        # their peaks count for their own phases, their events for the training phase (between its micro-batches).
+        again = len(runs) - 2
+        runs[-1:-1] = [(phase, f"{label} of the next micro-batch", run) for phase, label, run in runs[:again]]
     say = progress or (lambda what: None)
     with _quiet():
         say("building the model on fake tensors")
@@ -150,11 +157,16 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
             session = build_session(arch_config, train)
         with session.fake_mode, session.tracker, cuda_like_behaviour(session), head_tagging(session):
             peaks = []
-            for phase, label, run in runs:
+            for i, (phase, label, run) in enumerate(runs):
                 say(f"tracing {label}")
-                session.tracker.phase = session.tracker.moment = phase  # until the phase names its moments
+                repeated = len(runs) - 1 - again <= i < len(runs) - 1
+                session.tracker.phase = "training" if repeated else phase
+                session.tracker.moment = phase  # until the phase names its moments
                 with _explained(f"tracing {label}"):
                     peaks.append(_timed(run, session))
+                if repeated:
+                    peaks[-1].moment += ", next micro-batch (gradients alive)"
+    peaks = _largest_per_phase(peaks)
     trainable = sum(p.numel() for p in session.model.parameters() if p.requires_grad)
     # As Estimate.params counts them: the model's own parameters; with LoRA the adapters are the trainable ones.
     params = sum(p.numel() for p in session.model.parameters()) - (trainable if train.uses_lora else 0)
@@ -167,6 +179,15 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     return TraceResult(phases=tuple(phases), params=params, trainable_params=trainable,
                        seconds=time.perf_counter() - start, notes=tuple(notes), events=events,
                        gradient_blocks=tuple(session.tracker.live_blocks(GRADS)))
+
+
+def _largest_per_phase(peaks: list[Any]) -> list[Any]:
+    """One peak per phase, in the order the phases first ran: the larger where a phase ran twice."""
+    largest: dict[str, Any] = {}
+    for peak in peaks:
+        if peak.name not in largest or peak.peak_bytes > largest[peak.name].peak_bytes:
+            largest[peak.name] = peak
+    return list(largest.values())
 
 
 def engine_versions() -> dict[str, str]:

@@ -1,0 +1,193 @@
+"""The trace under every (TRL, transformers) pair people run, beside the analytic model of the same pair.
+
+    python benchmarks/trl_matrix.py [--venvs DIR] [--build] [--pair 0.14.0/4.52.4 ...]   # all pairs: the table
+    python benchmarks/trl_matrix.py --measure                                             # the installed pair only
+
+Each pair runs in a virtual environment of its own (DIR/trl-X-transformers-Y; `--build` makes the missing ones with
+pip: the pinned CPU torch, the pair, the accelerate and PEFT releases of its time, this checkout with --no-deps). In
+each, `--measure` traces the grid (fixture configs, and the seeds' Llama-3.2-1B-Instruct step) under the installed
+libraries and computes the analytic model under the same --trl-version and --transformers-version; this script
+gathers the answers into benchmarks/results/trl_matrix.json and prints the table: per phase the traced and analytic
+tensor peaks and the error ((analytic - trace) / trace), and the largest single allocation of the step (the request
+an out-of-memory error names). A pair that does not install or does not trace is a row with its error. CI runs the
+installed pair through the test suite; this runs the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "trl_matrix.json"
+TABLE = ROOT / "benchmarks" / "results" / "trl_matrix.txt"
+FIXTURES = ROOT / "tests" / "fixtures"
+DEFAULT_VENVS = Path("/tmp")
+TORCH = "torch==2.13.0"  # the CPU wheel the project pins (constraints.txt)
+# (TRL, transformers, accelerate, PEFT): each TRL row of profiles/trl.toml with the transformers of its time (the
+# newest before the TRL wheel, benchmarks/results/trl_releases.json), and TRL 0.14 with the transformers that
+# stopped honouring its num_logits_to_keep (4.52). accelerate and PEFT: releases of the same months.
+# Then pairs across the generations, which the trace refuses up front (vram_planner/tracing/support.py): TRL 0.14's
+# GRPOTrainer does not import under transformers 5, and TRL 1.16 under 4.57 would be traced with 5.x's row.
+PAIRS = (
+    ("0.14.0", "4.48.2", "1.3.0", "0.14.0"),
+    ("0.14.0", "4.52.4", "1.3.0", "0.14.0"),
+    ("0.14.0", "4.57.3", "1.3.0", "0.17.1"),
+    ("0.16.1", "4.50.3", "1.6.0", "0.15.2"),
+    ("0.19.1", "4.53.1", "1.8.1", "0.15.2"),
+    ("0.23.1", "4.56.2", "1.10.1", "0.17.1"),
+    ("0.26.2", "4.57.3", "1.12.0", "0.18.0"),
+    ("0.29.1", "5.3.0", "1.13.0", "0.18.1"),
+    ("1.0.0", "5.4.0", "1.13.0", "0.18.1"),
+    ("1.14.2", "5.19.0", "1.15.0", "0.21.2"),
+    ("1.16.0", "5.24.0", "1.15.0", "0.21.2"),
+    ("0.14.0", "5.4.0", "1.13.0", "0.18.1"),
+    ("1.16.0", "4.57.3", "1.15.0", "0.18.1"),
+)
+SHORT = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 16,
+         "max_completion_length": 24}
+# Small configs that run every phase (beta > 0 scores a reference), full and LoRA, then the seeds' crash: Llama-3.2-1B
+# Instruct, bf16 weights and autocast, 1 prompt x 4 generations per micro-batch (TRL 0.14 counts prompts; from 0.15
+# the same 4 completions), 4 accumulation steps, 208-token prompts (the 994 positions of its 1.90 GiB request) and
+# 786-token completions, no checkpointing. FlashAttention-2 has no CPU kernel: SDPA stands in (the logits do not care).
+GRID = (
+    ("tiny-llama/full-fp32", str(FIXTURES / "tiny-llama-headdim.json"), {**SHORT, "beta": 0.04}),
+    ("tiny-qwen2/lora-bf16", str(FIXTURES / "tiny-qwen2.json"),
+     {**SHORT, "lora_r": 8, "dtype": "bfloat16", "mixed_precision": "bf16", "gradient_accumulation_steps": 2}),
+    ("Llama-3.2-1B-Instruct/seeds", "Llama-3.2-1B-Instruct",
+     {"num_generations": 4, "gradient_accumulation_steps": 4, "max_prompt_length": 208, "max_completion_length": 786,
+      "gradient_checkpointing": False, "dtype": "bfloat16", "mixed_precision": "bf16", "attn_implementation": "sdpa"}),
+)
+
+
+def seeds_batch(trl: str) -> dict:
+    """The seeds' micro-batch of 4 completions: B=1 prompt under TRL 0.14 (B counts prompts), B=4 from 0.15."""
+    return {"per_device_train_batch_size": 1 if trl.startswith("0.14.") else 4}
+
+
+def measure_installed() -> dict:
+    """Trace the grid under the installed pair; the analytic model under the same releases."""
+    from vram_planner import api
+    from vram_planner.errors import VramPlanError
+    from vram_planner.model.phases import TENSOR_COMPONENTS
+    from vram_planner.profiles import model_config
+    from vram_planner.tracing.step import engine_versions, trace_step
+
+    versions = engine_versions()
+    points = {}
+    for name, model, settings in GRID:
+        if name.endswith("/seeds"):
+            settings = {**settings, **seeds_batch(versions["trl"])}
+        print(f"  tracing {name}", file=sys.stderr, flush=True)
+        try:
+            context = api.make_context(model, "rtx3080-mobile", trl_version=versions["trl"])
+            train = api.make_training(context, {**settings, "transformers_version": versions["transformers"]})
+            config, _, _ = model_config(model)
+            start = time.perf_counter()
+            traced = trace_step(config, train, context.release)
+            seconds = time.perf_counter() - start
+            analytic = {p.name: p for p in api.judge(context, train).estimate.phases}
+        except VramPlanError as error:
+            points[name] = {"error": str(error)}
+            continue
+        largest = max((e for e in traced.events if e.kind == "alloc"), key=lambda e: e.size_bytes)
+        points[name] = {
+            "seconds": round(seconds, 1),
+            "largest_request": {"bytes": largest.size_bytes, "phase": largest.phase, "moment": largest.moment},
+            "phases": {p.name: {"trace": p.peak_bytes, "moment": p.moment,
+                                "analytic": round(analytic[p.name].tensor_bytes) if p.name in analytic else None,
+                                "components": {c: [p.components.get(c, 0),
+                                                   round(analytic[p.name].components.get(c, 0))
+                                                   if p.name in analytic else None] for c in TENSOR_COMPONENTS}}
+                       for p in traced.phases}}
+    return {"versions": versions, "points": points}
+
+
+def venv_of(venvs: Path, trl: str, transformers: str) -> Path:
+    return venvs / f"trl-{trl}-transformers-{transformers}"
+
+
+def build(venv: Path, trl: str, transformers: str, accelerate: str, peft: str) -> None:
+    """A virtual environment with the pair (pip, as a user installs it) and this checkout."""
+    pip = [str(venv / "bin" / "pip"), "install", "-q"]
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([*pip, TORCH], check=True)
+    # requests: TRL 1.0 imports it without requiring it
+    subprocess.run([*pip, f"trl=={trl}", f"transformers=={transformers}", f"accelerate=={accelerate}",
+                    f"peft=={peft}", "requests", "pydantic", "rich", "click", "pyyaml", "packaging"], check=True)
+    subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
+
+
+def run_pair(venvs: Path, pair: tuple[str, str, str, str], make: bool) -> dict:
+    trl, transformers = pair[:2]
+    venv = venv_of(venvs, trl, transformers)
+    python = venv / "bin" / "python"
+    try:
+        if not python.exists():
+            if not make:
+                return {"error": f"no virtual environment at {venv} (--build makes it)"}
+            build(venv, *pair)
+        done = subprocess.run([str(python), str(Path(__file__).resolve()), "--measure"], capture_output=True,
+                              text=True, cwd=ROOT, timeout=1800)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(done.stdout)
+
+
+def table(results: dict) -> str:
+    """One line per pair, config and phase: trace, analytic (GiB), error; the step's largest request."""
+    gib = 2 ** 30
+    lines = [f"{'TRL':8} {'transformers':12} {'config':28} {'phase':10} {'trace':>8} {'analytic':>9} {'error':>8}  "
+             "largest request (GiB, where)"]
+    for key, result in results.items():
+        trl, transformers = key.split("/")
+        if "error" in result:
+            lines.append(f"{trl:8} {transformers:12} error: {result['error']}")
+            continue
+        for name, point in result["points"].items():
+            if "error" in point:
+                lines.append(f"{trl:8} {transformers:12} {name:28} error: {point['error']}")
+                continue
+            request = point["largest_request"]
+            where = f"{request['bytes'] / gib:.3f} ({request['phase']}: {request['moment']})"
+            for i, (phase, figures) in enumerate(point["phases"].items()):
+                analytic = figures["analytic"]
+                error = f"{(analytic - figures['trace']) / figures['trace']:+.1%}" if analytic else "n/a"
+                lines.append(f"{trl:8} {transformers:12} {name:28} {phase:10} {figures['trace'] / gib:8.3f} "
+                             f"{(analytic or 0) / gib:9.3f} {error:>8}  {where if i == 0 else ''}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", action="store_true", help="trace the grid under the installed pair (JSON)")
+    parser.add_argument("--venvs", type=Path, default=DEFAULT_VENVS, help="where the per-pair environments live")
+    parser.add_argument("--build", action="store_true", help="make the missing environments with pip")
+    parser.add_argument("--pair", action="append", default=[], metavar="TRL/TRANSFORMERS",
+                        help="only these pairs (repeatable); the results file keeps the others")
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure_installed()))
+        return 0
+    chosen = [p for p in PAIRS if not args.pair or f"{p[0]}/{p[1]}" in args.pair]
+    results = json.loads(RESULTS.read_text())["pairs"] if RESULTS.exists() else {}
+    for pair in chosen:
+        print(f"TRL {pair[0]} with transformers {pair[1]}", file=sys.stderr, flush=True)
+        results[f"{pair[0]}/{pair[1]}"] = run_pair(args.venvs, pair, args.build)
+    ordered = {f"{p[0]}/{p[1]}": results[f"{p[0]}/{p[1]}"] for p in PAIRS if f"{p[0]}/{p[1]}" in results}
+    RESULTS.write_text(json.dumps({"grid": [[n, m if "/" not in m else Path(m).name, s] for n, m, s in GRID],
+                                   "pairs": ordered}, indent=1) + "\n")
+    text = table(ordered)
+    TABLE.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
