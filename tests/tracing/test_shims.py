@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,45 @@ def test_metrics_take_either_releases_logging():
     metrics["kl"].append(1.0)  # TRL 0.14-0.15
     metrics["train"]["kl"].append(1.0)  # later
     metrics["train"]["rewards"].extend([1.0])
+
+
+def kernel_allocations(name: str) -> list[str]:
+    """The allocating calls (torch.empty, torch.empty_like) in TRL's Triton log-prob kernel's `name` method."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("trl.kernels")
+    if spec is None or spec.submodule_search_locations is None:
+        pytest.skip("this TRL has no kernels")
+    source = Path(next(iter(spec.submodule_search_locations))) / "logprob_entropy.py"
+    if not source.exists():
+        pytest.skip("this TRL has no Triton log-prob kernel")
+    tree = ast.parse(source.read_text())
+    method = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    return sorted(ast.unparse(c.func) for c in ast.walk(method) if isinstance(c, ast.Call)
+                  and ast.unparse(c.func) in ("torch.empty", "torch.empty_like"))
+
+
+def test_the_log_prob_kernels_stand_in_allocates_what_the_kernel_does():
+    # TRL 1.14's Triton kernel (its source ships with later releases too) makes four float32 values per row in
+    # forward and keeps the logits; backward makes one gradient of the logits' shape. The stand-in the trace runs
+    # in its place allocates the same, counted on fake tensors.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vram_planner.tracing.counter import LiveBytes
+    from vram_planner.tracing.patches import LogProbEntropyKernel
+
+    assert kernel_allocations("forward") == ["torch.empty", "torch.empty_like", "torch.empty_like",
+                                             "torch.empty_like"]
+    assert kernel_allocations("backward") == ["torch.empty_like"]
+    rows, vocab = 3 * 5, 1000
+    tracker = LiveBytes()
+    with FakeTensorMode(), tracker:
+        logits = torch.empty(3, 5, vocab, requires_grad=True)
+        index = torch.zeros(3, 5, dtype=torch.long)
+        before = tracker.total
+        logprobs, entropy = LogProbEntropyKernel.select(logits, index, 1.0, None)
+        assert tracker.total - before == 4 * 512 * -(-rows * 4 // 512)  # four fp32 values per row, 512-byte blocks
+        logprobs.sum().backward()
+        assert logits.grad.shape == logits.shape and logits.grad.dtype == torch.float32
+        assert tracker.bytes_of([logits.grad]) == 512 * -(-rows * vocab * 4 // 512)  # the one gradient it makes

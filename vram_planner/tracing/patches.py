@@ -36,7 +36,7 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
     from vram_planner.tracing.shims import one_step_generation
 
     fused = uses_fused_lm_head(session.train)
-    patches = [one_step_generation(gen_utils)]
+    patches = [one_step_generation(gen_utils), *_logprob_kernel_patches(fused)]
     if fused:  # TRL 1.15 and later
         import trl.kernels.chunked_logprob as chunked
         import trl.trainer.utils as trl_utils
@@ -63,6 +63,61 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
 
 
 _ABSENT = object()
+
+
+def _logprob_kernel_patches(fused: bool) -> list[tuple[Any, str, Any]]:
+    """TRL 1.14 scores full logits with a Triton kernel on CUDA (trl/kernels/logprob_entropy.py) and with torch ops
+    (a temperature-scaled copy of the logits, log-softmax, entropy) elsewhere: take the kernel's path, with a stand-in
+    that allocates what the kernel allocates (`LogProbEntropyKernel`). Releases without the kernel: nothing."""
+    import trl.trainer.utils as trl_utils
+
+    if fused or not hasattr(trl_utils, "_supports_trl_loss_kernel"):
+        return []
+    return [(trl_utils, "_supports_trl_loss_kernel", _kernel_takes),
+            (trl_utils, "_fused_logprob_entropy", LogProbEntropyKernel.select)]
+
+
+def _kernel_takes(logits: Any, index: Any = None, row_mask: Any = None) -> bool:
+    """`_supports_trl_loss_kernel` with the logits on CUDA: the dtype and layout checks, which TRL's calls meet."""
+    import torch
+
+    return (logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and 1 <= logits.ndim <= 3
+            and logits.stride(-1) == 1 and logits.shape[-1] > 0)
+
+
+def _logprob_entropy_function() -> Any:
+    import torch
+
+    class Function(torch.autograd.Function):
+        """trl.kernels.logprob_entropy._LogProbEntropyFunction's allocations: forward makes four float32 values per
+        row (log-probs, entropy, log-normaliser, expected logit) and keeps the logits themselves for backward, which
+        makes one gradient of the logits' shape (`torch.empty_like`); the Triton kernels allocate nothing."""
+
+        @staticmethod
+        def forward(ctx: Any, logits: Any, index: Any, temperature: float, row_mask: Any) -> Any:
+            logprobs = torch.empty(logits.shape[:-1], device=logits.device, dtype=torch.float32)
+            entropy, log_z, expected_logit = (torch.empty_like(logprobs) for _ in range(3))
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(logits, index, log_z, expected_logit, row_mask)
+            return logprobs, entropy
+
+        @staticmethod
+        def backward(ctx: Any, grad_logprobs: Any, grad_entropy: Any) -> Any:
+            logits = ctx.saved_tensors[0]
+            for grad in (grad_logprobs, grad_entropy):
+                if grad is not None:
+                    grad.contiguous()
+            return torch.empty_like(logits, memory_format=torch.contiguous_format), None, None, None
+
+    return Function
+
+
+class LogProbEntropyKernel:
+    """The stand-in for trl.kernels.selective_log_softmax_and_entropy (TRL 1.14's Triton kernel)."""
+
+    @staticmethod
+    def select(logits: Any, index: Any, temperature: float = 1.0, row_mask: Any = None) -> Any:
+        return _logprob_entropy_function().apply(logits, index, temperature, row_mask)
 
 
 def _representative_range(*args: int) -> range | list[int]:
