@@ -141,10 +141,11 @@ def run_pair(venvs: Path, pair: tuple[str, str, str, str], make: bool) -> dict:
 
 
 def table(results: dict) -> str:
-    """One line per pair, config and phase: trace, analytic (GiB), error; the step's largest request."""
-    gib = 2 ** 30
-    lines = [f"{'TRL':8} {'transformers':12} {'config':28} {'phase':10} {'trace':>8} {'analytic':>9} {'error':>8}  "
-             "largest request (GiB, where)"]
+    """One line per pair, config and phase: trace, analytic (MiB: the fixtures are a few), error; the step's
+    largest request."""
+    mib = 2 ** 20
+    lines = [f"{'TRL':8} {'transformers':12} {'config':28} {'phase':10} {'trace':>9} {'analytic':>9} {'error':>8}  "
+             "largest request (MiB, where)"]
     for key, result in results.items():
         trl, transformers = key.split("/")
         if "error" in result:
@@ -155,12 +156,12 @@ def table(results: dict) -> str:
                 lines.append(f"{trl:8} {transformers:12} {name:28} error: {point['error']}")
                 continue
             request = point["largest_request"]
-            where = f"{request['bytes'] / gib:.3f} ({request['phase']}: {request['moment']})"
+            where = f"{request['bytes'] / mib:.1f} ({request['phase']}: {request['moment']})"
             for i, (phase, figures) in enumerate(point["phases"].items()):
                 analytic = figures["analytic"]
                 error = f"{(analytic - figures['trace']) / figures['trace']:+.1%}" if analytic else "n/a"
-                lines.append(f"{trl:8} {transformers:12} {name:28} {phase:10} {figures['trace'] / gib:8.3f} "
-                             f"{(analytic or 0) / gib:9.3f} {error:>8}  {where if i == 0 else ''}")
+                lines.append(f"{trl:8} {transformers:12} {name:28} {phase:10} {figures['trace'] / mib:9.1f} "
+                             f"{(analytic or 0) / mib:9.1f} {error:>8}  {where if i == 0 else ''}".rstrip())
     return "\n".join(lines)
 
 
@@ -171,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build", action="store_true", help="make the missing environments with pip")
     parser.add_argument("--pair", action="append", default=[], metavar="TRL/TRANSFORMERS",
                         help="only these pairs (repeatable); the results file keeps the others")
+    parser.add_argument("--table", action="store_true", help="print the committed results' table (no tracing)")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(json.loads(RESULTS.read_text())["pairs"]))
+        return 0
     if args.measure:
         print(json.dumps(measure_installed()))
         return 0
