@@ -67,8 +67,10 @@ def test_fragmentation_and_memory_outside_pytorch_are_explained():
 def test_with_the_config_it_names_the_tensor_and_ranks_the_fixes(capsys, tmp_path):
     log = tmp_path / "crash.log"
     log.write_text("\n".join([*TRACEBACK, CURRENT]))
+    # TRL 1.13: full logits, scaled by the temperature into a second fp32 copy (1.14's Triton kernel makes none, and
+    # its peak is the fused head's, as the trace of both finds: benchmarks/trl_matrix.py)
     code, out, _ = run(capsys, "advise", str(log), "--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B",
-                       "--trl-version", "1.14.0", "--per-device-train-batch-size", "4", "--num-generations", "4",
+                       "--trl-version", "1.13.0", "--per-device-train-batch-size", "4", "--num-generations", "4",
                        "--max-completion-length", "1000", "--json")
     advice = json.loads(out)
     assert code == 0 and "float32 copy of the policy's logits" in advice["culprit"]
@@ -85,7 +87,7 @@ def test_with_the_config_it_names_the_tensor_and_ranks_the_fixes(capsys, tmp_pat
     # the same config on the installed TRL: the logits go away, the fused head's fp32 weight gradient comes
     knobs = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 1000}
     old, new = (api.check("Llama-3.2-1B", "rtx3080-mobile", knobs, trl_version=v).estimate.peak_bytes
-                for v in ("1.14.0", "1.16.0"))
+                for v in ("1.13.0", "1.16.0"))
     assert upgrade["saves_bytes"] == round(old - new) > 0.5 * GiB
 
 

@@ -66,7 +66,12 @@ def test_0_15_passes_logits_to_keep_which_transformers_4_48_drops(llama_1b_file)
     for transformers in ("4.48.2", "4.49.0", "4.52.0"):
         training = check(llama_1b_file, {**knobs, "transformers_version": transformers}, "0.15.0").estimate.phases
         heads[transformers] = next(p for p in training if p.name == "training")
-    from vram_planner.model.lm_head import FULL_LOGITS_FORWARD_BYTES
+    from vram_planner.model.lm_head import full_logits_bytes
+    from vram_planner.model.spec import TrainingConfig
+
+    train = TrainingConfig(**knobs, trl_version="0.15.0")
+    forward_bytes = full_logits_bytes(train, train.release)[0]
+    assert forward_bytes == 2 + 4  # the bf16 logits and accelerate's fp32 copy of them
 
     forward = {t: p.components["lm_head_buffers"] for t, p in heads.items()
                if p.moment == "forward: LM head"}
@@ -74,7 +79,7 @@ def test_0_15_passes_logits_to_keep_which_transformers_4_48_drops(llama_1b_file)
     assert heads["4.48.2"].total_bytes > heads["4.49.0"].total_bytes
     for transformers, buffers in forward.items():
         positions = 256 + 786 if transformers == "4.48.2" else 787
-        assert buffers == 4 * positions * V * FULL_LOGITS_FORWARD_BYTES
+        assert buffers == 4 * positions * V * forward_bytes
 
 
 def test_without_autocast_the_logits_keep_the_weights_dtype(llama_1b_file):
@@ -122,6 +127,11 @@ def test_the_generation_batch_spans_accumulation_from_0_17(llama_1b_file):
     assert per_micro_batch.train.local_generation_batch_size == 4 and spanning.train.local_generation_batch_size == 16
     before, after = per_micro_batch.estimate.phases[0], spanning.estimate.phases[0]
     assert before.moment == after.moment and after.components["kv_cache"] == 4 * before.components["kv_cache"]
+    # 0.16 generates inside every micro-batch, from the second on next to the accumulated gradients (as the trace
+    # finds: benchmarks/trl_matrix.py); 0.17 generates once, before any micro-batch's backward
+    optimizer = next(p for p in per_micro_batch.estimate.phases if p.name == "optimizer")
+    assert before.components["gradients"] == optimizer.components["gradients"] > 0
+    assert after.components["gradients"] == 0
 
 
 @pytest.mark.parametrize("version,knobs,old_logps", [

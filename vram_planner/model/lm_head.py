@@ -22,10 +22,29 @@ FUSED_FORWARD_STATS_PER_TOKEN = 7 * FP32_BYTES
 # Kept for backward per scored token: int64 target, fp32 log-normaliser and entropy, and the (N, 2) int64 positions
 # `hidden_states[mask]` keeps for its index backward.
 FUSED_SAVED_PER_TOKEN = 8 + 2 * FP32_BYTES + 2 * 8
-# full_logits: bf16 logits plus accelerate's fp32 copy while scoring (6 B per logit); at the start of backward
-# the fp32 log-softmax and its gradient join them (10 B per logit). ../shared/design/grpo-memory.md.
-FULL_LOGITS_FORWARD_BYTES = 6
-FULL_LOGITS_BACKWARD_BYTES = 10
+
+
+def full_logits_bytes(train: TrainingConfig, release: TrlRelease) -> tuple[float, float, float]:
+    """Bytes per logit of the full-logits path: (forward transient, kept for backward, backward transient).
+
+    The logits leave the model in the compute dtype; under mixed precision accelerate copies them to float32 (both
+    exist while it does), without it they keep the compute dtype (`logit` bytes from there on). Then, per
+    profiles/trl.toml full_logits_log_probs, counted by the trace on Llama-3.2-1B (benchmarks/trl_matrix.py):
+    "scaled_copy" (0.16-1.13) divides by the temperature into a second copy, kept by the per-sequence logsumexp for
+    backward, whose backward holds three logit-sized gradients at once (the gather's, the logsumexp rows', their sum);
+    "rows" (0.15) does the same without the copy; "kernel" (1.14) keeps the logits themselves and makes one gradient.
+    Without mixed precision the same tensors are in the logits' dtype.
+    """
+    s = sizes(train)
+    autocast = train.mixed_precision != "no"
+    logit = FP32_BYTES if autocast else s.compute
+    converting = s.compute + logit if autocast else logit  # the model's output and accelerate's copy
+    kind = release.full_logits_log_probs
+    if kind == "kernel":
+        return converting, logit, logit
+    if kind == "scaled_copy":
+        return max(converting, 2 * logit), logit, 3 * logit
+    return converting, logit, 3 * logit  # "rows": no copy before the per-sequence log-softmax
 
 
 @dataclass(frozen=True)
@@ -67,9 +86,9 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     h, vocab = arch.hidden_size, arch.vocab_size
     if not _uses_fused_head(train, release):
         logits = sequences * logit_positions(train, release) * vocab
-        return LmHeadMemory(forward_transient=logits * FULL_LOGITS_FORWARD_BYTES,
-                            saved=logits * s.compute if with_grad else 0,
-                            backward_transient=logits * FULL_LOGITS_BACKWARD_BYTES if with_grad else 0)
+        forward, saved, backward = full_logits_bytes(train, release)
+        return LmHeadMemory(forward_transient=logits * forward, saved=logits * saved if with_grad else 0,
+                            backward_transient=logits * backward if with_grad else 0)
     chunk = release.lm_head_vocab_chunk
     tile_tokens = min(scored, release.lm_head_token_chunk)
     tile = tile_tokens * chunk * s.compute  # the tile buffer is a whole vocabulary chunk wide, whatever V is
