@@ -248,6 +248,8 @@ def main() -> None:
     save_atomically(args.out / "allocator_fit.json", json.dumps(document, indent=1))
     if args.write:
         calibration = json.loads(CALIBRATION.read_text())
+        # the loss phase under torch's defaults is fitted on whole steps' needs (benchmarks/reserve_fit.py)
+        coefficients["default"]["training"] = calibration["allocator_reserve"]["default"]["training"]
         calibration["allocator_reserve"] = coefficients
         save_atomically(CALIBRATION, json.dumps(calibration, indent=2) + "\n")
 

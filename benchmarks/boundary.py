@@ -80,18 +80,39 @@ def need_key() -> str:
     digest = hashlib.sha256()
     for path in sorted((ROOT / "vram_planner" / "allocator").glob("*.py")):
         digest.update(_code_only(path.read_text()).encode())
-    return f"{trace_key()} / allocator {digest.hexdigest()[:12]} / needs without the context"
+    return f"{trace_key()} / allocator {digest.hexdigest()[:12]} / needs without the context, phases"
 
 
 def exact(model: str, settings: dict, cache: dict, label: str) -> dict:
-    """What the allocator model needs and holds for the traced step, the CUDA context aside."""
+    """What the allocator model needs and holds for the traced step, the CUDA context aside; each phase's traced
+    tensor peak, and the phase where the step runs out on the capacity just below its need (the phase whose
+    reserve decides it: benchmarks/reserve_fit.py fits the loss phase's on these)."""
     if label not in cache:
         from vram_planner import api
 
         outcome = api.check(model, CARD, settings, exact=True, calibration=default_calibration())
         cache[label] = {"allocator_need_bytes": outcome.need.capacity_bytes,
-                        "allocator_held_bytes": outcome.need.held_bytes, "seconds": outcome.seconds}
+                        "allocator_held_bytes": outcome.need.held_bytes, "seconds": outcome.seconds,
+                        "tensor_peak_bytes": {p.name: p.peak_bytes for p in outcome.result.phases},
+                        "binding_phase": binding_phase(outcome)}
     return cache[label]
+
+
+def binding_phase(outcome) -> str | None:
+    """The phase where the allocator model runs out on one granule less than the need (None: nowhere, where the
+    allocator is not monotone in the capacity)."""
+    from vram_planner.allocator import parse_allocator_conf
+    from vram_planner.allocator.replay import replay_events
+    from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.tracing.events import with_workspaces
+    from vram_planner.tracing.need import granule_bytes
+
+    conf = parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf")
+    capability = outcome.traced.context.gpu.compute_capability
+    stream = with_workspaces(outcome.result.steady_stream(), workspace_bytes(capability))
+    events = [(e.kind, e.block, e.size_bytes) for e in stream.events]
+    below = replay_events(events, conf, outcome.need.capacity_bytes - granule_bytes(conf))
+    return None if below.out_of_memory is None else stream.events[below.out_of_memory_event].phase
 
 
 def row(label: str, model: str, settings: dict, traced: dict) -> dict:
@@ -104,7 +125,8 @@ def row(label: str, model: str, settings: dict, traced: dict) -> dict:
     need, held = traced["allocator_need_bytes"] + context, traced["allocator_held_bytes"] + context
     peak = verdict.estimate.peak_bytes
     fits_from = peak / (1 - verdict.context.safety_margin)
-    return {"point": label, "analytic_bytes": peak, "fits_from_bytes": fits_from, "need_bytes": need,
+    return {"point": label, "attn_implementation": verdict.train.attn_implementation,
+            "analytic_bytes": peak, "fits_from_bytes": fits_from, "need_bytes": need,
             "held_bytes": held, "error": (peak - need) / need, "window": fits_from < need,
             "seconds": traced["seconds"]}
 

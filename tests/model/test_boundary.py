@@ -37,3 +37,21 @@ def test_no_verdict_is_wrong_without_saying_it_is_near_the_boundary(fixture, con
         verdict = api.check(str(fixture), f"{need * share / GiB:.6f}GiB", settings)
         if not verdict.near_boundary:
             assert verdict.fits == (need <= verdict.context.capacity_bytes), share
+
+
+def test_the_measured_band_covers_every_point_of_the_committed_boundary_table():
+    """NEED_ABOVE_ESTIMATE, its eager variant and NEED_BELOW_ESTIMATE are what benchmarks/boundary.py measured:
+    every committed point lies inside its band, and each bound is reached within two points (not padded)."""
+    import json
+    from pathlib import Path
+
+    rows = json.loads((Path(__file__).parents[2] / "benchmarks" / "results" / "boundary.json").read_text())
+    above = {"eager": [], "other": []}
+    for row in rows:
+        ratio = row["need_bytes"] / row["analytic_bytes"] - 1
+        eager = row["attn_implementation"] == "eager"
+        assert -NEED_BELOW_ESTIMATE <= ratio <= need_above_estimate(row["attn_implementation"]), row["point"]
+        above["eager" if eager else "other"].append(ratio)
+    assert need_above_estimate("sdpa") - max(above["other"]) < 0.02
+    assert need_above_estimate("eager") - max(above["eager"] + above["other"]) < 0.02
+    assert NEED_BELOW_ESTIMATE - max(-min(r for rs in above.values() for r in rs), 0) < 0.02

@@ -46,12 +46,19 @@ def test_trls_own_steps_are_predicted_within_the_targets():
     assert statistics.median(errors) < 0.03 and max(errors) < 0.08
 
 
-def test_what_plan_maximizes_for_a_card_ran_on_that_card_emulated():
-    runs = [r for r in STEPS["configs"] if r.get("plan_on") and r.get("limit") != "prediction"]
-    assert len(runs) == 3
+def test_runs_on_emulated_cards_agree_with_every_verdict_not_flagged_near_the_boundary():
+    # The largest micro-batches plan found (in 2026-11) for a card, run on the H100 limited to that card, and one
+    # limited to its prediction then: no "fits" ran out, and a verdict not flagged near the boundary says what
+    # happened. Qwen2.5-0.5B's 80 sequences needed 15.48 of the laptop card's 15.49 GiB: within the margin, flagged.
+    runs = [r for r in STEPS["configs"] if r.get("plan_on")]
+    assert len(runs) == 4 and any(not r["ran"] for r in runs)
     for run in runs:
-        verdict = api.check(run["model"], run["plan_on"], run["train"])
-        assert verdict.fits and run["ran"], run["name"]
+        at_prediction = run.get("limit") == "prediction"
+        gpu = emulated_card(int(run["limit_bytes"]), "9.0") if at_prediction else run["plan_on"]
+        verdict = api.check(run["model"], gpu, run["train"])
+        assert run["ran"] or not verdict.fits, run["name"]
+        if not verdict.near_boundary:
+            assert verdict.fits == run["ran"], run["name"]
 
 
 @pytest.mark.slow

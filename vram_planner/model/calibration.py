@@ -32,8 +32,10 @@ class Calibration:
     # the card (profiles/cuda_context.toml, vram_planner.model.cuda_context); a probe writes what it measured.
     cuda_context_bytes: Annotated[int | None, Rules(ge=0, le=2**50)] = None  # at most a PiB: a typo beyond
     # The caching allocator's reserve beyond the tensors, per allocator setting ("default", "expandable_segments")
-    # and phase: bytes of reserve per byte of each tensor component (each its own allocation pattern), fitted over
-    # replays of traced steps through the allocator model (benchmarks/allocator_fit.py).
+    # and phase: bytes of reserve per byte of each tensor component (each its own allocation pattern) and of each
+    # pattern that strands cached memory (vram_planner.model.fragmentation), fitted over replays of traced steps
+    # through the allocator model (benchmarks/allocator_fit.py per phase; the loss phase's under torch's defaults
+    # on whole steps' needs, benchmarks/reserve_fit.py).
     allocator_reserve: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     # A flat reserve, as a fraction of the tensors, in place of the fitted function (None: the fitted one). Probes
     # wrote it before they scaled the fitted function to their measurements; a hand-made calibration may set it.
@@ -101,12 +103,15 @@ def calibration_for(gpu_name: str, explicit: Path | str | None = None) -> Calibr
 UNFITTED_RESERVE_FRACTION = 0.12
 
 
-def allocator_reserve_bytes(cal: Calibration, phase: str, tensor_bytes: dict[str, float], expandable: bool) -> float:
+def allocator_reserve_bytes(cal: Calibration, phase: str, tensor_bytes: dict[str, float], expandable: bool,
+                            pattern_bytes: dict[str, float] | None = None) -> float:
     """What the caching allocator holds beyond a phase's tensors: a probe's measured fraction, else the fitted
-    function of the phase's components under the run's allocator setting."""
+    function of the phase's components and of its allocation patterns (vram_planner.model.fragmentation, bytes the
+    pattern strands) under the run's allocator setting."""
     if cal.allocator_overhead_fraction is not None:
         return cal.allocator_overhead_fraction * sum(tensor_bytes.values())
     coefficients = cal.allocator_reserve.get("expandable_segments" if expandable else "default", {}).get(phase)
     if coefficients is None:
         return UNFITTED_RESERVE_FRACTION * sum(tensor_bytes.values())
-    return sum(coefficients.get(component, 0.0) * n_bytes for component, n_bytes in tensor_bytes.items())
+    weighed = {**tensor_bytes, **(pattern_bytes or {})}
+    return sum(coefficients.get(name, 0.0) * n_bytes for name, n_bytes in weighed.items())

@@ -17,6 +17,7 @@ from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
 from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.cuda_context import context_bytes as resolved_context_bytes
+from vram_planner.model.fragmentation import reserve_patterns
 from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, logit_positions
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease
@@ -115,7 +116,7 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     colocated = vllm if vllm is not None and vllm.mode == "colocate" else None
     workspaces = cublas_workspace_bytes(compute_capability)
     phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train, context,
-                                  workspaces) for p in raw)
+                                  workspaces, arch) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm)
 
@@ -130,21 +131,24 @@ def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release:
 
 
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
-                   context_bytes: float | None = None, workspace_bytes: float = 0.0) -> Phase:
+                   context_bytes: float | None = None, workspace_bytes: float = 0.0,
+                   arch: ModelArchitecture | None = None) -> Phase:
     """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it), the
-    cuBLAS workspaces and the allocator's reserve."""
+    cuBLAS workspaces and the allocator's reserve (with the model's allocation patterns when `arch` is given)."""
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     components["vllm_reservation"] = reservation  # what vLLM holds in this phase (VllmBudget.reservation_in)
     components["cuda_context"] = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
     components["cublas_workspaces"] = float(workspace_bytes)
-    components["allocator_overhead"] = _reserve(phase, cal, train)
+    components["allocator_overhead"] = _reserve(phase, cal, train, arch)
     return Phase(phase.name, components, phase.moment)
 
 
-def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig) -> float:
-    """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting."""
+def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelArchitecture | None = None) -> float:
+    """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting. The patterns
+    are the same at every moment of a phase, so choosing its heaviest moment needs no `arch`."""
     tensors = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
-    return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments)
+    patterns = reserve_patterns(arch, train, phase.name) if arch is not None else None
+    return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns)
 
 
 def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig) -> Phase:

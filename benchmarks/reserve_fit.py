@@ -1,0 +1,148 @@
+"""The loss phase's allocator reserve under torch's defaults, fitted on whole steps' needs over the boundary grid.
+
+    python benchmarks/boundary.py          # first: the needs, each phase's traced tensors, the phase that decides
+    python benchmarks/reserve_fit.py       # the fit, in-sample and leaving each model out, beside the shipped one
+    python benchmarks/reserve_fit.py --write   # also store it in profiles/calibrations/default.json
+
+Writes benchmarks/results/reserve_fit.txt (each point's error with the shipped, the fitted and the left-out
+coefficients) and reserve_fit.json (the coefficients and errors).
+
+benchmarks/allocator_fit.py fits each phase's reserve on its own, with what earlier phases cached freed; what
+decides a verdict is the whole step's need (benchmarks/boundary.py), where most steps run out in the loss backward.
+There the reserve is mostly memory that allocation patterns strand (vram_planner.model.fragmentation): the
+checkpointed layer inputs pinned in the segments of the MLP's projections, the embedding's gradient made last in a
+cache cut into smaller pieces, the partly used 20 MiB segments. For every point of the boundary grid whose step runs
+out in the loss phase (torch's default allocator), the reserve is the need less the cuBLAS workspaces and the traced
+tensor peak of that phase; it is fitted as a non-negative linear function of the analytic activations and the
+patterns' bytes. The loss is relative to the need (a miss matters as a share of the card), a reserve predicted short
+weighs UNDER_WEIGHT times one predicted long (short is a "fits" that runs out), and residuals beyond HUBER of the need
+weigh less (Huber), so that the one mechanism not modelled (eager attention at long context, whose score blocks the
+inputs pin) does not set the rest. A pattern the mechanism describes fully comes out near 1 byte per byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from allocator_fit import bounded_least_squares  # noqa: E402
+from accuracy import load_cache, save_atomically  # noqa: E402
+from boundary import CARD, MODELS, RESULTS, need_key, points  # noqa: E402
+
+from vram_planner import api  # noqa: E402
+from vram_planner.model.calibration import default_calibration  # noqa: E402
+from vram_planner.model.fragmentation import PATTERNS, reserve_patterns  # noqa: E402
+from vram_planner.model.phases import TENSOR_COMPONENTS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CALIBRATION = ROOT / "profiles" / "calibrations" / "default.json"
+FEATURES = ("activations", *PATTERNS)
+UNDER_WEIGHT = 4.0
+HUBER = 0.05
+MAX_RESERVE_PER_BYTE = 4.0  # a pattern strands at most a few times its own bytes
+
+
+def rows(cache: dict) -> list[dict]:
+    """The points whose step runs out in the loss phase under torch's default allocator, with the analytic
+    features of that phase and the reserve the allocator model needed beyond its traced tensors."""
+    out = []
+    for label, model, settings in points(list(MODELS), quick=False):
+        entry = cache.get(label)
+        if entry is None or entry.get("binding_phase") != "training":
+            continue
+        verdict = api.check(model, CARD, settings, calibration=default_calibration())
+        if verdict.train.expandable_segments:
+            continue
+        phase = next(p for p in verdict.estimate.phases if p.name == "training")
+        features = {**phase.components, **reserve_patterns(verdict.context.arch, verdict.train, "training")}
+        workspaces, context = phase.components["cublas_workspaces"], phase.components["cuda_context"]
+        out.append({"point": label, "model": model,
+                    "features": {name: float(features.get(name, 0.0)) for name in (*TENSOR_COMPONENTS, *PATTERNS)},
+                    "reserve_bytes": entry["allocator_need_bytes"] - workspaces - entry["tensor_peak_bytes"]["training"],
+                    "need_bytes": entry["allocator_need_bytes"] + context,
+                    "without_reserve_bytes": phase.tensor_bytes + workspaces + context})
+    return out
+
+
+def fit(points_: list[dict]) -> dict[str, float]:
+    """Non-negative coefficients per feature: asymmetric, Huber-weighted least squares relative to the need, by
+    iteratively reweighting."""
+    x = np.array([[p["features"][name] for name in FEATURES] for p in points_])
+    y = np.array([p["reserve_bytes"] for p in points_], dtype=float)
+    need = np.array([p["need_bytes"] for p in points_], dtype=float)
+    weights = np.ones(len(points_))
+    for _ in range(100):
+        scale = np.sqrt(weights) / need
+        a = bounded_least_squares(x * scale[:, None], y * scale, MAX_RESERVE_PER_BYTE)
+        residual = (x @ a - y) / need
+        renewed = (np.where(residual < 0, UNDER_WEIGHT, 1.0)
+                   * np.minimum(1.0, HUBER / np.maximum(np.abs(residual), 1e-12)))
+        if np.allclose(renewed, weights, rtol=1e-9):
+            break
+        weights = renewed
+    return {name: round(float(v), 4) for name, v in zip(FEATURES, a)}
+
+
+def error(point: dict, coefficients: dict[str, float]) -> float:
+    """(analytic peak - need) / need with these coefficients."""
+    reserve = sum(coefficients.get(name, 0.0) * value for name, value in point["features"].items())
+    return (point["without_reserve_bytes"] + reserve - point["need_bytes"]) / point["need_bytes"]
+
+
+def left_out_errors(points_: list[dict]) -> dict[str, float]:
+    """Each point's error under the fit of every other model's points."""
+    out = {}
+    for model in sorted({p["model"] for p in points_}):
+        coefficients = fit([p for p in points_ if p["model"] != model])
+        out.update({p["point"]: error(p, coefficients) for p in points_ if p["model"] == model})
+    return out
+
+
+def describe(errors: list[float]) -> str:
+    return (f"median |error| {statistics.median(abs(e) for e in errors):.2%}, worst under {min(errors):+.1%}, "
+            f"worst over {max(errors):+.1%}, {sum(e < -0.01 for e in errors)} more than 1% under")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"store the fit in {CALIBRATION.name}")
+    args = parser.parse_args()
+    cache = load_cache(RESULTS / "boundary-needs.json", need_key())
+    grid = rows(cache)
+    if not grid:
+        print("no cached need decided in the loss phase: run benchmarks/boundary.py first", file=sys.stderr)
+        return 2
+    coefficients = fit(grid)
+    shipped = default_calibration().allocator_reserve.get("default", {}).get("training", {})
+    left_out = left_out_errors(grid)
+    lines = [f"{'point':50} {'shipped':>8} {'fitted':>8} {'left out':>9}"]
+    for p in grid:
+        lines.append(f"{p['point']:50} {error(p, shipped):+8.1%} {error(p, coefficients):+8.1%} "
+                     f"{left_out[p['point']]:+9.1%}")
+    lines += ["", f"{len(grid)} steps that run out in the loss phase (torch's default allocator)",
+              "coefficients (reserve bytes per byte): " + ", ".join(f"{k} {v}" for k, v in coefficients.items()),
+              "shipped:   " + describe([error(p, shipped) for p in grid]),
+              "fitted:    " + describe([error(p, coefficients) for p in grid]),
+              "left out:  " + describe(list(left_out.values())) + " (each model's points under the others' fit)"]
+    print("\n".join(lines))
+    save_atomically(RESULTS / "reserve_fit.txt", "\n".join(lines) + "\n")
+    document = {"key": need_key(), "coefficients": {k: v for k, v in coefficients.items() if v > 0},
+                "errors": {p["point"]: {"fitted": error(p, coefficients), "left_out": left_out[p["point"]]}
+                           for p in grid}}
+    save_atomically(RESULTS / "reserve_fit.json", json.dumps(document, indent=1) + "\n")
+    if args.write:
+        calibration = json.loads(CALIBRATION.read_text())
+        calibration["allocator_reserve"]["default"]["training"] = document["coefficients"]
+        save_atomically(CALIBRATION, json.dumps(calibration, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The allocation patterns of the analytic reserve, held to the caching allocator model that replays them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vram_planner.allocator import CachingAllocator
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.fragmentation import (LATE_GRADIENT, PINNED_LAYER_INPUTS, late_gradient_bytes,
+                                              pinned_layer_input_bytes, reserve_patterns, stranded_by_kept_inputs)
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.profiles import model_config
+from vram_planner.units import MiB
+
+
+def checkpointed_forward(layers: int, input_bytes: int, projection_bytes: int) -> CachingAllocator:
+    """A checkpointed forward as the allocator sees it: each layer's projections made and freed, then its output
+    kept; the cache then emptied, as torch does before it gives up on a request."""
+    allocator = CachingAllocator()
+    for _ in range(layers):
+        working = [allocator.malloc(projection_bytes) for _ in range(3)]  # gate, up, their product
+        for address in working:
+            allocator.free(address)
+        allocator.malloc(input_bytes)
+    allocator.empty_cache()
+    return allocator
+
+
+@settings(max_examples=60, deadline=None)
+@given(input_blocks=st.integers(2049, 800_000), ratio=st.floats(1.0, 8.0), segments=st.integers(1, 6))
+def test_kept_inputs_strand_what_the_allocator_strands(input_blocks, ratio, segments):
+    # sizes in the allocator's granules: inputs in 512-byte blocks above the small pool, projections in 2 MiB
+    input_bytes = input_blocks * 512
+    projection_bytes = max(int(input_bytes * ratio) // (2 * MiB), 5) * 2 * MiB
+    sharing = projection_bytes // input_bytes
+    layers = sharing * segments  # every segment filled: the per-layer share is then exact
+    allocator = checkpointed_forward(layers, input_bytes, projection_bytes)
+    # beyond the inputs' bytes: a block the allocator does not split (a rest of 1 MiB or less) strands its rest too
+    stranded = allocator.reserved_bytes - layers * input_bytes
+    assert stranded_by_kept_inputs(layers, input_bytes, projection_bytes) == stranded
+
+
+def test_a_partly_filled_last_segment_or_unaligned_sizes_strand_within_one_segment():
+    for layers in range(1, 30):
+        allocator = checkpointed_forward(layers, 100 * MiB + 1000, 543 * MiB)
+        stranded = allocator.reserved_bytes - layers * (100 * MiB + 1024)
+        assert abs(stranded_by_kept_inputs(layers, 100 * MiB + 1000, 543 * MiB) - stranded) < 544 * MiB
+
+
+@settings(max_examples=200, deadline=None)
+@given(layers=st.integers(1, 80), hidden=st.integers(64, 8192), intermediate=st.integers(64, 30000),
+       tokens=st.integers(1, 2**20), more=st.integers(1, 2**16))
+def test_what_the_inputs_strand_never_falls_as_the_tokens_grow(layers, hidden, intermediate, tokens, more):
+    def stranded(n: int) -> float:
+        return stranded_by_kept_inputs(layers, n * hidden * 2, n * intermediate * 2)
+
+    assert stranded(tokens + more) >= stranded(tokens)
+
+
+def test_inputs_larger_than_the_projection_or_in_the_small_pool_strand_nothing():
+    assert stranded_by_kept_inputs(20, 200 * MiB, 150 * MiB) == 0
+    assert stranded_by_kept_inputs(20, MiB // 2, 3 * MiB) == 0
+
+
+def _arch(name: str) -> ModelArchitecture:
+    return ModelArchitecture.from_config(model_config(name)[0])
+
+
+def test_the_patterns_follow_the_knobs():
+    arch = _arch("SmolLM2-135M")  # intermediate / hidden = 1536 / 576: two inputs per projection segment
+    lora = TrainingConfig(dtype="bfloat16", lora_r=16, per_device_train_batch_size=16, num_generations=16,
+                          max_completion_length=4096)
+    assert pinned_layer_input_bytes(arch, lora) > 0 and late_gradient_bytes(arch, lora) == 0
+    assert pinned_layer_input_bytes(arch, replace(lora, gradient_checkpointing=False)) == 0
+    full = TrainingConfig(dtype="bfloat16")
+    assert late_gradient_bytes(arch, full) == arch.vocab_size * arch.hidden_size * 2
+    assert reserve_patterns(arch, lora, "generation") == {}
+    assert reserve_patterns(arch, replace(lora, allocator_conf="expandable_segments:True"),
+                            "training") == {}
+    assert set(reserve_patterns(arch, lora, "training")) >= {PINNED_LAYER_INPUTS, LATE_GRADIENT}
+
+
+def test_whole_multiples_strand_nothing():
+    arch = _arch("Llama-3.2-1B")  # intermediate / hidden = 8192 / 2048: four inputs fill a segment exactly
+    train = TrainingConfig(dtype="bfloat16", lora_r=16, per_device_train_batch_size=16, num_generations=16,
+                           max_completion_length=4096)
+    assert pinned_layer_input_bytes(arch, train) == 0

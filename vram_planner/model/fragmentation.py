@@ -1,0 +1,92 @@
+"""Allocation patterns that leave the caching allocator's cached memory where a step's largest requests cannot use
+it: the reserve beyond the tensors that grows with them, in bytes, for the fitted reserve function to weigh
+(vram_planner.model.calibration.allocator_reserve_bytes).
+
+Found by replaying traced steps through the allocator model and reading its segments where the step runs out just
+below its need (benchmarks/boundary.py; the committed table shows the grid). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_SIZE
+from vram_planner.model import components as m
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.spec import TrainingConfig
+
+# The patterns by name, as the calibration's reserve coefficients name them beside the tensor components.
+PINNED_LAYER_INPUTS = "pinned_layer_inputs"
+LATE_GRADIENT = "late_gradient"
+LARGEST_REQUEST = "largest_request"
+SMALL_SEGMENTS = "small_segments"
+PATTERNS = (PINNED_LAYER_INPUTS, LATE_GRADIENT, LARGEST_REQUEST, SMALL_SEGMENTS)
+
+
+def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str) -> dict[str, float]:
+    """The patterns alive at a phase's peak, in bytes. Only the loss forward/backward has them: the other phases'
+    reserve is a share of their tensors. Expandable segments map pages to fit each request, so nothing is stranded."""
+    if phase != "training" or train.expandable_segments:
+        return {}
+    return {PINNED_LAYER_INPUTS: pinned_layer_input_bytes(arch, train),
+            LATE_GRADIENT: late_gradient_bytes(arch, train),
+            LARGEST_REQUEST: largest_request_bytes(arch, train),
+            SMALL_SEGMENTS: float(K_LARGE_BUFFER)}
+
+
+def pinned_layer_input_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Cached bytes the checkpointed layer inputs strand until the backward frees them.
+
+    Under gradient checkpointing each layer's forward runs without keeping its tensors, and its output, the next
+    layer's kept input, is allocated as the layer's working tensors are freed. Best fit puts it in the smallest
+    cached block that holds it: the block of the layer's largest working tensor, the MLP's gate or up projection
+    (tokens x intermediate in the compute dtype), a segment of its own (requests of 10 MiB or more get segments of
+    their size). k = segment // input of the inputs share such a segment, and what they leave of it (segment - k x
+    input) is too short for the next layer's projection, which takes a new segment: (segment - k x input) / k per
+    layer, held until the backward frees the inputs. An input larger than the projection, or one in the small pool,
+    strands nothing this way. Exact on the pattern replayed alone (tests/model/test_fragmentation.py); in traced
+    steps other tensors fill some of what it leaves.
+    """
+    if not train.gradient_checkpointing:
+        return 0.0
+    s = m.sizes(train)
+    if s.residual != s.compute:  # a float32 residual stream: the input norm's float32 output, freed before the
+        return 0.0  # layer's output is made, is a block of the output's size, and best fit takes it
+    tokens = train.micro_batch_completions * train.sequence_length
+    return stranded_by_kept_inputs(arch.num_layers, tokens * arch.hidden_size * s.residual,
+                                   tokens * arch.intermediate_size * s.compute)
+
+
+def stranded_by_kept_inputs(layers: int, input_bytes: int, projection_bytes: int) -> float:
+    """What `layers` kept inputs of `input_bytes` strand in the freed segments of `projection_bytes` requests: per
+    layer (projection - k x input) / k, k = projection // input. Exact where the sizes are whole granules of the
+    allocator (512 bytes, 2 MiB segments) and k divides the layers; otherwise within a segment's rounding (the last
+    segment, partly filled, strands more or less as later tensors fill it). Unrounded, so that it never falls as the
+    tokens grow: the planner's searches rely on memory that grows with every knob."""
+    if input_bytes <= K_SMALL_SIZE or projection_bytes < input_bytes:
+        return 0.0
+    sharing = projection_bytes // input_bytes
+    return layers * (projection_bytes - sharing * input_bytes) / sharing
+
+
+def late_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The largest gradient, the embedding's, made last in the backward (full fine-tuning on one GPU): it needs a
+    block as large as itself when the cache is cut into the layers' smaller pieces, so the allocator frees what it
+    can and takes a segment of its own."""
+    if train.uses_lora or train.zero_stage is not None or train.fsdp:
+        return 0.0
+    return float(arch.vocab_size * arch.hidden_size * m.sizes(train).trainable)
+
+
+def largest_request_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The largest block each layer's backward asks for anew: eager attention's float32 scores [B, heads, L, L],
+    else the MLP's intermediate activation in float32 (a LoRA adapter on the MLP's output projection is float32 and
+    PEFT casts its input to it; a float32 model computes its backward there), else in the compute dtype. The segments earlier layers' requests of
+    that size left are cut by smaller tensors by then, so it takes a segment of its own beside them."""
+    b, length = train.micro_batch_completions, train.sequence_length
+    s = m.sizes(train)
+    reads_intermediate = arch.layer_linears()[-1].name  # the MLP's output projection
+    adapted = train.uses_lora and reads_intermediate in arch.resolve_lora_targets(train.lora_targets)
+    in_float32 = adapted or s.residual == m.FP32_BYTES
+    largest = b * length * arch.intermediate_size * (m.FP32_BYTES if in_float32 else s.compute)
+    if train.attn_implementation == "eager":
+        largest = max(largest, b * arch.num_attention_heads * length * length * m.FP32_BYTES)
+    return float(largest)
