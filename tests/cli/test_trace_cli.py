@@ -291,3 +291,16 @@ def test_tracing_an_8bit_optimizer_without_bitsandbytes_says_how_to_install_it()
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == ("error: tracing --optim adamw_8bit needs bitsandbytes, which is not installed: "
                            "pip install 'vram-plan[train]'\n")
+
+
+def test_an_installed_pair_the_engine_does_not_run_is_refused_in_one_line(capsys, monkeypatch):
+    # TRL 1.16 with transformers 4.57 installed (pip allows it; the trace would read transformers 5's cache argument):
+    # refused before anything is built, naming what is installed and what works
+    from vram_planner.tracing import step
+
+    versions = {"trl": "1.16.0", "transformers": "4.57.3"}
+    monkeypatch.setattr(step, "installed_version", lambda name: versions.get(name))
+    monkeypatch.setattr(step, "installed_trl_version", lambda: versions["trl"])
+    err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT)
+    assert "cannot run TRL 1.16.0 with transformers 4.57.3 (installed)" in err
+    assert "TRL 0.27.2 to 1.x with transformers 5.0.0 to 5.x" in err
