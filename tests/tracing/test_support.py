@@ -41,3 +41,26 @@ def test_a_release_to_trace_is_named_with_the_transformers_it_runs_with():
     assert pair_for("0.27.1") == "transformers 4.48.0 to 4.x"
     assert pair_for("0.27.2") == "transformers 5.0.0 to 5.x"
     assert pair_for("1.16") == "transformers 5.0.0 to 5.x"
+
+
+@pytest.mark.parametrize(("transformers", "model_type", "refused"), [
+    ("4.52.4", "gemma2", True), ("4.48.2", "gemma3_text", True), ("4.53.1", "gemma2", False),
+    ("4.52.4", "llama", False),
+])
+def test_gemma_2_and_3_before_transformers_4_53_are_refused_up_front(monkeypatch, transformers, model_type, refused):
+    # their generation fills a HybridCache allocated at full length, which the trace's growing cache does not model
+    pytest.importorskip("trl")
+    from vram_planner.model.spec import TrainingConfig
+    from vram_planner.model.trl_releases import trl_release
+    from vram_planner.tracing import step
+
+    versions = {"trl": "0.14.0", "transformers": transformers}
+    monkeypatch.setattr(step, "installed_version", lambda name: versions.get(name))
+    monkeypatch.setattr(step, "installed_trl_version", lambda: versions["trl"])
+    train = TrainingConfig(trl_version="0.14.0", per_device_train_batch_size=1, num_generations=2)
+    if refused:
+        with pytest.raises(VramPlanError, match=f"transformers {transformers} generates {model_type} into a "
+                                                "preallocated HybridCache"):
+            step.check_traceable(train, trl_release("0.14.0"), None, model_type)
+    else:
+        step.check_traceable(train, trl_release("0.14.0"), None, model_type)

@@ -122,7 +122,8 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     """
     from vram_planner.model.architecture import ModelArchitecture
 
-    notes = check_traceable(train, release, ModelArchitecture.from_config(arch_config).max_position_embeddings)
+    arch = ModelArchitecture.from_config(arch_config)
+    notes = check_traceable(train, release, arch.max_position_embeddings, arch_config.get("model_type"))
     start = time.perf_counter()
     with library_log_warnings_hidden():
         _import_engine()
@@ -198,7 +199,7 @@ def engine_versions() -> dict[str, str]:
 
 
 def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
-                    max_position_embeddings: int | None = None) -> list[str]:
+                    max_position_embeddings: int | None = None, model_type: str | None = None) -> list[str]:
     """Raise VramPlanError for what the CPU trace cannot run; return notes on what it approximates."""
     require_train_extra("the trace")
     problems = []
@@ -225,6 +226,9 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
     if installed and installed_trl:  # without metadata (a source checkout) the installed code is trusted
         check_supported_pair(installed_trl, installed)
     parsed = parse_version(installed) if installed else None
+    if model_type in PREALLOCATED_CACHE_TYPES and parsed is not None and parsed[0] < PREALLOCATED_CACHE_BELOW:
+        problems.append(f"transformers {installed} generates {model_type} into a preallocated HybridCache, which the "
+                        "trace does not model (from transformers 4.53 that cache grows as the trace grows it)")
     if train.transformers_version is not None and (parsed is None or train.transformers.version != parsed[1]):
         problems.append(f"it runs the installed transformers {installed}, not --transformers-version "
                         f"{train.transformers.version}")
@@ -233,6 +237,12 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         raise VramPlanError("the trace cannot run this config: " + "; ".join(problems)
                             + " (`vram-plan check` gives the analytic estimate)")
     return notes
+
+
+# Gemma 2 and 3 generate into a HybridCache allocated at the generation's full length before transformers 4.53
+# (modeling_gemma2.py / modeling_gemma3.py of 4.52 import it; 4.53 generates them into DynamicCache layers).
+PREALLOCATED_CACHE_TYPES = ("gemma2", "gemma3", "gemma3_text")
+PREALLOCATED_CACHE_BELOW = (4, 53, 0)
 
 
 def _release_notes(release: TrlRelease | None, problems: list[str]) -> list[str]:
