@@ -85,10 +85,6 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
                 _add_fused_head(session.ref_model, outputs=("log_probs",))
             for t in [*session.ref_model.parameters(), *session.ref_model.buffers()]:
                 session.tracker.track(t, REFERENCE)
-    if not fused:
-        from vram_planner.tracing.trainer import build_trainer
-
-        session.trainer = build_trainer(session)
     return session
 
 

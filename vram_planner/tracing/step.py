@@ -156,6 +156,8 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
         say("building the model on fake tensors")
         with _explained("building the model"):
             session = build_session(arch_config, train)
+            if steps is own:  # the installed GRPOTrainer whose own loss runs, made outside the fake-tensor world
+                session.trainer = own.build_trainer(session)
         with session.fake_mode, session.tracker, cuda_like_behaviour(session), head_tagging(session):
             peaks = []
             for i, (phase, label, run) in enumerate(runs):
