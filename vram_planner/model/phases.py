@@ -97,11 +97,11 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     merged = release.step_structure == "loss_merged"  # TRL 0.14: both log-prob passes run inside the loss
     if not merged and (train.computes_old_logps or train.computes_ref_logps):
         raw.append(_scoring(arch, train, release, cal, persistent))
-    raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch))
     if release.generation_batch == "micro_batch" and train.gradient_accumulation_steps > 1 and not first_micro_batch:
         # TRL 0.14-0.16 generate (and score) inside every micro-batch: from the second on, next to the gradients the
         # earlier ones accumulated (the trace runs them again after a backward; benchmarks/trl_matrix.py)
         raw = [Phase(p.name, {**p.components, "gradients": all_grads}, p.moment) for p in raw]
+    raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch))
     if not first_micro_batch:
         raw.append(Phase("optimizer", {**persistent, "gradients": all_grads,
                                        "activations": m.optimizer_step_temporary_bytes(arch, train)}))
