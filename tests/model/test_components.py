@@ -152,6 +152,7 @@ def test_fused_lm_head_casts_two_vocabulary_chunks_of_fp32_weights_in_backward(l
 @pytest.mark.parametrize(("version", "forward", "saved", "backward"), [
     ("0.15.0", 6, 4, 12),  # bf16 logits + accelerate's fp32 copy; the per-sequence logsumexp keeps the copy
     ("1.13.0", 8, 4, 12),  # then `logits / temperature`: a second fp32 copy, the one kept
+    ("1.5.0", 6, 4, 12),  # `logits.div_(temperature)` in place (1.0-1.9): no second copy
     ("1.14.0", 6, 4, 4),  # the Triton kernel keeps the fp32 logits and makes one gradient
 ])
 def test_old_trl_materialises_full_logits(llama_1b, version, forward, saved, backward):
@@ -163,6 +164,22 @@ def test_old_trl_materialises_full_logits(llama_1b, version, forward, saved, bac
         forward * logits, saved * logits, backward * logits)
     # the seeds' OOM: 1.90 GiB for one fp32 copy of ~1000 tokens x 4 sequences of Llama's vocabulary
     assert logits * 4 / 2**30 == pytest.approx(1.91, abs=0.01)
+
+
+@pytest.mark.parametrize("version", ["0.19.0", "1.5.0", "1.13.0", "1.14.0"])
+def test_a_scoring_pass_over_several_chunks_keeps_the_previous_chunks_logits(llama_1b, version):
+    # TRL 0.17 on scores the generation batch in chunks of B in one loop: the previous chunk's fp32 logits (4 B per
+    # logit) stay in its loop variable until the next chunk's forward returns, next to that chunk's bf16 logits and
+    # accelerate's fp32 copy (6 B): 10 B per logit, as the trace counts it on Llama-3.2-1B (TRL 1.0 and 1.14)
+    one_chunk = cfg(dtype="bfloat16", max_completion_length=512, mixed_precision="bf16", per_device_train_batch_size=4,
+                    num_generations=4, gradient_accumulation_steps=1, trl_version=version)
+    two_chunks = cfg(dtype="bfloat16", max_completion_length=512, mixed_precision="bf16", per_device_train_batch_size=4,
+                     num_generations=4, gradient_accumulation_steps=2, trl_version=version)
+    logits = 4 * 513 * V
+    heads = [lm_head_memory(llama_1b, t, trl_release(version), sequences=4, with_grad=False) for t in (one_chunk,
+                                                                                                     two_chunks)]
+    assert heads[0].forward_transient in (6 * logits, 8 * logits)
+    assert heads[1].forward_transient == 10 * logits
 
 
 def test_ddp_keeps_a_bucket_copy_of_the_gradients(llama_1b):

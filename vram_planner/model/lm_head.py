@@ -24,27 +24,33 @@ FUSED_FORWARD_STATS_PER_TOKEN = 7 * FP32_BYTES
 FUSED_SAVED_PER_TOKEN = 8 + 2 * FP32_BYTES + 2 * 8
 
 
+def _logit_bytes(train: TrainingConfig) -> tuple[float, float]:
+    """Bytes per logit from accelerate's float32 copy on (the compute dtype without mixed precision), and while it
+    copies (the model's output and the copy)."""
+    s = sizes(train)
+    if train.mixed_precision == "no":
+        return s.compute, s.compute
+    return FP32_BYTES, s.compute + FP32_BYTES
+
+
 def full_logits_bytes(train: TrainingConfig, release: TrlRelease) -> tuple[float, float, float]:
     """Bytes per logit of the full-logits path: (forward transient, kept for backward, backward transient).
 
     The logits leave the model in the compute dtype; under mixed precision accelerate copies them to float32 (both
     exist while it does), without it they keep the compute dtype (`logit` bytes from there on). Then, per
     profiles/trl.toml full_logits_log_probs, counted by the trace on Llama-3.2-1B (benchmarks/trl_matrix.py):
-    "scaled_copy" (0.16-1.13) divides by the temperature into a second copy, kept by the per-sequence logsumexp for
+    "scaled_copy" (0.16-0.29, 1.10-1.13) divides by the temperature into a second copy, kept by the per-sequence logsumexp for
     backward, whose backward holds three logit-sized gradients at once (the gather's, the logsumexp rows', their sum);
-    "rows" (0.15) does the same without the copy; "kernel" (1.14) keeps the logits themselves and makes one gradient.
-    Without mixed precision the same tensors are in the logits' dtype.
+    "rows" (0.15) and "scaled_in_place" (1.0-1.9, `logits.div_`) do the same without the copy; "kernel" (1.14) keeps
+    the logits themselves and makes one gradient. Without mixed precision the same tensors are in the logits' dtype.
     """
-    s = sizes(train)
-    autocast = train.mixed_precision != "no"
-    logit = FP32_BYTES if autocast else s.compute
-    converting = s.compute + logit if autocast else logit  # the model's output and accelerate's copy
+    logit, converting = _logit_bytes(train)
     kind = release.full_logits_log_probs
     if kind == "kernel":
         return converting, logit, logit
     if kind == "scaled_copy":
         return max(converting, 2 * logit), logit, 3 * logit
-    return converting, logit, 3 * logit  # "rows": no copy before the per-sequence log-softmax
+    return converting, logit, 3 * logit  # "rows", "scaled_in_place": no copy before the per-sequence log-softmax
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,10 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     if not _uses_fused_head(train, release):
         logits = sequences * logit_positions(train, release) * vocab
         forward, saved, backward = full_logits_bytes(train, release)
+        if not with_grad and train.local_generation_batch_size > sequences:
+            # A scoring pass over several chunks (TRL 0.17 on) keeps the previous chunk's logits in its loop variable
+            # until the next chunk's forward returns: they meet that chunk's logits and accelerate's copy of them.
+            forward = max(forward, saved + _logit_bytes(train)[1])
         return LmHeadMemory(forward_transient=logits * forward, saved=logits * saved if with_grad else 0,
                             backward_transient=logits * backward if with_grad else 0)
     chunk = release.lm_head_vocab_chunk
