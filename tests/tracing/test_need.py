@@ -10,7 +10,7 @@ import pytest
 from helpers import FIXTURES
 from vram_planner.allocator import parse_allocator_conf, replay_events
 from vram_planner.allocator.conf import AllocatorConf
-from vram_planner.tracing.need import granule_bytes, least_capacity
+from vram_planner.tracing.need import NEAR_TRIES, granule_bytes, least_capacity
 from vram_planner.units import MiB
 
 DEFAULT, EXPANDABLE = AllocatorConf(), parse_allocator_conf("expandable_segments:True", "--allocator-conf")
@@ -82,7 +82,33 @@ def test_the_bisection_takes_a_logarithmic_number_of_replays():
     events = growing_cache(list(range(2, 402, 2)))
     need = least_capacity(events, DEFAULT)
     assert need.capacity_bytes == 798 * MiB and need.held_bytes > 39_000 * MiB
-    assert need.replays <= 2 + (need.held_bytes // granule_bytes(DEFAULT)).bit_length()
+    # the bisection, then the capacities above it tried: NEAR_TRIES of them near it, then at doubling distances
+    assert need.replays <= 2 + 2 * (need.held_bytes // granule_bytes(DEFAULT)).bit_length() + NEAR_TRIES
+
+
+# Found by replaying random streams: capacities from 604 MiB run, some between them and 656 MiB run out.
+ISLAND = [("alloc", 0, 105906176), ("free", 0, 0), ("alloc", 1, 154140672), ("free", 1, 0), ("alloc", 2, 84934656),
+          ("free", 2, 0), ("alloc", 3, 30770474), ("alloc", 4, 72351744), ("free", 4, 0), ("free", 3, 0),
+          ("alloc", 5, 22497351), ("alloc", 6, 3707766), ("alloc", 7, 4900219), ("free", 5, 0),
+          ("alloc", 8, 191889408), ("alloc", 9, 6783517), ("free", 7, 0), ("alloc", 10, 114294784), ("free", 6, 0),
+          ("free", 9, 0), ("alloc", 11, 2097152), ("alloc", 12, 27638377), ("free", 8, 0), ("free", 12, 0),
+          ("alloc", 13, 26970158), ("free", 10, 0), ("alloc", 14, 9870221), ("free", 11, 0),
+          ("alloc", 15, 110100480), ("alloc", 16, 47185920), ("alloc", 17, 54525952), ("free", 15, 0),
+          ("free", 13, 0), ("free", 16, 0), ("free", 14, 0), ("alloc", 18, 14435707), ("free", 18, 0),
+          ("alloc", 19, 168820736), ("free", 17, 0), ("alloc", 20, 189792256), ("alloc", 21, 26600384),
+          ("alloc", 22, 196083712), ("alloc", 23, 24952857), ("alloc", 24, 7373452), ("free", 20, 0),
+          ("free", 19, 0), ("alloc", 25, 188743680), ("alloc", 26, 90177536), ("free", 21, 0), ("free", 23, 0),
+          ("free", 25, 0), ("alloc", 27, 27530718), ("free", 26, 0), ("alloc", 28, 1783916), ("free", 22, 0),
+          ("free", 27, 0)]
+
+
+def test_the_need_is_where_every_larger_capacity_runs_not_an_island_below_one_that_runs_out():
+    need = least_capacity(ISLAND, DEFAULT)
+    granule = granule_bytes(DEFAULT)
+    assert all(runs_on(ISLAND, capacity) for capacity in range(need.capacity_bytes, need.held_bytes + 1, granule))
+    below = range(need.capacity_bytes - 60 * MiB, need.capacity_bytes, granule)
+    assert any(runs_on(ISLAND, capacity) for capacity in below)  # where a bisection alone can stop
+    assert not runs_on(ISLAND, need.capacity_bytes - granule)
 
 
 def test_expandable_segments_need_what_their_pages_map():

@@ -46,7 +46,9 @@ def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf =
     The bracket starts at [the tensor peak, what the allocator holds with room]: no capacity below the tensors can
     hold them, and a replay that never reserved more than R behaves the same on a capacity of R. Each replay that
     succeeds lowers the top to what it reserved, not to the capacity tried. The allocator is not monotone in the
-    capacity in general (it frees its cache at different moments); the card's own replay anchors the bisection, so
+    capacity in general (it frees its cache at different moments): capacities above the bisection's answer are then
+    tried at doubling distances, and where one runs out the need is bisected again above it, so the need is where
+    the step runs on every capacity tried above it. The card's own replay anchors the bisection, so
     `capacity_bytes <= card_bytes` exactly when the step runs on that card.
     """
     start = time.perf_counter()
@@ -78,16 +80,50 @@ def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf =
             runs_at = fails_at + step
         else:
             fails_at, step = fails_at + step, step * 2
-    while runs_at - fails_at > granule:
-        capacity = fails_at + (runs_at - fails_at) // (2 * granule) * granule
-        result = replay(capacity)
-        if result.out_of_memory is not None:
-            fails_at = capacity
-        else:
-            runs_at = result.max_reserved_bytes if result.max_reserved_bytes > fails_at else capacity
+    # Anything from the top up runs: what a roomy card holds, or the card itself where the step runs there.
+    top = min(held, card_bytes) if on_card is not None and on_card.out_of_memory is None else held
+
+    def bisect(fails_at: int, runs_at: int) -> int:
+        while runs_at - fails_at > granule:
+            capacity = fails_at + (runs_at - fails_at) // (2 * granule) * granule
+            result = replay(capacity)
+            if result.out_of_memory is not None:
+                fails_at = capacity
+            else:
+                runs_at = result.max_reserved_bytes if result.max_reserved_bytes > fails_at else capacity
+        return runs_at
+
+    runs_at = bisect(fails_at, runs_at)
+    # The bisection may stop on an island: a capacity that runs below others that run out (freeing the cache at
+    # another moment can leave room a little more memory does not). The need is where every larger capacity runs,
+    # so capacities above it are tried at doubling distances; where one runs out, the need lies above it.
+    while (failing := _runs_out_above(runs_at, top, granule, replay)) is not None:
+        runs_at = bisect(failing, top)
     return Need(capacity_bytes=max(runs_at, 0), tensor_peak_bytes=tensor_peak, held_bytes=held,
                 fits_card=None if on_card is None else on_card.out_of_memory is None, replays=replays,
                 seconds=time.perf_counter() - start)
+
+
+# Where capacities above the bisection's answer are tried: every NEAR_SHARE / NEAR_TRIES of it up to NEAR_SHARE
+# above (where the cards whose verdict the need decides lie), then at doubling distances up to the top.
+NEAR_SHARE = 0.25
+NEAR_TRIES = 12
+
+
+def _runs_out_above(runs_at: int, top: int, granule: int, replay) -> int | None:
+    """The first capacity tried between `runs_at` and `top` on which the replay runs out; None where each runs."""
+    spacing = max(granule, int(runs_at * NEAR_SHARE / NEAR_TRIES) // granule * granule)
+    tries = [runs_at + spacing * k for k in range(1, NEAR_TRIES + 1)]
+    distance = spacing * NEAR_TRIES
+    while runs_at + distance < top:
+        distance *= 2
+        tries.append(runs_at + distance)
+    for capacity in tries:
+        if capacity >= top:
+            return None
+        if replay(capacity).out_of_memory is not None:
+            return capacity
+    return None
 
 
 def _live_peak(events: list[tuple[str, int, int]]) -> int:
