@@ -61,11 +61,15 @@ GRID = (
     ("Llama-3.2-1B-Instruct/seeds", "Llama-3.2-1B-Instruct",
      {"num_generations": 4, "gradient_accumulation_steps": 4, "max_prompt_length": 208, "max_completion_length": 786,
       "gradient_checkpointing": False, "dtype": "bfloat16", "mixed_precision": "bf16", "attn_implementation": "sdpa"}),
+    # LoRA with a reference (the adapter disabled) and two chunks per scoring pass from TRL 0.17 on
+    ("Llama-3.2-1B/lora-beta", "Llama-3.2-1B",
+     {"num_generations": 4, "gradient_accumulation_steps": 2, "max_completion_length": 512, "lora_r": 16,
+      "beta": 0.04, "dtype": "bfloat16", "mixed_precision": "bf16"}),
 )
 
 
 def seeds_batch(trl: str) -> dict:
-    """The seeds' micro-batch of 4 completions: B=1 prompt under TRL 0.14 (B counts prompts), B=4 from 0.15."""
+    """A micro-batch of 4 completions: B=1 prompt under TRL 0.14 (B counts prompts), B=4 from 0.15."""
     return {"per_device_train_batch_size": 1 if trl.startswith("0.14.") else 4}
 
 
@@ -80,7 +84,7 @@ def measure_installed() -> dict:
     versions = engine_versions()
     points = {}
     for name, model, settings in GRID:
-        if name.endswith("/seeds"):
+        if name.startswith("Llama-"):
             settings = {**settings, **seeds_batch(versions["trl"])}
         print(f"  tracing {name}", file=sys.stderr, flush=True)
         try:
