@@ -193,7 +193,12 @@ def test_zero_stages_shard_as_the_zero_paper_says(llama_1b):
                 m.optimizer_state_bytes(llama_1b, train))
     assert per_gpu(1) == (2 * P, 2 * P, 12 * P / 4)
     assert per_gpu(2) == (2 * P, 2 * P / 4, 12 * P / 4)
-    assert per_gpu(3) == (2 * P / 4, 2 * P / 4, 12 * P / 4)
+    # ZeRO-3 holds its largest layer (the embedding) gathered, and that layer's full gradient (model/zero.py)
+    assert per_gpu(3) == (2 * P / 4 + 2 * V * H, 2 * P / 4 + 2 * V * H, 12 * P / 4)
+    for stage in (1, 2, 3):  # DeepSpeed's fp32 copy of the gradient partition, made in its step
+        train = cfg(num_gpus=4, zero_stage=stage, per_device_train_batch_size=2)
+        assert m.fp32_gradient_bytes(llama_1b, train) == 4 * P / 4
+    assert m.fp32_gradient_bytes(llama_1b, cfg(num_gpus=4, fsdp=True, per_device_train_batch_size=2)) == 0
     gathered = m.generation_weight_bytes(llama_1b, cfg(num_gpus=4, zero_stage=3, per_device_train_batch_size=2))
     assert gathered == 2 * P  # ds3_gather_for_generation
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from vram_planner.model import zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.spec import DTYPE_BYTES, Optimizer, TrainingConfig
@@ -105,14 +106,21 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     else:
         base = arch.params * s.weight
     adapters = trainable_params(arch, train) * s.trainable if train.uses_lora else 0
-    return shard_bytes(train, base, 3) + shard_bytes(train, adapters, 3)
+    return shard_bytes(train, base, 3) + shard_bytes(train, adapters, 3) + _zero3_gathered_bytes(arch, train)
+
+
+def _zero3_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """ZeRO-3's largest layer gathered in 16 bits beside the partitions (model/zero.py)."""
+    if train.zero_stage != 3:
+        return 0
+    return zero.largest_layer_params(arch) * zero.GATHERED_PARAM_BYTES
 
 
 def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Weights during generation: ZeRO-3 gathers the whole model (ds3_gather_for_generation), FSDP summons it."""
     if train.zero_stage == 3 or train.fsdp:
         unsharded = replace(train, num_gpus=1)
-        return weight_bytes(arch, unsharded)
+        return weight_bytes(arch, unsharded) - _zero3_gathered_bytes(arch, unsharded)
     return weight_bytes(arch, train)
 
 
@@ -129,7 +137,19 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     grads = trainable_params(arch, train) * sizes(train).trainable
     if train.distributed == "ddp":
         return 2 * grads
+    if train.zero_stage == 3:  # the largest trainable layer's full gradient before its reduce-scatter (model/zero.py)
+        largest = zero.largest_trainable_layer_params(arch, train.lora_r if train.uses_lora else None,
+                                                      train.lora_targets)
+        return shard_bytes(train, grads, 2) + largest * zero.GATHERED_GRADIENT_BYTES
     return shard_bytes(train, grads, 2)
+
+
+def fp32_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """DeepSpeed's fp32 copy of the gradient partition, made inside the optimizer step (model/zero.py); none
+    without DeepSpeed."""
+    if train.zero_stage is None:
+        return 0
+    return shard_bytes(train, trainable_params(arch, train) * zero.FP32_GRADIENT_BYTES, 1)
 
 
 def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -103,7 +103,8 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         raw = [Phase(p.name, {**p.components, "gradients": all_grads}, p.moment) for p in raw]
     raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch))
     if not first_micro_batch:
-        raw.append(Phase("optimizer", {**persistent, "gradients": all_grads,
+        # DeepSpeed's fp32 copy of the gradient partition exists only inside its step (model/zero.py)
+        raw.append(Phase("optimizer", {**persistent, "gradients": all_grads + m.fp32_gradient_bytes(arch, train),
                                        "activations": m.optimizer_step_temporary_bytes(arch, train)}))
     # vLLM colocated on this card takes the budget it works out at start-up (all of it, or what sleep mode leaves)
     context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)

@@ -1,0 +1,67 @@
+"""DeepSpeed ZeRO's model states on one rank, as DeepSpeed 0.19.8 allocates and estimates them.
+
+Every constant cites its place in DeepSpeed 0.19.8's source (`deepspeed/runtime/...`, read from the sdist of
+`pip download --no-deps deepspeed==0.19.8`). Pure: no DeepSpeed, no torch.
+
+DeepSpeed's own estimator of the model states per GPU without offload
+(`estimate_zero2_model_states_mem_needs`, zero/stage_1_and_2.py:4017-4034, and
+`estimate_zero3_model_states_mem_needs`, zero/stage3.py:4016-4052):
+
+- ZeRO-2: 2 P + 18 P / N bytes ("2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit +
+  8_optimizer_states_32bit", zero/stage_1_and_2.py:4029-4031);
+- ZeRO-3: 18 P / N + 4 x the largest layer's parameters (zero/stage3.py:4027 and 4046).
+
+The planner counts the same bytes, each where it lives: the 16-bit parameters as weights, the 16-bit gradient
+partition as gradients, the fp32 master partition and Adam's two moments as optimizer states, and the fp32 gradient
+partition, which DeepSpeed builds only inside the optimizer step, as gradients of the optimizer phase. Under ZeRO-3
+the largest layer's gathered 16-bit parameters (2 bytes per parameter) count as weights and its full 16-bit gradient
+before the reduce-scatter (2 bytes) as gradients, in every phase, as DeepSpeed's estimator counts them among the
+model states: so the optimizer phase's model states are never below DeepSpeed's estimate.
+"""
+
+from __future__ import annotations
+
+from vram_planner.model.architecture import ModelArchitecture
+
+# ZeRO-1/2 convert the 16-bit gradient partition to an fp32 copy in step() (zero/stage_1_and_2.py:3118
+# `single_grad_partition = flat_grad_partition.to(self.single_partition_of_fp32_groups[i].dtype)`, set as the fp32
+# partition's .grad at :3126, freed after the group's step at :3141); ZeRO-3 does the same per sub-group
+# (zero/stage3.py:2686-2693, `_prepare_fp32_grad_for_sub_group`); DeepSpeed's estimator counts it for the whole
+# partition ("4_grads_32bit", zero/stage_1_and_2.py:4030). Stage 0 with bf16 runs BF16_Optimizer, which keeps an fp32
+# gradient buffer of every parameter (bf16_optimizer.py:192, `fp32_groups_gradients_flat`).
+FP32_GRADIENT_BYTES = 4
+# ZeRO-3 holds the largest layer gathered: "largest_layer_memory = (4 * largest_layer_params)" (zero/stage3.py:4027),
+# its 16-bit parameters and their 16-bit gradient before the reduce-scatter.
+GATHERED_PARAM_BYTES = 2
+GATHERED_GRADIENT_BYTES = 2
+# The estimator's other multipliers (zero/stage_1_and_2.py:4029-4031): 16-bit parameters, and per parameter of the
+# partition 2 (16-bit gradients) + 4 (fp32 gradients) + 4 (fp32 parameters) + 8 (Adam's momentum and variance).
+ESTIMATE_PARAM_BYTES = 2
+ESTIMATE_PARTITIONED_BYTES = 18
+
+
+def largest_layer_params(arch: ModelArchitecture) -> int:
+    """The most parameters one module holds itself, as DeepSpeed's `model_to_params` counts them (zero/stage3.py:
+    4059-4063: `sum(p.numel() for p in m.parameters(recurse=False))` over `model.modules()`): the embedding, an untied
+    output projection, or a decoder linear (weight and bias)."""
+    head = arch.lm_head_params if not arch.tie_word_embeddings else 0
+    linears = max((lin.params for lin in arch.layer_linears()), default=0)
+    return max(arch.embedding_params, head, linears, arch.norm_params)
+
+
+def largest_trainable_layer_params(arch: ModelArchitecture, lora_r: int | None,
+                                   lora_targets: list[str] | None) -> int:
+    """The largest module whose gradient ZeRO-3 reduces: as `largest_layer_params`, or a LoRA adapter's A or B."""
+    if not lora_r:
+        return largest_layer_params(arch)
+    return max((lora_r * max(lin.in_features, lin.out_features) for lin in arch.lora_linears(lora_targets)), default=0)
+
+
+def deepspeed_estimate_bytes(total_params: int, num_gpus: int, stage: int, largest_layer: int = 0) -> int:
+    """DeepSpeed's estimate of the model states per GPU without offload, as its estimators compute it: ZeRO-2
+    (zero/stage_1_and_2.py:4031) `2 * total_params + int(18 * total_params / total_gpus)`, ZeRO-3 (zero/stage3.py:4046)
+    `largest_layer_memory + int(18 * total_params / total_gpus)`."""
+    partitioned = int(ESTIMATE_PARTITIONED_BYTES * total_params / num_gpus)
+    if stage == 3:
+        return (GATHERED_PARAM_BYTES + GATHERED_GRADIENT_BYTES) * largest_layer + partitioned
+    return ESTIMATE_PARAM_BYTES * total_params + partitioned
