@@ -33,9 +33,10 @@ _TRACING_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _storage(t: Any) -> Any:
-    """The untyped storage behind a strided tensor, or None."""
+    """The untyped storage behind a strided tensor (a DTensor's: its local shard's), or None."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return None
+    t = getattr(t, "_local_tensor", t)  # FSDP2's sharded parameters, gradients and optimizer states are DTensors
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
@@ -160,7 +161,11 @@ class LiveBytes(PhaseState, TorchDispatchMode):
     # Bookkeeping
     def track(self, t: Any, tag: str | None = None) -> None:
         """Count `t`'s storage (once) under `tag`, or retag it if it is already counted."""
-        st = _storage(t)
+        self.track_storage(_storage(t), tag)
+
+    def track_storage(self, st: Any, tag: str | None = None) -> None:
+        """`track` for a storage itself: FSDP2 frees and refills its gathered parameters by resizing their storages
+        (`UntypedStorage.resize_`, which no dispatch mode sees), so the resize is counted here."""
         if st is None:
             return
         key = id(st)

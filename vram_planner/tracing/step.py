@@ -131,6 +131,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     from vram_planner.tracing.counter import GRADS
     from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
     from vram_planner.tracing.session import build_session
+    from vram_planner.tracing.sharded import sharded_rank
 
     from vram_planner.tracing import trainer as own
     from vram_planner.tracing.session import uses_fused_lm_head
@@ -158,7 +159,9 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
             session = build_session(arch_config, train)
             if steps is own:  # the installed GRPOTrainer whose own loss runs, made outside the fake-tensor world
                 session.trainer = own.build_trainer(session)
-        with session.fake_mode, session.tracker, cuda_like_behaviour(session), head_tagging(session):
+        # Under --fsdp, sharded_rank shards the models and replaces the counter (tracing.sharded): entered first.
+        with sharded_rank(session), session.fake_mode, session.tracker, cuda_like_behaviour(session), \
+                head_tagging(session):
             peaks = []
             for i, (phase, label, run) in enumerate(runs):
                 say(f"tracing {label}")
@@ -212,8 +215,10 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append("4-bit weights (--load-in-4bit) need bitsandbytes' CUDA kernels")
     if train.use_vllm:
         problems.append("vLLM generation (--use-vllm) runs outside torch")
-    if train.num_gpus > 1 or train.zero_stage is not None or train.fsdp:
-        problems.append("the trace covers one GPU without DeepSpeed or FSDP")
+    if train.zero_stage is not None:
+        problems.append("the trace covers one GPU, or one rank of FSDP2 (--fsdp), not DeepSpeed ZeRO")
+    elif train.num_gpus > 1 and not train.fsdp:
+        problems.append("the trace covers one GPU, or one rank of FSDP2 (--fsdp), not DDP over several GPUs")
     if train.use_liger_kernel:
         problems.append("Liger kernels (--use-liger-kernel) are Triton kernels")
     if train.attn_implementation == "flash_attention_2":
