@@ -55,6 +55,8 @@ CONFIGS = {
                                     "gradient_accumulation_steps": 2, "max_prompt_length": 512,
                                     "max_completion_length": 2048, "beta": 0.04},
     "fp32 lora c1024 eager": {"lora_r": 16, "attn_implementation": "eager", "max_completion_length": 1024},
+    "lora c4096 B4 eager": {**BF16_LORA, "num_generations": 4, "per_device_train_batch_size": 4,
+                            "max_completion_length": 4096, "attn_implementation": "eager"},
     "lora c2048 B32 expandable": {**BF16_LORA, "num_generations": 8, "per_device_train_batch_size": 32,
                                   "max_completion_length": 2048, "allocator_conf": "expandable_segments:True"},
 }

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from vram_planner.allocator import CachingAllocator
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.fragmentation import (LATE_GRADIENT, PINNED_LAYER_INPUTS, late_gradient_bytes,
-                                              pinned_layer_input_bytes, reserve_patterns, stranded_by_kept_inputs)
+from vram_planner.model.fragmentation import (EAGER_SCORES, LATE_GRADIENT, PINNED_LAYER_INPUTS, SOFTCAPPED_SCORES,
+                                              late_gradient_bytes, pinned_layer_input_bytes, reserve_patterns,
+                                              stranded_by_kept_inputs)
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import model_config
 from vram_planner.units import MiB
@@ -88,3 +89,16 @@ def test_whole_multiples_strand_nothing():
     train = TrainingConfig(dtype="bfloat16", lora_r=16, per_device_train_batch_size=16, num_generations=16,
                            max_completion_length=4096)
     assert pinned_layer_input_bytes(arch, train) == 0
+
+
+def test_eager_attention_adds_its_score_blocks_and_softcapping_more_of_them():
+    train = TrainingConfig(dtype="bfloat16", lora_r=16, per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=4096)
+    eager = replace(train, attn_implementation="eager")
+    for name in ("Llama-3.2-1B", "gemma-2-2b"):
+        arch = _arch(name)
+        assert reserve_patterns(arch, train, "training")[EAGER_SCORES] == 0
+        scores = 4 * arch.num_attention_heads * eager.sequence_length ** 2 * 4  # [B, heads, L, L] in float32
+        patterns = reserve_patterns(arch, eager, "training")
+        assert patterns[EAGER_SCORES] == scores
+        assert patterns[SOFTCAPPED_SCORES] == (scores if name == "gemma-2-2b" else 0)

@@ -17,8 +17,10 @@ from vram_planner.model.spec import TrainingConfig
 PINNED_LAYER_INPUTS = "pinned_layer_inputs"
 LATE_GRADIENT = "late_gradient"
 LARGEST_REQUEST = "largest_request"
+EAGER_SCORES = "eager_scores"
+SOFTCAPPED_SCORES = "softcapped_scores"
 SMALL_SEGMENTS = "small_segments"
-PATTERNS = (PINNED_LAYER_INPUTS, LATE_GRADIENT, LARGEST_REQUEST, SMALL_SEGMENTS)
+PATTERNS = (PINNED_LAYER_INPUTS, LATE_GRADIENT, LARGEST_REQUEST, EAGER_SCORES, SOFTCAPPED_SCORES, SMALL_SEGMENTS)
 
 
 def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str) -> dict[str, float]:
@@ -29,6 +31,8 @@ def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str)
     return {PINNED_LAYER_INPUTS: pinned_layer_input_bytes(arch, train),
             LATE_GRADIENT: late_gradient_bytes(arch, train),
             LARGEST_REQUEST: largest_request_bytes(arch, train),
+            EAGER_SCORES: eager_scores_bytes(arch, train),
+            SOFTCAPPED_SCORES: eager_scores_bytes(arch, train) if arch.attn_logit_softcapping else 0.0,
             SMALL_SEGMENTS: float(K_LARGE_BUFFER)}
 
 
@@ -77,16 +81,23 @@ def late_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float
 
 
 def largest_request_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """The largest block each layer's backward asks for anew: eager attention's float32 scores [B, heads, L, L],
-    else the MLP's intermediate activation in float32 (a LoRA adapter on the MLP's output projection is float32 and
-    PEFT casts its input to it; a float32 model computes its backward there), else in the compute dtype. The segments earlier layers' requests of
-    that size left are cut by smaller tensors by then, so it takes a segment of its own beside them."""
-    b, length = train.micro_batch_completions, train.sequence_length
+    """The largest block of the MLP each layer's backward asks for anew: its intermediate activation in float32 (a
+    LoRA adapter on the MLP's output projection is float32 and PEFT casts its input to it; a float32 model computes
+    its backward there), else in the compute dtype. The segments earlier layers' requests of that size left are cut
+    by smaller tensors by then, so it takes a segment of its own beside them."""
     s = m.sizes(train)
     reads_intermediate = arch.layer_linears()[-1].name  # the MLP's output projection
     adapted = train.uses_lora and reads_intermediate in arch.resolve_lora_targets(train.lora_targets)
     in_float32 = adapted or s.residual == m.FP32_BYTES
-    largest = b * length * arch.intermediate_size * (m.FP32_BYTES if in_float32 else s.compute)
-    if train.attn_implementation == "eager":
-        largest = max(largest, b * arch.num_attention_heads * length * length * m.FP32_BYTES)
-    return float(largest)
+    tokens = train.micro_batch_completions * train.sequence_length
+    return float(tokens * arch.intermediate_size * (m.FP32_BYTES if in_float32 else s.compute))
+
+
+def eager_scores_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Eager attention's float32 scores [B, heads, L, L], a block each layer's forward and backward ask for anew
+    (0 with SDPA or FlashAttention). Softcapping (Gemma 2) divides, takes tanh and multiplies them, each a block of
+    the same size: more of them in flight for the kept inputs to pin (SOFTCAPPED_SCORES weighs that)."""
+    if train.attn_implementation != "eager":
+        return 0.0
+    b, length = train.micro_batch_completions, train.sequence_length
+    return float(b * arch.num_attention_heads * length * length * m.FP32_BYTES)
