@@ -155,3 +155,18 @@ def math_sample_tokenizer():
                                                                                             "<unk>"]))
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>")
+
+
+def launched(text: str, tmp_path: Path) -> Any:
+    """What `accelerate launch --config_file FILE train_grpo.py` makes of an accelerate config file's text, as
+    accelerate's own launcher parses and checks it (no GPU needed)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    from vram_planner.model.accelerate_config import CONFIG_FILE, SCRIPT_FILE
+
+    path = tmp_path / CONFIG_FILE
+    path.write_text(text)
+    ClusterConfig.from_yaml_file(path)  # unknown keys are refused here
+    args = launch_command_parser().parse_args(["--config_file", str(path), SCRIPT_FILE])
+    return _validate_launch_command(args)[0]

@@ -351,6 +351,9 @@ def test_every_reported_change_saves_memory_and_the_changes_add_up(model, card, 
     assert all(min(change.saved_bytes, change.cost_bytes) == 0 <= max(change.saved_bytes, change.cost_bytes)
                for change in plan.changes), plan.changes
     assert all(change.knob.startswith("vllm_") for change in plan.changes if change.cost_bytes > 0), plan.changes
+    # the trainer's changes each save something: one that saves nothing (16-bit weights under DeepSpeed, which holds
+    # 16-bit weights anyway) is joined with the next, as a cost is
+    assert all(change.saved_bytes > 0 for change in plan.changes if not change.knob.startswith("vllm_")), plan.changes
     if plan.fits:
         saved = sum(change.saved_bytes - change.cost_bytes for change in plan.changes)
         assert plan.requested.estimate.peak_bytes - saved == pytest.approx(plan.chosen.estimate.peak_bytes)
@@ -370,3 +373,30 @@ def test_the_first_micro_batch_is_judged_on_its_own_and_never_needs_more_than_th
         assert phase.components["optimizer_states"] == 0
         assert phase.total_bytes <= steady[phase.name].total_bytes * (1 + FLOAT_NOISE), phase.name
     assert verdict.first_micro_batch_fits or not verdict.fits
+
+
+@settings(QUICK, max_examples=60)
+@given(**VALID)
+def test_several_gpus_are_said_with_their_strategy_and_their_accelerate_config(model, card, trl_version, knobs):
+    import yaml
+
+    from vram_planner.cli.report import per_gpu, plan_report
+    from vram_planner.model import accelerate_config as launcher
+
+    context, train = _valid(model, card, trl_version, knobs)
+    plan = best_plan(context, train)
+    report, shown = plan_report(plan), (plan.chosen or plan.smallest).train
+    launch = report.distributed
+    if train.num_gpus == 1 and train.zero_stage is None and not train.fsdp:
+        assert launch is None and per_gpu(report) == ""
+        return
+    assert launch is not None and launch.num_gpus == train.num_gpus
+    assert per_gpu(report) == f", per GPU, {train.num_gpus} x {launch.label.split(' x ')[1]}"
+    config = yaml.safe_load(launcher.accelerate_config_yaml(shown) or "")
+    assert config == launch.accelerate_config
+    assert config["num_processes"] == train.num_gpus and config["mixed_precision"] == shown.mixed_precision
+    assert ("deepspeed_config" in config) == (train.zero_stage is not None)
+    assert ("fsdp_config" in config) == train.fsdp
+    if train.zero_stage is not None:
+        assert config["deepspeed_config"]["zero_stage"] == train.zero_stage
+

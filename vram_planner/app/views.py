@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from vram_planner.cli.plot import COMPONENT_COLOURS
-from vram_planner.cli.render import footer, near_boundary_reason
-from vram_planner.cli.report import Report
+from vram_planner.cli.render import footer, near_boundary_reason, saving
+from vram_planner.cli.report import Report, per_gpu
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
@@ -35,8 +35,9 @@ def gib(n_bytes: float) -> str:
 
 
 def title_markdown(report: Report, gpu: GpuProfile) -> str:
-    """What was judged: the model, the card and the TRL release."""
-    return f"**{report.model}** on the {gpu.label} ({gpu.total_memory_gib:.2f} GiB), TRL {report.trl_version} GRPO"
+    """What was judged: the model, the card (per GPU, with the strategy, on several) and the TRL release."""
+    return (f"**{report.model}** on the {gpu.label} ({gpu.total_memory_gib:.2f} GiB){per_gpu(report)}, TRL "
+            f"{report.trl_version} GRPO")
 
 
 def verdict_markdown(checked: Report, planned: Report) -> str:
@@ -102,10 +103,15 @@ def changes_markdown(planned: Report) -> str:
     if not planned.changes:
         return "Your config fits as it is: the plan changes nothing." if planned.fits else ""
     rows = [f"| `{c.knob}` | {c.before} → **{c.after}** | "
-            f"{f'costs {gib(c.cost_bytes)}' if c.cost_bytes > 0 else f'saves {gib(c.saved_bytes)}'} | {c.reason} |"
+            f"{f'costs {gib(c.cost_bytes)}' if c.cost_bytes > 0 else f'saves {_amount(c.saved_bytes)}'} | {c.reason} |"
             for c in planned.changes]
     head = f"**The plan's changes** (as given the config needs {gib(planned.requested_peak_bytes or 0)} GiB):"
     return "\n".join([head, "", "| knob | change | GiB | why |", "|---|---|---|---|", *rows])
+
+
+def _amount(n_bytes: float) -> str:
+    """GiB to two decimals, as the column says, or in a smaller unit where that would read 0.00."""
+    return gib(n_bytes) if n_bytes >= GiB / 200 else saving(n_bytes)
 
 
 def longest_markdown(as_given: Any, with_savers: Any) -> str:

@@ -77,15 +77,25 @@ def gpus_for_model(options: dict[str, Any]) -> int:
     cards = api.fitting_gpus(model, knobs, options["maximize"], options["allow_savers"], trl_version=trl_version,
                              calibration=options["calibration"], safety_margin=options["safety_margin"])
     if options["json_output"]:
-        print(json.dumps([_card_row(card) for card in cards], indent=2))
+        label = _strategy(cards)
+        print(json.dumps([_card_row(card, label) for card in cards], indent=2))
     else:
         print_fitting(cards)
     return EXIT_FITS if any(card.fits for card in cards) else EXIT_DOES_NOT_FIT
 
 
-def _card_row(card: Any) -> dict[str, Any]:  # card: vram_planner.api.CardFit
+def _strategy(cards: list[Any]) -> str | None:
+    """'2 x ZeRO-3' where the bytes are per GPU of several (None on one plain GPU)."""
+    from vram_planner.model.accelerate_config import strategy_label
+
+    judged = next((card.verdict for card in cards if card.verdict is not None), None)
+    return None if judged is None else strategy_label(judged.train)
+
+
+def _card_row(card: Any, per_gpu: str | None) -> dict[str, Any]:  # card: vram_planner.api.CardFit
     row = {"name": card.name, "capacity_bytes": card.capacity_bytes, "fits": card.fits,
-           "peak_bytes": _whole(card.peak_bytes), "spare_bytes": _whole(card.spare_bytes), "problem": card.problem}
+           "peak_bytes": _whole(card.peak_bytes), "spare_bytes": _whole(card.spare_bytes), "problem": card.problem,
+           "per_gpu": per_gpu}
     m = card.maximized
     if m is not None:
         row["maximized"] = {"field": m.field, "value": m.value, "peak_bytes": _whole(m.peak_bytes),
@@ -108,8 +118,10 @@ def print_fitting(cards: list[Any], console: Console | None = None) -> None:
     judged = next(card.verdict for card in cards if card.verdict is not None)
     context, field = judged.context, next((c.maximized.field for c in cards if c.maximized), None)
     what = f"the largest {field} on each card" if field else "every card"
-    title = Text(f"{context.model_id or context.arch.name}, TRL {context.release.version}: {what}, smallest that fits "
-                 "first (GiB)", style="italic")
+    label = _strategy(cards)
+    per_gpu = "" if label is None else f", per GPU, {label}"
+    title = Text(f"{context.model_id or context.arch.name}, TRL {context.release.version}{per_gpu}: {what}, smallest "
+                 "that fits first (GiB)", style="italic")
     table = Table(show_edge=False)
     table.add_column("card", no_wrap=True)
     table.add_column("GiB", justify="right")

@@ -6,7 +6,7 @@ import importlib.util
 import io
 from pathlib import Path
 
-from vram_planner.cli.report import Report
+from vram_planner.cli.report import Report, per_gpu
 from vram_planner.errors import VramPlanError
 from vram_planner.files import check_writable, write_atomically
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
@@ -51,7 +51,8 @@ def plot_phases(report: Report, path: Path) -> Path:
     ax.text(len(names) - 0.5, report.capacity_bytes / GiB, f" {report.gpu}: {report.capacity_bytes / GiB:.2f} GiB",
             va="bottom", ha="right", fontsize=8)
     ax.set_ylabel("GiB")
-    ax.set_title(f"{report.model}: GRPO step memory by phase ({'fits' if report.fits else 'does not fit'})")
+    ax.set_title(f"{report.model}: GRPO step memory by phase{per_gpu(report)} "
+                 f"({'fits' if report.fits else 'does not fit'})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     image = io.BytesIO()

@@ -8,7 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from vram_planner.cli.report import Report
+from vram_planner.cli.report import Report, per_gpu
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.model.spec import TrainingConfig
@@ -38,8 +38,8 @@ def _g(n_bytes: float) -> str:
 
 
 def headline(report: Report, gpu: GpuProfile) -> Text:
-    title = Text(f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB), TRL {report.trl_version} GRPO\n",
-                 style="bold")
+    title = Text(f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB){per_gpu(report)}, TRL "
+                 f"{report.trl_version} GRPO\n", style="bold")
     if report.exact is not None:
         return exact_headline(report, title)
     peak_phase = PHASE_TITLES.get(report.peak_phase, report.peak_phase)
@@ -154,9 +154,14 @@ def changes_text(report: Report) -> Text:
         if c.cost_bytes > 0:  # vLLM's share raised so that it can start: a cost, said as one
             text.append(f"  costs {_g(c.cost_bytes)} GiB", style="yellow")
         else:
-            text.append(f"  saves {_g(c.saved_bytes)} GiB", style="green")
+            text.append(f"  saves {saving(c.saved_bytes)}", style="green")
         text.append(f"  ({c.reason})\n")
     return text
+
+
+def saving(n_bytes: float) -> str:
+    """GiB to two decimals, or a smaller unit where that would read 0.00."""
+    return f"{_g(n_bytes)} GiB" if n_bytes >= GiB / 200 else _small(n_bytes)
 
 
 def breakdown_table(report: Report) -> Table:
@@ -212,7 +217,22 @@ def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
         label = "GRPOConfig:" if report.fits else "The smallest config (it does not fit this card):"
         console.print(Text(label, style="bold"))
         print_code(python_snippet(train, hub_id), console)
+        launch_text(report, train, console)
     console.print(footer(report))
+
+
+def launch_text(report: Report, train: TrainingConfig, console: Console) -> None:
+    """Several GPUs: TRL's accelerate config for the strategy and the line that starts the code above with it."""
+    from vram_planner.model.accelerate_config import SCRIPT_FILE, accelerate_config_yaml
+
+    launch, config = report.distributed, accelerate_config_yaml(train)
+    if launch is None or config is None:
+        return
+    # the labels unwrapped too: each names the file the lines below it are
+    console.print(Text(f"{launch.accelerate_config_file} ({launch.label}):", style="bold"), soft_wrap=True)
+    print_code(config.rstrip("\n"), console)
+    console.print(Text(f"Launch (the code above saved as {SCRIPT_FILE}):", style="bold"), soft_wrap=True)
+    print_code(launch.launch_command, console)
 
 
 def render_maximized(report: MaximizedPlanReport, gpu: GpuProfile, console: Console | None = None) -> bool:

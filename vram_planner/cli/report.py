@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from vram_planner.model import accelerate_config as launcher
 from vram_planner.model.calibration import calibration_for
 from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_problems, lora_config_kwargs,
                                             quantization_config_kwargs)
@@ -66,6 +67,28 @@ def vllm_report(budget: Any) -> VllmReport | None:  # budget: vram_planner.model
 
 
 @dataclass(kw_only=True)
+class DistributedReport:
+    """Several GPUs (or DeepSpeed or FSDP on one): every byte of the document is per GPU, on each of `num_gpus`."""
+
+    num_gpus: int
+    strategy: str  # ddp, zero0 to zero3, fsdp (FSDP2)
+    label: str  # "2 x ZeRO-3": the headline says "per GPU, 2 x ZeRO-3"
+    accelerate_config: dict[str, Any]  # TRL's accelerate config file for the strategy, as plan prints it
+    accelerate_config_file: str  # the name the launch command gives that file
+    launch_command: str  # starts the printed GRPOConfig code (saved as the file it names) on every GPU
+
+
+def distributed_report(train: Any) -> DistributedReport | None:  # train: vram_planner.model.spec.TrainingConfig
+    config, label, command = (launcher.accelerate_config(train), launcher.strategy_label(train),
+                              launcher.launch_line(train))
+    if config is None or label is None or command is None:
+        return None
+    return DistributedReport(num_gpus=train.num_gpus, strategy=launcher.strategy(train), label=label,
+                             accelerate_config=config, accelerate_config_file=launcher.CONFIG_FILE,
+                             launch_command=command)
+
+
+@dataclass(kw_only=True)
 class ExactReport:
     """`--exact` and `trace`: the step traced and replayed through the caching allocator model."""
 
@@ -115,6 +138,7 @@ class Report:
     notes: list[str]
     changes: list[ChangeReport] = field(default_factory=list)
     vllm: VllmReport | None = None  # null when no vLLM runs on a planned card
+    distributed: DistributedReport | None = None  # null on one GPU without DeepSpeed or FSDP
     requested_peak_bytes: int | None = None
     smallest_config_peak_bytes: int | None = None
     smallest_fitting_gpu: str | None = None
@@ -148,6 +172,11 @@ class FirstMicroBatchReport:
     phases: list[PhaseReport]
 
 
+def per_gpu(report: Report) -> str:
+    """', per GPU, 2 x ZeRO-3' after the card's name where the numbers are one GPU's of several; '' on one."""
+    return "" if report.distributed is None else f", per GPU, {report.distributed.label}"
+
+
 def first_micro_batch_report(verdict: Verdict) -> FirstMicroBatchReport:
     first = verdict.first_micro_batch
     return FirstMicroBatchReport(fits=verdict.first_micro_batch_fits, peak_bytes=round(first.peak_bytes),
@@ -179,7 +208,7 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
                      "transformers_version": train.transformers.version},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
-        vllm=vllm_report(est.vllm), near_boundary=verdict.near_boundary,
+        vllm=vllm_report(est.vllm), distributed=distributed_report(train), near_boundary=verdict.near_boundary,
         first_micro_batch=first_micro_batch_report(verdict),
     )
 

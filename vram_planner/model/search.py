@@ -110,8 +110,8 @@ def ladder_runs(user: TrainingConfig, gpu_bf16: bool) -> Iterator[list[TrainingC
     steps: list[dict[str, Any]] = [{"gradient_checkpointing": True}]
     if not user.uses_lora and user.optim in (Optimizer.adamw_torch_fused, Optimizer.adamw_torch):
         steps.append({"optim": Optimizer.adamw_8bit})
-    if not user.uses_lora and gpu_bf16 and user.dtype == "float32":
-        steps.append({"dtype": "bfloat16"})
+    if not user.uses_lora and gpu_bf16 and user.dtype == "float32" and user.zero_stage is None:
+        steps.append({"dtype": "bfloat16"})  # DeepSpeed's bf16 engine holds 16-bit weights whatever is loaded
     if not user.uses_lora:
         # adapters are small: the user's optimizer is back, and the base is loaded in 16 bits
         steps.append({"lora_r": LORA_DEFAULT_RANK, "optim": user.optim,
@@ -391,7 +391,8 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
     change, last, always saves; but a change can cost memory where it is made (a smaller micro-batch turns on
     gradient accumulation, which keeps every gradient through the forward; checkpointing a model of one layer): such
     a change is reported together with the change after it that pays for it (the one before it, when it is the
-    last), so that every reported change of the trainer saves zero or more and says truthfully what the pair saves.
+    last), so that every reported change of the trainer saves more than zero (one that saves nothing, such as 16-bit
+    weights under DeepSpeed, is joined the same way) and says truthfully what the pair saves.
     vLLM's share is set to what vLLM needs, not to save: a larger share is reported as the cost it is.
     """
     steps: list[Change] = []
@@ -417,13 +418,14 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
 
 
 def _paid_for(steps: list[Change]) -> tuple[Change, ...]:
-    """The steps, each one that costs memory joined with the next (with the previous when it is last)."""
+    """The steps, each one that costs memory or saves none (16-bit weights under DeepSpeed, which holds 16-bit
+    weights anyway, before LoRA) joined with the next (with the previous when it is last)."""
     joined: list[Change] = []
     for step in steps:
-        if joined and joined[-1].net_saved_bytes < 0:
+        if joined and joined[-1].net_saved_bytes <= 0:
             step = _join(joined.pop(), step)
         joined.append(step)
-    while len(joined) > 1 and joined[-1].net_saved_bytes < 0:
+    while len(joined) > 1 and joined[-1].net_saved_bytes <= 0:
         last = joined.pop()
         joined.append(_join(joined.pop(), last))
     return tuple(joined)

@@ -481,25 +481,17 @@ def changed(before: TrainingConfig, after: TrainingConfig) -> str:
                      if getattr(before, k) != getattr(after, k))
 
 
-# accelerate configs TRL ships (trl/accelerate_configs), by the plan's distribution strategy
-ACCELERATE_TEMPLATES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp2"}
-
-
 def needs_launcher(train: TrainingConfig) -> bool:
     """Several GPUs, and this process is not one that `accelerate launch` started."""
     return train.num_gpus > 1 and not launched_worker()
 
 
 def accelerate_config_yaml(train: TrainingConfig) -> str:
-    """TRL's accelerate config for the plan's strategy, with the plan's GPU count and mixed precision."""
-    import yaml
+    """TRL's accelerate config for the plan's strategy, with the plan's GPU count and mixed precision: the file `plan`
+    prints (vram_planner/model/accelerate_config.py)."""
+    from vram_planner.model.accelerate_config import accelerate_config_yaml as config_text
 
-    import trl
-
-    template = Path(trl.__file__).parent / "accelerate_configs" / f"{ACCELERATE_TEMPLATES[train.distributed]}.yaml"
-    config = yaml.safe_load(template.read_text())
-    config.update(num_processes=train.num_gpus, mixed_precision=train.mixed_precision)
-    return yaml.safe_dump(config, sort_keys=True)
+    return config_text(train) or ""
 
 
 def launch_command(setup: RunSetup, argv: list[str]) -> list[str]:

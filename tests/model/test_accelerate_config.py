@@ -1,0 +1,62 @@
+"""TRL's accelerate configs as the plan prints them: TRL's own files, read by accelerate's own launcher."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import launched
+from vram_planner.errors import ConfigError
+from vram_planner.model import accelerate_config as launcher
+from vram_planner.model.spec import training_config
+
+STRATEGIES = st.sampled_from([{}, {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+                              {"fsdp": True}])
+
+
+def installed_trl_configs() -> Path:
+    spec = importlib.util.find_spec("trl")  # located, not imported
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("TRL is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "accelerate_configs"
+
+
+@pytest.mark.parametrize("name", sorted(launcher.TRL_CONFIGS))
+def test_the_configs_are_trls_own_files(name):
+    assert launcher.TRL_CONFIGS[name] == yaml.safe_load((installed_trl_configs() / f"{name}.yaml").read_text())
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(strategy=STRATEGIES, gpus=st.integers(1, 16), accumulation=st.integers(1, 8),
+       precision=st.sampled_from(["bf16", "fp16", "no"]))
+def test_accelerate_launches_the_printed_config_as_planned(tmp_path_factory, strategy, gpus, accumulation, precision):
+    try:
+        train = training_config({**strategy, "num_gpus": gpus, "gradient_accumulation_steps": accumulation,
+                                 "per_device_train_batch_size": 2, "num_generations": 2,
+                                 "mixed_precision": precision, "dtype": "bfloat16"})
+    except ConfigError:
+        return  # a combination TRL refuses
+    text = launcher.accelerate_config_yaml(train)
+    if launcher.strategy(train) == "single":
+        assert text is None and launcher.launch_line(train) is None and launcher.per_gpu_label(train) == ""
+        return
+    assert text is not None and yaml.safe_load(text) == launcher.accelerate_config(train)
+    args = launched(text, tmp_path_factory.mktemp("launch"))
+    assert args.num_processes == gpus and args.mixed_precision == precision
+    assert bool(args.use_deepspeed) == (train.zero_stage is not None)
+    assert bool(args.use_fsdp) == train.fsdp
+    if train.zero_stage is not None:
+        assert args.zero_stage == train.zero_stage
+        if train.zero_stage in (0, 1):  # zero1.yaml names it; transformers refuses a value other than GRPOConfig's
+            assert args.gradient_accumulation_steps == accumulation
+    if train.fsdp:
+        assert str(args.fsdp_version) == "2"
+    name = {"ddp": "DDP", "fsdp": "FSDP2"}.get(launcher.strategy(train), f"ZeRO-{train.zero_stage}")
+    assert launcher.per_gpu_label(train) == f", per GPU, {gpus} x {name}"
+    assert launcher.launch_line(train) == (f"accelerate launch --config_file {launcher.CONFIG_FILE} "
+                                           f"{launcher.SCRIPT_FILE}")

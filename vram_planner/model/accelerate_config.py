@@ -1,0 +1,106 @@
+"""Several GPUs as the plan runs them: the strategy's name, TRL's accelerate config for it and the launch line.
+
+Pure: no accelerate, no TRL. The configs are TRL's own, as TRL 1.16 ships them in `trl/accelerate_configs/` (the
+files `trl grpo --accelerate_config zero3` reads; the same blobs as `examples/accelerate_configs/deepspeed_zero1.yaml`,
+`deepspeed_zero2.yaml`, `deepspeed_zero3.yaml`, `fsdp2.yaml` and `multi_gpu.yaml` in TRL's repository), with the
+plan's number of processes, mixed precision and (where the file names it) gradient accumulation. A test holds these
+copies to the installed TRL's files and loads what `plan` prints with accelerate's own config classes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vram_planner.model.spec import TrainingConfig
+
+CONFIG_FILE = "accelerate_config.yaml"  # the name the launch line gives the printed config
+SCRIPT_FILE = "train_grpo.py"  # the name the launch line gives the printed GRPOConfig code
+
+_COMMON: dict[str, Any] = {
+    "compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "machine_rank": 0,
+    "main_training_function": "main", "mixed_precision": "bf16", "num_machines": 1, "num_processes": 8,
+    "rdzv_backend": "static", "same_network": True, "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False,
+    "use_cpu": False,
+}
+# trl/accelerate_configs/<name>.yaml of TRL 1.16.0, key for key
+TRL_CONFIGS: dict[str, dict[str, Any]] = {
+    "multi_gpu": {**_COMMON, "distributed_type": "MULTI_GPU", "gpu_ids": "all"},
+    "zero1": {**_COMMON, "distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "deepspeed_multinode_launcher": "standard", "gradient_accumulation_steps": 1, "zero3_init_flag": False,
+        "zero_stage": 1}},
+    "zero2": {**_COMMON, "distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "deepspeed_multinode_launcher": "standard", "offload_optimizer_device": "none",
+        "offload_param_device": "none", "zero3_init_flag": False, "zero_stage": 2}},
+    "zero3": {**_COMMON, "distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "deepspeed_multinode_launcher": "standard", "offload_optimizer_device": "none",
+        "offload_param_device": "none", "zero3_init_flag": True, "zero3_save_16bit_model": True, "zero_stage": 3}},
+    "fsdp2": {**_COMMON, "distributed_type": "FSDP", "enable_cpu_affinity": False, "fsdp_config": {
+        "fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": False, "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_version": 2}},
+}
+# The file TRL ships for each strategy of the plan (TrainingConfig.distributed); ZeRO stage 0 has none of its own and
+# takes zero1's with stage 0.
+TRL_CONFIG_NAMES = {"ddp": "multi_gpu", "zero0": "zero1", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+                    "fsdp": "fsdp2"}
+STRATEGY_NAMES = {"ddp": "DDP", "zero0": "ZeRO-0", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+                  "fsdp": "FSDP2"}
+
+
+def strategy(train: TrainingConfig) -> str:
+    """The plan's distribution strategy: single, ddp, zero0-zero3 or fsdp."""
+    if train.zero_stage == 0:
+        return "zero0"
+    return train.distributed
+
+
+def strategy_label(train: TrainingConfig) -> str | None:
+    """'2 x ZeRO-3' (None on one GPU without DeepSpeed or FSDP): what the per-GPU numbers are for."""
+    name = STRATEGY_NAMES.get(strategy(train))
+    return None if name is None else f"{train.num_gpus} x {name}"
+
+
+def per_gpu_label(train: TrainingConfig) -> str:
+    """', per GPU, 2 x ZeRO-3' to follow the card's name in a headline; '' on one plain GPU."""
+    label = strategy_label(train)
+    return "" if label is None else f", per GPU, {label}"
+
+
+def trl_config_name(train: TrainingConfig) -> str | None:
+    return TRL_CONFIG_NAMES.get(strategy(train))
+
+
+def accelerate_config(train: TrainingConfig) -> dict[str, Any] | None:
+    """TRL's accelerate config for the plan's strategy with its processes and mixed precision (None on one GPU)."""
+    name = trl_config_name(train)
+    if name is None:
+        return None
+    config = copy.deepcopy(TRL_CONFIGS[name])
+    config.update(num_processes=train.num_gpus, mixed_precision=train.mixed_precision)
+    deepspeed = config.get("deepspeed_config")
+    if deepspeed is not None:
+        deepspeed["zero_stage"] = train.zero_stage
+        if "gradient_accumulation_steps" in deepspeed:
+            # transformers refuses a DeepSpeed value other than GRPOConfig's (HfTrainerDeepSpeedConfig.fill_match)
+            deepspeed["gradient_accumulation_steps"] = train.gradient_accumulation_steps
+    return config
+
+
+def accelerate_config_yaml(train: TrainingConfig) -> str | None:
+    """The accelerate config file as text, with a first comment line that says where it comes from."""
+    config = accelerate_config(train)
+    if config is None:
+        return None
+    import yaml
+
+    origin = (f"# TRL's accelerate_configs/{trl_config_name(train)}.yaml with the plan's {train.num_gpus} processes "
+              f"and mixed precision\n")
+    return origin + yaml.safe_dump(config, sort_keys=True)
+
+
+def launch_line(train: TrainingConfig) -> str | None:
+    """The command that starts the printed code on every GPU with the printed config (None on one GPU)."""
+    if trl_config_name(train) is None:
+        return None
+    return f"accelerate launch --config_file {CONFIG_FILE} {SCRIPT_FILE}"
