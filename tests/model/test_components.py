@@ -179,7 +179,8 @@ def test_a_scoring_pass_over_several_chunks_keeps_the_previous_chunks_logits(lla
     heads = [lm_head_memory(llama_1b, t, trl_release(version), sequences=4, with_grad=False) for t in (one_chunk,
                                                                                                      two_chunks)]
     assert heads[0].forward_transient in (6 * logits, 8 * logits)
-    assert heads[1].forward_transient == 10 * logits
+    # 1.10-1.13 keep the previous chunk's model output (its fp32 copy) beside its scaled copy: 4 B more (TRL 1.12)
+    assert heads[1].forward_transient == (14 if version == "1.13.0" else 10) * logits
 
 
 def test_ddp_keeps_a_bucket_copy_of_the_gradients(llama_1b):

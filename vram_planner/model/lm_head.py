@@ -39,7 +39,7 @@ def full_logits_bytes(train: TrainingConfig, release: TrlRelease) -> tuple[float
     The logits leave the model in the compute dtype; under mixed precision accelerate copies them to float32 (both
     exist while it does), without it they keep the compute dtype (`logit` bytes from there on). Then, per
     profiles/trl.toml full_logits_log_probs, counted by the trace on Llama-3.2-1B (benchmarks/trl_matrix.py):
-    "scaled_copy" (0.16-0.29, 1.10-1.13) divides by the temperature into a second copy, kept by the per-sequence logsumexp for
+    "scaled_copy" (0.16-0.29; 1.10-1.13 "beside_output") divides by the temperature into a second copy, kept by the per-sequence logsumexp for
     backward, whose backward holds three logit-sized gradients at once (the gather's, the logsumexp rows', their sum);
     "rows" (0.15) and "scaled_in_place" (1.0-1.9, `logits.div_`) do the same without the copy; "kernel" (1.14) keeps
     the logits themselves and makes one gradient. Without mixed precision the same tensors are in the logits' dtype.
@@ -48,7 +48,7 @@ def full_logits_bytes(train: TrainingConfig, release: TrlRelease) -> tuple[float
     kind = release.full_logits_log_probs
     if kind == "kernel":
         return converting, logit, logit
-    if kind == "scaled_copy":
+    if kind in ("scaled_copy", "scaled_copy_beside_output"):
         return max(converting, 2 * logit), logit, 3 * logit
     return converting, logit, 3 * logit  # "rows", "scaled_in_place": no copy before the per-sequence log-softmax
 
@@ -95,8 +95,10 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
         forward, saved, backward = full_logits_bytes(train, release)
         if not with_grad and train.local_generation_batch_size > sequences:
             # A scoring pass over several chunks (TRL 0.17 on) keeps the previous chunk's logits in its loop variable
-            # until the next chunk's forward returns: they meet that chunk's logits and accelerate's copy of them.
-            forward = max(forward, saved + _logit_bytes(train)[1])
+            # until the next chunk's forward returns: they meet that chunk's logits and accelerate's copy of them
+            # (1.10-1.13 keep the previous chunk's model output beside its scaled copy).
+            kept = 2 * saved if release.full_logits_log_probs == "scaled_copy_beside_output" else saved
+            forward = max(forward, kept + _logit_bytes(train)[1])
         return LmHeadMemory(forward_transient=logits * forward, saved=logits * saved if with_grad else 0,
                             backward_transient=logits * backward if with_grad else 0)
     chunk = release.lm_head_vocab_chunk

@@ -59,7 +59,8 @@ class TrlRelease:
     transformers_major: Literal[4, 5]
     lm_head: Literal["fused_chunked", "full_logits"]
     logits_to_keep_argument: Literal["num_logits_to_keep", "logits_to_keep"] = "logits_to_keep"
-    full_logits_log_probs: Literal["rows", "scaled_copy", "scaled_in_place", "kernel"] = "scaled_copy"
+    full_logits_log_probs: Literal["rows", "scaled_copy", "scaled_copy_beside_output", "scaled_in_place",
+                                   "kernel"] = "scaled_copy"
     lm_head_token_chunk: int = 4096
     lm_head_vocab_chunk: int = 32768
     liger: Literal["fused_loss", "chunked_logprobs", "layer_kernels"]
