@@ -84,6 +84,9 @@ def test_no_change_that_saves_nothing_under_zero(capsys, flags):
 
 def test_gpus_says_per_gpu_in_its_title_and_json(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run(capsys, "plan", *MODEL, "--num-gpus", "2", "--zero-stage", "3", "--maximize",
+                       "max_completion_length")
+    assert "Qwen2.5-7B on NVIDIA H100 80GB HBM3 (79.18 GiB), per GPU, 2 x ZeRO-3" in " ".join(out.split())
     code, out, _ = run(capsys, "gpus", "--model", "Qwen2.5-7B", "--num-gpus", "2", "--zero-stage", "3")
     assert code == 0 and "Qwen2.5-7B, TRL 1.16.0, per GPU, 2 x ZeRO-3: every card" in out
     _, rows = json_of(capsys, "gpus", "--model", "Qwen2.5-7B", "--num-gpus", "2", "--zero-stage", "3", "--json")

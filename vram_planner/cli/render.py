@@ -240,7 +240,7 @@ def render_maximized(report: MaximizedPlanReport, gpu: GpuProfile, console: Cons
     when nothing fits, that in one line and False."""
     console = console or terminal()
     m, budget = report.maximized, report.capacity_bytes - report.safety_margin_bytes
-    where = f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB)"
+    where = f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB){per_gpu(report)}"
     if m.value is None:
         fix = ("even with the plan's savers; a larger card (vram-plan gpus --model ...) or plain `vram-plan plan` "
                "(it also shortens completions and shrinks batches) finds what fits" if m.allow_savers else

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from vram_planner.model import activations as act
 from vram_planner.model import components as m
+from vram_planner.model import zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
 from vram_planner.model.cublas import cublas_workspace_bytes
@@ -106,6 +107,7 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         # DeepSpeed's fp32 copy of the gradient partition exists only inside its step (model/zero.py)
         raw.append(Phase("optimizer", {**persistent, "gradients": all_grads + m.fp32_gradient_bytes(arch, train),
                                        "activations": m.optimizer_step_temporary_bytes(arch, train)}))
+    raw = [_with_reduce_bucket(p, train, first_micro_batch) for p in raw]
     # vLLM colocated on this card takes the budget it works out at start-up (all of it, or what sleep mode leaves)
     context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
     vllm, vllm_notes = None, []
@@ -120,6 +122,16 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
                                   workspaces, arch) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm)
+
+
+def _with_reduce_bucket(phase: Phase, train: TrainingConfig, first_micro_batch: bool) -> Phase:
+    """DeepSpeed's gradient reduction bucket (model/zero.py), as gradients: ZeRO-3 holds it from start-up, ZeRO-1/2
+    from the first backward on (in the first micro-batch, only there)."""
+    bucket = zero.reduce_bucket_bytes(train.zero_stage)
+    if not bucket or (first_micro_batch and train.zero_stage != 3 and phase.name != "training"):
+        return phase
+    gradients = phase.components.get("gradients", 0.0) + bucket
+    return Phase(phase.name, {**phase.components, "gradients": gradients}, phase.moment)
 
 
 def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,

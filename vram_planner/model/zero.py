@@ -16,7 +16,8 @@ partition as gradients, the fp32 master partition and Adam's two moments as opti
 partition, which DeepSpeed builds only inside the optimizer step, as gradients of the optimizer phase. Under ZeRO-3
 the largest layer's gathered 16-bit parameters (2 bytes per parameter) count as weights and its full 16-bit gradient
 before the reduce-scatter (2 bytes) as gradients, in every phase, as DeepSpeed's estimator counts them among the
-model states: so the optimizer phase's model states are never below DeepSpeed's estimate.
+model states: so the optimizer phase's model states are never below DeepSpeed's estimate. Beyond the estimator, the
+gradient reduction bucket (5e8 16-bit elements, below) counts as gradients wherever it exists.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ FP32_GRADIENT_BYTES = 4
 # its 16-bit parameters and their 16-bit gradient before the reduce-scatter.
 GATHERED_PARAM_BYTES = 2
 GATHERED_GRADIENT_BYTES = 2
+# The gradient reduction bucket ("ipg" bucket): DeepSpeed's default reduce_bucket_size is 5e8 elements
+# (zero/config.py:113). TRL's accelerate configs set none, and accelerate (accelerator.py, `hidden_size_based_keys`)
+# and transformers fill it from the hidden size only where a DeepSpeed config file says "auto", so the default holds.
+# ZeRO-1/2 allocate it at a micro-batch's first gradient and keep it until the next one's
+# (zero/stage_1_and_2.py:3259-3270; one buffer, as overlap_comm is off below stage 3, zero/config.py:384-387), in the
+# 16-bit gradients' dtype (:1253-1254 and :397-404; no separate accumulation dtype by default, engine.py:1806-1807);
+# ZeRO-3 allocates it at start-up and keeps it (zero/stage3.py:780-784), in the 16-bit communication dtype. Its size
+# does not depend on the model's.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+REDUCE_BUCKET_ELEMENT_BYTES = 2
 # The estimator's other multipliers (zero/stage_1_and_2.py:4029-4031): 16-bit parameters, and per parameter of the
 # partition 2 (16-bit gradients) + 4 (fp32 gradients) + 4 (fp32 parameters) + 8 (Adam's momentum and variance).
 ESTIMATE_PARAM_BYTES = 2
@@ -55,6 +66,12 @@ def largest_trainable_layer_params(arch: ModelArchitecture, lora_r: int | None,
     if not lora_r:
         return largest_layer_params(arch)
     return max((lora_r * max(lin.in_features, lin.out_features) for lin in arch.lora_linears(lora_targets)), default=0)
+
+
+def reduce_bucket_bytes(zero_stage: int | None) -> int:
+    """The gradient reduction bucket one rank holds under ZeRO-1, 2 or 3 (none without DeepSpeed, nor at stage 0,
+    whose BF16_Optimizer accumulates into its fp32 gradient buffers)."""
+    return REDUCE_BUCKET_ELEMENTS * REDUCE_BUCKET_ELEMENT_BYTES if zero_stage in (1, 2, 3) else 0
 
 
 def deepspeed_estimate_bytes(total_params: int, num_gpus: int, stage: int, largest_layer: int = 0) -> int:
