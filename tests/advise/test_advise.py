@@ -268,3 +268,31 @@ def test_a_release_the_log_names_that_vram_plan_does_not_know_is_left_unused_and
     installed = installed_version("transformers")
     expected = "installed" if installed and installed.startswith("5.") else "assumed"
     assert code == 0 and json.loads(out)["transformers_version_from"] == expected
+
+
+def test_the_trl_release_is_read_from_the_log_and_the_flag_wins(capsys, tmp_path):
+    without_trl = [flag for i, flag in enumerate(SEEDS_FLAGS)
+                   if flag != "--trl-version" and SEEDS_FLAGS[i - 1] != "--trl-version"]
+    log = tmp_path / "crash.log"
+    log.write_text("\n".join(["trl==0.14.0", "transformers==4.52.0", CURRENT]) + "\n")
+    code, out, _ = run(capsys, "advise", str(log), *without_trl, "--json")
+    from_log = json.loads(out)
+    assert code == 0 and from_log["trl_version"] == "0.14.0" and from_log["trl_version_from"] == "log"
+    assert "worked out for TRL 0.14.0 (as the log says)" in from_log["diagnosis"]
+    # the same answer as with the flag: accelerate's fp32 copy of the full-sequence logits, to the byte
+    flagged = _seeds_advice(capsys, tmp_path, log_lines=("trl==1.16.0", "transformers==4.52.0", CURRENT))
+    assert flagged["trl_version"] == "0.14.0" and flagged["trl_version_from"] == "flag"
+    assert from_log["attribution"]["culprit_bytes"] == flagged["attribution"]["culprit_bytes"] == 4 * 994 * VOCAB * 4
+    # a release the table does not cover is left unused: the installed one is planned for
+    log.write_text("\n".join(["trl==0.3.0", CURRENT]) + "\n")
+    code, out, _ = run(capsys, "advise", str(log), *without_trl, "--json")
+    assert code == 0 and json.loads(out)["trl_version_from"] == "installed"
+
+
+def test_the_log_names_trl_as_pip_trl_env_and_wheel_paths_write_it():
+    from vram_planner.advise.oom_log import read_log
+
+    for line, version in (("trl==0.14.0", "0.14.0"), ("- TRL version: 0.19.1", "0.19.1"),
+                          ("/site-packages/trl-1.16.0.dist-info/METADATA", "1.16.0"),
+                          ("trl 0.17", "0.17"), ("controlled==1.2.3", None), ("trl_utils 1.2", None)):
+        assert read_log([line, CURRENT]).trl_version == version, line

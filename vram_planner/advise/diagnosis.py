@@ -53,6 +53,8 @@ class Advice(BaseModel):
     attribution: Attribution | None = None
     transformers_version: str | None = None  # the release planned for
     transformers_version_from: Literal["flag", "log", "installed", "assumed"] | None = None
+    trl_version: str | None = None  # the TRL release planned for
+    trl_version_from: Literal["flag", "log", "installed"] | None = None
     fixes: list[Fix] = []
     fitting_config: dict[str, Any] | None = None
 
@@ -173,10 +175,11 @@ def _dropping_release(train: Any, release: Any) -> str | None:
 
 
 def advise(error: OomError, context: Any = None, train: Any = None,
-           transformers_from: Literal["flag", "log", "installed", "assumed"] = "assumed") -> Advice:
-    """What the figures say, and with the run's config (`transformers_from`: where its transformers release came
-    from) the tensor that asked for the failed allocation, its moment, and the fixes: those that remove that tensor
-    first, then by the bytes they save."""
+           transformers_from: Literal["flag", "log", "installed", "assumed"] = "assumed",
+           trl_from: Literal["flag", "log", "installed"] = "installed") -> Advice:
+    """What the figures say, and with the run's config (`transformers_from`, `trl_from`: where its transformers and
+    TRL releases came from) the tensor that asked for the failed allocation, its moment, and the fixes: those that
+    remove that tensor first, then by the bytes they save."""
     notes, fixes = diagnose(error)
     advice = Advice(error=error, diagnosis=notes, fixes=fixes)
     if context is None or train is None:
@@ -190,6 +193,9 @@ def advise(error: OomError, context: Any = None, train: Any = None,
         train = with_changes(train, allocator_conf=with_expandable_segments(train.allocator_conf))
     verdict = judge(context, train)
     advice.transformers_version, advice.transformers_version_from = train.transformers.version, transformers_from
+    advice.trl_version, advice.trl_version_from = context.release.version, trl_from
+    if trl_from == "log":
+        advice.diagnosis.append(f"worked out for TRL {context.release.version} (as the log says)")
     found = attribute(error, verdict)
     if found is not None:
         advice.attribution, advice.culprit, advice.phase = found, found.culprit, found.phase

@@ -43,6 +43,8 @@ ERROR_LINE = re.compile(r"OutOfMemoryError|out of memory|Tried to allocate|CUBLA
 CONTEXT_LINES = 80  # traceback frames kept above the error
 # The transformers release a log names: `pip freeze` (transformers==4.52.3), `transformers env` ("- `transformers`
 # version: 4.52.3"), a dist-info path (transformers-4.52.3.dist-info), a script's own print ("transformers 4.52.3")
+# pip freeze's "trl==0.14.0", a wheel or dist-info path's "trl-0.14.0", `trl env`'s "TRL version: 0.14.0"
+TRL_VERSION = re.compile(r"(?<![\w-])trl`?(?:==|-|\s+version:?\s*|:\s*|\s+)v?(\d+\.\d+(?:\.\d+)?)(?!\.?\d)(?!\w)", re.I)
 TRANSFORMERS_VERSION = re.compile(r"(?<![\w-])transformers`?(?:==|-|\s+version:?\s*|:\s*|\s+)v?(\d+\.\d+(?:\.\d+)?)"
                                   r"(?!\.?\d)(?!\w)", re.I)
 
@@ -64,6 +66,7 @@ class OomError(BaseModel):
     frames: list[str] = []  # "file:line in function", innermost last
     expandable_segments: bool = False
     transformers_version: str | None = None  # the transformers release the log names, where it names one
+    trl_version: str | None = None  # the TRL release the log names, where it names one
 
 
 def size_bytes(number: str, unit: str) -> int:
@@ -76,12 +79,14 @@ def read_log(lines: Iterable[str]) -> OomError:
     found: tuple[list[str], str] | None = None
     expandable = False
     seen_text = False
-    transformers_version = None
+    transformers_version = trl_version = None
     for raw in lines:
         line = RANK_PREFIX.sub("", raw.rstrip("\n"))[:4000]
         seen_text = seen_text or bool(line.strip())
         if named := TRANSFORMERS_VERSION.search(line):
             transformers_version = named.group(1)
+        if named := TRL_VERSION.search(line):
+            trl_version = named.group(1)
         # PyTorch's own message suggests the setting; only a line that sets it says it was on
         expandable = expandable or ("expandable_segments:True" in line.replace(" ", "")
                                     and "try setting" not in line)
@@ -97,7 +102,7 @@ def read_log(lines: Iterable[str]) -> OomError:
     frames = [f"{m.group(1).rsplit('site-packages/', 1)[-1]}:{m.group(2)} in {m.group(3)}"
               for m in map(FRAME.search, before) if m]
     return error.model_copy(update={"frames": frames, "expandable_segments": expandable,
-                                    "transformers_version": transformers_version})
+                                    "transformers_version": transformers_version, "trl_version": trl_version})
 
 
 def parse_error(line: str) -> OomError:

@@ -17,7 +17,8 @@ from vram_planner.errors import VramPlanError
 @click.option("--gpu", help="The card the run used (catalog name or size), to attribute the allocation.")
 @click.option("--model", help="The model the run trained.")
 @click.option("--config", "config_file", type=PATH, help="YAML/JSON file with the run's settings.")
-@click.option("--trl-version", help="The TRL release the run used (default: the installed one).")
+@click.option("--trl-version", help="The TRL release the run used (default: the one the log names, else the installed "
+              "one).")
 @click.option("--json", "json_output", is_flag=True, help="Print one JSON document (figures in bytes).")
 def advise_command(log: str, gpu: str | None, model: str | None, config_file: Path | None, trl_version: str | None,
                    json_output: bool, **knobs: Any) -> None:
@@ -28,9 +29,12 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
     error = read_log(_bounded_lines(log))
     context = train = None
     source = "flag" if knobs.get("transformers_version") is not None else "assumed"
+    trl_from = "flag" if trl_version is not None else "installed"
     # The run's model and card attribute the allocation; given one without the other (or a --config without
     # either), say what is missing rather than advise without them.
     if gpu is not None or model is not None or config_file is not None:
+        if trl_version is None and _known_trl(error.trl_version):  # the release the run used, as its log says
+            trl_version, trl_from = error.trl_version, "log"
         if source == "assumed" and _known_transformers(error.transformers_version):
             knobs, source = {**knobs, "transformers_version": error.transformers_version}, "log"
         options = {"gpu": gpu, "model": model, "config_file": config_file, "trl_version": trl_version,
@@ -40,7 +44,7 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
             source = "flag"
         elif source == "assumed" and train.transformers.version == _installed_transformers():
             source = "installed"
-    advice = advise(error, context, train, source)
+    advice = advise(error, context, train, source, trl_from)
     if json_output:
         click.echo(advice.model_dump_json(indent=2))
     else:
@@ -59,6 +63,20 @@ def _installed_transformers() -> str | None:
     installed = installed_version("transformers")
     parsed = parse_version(installed) if installed else None
     return parsed[1] if parsed else None
+
+
+def _known_trl(version: str | None) -> bool:
+    """Whether a TRL release the log names is one the release table covers (else the log's figure is unused)."""
+    from vram_planner.errors import VramPlanError
+    from vram_planner.model.trl_releases import trl_release
+
+    if version is None:
+        return False
+    try:
+        trl_release(version)
+    except (VramPlanError, ValueError):
+        return False
+    return True
 
 
 def _known_transformers(version: str | None) -> bool:
