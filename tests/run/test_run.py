@@ -16,6 +16,8 @@ pytest.importorskip("trl")
 @pytest.mark.slow
 def test_run_trains_two_steps_and_logs_memory_per_step(tiny_model_folder, tmp_path):
     out = tmp_path / "run"
+    out.mkdir()
+    (out / "README.md").write_text("# my notes on this run\n")  # the user's: TRL's model card must not replace it
     # a process of its own, as a user starts it: pytest would otherwise catch the warnings before stderr does
     done = subprocess.run([sys.executable, "-m", "vram_planner", "run", "--model", str(tiny_model_folder), "--dataset",
                            "math-sample", "--max-steps", "2", "--save-steps", "2", "--output-dir", str(out), *SMALL],
@@ -28,6 +30,9 @@ def test_run_trains_two_steps_and_logs_memory_per_step(tiny_model_folder, tmp_pa
     assert len(lines) == 2 and lines[0].startswith("smoke step:"), err
     assert lines[1].startswith("GRPO") and "2/2" in lines[1] and "reward" in lines[1] and "predicted" in lines[1]
     assert (out / "checkpoint-2").is_dir() and (out / "final" / "config.json").is_file()
+    assert (out / "README.md").read_text() == "# my notes on this run\n"
+    assert "trained using [TRL]" in (out / "MODEL_CARD.md").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".model-card-")]
     steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
     trained = [s for s in steps if "reward" in s]
     assert [s["step"] for s in trained] == [1, 2]
@@ -111,6 +116,9 @@ def test_out_of_memory_falls_back_to_a_smaller_micro_batch_from_the_checkpoint(c
     steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "reward" in s] == [1, 2]  # step 1 kept, step 2 after the resume
     assert (out / "checkpoint-2").is_dir() and (out / "final" / "config.json").is_file()
+    assert (out / "README.md").read_text() == "# my notes on this run\n"
+    assert "trained using [TRL]" in (out / "MODEL_CARD.md").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".model-card-")]
 
 
 @pytest.mark.slow
@@ -178,3 +186,20 @@ def test_a_plan_that_fits_nowhere_is_refused(capsys, tmp_path):
     err = one_line_error(capsys, "run", "--gpu", "1GiB", "--model", "Llama-3.2-1B", "--dataset", "math-sample",
                          "--output-dir", str(tmp_path / "run"))
     assert "nothing vram-plan knows fits" in err and not (tmp_path / "run").exists()
+
+
+def test_an_empty_output_dir_is_refused_not_taken_as_this_folder(capsys, tiny_model_folder):
+    for empty in ("", "  "):
+        err = one_line_error(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                             "--output-dir", empty, "--dry-run", *SMALL)
+        assert "--output-dir" in err and "is empty" in err
+
+
+def test_trls_own_card_is_replaced_a_users_readme_is_not(tmp_path):
+    from vram_planner.run.launch import TRL_CARD_LINE, users_readme
+
+    assert not users_readme(tmp_path)
+    (tmp_path / "README.md").write_text(f"---\ntags: [trl]\n---\n# Model Card for run\n{TRL_CARD_LINE}\n")
+    assert not users_readme(tmp_path)  # an earlier run's card: the new one replaces it
+    (tmp_path / "README.md").write_text("my experiment log\n")
+    assert users_readme(tmp_path)

@@ -10,12 +10,21 @@ import click
 from vram_planner.cli.options import CONTEXT, EXIT_FITS, KNOBS, resolve
 
 
+def _output_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+    """An empty --output-dir would mean the current folder: refused, as '.' says that plainly."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("is empty: name the folder the run should write to ('.' for this one)")
+    return click.Path(path_type=Path, file_okay=False).convert(value, param, ctx)
+
+
 def _run_options(function: Any) -> Any:
     for option in reversed(CONTEXT + KNOBS + [
         click.option("--dataset", required=True, help="gsm8k, math-sample, a .jsonl/.parquet file or a folder."),
         click.option("--reward", "rewards", multiple=True,
                      help="format, correctness, or module:function (repeat for several; default: both built-ins)."),
-        click.option("--output-dir", type=click.Path(path_type=Path, file_okay=False), help="Where checkpoints go."),
+        click.option("--output-dir", callback=_output_dir, help="Where checkpoints go."),
         click.option("--resume", is_flag=True, help="Continue the run in --output-dir from its last checkpoint."),
         click.option("--overwrite", is_flag=True, help="Remove the run already in --output-dir and start afresh."),
         click.option("--max-steps", type=int, default=-1, show_default=True, help="-1: one epoch."),

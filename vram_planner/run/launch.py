@@ -411,6 +411,7 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
         args.model_init_kwargs = {**(args.model_init_kwargs or {}),
                                   "quantization_config": BitsAndBytesConfig(**quantization)}
     created = not setup.output_dir.exists()
+    readme_kept = users_readme(setup.output_dir)
     setup.output_dir.mkdir(parents=True, exist_ok=True)
     log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes)
     progress = RichProgress(setup.predicted_peak_bytes, transient=smoke)
@@ -430,6 +431,8 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
         if created:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
+    if readme_kept:
+        keep_users_readme(trainer, setup.output_dir)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # with TRL's bar off it prints every log dict; the line shows them
@@ -440,6 +443,41 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     if not smoke:
         trainer.save_model(str(setup.output_dir / "final"))
     return setup.output_dir
+
+
+# The line TRL's model card templates (trl/templates/*_model_card.md) all carry: a README.md with it is TRL's own.
+TRL_CARD_LINE = "It has been trained using [TRL](https://github.com/huggingface/trl)."
+MODEL_CARD_ASIDE = "MODEL_CARD.md"
+
+
+def users_readme(folder: Path) -> bool:
+    """Whether `folder` holds a README.md that is not a model card TRL wrote (an earlier run's is TRL's)."""
+    readme = folder / "README.md"
+    try:
+        return readme.is_file() and TRL_CARD_LINE not in readme.read_text(errors="replace")
+    except OSError:
+        return True  # unreadable: not ours to replace
+
+
+def keep_users_readme(trainer: Any, folder: Path) -> None:
+    """GRPOTrainer writes its model card to output_dir/README.md at every checkpoint; where the user keeps a
+    README.md there, the card is written beside it as MODEL_CARD.md instead."""
+    original = trainer.create_model_card
+
+    def create_model_card(*args: Any, **kwargs: Any) -> None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".model-card-") as scratch:
+            output_dir, trainer.args.output_dir = trainer.args.output_dir, scratch
+            try:
+                original(*args, **kwargs)
+            finally:
+                trainer.args.output_dir = output_dir
+            card = Path(scratch) / "README.md"
+            if card.is_file():
+                os.replace(card, folder / MODEL_CARD_ASIDE)
+
+    trainer.create_model_card = create_model_card
 
 
 def _rescue(trainer: Any) -> Path | None:
