@@ -203,3 +203,15 @@ def test_trls_own_card_is_replaced_a_users_readme_is_not(tmp_path):
     assert not users_readme(tmp_path)  # an earlier run's card: the new one replaces it
     (tmp_path / "README.md").write_text("my experiment log\n")
     assert users_readme(tmp_path)
+
+
+def test_a_trl_release_other_than_the_installed_one_is_refused_before_the_dry_run(capsys, tiny_model_folder):
+    from vram_planner.model.trl_releases import installed_trl_version
+
+    err = one_line_error(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                         "--trl-version", "0.14.0", "--dry-run", *SMALL)
+    assert f"installed TRL {installed_trl_version()}, not --trl-version 0.14.0" in err
+    assert "pip install 'trl==0.14.0'" in err
+    code, out, _ = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--trl-version",
+                       installed_trl_version(), "--dry-run", *SMALL)
+    assert code == 0 and "GRPOConfig(" in out

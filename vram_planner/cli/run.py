@@ -54,6 +54,7 @@ def run(**options: Any) -> None:
     settings = {k: options.pop(k) for k in run_keys}
     dry_run, auto_fallback, verbose = (options.pop(k) for k in ("dry_run", "auto_fallback", "verbose"))
     context, knobs = resolve("run", options)
+    _check_installed_trl(context.release)
     model_id = context.arch.hub_id or context.model_id
     on_cpu = not _cuda_available()
     settings["rewards"] = list(settings["rewards"]) or ["format", "correctness"]
@@ -72,6 +73,20 @@ def run(**options: Any) -> None:
         if not dry_run:
             train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))
     raise click.exceptions.Exit(EXIT_FITS)
+
+
+def _check_installed_trl(release: Any) -> None:
+    """The run starts the installed TRL's GRPOTrainer with the keywords of the release planned for: another
+    --trl-version's GRPOConfig would not take them (TRL 0.14's max_prompt_length is gone from 1.x, say)."""
+    from vram_planner.errors import VramPlanError
+    from vram_planner.model.trl_releases import installed_trl_version, parse_version
+
+    installed = installed_trl_version()
+    parsed = parse_version(installed) if installed else None
+    if parsed is None or release.note or parsed[1] == release.version:  # a release beyond the table is read as one
+        return
+    raise VramPlanError(f"run starts the installed TRL {installed}, not --trl-version {release.version}: install it "
+                        f"(pip install 'trl=={release.version}') or leave --trl-version out")
 
 
 def _cuda_available() -> bool:
