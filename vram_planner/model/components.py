@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from vram_planner.model import zero
+from vram_planner.model import fsdp, zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.spec import DTYPE_BYTES, Optimizer, TrainingConfig
@@ -50,6 +50,11 @@ def sizes(train: TrainingConfig) -> Sizes:
         trainable = 2 if (train.load_in_4bit or train.zero_stage == 3) else FP32_BYTES
     else:
         trainable = weight
+    if train.fsdp and train.mixed_precision != "no":
+        # FSDP2 computes with its layers gathered in bf16 and makes their gradients in bf16 (model/fsdp.py); the
+        # float32 shards are counted there
+        gathered = fsdp.gathered_bytes_per_param(train)
+        return Sizes(weight=gathered, compute=compute, residual=gathered, trainable=gathered)
     return Sizes(weight=weight, compute=compute, residual=weight, trainable=trainable)
 
 
@@ -97,6 +102,8 @@ def shard_bytes(train: TrainingConfig, n_bytes: float, from_stage: int) -> float
 def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Policy weights (base plus LoRA adapters), as held on one GPU between generations."""
     s = sizes(train)
+    if train.fsdp and not train.load_in_4bit:  # the shards (model/fsdp.py)
+        return fsdp.shard_weight_bytes(arch, train, trainable_params(arch, train))
     if train.load_in_4bit:
         absmax = (NF4_DOUBLE_QUANT_ABSMAX_BYTES_PER_PARAM if train.bnb_4bit_use_double_quant is not False
                   else NF4_ABSMAX_BYTES_PER_PARAM)
@@ -117,7 +124,10 @@ def _zero3_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
 
 
 def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Weights during generation: ZeRO-3 gathers the whole model (ds3_gather_for_generation), FSDP summons it."""
+    """Weights during generation: ZeRO-3 gathers the whole model (ds3_gather_for_generation); FSDP2 gathers one
+    layer at a time (model/fsdp.py)."""
+    if train.fsdp and not train.load_in_4bit:
+        return weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train, trainable_params(arch, train))
     if train.zero_stage == 3 or train.fsdp:
         unsharded = replace(train, num_gpus=1)
         return weight_bytes(arch, unsharded) - _zero3_gathered_bytes(arch, unsharded)
@@ -129,12 +139,16 @@ def reference_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
     if not train.computes_ref_logps or train.uses_lora:
         return 0
     per_param = 2 if train.zero_stage is not None else sizes(train).weight
+    if train.fsdp:  # frozen: sharded as loaded, not upcast
+        per_param = DTYPE_BYTES[train.dtype]
     return shard_bytes(train, arch.params * per_param, 3)
 
 
 def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Gradients of the trainable parameters; DDP adds its bucket copy (gradient_as_bucket_view=False)."""
     grads = trainable_params(arch, train) * sizes(train).trainable
+    if train.fsdp:  # reduce-scattered into the shards' dtype (model/fsdp.py)
+        return trainable_params(arch, train) * fsdp.master_bytes(train) / train.num_gpus
     if train.distributed == "ddp":
         return 2 * grads
     if train.zero_stage == 3:  # the largest trainable layer's full gradient before its reduce-scatter (model/zero.py)
@@ -156,6 +170,8 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     """Optimizer states (created at the first step, then kept), plus ZeRO's fp32 master weights."""
     trainable = trainable_params(arch, train)
     state_dtype = FP32_BYTES if train.zero_stage is not None else sizes(train).trainable
+    if train.fsdp:  # the optimizer steps the shards (model/fsdp.py)
+        state_dtype = fsdp.master_bytes(train)
     opt = train.optim
     if opt.is_8bit:
         states = 1 if "lion" in opt.value else 2
@@ -179,7 +195,8 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
 def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Scratch memory of one optimizer step: foreach AdamW builds a param-sized denominator; fused kernels none."""
     if train.optim is Optimizer.adamw_torch:
-        return shard_bytes(train, trainable_params(arch, train) * sizes(train).trainable, 1)
+        per_param = fsdp.master_bytes(train) if train.fsdp else sizes(train).trainable
+        return shard_bytes(train, trainable_params(arch, train) * per_param, 1)
     return 0
 
 

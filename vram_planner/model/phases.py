@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from vram_planner.model import activations as act
 from vram_planner.model import components as m
 from vram_planner.model import zero
+from vram_planner.model import fsdp
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
 from vram_planner.model.cublas import cublas_workspace_bytes
@@ -219,6 +220,14 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
 
 def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
     """Cached weight casts of the model that scores last: the reference when there is one, else the policy."""
+    if train.fsdp and not train.load_in_4bit:  # what FSDP2 has gathered instead (model/fsdp.py)
+        trainable = m.trainable_params(arch, train)
+        if train.computes_ref_logps and not train.uses_lora:
+            # the policy's tail, kept gathered since generation; the reference whole
+            return {"weights": m.weight_bytes(arch, train) + fsdp.gathered_bytes(arch, train, trainable, 0, 1),
+                    "reference_weights": m.reference_weight_bytes(arch, train)
+                    + fsdp.reference_gathered_bytes(arch, train)}
+        return {"weights": m.weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train, trainable)}
     if train.computes_ref_logps and not train.uses_lora:
         return {"reference_weights": m.reference_weight_bytes(arch, train) + m.layer_weight_cast_bytes(arch, train)}
     if train.uses_lora:
@@ -246,9 +255,13 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     mask = act.kept_mask_bytes(arch, train, b, length)
     # From the second micro-batch of an accumulation on, every gradient exists before the forward starts.
     accumulating = train.gradient_accumulation_steps > 1 and not first
+    if accumulating and train.fsdp:  # kept whole and unreduced under no_sync (model/fsdp.py)
+        all_grads = fsdp.accumulated_gradient_bytes(arch, train, m.trainable_params(arch, train))
     grads_before = all_grads if accumulating else 0.0
     forward_casts, backward_casts = _training_casts(arch, train)
     weights = persistent["weights"]
+    if train.fsdp:  # the tail and a layer gathered beside the shards
+        weights += fsdp.training_gathered_bytes(arch, train, m.trainable_params(arch, train))
     one_layer = act.one_layer_saved_bytes(arch, train, cal, tokens)
     layer_casts = m.layer_weight_cast_bytes(arch, train) / max(arch.num_layers, 1)
     working = m.backward_working_bytes(arch, train, cal, tokens)
@@ -297,11 +310,49 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         swap = eager - one_layer - working
         moments += [Phase("training", {**p.components, "activations": p.components["activations"] + swap},
                           f"{p.moment}: eager attention's softmax") for p in moments[-2:]]
-    if tied:
+    if train.fsdp:
+        moments += _fsdp_moments(arch, train, persistent, policy_graph, all_grads, accumulating, layer_input)
+    if tied and train.fsdp:
+        # The embedding's dense gradient before it joins the output projection's, which waits unreduced; the tail
+        # still gathered, the first layer's gradient not yet reduced
+        trainable = m.trainable_params(arch, train)
+        unreduced = fsdp.gathered_bytes(arch, train, trainable, 1, 1) - fsdp.tail_shard_gradient_bytes(arch, train)
+        tail_kept = weights - fsdp.layer_unit_bytes(arch, train, trainable)
+        moments.append(Phase("training", {**persistent, "weights": tail_kept,
+                                           "gradients": all_grads + held + (0 if accumulating else unreduced),
+                                           "activations": _head_gradient_bytes(arch, train) + layer_input},
+                             "embedding backward"))
+    elif tied:
         # The embedding's dense gradient joins the output projection's before they are summed.
         dense = _head_gradient_bytes(arch, train)
         moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
                                            "activations": layer_input}, "embedding backward"))
+    return moments
+
+
+def _fsdp_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
+                  policy_graph: dict[str, float], all_grads: float, accumulating: bool,
+                  layer_input: float) -> list[Phase]:
+    """FSDP2's own moments of the loss forward and backward (model/fsdp.py): a layer's gather in the forward (its
+    copy-out beside its own and the previous layer's all-gather outputs), and, when the embedding trains, the
+    reduce-scatter that ends the backward (the tail's, or an untied embedding's, gathered for its backward)."""
+    trainable = m.trainable_params(arch, train)
+    shards = persistent["weights"]
+    gathering = shards + fsdp.gathered_bytes(arch, train, trainable, fsdp.FORWARD_GATHER_LAYERS, 1)
+    moments = [Phase("training", {**persistent, **policy_graph, "weights": gathering}, "forward: a layer's gather")]
+    if accumulating or train.uses_lora:
+        return moments
+    embedding = fsdp.embedding_unit_bytes(arch, train)  # 0 when tied: the embedding is in the tail
+    moments.append(Phase("training", {**persistent, "weights": shards + embedding,
+                                      "gradients": all_grads + fsdp.tail_reduction_bytes(arch, train),
+                                      "activations": layer_input}, "reduce-scatter of the last unit"))
+    if embedding:
+        # An untied embedding's backward: its unit gathered with its all-gather output, its dense gradient, the
+        # first layer's gradient not yet reduced
+        unreduced = fsdp.layer_unit_bytes(arch, train, trainable) - fsdp.embedding_shard_gradient_bytes(arch, train)
+        moments.append(Phase("training", {**persistent, "weights": shards + fsdp.GATHER_COPIES * embedding,
+                                          "gradients": all_grads + unreduced, "activations": embedding + layer_input},
+                             "embedding backward"))
     return moments
 
 

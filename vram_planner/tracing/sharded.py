@@ -56,7 +56,8 @@ def sharded_rank(session: Session) -> Iterator[None]:
         with session.fake_mode:
             _shard_models(session, mesh)
         _count_shards(session)
-        with _fsdp_counted(session.tracker), _synced_last_micro_batch(session):
+        reference = session.ref_model._get_fsdp_state()._fsdp_param_group if session.ref_model is not None else None
+        with _fsdp_counted(session.tracker, reference), _synced_last_micro_batch(session):
             yield
     finally:
         dist.destroy_process_group()
@@ -71,18 +72,20 @@ def _shard_models(session: Session, mesh: Any) -> None:
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.to(torch.float32)
     _fully_shard_as_accelerate(session.model, model, mesh, mixed)
-    if session.ref_model is not None:  # trl/models/utils.py prepare_fsdp: the reference model under the same policy
-        _fully_shard_as_accelerate(session.ref_model, session.ref_model, mesh, mixed)
+    if session.ref_model is not None:
+        # trl/models/utils.py prepare_fsdp: the reference model is one FSDP2 unit, resharded after each forward
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(session.ref_model, mesh=mesh, mp_policy=_policy(mixed), reshard_after_forward=True)
 
 
 def _fully_shard_as_accelerate(top: Any, model: Any, mesh: Any, mixed: torch.dtype | None) -> None:
     """accelerate 1.x `fsdp2_prepare_model` with TRL's fsdp2 config: `top` is what the trainer wraps (a PeftModel
     with LoRA), `model` the transformers model inside it."""
     from accelerate.utils.fsdp_utils import _find_final_norm, get_module_children_bottom_up
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    policy = (MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=mixed, output_dtype=mixed) if mixed is not None
-              else MixedPrecisionPolicy())
+    policy = _policy(mixed)
     kwargs = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}
     layer_names = set(getattr(model, "_no_split_modules", None) or ())
     for module in get_module_children_bottom_up(top)[:-1]:
@@ -102,6 +105,16 @@ def _fully_shard_as_accelerate(top: Any, model: Any, mesh: Any, mixed: torch.dty
     # FSDP2 finds its root at the first forward, which must be the root's: PEFT's generate() calls the transformers
     # model inside, whose FSDP units would each claim to be a root.
     top._get_fsdp_state()._lazy_init()
+
+
+def _policy(mixed: torch.dtype | None) -> Any:
+    """accelerate's FullyShardedDataParallelPlugin.set_mixed_precision for FSDP2: gathers, reductions and outputs in
+    the mixed-precision dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=mixed, output_dtype=mixed)
 
 
 def _count_shards(session: Session) -> None:
@@ -142,8 +155,9 @@ def _synced_last_micro_batch(session: Session) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fsdp_counted(tracker: LiveBytes) -> Iterator[None]:
-    """Count FSDP2's storage resizes, and tag its gathers as weights and its gradient reductions as gradients."""
+def _fsdp_counted(tracker: LiveBytes, reference: Any) -> Iterator[None]:
+    """Count FSDP2's storage resizes, and tag its gathers as weights (the `reference` group's as reference weights)
+    and its gradient reductions as gradients."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -157,7 +171,7 @@ def _fsdp_counted(tracker: LiveBytes) -> Iterator[None]:
 
     def tagged(method: Any, tag: str) -> Any:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with tracker.tagged(tag):
+            with tracker.tagged(REFERENCE if self is reference else tag):
                 return method(self, *args, **kwargs)
         return run
 

@@ -1,0 +1,119 @@
+"""One rank of FSDP2: the sharded trace beside the analytic per-rank model, phase by phase and component by component.
+
+    python benchmarks/sharded.py [--quick]
+
+The trace runs PyTorch's own `fully_shard` (as accelerate prepares a model for TRL's fsdp2 config) on torch's fake
+process group over fake tensors, rank 0 of N (vram_planner/tracing/sharded.py); the analytic model is what `check
+--num-gpus N --fsdp` adds up (vram_planner/model/components.py, phases.py). Per config and phase: the tensor peak of
+each and the error (analytic - trace) / trace, then each component at the phase's peak. The grid: models (a fixture with
+untied embeddings and biases, Qwen2.5-0.5B and Llama-3.2-1B with tied ones, Qwen2.5-7B untied) x N in (2, 4, 8) x
+full fine-tuning, LoRA, gradient accumulation (no_sync), a reference model (beta), float32 weights; bf16 autocast,
+short sequences (the sharded terms are the point; the activations are the one-GPU model's, held to the one-GPU trace
+elsewhere). Results: benchmarks/results/sharded.json and sharded.txt.
+`--quick` runs the fixture only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vram_planner import api  # noqa: E402
+from vram_planner.model.phases import TENSOR_COMPONENTS, estimate  # noqa: E402
+from vram_planner.tracing.step import trace_step  # noqa: E402
+from vram_planner.units import GiB  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "sharded.json"
+TABLE = ROOT / "benchmarks" / "results" / "sharded.txt"
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny-llama-bias.json"
+MODELS = ROOT / "profiles" / "models"
+SHORT = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
+         "max_completion_length": 32, "dtype": "bfloat16", "fsdp": True}
+GRID = [
+    (str(FIXTURE), {}),
+    (str(FIXTURE), {"lora_r": 8}),
+    (str(FIXTURE), {"dtype": "float32"}),
+    (str(FIXTURE), {"gradient_accumulation_steps": 2}),
+    (str(MODELS / "Qwen2.5-0.5B.json"), {}),
+    (str(MODELS / "Llama-3.2-1B.json"), {}),
+    (str(MODELS / "Llama-3.2-1B.json"), {"lora_r": 16}),
+    (str(MODELS / "Llama-3.2-1B.json"), {"gradient_accumulation_steps": 2}),
+    (str(MODELS / "Llama-3.2-1B.json"), {"beta": 0.04}),
+    (str(MODELS / "Llama-3.2-1B.json"), {"dtype": "float32", "max_completion_length": 256}),
+    (str(MODELS / "Qwen2.5-7B.json"), {}),
+]
+GPUS = (2, 4, 8)
+
+
+def measure(model: str, knobs: dict, gpus: int) -> dict:
+    context = api.make_context(model, "h100-80gb")
+    train = api.make_training(context, {**SHORT, **knobs, "num_gpus": gpus})
+    config = json.loads(Path(model).read_text())
+    start = time.perf_counter()
+    traced = trace_step(config, train, context.release)
+    seconds = time.perf_counter() - start
+    analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
+                                             context.capacity_bytes).phases}
+    phases = []
+    for phase in traced.phases:
+        other = analytic[phase.name]
+        phases.append({"phase": phase.name, "trace_bytes": phase.peak_bytes,
+                       "analytic_bytes": round(other.tensor_bytes),
+                       "trace_moment": phase.moment, "analytic_moment": other.moment,
+                       "components": {c: [phase.components.get(c, 0), round(other.components.get(c, 0.0))]
+                                      for c in TENSOR_COMPONENTS}})
+    return {"model": Path(model).stem, "knobs": knobs, "num_gpus": gpus, "seconds": round(seconds, 1),
+            "phases": phases}
+
+
+def fixture(row: dict) -> bool:
+    return row["model"] == FIXTURE.stem
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'config':<44} {'N':>2} {'phase':<10} {'trace GiB':>10} {'analytic':>10} {'error':>8}  components "
+             "(trace/analytic MiB, where they differ by 1% or more)"]
+    worst = worst_fixture = 0.0
+    for row in rows:
+        name = row["model"] + "".join(f" {k}={v}" for k, v in row["knobs"].items())
+        for p in row["phases"]:
+            error = (p["analytic_bytes"] - p["trace_bytes"]) / p["trace_bytes"]
+            if fixture(row):
+                worst_fixture = max(worst_fixture, abs(error))
+            else:
+                worst = max(worst, abs(error))
+            differ = ", ".join(f"{c} {t / 2**20:.2f}/{a / 2**20:.2f}" for c, (t, a) in p["components"].items()
+                               if max(t, a) and abs(a - t) > 0.01 * max(t, a))
+            lines.append(f"{name:<44} {row['num_gpus']:>2} {p['phase']:<10} {p['trace_bytes'] / GiB:>10.4f} "
+                         f"{p['analytic_bytes'] / GiB:>10.4f} {error:>+8.2%}  {differ}")
+    lines.append(f"worst |error| over the catalog models' {sum(not fixture(r) for r in rows)} configs: {worst:.2%}; "
+                 f"over the fixture's {sum(map(fixture, rows))} (kilobyte shards, each rounded to 512 bytes, which "
+                 f"the analytic model does not round): {worst_fixture:.2%}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the fixture model only")
+    args = parser.parse_args()
+    grid = [(m, k) for m, k in GRID if not args.quick or m == str(FIXTURE)]
+    rows = []
+    for model, knobs in grid:
+        for gpus in GPUS:
+            rows.append(measure(model, knobs, gpus))
+            print(f"{Path(model).stem} {knobs} N={gpus}: {rows[-1]['seconds']} s", file=sys.stderr)
+    text = table(rows)
+    print(text)
+    if not args.quick:
+        RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
+        TABLE.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

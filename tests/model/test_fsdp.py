@@ -1,0 +1,48 @@
+"""The analytic FSDP2 rank (model/fsdp.py) in the planner's phases; tests/tracing/test_sharded.py holds it to the
+trace."""
+
+from __future__ import annotations
+
+from vram_planner.model import components as m
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.phases import estimate
+from vram_planner.model.spec import training_config
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.units import GiB
+
+P = 1_235_814_400  # Llama-3.2-1B
+V, H = 128256, 2048
+
+
+def fsdp(gpus: int, **knobs):
+    return training_config({"num_gpus": gpus, "fsdp": True, "dtype": "bfloat16", **knobs})
+
+
+def phases(arch, train) -> dict:
+    release = trl_release(None)
+    return {p.name: p for p in estimate(arch, train, release, Calibration(), 80 * GiB).phases}
+
+
+def test_bf16_weights_still_train_on_float32_master_shards(llama_1b):
+    # accelerate upcasts trainable parameters to float32 before fully_shard under mixed precision
+    for gpus in (2, 8):
+        train = fsdp(gpus)
+        assert (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train),
+                m.optimizer_state_bytes(llama_1b, train)) == (4 * P / gpus, 4 * P / gpus, 8 * P / gpus)
+
+
+def test_generation_gathers_the_tail_and_a_layer_on_every_rank_not_the_model(llama_1b):
+    gathered = [m.generation_weight_bytes(llama_1b, fsdp(n)) - m.weight_bytes(llama_1b, fsdp(n)) for n in (2, 8)]
+    assert gathered[0] == gathered[1] < 2 * P
+    assert gathered[0] == 2 * 2 * (V * H + H + llama_1b.layer_params)  # each with its all-gather output
+
+
+def test_micro_batches_before_the_last_hold_whole_bf16_gradients(llama_1b):
+    single = phases(llama_1b, fsdp(8))["training"]
+    accumulating = phases(llama_1b, fsdp(8, gradient_accumulation_steps=4))["training"]
+    assert accumulating.components["gradients"] >= 2 * P > single.components["gradients"]
+
+
+def test_the_reference_model_is_gathered_whole_while_it_scores(llama_1b):
+    scoring = phases(llama_1b, fsdp(8, beta=0.04))["scoring"]
+    assert scoring.components["reference_weights"] == 2 * P / 8 + 2 * 2 * P  # bf16 shards, gathered, all-gather out
