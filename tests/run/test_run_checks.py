@@ -54,14 +54,24 @@ def test_an_output_dir_holding_a_run_is_refused_and_kept(capsys, tiny_model_fold
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.parametrize("leftover", ["accelerate_config.yaml", "vram-plan-log.jsonl", "final"])
-def test_any_trace_of_a_run_counts_as_a_run(capsys, tiny_model_folder, tmp_path, leftover):
+@pytest.mark.parametrize("leftover", ["final", "checkpoint-3"])
+def test_a_trained_run_counts_as_a_run(capsys, tiny_model_folder, tmp_path, leftover):
     out = tmp_path / "run"
-    out.mkdir()
-    (out / leftover).mkdir() if leftover == "final" else (out / leftover).write_text("x")
+    (out / leftover).mkdir(parents=True)
     err = one_line_error(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
                          "--output-dir", str(out), *SMALL)
     assert "--resume" in err and "--overwrite" in err and leftover in err
+
+
+@pytest.mark.parametrize("leftover", ["accelerate_config.yaml", "vram-plan-log.jsonl"])
+def test_a_run_stopped_before_its_first_checkpoint_is_started_again(capsys, tiny_model_folder, tmp_path, leftover):
+    # nothing trained to continue from or keep: without --overwrite, and with --resume, it starts from the beginning
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / leftover).write_text("x")
+    for resume in ((), ("--resume",)):
+        code, _, err = run_into(capsys, tiny_model_folder, out, "--dry-run", *resume)
+        assert code == 0, err
 
 
 def test_a_folder_of_other_files_is_not_a_run(capsys, tiny_model_folder, tmp_path):

@@ -47,8 +47,9 @@ def run(**options: Any) -> None:
 
     require_train_extra("vram-plan run")
     from vram_planner.model.search import best_plan
-    from vram_planner.run.launch import (CONFIG_NAME, RunSetup, accelerate_config_yaml, is_main_process, launch,
-                                         launch_command, library_output, needs_launcher, prepare, train)
+    from vram_planner.run.launch import (CONFIG_NAME, RunInterrupted, RunSetup, accelerate_config_yaml,
+                                         interrupted_message, is_main_process, launch, launch_command, library_output,
+                                         needs_launcher, prepare, train)
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite")
     settings = {k: options.pop(k) for k in run_keys}
@@ -71,7 +72,11 @@ def run(**options: Any) -> None:
                  f"command: {' '.join(launch_command(setup, argv))}")
             raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv))
         if not dry_run:
-            train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))
+            try:
+                train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))
+            except RunInterrupted as stop:  # Ctrl+C or SIGTERM: where the training is, and how to go on
+                echo(interrupted_message(stop, click.get_current_context().find_root().obj["argv"]), err=True)
+                raise click.exceptions.Exit(stop.exit_code) from None
     raise click.exceptions.Exit(EXIT_FITS)
 
 

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import os
+import shlex
 import shutil
 import time
 import warnings
@@ -21,7 +22,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
 from vram_planner.extras import library_log_warnings_hidden, require_bitsandbytes, require_vllm
-from vram_planner.files import check_writable
+from vram_planner.files import check_writable, write_atomically
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig, knob_names
@@ -200,14 +201,14 @@ def check_output_dir(setup: RunSetup) -> Path | None:
         raise VramPlanError(f"--resume continues the run in {folder} and --overwrite starts it afresh: pass one of "
                             "them")
     check_writable(folder / LOG_NAME, "--output-dir")
+    leftovers = [] if launched_worker() else run_files(folder)  # a launched process finds its launcher's config
     if setup.resume:
         checkpoint = last_checkpoint(folder)
-        if checkpoint is None:
+        if checkpoint is None and not restartable(leftovers):
             raise VramPlanError(f"--resume: {folder} holds no checkpoint-N folder to continue from; leave --resume "
                                 "out to start a run there")
-        return checkpoint
-    leftovers = [] if launched_worker() else run_files(folder)  # a launched process finds its launcher's config
-    if leftovers and not setup.overwrite:
+        return checkpoint  # None: a run stopped before its first checkpoint starts again from the beginning
+    if leftovers and not setup.overwrite and not restartable(leftovers):
         checkpoint = last_checkpoint(folder)
         resume = f"--resume to continue it from {checkpoint.name}" if checkpoint else "--resume (with a checkpoint)"
         raise VramPlanError(f"--output-dir {folder} already holds a run ({', '.join(p.name for p in leftovers[:4])}"
@@ -216,11 +217,21 @@ def check_output_dir(setup: RunSetup) -> Path | None:
     return None
 
 
+def restartable(leftovers: list[Path]) -> bool:
+    """What a run stopped before its first checkpoint leaves (its log, its accelerate config): nothing to continue
+    from and nothing worth keeping, so a new run may start there without --overwrite."""
+    return bool(leftovers) and all(path.is_file() for path in leftovers)
+
+
 def clear_previous_run(setup: RunSetup) -> None:
-    """With --overwrite, remove what the earlier run left (nothing else in the folder), once, in the main process."""
-    if not setup.overwrite or launched_worker():
+    """With --overwrite, remove what the earlier run left (nothing else in the folder), once, in the main process;
+    without it, only what a run stopped before its first checkpoint left."""
+    if launched_worker() or setup.resume and last_checkpoint(setup.output_dir) is not None:
         return
-    for path in run_files(setup.output_dir):
+    leftovers = run_files(setup.output_dir)
+    if not setup.overwrite and not restartable(leftovers):
+        return
+    for path in leftovers:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
@@ -228,9 +239,17 @@ class JsonlLog:
     """A TrainerCallback writing each logged step (with measured and predicted peak memory) as one JSON line, from
     the main process only."""
 
-    def __init__(self, path: Path, predicted_peak_bytes: float) -> None:
+    def __init__(self, path: Path, predicted_peak_bytes: float, resumed_at_step: int | None = None) -> None:
         self.path, self.predicted = path, predicted_peak_bytes
         self.started = time.perf_counter()
+        if resumed_at_step is not None and path.is_file():
+            self._drop_steps_after(resumed_at_step)
+
+    def _drop_steps_after(self, step: int) -> None:
+        """The steps an interrupted run logged after its last checkpoint are trained again: their lines go."""
+        kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                if _logged_step(line) is None or _logged_step(line) <= step]
+        write_atomically(self.path, "".join(kept))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
         import torch
@@ -244,6 +263,13 @@ class JsonlLog:
             record["measured_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
         with self.path.open("a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
+
+
+def _logged_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass
@@ -306,6 +332,48 @@ def library_output(verbose: bool) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`), handled as Ctrl+C is."""
+
+
+class RunInterrupted(Exception):
+    """Ctrl+C or SIGTERM while training: what was trained is saved in `checkpoint` (None before the first step)."""
+
+    def __init__(self, exit_code: int, signal_name: str, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"{signal_name} at step {step}")
+        self.exit_code, self.signal_name, self.step, self.checkpoint = exit_code, signal_name, step, checkpoint
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises Terminated in the main thread while training, so the run saves a checkpoint and says where."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """How a run ended: its steps, its wall time and the most memory it reserved."""
+
+    output_dir: Path
+    steps: int
+    seconds: float
+    measured_peak_bytes: int | None  # torch.cuda.max_memory_reserved() plus nothing else; None off CUDA
+
+
 class RunOutOfMemory(VramPlanError):
     """Training ran out of GPU memory; what was trained is saved in `checkpoint`."""
 
@@ -332,6 +400,7 @@ class RichProgress:
         self.predicted, self.transient = predicted_peak_bytes, transient
         self.progress: Any = None
         self.task: Any = None
+        self.lines: Any = None  # the console that gets a line per step, off a terminal
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         from rich.console import Console
@@ -340,6 +409,9 @@ class RichProgress:
         console = Console(stderr=True)
         if not state.is_world_process_zero or (self.transient and not console.is_terminal):
             return  # off a terminal, a transient display would leave only a blank line
+        if not console.is_terminal:  # a file, nohup, a scheduler's log: a line per step, written as it comes
+            self.lines = console
+            return
         self.progress = Progress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  TextColumn("{task.description}"), console=console, transient=self.transient)
         self.progress.start()
@@ -348,16 +420,25 @@ class RichProgress:
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
         import torch
 
-        if self.progress is None or not logs or "reward" not in logs:
+        if (self.progress is None and self.lines is None) or not logs or "reward" not in logs:
             return
         measured = (f"{torch.cuda.max_memory_reserved() / GiB:.2f}" if torch.cuda.is_available() else "-")
-        self.progress.update(self.task, completed=state.global_step, description=(
-            f"reward {float(logs['reward']):.3f}  step {float(logs.get('step_time', 0)):.1f} s  "
-            f"peak {measured} / predicted {self.predicted / GiB:.2f} GiB"))
+        description = (f"reward {float(logs['reward']):.3f}  step {float(logs.get('step_time', 0)):.1f} s  "
+                       f"peak {measured} / predicted {self.predicted / GiB:.2f} GiB")
+        if self.lines is not None:
+            steps = f"{state.global_step}/{state.max_steps}" if state.max_steps else str(state.global_step)
+            self.lines.file.write(f"GRPO step {steps}  {description}\n")
+            self.lines.file.flush()
+            return
+        self.progress.update(self.task, completed=state.global_step, description=description)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
 
 
 def longest_first(dataset: Any, rows: int) -> Any:
@@ -386,8 +467,9 @@ def full_length_completions(train: TrainingConfig) -> dict[str, int]:
     return {"min_tokens" if train.use_vllm else "min_new_tokens": train.max_completion_length}
 
 
-def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, smoke: bool = False) -> Path:
-    """Train on a prepared dataset (from a checkpoint when given); returns the output folder."""
+def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, smoke: bool = False) -> RunSummary:
+    """Train on a prepared dataset (from a checkpoint when given). Ctrl+C or SIGTERM save a checkpoint of the steps
+    done and raise RunInterrupted."""
     if setup.train.allocator_conf:  # torch reads it when CUDA first allocates, which is still to come
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = setup.train.allocator_conf
     import torch
@@ -413,7 +495,8 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     created = not setup.output_dir.exists()
     readme_kept = users_readme(setup.output_dir)
     setup.output_dir.mkdir(parents=True, exist_ok=True)
-    log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes)
+    resumed_at = int(resume_from.name.partition("-")[2]) if resume_from is not None else None
+    log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes, resumed_at)
     progress = RichProgress(setup.predicted_peak_bytes, transient=smoke)
 
     def on_log(*args: Any, **kwargs: Any) -> None:
@@ -436,13 +519,21 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # with TRL's bar off it prints every log dict; the line shows them
+    started = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        with terminate_as_interrupt():
+            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except torch.cuda.OutOfMemoryError as exc:
         raise RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer)) from exc
+    except KeyboardInterrupt as exc:
+        progress.stop()
+        terminated = isinstance(exc, Terminated)
+        raise RunInterrupted(143 if terminated else 130, "SIGTERM" if terminated else "Ctrl+C",
+                             trainer.state.global_step, None if smoke else _rescue(trainer)) from None
     if not smoke:
         trainer.save_model(str(setup.output_dir / "final"))
-    return setup.output_dir
+    measured = int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
+    return RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started, measured)
 
 
 # The line TRL's model card templates (trl/templates/*_model_card.md) all carry: a README.md with it is TRL's own.
@@ -481,8 +572,12 @@ def keep_users_readme(trainer: Any, folder: Path) -> None:
 
 
 def _rescue(trainer: Any) -> Path | None:
-    """Save a checkpoint of the steps done so far (an OOM leaves the weights and optimizer states intact)."""
+    """Save a checkpoint of the steps done so far (an OOM leaves the weights and optimizer states intact); before
+    the first step there is nothing to save."""
     import torch
+
+    if trainer.state.global_step == 0:
+        return last_checkpoint(Path(trainer.args.output_dir))
 
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     try:
@@ -501,7 +596,12 @@ def train(setup: RunSetup, prepared: PreparedRun, auto_fallback: bool, say: Call
     resume = prepared.resume_from
     while True:
         try:
-            start_run(setup, prepared.dataset, resume)
+            summary = start_run(setup, prepared.dataset, resume)
+            measured = ("-" if summary.measured_peak_bytes is None
+                        else f"{summary.measured_peak_bytes / GiB:.2f}")
+            say(f"done: {summary.steps} steps in {_duration(summary.seconds)}; peak reserved {measured} GiB, "
+                f"predicted {setup.predicted_peak_bytes / GiB:.2f} GiB; the model is in {setup.output_dir / 'final'}, "
+                f"the log in {setup.output_dir / LOG_NAME}")
             return
         except RunOutOfMemory as oom:
             smaller = oom.setup.one_rung_down() if auto_fallback else None
@@ -510,6 +610,22 @@ def train(setup: RunSetup, prepared: PreparedRun, auto_fallback: bool, say: Call
             say(f"{oom}\nfalling back: {changed(setup.train, smaller.train)}, predicted peak "
                 f"{smaller.predicted_peak_bytes / GiB:.2f} GiB; resuming from {oom.checkpoint}")
             setup, resume = smaller, oom.checkpoint
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {seconds:02d}s" if hours else f"{minutes}m {seconds:02d}s"
+
+
+def interrupted_message(stop: RunInterrupted, argv: list[str]) -> str:
+    """Where the interrupted run's training is, and the exact command that continues it (or starts it again)."""
+    again = [arg for arg in argv if arg not in ("--resume", "--overwrite")]
+    if stop.checkpoint is None:
+        return (f"{stop.signal_name} at step {stop.step}: nothing was trained to keep; start it again with:\n"
+                f"{shlex.join(['vram-plan', *again])}")
+    return (f"{stop.signal_name} at step {stop.step}: training so far is saved in {stop.checkpoint}; continue with:\n"
+            f"{shlex.join(['vram-plan', *again, '--resume'])}")
 
 
 def changed(before: TrainingConfig, after: TrainingConfig) -> str:
