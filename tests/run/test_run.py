@@ -34,8 +34,20 @@ def test_run_trains_two_steps_and_logs_memory_per_step(tiny_model_folder, tmp_pa
     assert lines[3].startswith("done: 2 steps in ") and f"the model is in {out / 'final'}" in lines[3]
     assert (out / "checkpoint-2").is_dir() and (out / "final" / "config.json").is_file()
     assert (out / "README.md").read_text() == "# my notes on this run\n"
-    assert "trained using [TRL]" in (out / "MODEL_CARD.md").read_text()
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "trained using [TRL]" in card and f"fine-tuned version of `{tiny_model_folder}`" in card
+    assert "[None]" not in card
     assert not [p for p in out.iterdir() if p.name.startswith(".model-card-")]
+    # the folder says how it was made, what the plan expected and how it ended
+    record = json.loads((out / "vram-plan-run.json").read_text())
+    assert record["command"].startswith("vram-plan run --model ") and "--max-steps 2" in record["command"]
+    assert record["grpo_config"]["max_steps"] == 2 and record["lora_config"] is None
+    assert {p["name"] for p in record["phases"]} >= {"generation", "training", "optimizer"}
+    assert max(p["peak_bytes"] for p in record["phases"]) == record["predicted_peak_bytes"]
+    from vram_planner.model.trl_releases import installed_version
+
+    assert record["versions"]["trl"] == installed_version("trl") and record["versions"]["torch"]
+    assert record["outcome"]["status"] == "finished" and record["outcome"]["steps"] == 2
     steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
     trained = [s for s in steps if "reward" in s]
     assert [s["step"] for s in trained] == [1, 2]
@@ -241,6 +253,9 @@ def test_sigterm_saves_the_steps_done_and_the_printed_command_continues_without_
     assert (out / f"checkpoint-{step}").is_dir()
     again = shlex.split(said[-1])
     assert again[:2] == ["vram-plan", "run"] and again[-1] == "--resume"
+    stopped = json.loads((out / "vram-plan-run.json").read_text())["outcome"]
+    assert stopped == {"status": "interrupted", "signal": "SIGTERM", "step": step,
+                       "checkpoint": str(out / f"checkpoint-{step}")}
     resumed = subprocess.run([sys.executable, "-m", "vram_planner", *again[1:]], capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr

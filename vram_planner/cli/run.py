@@ -60,7 +60,9 @@ def run(**options: Any) -> None:
     on_cpu = not _cuda_available()
     settings["rewards"] = list(settings["rewards"]) or ["format", "correctness"]
     settings["output_dir"] = settings["output_dir"] or Path(output_dir_name(model_id))
-    setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, **settings,
+    command = click.get_current_context().find_root().obj["argv"]
+    setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, command=command,
+                               **settings,
                                notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
     echo = click.echo if is_main_process() else (lambda *args, **kwargs: None)
     with library_output(verbose):

@@ -27,6 +27,7 @@ from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_c
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig, knob_names
 from vram_planner.model.verdict import Verdict, judge
+from vram_planner.run.record import RECORD_NAME, record_outcome, run_record, write_record
 from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
 from vram_planner.units import GiB
 
@@ -50,6 +51,7 @@ class RunSetup:
     resume: bool = False  # continue from the last checkpoint in output_dir
     overwrite: bool = False  # remove the run already in output_dir and start afresh
     notes: list[str] = field(default_factory=list)
+    command: list[str] | None = None  # the command line's arguments that started it, for the run's record
 
     def __post_init__(self) -> None:
         if self.max_steps == 0 or self.max_steps < -1:
@@ -181,7 +183,7 @@ def run_files(folder: Path) -> list[Path]:
         return []
     checkpoints = [p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.partition("-")[2].isdigit()]
     final = [folder / "final"] if (folder / "final").is_dir() else []
-    files = [folder / name for name in (LOG_NAME, CONFIG_NAME) if (folder / name).is_file()]
+    files = [folder / name for name in (LOG_NAME, CONFIG_NAME, RECORD_NAME) if (folder / name).is_file()]
     return sorted(checkpoints) + final + files
 
 
@@ -514,8 +516,9 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
         if created:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
-    if readme_kept:
-        keep_users_readme(trainer, setup.output_dir)
+    if not smoke:
+        place_model_card(trainer, setup.output_dir, setup.model_id, aside=readme_kept)
+        write_record(setup.output_dir, run_record(setup, setup.command))
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # with TRL's bar off it prints every log dict; the line shows them
@@ -524,16 +527,30 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
         with terminate_as_interrupt():
             trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except torch.cuda.OutOfMemoryError as exc:
-        raise RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer)) from exc
+        oom = RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer))
+        if not smoke:
+            record_outcome(setup.output_dir, {"status": "out_of_memory", "step": trainer.state.global_step,
+                                              "checkpoint": oom.checkpoint, "error": first_line(exc, limit=400)})
+        raise oom from exc
     except KeyboardInterrupt as exc:
         progress.stop()
         terminated = isinstance(exc, Terminated)
-        raise RunInterrupted(143 if terminated else 130, "SIGTERM" if terminated else "Ctrl+C",
-                             trainer.state.global_step, None if smoke else _rescue(trainer)) from None
+        stop = RunInterrupted(143 if terminated else 130, "SIGTERM" if terminated else "Ctrl+C",
+                              trainer.state.global_step, None if smoke else _rescue(trainer))
+        if not smoke:
+            record_outcome(setup.output_dir, {"status": "interrupted", "signal": stop.signal_name,
+                                              "step": stop.step, "checkpoint": stop.checkpoint})
+        raise stop from None
     if not smoke:
         trainer.save_model(str(setup.output_dir / "final"))
     measured = int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
-    return RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started, measured)
+    summary = RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started, measured)
+    if not smoke:
+        record_outcome(setup.output_dir, {"status": "finished", "steps": summary.steps,
+                                          "seconds": round(summary.seconds, 1),
+                                          "measured_peak_reserved_bytes": measured,
+                                          "predicted_peak_bytes": round(setup.predicted_peak_bytes)})
+    return summary
 
 
 # The line TRL's model card templates (trl/templates/*_model_card.md) all carry: a README.md with it is TRL's own.
@@ -550,10 +567,12 @@ def users_readme(folder: Path) -> bool:
         return True  # unreadable: not ours to replace
 
 
-def keep_users_readme(trainer: Any, folder: Path) -> None:
+def place_model_card(trainer: Any, folder: Path, model_id: str, aside: bool) -> None:
     """GRPOTrainer writes its model card to output_dir/README.md at every checkpoint; where the user keeps a
-    README.md there, the card is written beside it as MODEL_CARD.md instead."""
+    README.md there (`aside`), the card is written beside it as MODEL_CARD.md instead. A local model folder has no
+    hub id, which the card would call "[None]": it names the folder."""
     original = trainer.create_model_card
+    target = folder / (MODEL_CARD_ASIDE if aside else "README.md")
 
     def create_model_card(*args: Any, **kwargs: Any) -> None:
         import tempfile
@@ -566,7 +585,8 @@ def keep_users_readme(trainer: Any, folder: Path) -> None:
                 trainer.args.output_dir = output_dir
             card = Path(scratch) / "README.md"
             if card.is_file():
-                os.replace(card, folder / MODEL_CARD_ASIDE)
+                text = card.read_text().replace("[None](https://huggingface.co/None)", f"`{model_id}`")
+                write_atomically(target, text)
 
     trainer.create_model_card = create_model_card
 
