@@ -110,7 +110,11 @@ def test_the_plot_title_and_the_page_say_per_gpu(tmp_path):
     assert views.title_markdown(report, gpu) == (f"**Qwen2.5-7B** on the {gpu.label} ({gpu.total_memory_gib:.2f} "
                                                  "GiB), per GPU, 2 x ZeRO-3, TRL 1.16.0 GRPO")
     single = query_report("check", query[:2])
-    assert "per GPU" not in views.title_markdown(single, gpu)
+    assert "per GPU" not in views.title_markdown(single, gpu) and views.launch_markdown(single) == ""
+    page = views.launch_markdown(report)  # the page's accelerate config: the fenced YAML is the JSON's
+    fenced = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(fenced) == report.distributed.accelerate_config
+    assert f"```bash\n{report.distributed.launch_command}\n```" in page
     assert single.peak_bytes > report.peak_bytes > 0 and report.capacity_bytes == single.capacity_bytes
     assert report.capacity_bytes / GiB == pytest.approx(gpu.total_memory_gib)
 

@@ -282,7 +282,8 @@ class Shown:
                 views.bars_title(self.checked, "Your config"), _frame(self.checked),
                 gr.update(visible=bool(self.planned.changes or not self.planned.fits)),
                 views.bars_title(self.planned, plan_title), _frame(self.planned), views.changes_markdown(self.planned),
-                self.longest, self.snippet, views.notes_markdown(self.planned), _links(api_query)]
+                self.longest, self.snippet, views.launch_markdown(self.planned) + views.notes_markdown(self.planned),
+                _links(api_query)]
 
 
 def evaluate_query(query: list[tuple[str, str]], name: str | None) -> Shown:

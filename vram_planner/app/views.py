@@ -9,6 +9,7 @@ from typing import Any
 from vram_planner.cli.plot import COMPONENT_COLOURS
 from vram_planner.cli.render import footer, near_boundary_reason, saving
 from vram_planner.cli.report import Report, per_gpu
+from vram_planner.model.accelerate_config import SCRIPT_FILE
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
@@ -130,6 +131,20 @@ def _longest(result: Any) -> str:
     if result.limited_by != "memory":
         return text + f"; limited by {result.limited_by})"
     return text + f"; {result.next_value:,} would need {gib(result.next_peak_bytes)} GiB)"
+
+
+def launch_markdown(report: Report) -> str:
+    """Several GPUs: TRL's accelerate config for the strategy and the line that starts the code with it, as `plan`
+    prints them ('' on one GPU)."""
+    launch = report.distributed
+    if launch is None:
+        return ""
+    import yaml
+
+    config = yaml.safe_dump(launch.accelerate_config, sort_keys=True)
+    return (f"**{launch.accelerate_config_file}** ({launch.label}: TRL's own accelerate config for it)\n\n"
+            f"```yaml\n{config}```\n\n**Launch** (the code above saved as {SCRIPT_FILE}):\n\n"
+            f"```bash\n{launch.launch_command}\n```\n\n")
 
 
 def notes_markdown(report: Report) -> str:
