@@ -60,6 +60,10 @@ def test_dry_run_prints_the_config_and_starts_nothing(capsys, tiny_model_folder,
                           "--output-dir", str(out), "--dry-run", *SMALL)
     assert code == 0 and "GRPOConfig(per_device_train_batch_size=2" in stdout and "LoraConfig" not in stdout
     assert not out.exists()
+    # the GPU run's config, not the CPU's adaptation of it (which a note names)
+    config = stdout.split("GRPOConfig(")[1].split("\n")[0]
+    assert "use_cpu" not in config
+    assert "use_cpu=True, bf16=False, fp16=False over the GPU run's GRPOConfig" in " ".join(stdout.split())
 
 
 def test_a_dataset_without_prompts_is_refused(capsys, tiny_model_folder, tmp_path):
@@ -277,3 +281,17 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_without_overwrit
     assert fresh.splitlines()[-1] == "vram-plan run --model 'my model' --dataset math-sample"
     kept = interrupted_message(RunInterrupted(130, "Ctrl+C", 2, tmp_path / "checkpoint-2"), argv)
     assert kept.splitlines()[-1] == "vram-plan run --model 'my model' --dataset math-sample --resume"
+
+
+def test_a_prompt_longer_than_the_plan_counts_is_refused_with_both_numbers(capsys, tiny_model_folder, tmp_path):
+    # TRL 1.16 no longer truncates prompts: the plan's max_prompt_length must hold the dataset's longest
+    data = tmp_path / "long.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": "count " * n, "answer": "1"}) for n in (3, 900, 40)) + "\n")
+    flags = ["--model", str(tiny_model_folder), "--dataset", str(data), "--output-dir", str(tmp_path / "run"),
+             "--reward", "format", "--dry-run", *SMALL]
+    err = one_line_error(capsys, "run", *flags, "--max-prompt-length", "16")
+    longest = int(err.split("longest prompt is ")[1].split(" tokens")[0])
+    assert longest >= 900 and "(row 2)" in err and "longer than the 16 the plan counts" in err
+    assert f"--max-prompt-length {longest}" in err
+    code, out, _ = run(capsys, "run", *flags, "--max-prompt-length", str(longest))
+    assert code == 0 and "GRPOConfig(" in out

@@ -62,8 +62,8 @@ def run(**options: Any) -> None:
     settings["output_dir"] = settings["output_dir"] or Path(output_dir_name(model_id))
     command = click.get_current_context().find_root().obj["argv"]
     setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, command=command,
-                               **settings,
-                               notes=["no CUDA device: the run uses the CPU (for smoke tests only)"] if on_cpu else [])
+                               dry_run=dry_run, **settings,
+                               notes=[CPU_NOTE] if on_cpu else [])
     echo = click.echo if is_main_process() else (lambda *args, **kwargs: None)
     with library_output(verbose):
         prepared = prepare(setup)
@@ -80,6 +80,11 @@ def run(**options: Any) -> None:
                 echo(interrupted_message(stop, click.get_current_context().find_root().obj["argv"]), err=True)
                 raise click.exceptions.Exit(stop.exit_code) from None
     raise click.exceptions.Exit(EXIT_FITS)
+
+
+# The config printed is the GPU run's; started here, the run changes only what a machine without CUDA refuses.
+CPU_NOTE = ("no CUDA device: started on this machine the run uses the CPU (for smoke tests only), with "
+            "use_cpu=True, bf16=False, fp16=False over the GPU run's GRPOConfig above")
 
 
 def _check_installed_trl(release: Any) -> None:

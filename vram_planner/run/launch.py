@@ -36,6 +36,10 @@ CONFIG_NAME = "accelerate_config.yaml"  # TRL's accelerate config for several GP
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
+# What a run started on a machine without CUDA changes in the GPU run's GRPOConfig (transformers refuses bf16 there)
+CPU_ADAPTATION = {"use_cpu": True, "bf16": False, "fp16": False}
+
+
 @dataclass
 class RunSetup:
     """What `vram-plan run` will start: the verdict of the plan's config and the run's own settings."""
@@ -52,6 +56,7 @@ class RunSetup:
     overwrite: bool = False  # remove the run already in output_dir and start afresh
     notes: list[str] = field(default_factory=list)
     command: list[str] | None = None  # the command line's arguments that started it, for the run's record
+    dry_run: bool = False  # checks only: what needs the hub is noted, not refused, where the hub cannot be reached
 
     def __post_init__(self) -> None:
         if self.max_steps == 0 or self.max_steps < -1:
@@ -88,12 +93,14 @@ class RunSetup:
             return None
         return replace(self, verdict=judge(self.verdict.context, smaller))
 
-    def grpo_kwargs(self) -> dict[str, Any]:
+    def grpo_kwargs(self, on_this_machine: bool = True) -> dict[str, Any]:
+        """GRPOConfig's keywords for the run; `on_this_machine`: adapted to a machine without CUDA, as the run
+        started here uses them (else as the plan's GPU runs them)."""
         kwargs = grpo_config_kwargs(self.train)
         kwargs.update(output_dir=str(self.output_dir), max_steps=self.max_steps, save_steps=self.save_steps,
                       logging_steps=1, report_to=[])
-        if self.on_cpu:  # tests and smoke runs: no autocast on the CPU
-            kwargs.update(use_cpu=True, bf16=False, fp16=False)
+        if self.on_cpu and on_this_machine:  # tests and smoke runs: no autocast on the CPU
+            kwargs.update(CPU_ADAPTATION)
         return kwargs
 
     def describe(self) -> str:
@@ -101,7 +108,7 @@ class RunSetup:
         lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
                  f"predicted peak: {self.predicted_peak_bytes / GiB:.2f} GiB "
                  f"(on {self.verdict.context.gpu.label})",
-                 f"GRPOConfig({call_args(self.grpo_kwargs())})"]
+                 f"GRPOConfig({call_args(self.grpo_kwargs(on_this_machine=False))})"]
         peft = lora_config_kwargs(self.train)
         if peft:
             lines.append(f"LoraConfig({call_args(peft)})")
@@ -132,15 +139,23 @@ def prepared_dataset(setup: RunSetup) -> Any:
     require_columns(dataset, {"prompt"}, "GRPOTrainer reads the prompts from it")
     if "correctness" in setup.rewards:
         require_columns(dataset, {"answer"}, "the correctness reward compares with it")
-    if check_prompts(dataset):
-        check_chat_template(setup.model_id, dataset)
+    chat = check_prompts(dataset)
+    processor = check_chat_template(setup.model_id, dataset) if chat else None
+    if not setup.train.release.truncates_prompts:
+        try:
+            processor = processor or load_processor(setup.model_id, "the dataset's prompts are counted in its tokens")
+        except VramPlanError as problem:
+            if not setup.dry_run:
+                raise
+            setup.notes.append(f"prompt lengths not checked: {problem}")
+        else:
+            check_prompt_lengths(setup, dataset, processor, chat)
     check_rewards({name: load_reward(name) for name in setup.rewards}, sample_batch(dataset))
     return dataset
 
 
-def check_chat_template(model_id: str, dataset: Any) -> None:
-    """Chat prompts are rendered with the tokenizer's chat template: load the tokenizer as GRPOTrainer does and render
-    the first prompts with it."""
+def load_processor(model_id: str, why: str) -> Any:
+    """The tokenizer (or processor) as GRPOTrainer loads it; offline, from the cache only, without retries."""
     from transformers import AutoProcessor
 
     from vram_planner.hub import hub_unreachable_reason, quiet_hub_logs
@@ -148,12 +163,36 @@ def check_chat_template(model_id: str, dataset: Any) -> None:
     offline = None if Path(model_id).expanduser().exists() else hub_unreachable_reason()
     try:
         with quiet_hub_logs():  # offline: the cache only, without half a minute of retries
-            processor = AutoProcessor.from_pretrained(model_id, truncation_side="left", padding_side="left",
-                                                      local_files_only=offline is not None)
+            return AutoProcessor.from_pretrained(model_id, truncation_side="left", padding_side="left",
+                                                 local_files_only=offline is not None)
     except Exception as exc:
         raise VramPlanError(f"cannot load the tokenizer of {model_id} ({offline or first_line(exc, limit=200)}); "
-                            "the dataset's prompts "
-                            "are chat messages, which need its chat template") from exc
+                            f"{why}") from exc
+
+
+def check_prompt_lengths(setup: RunSetup, dataset: Any, processor: Any, chat: bool) -> None:
+    """The plan counts prompts of max_prompt_length tokens, and the TRL release planned for does not truncate them:
+    a longer prompt in the dataset would make every phase larger than planned, so it is refused with both numbers."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    longest, row = 0, 0
+    for index, prompt in enumerate(dataset["prompt"], start=1):
+        if chat:
+            tokens = len(processor.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+        else:
+            tokens = len(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if tokens > longest:
+            longest, row = tokens, index
+    planned = setup.train.max_prompt_length
+    if longest > planned:
+        raise VramPlanError(f"the dataset's longest prompt is {longest} tokens (row {row}), longer than the {planned} "
+                            f"the plan counts, and TRL {setup.train.release.version} does not truncate prompts: pass "
+                            f"--max-prompt-length {longest} so the plan counts it, or shorten the prompts")
+
+
+def check_chat_template(model_id: str, dataset: Any) -> Any:
+    """Chat prompts are rendered with the tokenizer's chat template: load the tokenizer as GRPOTrainer does and render
+    the first prompts with it. Returns the processor."""
+    processor = load_processor(model_id, "the dataset's prompts are chat messages, which need its chat template")
     if not getattr(processor, "chat_template", None):
         raise VramPlanError(f"the dataset's prompts are chat messages, but the tokenizer of {model_id} has no chat "
                             "template to render them: use a model with one (an instruct or chat model) or plain-text "
@@ -164,6 +203,7 @@ def check_chat_template(model_id: str, dataset: Any) -> None:
         except Exception as exc:
             raise VramPlanError(f"the chat template of {model_id} cannot render row {row} of the dataset: "
                                 f"{first_line(exc, limit=200)}") from exc
+    return processor
 
 
 def check_dependencies(train: TrainingConfig) -> None:
