@@ -295,3 +295,21 @@ def test_a_prompt_longer_than_the_plan_counts_is_refused_with_both_numbers(capsy
     assert f"--max-prompt-length {longest}" in err
     code, out, _ = run(capsys, "run", *flags, "--max-prompt-length", str(longest))
     assert code == 0 and "GRPOConfig(" in out
+
+
+def test_a_hub_model_offline_is_refused_before_anything_else(capsys, monkeypatch, tmp_path):
+    import time
+
+    from vram_planner import hub
+
+    monkeypatch.setattr(hub, "hub_unreachable_reason", lambda *a, **k: "https://huggingface.co did not answer")
+    flags = ["run", "--gpu", "24GiB", "--model", "Qwen2.5-0.5B", "--dataset", "math-sample", "--output-dir",
+             str(tmp_path / "run"), "--max-steps", "1"]
+    started = time.perf_counter()
+    err = one_line_error(capsys, *flags)
+    assert time.perf_counter() - started < 20
+    assert "Qwen/Qwen2.5-0.5B is a hub model, and the hub cannot be reached" in err and "local model folder" in err
+    assert not (tmp_path / "run").exists()
+    # a dry run says it and goes on
+    code, out, _ = run(capsys, *flags, "--dry-run")
+    assert code == 0 and "the hub cannot be reached" in " ".join(out.split())

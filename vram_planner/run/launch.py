@@ -130,6 +130,31 @@ def check_model_folder(model_id: str) -> None:
                             "needs the model's weights, not only its configuration")
 
 
+def check_hub_model(setup: RunSetup) -> None:
+    """A hub model needs the hub, or its files in the local cache: asked once, before anything else, instead of
+    half a minute of transformers' retries after the smoke step has begun. Offline with the model cached, the run
+    reads the cache only."""
+    if Path(setup.model_id).expanduser().exists():
+        return
+    from vram_planner.hub import hub_unreachable_reason
+
+    reason = hub_unreachable_reason()
+    if reason is None:
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(setup.model_id, "config.json"), str):
+        constants.HF_HUB_OFFLINE = True  # what transformers asks before each download: the cache, no retries
+        os.environ["HF_HUB_OFFLINE"] = "1"  # and so do the processes accelerate launches
+        setup.notes.append(f"the hub cannot be reached ({reason}): {setup.model_id} is read from the local cache")
+        return
+    problem = (f"{setup.model_id} is a hub model, and the hub cannot be reached ({reason}) nor is the model in the "
+               "local cache: check the network, or pass a local model folder")
+    if not setup.dry_run:
+        raise VramPlanError(problem)
+    setup.notes.append(problem)
+
+
 def prepared_dataset(setup: RunSetup) -> Any:
     """The dataset with its prompts and columns checked, the chat template tried on chat prompts, and each reward
     tried on a sample batch."""
@@ -331,6 +356,7 @@ def prepare(setup: RunSetup) -> PreparedRun:
                             "run on the CPU)")
     resume_from = check_output_dir(setup)
     check_model_folder(setup.model_id)
+    check_hub_model(setup)
     return PreparedRun(prepared_dataset(setup), resume_from)
 
 
