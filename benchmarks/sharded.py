@@ -9,7 +9,8 @@ each and the error (analytic - trace) / trace, then each component at the phase'
 untied embeddings and biases, Qwen2.5-0.5B and Llama-3.2-1B with tied ones, Qwen2.5-7B untied) x N in (2, 4, 8) x
 full fine-tuning, LoRA, gradient accumulation (no_sync), a reference model (beta), float32 weights; bf16 autocast,
 short sequences (the sharded terms are the point; the activations are the one-GPU model's, held to the one-GPU trace
-elsewhere). Results: benchmarks/results/sharded.json and sharded.txt.
+elsewhere), and TRL's default batch and lengths on Llama-3.2-1B and Qwen2.5-7B. Results:
+benchmarks/results/sharded.json and sharded.txt.
 `--quick` runs the fixture only.
 """
 
@@ -35,6 +36,9 @@ FIXTURE = ROOT / "tests" / "fixtures" / "tiny-llama-bias.json"
 MODELS = ROOT / "profiles" / "models"
 SHORT = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
          "max_completion_length": 32, "dtype": "bfloat16", "fsdp": True}
+# TRL 1.16's batch and completion length, and the planner's default prompt
+DEFAULT_LENGTHS = {"per_device_train_batch_size": 8, "num_generations": 8, "max_prompt_length": 256,
+                   "max_completion_length": 512}
 GRID = [
     (str(FIXTURE), {}),
     (str(FIXTURE), {"lora_r": 8}),
@@ -47,6 +51,8 @@ GRID = [
     (str(MODELS / "Llama-3.2-1B.json"), {"beta": 0.04}),
     (str(MODELS / "Llama-3.2-1B.json"), {"dtype": "float32", "max_completion_length": 256}),
     (str(MODELS / "Qwen2.5-7B.json"), {}),
+    (str(MODELS / "Llama-3.2-1B.json"), DEFAULT_LENGTHS),
+    (str(MODELS / "Qwen2.5-7B.json"), DEFAULT_LENGTHS),
 ]
 GPUS = (2, 4, 8)
 
@@ -81,7 +87,9 @@ def table(rows: list[dict]) -> str:
              "(trace/analytic MiB, where they differ by 1% or more)"]
     worst = worst_fixture = 0.0
     for row in rows:
-        name = row["model"] + "".join(f" {k}={v}" for k, v in row["knobs"].items())
+        knobs = ("TRL defaults" if row["knobs"] == DEFAULT_LENGTHS
+                 else "".join(f" {k}={v}" for k, v in row["knobs"].items()))
+        name = f"{row['model']} {knobs}".strip()
         for p in row["phases"]:
             error = (p["analytic_bytes"] - p["trace_bytes"]) / p["trace_bytes"]
             if fixture(row):

@@ -95,16 +95,27 @@ def gathered_bytes(arch: ModelArchitecture, train: TrainingConfig, trainable: in
 
 
 def generation_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig, trainable: int) -> float:
-    """At a decoding step's peak. The tail stays gathered across decoding steps (no backward reshards it). A tied
-    embedding is in the tail, which the step's first gather then also holds as its all-gather output, beside the
-    first layer and its own; an untied embedding is gathered with its all-gather output, which stays beside the
-    first layer's gather; later layers gather beside the previous layer's all-gather output."""
+    """At the prefill's first gathers (`decoding_gathered_bytes` for later steps). The tail, once gathered, stays
+    gathered across decoding steps (no backward reshards it). A tied embedding is in the tail, whose all-gather
+    output the first gather then also holds, beside the first layer and its own; an untied embedding is gathered
+    with its all-gather output, which stays beside the first layer's gather; later layers gather beside the
+    previous layer's all-gather output."""
     layer = layer_unit_bytes(arch, train, trainable)
     tail = tail_params(arch) * gathered_bytes_per_param(train)
     embedding = embedding_unit_bytes(arch, train)
     if not embedding:
         return GATHER_COPIES * (tail + layer)
     return tail + max(GATHER_COPIES * embedding, embedding + GATHER_COPIES * layer, FORWARD_GATHER_LAYERS * layer)
+
+
+def decoding_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig, trainable: int) -> float:
+    """At a later decoding step: the tail was gathered by the prefill and stays, so a tied embedding needs no gather
+    and no all-gather output; each layer gathers beside the previous layer's all-gather output. An untied embedding
+    is gathered anew at every step."""
+    if embedding_unit_bytes(arch, train):
+        return generation_gathered_bytes(arch, train, trainable)
+    tail = tail_params(arch) * gathered_bytes_per_param(train)
+    return tail + FORWARD_GATHER_LAYERS * layer_unit_bytes(arch, train, trainable)
 
 
 def training_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig, trainable: int) -> float:

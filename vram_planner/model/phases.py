@@ -193,10 +193,19 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
     head = m.generation_logits_bytes(arch, run, sequences)
     # ... and the output projection is cast at the LM head, cached or not.
     head_weights = with_casts["weights"] + m.lm_head_cast_bytes(arch, run)
+    decoding, first_gather = dict(with_casts), []
+    if train.fsdp and not train.load_in_4bit:
+        # The prefill's first gathers hold the most (the tail's all-gather output too), before any layer has run;
+        # after them, FSDP2 holds what it holds at every decoding step (model/fsdp.py)
+        decoding["weights"] = head_weights = m.weight_bytes(arch, train) + fsdp.decoding_gathered_bytes(
+            arch, train, m.trainable_params(arch, train))
+        embedded = sequences * p * arch.hidden_size * m.sizes(run).residual + m.padded_mask_bytes(run, sequences, p)
+        first_gather = [Phase("generation", {**with_casts, "activations": embedded}, "prefill: the first gathers")]
     moments = [
-        Phase("generation", {**with_casts, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
-        Phase("generation", {**with_casts, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
-        Phase("generation", {**with_casts, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
+        *first_gather,
+        Phase("generation", {**decoding, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
+        Phase("generation", {**decoding, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
+        Phase("generation", {**decoding, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
               "last decoding step: LM head"),
     ]
     return _heaviest(moments, cal, train)
@@ -294,6 +303,12 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
             Phase("training", {**persistent, **policy_graph, "weights": weights + backward_casts,
                                "lm_head_buffers": head.saved + head.backward_transient}, "LM head backward"),
         ]
+    if train.fsdp:
+        # The layer being differentiated and the next one gathered ahead of it (FSDP2's prefetch); the tail is
+        # resharded after its own backward unless it holds a tied embedding, whose gradient comes last
+        trainable = m.trainable_params(arch, train)
+        weights += fsdp.layer_unit_bytes(arch, train, trainable) - (
+            0 if tied else fsdp.gathered_bytes(arch, train, trainable, 0, 1))
     moments = [
         *head_moments,
         Phase("training", {**persistent, "weights": weights + last_layer_casts, "gradients": head_grads + held,
@@ -317,7 +332,7 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         # still gathered, the first layer's gradient not yet reduced
         trainable = m.trainable_params(arch, train)
         unreduced = fsdp.gathered_bytes(arch, train, trainable, 1, 1) - fsdp.tail_shard_gradient_bytes(arch, train)
-        tail_kept = weights - fsdp.layer_unit_bytes(arch, train, trainable)
+        tail_kept = persistent["weights"] + fsdp.gathered_bytes(arch, train, trainable, 0, 1)
         moments.append(Phase("training", {**persistent, "weights": tail_kept,
                                            "gradients": all_grads + held + (0 if accumulating else unreduced),
                                            "activations": _head_gradient_bytes(arch, train) + layer_input},
@@ -407,6 +422,16 @@ def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, 
     embedding's comes last, unless it is tied to the output projection."""
     if train.uses_lora:
         return all_grads
+    if train.fsdp:
+        # every later unit's reduced shard; the first layer's own gradients stay whole in bf16 until its
+        # reduce-scatter (its MLP's, at the peak: the sharded trace); a tied output projection's whole gradient
+        # waits for the embedding's
+        gathered, n = fsdp.gathered_bytes_per_param(train), train.num_gpus
+        mlp = sum(lin.params for lin in arch.layer_linears() if lin.name in arch.family.mlp_names)
+        grads = all_grads - arch.layer_params * fsdp.master_bytes(train) / n + mlp * gathered
+        if arch.tie_word_embeddings:
+            return grads + fsdp.tail_params(arch) * gathered - fsdp.tail_shard_gradient_bytes(arch, train)
+        return grads - fsdp.embedding_shard_gradient_bytes(arch, train)
     missing = arch.layer_params - arch.layer_linears()[-1].params
     if not arch.tie_word_embeddings:
         missing += arch.embedding_params
