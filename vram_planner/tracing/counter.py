@@ -80,6 +80,17 @@ class PhaseState:
         finally:
             self.tag, self.moment = saved
 
+    @contextlib.contextmanager
+    def backward(self, moment: str) -> Iterator[None]:
+        """A backward pass: tagged as the LM head's buffers at `moment`, with autograd's gradient sums counted as
+        CUDA makes them in place (`in_backward`)."""
+        with self.tagged(HEAD, moment):
+            self.in_backward = True
+            try:
+                yield
+            finally:
+                self.in_backward = False
+
 
 class LiveBytes(PhaseState, TorchDispatchMode):
     """Counts the bytes of every live tensor storage by component tag, and the peak of their sum.

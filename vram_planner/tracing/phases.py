@@ -224,12 +224,8 @@ def run_training(session: Session) -> PhasePeak:
                 out = _fused_forward(session, model, train.per_device_train_batch_size)
                 loss = -out.log_probs[:, -train.max_completion_length:].sum()
                 del out
-            with tracker.tagged(HEAD, "LM head backward"):
-                tracker.in_backward = True
-                try:
-                    loss.backward()
-                finally:
-                    tracker.in_backward = False
+            with tracker.backward("LM head backward"):
+                loss.backward()
                 del loss
     finally:
         for handle in handles:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vram_planner.model.spec import TrainingConfig
-from vram_planner.tracing.counter import ACTS, GRADS, HEAD, PhasePeak
+from vram_planner.tracing.counter import ACTS, GRADS, PhasePeak
 from vram_planner.tracing.session import Session, set_checkpointing
 from vram_planner.tracing.shims import Metrics, per_token_logps
 
@@ -232,12 +232,8 @@ def run_training(session: Session) -> PhasePeak:
                         inputs = _loss_inputs(session)
                     loss = trainer.compute_loss(model, inputs)
                     del inputs
-                with tracker.tagged(HEAD, "LM head backward"):
-                    tracker.in_backward = True
-                    try:
-                        loss.backward()
-                    finally:
-                        tracker.in_backward = False
+                with tracker.backward("LM head backward"):
+                    loss.backward()
                     del loss
     finally:
         for handle in handles:
