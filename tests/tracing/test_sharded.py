@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURES, json_of, one_line_error
+from helpers import FIXTURES, family_fixture_files, json_of, one_line_error
 from vram_planner import api
 from vram_planner.errors import VramPlanError
 from vram_planner.model.phases import estimate
@@ -149,3 +149,17 @@ def test_the_analytic_fsdp_model_stays_within_1_percent_of_the_sharded_trace(gpu
     for phase in traced.phases:
         error = (analytic[phase.name].tensor_bytes - phase.peak_bytes) / phase.peak_bytes
         assert abs(error) < 0.01, (phase.name, error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", family_fixture_files(), ids=lambda path: path.stem)
+def test_every_fixture_architecture_traces_one_fsdp2_rank_as_check_counts_it(fixture):
+    # accelerate's wrapping finds each family's decoder layer and final norm; the tiny shards' 512-byte rounding keeps
+    # the analytic model within a few percent of them
+    context = api.make_context(str(fixture), "h100-80gb")
+    train = api.make_training(context, {**SHORT, "num_gpus": 2, "fsdp": True})
+    traced = trace_step(json.loads(fixture.read_text()), train, context.release)
+    analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
+                                             context.capacity_bytes).phases}
+    for phase in traced.phases:
+        assert abs(analytic[phase.name].tensor_bytes - phase.peak_bytes) < 0.05 * phase.peak_bytes, phase.name
