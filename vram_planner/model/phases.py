@@ -309,11 +309,15 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         trainable = m.trainable_params(arch, train)
         weights += fsdp.layer_unit_bytes(arch, train, trainable) - (
             0 if tied else fsdp.gathered_bytes(arch, train, trainable, 0, 1))
+    first_layer_weights = weights
+    if train.fsdp:  # the unit gathered ahead of the first layer is an untied embedding, larger than a layer
+        first_layer_weights += max(fsdp.embedding_unit_bytes(arch, train) - fsdp.layer_unit_bytes(
+            arch, train, m.trainable_params(arch, train)), 0)
     moments = [
         *head_moments,
         Phase("training", {**persistent, "weights": weights + last_layer_casts, "gradients": head_grads + held,
                            "activations": last_layer}, "backward through the last layer"),
-        Phase("training", {**persistent, "weights": weights + layer_backward_casts,
+        Phase("training", {**persistent, "weights": first_layer_weights + layer_backward_casts,
                            "gradients": held + (all_grads if accumulating else _first_layer_gradient_bytes(
                                arch, train, all_grads)),
                            "activations": first_layer}, "backward through the first layer"),
@@ -423,15 +427,16 @@ def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, 
     if train.uses_lora:
         return all_grads
     if train.fsdp:
-        # every later unit's reduced shard; the first layer's own gradients stay whole in bf16 until its
-        # reduce-scatter (its MLP's, at the peak: the sharded trace); a tied output projection's whole gradient
-        # waits for the embedding's
-        gathered, n = fsdp.gathered_bytes_per_param(train), train.num_gpus
-        mlp = sum(lin.params for lin in arch.layer_linears() if lin.name in arch.family.mlp_names)
-        grads = all_grads - arch.layer_params * fsdp.master_bytes(train) / n + mlp * gathered
+        # As the sharded trace finds the peak: with a tied embedding, in the first layer's backward, every later
+        # unit's reduced shard, of its own gradients the MLP's whole in bf16, and the output projection's whole
+        # gradient waiting for the embedding's; with an untied one, at the layer's reduce-scatter, its reduced
+        # shard beside all its whole gradients, the embedding's shard to come
+        gathered = fsdp.gathered_bytes_per_param(train)
         if arch.tie_word_embeddings:
-            return grads + fsdp.tail_params(arch) * gathered - fsdp.tail_shard_gradient_bytes(arch, train)
-        return grads - fsdp.embedding_shard_gradient_bytes(arch, train)
+            mlp = sum(lin.params for lin in arch.layer_linears() if lin.name in arch.family.mlp_names)
+            return (all_grads - arch.layer_params * fsdp.master_bytes(train) / train.num_gpus + mlp * gathered
+                    + fsdp.tail_params(arch) * gathered - fsdp.tail_shard_gradient_bytes(arch, train))
+        return all_grads + arch.layer_params * gathered - fsdp.embedding_shard_gradient_bytes(arch, train)
     missing = arch.layer_params - arch.layer_linears()[-1].params
     if not arch.tie_word_embeddings:
         missing += arch.embedding_params
