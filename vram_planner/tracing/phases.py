@@ -210,14 +210,27 @@ def _scoring_models(session: Session) -> list[tuple[bool, Callable[[], Any]]]:
     return [(train.computes_old_logps, policy), (train.computes_ref_logps, reference)]
 
 
-def run_training(session: Session) -> PhasePeak:
-    """The loss forward and backward of one micro-batch of B sequences (two when gradients accumulate)."""
-    train, tracker, model = session.train, session.tracker, session.model
-    set_checkpointing(model, train.gradient_checkpointing)
+@contextlib.contextmanager
+def loss_phase(session: Session) -> Iterator[None]:
+    """The loss phase's bookkeeping around its micro-batches: checkpointing as the run sets it, each gradient tagged
+    as it accumulates, the peak counted from here; the hooks and checkpointing undone after."""
+    tracker, model = session.tracker, session.model
+    set_checkpointing(model, session.train.gradient_checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
     handles = [p.register_post_accumulate_grad_hook(lambda q: tracker.track(q.grad, GRADS)) for p in params]
     tracker.reset_peak()
     try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        set_checkpointing(model, False)
+
+
+def run_training(session: Session) -> PhasePeak:
+    """The loss forward and backward of one micro-batch of B sequences (two when gradients accumulate)."""
+    train, tracker, model = session.train, session.tracker, session.model
+    with loss_phase(session):
         for _ in range(2 if train.gradient_accumulation_steps > 1 else 1):
             # From the second micro-batch on, every gradient exists before the forward starts.
             with tracker.tagged(ACTS, "forward"):
@@ -227,10 +240,6 @@ def run_training(session: Session) -> PhasePeak:
             with tracker.backward("LM head backward"):
                 loss.backward()
                 del loss
-    finally:
-        for handle in handles:
-            handle.remove()
-        set_checkpointing(model, False)
     return PhasePeak("training", tracker.peak, tracker.peak_split, tracker.peak_moment)
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from vram_planner.model.spec import TrainingConfig
-from vram_planner.tracing.counter import ACTS, GRADS, PhasePeak
-from vram_planner.tracing.session import Session, set_checkpointing
+from vram_planner.tracing.counter import ACTS, PhasePeak
+from vram_planner.tracing.session import Session
 from vram_planner.tracing.shims import Metrics, per_token_logps
 
 
@@ -214,13 +214,11 @@ def _generation_traced_apart(session: Session) -> Iterator[None]:
 
 def run_training(session: Session) -> PhasePeak:
     """The release's own compute_loss and its backward on one micro-batch (two when gradients accumulate)."""
+    from vram_planner.tracing.phases import loss_phase
+
     train, tracker, model, trainer = session.train, session.tracker, session.model, session.trainer
-    set_checkpointing(model, train.gradient_checkpointing)
-    params = [p for p in model.parameters() if p.requires_grad]
-    handles = [p.register_post_accumulate_grad_hook(lambda q: tracker.track(q.grad, GRADS)) for p in params]
     merged = train.release.step_structure == "loss_merged"
-    tracker.reset_peak()
-    try:
+    with loss_phase(session):
         with accelerate_prepared(session), _generation_traced_apart(session) if merged else contextlib.nullcontext():
             for micro_batch in range(1, 3 if train.gradient_accumulation_steps > 1 else 2):
                 # The first micro-batch runs before any gradient exists (a run can die there, before its first
@@ -235,8 +233,4 @@ def run_training(session: Session) -> PhasePeak:
                 with tracker.backward("LM head backward"):
                     loss.backward()
                     del loss
-    finally:
-        for handle in handles:
-            handle.remove()
-        set_checkpointing(model, False)
     return PhasePeak("training", tracker.peak, tracker.peak_split, tracker.peak_moment)
