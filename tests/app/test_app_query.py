@@ -94,6 +94,10 @@ def test_the_verdict_and_the_changes_in_words():
     changes = views.changes_markdown(planned)
     assert "`optim` | adamw_torch_fused → **adamw_8bit**" in changes
     assert f"{planned.changes[0].saved_bytes / GiB:.2f}" in changes
+    # a config that does not fit says whether its first micro-batch (no optimizer state yet) does, as check does
+    first = checked.first_micro_batch
+    assert f"{'First micro-batch' if first.fits else 'Before the first optimizer step'}:**" in text
+    assert f"{first.peak_bytes / GiB:.2f} GiB" in text
     small = query_report("check", [("gpu", "rtx3080-mobile"), ("model", "Qwen3-0.6B")])
     assert views.verdict_markdown(small, query_report("plan", [("gpu", "rtx3080-mobile"), ("model", "Qwen3-0.6B")]))\
         .startswith("### ✔ Fits: peak")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from vram_planner.cli.plot import COMPONENT_COLOURS
-from vram_planner.cli.render import footer, near_boundary_reason, saving
+from vram_planner.cli.render import first_micro_batch_line, footer, near_boundary_reason, saving
 from vram_planner.cli.report import Report, per_gpu
 from vram_planner.model.accelerate_config import SCRIPT_FILE
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
@@ -44,6 +44,10 @@ def title_markdown(report: Report, gpu: GpuProfile) -> str:
 def verdict_markdown(checked: Report, planned: Report) -> str:
     """The verdict on the config as given and, when it does not fit, on the plan's."""
     lines = [f"### {_verdict(checked)}"]
+    first = checked.first_micro_batch
+    if not checked.fits and first is not None:  # a run can die before its first optimizer step
+        lines.append(f"**{'First micro-batch' if first.fits else 'Before the first optimizer step'}:** "
+                     f"{first_micro_batch_line(first)}.")
     if checked.near_boundary:
         lines.append(f"**Near the boundary:** {near_boundary_reason(checked)}; *Check exactly* traces the step and "
                      "decides.")
