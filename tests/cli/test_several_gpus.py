@@ -130,3 +130,11 @@ def test_plan_with_several_gpus_never_imports_the_engines(tmp_path):
             "if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("flags", [*[flags for flags, _ in STRATEGIES], ["--num-gpus", "2", "--zero-stage", "0"],
+                                   ["--zero-stage", "0"]])
+def test_the_assumptions_name_the_strategy_the_distributed_report_names(capsys, flags):
+    # ZeRO stage 0 is DeepSpeed's engine, not torch's DDP: both places say zero0
+    _, document = json_of(capsys, "check", *MODEL, "--dtype", "bfloat16", *flags, "--json")
+    assert document["assumptions"]["distributed"] == document["distributed"]["strategy"]

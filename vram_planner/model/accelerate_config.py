@@ -50,8 +50,6 @@ STRATEGY_NAMES = {"ddp": "DDP", "zero0": "ZeRO-0", "zero1": "ZeRO-1", "zero2": "
 
 def strategy(train: TrainingConfig) -> str:
     """The plan's distribution strategy: single, ddp, zero0-zero3 or fsdp."""
-    if train.zero_stage == 0:
-        return "zero0"
     return train.distributed
 
 

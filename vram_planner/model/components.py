@@ -149,7 +149,7 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     grads = trainable_params(arch, train) * sizes(train).trainable
     if train.fsdp:  # reduce-scattered into the shards' dtype (model/fsdp.py)
         return trainable_params(arch, train) * fsdp.master_bytes(train) / train.num_gpus
-    if train.distributed == "ddp":
+    if train.distributed in ("ddp", "zero0"):  # ZeRO-0 counted as DDP's bucket copy, as it was (not checked)
         return 2 * grads
     if train.zero_stage == 3:  # the largest trainable layer's full gradient before its reduce-scatter (model/zero.py)
         largest = zero.largest_trainable_layer_params(arch, train.lora_r if train.uses_lora else None,

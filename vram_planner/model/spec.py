@@ -222,10 +222,10 @@ class TrainingConfig:
         return self.beta != 0.0 or self.release.reference_when == "always"
 
     @property
-    def distributed(self) -> Literal["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]:
+    def distributed(self) -> Literal["single", "ddp", "zero0", "zero1", "zero2", "zero3", "fsdp"]:
         if self.fsdp:
             return "fsdp"
-        if self.zero_stage:
+        if self.zero_stage is not None:  # stage 0 too: DeepSpeed's engine, not torch's DDP
             return f"zero{self.zero_stage}"  # type: ignore[return-value]
         return "ddp" if self.num_gpus > 1 else "single"
 
