@@ -60,8 +60,8 @@ def run(**options: Any) -> None:
     on_cpu = not _cuda_available()
     settings["rewards"] = list(settings["rewards"]) or ["format", "correctness"]
     settings["output_dir"] = settings["output_dir"] or Path(output_dir_name(model_id))
-    command = click.get_current_context().find_root().obj["argv"]
-    setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, command=command,
+    argv = click.get_current_context().find_root().obj["argv"]  # the command line, as the user gave it
+    setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, command=argv,
                                dry_run=dry_run, **settings,
                                notes=[CPU_NOTE] if on_cpu else [])
     echo = click.echo if is_main_process() else (lambda *args, **kwargs: None)
@@ -69,7 +69,6 @@ def run(**options: Any) -> None:
         prepared = prepare(setup)
         echo(setup.describe())
         if needs_launcher(setup.train):
-            argv = click.get_current_context().find_root().obj["argv"]
             echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup.train)}"
                  f"command: {' '.join(launch_command(setup, argv))}")
             raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv))
@@ -77,7 +76,7 @@ def run(**options: Any) -> None:
             try:
                 train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))
             except RunInterrupted as stop:  # Ctrl+C or SIGTERM: where the training is, and how to go on
-                echo(interrupted_message(stop, click.get_current_context().find_root().obj["argv"]), err=True)
+                echo(interrupted_message(stop, argv), err=True)
                 raise click.exceptions.Exit(stop.exit_code) from None
     raise click.exceptions.Exit(EXIT_FITS)
 

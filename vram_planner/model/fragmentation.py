@@ -28,11 +28,12 @@ def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str)
     reserve is a share of their tensors. Expandable segments map pages to fit each request, so nothing is stranded."""
     if phase != "training" or train.expandable_segments:
         return {}
+    scores = eager_scores_bytes(arch, train)
     return {PINNED_LAYER_INPUTS: pinned_layer_input_bytes(arch, train),
             LATE_GRADIENT: late_gradient_bytes(arch, train),
             LARGEST_REQUEST: largest_request_bytes(arch, train),
-            EAGER_SCORES: eager_scores_bytes(arch, train),
-            SOFTCAPPED_SCORES: eager_scores_bytes(arch, train) if arch.attn_logit_softcapping else 0.0,
+            EAGER_SCORES: scores,
+            SOFTCAPPED_SCORES: scores if arch.attn_logit_softcapping else 0.0,
             SMALL_SEGMENTS: float(K_LARGE_BUFFER)}
 
 

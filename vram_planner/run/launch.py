@@ -315,7 +315,7 @@ class JsonlLog:
     def _drop_steps_after(self, step: int) -> None:
         """The steps an interrupted run logged after its last checkpoint are trained again: their lines go."""
         kept = [line for line in self.path.read_text().splitlines(keepends=True)
-                if _logged_step(line) is None or _logged_step(line) <= step]
+                if (logged := _logged_step(line)) is None or logged <= step]
         write_atomically(self.path, "".join(kept))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:

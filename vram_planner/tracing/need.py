@@ -47,8 +47,8 @@ def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf =
     hold them, and a replay that never reserved more than R behaves the same on a capacity of R. Each replay that
     succeeds lowers the top to what it reserved, not to the capacity tried. The allocator is not monotone in the
     capacity in general (it frees its cache at different moments): capacities above the bisection's answer are then
-    tried at doubling distances, and where one runs out the need is bisected again above it, so the need is where
-    the step runs on every capacity tried above it. The card's own replay anchors the bisection, so
+    tried (NEAR_TRIES of them within NEAR_SHARE of it, then at doubling distances), and where one runs out the need
+    is bisected again above it, so the need is where the step runs on every capacity tried above it. The card's own replay anchors the bisection, so
     `capacity_bytes <= card_bytes` exactly when the step runs on that card.
     """
     start = time.perf_counter()
@@ -96,7 +96,7 @@ def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf =
     runs_at = bisect(fails_at, runs_at)
     # The bisection may stop on an island: a capacity that runs below others that run out (freeing the cache at
     # another moment can leave room a little more memory does not). The need is where every larger capacity runs,
-    # so capacities above it are tried at doubling distances; where one runs out, the need lies above it.
+    # so capacities above it are tried (_runs_out_above); where one runs out, the need lies above it.
     while (failing := _runs_out_above(runs_at, top, granule, replay)) is not None:
         runs_at = bisect(failing, top)
     return Need(capacity_bytes=max(runs_at, 0), tensor_peak_bytes=tensor_peak, held_bytes=held,
