@@ -244,6 +244,34 @@ def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: in
     return tokens * per_token
 
 
+def recomputed_forward_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
+    """Under gradient checkpointing, what the layer's recomputed forward holds beside its saved tensors when it
+    reaches the MLP's output projection, the last and widest moment of the recomputation (checked against the trace
+    of SmolLM2 with LoRA, where it decides the loss phase).
+
+    The residual stream after attention waits for the layer's last addition (phi's parallel layer adds to its
+    input, kept already), the output projection's result waits for its adapter's, and with frozen base layers (LoRA)
+    the MLP's input (the norm's output) and the output projection's input are held by the forward's own references
+    only, until the MLP returns; a trained linear keeps its input anyway. PEFT's float32 copy of that input for a
+    float32 adapter exists while the adapter runs (`components._adapter_input_copy_bytes` counts it in the
+    backward's working set, where it is the adapter input's gradient).
+    """
+    if not train.gradient_checkpointing:
+        return 0.0
+    s = sizes(train)
+    r, c, hidden = s.residual, s.compute, arch.hidden_size
+    mlp_out = arch.layer_linears()[-1]
+    per_token = c * hidden + (0 if arch.family.norms_per_layer == 1 else r * hidden)
+    if train.uses_lora:
+        per_token += r * hidden + c * mlp_out.in_features
+        adapted = mlp_out.name in _lora_targets(arch, train)
+        if adapted and _autocast(train) and s.trainable != c:
+            per_token += FP32_BYTES * mlp_out.in_features
+    elif r != c:  # autocast casts the float32 norm output once per reader; the output itself is the forward's
+        per_token += r * hidden
+    return tokens * per_token
+
+
 def liger_layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
     """With Liger's layer kernels (RMSNorm, SwiGLU, RoPE): coefficients from the calibration, per element."""
     s = sizes(train)

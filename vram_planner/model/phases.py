@@ -322,13 +322,23 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
                                arch, train, all_grads)),
                            "activations": first_layer}, "backward through the first layer"),
     ]
+    layer_backwards = moments[-2:]
+    recomputing = act.recomputed_forward_bytes(arch, train, tokens)
+    if recomputing:
+        # The checkpointed layer's forward run again, at its MLP's output projection: the gradient reaching the
+        # layer is there (as the final norm's backward leaves it: its input's gradient and the weighted one's, two
+        # hidden tensors), the backward's own working tensors are not yet
+        incoming = 2 * layer_input
+        moments += [Phase("training", {**p.components, "activations": p.components["activations"] - working
+                                       + incoming + recomputing}, f"{p.moment}: its forward recomputed")
+                    for p in layer_backwards]
     eager = act.eager_softmax_backward_bytes(arch, train, cal, tokens)
     if eager:
         # Inside a layer's eager attention, softmax's backward: the layer's later tensors are gone, the scores'
         # float32 gradients are there (act.eager_softmax_backward_bytes), in place of one_layer + working.
         swap = eager - one_layer - working
         moments += [Phase("training", {**p.components, "activations": p.components["activations"] + swap},
-                          f"{p.moment}: eager attention's softmax") for p in moments[-2:]]
+                          f"{p.moment}: eager attention's softmax") for p in layer_backwards]
     if train.fsdp:
         moments += _fsdp_moments(arch, train, persistent, policy_graph, all_grads, accumulating, layer_input)
     if tied and train.fsdp:
