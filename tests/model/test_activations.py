@@ -149,6 +149,7 @@ def test_phi3_layer_activations_match_the_trace():
 # Eager attention, Gemma 2's softcapping, phi's parallel layer, Gemma's two masks (issue 25, item 4)
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+MODELS = Path(__file__).resolve().parent.parent.parent / "profiles" / "models"
 
 
 def _fixture(name, **changes):
@@ -299,3 +300,16 @@ def test_gemma3_sliding_and_full_masks_match_the_trace(knobs):
     knobs = {"per_device_train_batch_size": 8, "num_generations": 8, "max_prompt_length": 64,
              "max_completion_length": 1984, **knobs}
     _assert_close(*_trace_against_analytic(_fixture("tiny-gemma3.json"), **knobs), tolerance=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "tolerance"), [("SmolLM2-135M", 0.002), ("Qwen2.5-0.5B", 0.01)])
+def test_lora_checkpointing_peaks_in_the_recomputed_forward(model, tolerance):
+    # Under checkpointing with LoRA the loss phase peaks while the last layer's forward runs again, at its MLP's
+    # output projection (residual stream, the MLP's input and output, PEFT's float32 copy, the incoming gradient):
+    # without that moment the analytic model was a hidden tensor short (SmolLM2: -1.3% here, -1.8% at 128
+    # sequences). Qwen2.5's peak is that moment too; the backward's fitted working set lies 0.9% above it.
+    config = json.loads((MODELS / f"{model}.json").read_text())
+    knobs = {"lora_r": 16, "dtype": "bfloat16", "per_device_train_batch_size": 16, "num_generations": 16,
+             "max_completion_length": 256}
+    _assert_close(*_trace_against_analytic(config, **knobs), tolerance=tolerance)
