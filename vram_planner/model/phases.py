@@ -95,7 +95,16 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         "optimizer_states": 0.0 if first_micro_batch else m.optimizer_state_bytes(arch, train),
     }
     all_grads = m.gradient_bytes(arch, train)
-    raw = [_generation(arch, train, cal, persistent)]
+    # vLLM colocated on this card takes the budget it works out at start-up (all of it, or what sleep mode leaves)
+    context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
+    vllm, vllm_notes = None, []
+    if train.use_vllm:  # vLLM's model loads only for a config that starts one
+        from vram_planner.model.vllm import budget_notes, vllm_budget
+
+        vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16)
+        vllm_notes = budget_notes(vllm, train)
+    colocated = vllm if vllm is not None and vllm.mode == "colocate" else None
+    raw = [_generation(arch, train, cal, persistent, colocated)]
     merged = release.step_structure == "loss_merged"  # TRL 0.14: both log-prob passes run inside the loss
     if not merged and (train.computes_old_logps or train.computes_ref_logps):
         raw.append(_scoring(arch, train, release, cal, persistent))
@@ -109,20 +118,18 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         raw.append(Phase("optimizer", {**persistent, "gradients": all_grads + m.fp32_gradient_bytes(arch, train),
                                        "activations": m.optimizer_step_temporary_bytes(arch, train)}))
     raw = [_with_reduce_bucket(p, train, first_micro_batch) for p in raw]
-    # vLLM colocated on this card takes the budget it works out at start-up (all of it, or what sleep mode leaves)
-    context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
-    vllm, vllm_notes = None, []
-    if train.use_vllm:  # vLLM's model loads only for a config that starts one
-        from vram_planner.model.vllm import budget_notes, vllm_budget
-
-        vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16)
-        vllm_notes = budget_notes(vllm, train)
-    colocated = vllm if vllm is not None and vllm.mode == "colocate" else None
     workspaces = cublas_workspace_bytes(compute_capability)
-    phases = tuple(with_overheads(p, cal, colocated.reservation_in(p.name) if colocated else 0.0, train, context,
-                                  workspaces, arch) for p in raw)
+    phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm)
+
+
+def _reservation(colocated: VllmBudget | None, phase: Phase) -> float:
+    """What colocated vLLM holds at the phase's moment: a moment that says so (the weight push under sleep mode),
+    else what it holds during the phase."""
+    if colocated is None:
+        return 0.0
+    return phase.components.get("vllm_reservation", colocated.reservation_in(phase.name))
 
 
 def _with_reduce_bucket(phase: Phase, train: TrainingConfig, first_micro_batch: bool) -> Phase:
@@ -171,12 +178,20 @@ def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig) -> 
     return max(moments, key=lambda moment: moment.tensor_bytes + _reserve(moment, cal, train))
 
 
-def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration,
-                persistent: dict[str, float]) -> Phase:
-    base = {**persistent, "weights": m.generation_weight_bytes(arch, train)}
+def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, persistent: dict[str, float],
+                colocated: VllmBudget | None = None) -> Phase:
     if train.use_vllm:
+        # vLLM generates in its own memory (the reservation); the policy stays as trained, sharded or not, but the
+        # weights pushed to vLLM first are gathered on the way (m.vllm_weight_sync_bytes), while sleep mode has
+        # woken vLLM's weights only (VLLMGeneration.sync_weights wakes the KV cache later, to generate)
         woken = " woken whole (sleep mode)" if train.vllm_enable_sleep_mode else ""
-        return Phase("generation", base, f"vLLM generates{woken} (its memory is the reservation)")
+        generating = Phase("generation", dict(persistent), f"vLLM generates{woken} (its memory is the reservation)")
+        sync = {**persistent, "weights": persistent["weights"] + m.vllm_weight_sync_bytes(arch, train)}
+        if colocated is not None and colocated.sleep_level is not None:
+            sync["vllm_reservation"] = colocated.asleep_bytes + colocated.weights_bytes
+        moments = [generating, Phase("generation", sync, "weights pushed to vLLM")]
+        return max(moments, key=lambda p: p.tensor_bytes + _reserve(p, cal, train) + _reservation(colocated, p))
+    base = {**persistent, "weights": m.generation_weight_bytes(arch, train)}
     sequences, p = train.local_generation_batch_size, train.max_prompt_length
     run = m.as_generated(train)
     # The last decoding step feeds the last sampled token with p + c - 1 tokens cached.
