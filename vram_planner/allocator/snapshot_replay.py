@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from vram_planner.allocator.caching import CachingAllocator
@@ -61,14 +62,26 @@ def replay_snapshot(snapshot: Snapshot, device: int, conf: AllocatorConf) -> Sna
     or unmaps is replayed as empty_cache(), the call that returns cached memory without an out-of-memory error.
     The segment_alloc events before an alloc say where cudaMalloc put its segments: the model's go there too, so
     best fit breaks its ties (equal free blocks: the lower address) as the recorded allocator did."""
-    events = snapshot.device_traces[device]
+    allocator, allocs, frees, unmatched, releases = _replay(snapshot.device_traces[device], conf)
+    replay = SnapshotReplay(device, allocs, frees, list(allocator.segment_sizes), allocator.max_reserved_bytes,
+                            allocator.max_allocated_bytes, recorded_figures(snapshot, device), unmatched, releases)
+    replay.notes = _notes(replay, conf, snapshot)
+    return replay
+
+
+def replay_until(snapshot: Snapshot, device: int, conf: AllocatorConf, stop: int) -> CachingAllocator:
+    """The allocator model as it stood just after event `stop` of the device's trace (as replay_snapshot replays)."""
+    return _replay(snapshot.device_traces[device], conf, stop + 1)[0]
+
+
+def _replay(events: list, conf: AllocatorConf, stop: int | None = None) -> tuple[CachingAllocator, int, int, int, int]:
     free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
     allocator = CachingAllocator(conf)
     addresses: dict[int, int] = {}
     device_segments: list[tuple[int, int]] = []  # the segment_alloc events since the last alloc
     allocs = frees = unmatched = releases = 0
     releasing = False
-    for action, address, size, stream in events:
+    for action, address, size, stream in itertools.islice(events, stop):
         if action == "alloc":
             if address in addresses:  # recorded twice without a free between: the later block replaces it
                 allocator.free(addresses.pop(address))
@@ -93,10 +106,7 @@ def replay_snapshot(snapshot: Snapshot, device: int, conf: AllocatorConf) -> Sna
             releasing = True
             continue
         releasing = False
-    replay = SnapshotReplay(device, allocs, frees, list(allocator.segment_sizes), allocator.max_reserved_bytes,
-                            allocator.max_allocated_bytes, recorded_figures(snapshot, device), unmatched, releases)
-    replay.notes = _notes(replay, conf, snapshot)
-    return replay
+    return allocator, allocs, frees, unmatched, releases
 
 
 def recorded_figures(snapshot: Snapshot, device: int) -> Recorded:

@@ -1,0 +1,196 @@
+"""`vram-plan advise SNAPSHOT`: what was on the card at a memory snapshot's failed allocation (its trace's last oom
+event), or at its worst moment (the most bytes allocated) where nothing failed, and the fixes ranked against the plan.
+
+The moment's figures are the snapshot's own: the live blocks replayed from its trace, the reserved bytes from its
+segment events anchored on its final segments, the cached blocks from its final segments where the moment is the
+snapshot's end and the file lists them, else from the allocator model replaying the trace to that moment (the model
+makes the recorded segments to the byte: tests/allocator/test_real_snapshots.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from vram_planner.advise.diagnosis import Fix
+from vram_planner.advise.roles import ROLES, Tagged, planned_tensors, tag_blocks
+from vram_planner.allocator.snapshot import Snapshot
+from vram_planner.units import GiB
+
+GROWTH, RELEASE = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
+# Frames that say which phase a block was made in: (a part of "file:line in function", phase), innermost first
+FRAME_PHASES = (("/optim/", "optimizer"), ("in backward", "training"), ("in generate", "generation"),
+                ("in _compute_loss", "training"), ("in _get_per_token_logps", "scoring"))
+
+
+class SnapshotAdvice(BaseModel):
+    """A snapshot explained at one moment; figures in bytes."""
+
+    device: int
+    moment: Literal["out_of_memory", "worst"]  # the failed allocation, or the most bytes allocated
+    event_index: int  # the moment: just before this event of the device's trace
+    events: int
+    allocated_bytes: int  # live blocks, each rounded as the allocator rounds it (torch.cuda.memory_allocated)
+    reserved_bytes: int
+    by_role: dict[str, int]  # sums to allocated_bytes
+    roles_from: Literal["plan", "frames", "plan and frames", "none"]
+    phase: str | None
+    requested_bytes: int | None = None  # the failed request
+    device_free_bytes: int | None = None  # what CUDA still had free when it failed
+    reserved_unallocated_bytes: int
+    largest_free_block_bytes: int
+    free_blocks: int
+    fragmentation: float  # 1 - largest free block / reserved-but-unallocated: 0 is one block, near 1 is scattered
+    fragmentation_decided: bool  # the request fit the cached bytes in all but no cached block
+    diagnosis: list[str] = []
+    culprit: str | None = None
+    fixes: list[Fix] = []
+    fitting_config: dict[str, Any] | None = None
+
+
+def explain_snapshot(snapshot: Snapshot, device: int, context: Any = None, train: Any = None) -> SnapshotAdvice:
+    """The snapshot at its failed allocation (or worst moment), by role against the plan where `context` and
+    `train` are given (by frames alone otherwise), with the fixes ranked against the plan."""
+    from vram_planner.allocator import parse_allocator_conf
+    from vram_planner.allocator.sizes import round_size
+
+    events = snapshot.device_traces[device]
+    conf = parse_allocator_conf(snapshot.allocator_conf_text or "")
+    stop, kind = _moment(events)
+    frames = {index: stack for (d, index), stack in snapshot.frames.items() if d == device}
+    planned = planned_tensors(context.arch, train) if context is not None else None
+    tagged = tag_blocks(events, stop, planned, frames)
+    by_role = dict.fromkeys(ROLES, 0)
+    for size, role in tagged.live.values():
+        by_role[role] += round_size(size, conf.roundup_power2_divisions)
+    allocated = sum(by_role.values())
+    reserved = _reserved_at(snapshot, device, stop)
+    free_sizes = _free_blocks(snapshot, device, stop, conf)
+    request = events[stop][2] if kind == "out_of_memory" else None
+    unallocated = max(reserved - allocated, 0)
+    largest = max(free_sizes, default=0)
+    decided = request is not None and largest < round_size(request, conf.roundup_power2_divisions) <= unallocated
+    roles_from = ("plan and frames" if planned and tagged.by_frames else "plan" if planned
+                  else "frames" if tagged.by_frames else "none")
+    advice = SnapshotAdvice(
+        device=device, moment=kind, event_index=stop, events=len(events), allocated_bytes=allocated,
+        reserved_bytes=reserved, by_role=by_role, roles_from=roles_from,
+        phase=_phase(tagged, frames.get(stop) or frames.get(_last_alloc(events, stop)), planned, request),
+        requested_bytes=request, device_free_bytes=snapshot.device_free.get((device, stop)),
+        reserved_unallocated_bytes=unallocated, largest_free_block_bytes=largest, free_blocks=len(free_sizes),
+        fragmentation=round(1 - largest / unallocated, 4) if unallocated else 0.0, fragmentation_decided=decided)
+    _rank_fixes(advice, conf.expandable_segments, context, train)
+    return advice
+
+
+def _moment(events: list) -> tuple[int, Literal["out_of_memory", "worst"]]:
+    """The last oom event, else the event after which the most bytes were allocated (the first such)."""
+    ooms = [i for i, e in enumerate(events) if e[0] == "oom"]
+    if ooms:
+        return ooms[-1], "out_of_memory"
+    free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
+    live: dict[int, int] = {}
+    running = peak = 0
+    at = len(events) - 1
+    for index, (action, address, size, _) in enumerate(events):
+        if action == "alloc":
+            running += size - live.get(address, 0)
+            live[address] = size
+            if running > peak:
+                peak, at = running, index
+        elif action == free_action and address in live:
+            running -= live.pop(address)
+    return at + 1, "worst"
+
+
+def _last_alloc(events: list, stop: int) -> int:
+    return next((i for i in range(min(stop, len(events)) - 1, -1, -1) if events[i][0] == "alloc"), -1)
+
+
+def _reserved_at(snapshot: Snapshot, device: int, stop: int) -> int:
+    """The segments' bytes before event `stop`: the trace's segment events, anchored on the final segments."""
+    from vram_planner.allocator.snapshot_replay import recorded_figures
+
+    running = 0
+    for action, _, size, _ in snapshot.device_traces[device][:stop]:
+        running += size if action in GROWTH else -size if action in RELEASE else 0
+    return (recorded_figures(snapshot, device).reserved_before_bytes or 0) + running
+
+
+def _free_blocks(snapshot: Snapshot, device: int, stop: int, conf: Any) -> list[int]:
+    """The cached blocks' sizes at the moment: the file's own where the moment is its end and it lists blocks."""
+    from vram_planner.allocator.snapshot import SIZED_ACTIONS
+    from vram_planner.allocator.snapshot_replay import replay_until
+
+    events = snapshot.device_traces[device]
+    segments = [s for s in snapshot.segments if s.device == device]
+    at_end = not any(e[0] in SIZED_ACTIONS for e in events[stop:])
+    if at_end and segments and all(s.blocks for s in segments):
+        return [size for s in segments for _, size, allocated in s.blocks if not allocated]
+    return replay_until(snapshot, device, conf, stop - 1).free_block_sizes()
+
+
+def _phase(tagged: Tagged, frames: tuple[str, ...] | None, planned: Any, request: int | None) -> str | None:
+    """The phase of the step at the moment: from the frames that made its last block, else from what was live."""
+    for frame in frames or ():
+        for part, phase in FRAME_PHASES:
+            if part in frame:
+                return phase
+    if planned is None:
+        return None
+    if not tagged.stepping:
+        return "loading"
+    live = [role for _, role in tagged.live.values()]
+    grads, states = live.count("gradients"), live.count("optimizer_states")
+    all_grads = grads == sum(planned.gradients.values()) > 0
+    if 0 < states < sum(planned.optimizer_states.values()) or (
+            all_grads and tagged.last_role in ("activations", "other") and request in planned.gradients):
+        return "optimizer"
+    if "kv_cache" in live:
+        return "generation"
+    if grads:
+        return "training"
+    return "scoring or training forward" if "logits" in live else "training"
+
+
+def _rank_fixes(advice: SnapshotAdvice, expandable: bool, context: Any, train: Any) -> None:
+    """The diagnosis in words, and the fixes: the plan's (through the log advice's ranking) where it is known."""
+    from vram_planner.advise.diagnosis import advise as advise_error
+    from vram_planner.advise.oom_log import OomError
+
+    a = advice
+    parts = ", ".join(f"{role.replace('_', ' ')} {_gib(n)}" for role, n in
+                      sorted(a.by_role.items(), key=lambda kv: -kv[1]) if n)
+    at = ("when the allocation of " + _gib(a.requested_bytes or 0) + " failed" if a.moment == "out_of_memory"
+          else "at its most")
+    a.diagnosis.append(f"{_gib(a.allocated_bytes)} allocated {at}{f' ({a.phase})' if a.phase else ''}: {parts}; "
+                       f"{_gib(a.reserved_bytes)} reserved")
+    if a.roles_from == "none":
+        a.diagnosis.append("give the run's --model, --gpu and knobs to tell its tensors apart by size")
+    if a.reserved_unallocated_bytes:
+        a.diagnosis.append(f"{_gib(a.reserved_unallocated_bytes)} reserved but unallocated in {a.free_blocks} cached "
+                           f"block(s), the largest {_gib(a.largest_free_block_bytes)} "
+                           f"(fragmentation {a.fragmentation:.0%})")
+    if a.fragmentation_decided:
+        a.diagnosis.append("fragmentation decided this crash: the cached bytes would have held the request, no "
+                           "cached block would")
+    error = OomError(kind="cuda_oom", message=f"a memory snapshot's {a.moment.replace('_', ' ')} moment",
+                     gpu_index=a.device, tried_to_allocate=a.requested_bytes, free=a.device_free_bytes,
+                     allocated_by_pytorch=a.allocated_bytes, reserved_unallocated=a.reserved_unallocated_bytes,
+                     reserved_total=a.reserved_bytes, expandable_segments=expandable)
+    found = advise_error(error, context, train, "assumed" if train is None else "flag",
+                         "flag" if train is not None else "installed")
+    fixes = list(found.fixes)
+    if a.fragmentation_decided and not expandable:
+        fixes = [f for f in fixes if not f.change.startswith("PYTORCH_CUDA_ALLOC_CONF")]
+        fixes.insert(0, Fix(change="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                            saves_bytes=a.reserved_unallocated_bytes, cost="none",
+                            why="the request fit the cached bytes but no cached block; segments that grow in place "
+                                "leave no such holes"))
+    a.fixes, a.fitting_config, a.culprit = fixes, found.fitting_config, found.culprit
+    a.diagnosis.extend(note for note in found.diagnosis if not note.startswith("fragmentation:"))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
