@@ -4,18 +4,22 @@ the order a step makes them, and by the frames that made it where the run record
 A snapshot's trace names no tensors. The plan does: every parameter's size (weights, then a reference copy), the
 trainable ones' gradients (made in the first backward, kept until zero_grad) and optimizer states (made at the first
 optimizer step, kept), the logits (a whole number of vocabulary rows), one layer's K or V for the generation batch (a
-whole number of positions, grown a position at a time by DynamicCache's torch.cat). A block is taken for the first
-of these its size matches, in the order the step makes them; what matches nothing is an activation once the step has
-begun, and other (loading's temporaries, buffers) before.
+whole number of positions, grown a position at a time by DynamicCache's torch.cat). Until every weight is loaded a
+block is a weight or other (loading's temporaries, buffers); then the first of the others its size matches, in the
+order the step makes them, else an activation.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+# A decoding step's events per layer (its projections, attention, MLP and the K/V concatenation, each an alloc and
+# frees): the K/V one position shorter were made within this many events per layer before the longer ones.
+KV_STEP_EVENTS = 200
 ROLES = ("weights", "gradients", "optimizer_states", "activations", "logits", "kv_cache", "other")
 COUNTED = ("weights", "gradients", "optimizer_states")  # roles whose tensors the plan lists one by one
 # Frames that say what a block is, whatever its size: (a part of "file:line in function", role)
@@ -93,10 +97,11 @@ class Tagged:
     """The live blocks at a moment, each with its role, and what the step had reached."""
 
     live: dict[int, tuple[int, str]]  # address -> (requested bytes, role)
-    stepping: bool  # the first step had begun (a logits or K/V block seen)
+    stepping: bool  # the first step had begun: every planned weight loaded, or a logits or K/V block seen
     last_role: str | None  # the role of the last block allocated before the moment
     by_frames: int = 0  # blocks whose role their frames gave
-    alloc_sizes: Counter = field(default_factory=Counter)
+    made_at: dict[int, int] = field(default_factory=dict)  # address -> the event that allocated its live block
+    allocs_of: dict[int, list[int]] = field(default_factory=dict)  # size -> the events that allocated it, in order
 
 
 def tag_blocks(events: list, stop: int, planned: PlannedTensors | None,
@@ -113,7 +118,8 @@ def tag_blocks(events: list, stop: int, planned: PlannedTensors | None,
             role = _role(size, frames.get(index), planned, remaining, tagged)
             tagged.live[address] = (size, role)
             tagged.last_role = role
-            tagged.alloc_sizes[size] += 1
+            tagged.made_at[address] = index
+            tagged.allocs_of.setdefault(size, []).append(index)
         elif action == free_action and address in tagged.live:
             _give_back(remaining, *tagged.live.pop(address))
     if planned is not None:
@@ -139,9 +145,10 @@ def _role(size: int, frames: tuple[str, ...] | None, planned: PlannedTensors | N
         return by_frames
     if planned is None:
         return "other"
-    for role in COUNTED if not tagged.stepping else COUNTED[1:]:
+    for role in COUNTED[1:] if tagged.stepping else COUNTED[:1]:
         if remaining[role][size] > 0:
             remaining[role][size] -= 1
+            tagged.stepping = tagged.stepping or (role == "weights" and not +remaining["weights"])
             return role
     if size % planned.vocab_size == 0 and size >= 2 * planned.vocab_size and size not in planned.weight_casts:
         tagged.stepping = True
@@ -150,13 +157,23 @@ def _role(size: int, frames: tuple[str, ...] | None, planned: PlannedTensors | N
 
 
 def _find_kv_cache(tagged: Tagged, planned: PlannedTensors) -> None:
-    """Activations that are a layer's K and V: a whole number of positions for the generation batch, the same size
-    in every layer (2 per layer live), and grown from one position less (made before at least as often)."""
-    live_sizes = Counter(size for size, role in tagged.live.values() if role == "activations")
-    layers = 2 * planned.num_layers
-    kv_sizes = {size for size, count in live_sizes.items() if count >= layers and any(
-        size % unit == 0 and 1 < size // unit <= planned.kv_positions and tagged.alloc_sizes[size - unit] >= layers
-        for unit in planned.kv_position_bytes)}
-    for address, (size, role) in tagged.live.items():
-        if role == "activations" and size in kv_sizes:
-            tagged.live[address] = (size, "kv_cache")
+    """Blocks that are a layer's K and V: a whole number of positions for the generation batch, grown from one
+    position less (made before once per layer's K and V), and a K and V for every layer live (some layers a
+    position ahead of the others mid-step). A K/V the size of a LoRA adapter's gradient or state was taken for one
+    as it was made, or one a whole number of vocabulary rows for logits: the growth says otherwise."""
+    taken = ("activations", "gradients", "optimizer_states", "logits")
+    window = KV_STEP_EVENTS * planned.num_layers
+    grown = [address for address, (size, role) in tagged.live.items() if role in taken and any(
+        size % unit == 0 and 1 < size // unit <= planned.kv_positions
+        and _made_within(tagged.allocs_of.get(size - unit, []), tagged.made_at[address], window)
+        for unit in planned.kv_position_bytes)]
+    if len(grown) < 2 * planned.num_layers:
+        return
+    for address in grown:
+        tagged.live[address] = (tagged.live[address][0], "kv_cache")
+
+
+def _made_within(indices: list[int], index: int, window: int) -> bool:
+    """Whether one of the sorted event indices lies in the `window` events before `index`."""
+    at = bisect.bisect_left(indices, index)
+    return at > 0 and indices[at - 1] >= index - window

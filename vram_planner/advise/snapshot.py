@@ -34,6 +34,7 @@ class SnapshotAdvice(BaseModel):
     allocated_bytes: int  # live blocks, each rounded as the allocator rounds it (torch.cuda.memory_allocated)
     reserved_bytes: int
     by_role: dict[str, int]  # sums to allocated_bytes
+    requested_bytes_by_role: dict[str, int]  # the tensors' own bytes, before the allocator rounds them
     roles_from: Literal["plan", "frames", "plan and frames", "none"]
     phase: str | None
     requested_bytes: int | None = None  # the failed request
@@ -61,12 +62,13 @@ def explain_snapshot(snapshot: Snapshot, device: int, context: Any = None, train
     frames = {index: stack for (d, index), stack in snapshot.frames.items() if d == device}
     planned = planned_tensors(context.arch, train) if context is not None else None
     tagged = tag_blocks(events, stop, planned, frames)
-    by_role = dict.fromkeys(ROLES, 0)
-    for size, role in tagged.live.values():
-        by_role[role] += round_size(size, conf.roundup_power2_divisions)
+    block_sizes, free_sizes = _allocator_state(snapshot, device, stop, conf)
+    by_role, requested = dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0)
+    for address, (size, role) in tagged.live.items():
+        by_role[role] += block_sizes.get(address) or round_size(size, conf.roundup_power2_divisions)
+        requested[role] += size
     allocated = sum(by_role.values())
     reserved = _reserved_at(snapshot, device, stop)
-    free_sizes = _free_blocks(snapshot, device, stop, conf)
     request = events[stop][2] if kind == "out_of_memory" else None
     unallocated = max(reserved - allocated, 0)
     largest = max(free_sizes, default=0)
@@ -75,7 +77,7 @@ def explain_snapshot(snapshot: Snapshot, device: int, context: Any = None, train
                   else "frames" if tagged.by_frames else "none")
     advice = SnapshotAdvice(
         device=device, moment=kind, event_index=stop, events=len(events), allocated_bytes=allocated,
-        reserved_bytes=reserved, by_role=by_role, roles_from=roles_from,
+        reserved_bytes=reserved, by_role=by_role, requested_bytes_by_role=requested, roles_from=roles_from,
         phase=_phase(tagged, frames.get(stop) or frames.get(_last_alloc(events, stop)), planned, request),
         requested_bytes=request, device_free_bytes=snapshot.device_free.get((device, stop)),
         reserved_unallocated_bytes=unallocated, largest_free_block_bytes=largest, free_blocks=len(free_sizes),
@@ -118,8 +120,9 @@ def _reserved_at(snapshot: Snapshot, device: int, stop: int) -> int:
     return (recorded_figures(snapshot, device).reserved_before_bytes or 0) + running
 
 
-def _free_blocks(snapshot: Snapshot, device: int, stop: int, conf: Any) -> list[int]:
-    """The cached blocks' sizes at the moment: the file's own where the moment is its end and it lists blocks."""
+def _allocator_state(snapshot: Snapshot, device: int, stop: int, conf: Any) -> tuple[dict[int, int], list[int]]:
+    """Each live block's bytes by address, and the cached blocks' sizes, at the moment: the file's own blocks where
+    the moment is its end and it lists them, else the allocator model's replaying the trace to the moment."""
     from vram_planner.allocator.snapshot import SIZED_ACTIONS
     from vram_planner.allocator.snapshot_replay import replay_until
 
@@ -127,8 +130,11 @@ def _free_blocks(snapshot: Snapshot, device: int, stop: int, conf: Any) -> list[
     segments = [s for s in snapshot.segments if s.device == device]
     at_end = not any(e[0] in SIZED_ACTIONS for e in events[stop:])
     if at_end and segments and all(s.blocks for s in segments):
-        return [size for s in segments for _, size, allocated in s.blocks if not allocated]
-    return replay_until(snapshot, device, conf, stop - 1).free_block_sizes()
+        blocks = [block for s in segments for block in s.blocks]
+        return ({address: size for address, size, allocated in blocks if allocated},
+                [size for _, size, allocated in blocks if not allocated])
+    allocator, block_sizes = replay_until(snapshot, device, conf, stop - 1)
+    return block_sizes, [size for _, size in allocator.free_blocks()]
 
 
 def _phase(tagged: Tagged, frames: tuple[str, ...] | None, planned: Any, request: int | None) -> str | None:

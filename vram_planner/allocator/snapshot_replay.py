@@ -69,15 +69,20 @@ def replay_snapshot(snapshot: Snapshot, device: int, conf: AllocatorConf) -> Sna
     return replay
 
 
-def replay_until(snapshot: Snapshot, device: int, conf: AllocatorConf, stop: int) -> CachingAllocator:
-    """The allocator model as it stood just after event `stop` of the device's trace (as replay_snapshot replays)."""
-    return _replay(snapshot.device_traces[device], conf, stop + 1)[0]
+def replay_until(snapshot: Snapshot, device: int, conf: AllocatorConf,
+                 stop: int) -> tuple[CachingAllocator, dict[int, int]]:
+    """The allocator model as it stood just after event `stop` of the device's trace (as replay_snapshot replays),
+    and the size of the block it gave each live recorded address (what torch.cuda.memory_allocated counts)."""
+    addresses: dict[int, int] = {}
+    allocator = _replay(snapshot.device_traces[device], conf, stop + 1, addresses)[0]
+    return allocator, {recorded: allocator.block_size(modeled) for recorded, modeled in addresses.items()}
 
 
-def _replay(events: list, conf: AllocatorConf, stop: int | None = None) -> tuple[CachingAllocator, int, int, int, int]:
+def _replay(events: list, conf: AllocatorConf, stop: int | None = None,
+            addresses: dict[int, int] | None = None) -> tuple[CachingAllocator, int, int, int, int]:
     free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
     allocator = CachingAllocator(conf)
-    addresses: dict[int, int] = {}
+    addresses = {} if addresses is None else addresses  # recorded address -> the model's
     device_segments: list[tuple[int, int]] = []  # the segment_alloc events since the last alloc
     allocs = frees = unmatched = releases = 0
     releasing = False

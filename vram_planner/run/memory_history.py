@@ -57,15 +57,21 @@ def write_oom_snapshot(device: int, requested_bytes: int, device_total_bytes: in
         OBSERVER.failed = first_line(exc)
 
 
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @contextlib.contextmanager
 def memory_history(target: Path, frames: bool = False) -> Iterator[OomSnapshots]:
     """Record the allocator's history while the block runs (with each allocation's Python frames if `frames`), and
     write the snapshot to `target` if memory runs out; off CUDA, nothing."""
-    import torch
-
-    if not torch.cuda.is_available():
+    if not cuda_available():
         yield OBSERVER
         return
+    import torch
+
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc" if frames else None, stacks="python",
                                              max_entries=MAX_ENTRIES_WITH_FRAMES if frames else MAX_ENTRIES,
                                              clear_history=True)
