@@ -23,8 +23,8 @@ KV_STEP_EVENTS = 200
 ROLES = ("weights", "gradients", "optimizer_states", "activations", "logits", "kv_cache", "other")
 COUNTED = ("weights", "gradients", "optimizer_states")  # roles whose tensors the plan lists one by one
 # Frames that say what a block is, whatever its size: (a part of "file:line in function", role)
-FRAME_ROLES = (("cache_utils.py", "kv_cache"), ("/optim/", "optimizer_states"), ("bitsandbytes/optim", "optimizer_states"),
-               ("modeling_utils.py", "weights"))
+FRAME_ROLES = (("cache_utils.py", "kv_cache"), ("/optim/", "optimizer_states"),
+               ("bitsandbytes/optim", "optimizer_states"), ("modeling_utils.py", "weights"))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,8 @@
 """`vram-plan advise SNAPSHOT`: what was on the card at a memory snapshot's failed allocation (its trace's last oom
 event), or at its worst moment (the most bytes allocated) where nothing failed, and the fixes ranked against the plan.
 
-The moment's figures are the snapshot's own: the live blocks replayed from its trace, the reserved bytes from its
-segment events anchored on its final segments, the cached blocks from its final segments where the moment is the
-snapshot's end and the file lists them, else from the allocator model replaying the trace to that moment (the model
-makes the recorded segments to the byte: tests/allocator/test_real_snapshots.py).
+The moment's figures are the snapshot's own (vram_planner/allocator/snapshot_moment.py); the roles are the plan's
+tensors found among its live blocks (roles.py); the fixes are ranked as for a log (diagnosis.py).
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from vram_planner.advise.roles import ROLES, Tagged, planned_tensors, tag_blocks
 from vram_planner.allocator.snapshot import Snapshot
 from vram_planner.units import GiB
 
-GROWTH, RELEASE = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
 # Frames that say which phase a block was made in: (a part of "file:line in function", phase), innermost first
 FRAME_PHASES = (("/optim/", "optimizer"), ("in backward", "training"), ("in generate", "generation"),
                 ("in _compute_loss", "training"), ("in _get_per_token_logps", "scoring"))
@@ -53,88 +50,37 @@ class SnapshotAdvice(BaseModel):
 def explain_snapshot(snapshot: Snapshot, device: int, context: Any = None, train: Any = None) -> SnapshotAdvice:
     """The snapshot at its failed allocation (or worst moment), by role against the plan where `context` and
     `train` are given (by frames alone otherwise), with the fixes ranked against the plan."""
-    from vram_planner.allocator import parse_allocator_conf
-    from vram_planner.allocator.sizes import round_size
+    from vram_planner.allocator.snapshot_moment import moment_of
 
     events = snapshot.device_traces[device]
-    conf = parse_allocator_conf(snapshot.allocator_conf_text or "")
-    stop, kind = _moment(events)
+    moment = moment_of(snapshot, device)
+    stop = moment.index
     frames = {index: stack for (d, index), stack in snapshot.frames.items() if d == device}
     planned = planned_tensors(context.arch, train) if context is not None else None
     tagged = tag_blocks(events, stop, planned, frames)
-    block_sizes, free_sizes = _allocator_state(snapshot, device, stop, conf)
     by_role, requested = dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0)
-    for address, (size, role) in tagged.live.items():
-        by_role[role] += block_sizes.get(address) or round_size(size, conf.roundup_power2_divisions)
+    for address, n_bytes in moment.block_sizes.items():  # a block made before recording began is other
+        size, role = tagged.live.get(address, (n_bytes, "other"))
+        by_role[role] += n_bytes
         requested[role] += size
-    allocated = sum(by_role.values())
-    reserved = _reserved_at(snapshot, device, stop)
-    request = events[stop][2] if kind == "out_of_memory" else None
-    unallocated = max(reserved - allocated, 0)
-    largest = max(free_sizes, default=0)
-    decided = request is not None and largest < round_size(request, conf.roundup_power2_divisions) <= unallocated
     roles_from = ("plan and frames" if planned and tagged.by_frames else "plan" if planned
                   else "frames" if tagged.by_frames else "none")
     advice = SnapshotAdvice(
-        device=device, moment=kind, event_index=stop, events=len(events), allocated_bytes=allocated,
-        reserved_bytes=reserved, by_role=by_role, requested_bytes_by_role=requested, roles_from=roles_from,
-        phase=_phase(tagged, frames.get(stop) or frames.get(_last_alloc(events, stop)), planned, request),
-        requested_bytes=request, device_free_bytes=snapshot.device_free.get((device, stop)),
-        reserved_unallocated_bytes=unallocated, largest_free_block_bytes=largest, free_blocks=len(free_sizes),
-        fragmentation=round(1 - largest / unallocated, 4) if unallocated else 0.0, fragmentation_decided=decided)
-    _rank_fixes(advice, conf.expandable_segments, context, train)
+        device=device, moment=moment.kind, event_index=stop, events=len(events), allocated_bytes=moment.allocated_bytes,
+        reserved_bytes=moment.reserved_bytes, by_role=by_role, requested_bytes_by_role=requested,
+        roles_from=roles_from,
+        phase=_phase(tagged, frames.get(stop) or frames.get(_last_alloc(events, stop)), planned,
+                     moment.requested_bytes),
+        requested_bytes=moment.requested_bytes, device_free_bytes=moment.device_free_bytes,
+        reserved_unallocated_bytes=moment.reserved_unallocated_bytes,
+        largest_free_block_bytes=moment.largest_free_block_bytes, free_blocks=len(moment.free_block_sizes),
+        fragmentation=moment.fragmentation, fragmentation_decided=moment.fragmentation_decided)
+    _rank_fixes(advice, moment.conf.expandable_segments, context, train)
     return advice
-
-
-def _moment(events: list) -> tuple[int, Literal["out_of_memory", "worst"]]:
-    """The last oom event, else the event after which the most bytes were allocated (the first such)."""
-    ooms = [i for i, e in enumerate(events) if e[0] == "oom"]
-    if ooms:
-        return ooms[-1], "out_of_memory"
-    free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
-    live: dict[int, int] = {}
-    running = peak = 0
-    at = len(events) - 1
-    for index, (action, address, size, _) in enumerate(events):
-        if action == "alloc":
-            running += size - live.get(address, 0)
-            live[address] = size
-            if running > peak:
-                peak, at = running, index
-        elif action == free_action and address in live:
-            running -= live.pop(address)
-    return at + 1, "worst"
 
 
 def _last_alloc(events: list, stop: int) -> int:
     return next((i for i in range(min(stop, len(events)) - 1, -1, -1) if events[i][0] == "alloc"), -1)
-
-
-def _reserved_at(snapshot: Snapshot, device: int, stop: int) -> int:
-    """The segments' bytes before event `stop`: the trace's segment events, anchored on the final segments."""
-    from vram_planner.allocator.snapshot_replay import recorded_figures
-
-    running = 0
-    for action, _, size, _ in snapshot.device_traces[device][:stop]:
-        running += size if action in GROWTH else -size if action in RELEASE else 0
-    return (recorded_figures(snapshot, device).reserved_before_bytes or 0) + running
-
-
-def _allocator_state(snapshot: Snapshot, device: int, stop: int, conf: Any) -> tuple[dict[int, int], list[int]]:
-    """Each live block's bytes by address, and the cached blocks' sizes, at the moment: the file's own blocks where
-    the moment is its end and it lists them, else the allocator model's replaying the trace to the moment."""
-    from vram_planner.allocator.snapshot import SIZED_ACTIONS
-    from vram_planner.allocator.snapshot_replay import replay_until
-
-    events = snapshot.device_traces[device]
-    segments = [s for s in snapshot.segments if s.device == device]
-    at_end = not any(e[0] in SIZED_ACTIONS for e in events[stop:])
-    if at_end and segments and all(s.blocks for s in segments):
-        blocks = [block for s in segments for block in s.blocks]
-        return ({address: size for address, size, allocated in blocks if allocated},
-                [size for _, size, allocated in blocks if not allocated])
-    allocator, block_sizes = replay_until(snapshot, device, conf, stop - 1)
-    return block_sizes, [size for _, size in allocator.free_blocks()]
 
 
 def _phase(tagged: Tagged, frames: tuple[str, ...] | None, planned: Any, request: int | None) -> str | None:
