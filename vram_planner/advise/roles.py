@@ -108,7 +108,9 @@ def tag_blocks(events: list, stop: int, planned: PlannedTensors | None,
                frames: dict[int, tuple[str, ...]]) -> Tagged:
     """Replay the trace's allocs and frees before event `stop`, giving each block a role as it is made (a freed
     block gives its planned size back, so the next tensor of that size takes it)."""
-    free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
+    from vram_planner.allocator.snapshot import free_action
+
+    freed = free_action(events)
     remaining = {role: Counter(getattr(planned, role)) for role in COUNTED} if planned else {}
     tagged = Tagged({}, stepping=planned is None, last_role=None)
     for index, (action, address, size, _) in enumerate(itertools.islice(events, stop)):
@@ -120,7 +122,7 @@ def tag_blocks(events: list, stop: int, planned: PlannedTensors | None,
             tagged.last_role = role
             tagged.made_at[address] = index
             tagged.allocs_of.setdefault(size, []).append(index)
-        elif action == free_action and address in tagged.live:
+        elif action == freed and address in tagged.live:
             _give_back(remaining, *tagged.live.pop(address))
     if planned is not None:
         _find_kv_cache(tagged, planned)

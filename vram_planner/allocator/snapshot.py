@@ -76,6 +76,11 @@ class _DataOnlyUnpickler(pickle.Unpickler):
         raise SnapshotError("it refers to outside objects (a persistent id); a memory snapshot does not")
 
 
+def free_action(events: list[TraceEvent]) -> str:
+    """The event that returns a block to its pool: free_completed, or free_requested in a trace without them."""
+    return "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
+
+
 def load_snapshot(path: Path) -> Snapshot:
     """The snapshot in `path` (a .pickle, or gzip-compressed); SnapshotError in one line for anything else."""
     try:

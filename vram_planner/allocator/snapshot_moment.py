@@ -14,10 +14,8 @@ from typing import Literal
 
 from vram_planner.allocator.conf import AllocatorConf, parse_allocator_conf
 from vram_planner.allocator.sizes import round_size
-from vram_planner.allocator.snapshot import SIZED_ACTIONS, Snapshot
-from vram_planner.allocator.snapshot_replay import recorded_figures, replay_until
-
-GROWTH, RELEASE = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
+from vram_planner.allocator.snapshot import SIZED_ACTIONS, Snapshot, free_action
+from vram_planner.allocator.snapshot_replay import GROWTH, RELEASE, recorded_figures, replay_until
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,7 @@ def _moment(events: list) -> tuple[int, Literal["out_of_memory", "worst"]]:
     ooms = [i for i, e in enumerate(events) if e[0] == "oom"]
     if ooms:
         return ooms[-1], "out_of_memory"
-    free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
+    freed = free_action(events)
     live: dict[int, int] = {}
     running = peak = 0
     at = len(events) - 1
@@ -96,6 +94,6 @@ def _moment(events: list) -> tuple[int, Literal["out_of_memory", "worst"]]:
             live[address] = size
             if running > peak:
                 peak, at = running, index
-        elif action == free_action and address in live:
+        elif action == freed and address in live:
             running -= live.pop(address)
     return at + 1, "worst"

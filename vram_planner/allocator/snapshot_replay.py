@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vram_planner.allocator.caching import CachingAllocator
 from vram_planner.allocator.conf import AllocatorConf
-from vram_planner.allocator.snapshot import Snapshot, SnapshotError
+from vram_planner.allocator.snapshot import Snapshot, SnapshotError, free_action
 from vram_planner.units import MiB
 
 GROWTH, RELEASE = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
@@ -80,7 +80,7 @@ def replay_until(snapshot: Snapshot, device: int, conf: AllocatorConf,
 
 def _replay(events: list, conf: AllocatorConf, stop: int | None = None,
             addresses: dict[int, int] | None = None) -> tuple[CachingAllocator, int, int, int, int]:
-    free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
+    freed = free_action(events)
     allocator = CachingAllocator(conf)
     addresses = {} if addresses is None else addresses  # recorded address -> the model's
     device_segments: list[tuple[int, int]] = []  # the segment_alloc events since the last alloc
@@ -97,7 +97,7 @@ def _replay(events: list, conf: AllocatorConf, stop: int | None = None,
             allocs += 1
         elif action == "segment_alloc":
             device_segments.append((address, size))
-        elif action == free_action:
+        elif action == freed:
             modeled = addresses.pop(address, None)
             if modeled is None:
                 unmatched += 1
