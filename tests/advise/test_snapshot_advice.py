@@ -122,6 +122,23 @@ def test_fragmentation_that_decided_the_crash_puts_expandable_segments_first():
     assert advice.by_role["other"] == advice.allocated_bytes == 25 * 4 * MiB
 
 
+def trl_frames(*names: str) -> list[dict]:
+    return [{"filename": "/venv/site-packages/trl/trainer/grpo_trainer.py", "line": 1, "name": n} for n in names]
+
+
+@pytest.mark.parametrize(("names", "phase"), [
+    (("_get_per_token_logps_and_entropies", "_compute_loss", "compute_loss", "training_step"), "training"),
+    (("_get_per_token_logps_and_entropies", "_generate_and_score_completions", "_prepare_inputs"), "scoring"),
+    (("_sample", "generate", "_generate_single_turn", "_generate"), "generation")])
+def test_the_frames_of_the_failed_request_name_its_phase(names, phase):
+    """TRL's loss takes its log-probabilities with the function scoring uses: the loss around it decides."""
+    recorder = Recorder(capacity_bytes=10 * 20 * MiB + 10 * MiB)
+    with pytest.raises(OutOfMemory):
+        recorder.malloc(150 * MiB)
+        recorder.malloc(150 * MiB, frames=trl_frames(*names))
+    assert explained(recorder).phase == phase
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 24 * MiB)), min_size=1, max_size=60),
        st.integers(30 * MiB, 200 * MiB), st.booleans())

@@ -16,9 +16,10 @@ from vram_planner.advise.roles import ROLES, Tagged, planned_tensors, tag_blocks
 from vram_planner.allocator.snapshot import Snapshot
 from vram_planner.units import GiB
 
-# Frames that say which phase a block was made in: (a part of "file:line in function", phase), innermost first
-FRAME_PHASES = (("/optim/", "optimizer"), ("in backward", "training"), ("in generate", "generation"),
-                ("in _compute_loss", "training"), ("in _get_per_token_logps", "scoring"))
+# Frames that say which phase a block was made in: (a part of "file:line in function", phase), the first found in
+# any frame deciding (TRL's loss takes its log-probabilities with the function scoring uses, so the loss comes first)
+FRAME_PHASES = (("/optim/", "optimizer"), ("in backward", "training"), ("compute_loss", "training"),
+                ("in generate", "generation"), ("in _get_per_token_logps", "scoring"))
 
 
 class SnapshotAdvice(BaseModel):
@@ -85,10 +86,9 @@ def _last_alloc(events: list, stop: int) -> int:
 
 def _phase(tagged: Tagged, frames: tuple[str, ...] | None, planned: Any, request: int | None) -> str | None:
     """The phase of the step at the moment: from the frames that made its last block, else from what was live."""
-    for frame in frames or ():
-        for part, phase in FRAME_PHASES:
-            if part in frame:
-                return phase
+    for part, phase in FRAME_PHASES:
+        if any(part in frame for frame in frames or ()):
+            return phase
     if planned is None:
         return None
     if not tagged.stepping:
@@ -131,8 +131,8 @@ def _rank_fixes(advice: SnapshotAdvice, expandable: bool, context: Any, train: A
                      gpu_index=a.device, tried_to_allocate=a.requested_bytes, free=a.device_free_bytes,
                      allocated_by_pytorch=a.allocated_bytes, reserved_unallocated=a.reserved_unallocated_bytes,
                      reserved_total=a.reserved_bytes, expandable_segments=expandable)
-    found = advise_error(error, context, train, "assumed" if train is None else "flag",
-                         "flag" if train is not None else "installed")
+    found = advise_error(error, context, train,
+                         "flag" if train is not None and train.transformers_version is not None else "assumed")
     fixes = list(found.fixes)
     if a.fragmentation_decided and not expandable:
         fixes = [f for f in fixes if not f.change.startswith("PYTORCH_CUDA_ALLOC_CONF")]

@@ -75,10 +75,12 @@ def memory_history(target: Path, frames: bool = False) -> Iterator[OomSnapshots]
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc" if frames else None, stacks="python",
                                              max_entries=MAX_ENTRIES_WITH_FRAMES if frames else MAX_ENTRIES,
                                              clear_history=True)
-    if not OBSERVER.attached:
-        torch._C._cuda_attach_out_of_memory_observer(write_oom_snapshot)
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)  # CUDA builds of torch have it
+    if not OBSERVER.attached and attach is not None:
+        attach(write_oom_snapshot)
         OBSERVER.attached = True
-    OBSERVER.target, OBSERVER.written, OBSERVER.failed = target, [], None
+    OBSERVER.target, OBSERVER.written = target, []
+    OBSERVER.failed = None if OBSERVER.attached else "this torch build has no out-of-memory observer"
     try:
         yield OBSERVER
     finally:
