@@ -108,6 +108,30 @@ def test_an_oom_at_the_first_optimizer_step_tells_states_from_gradients_of_the_s
     assert sum(advice.by_role.values()) == advice.allocated_bytes == recorder.allocator.allocated_bytes
 
 
+def test_the_failed_request_is_named_against_the_plan_and_the_fixes_that_remove_it_come_first():
+    """TRL 0.14 on Qwen2.5-0.5B: the weights (and the reference model's), a hidden state, then accelerate's float32
+    copy of the logits over prompt and completion does not fit: advise names it, as for a log, and ranks first the
+    fixes that remove it."""
+    from vram_planner.advise.candidates import logits_candidates
+
+    verdict = api.check("Qwen2.5-0.5B", "8GiB", {"per_device_train_batch_size": 4, "num_generations": 4,
+                                                  "max_prompt_length": 128, "max_completion_length": 256},
+                        trl_version="0.14")
+    arch, train = verdict.context.arch, verdict.train
+    planned = planned_tensors(arch, train)
+    logits = next(c.size for c in logits_candidates(arch, train, verdict.context.release) if "float32 copy" in c.name)
+    hidden = train.micro_batch_completions * train.sequence_length * arch.hidden_size * 4
+    recorder = Recorder(capacity_bytes=planned_bytes(planned.weights) + hidden + logits // 2)
+    weights = loaded(recorder, planned)
+    recorder.malloc(hidden)
+    with pytest.raises(OutOfMemory):
+        recorder.malloc(logits)
+    advice = explained(recorder, verdict)
+    assert advice.requested_bytes == logits and "float32 copy of the policy's logits" in advice.culprit
+    assert advice.by_role["weights"] == blocks(recorder, weights) and advice.by_role["activations"] > 0
+    assert advice.fixes[0].removes_culprit and advice.fitting_config is not None
+
+
 def test_fragmentation_that_decided_the_crash_puts_expandable_segments_first():
     """4 MiB blocks packed five to a 20 MiB segment, every other one freed: 100 MiB cached in 4 MiB holes, none of
     which holds the 8 MiB asked for, and no whole segment to give back."""
