@@ -29,7 +29,7 @@ class SnapshotAdvice(BaseModel):
     moment: Literal["out_of_memory", "worst"]  # the failed allocation, or the most bytes allocated
     event_index: int  # the moment: just before this event of the device's trace
     events: int
-    allocated_bytes: int  # live blocks, each rounded as the allocator rounds it (torch.cuda.memory_allocated)
+    allocated_bytes: int  # the live blocks as the allocator made them (what torch.cuda.memory_allocated counts)
     reserved_bytes: int
     by_role: dict[str, int]  # sums to allocated_bytes
     requested_bytes_by_role: dict[str, int]  # the tensors' own bytes, before the allocator rounds them
