@@ -128,6 +128,15 @@ class CachingAllocator(ExpandableSegments):
         self.allocated_bytes -= block.size
         self._free_block(block)
 
+    def block_size(self, address: int) -> int:
+        """The bytes of the allocated block at `address` (the request rounded, or a whole block too small to split)."""
+        return self._active[address].size
+
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """The cached (reserved, unallocated) blocks as (address, bytes), mapped memory only: what a request could
+        be cut from."""
+        return [(b.ptr, b.size) for pool in (self._small, self._large) for b in pool.in_order() if b.mapped]
+
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache (release_cached_blocks): give back every cached block that is a whole segment,
         and every whole free page of the expandable segments."""

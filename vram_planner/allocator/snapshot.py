@@ -24,6 +24,9 @@ ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segmen
            "segment_unmap", "snapshot", "oom")
 SIZED_ACTIONS = frozenset(ACTIONS) - {"snapshot", "oom"}
 GZIP_MAGIC = b"\x1f\x8b"
+# A snapshot of a long run with frames is hundreds of MiB; more than this, compressed or not, is refused unread.
+MAX_SNAPSHOT_BYTES = 4 * 2**30
+FRAMES_KEPT = 24  # innermost frames kept per allocation: where a tensor was made is near the top
 
 
 class SnapshotError(VramPlanError):
@@ -42,6 +45,7 @@ class Segment:
     address: int
     total_size: int
     is_expandable: bool
+    blocks: tuple[tuple[int, int, bool], ...] = ()  # (address, size, allocated) where the file lists its blocks
 
 
 @dataclass
@@ -52,6 +56,10 @@ class Snapshot:
     segments: list[Segment] = field(default_factory=list)
     has_segments: bool = False  # the file carried a "segments" list (even an empty one)
     allocator_conf_text: str | None = None  # the PYTORCH_CUDA_ALLOC_CONF the run used, where the file says
+    # (device, event index) -> where an alloc was made ("file:line in function", innermost first), where recorded
+    frames: dict[tuple[int, int], tuple[str, ...]] = field(default_factory=dict)
+    # (device, event index) -> the bytes CUDA still had free at an oom event
+    device_free: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def devices_with_events(self) -> list[int]:
         return [device for device, events in enumerate(self.device_traces) if events]
@@ -68,10 +76,16 @@ class _DataOnlyUnpickler(pickle.Unpickler):
         raise SnapshotError("it refers to outside objects (a persistent id); a memory snapshot does not")
 
 
+def free_action(events: list[TraceEvent]) -> str:
+    """The event that returns a block to its pool: free_completed, or free_requested in a trace without them."""
+    return "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
+
+
 def load_snapshot(path: Path) -> Snapshot:
     """The snapshot in `path` (a .pickle, or gzip-compressed); SnapshotError in one line for anything else."""
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as stream:
+            data = stream.read(MAX_SNAPSHOT_BYTES + 1)
     except OSError as exc:
         raise SnapshotError(f"cannot read the snapshot {path}: {exc.strerror or first_line(exc)}") from exc
     try:
@@ -83,12 +97,18 @@ def load_snapshot(path: Path) -> Snapshot:
 def _decompress(data: bytes) -> bytes:
     if not data:
         raise SnapshotError("the file is empty")
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise SnapshotError(f"it is larger than {MAX_SNAPSHOT_BYTES // 2**30} GiB")
     if not data.startswith(GZIP_MAGIC):
         return data
     try:
-        return gzip.decompress(data)
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as stream:
+            plain = stream.read(MAX_SNAPSHOT_BYTES + 1)
     except (OSError, EOFError, zlib.error) as exc:
         raise SnapshotError(f"it starts like gzip but does not decompress ({first_line(exc)})") from exc
+    if len(plain) > MAX_SNAPSHOT_BYTES:
+        raise SnapshotError(f"it decompresses to more than {MAX_SNAPSHOT_BYTES // 2**30} GiB")
+    return plain
 
 
 def _unpickle(data: bytes) -> object:
@@ -112,13 +132,33 @@ def parse_snapshot(data: object) -> Snapshot:
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise SnapshotError("its device_traces is not a list of event lists")
     device_traces = [[_event(e, device, index) for index, e in enumerate(t)] for device, t in enumerate(traces)]
+    frames, device_free = _frames_and_free(traces)
     raw_segments = data.get("segments", [])
     if not isinstance(raw_segments, list):
         raise SnapshotError("its segments is not a list")
     settings = data.get("allocator_settings")
     conf_text = settings.get("PYTORCH_CUDA_ALLOC_CONF") if isinstance(settings, dict) else None
     return Snapshot(device_traces, [_segment(s, i) for i, s in enumerate(raw_segments)], "segments" in data,
-                    conf_text if isinstance(conf_text, str) else None)
+                    conf_text if isinstance(conf_text, str) else None, frames, device_free)
+
+
+def _frames_and_free(traces: list[list[dict]]) -> tuple[dict[tuple[int, int], tuple[str, ...]],
+                                                        dict[tuple[int, int], int]]:
+    """The recorded frames of each alloc and oom event (each distinct stack kept once), and each oom's free bytes."""
+    frames: dict[tuple[int, int], tuple[str, ...]] = {}
+    device_free: dict[tuple[int, int], int] = {}
+    stacks: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for device, events in enumerate(traces):
+        for index, event in enumerate(events):
+            action = event["action"]
+            if action == "oom" and isinstance(event.get("device_free"), int):
+                device_free[device, index] = event["device_free"]
+            raw = event.get("frames") if action in ("alloc", "oom") else None
+            if raw and isinstance(raw, list):
+                stack = tuple(f"{f.get('filename')}:{f.get('line')} in {f.get('name')}" for f in raw[:FRAMES_KEPT]
+                              if isinstance(f, dict))
+                frames[device, index] = stacks.setdefault(stack, stack)
+    return frames, device_free
 
 
 def _event(event: object, device: int, index: int) -> TraceEvent:
@@ -136,8 +176,13 @@ def _segment(segment: object, index: int) -> Segment:
     where = f"segment {index}"
     if not isinstance(segment, dict):
         raise SnapshotError(f"{where} is not a dict")
+    raw_blocks = segment.get("blocks")
+    blocks = tuple((_int(b.get("address"), where, "address"), _int(b.get("size"), where, "size"),
+                    b.get("state") != "inactive") for b in raw_blocks if isinstance(b, dict)) \
+        if isinstance(raw_blocks, list) else ()
     return Segment(_int(segment.get("device", 0), where, "device"), _int(segment.get("address"), where, "address"),
-                   _int(segment.get("total_size"), where, "total_size"), segment.get("is_expandable") is True)
+                   _int(segment.get("total_size"), where, "total_size"), segment.get("is_expandable") is True,
+                   blocks)
 
 
 def _int(value: object, where: str, name: str) -> int:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from vram_planner.allocator.caching import CachingAllocator
 from vram_planner.allocator.conf import AllocatorConf
-from vram_planner.allocator.snapshot import Snapshot, SnapshotError
+from vram_planner.allocator.snapshot import Snapshot, SnapshotError, free_action
 from vram_planner.units import MiB
 
 GROWTH, RELEASE = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
@@ -61,14 +62,31 @@ def replay_snapshot(snapshot: Snapshot, device: int, conf: AllocatorConf) -> Sna
     or unmaps is replayed as empty_cache(), the call that returns cached memory without an out-of-memory error.
     The segment_alloc events before an alloc say where cudaMalloc put its segments: the model's go there too, so
     best fit breaks its ties (equal free blocks: the lower address) as the recorded allocator did."""
-    events = snapshot.device_traces[device]
-    free_action = "free_completed" if any(e[0] == "free_completed" for e in events) else "free_requested"
-    allocator = CachingAllocator(conf)
+    allocator, allocs, frees, unmatched, releases = _replay(snapshot.device_traces[device], conf)
+    replay = SnapshotReplay(device, allocs, frees, list(allocator.segment_sizes), allocator.max_reserved_bytes,
+                            allocator.max_allocated_bytes, recorded_figures(snapshot, device), unmatched, releases)
+    replay.notes = _notes(replay, conf, snapshot)
+    return replay
+
+
+def replay_until(snapshot: Snapshot, device: int, conf: AllocatorConf,
+                 stop: int) -> tuple[CachingAllocator, dict[int, int]]:
+    """The allocator model as it stood just after event `stop` of the device's trace (as replay_snapshot replays),
+    and the size of the block it gave each live recorded address (what torch.cuda.memory_allocated counts)."""
     addresses: dict[int, int] = {}
+    allocator = _replay(snapshot.device_traces[device], conf, stop + 1, addresses)[0]
+    return allocator, {recorded: allocator.block_size(modeled) for recorded, modeled in addresses.items()}
+
+
+def _replay(events: list, conf: AllocatorConf, stop: int | None = None,
+            addresses: dict[int, int] | None = None) -> tuple[CachingAllocator, int, int, int, int]:
+    freed = free_action(events)
+    allocator = CachingAllocator(conf)
+    addresses = {} if addresses is None else addresses  # recorded address -> the model's
     device_segments: list[tuple[int, int]] = []  # the segment_alloc events since the last alloc
     allocs = frees = unmatched = releases = 0
     releasing = False
-    for action, address, size, stream in events:
+    for action, address, size, stream in itertools.islice(events, stop):
         if action == "alloc":
             if address in addresses:  # recorded twice without a free between: the later block replaces it
                 allocator.free(addresses.pop(address))
@@ -79,7 +97,7 @@ def replay_snapshot(snapshot: Snapshot, device: int, conf: AllocatorConf) -> Sna
             allocs += 1
         elif action == "segment_alloc":
             device_segments.append((address, size))
-        elif action == free_action:
+        elif action == freed:
             modeled = addresses.pop(address, None)
             if modeled is None:
                 unmatched += 1
@@ -93,10 +111,7 @@ def replay_snapshot(snapshot: Snapshot, device: int, conf: AllocatorConf) -> Sna
             releasing = True
             continue
         releasing = False
-    replay = SnapshotReplay(device, allocs, frees, list(allocator.segment_sizes), allocator.max_reserved_bytes,
-                            allocator.max_allocated_bytes, recorded_figures(snapshot, device), unmatched, releases)
-    replay.notes = _notes(replay, conf, snapshot)
-    return replay
+    return allocator, allocs, frees, unmatched, releases
 
 
 def recorded_figures(snapshot: Snapshot, device: int) -> Recorded:

@@ -1,4 +1,4 @@
-"""`vram-plan advise`: explain an out-of-memory error from a log and rank the fixes."""
+"""`vram-plan advise`: explain an out-of-memory error from a log, or a memory snapshot, and rank the fixes."""
 
 from __future__ import annotations
 
@@ -19,11 +19,18 @@ from vram_planner.errors import VramPlanError
 @click.option("--config", "config_file", type=PATH, help="YAML/JSON file with the run's settings.")
 @click.option("--trl-version", help="The TRL release the run used (default: the one the log names, else the installed "
               "one).")
+@click.option("--device", type=int, help="A snapshot's device to explain (default: the only one with events).")
 @click.option("--json", "json_output", is_flag=True, help="Print one JSON document (figures in bytes).")
 def advise_command(log: str, gpu: str | None, model: str | None, config_file: Path | None, trl_version: str | None,
-                   json_output: bool, **knobs: Any) -> None:
-    """Explain an out-of-memory error from a log (a file, or - for stdin) and rank the fixes."""
+                   device: int | None, json_output: bool, **knobs: Any) -> None:
+    """Explain an out-of-memory error from a log (a file, or - for stdin), or a memory snapshot (the
+    oom-snapshot.pickle `run` writes, or any torch.cuda.memory._dump_snapshot() file), and rank the fixes."""
     from vram_planner.advise.diagnosis import advise
+
+    if _is_snapshot(log):
+        _advise_snapshot(Path(log), device, json_output, {"gpu": gpu, "model": model, "config_file": config_file,
+                                                          "trl_version": trl_version, **knobs})
+        return
     from vram_planner.advise.oom_log import read_log
 
     error = read_log(_bounded_lines(log))
@@ -55,6 +62,51 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
 
 for _knob in reversed(KNOBS):
     advise_command = _knob(advise_command)
+
+
+def _is_snapshot(log: str) -> bool:
+    """A pickle (protocol 2 on) or gzip file: a memory snapshot, not a log's text."""
+    if log == "-":
+        return False
+    try:
+        with open(log, "rb") as stream:
+            head = stream.read(2)
+    except OSError:
+        return False
+    return head[:1] == b"\x80" or head == b"\x1f\x8b"
+
+
+def _advise_snapshot(path: Path, device: int | None, json_output: bool, options: dict[str, Any]) -> None:
+    """The snapshot at its failed allocation or worst moment, against the run's plan where its flags are given."""
+    from vram_planner.advise.snapshot import explain_snapshot
+    from vram_planner.allocator.snapshot import load_snapshot
+    from vram_planner.allocator.snapshot_replay import pick_device
+
+    context = train = None
+    if any(options[k] is not None for k in ("gpu", "model", "config_file")):
+        context, train = resolve("advise", {**options, "calibration": None, "safety_margin": 0.05})
+    snapshot = load_snapshot(path)
+    advice = explain_snapshot(snapshot, pick_device(snapshot, device), context, train)
+    if json_output:
+        click.echo(advice.model_dump_json(indent=2))
+        return
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from vram_planner.cli.render import fixes_lines, terminal
+
+    table = Table(title=f"{path.name}, device {advice.device}: {advice.moment.replace('_', ' ')} moment "
+                  f"(event {advice.event_index} of {advice.events})", title_justify="left", show_edge=False)
+    table.add_column("role")
+    table.add_column("GiB", justify="right")
+    for role, n_bytes in advice.by_role.items():
+        table.add_row(role.replace("_", " "), f"{n_bytes / 2**30:.2f}")
+    table.add_row("allocated", f"{advice.allocated_bytes / 2**30:.2f}", style="bold")
+    parts = [table, *(Text(f"• {note}") for note in advice.diagnosis)]
+    if advice.culprit:
+        parts.append(Text(f"Most likely {advice.culprit}.", style="bold"))
+    terminal().print(Group(*parts, *fixes_lines(advice.fixes, advice.fitting_config)))
 
 
 def _installed_transformers() -> str | None:

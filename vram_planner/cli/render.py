@@ -329,19 +329,26 @@ def render_advice(advice, console: Console | None = None) -> None:  # advice: vr
     if advice.attribution is not None:
         parts += attribution_lines(advice.attribution, e)
     parts += [Text(f"• {note}") for note in advice.diagnosis]
-    if advice.fixes:
-        first = "those that remove that tensor first, then " if any(f.removes_culprit for f in advice.fixes) else ""
+    parts += fixes_lines(advice.fixes, advice.fitting_config)
+    console.print(Group(*parts))
+
+
+def fixes_lines(fixes, fitting_config) -> list:  # fixes: list of vram_planner.advise.diagnosis.Fix
+    """The ranked fixes as a table, and the config that fits."""
+    parts: list = []
+    if fixes:
+        first = "those that remove that tensor first, then " if any(f.removes_culprit for f in fixes) else ""
         table = Table(title=f"Fixes: {first}the largest saving first", title_justify="left", show_edge=False)
         for column in ("change", "saves GiB", "cost", "why"):
             table.add_column(column, justify="right" if column == "saves GiB" else "left")
-        for fix in advice.fixes:
+        for fix in fixes:
             why = f"removes that tensor: {fix.why}" if fix.removes_culprit else fix.why
             table.add_row(fix.change, "-" if fix.saves_bytes is None else _g(fix.saves_bytes), fix.cost, why)
         parts.append(table)
-    if advice.fitting_config:
-        parts.append(Text("A config that fits: " + ", ".join(f"{k}={v}" for k, v in advice.fitting_config.items()),
+    if fitting_config:
+        parts.append(Text("A config that fits: " + ", ".join(f"{k}={v}" for k, v in fitting_config.items()),
                           style="cyan"))
-    console.print(Group(*parts))
+    return parts
 
 
 def attribution_lines(found, error) -> list[Text]:  # found: vram_planner.advise.diagnosis.Attribution

@@ -33,6 +33,9 @@ def _run_options(function: Any) -> Any:
         click.option("--auto-fallback", is_flag=True,
                      help="On out-of-memory, resume from the last checkpoint with the next config down the ladder."),
         click.option("--verbose", is_flag=True, help="Show the libraries' warnings, log lines and progress bars."),
+        click.option("--record-frames", is_flag=True,
+                     help="On CUDA, keep each allocation's Python frames in the allocator's history (for advise "
+                          "SNAPSHOT; slower, and a larger oom-snapshot.pickle)."),
     ]):
         function = option(function)
     return function
@@ -51,7 +54,8 @@ def run(**options: Any) -> None:
                                          interrupted_message, is_main_process, launch, launch_command, library_output,
                                          needs_launcher, prepare, train)
 
-    run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite")
+    run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite",
+                "record_frames")
     settings = {k: options.pop(k) for k in run_keys}
     dry_run, auto_fallback, verbose = (options.pop(k) for k in ("dry_run", "auto_fallback", "verbose"))
     context, knobs = resolve("run", options)

@@ -27,6 +27,7 @@ from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_c
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig, knob_names
 from vram_planner.model.verdict import Verdict, judge
+from vram_planner.run.memory_history import OOM_SNAPSHOT_NAME, memory_history
 from vram_planner.run.record import RECORD_NAME, record_outcome, run_record, write_record
 from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
 from vram_planner.units import GiB
@@ -57,6 +58,7 @@ class RunSetup:
     notes: list[str] = field(default_factory=list)
     command: list[str] | None = None  # the command line's arguments that started it, for the run's record
     dry_run: bool = False  # checks only: what needs the hub is noted, not refused, where the hub cannot be reached
+    record_frames: bool = False  # the allocator's history keeps each allocation's Python frames (slower, larger)
 
     def __post_init__(self) -> None:
         if self.max_steps == 0 or self.max_steps < -1:
@@ -248,7 +250,8 @@ def run_files(folder: Path) -> list[Path]:
         return []
     checkpoints = [p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.partition("-")[2].isdigit()]
     final = [folder / "final"] if (folder / "final").is_dir() else []
-    files = [folder / name for name in (LOG_NAME, CONFIG_NAME, RECORD_NAME) if (folder / name).is_file()]
+    files = [folder / name for name in (LOG_NAME, CONFIG_NAME, RECORD_NAME, OOM_SNAPSHOT_NAME)
+             if (folder / name).is_file()]
     return sorted(checkpoints) + final + files
 
 
@@ -445,15 +448,26 @@ class RunSummary:
 class RunOutOfMemory(VramPlanError):
     """Training ran out of GPU memory; what was trained is saved in `checkpoint`."""
 
-    def __init__(self, setup: RunSetup, error: BaseException, checkpoint: Path | None) -> None:
+    def __init__(self, setup: RunSetup, error: BaseException, checkpoint: Path | None,
+                 snapshot: Path | None = None) -> None:
         estimate = setup.verdict.estimate
         peak = estimate.peak_phase
         parts = sorted(peak.components.items(), key=lambda kv: -kv[1])[:3]
         biggest = ", ".join(f"{name.replace('_', ' ')} {size / GiB:.2f} GiB" for name, size in parts)
         saved = f"; training so far is saved in {checkpoint}" if checkpoint else ""
+        explained = f"\nwhat was on the card: {shlex.join(advise_command(setup, snapshot))}" if snapshot else ""
         super().__init__(f"out of GPU memory ({first_line(error, limit=160)}); the plan put the peak at "
-                         f"{estimate.peak_bytes / GiB:.2f} GiB in {peak.name} ({biggest}){saved}")
-        self.setup, self.checkpoint = setup, checkpoint
+                         f"{estimate.peak_bytes / GiB:.2f} GiB in {peak.name} ({biggest}){saved}{explained}")
+        self.setup, self.checkpoint, self.snapshot = setup, checkpoint, snapshot
+
+
+def advise_command(setup: RunSetup, snapshot: Path) -> list[str]:
+    """`vram-plan advise` of the snapshot with the run's card, model and knobs, so it is read against its plan."""
+    from vram_planner.model.spec import changed_settings, command_line_flags
+
+    knobs = shlex.split(command_line_flags(changed_settings(setup.train)))
+    return ["vram-plan", "advise", str(snapshot), "--gpu", setup.verdict.context.gpu.name, "--model",
+            setup.model_id, *knobs]
 
 
 # Extra TrainerCallbacks for every run (tests add a fake allocator cap here).
@@ -525,7 +539,11 @@ def smoke_step(setup: RunSetup, dataset: Any) -> None:
     rows = train.per_device_train_batch_size * train.steps_per_generation_resolved
     with tempfile.TemporaryDirectory(prefix="vram-plan-smoke-") as scratch:
         smoke = replace(setup, output_dir=Path(scratch), max_steps=1)
-        start_run(smoke, longest_first(dataset, rows), smoke=True)
+        start_run(smoke, longest_first(dataset, rows), smoke=True,
+                  oom_snapshot=setup.output_dir / OOM_SNAPSHOT_NAME)
+    import gc
+
+    gc.collect()  # the smoke trainer's model and optimizer sit in reference cycles: free them before the run
 
 
 def full_length_completions(train: TrainingConfig) -> dict[str, int]:
@@ -535,14 +553,14 @@ def full_length_completions(train: TrainingConfig) -> dict[str, int]:
     return {"min_tokens" if train.use_vllm else "min_new_tokens": train.max_completion_length}
 
 
-def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, smoke: bool = False) -> RunSummary:
+def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, smoke: bool = False,
+              oom_snapshot: Path | None = None) -> RunSummary:
     """Train on a prepared dataset (from a checkpoint when given). Ctrl+C or SIGTERM save a checkpoint of the steps
-    done and raise RunInterrupted."""
-    if setup.train.allocator_conf:  # torch reads it when CUDA first allocates, which is still to come
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = setup.train.allocator_conf
-    import torch
+    done and raise RunInterrupted. On CUDA the allocator's history is recorded, and an out-of-memory error writes its
+    snapshot to `oom_snapshot` (default: the run's folder) before anything is freed."""
+    _use_allocator_conf(setup.train.allocator_conf)
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     kwargs = {**setup.grpo_kwargs(), "disable_tqdm": True}  # the rich progress line replaces TRL's bar
     if smoke:
@@ -574,12 +592,36 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     callback = type("VramPlanLog", (TrainerCallback,), {"on_log": staticmethod(on_log),
                                                         "on_train_begin": staticmethod(progress.on_train_begin),
                                                         "on_train_end": staticmethod(progress.on_train_end)})()
+    snapshot_path = oom_snapshot or setup.output_dir / OOM_SNAPSHOT_NAME
+    with memory_history(snapshot_path, setup.record_frames) as history:  # from the weights' loading on
+        return _train_recorded(setup, args, peft_config, dataset, callback, progress, created, readme_kept,
+                               resume_from, smoke, history)
+
+
+def _use_allocator_conf(allocator_conf: str) -> None:
+    """PYTORCH_CUDA_ALLOC_CONF for the run: torch reads it when CUDA first allocates; once it has (a fallback resumed
+    in the same process), it takes the settings that can change at run time, expandable segments among them."""
+    if not allocator_conf:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = allocator_conf
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(allocator_conf)
+
+
+def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, callback: Any, progress: RichProgress,
+                    created: bool, readme_kept: bool, resume_from: Path | None, smoke: bool,
+                    history: Any) -> RunSummary:
+    import torch
+    from trl import GRPOTrainer
+
     try:
         trainer = GRPOTrainer(model=setup.model_id, reward_funcs=[load_reward(r) for r in setup.rewards],
                               args=args, train_dataset=dataset, peft_config=peft_config,
                               callbacks=[callback, *EXTRA_CALLBACKS])
     except Exception as exc:
-        if created:  # nothing trained yet: leave no half-made folder behind
+        if created and not history.written:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
     if not smoke:
@@ -593,10 +635,12 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
         with terminate_as_interrupt():
             trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except torch.cuda.OutOfMemoryError as exc:
-        oom = RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer))
+        snapshot = history.written[-1] if history.written else None
+        oom = RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer), snapshot)
         if not smoke:
             record_outcome(setup.output_dir, {"status": "out_of_memory", "step": trainer.state.global_step,
-                                              "checkpoint": oom.checkpoint, "error": first_line(exc, limit=400)})
+                                              "checkpoint": oom.checkpoint, "error": first_line(exc, limit=400),
+                                              "oom_snapshot": snapshot, "oom_snapshot_failed": history.failed})
         raise oom from exc
     except KeyboardInterrupt as exc:
         progress.stop()
@@ -690,11 +734,15 @@ def train(setup: RunSetup, prepared: PreparedRun, auto_fallback: bool, say: Call
                 f"the log in {setup.output_dir / LOG_NAME}")
             return
         except RunOutOfMemory as oom:
-            smaller = oom.setup.one_rung_down() if auto_fallback else None
+            if not auto_fallback:
+                raise
+            from vram_planner.run.fallback import fallback_setup
+
+            smaller, why = fallback_setup(oom.setup, oom.snapshot)
             if smaller is None:
                 raise
             say(f"{oom}\nfalling back: {changed(setup.train, smaller.train)}, predicted peak "
-                f"{smaller.predicted_peak_bytes / GiB:.2f} GiB; resuming from {oom.checkpoint}")
+                f"{smaller.predicted_peak_bytes / GiB:.2f} GiB ({why}); resuming from {oom.checkpoint}")
             setup, resume = smaller, oom.checkpoint
 
 
