@@ -127,3 +127,12 @@ def test_a_config_as_a_dict_is_a_model(llama_1b_file):
     from_file = api.check(str(llama_1b_file), "t4").to_dict()
     assert from_dict["model"] == "the given config.json"
     assert {**from_dict, "model": None} == {**from_file, "model": None}
+
+
+def test_the_public_functions_say_what_they_take_and_return():
+    for name in api.__all__:
+        assert hasattr(api, name), name
+    for function in (api.check, api.plan, api.maximize, api.fitting_gpus, api.trace, api.gpus, api.models,
+                     api.resolve):
+        assert "Returns:" in function.__doc__, function.__name__
+        assert "Args:" in function.__doc__ or function in (api.gpus, api.models), function.__name__

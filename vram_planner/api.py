@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vram_planner.report.maximized import MaximizedPlanReport
 
 __all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "gpus", "models",
-           "VramPlanError"]
+           "resolve", "VramPlanError", "ConfigError"]
 
 @dataclass(frozen=True)
 class Judged:

@@ -14,7 +14,11 @@ from typing import Any
 
 from vram_planner.errors import ConfigError, closest_names, field_name
 
-DEFAULT_SAFETY_MARGIN = 0.05  # the share of the card a verdict keeps free (vram_planner.model.verdict's default)
+__all__ = ["Request", "DEFAULT_SAFETY_MARGIN", "CONTEXT_FIELDS", "request_fields", "knob_fields"]
+
+# Share of the card a plan leaves free: the analytic model's error before calibration is several percent
+# (fitcheck-llm's mean 5.5% total error on T4, ../shared/design/grpo-memory.md), so "fits" keeps 5% spare.
+DEFAULT_SAFETY_MARGIN = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)

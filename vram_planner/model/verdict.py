@@ -14,10 +14,8 @@ from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.spec import TrainingConfig, with_changes
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.profiles import GpuProfile
+from vram_planner.request import DEFAULT_SAFETY_MARGIN
 
-# Share of the card a plan leaves free: the analytic model's error before calibration is several percent
-# (fitcheck-llm's mean 5.5% total error on T4, ../shared/design/grpo-memory.md), so "fits" keeps 5% spare.
-DEFAULT_SAFETY_MARGIN = 0.05
 MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a margin
 # How far the exact need of a step has been measured from the estimate (benchmarks/boundary.py: the traced step's
 # need, bisected through the allocator model, beside the analytic peak; benchmarks/results/boundary.txt): up to this

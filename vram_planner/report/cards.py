@@ -9,6 +9,9 @@ from typing import Any
 from vram_planner.report.document import Document
 
 
+__all__ = ["CardsReport", "card_row", "strategy"]
+
+
 @dataclass(kw_only=True, repr=False)
 class CardsReport(Document):
     """The cards as vram_planner.engine.fitting_gpus orders them; `to_dict()` is the document's list of rows."""

@@ -112,6 +112,11 @@ class RungAboveReport:
     problem: str | None  # why it could not be traced, else null
 
 
+__all__ = ["Document", "Report", "PhaseReport", "ChangeReport", "VllmReport", "DistributedReport", "ExactReport",
+           "RungAboveReport", "FirstMicroBatchReport", "verdict_report", "plan_report", "exact_check_report",
+           "exact_plan_report", "trace_report", "per_gpu"]
+
+
 class Document:
     """A report: its fields are the JSON document (bytes as integers); `judged` keeps what it was built from."""
 

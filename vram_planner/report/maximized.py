@@ -10,6 +10,9 @@ from vram_planner.report.document import Report, plan_report
 from vram_planner.validation import field_names
 
 
+__all__ = ["MaximizedReport", "MaximizedPlanReport", "maximized_report"]
+
+
 @dataclass(kw_only=True)
 class MaximizedReport:
     """`plan --maximize`: the largest value of one knob that fits, and what one step more needs (bytes)."""
