@@ -60,7 +60,6 @@ def same_answer(capsys, command: str, model: str, gpu: str, knobs: dict) -> None
     assert report.to_dict() == json.loads(out)
 
 
-@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(command=st.sampled_from(["check", "plan"]), model=st.sampled_from(MODELS), gpu=st.sampled_from(GPUS),
        knobs=KNOBS)

@@ -119,6 +119,13 @@ def test_a_server_that_reads_no_files_refuses_paths_before_looking_at_them(tmp_p
     assert query_request([("gpu", "t4"), ("model", str(llama_1b_file))])[0].model == str(llama_1b_file)
 
 
+def test_model_paths_are_read_by_default_only_on_a_local_address():
+    from vram_planner.app.server import local_files_default
+
+    assert local_files_default("127.0.0.1") and local_files_default("localhost")
+    assert not local_files_default("0.0.0.0") and not local_files_default("192.168.1.5")
+
+
 def test_the_page_speaks_fields_not_flags():
     assert views.page_words("(set --max-prompt-length; or --no-gradient-checkpointing, --config FILE)") == \
         "(set max_prompt_length; or gradient_checkpointing off, --config FILE)"
