@@ -266,7 +266,7 @@ def _exact_plan(model: str, context: Context, user: TrainingConfig,
         try:
             return _traced(model, context, train, say), None
         except VramPlanError as error:  # what the CPU cannot run, said in the plan's words
-            return None, f"{which} could not be traced: {error}"
+            return None, f"{which} could not be traced: {error.worded(flag)}"  # a note: the document's words
 
     if analytic.chosen is None:  # nothing fits by the estimate; by its need the smallest config may
         outcome, problem = traced(analytic.smallest.train, "the smallest config")

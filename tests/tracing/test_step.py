@@ -153,7 +153,7 @@ def test_what_the_cpu_trace_cannot_run_is_a_clear_error(changes):
 @pytest.mark.parametrize("version", ["0.14.0", "1.14.0", "1.15.0"])
 def test_another_release_than_the_installed_one_is_refused(version):
     # the trace runs the installed TRL's code (1.16 here): another --trl-version can only be planned, not traced
-    with pytest.raises(VramPlanError, match=f"runs the installed TRL 1.16.0, not --trl-version {version}"):
+    with pytest.raises(VramPlanError, match=f"runs the installed TRL 1.16.0, not trl_version {version}"):
         check_traceable(TrainingConfig(), trl_release(version))
 
 
