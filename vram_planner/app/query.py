@@ -77,12 +77,15 @@ def _questions(values: dict[str, str]) -> dict[str, Any]:
 
 
 def _boolean(name: str, text: str) -> bool:
-    word = text.strip().lower()
-    if word in ("true", "1", "yes", "on"):
-        return True
-    if word in ("false", "0", "no", "off", ""):
-        return False
-    raise ConfigError([f"{name} should be true or false (got {text[:40]!r})"])
+    """A switch's text read as the request's switches are (pydantic's booleans: true/false, 1/0, yes/no, on/off)."""
+    from pydantic import ValidationError
+
+    from vram_planner.validation import validate
+
+    try:
+        return validate(bool, text.strip() or "false")
+    except ValidationError as exc:
+        raise ConfigError([f"{name} should be true or false (got {text[:40]!r})"]) from exc
 
 
 def query_report(command: str, query: Iterable[tuple[str, str]], allow_local_files: bool = True) -> Report:
