@@ -82,9 +82,10 @@ def test_config_for_a_card_without_bf16_uses_fp16(tmp_path, llama_1b_file):
     build_real(kwargs, tmp_path)
 
 
-def test_generation_batch_rule_is_reported_with_flag_names():
-    with pytest.raises(Exception, match="--num-generations 8"):
+def test_generation_batch_rule_is_reported_with_field_names_which_the_cli_spells_as_flags():
+    with pytest.raises(Exception, match="num_generations 8") as refused:
         training_config({"per_device_train_batch_size": 3})
+    assert "--num-generations 8" in refused.value.worded(lambda name: "--" + name.replace("_", "-"))
 
 
 def test_smallest_config_on_a_card_without_bf16_loads_float16(llama_1b_file):
