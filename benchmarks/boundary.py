@@ -90,9 +90,9 @@ def exact(model: str, settings: dict, cache: dict, label: str) -> dict:
     tensor peak, and the phase where the step runs out on the capacity just below its need (the phase whose
     reserve decides it: benchmarks/reserve_fit.py fits the loss phase's on these)."""
     if label not in cache:
-        from vram_planner import api
+        from vram_planner import engine
 
-        outcome = api.check(model, CARD, settings, exact=True, calibration=default_calibration())
+        outcome = engine.check(model, CARD, settings, exact=True, calibration=default_calibration())
         cache[label] = {"allocator_need_bytes": outcome.need.capacity_bytes,
                         "allocator_held_bytes": outcome.need.held_bytes, "seconds": outcome.seconds,
                         "tensor_peak_bytes": {p.name: p.peak_bytes for p in outcome.result.phases},
@@ -120,9 +120,9 @@ def binding_phase(outcome) -> str | None:
 def row(label: str, model: str, settings: dict, traced: dict) -> dict:
     """The default calibration's estimate (what `check` answers until a probe measures the card) beside the need,
     both with the CUDA context the GPU catalog gives the card."""
-    from vram_planner import api
+    from vram_planner import engine
 
-    verdict = api.check(model, CARD, settings, calibration=default_calibration())
+    verdict = engine.check(model, CARD, settings, calibration=default_calibration())
     context = verdict.context.cuda_context.bytes
     need, held = traced["allocator_need_bytes"] + context, traced["allocator_held_bytes"] + context
     peak = verdict.estimate.peak_bytes

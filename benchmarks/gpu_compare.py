@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model.calibration import calibration_for, default_calibration
 from vram_planner.probe.fit import compute_capability, emulated_card, label_settings
 from vram_planner.units import GiB
@@ -41,7 +41,7 @@ def step_rows(runs: list[dict]) -> list[dict]:
         measured = measured_peak_bytes(run)
         row = {"config": run["name"], "measured_gib": measured / GiB}
         for label, cal in (("default", default_calibration()), ("card", calibration_for("h100-80gb"))):
-            predicted = api.check(run["model"], "h100-80gb", run["train"], calibration=cal).estimate.peak_bytes
+            predicted = engine.check(run["model"], "h100-80gb", run["train"], calibration=cal).estimate.peak_bytes
             row[label] = (predicted - measured) / measured
             row[f"{label}_gib"] = predicted / GiB
         rows.append(row)
@@ -56,7 +56,7 @@ def phase_rows(runs: list[dict]) -> list[dict]:
     for run in runs:
         if run.get("plan_on"):
             continue
-        traced = api.trace(run["model"], "h100-80gb", run["train"]).reserved.by_phase
+        traced = engine.trace(run["model"], "h100-80gb", run["train"]).reserved.by_phase
         for phase in run["phases"]:
             if phase["step"] == (1 if phase["phase"] == "optimizer" else 2) and phase["phase"] in traced:
                 rows.append({"config": run["name"], "phase": phase["phase"],
@@ -71,7 +71,7 @@ def emulated_rows(runs: list[dict]) -> list[dict]:
     for run in runs:
         if not run.get("plan_on"):
             continue
-        verdict = api.check(run["model"], run["plan_on"], run["train"])
+        verdict = engine.check(run["model"], run["plan_on"], run["train"])
         # runs made before the limit was recorded ran at the card's capacity less its catalog context
         limit = run.get("limit_bytes") or verdict.context.capacity_bytes - verdict.context.cuda_context.bytes
         rows.append({"config": run["name"], "card": run["plan_on"], "limit_gib": limit / GiB,
@@ -88,10 +88,10 @@ def validation_rows(rows: list[dict], traced: bool = False) -> list[dict]:
     for row in rows:
         model, settings = label_settings(row["config"])
         card = emulated_card(int(row["capacity_gib"] * GiB), compute_capability("h100-80gb"))
-        verdict = api.check(model, card, settings, calibration=calibration_for("h100-80gb"))
+        verdict = engine.check(model, card, settings, calibration=calibration_for("h100-80gb"))
         entry = {**row, "fits": verdict.fits, "predicted_gib": verdict.estimate.peak_bytes / GiB}
         if traced and row["ran"]:
-            outcome = api.trace(model, card, settings, calibration=calibration_for("h100-80gb"))
+            outcome = engine.trace(model, card, settings, calibration=calibration_for("h100-80gb"))
             entry["traced_gib"] = outcome.traced.estimate.peak_bytes / GiB
         judged.append(entry)
     return judged

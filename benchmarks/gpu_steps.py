@@ -161,7 +161,7 @@ def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
     """Train two steps of one config in this process and measure them (the parent set the allocator's env)."""
     import torch
 
-    from vram_planner import api
+    from vram_planner import engine
     from vram_planner.model.spec import changed_settings
     from vram_planner.probe.cuda import _nvidia_smi
     from vram_planner.run import launch
@@ -181,7 +181,7 @@ def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
         settings["allocator_conf"] = config["allocator_conf"]
     limit = None
     if config.get("plan_on"):
-        verdict = api.maximize(config["model"], config["plan_on"], "per_device_train_batch_size", settings).plan.chosen
+        verdict = engine.maximize(config["model"], config["plan_on"], "per_device_train_batch_size", settings).plan.chosen
         if verdict is None:
             raise SystemExit(f"nothing fits {config['plan_on']}")
         if cuda:
@@ -189,7 +189,7 @@ def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
                      else verdict.context.capacity_bytes) - verdict.context.cuda_context.bytes
             torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.mem_get_info()[1])
     else:
-        verdict = api.check(config["model"], CARD, settings)
+        verdict = engine.check(config["model"], CARD, settings)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-steps-"))
     setup = RunSetup(verdict=verdict, model_id=str(folder), dataset="math-sample", rewards=["format", "correctness"],
                      output_dir=scratch / "run", max_steps=2, on_cpu=not cuda)

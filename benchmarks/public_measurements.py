@@ -4,7 +4,7 @@
     python benchmarks/public_measurements.py --markdown   # the same table in Markdown, for the README
 
 Reads benchmarks/data/public_measurements.toml (one row per published number, with its source, settings and what
-was assumed) and runs `vram_planner.api.check` on each row under the row's TRL release. A run that trained is
+was assumed) and runs `vram_planner.engine.check` on each row under the row's TRL release. A run that trained is
 compared by relative error, (predicted - measured) / measured. A run that crashed for memory only gives a floor
 (allocated + requested at the OOM, or the card's capacity): its error is shown only when the prediction falls
 below that floor, and the verdict column says whether vram-plan also calls it "does not fit". A row that cannot be
@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import VramPlanError
 from vram_planner.model.resolve import resolve_model
 from vram_planner.units import gib
@@ -110,7 +110,7 @@ def compare(row: dict[str, Any]) -> Comparison:
     except VramPlanError as exc:
         return Comparison(row, problem=str(exc), headline="model not available")
     try:
-        verdict = api.check(row["model"], row["gpu"], dict(row["settings"]), trl_version=row["trl_version"])
+        verdict = engine.check(row["model"], row["gpu"], dict(row["settings"]), trl_version=row["trl_version"])
     except VramPlanError as exc:
         return Comparison(row, problem=str(exc), headline="error")
     except Exception as exc:  # noqa: BLE001 - the planner changes under this script; one row must not end the table

@@ -42,16 +42,16 @@ def points() -> list[tuple[str, str, dict]]:
 def measure(model: str, settings: dict) -> dict:
     """The traced and analytic tensor bytes per phase and component of one config, as the installed release runs
     it (the attention, the transformers row and the TRL row resolved as `check` resolves them)."""
-    from vram_planner import api
+    from vram_planner import engine
     from vram_planner.model.phases import TENSOR_COMPONENTS
     from vram_planner.profiles import model_config
     from vram_planner.tracing.step import trace_step
 
-    context = api.make_context(model, "h100-80gb")
-    train = api.make_training(context, settings)
+    context = engine.make_context(model, "h100-80gb")
+    train = engine.make_training(context, settings)
     config, _, _ = model_config(model)
     traced = trace_step(config, train, context.release)
-    analytic = api.judge(context, train).estimate
+    analytic = engine.judge(context, train).estimate
     phases = {}
     for phase in traced.phases:
         estimated = next((p for p in analytic.phases if p.name == phase.name), None)

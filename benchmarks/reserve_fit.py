@@ -36,7 +36,7 @@ from allocator_fit import bounded_least_squares  # noqa: E402
 from accuracy import load_cache, save_atomically  # noqa: E402
 from boundary import CARD, MODELS, RESULTS, need_key, points  # noqa: E402
 
-from vram_planner import api  # noqa: E402
+from vram_planner import engine  # noqa: E402
 from vram_planner.model.calibration import default_calibration  # noqa: E402
 from vram_planner.model.fragmentation import PATTERNS, reserve_patterns  # noqa: E402
 from vram_planner.model.phases import TENSOR_COMPONENTS  # noqa: E402
@@ -57,7 +57,7 @@ def rows(cache: dict) -> list[dict]:
         entry = cache.get(label)
         if entry is None or entry.get("binding_phase") != "training":
             continue
-        verdict = api.check(model, CARD, settings, calibration=default_calibration())
+        verdict = engine.check(model, CARD, settings, calibration=default_calibration())
         if verdict.train.expandable_segments:
             continue
         phase = next(p for p in verdict.estimate.phases if p.name == "training")

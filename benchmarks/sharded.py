@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vram_planner import api  # noqa: E402
+from vram_planner import engine  # noqa: E402
 from vram_planner.model.phases import TENSOR_COMPONENTS, estimate  # noqa: E402
 from vram_planner.tracing.step import trace_step  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
@@ -58,8 +58,8 @@ GPUS = (2, 4, 8)
 
 
 def measure(model: str, knobs: dict, gpus: int) -> dict:
-    context = api.make_context(model, "h100-80gb")
-    train = api.make_training(context, {**SHORT, **knobs, "num_gpus": gpus})
+    context = engine.make_context(model, "h100-80gb")
+    train = engine.make_training(context, {**SHORT, **knobs, "num_gpus": gpus})
     config = json.loads(Path(model).read_text())
     start = time.perf_counter()
     traced = trace_step(config, train, context.release)

@@ -79,7 +79,7 @@ def seeds_batch(trl: str) -> dict:
 
 def measure_installed() -> dict:
     """Trace the grid under the installed pair; the analytic model under the same releases."""
-    from vram_planner import api
+    from vram_planner import engine
     from vram_planner.errors import VramPlanError
     from vram_planner.model.phases import TENSOR_COMPONENTS
     from vram_planner.profiles import model_config
@@ -92,13 +92,13 @@ def measure_installed() -> dict:
             settings = {**settings, **seeds_batch(versions["trl"])}
         print(f"  tracing {name}", file=sys.stderr, flush=True)
         try:
-            context = api.make_context(model, "rtx3080-mobile", trl_version=versions["trl"])
-            train = api.make_training(context, {**settings, "transformers_version": versions["transformers"]})
+            context = engine.make_context(model, "rtx3080-mobile", trl_version=versions["trl"])
+            train = engine.make_training(context, {**settings, "transformers_version": versions["transformers"]})
             config, _, _ = model_config(model)
             start = time.perf_counter()
             traced = trace_step(config, train, context.release)
             seconds = time.perf_counter() - start
-            analytic = {p.name: p for p in api.judge(context, train).estimate.phases}
+            analytic = {p.name: p for p in engine.judge(context, train).estimate.phases}
         except VramPlanError as error:
             points[name] = {"error": str(error)}
             continue

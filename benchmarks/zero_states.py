@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vram_planner import api  # noqa: E402
+from vram_planner import engine  # noqa: E402
 from vram_planner.model import zero  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
 
@@ -51,14 +51,14 @@ def main() -> None:
             "  (GiB per GPU)"]
     checked = 0
     for name in MODELS:
-        context = api.make_context(name, "h200")
+        context = engine.make_context(name, "h200")
         arch = context.arch
         largest = zero.largest_layer_params(arch)
         for gpus in (2, 4, 8):
             own = deepspeeds_own(arch.params, largest, gpus)
             for stage in (2, 3):
-                train = api.make_training(context, {"num_gpus": gpus, "zero_stage": stage, "dtype": "bfloat16"})
-                estimate = api.judge(context, train).estimate
+                train = engine.make_training(context, {"num_gpus": gpus, "zero_stage": stage, "dtype": "bfloat16"})
+                estimate = engine.judge(context, train).estimate
                 step = next(p for p in estimate.phases if p.name == "optimizer")
                 ours = sum(step.components[c] for c in MODEL_STATES)
                 theirs = zero.deepspeed_estimate_bytes(arch.params, gpus, stage, largest)

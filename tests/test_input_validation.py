@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from helpers import FIXTURES, LLAMA_1B, family_fixture_files
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import ConfigError, ProfileError, VramPlanError
 from vram_planner.model import trl_releases
 from vram_planner.model.architecture import ModelArchitecture, supported_model_types
@@ -39,10 +39,10 @@ def model_id(name: str) -> str:
 @pytest.mark.parametrize("settings", [{}, {"lora_r": 16, "gradient_checkpointing": False}],
                          ids=["defaults", "lora-no-checkpointing"])
 def test_every_model_is_checked_and_planned(model, settings):
-    verdict = api.check(model, CARD, settings)
+    verdict = engine.check(model, CARD, settings)
     assert isinstance(verdict, Verdict) and verdict.estimate.peak_bytes > verdict.estimate.params
     assert all(math.isfinite(v) and v >= 0 for p in verdict.estimate.phases for v in p.components.values())
-    assert isinstance(api.plan(model, "t4", settings), Plan)
+    assert isinstance(engine.plan(model, "t4", settings), Plan)
 
 
 # 2. A change the GPU forces on the config is refused with the model's reason, never pydantic's report.
@@ -50,16 +50,16 @@ def test_every_model_is_checked_and_planned(model, settings):
 @pytest.mark.parametrize("card", ["t4", "v100", "rtx2060"])
 def test_float16_full_fine_tuning_on_a_card_without_bf16_is_one_clear_problem(card):
     with pytest.raises(ConfigError) as info:
-        api.check("Llama-3.2-1B", card, {"dtype": "float16"})
+        engine.check("Llama-3.2-1B", card, {"dtype": "float16"})
     message = str(info.value)
-    assert "has no bf16" in message and "grad scaler" in message and "--dtype float32" in message
+    assert "has no bf16" in message and "grad scaler" in message and "dtype float32" in message
     assert "ValidationError" not in message and "\n" not in message
 
 
-def test_with_changes_raises_config_error_naming_the_flag():
-    with pytest.raises(ConfigError, match="--num-generations must be at least 2"):
+def test_with_changes_raises_config_error_naming_the_field():
+    with pytest.raises(ConfigError, match="num_generations must be at least 2"):
         with_changes(TrainingConfig(), num_generations=1)
-    with pytest.raises(ConfigError, match="--per-device-train-batch-size should be greater than 0"):
+    with pytest.raises(ConfigError, match="per_device_train_batch_size should be greater than 0"):
         with_changes(TrainingConfig(), per_device_train_batch_size=0)
 
 
@@ -133,7 +133,7 @@ def test_only_dense_decoders_are_planned_and_the_refusal_lists_the_supported_typ
 def test_a_bert_config_file_is_refused_by_check_and_plan(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(BERT))
-    for call in (api.check, api.plan):
+    for call in (engine.check, engine.plan):
         with pytest.raises(ProfileError, match="not a decoder language model"):
             call(str(path), CARD)
 
@@ -164,14 +164,14 @@ def test_a_model_file_that_is_not_a_config_object(tmp_path, text, problem):
     path = tmp_path / "config.json"
     path.write_text(text)
     with pytest.raises(ProfileError, match=problem):
-        api.check(str(path), CARD)
+        engine.check(str(path), CARD)
 
 
 def test_random_bytes_as_a_model_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ProfileError, match="is not a JSON file"):
-        api.check(str(path), CARD)
+        engine.check(str(path), CARD)
 
 
 def test_an_unreadable_model_folder(tmp_path, monkeypatch):
@@ -184,47 +184,47 @@ def test_an_unreadable_model_folder(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != folder and real_access(path, mode))
     try:
         with pytest.raises(ProfileError, match="cannot read the model folder"):
-            api.check(str(folder), CARD)
+            engine.check(str(folder), CARD)
     finally:
         folder.chmod(0o755)
 
 
 # 4. LoRA targets are the architecture's module names.
 
-@pytest.mark.parametrize("call", [api.check, api.plan])
+@pytest.mark.parametrize("call", [engine.check, engine.plan])
 def test_unknown_lora_targets_are_refused_with_the_closest_name(call):
     with pytest.raises(ConfigError) as info:
         call("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": "qproj,v_proj"})
     message = str(info.value)
-    assert "--lora-target-modules 'qproj' (did you mean 'q_proj'?) is not a linear layer of Llama-3.2-1B" in message
+    assert "lora_target_modules 'qproj' (did you mean 'q_proj'?) is not a linear layer of Llama-3.2-1B" in message
     assert "choose from q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear" in message
 
 
 def test_lora_targets_follow_the_family():
     with pytest.raises(ConfigError, match="'q_proj' \\(did you mean 'qkv_proj'\\?\\), 'v_proj' .* are not linear"):
-        api.check("Phi-3-mini-4k-instruct", CARD, {"lora_r": 8, "lora_target_modules": "q_proj,v_proj"})
-    fused = api.check("Phi-3-mini-4k-instruct", CARD, {"lora_r": 8, "lora_target_modules": "qkv_proj,gate_up_proj"})
-    assert 0 < fused.estimate.trainable_params < api.check("Phi-3-mini-4k-instruct", CARD,
+        engine.check("Phi-3-mini-4k-instruct", CARD, {"lora_r": 8, "lora_target_modules": "q_proj,v_proj"})
+    fused = engine.check("Phi-3-mini-4k-instruct", CARD, {"lora_r": 8, "lora_target_modules": "qkv_proj,gate_up_proj"})
+    assert 0 < fused.estimate.trainable_params < engine.check("Phi-3-mini-4k-instruct", CARD,
                                                            {"lora_r": 8}).estimate.trainable_params
-    assert api.check("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": "all-linear"}).fits
+    assert engine.check("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": "all-linear"}).fits
 
 
 def test_lora_targets_of_a_model_read_as_llama_style_are_left_to_peft(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA_1B, "model_type": "neox_like", "architectures": ["NeoxLikeForCausalLM"]}))
-    verdict = api.check(str(path), CARD, {"lora_r": 8, "lora_target_modules": "query_key_value"})
+    verdict = engine.check(str(path), CARD, {"lora_r": 8, "lora_target_modules": "query_key_value"})
     assert any("read as a Llama-style decoder" in note for note in verdict.estimate.notes)
 
 
 @pytest.mark.parametrize("targets", [",,,", "", " , ", [], ["q_proj", ""], ["all-linear", "q_proj"]])
 def test_empty_lora_target_lists_are_refused(targets):
-    with pytest.raises(ConfigError, match="--lora-target-modules should be"):
-        api.check("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": targets})
+    with pytest.raises(ConfigError, match="lora_target_modules should be"):
+        engine.check("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": targets})
 
 
 def test_unknown_lora_targets_are_refused_before_the_trace_starts():
     with pytest.raises(ConfigError, match="did you mean 'q_proj'"):
-        api.trace("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": "qproj"})
+        engine.trace("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": "qproj"})
 
 
 # 5. --trl-version: normalised, and refused outside the supported range.
@@ -240,15 +240,15 @@ def test_trl_versions_are_normalised(given, normalised, lm_head):
 
 
 @pytest.mark.parametrize("given,problem", [
-    ("2.0", "--trl-version 2.0.0 is outside the TRL releases vram-plan knows (0.14.0 to 1.16.x)"),
-    ("1.17.0", "--trl-version 1.17.0 is outside"), ("1.17.0.dev0", "--trl-version 1.17.0.dev0 is outside"),
-    ("0.13.9", "--trl-version 0.13.9 is outside"), ("0.1", "--trl-version 0.1.0 is outside"),
-    ("-1", "--trl-version '-1' is not a version number"), ("latest", "'latest' is not a version number"),
+    ("2.0", "trl_version 2.0.0 is outside the TRL releases vram-plan knows (0.14.0 to 1.16.x)"),
+    ("1.17.0", "trl_version 1.17.0 is outside"), ("1.17.0.dev0", "trl_version 1.17.0.dev0 is outside"),
+    ("0.13.9", "trl_version 0.13.9 is outside"), ("0.1", "trl_version 0.1.0 is outside"),
+    ("-1", "trl_version '-1' is not a version number"), ("latest", "'latest' is not a version number"),
     ("1..2", "is not a version number"), ("", "'' is not a version number"),
 ])
 def test_trl_versions_outside_the_range_are_refused_in_one_line(given, problem):
     with pytest.raises(ConfigError) as info:
-        api.check("Llama-3.2-1B", CARD, trl_version=given)
+        engine.check("Llama-3.2-1B", CARD, trl_version=given)
     assert problem in str(info.value) and "pass --trl-version" not in str(info.value)
 
 
@@ -257,7 +257,7 @@ def test_an_installed_trl_outside_the_range_is_planned_as_the_newest_known_with_
     monkeypatch.setattr(trl_releases, "installed_trl_version", lambda: installed)
     trl_releases.trl_release.cache_clear()
     try:
-        verdict = api.check("Llama-3.2-1B", CARD)
+        verdict = engine.check("Llama-3.2-1B", CARD)
     finally:
         trl_releases.trl_release.cache_clear()
     assert verdict.context.release.version == trl_releases.NEWEST_KNOWN
@@ -270,7 +270,7 @@ def test_an_installed_trl_inside_the_range_is_planned_as_itself_without_a_note(m
     monkeypatch.setattr(trl_releases, "installed_trl_version", lambda: "1.14.1")
     trl_releases.trl_release.cache_clear()
     try:
-        verdict = api.check("Llama-3.2-1B", CARD)
+        verdict = engine.check("Llama-3.2-1B", CARD)
     finally:
         trl_releases.trl_release.cache_clear()
     assert verdict.context.release.version == "1.14.1" and verdict.context.release.lm_head == "full_logits"
@@ -310,20 +310,20 @@ def test_a_malformed_trl_row_is_one_line(tmp_path, monkeypatch):
 # 6. Non-finite numbers.
 
 @pytest.mark.parametrize("settings,flag", [
-    ({"beta": math.inf}, "--beta"), ({"beta": math.nan}, "--beta"), ({"beta": -math.inf}, "--beta"),
-    ({"lora_r": 8, "lora_dropout": math.nan}, "--lora-dropout"),
-    ({"use_vllm": True, "vllm_gpu_memory_utilization": math.nan}, "--vllm-gpu-memory-utilization"),
+    ({"beta": math.inf}, "beta"), ({"beta": math.nan}, "beta"), ({"beta": -math.inf}, "beta"),
+    ({"lora_r": 8, "lora_dropout": math.nan}, "lora_dropout"),
+    ({"use_vllm": True, "vllm_gpu_memory_utilization": math.nan}, "vllm_gpu_memory_utilization"),
 ])
 def test_non_finite_knobs_are_one_clear_line(settings, flag):
     with pytest.raises(ConfigError) as info:
-        api.check("Llama-3.2-1B", CARD, settings)
+        engine.check("Llama-3.2-1B", CARD, settings)
     assert str(info.value).startswith(f"{flag} should be a finite number")
 
 
 @pytest.mark.parametrize("margin", [math.nan, math.inf, -0.1, 0.9, "0.05", True, None])
 def test_the_safety_margin_is_a_share_of_the_card(margin):
-    for call in (api.check, api.plan, api.make_context):
-        with pytest.raises(ConfigError, match="--safety-margin should be a share of the card from 0 to 0.5"):
+    for call in (engine.check, engine.plan, engine.make_context):
+        with pytest.raises(ConfigError, match="safety_margin should be a share of the card from 0 to 0.5"):
             call("Llama-3.2-1B", CARD, safety_margin=margin)
 
 
@@ -341,7 +341,7 @@ def test_calibrations_of_the_wrong_shape_are_one_line(tmp_path, content, problem
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(content))
     with pytest.raises(ProfileError) as info:
-        api.check("Llama-3.2-1B", CARD, calibration=path)
+        engine.check("Llama-3.2-1B", CARD, calibration=path)
     message = str(info.value)
     assert message.startswith(f"{path} is not a valid calibration: ") and problem in message
     assert "\n" not in message and "validation error" not in message
@@ -372,20 +372,20 @@ def test_random_bytes_and_folders_as_calibrations(tmp_path):
 # The library answers with a result or one VramPlanError for inputs of the wrong type, too.
 
 @pytest.mark.parametrize("call", [
-    lambda: api.check(None, CARD),
-    lambda: api.check("", CARD),
-    lambda: api.check(["Llama-3.2-1B"], CARD),
-    lambda: api.check("a" * 5000, CARD),  # longer than any file name: not a path
-    lambda: api.check("a\x00b", CARD),
-    lambda: api.check("Llama-3.2-1B", None),
-    lambda: api.check("Llama-3.2-1B", 24),
-    lambda: api.check("Llama-3.2-1B", CARD, ["lora_r", 8]),
-    lambda: api.check("Llama-3.2-1B", CARD, {3: 4}),
-    lambda: api.check("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": 5}),
-    lambda: api.check("Llama-3.2-1B", CARD, trl_version=1.16),
-    lambda: api.check("Llama-3.2-1B", CARD, trl_version=[1]),
-    lambda: api.check("Llama-3.2-1B", CARD, calibration=5),
-    lambda: api.plan("Llama-3.2-1B", CARD, {"lora_r": "eight"}),
+    lambda: engine.check(None, CARD),
+    lambda: engine.check("", CARD),
+    lambda: engine.check(["Llama-3.2-1B"], CARD),
+    lambda: engine.check("a" * 5000, CARD),  # longer than any file name: not a path
+    lambda: engine.check("a\x00b", CARD),
+    lambda: engine.check("Llama-3.2-1B", None),
+    lambda: engine.check("Llama-3.2-1B", 24),
+    lambda: engine.check("Llama-3.2-1B", CARD, ["lora_r", 8]),
+    lambda: engine.check("Llama-3.2-1B", CARD, {3: 4}),
+    lambda: engine.check("Llama-3.2-1B", CARD, {"lora_r": 8, "lora_target_modules": 5}),
+    lambda: engine.check("Llama-3.2-1B", CARD, trl_version=1.16),
+    lambda: engine.check("Llama-3.2-1B", CARD, trl_version=[1]),
+    lambda: engine.check("Llama-3.2-1B", CARD, calibration=5),
+    lambda: engine.plan("Llama-3.2-1B", CARD, {"lora_r": "eight"}),
 ])
 def test_wrong_types_are_vram_plan_errors(call):
     with pytest.raises(VramPlanError):
@@ -422,7 +422,7 @@ def test_an_unknown_hub_id_without_network_is_one_line_within_seconds(tmp_path):
 @pytest.mark.parametrize("model", ["a b/c", "someone/x..y", "-x/y", "someone/" + "a" * 120])
 def test_a_name_that_cannot_be_a_hub_id_is_refused_without_asking_the_hub(model):
     with pytest.raises(VramPlanError, match="is neither a catalog model .* nor a hub id"):
-        api.check(model, CARD)
+        engine.check(model, CARD)
 
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -558,6 +558,6 @@ def test_the_phi3_family_is_planned_on_the_command_line(capsys, command, model):
 
 def test_an_unknown_setting_is_reported_even_when_its_value_is_none():
     # None means "not given" for a known knob, but a misspelt one must not vanish with it
-    with pytest.raises(ConfigError, match="unknown setting --per-device-train-batch .*did you mean"):
-        api.check("Llama-3.2-1B", CARD, {"per_device_train_batch": None})
-    assert api.check("Llama-3.2-1B", CARD, {"beta": None}).train.beta == 0.0
+    with pytest.raises(ConfigError, match="unknown setting per_device_train_batch .*did you mean"):
+        engine.check("Llama-3.2-1B", CARD, {"per_device_train_batch": None})
+    assert engine.check("Llama-3.2-1B", CARD, {"beta": None}).train.beta == 0.0

@@ -1,9 +1,11 @@
-"""The package's folders are its architecture: imports only point down the layers, and no modules import in a circle.
+"""The package's folders are its architecture: imports only point down the layers, and no modules (nor packages)
+import in a circle.
 
-cli, app -> api | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras -> units, errors, files,
-profile_cache, validation.
-api, run, probe and advise sit side by side and do not import each other. Every import counts: at the top of a
-module, inside a function, under TYPE_CHECKING.
+cli -> app -> api -> report -> engine | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras ->
+units, errors, files, profile_cache, validation, request.
+engine, run, probe and advise sit side by side and do not import each other. The web app is a skin of its own over
+the library: it imports nothing of the command line's, and not click. Every import counts: at the top of a module,
+inside a function, under TYPE_CHECKING.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # Top to bottom; a module belongs to the group whose name is the module or the nearest package above it (the package
 # itself, vram_planner/__init__.py, holds only the version and stands alone at the bottom).
 LAYERS: list[tuple[str, list[str]]] = [
-    ("cli", ["vram_planner.cli", "vram_planner.__main__", "vram_planner.app"]),
-    ("entry points", ["vram_planner.api", "vram_planner.run", "vram_planner.probe", "vram_planner.advise"]),
+    ("cli", ["vram_planner.cli", "vram_planner.__main__"]),
+    ("app", ["vram_planner.app"]),
+    ("api", ["vram_planner.api"]),
+    ("report", ["vram_planner.report"]),
+    ("entry points", ["vram_planner.engine", "vram_planner.run", "vram_planner.probe", "vram_planner.advise"]),
     ("tracing", ["vram_planner.tracing"]),
     ("model", ["vram_planner.model", "vram_planner.allocator"]),
     ("data", ["vram_planner.profiles", "vram_planner.local_gpu", "vram_planner.hub", "vram_planner.extras",
               "vram_planner.profile_data"]),
     ("base", ["vram_planner.units", "vram_planner.errors", "vram_planner.files", "vram_planner.profile_cache",
-              "vram_planner.validation", "vram_planner"]),
+              "vram_planner.validation", "vram_planner.request", "vram_planner"]),
 ]
 # Layers whose groups stand side by side: a group may import only from itself within the layer.
 SIDE_BY_SIDE = {"entry points"}
@@ -131,6 +136,53 @@ def test_no_modules_import_each_other_in_a_circle():
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
+def package_of(module: str) -> str:
+    """The package a module belongs to: vram_planner.<first part> (the modules at the top are their own)."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, list[tuple[str, int]]]) -> dict[str, list[tuple[str, int]]]:
+    """The imports between packages, each with the line of one import that makes it."""
+    packages: dict[str, dict[str, int]] = {}
+    for module, targets in graph.items():
+        edges = packages.setdefault(package_of(module), {})
+        for target, line in targets:
+            if package_of(target) != package_of(module) and package_of(target) != PACKAGE:
+                edges.setdefault(package_of(target), line)
+    for edges in list(packages.values()):
+        for target in edges:
+            packages.setdefault(target, {})
+    return {package: sorted(edges.items()) for package, edges in packages.items()}
+
+
+def test_no_packages_import_each_other_in_a_circle():
+    circles = cycles(package_graph(import_graph()))
+    assert not circles, "import circles between packages:\n" + "\n".join(circles)
+
+
+def test_the_web_app_imports_neither_the_command_line_nor_click():
+    graph = import_graph()
+    problems = [f"{module} (line {line}) imports {target}" for module, targets in graph.items()
+                if module.startswith("vram_planner.app") for target, line in targets
+                if target.startswith("vram_planner.cli")]
+    for module, path in package_modules().items():
+        if not module.startswith("vram_planner.app"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            problems += [f"{module} (line {node.lineno}) imports {name}" for name in names
+                         if name.split(".")[0] == "click"]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_sees_a_circle_between_packages():
+    graph = {"vram_planner.cli.a": [("vram_planner.app.b", 3)], "vram_planner.app.b": [("vram_planner.cli.c", 5)],
+             "vram_planner.cli.c": []}
+    assert cycles(package_graph(graph)) == ["vram_planner.app (line 5) -> vram_planner.cli; "
+                                            "vram_planner.cli (line 3) -> vram_planner.app"]
+
+
 def defined_names(path: Path) -> set[str]:
     """What a module defines or imports at its top level (what `from module import name` can find)."""
     names = set()
@@ -164,11 +216,11 @@ def test_every_import_from_the_package_names_what_is_there():
 
 
 def test_the_checker_sees_an_upward_import_a_sideways_one_and_a_circle():
-    graph = {"vram_planner.model.spec": [("vram_planner.cli", 3)], "vram_planner.run.launch": [("vram_planner.api", 5)],
+    graph = {"vram_planner.model.spec": [("vram_planner.cli", 3)], "vram_planner.run.launch": [("vram_planner.engine", 5)],
              "vram_planner.profiles": [("vram_planner.local_gpu", 7)],
-             "vram_planner.local_gpu": [("vram_planner.profiles", 9)], "vram_planner.cli": [], "vram_planner.api": []}
+             "vram_planner.local_gpu": [("vram_planner.profiles", 9)], "vram_planner.cli": [], "vram_planner.engine": []}
     problems = layer_problems(graph)
     assert any("vram_planner.model.spec (line 3) imports vram_planner.cli: upward" in p for p in problems)
-    assert any("vram_planner.run.launch (line 5) imports vram_planner.api: sideways" in p for p in problems)
+    assert any("vram_planner.run.launch (line 5) imports vram_planner.engine: sideways" in p for p in problems)
     assert cycles(graph) == ["vram_planner.local_gpu (line 9) -> vram_planner.profiles; "
                              "vram_planner.profiles (line 7) -> vram_planner.local_gpu"]

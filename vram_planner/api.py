@@ -1,396 +1,236 @@
-"""The library API: `check` and `plan` from names, the same calls the CLI makes.
+"""The library API: one request in, one report out, the same calls the command line and the web page make.
 
     >>> from vram_planner import api
-    >>> result = api.plan("Llama-3.2-1B", "rtx3080-mobile")
-    >>> result.fits, result.chosen.train.per_device_train_batch_size
+    >>> report = api.check("Llama-3.2-1B", "rtx3080-mobile", max_completion_length=1024)
+    >>> report.fits, report.peak_bytes
+    >>> report.to_dict() == json.loads(`vram-plan check --model Llama-3.2-1B --gpu rtx3080-mobile
+    ...                                  --max-completion-length 1024 --json`)
+
+Each function takes a `Request`, or the model, the card and the knobs (a mapping, keyword arguments, or both), named
+as GRPOConfig's fields plus ours (vram_planner.request.Request lists them). Bad input raises a VramPlanError whose
+text names the fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
-from vram_planner.errors import ConfigError, VramPlanError, short_repr
-from vram_planner.model.calibration import Calibration, calibration_for
-from vram_planner.model.resolve import resolve_model
-from vram_planner.model.search import Plan, best_plan
-from vram_planner.model.spec import TrainingConfig, as_settings, knob_names, release_config, training_config
-from vram_planner.model.trl_semantics import release_defaults
-from vram_planner.model.trl_releases import trl_release
-from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, adapt_to_model,
-                                        check_safety_margin, check_training, judge)
-from vram_planner.profiles import GpuProfile, gpus, model_config
+from vram_planner import engine
+from vram_planner.errors import ConfigError, VramPlanError, field_name
+from vram_planner.model import search
+from vram_planner.model import verdict as verdict_module
+from vram_planner.report.document import Report, plan_report, verdict_report
+from vram_planner.request import Request
 
-if TYPE_CHECKING:  # `plan` and `check` do not search for a largest value: the module loads when one is asked for
-    from vram_planner.model.maximize import Maximized
+if TYPE_CHECKING:
+    from vram_planner.model.spec import TrainingConfig
+    from vram_planner.model.verdict import Context
+    from vram_planner.report.cards import CardsReport
+    from vram_planner.report.maximized import MaximizedPlanReport
 
-
-def make_context(model: str, gpu: str | GpuProfile, *, trl_version: str | None = None,
-                 calibration: Calibration | Path | None = None,
-                 safety_margin: float = DEFAULT_SAFETY_MARGIN) -> Context:
-    """Resolve the model, the GPU, the TRL release and the calibration to judge configs against."""
-    check_safety_margin(safety_margin)  # before a hub id is fetched for nothing
-    if trl_version is not None and not isinstance(trl_version, str):
-        raise ConfigError([f"--trl-version should be a version like 1.16.0, as a string (got {trl_version!r:.60})"])
-    gpu_profile = gpu if isinstance(gpu, GpuProfile) else GpuProfile.from_name(gpu)
-    if not isinstance(calibration, Calibration):
-        calibration = calibration_for(gpu_profile.name, calibration)
-    return Context(arch=resolve_model(model), gpu=gpu_profile, release=trl_release(trl_version),
-                   calibration=calibration, safety_margin=safety_margin, model_id=model)
-
-
-def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | None = None) -> TrainingConfig:
-    """Validate the knobs, fill the TRL release's defaults and adapt unset defaults to the GPU."""
-    if isinstance(settings, TrainingConfig):
-        # a config object is the user's too: validated whole; its knobs at their defaults count as unset
-        unset = as_settings(TrainingConfig())
-        explicit = {name for name, value in as_settings(settings).items() if value != unset[name]}
-        train = training_config({**as_settings(settings), "trl_version": context.release.version})
-    elif settings is not None and not isinstance(settings, dict):
-        raise ConfigError([f"settings should be a mapping of GRPOConfig-style knobs to values (got {settings!r:.60})"])
-    else:
-        # None means "not given" for a knob; an unknown name is reported whatever its value (a typo'd YAML key
-        # left empty must not vanish silently)
-        values = {k: v for k, v in (settings or {}).items() if v is not None or k not in knob_names()}
-        explicit = set(values)
-        given = values.get("trl_version")
-        if given is not None and given != context.release.version:
-            raise ConfigError([f"trl_version {short_repr(given)} in the settings differs from the context's TRL "
-                               f"{context.release.version}; give the release once (--trl-version, or trl_version "
-                               "in a --config file)"])
-        values["trl_version"] = context.release.version
-        if values.get("allocator_conf") is None:  # as torch does: the environment's, unless the run says otherwise
-            values["allocator_conf"] = _environment_allocator_conf()
-        defaults = release_defaults(context.release, use_vllm=values.get("use_vllm") is True)
-        if explicit - {"trl_version"}:  # the user's knobs: validated at the edge
-            train = training_config({**defaults, **values})
-        else:
-            train = release_config({**defaults, **values})
-    train = adapt_to_model(adapt_to_gpu(train, context.gpu, explicit), context.arch, explicit)
-    check_training(train, context)
-    return train
-
-
-@overload
-def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
-          exact: Literal[False] = False, progress: Callable[[str], None] | None = None,
-          **context_options: Any) -> Verdict: ...
-@overload
-def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
-          exact: Literal[True], progress: Callable[[str], None] | None = None,
-          **context_options: Any) -> TraceOutcome: ...
-def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
-          exact: bool = False, progress: Callable[[str], None] | None = None,
-          **context_options: Any) -> Verdict | TraceOutcome:
-    """The verdict for exactly this configuration. With `exact`, the step traced and judged by its need (`trace`'s
-    outcome: `.fits` is `need_bytes <= capacity`, `.analytic` the verdict without `exact`); needs the train extra,
-    and `progress` is called with what it is doing."""
-    if exact:
-        _require_tracing("an exact verdict (--exact)")
-    context = make_context(model, gpu, **context_options)
-    train = make_training(context, settings)
-    return _traced(model, context, train, progress) if exact else judge(context, train)
-
-
-@overload
-def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
-         exact: Literal[False] = False, progress: Callable[[str], None] | None = None,
-         **context_options: Any) -> Plan: ...
-@overload
-def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
-         exact: Literal[True], progress: Callable[[str], None] | None = None,
-         **context_options: Any) -> ExactPlan: ...
-def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
-         exact: bool = False, progress: Callable[[str], None] | None = None,
-         **context_options: Any) -> Plan | ExactPlan:
-    """The best configuration that fits, starting from these settings. With `exact`, the plan's choice and the
-    config ranked just above it traced and judged by their needs (`ExactPlan`)."""
-    if exact:
-        _require_tracing("an exact plan (--exact)")
-    context = make_context(model, gpu, **context_options)
-    user = make_training(context, settings)
-    return _exact_plan(model, context, user, progress) if exact else best_plan(context, user)
-
-
-# Without --gpu a trace judges against the local card, and on a machine without one (where traces usually run)
-# against the card of the command-line contract's first example: the tensors it counts do not depend on the card.
-FALLBACK_TRACE_GPU = "rtx3080-mobile"
-
+__all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "gpus", "models",
+           "resolve", "VramPlanError", "ConfigError"]
 
 @dataclass(frozen=True)
-class TraceOutcome:
-    """A traced step, the analytic verdict for the same config, and the verdict by the step's need: the least card
-    on which the caching allocator model replays the traced events without running out. `traced` is judged like
-    `check`, on what the allocator model holds on this card (plus the CUDA context, which the trace cannot see)."""
+class Judged:
+    """What a report describes, beside its document: the context it was judged in, the training config it shows
+    (the plan's choice, or the config as given) and the engine's own answer (a Verdict, a Plan, ...)."""
 
-    traced: Verdict
-    analytic: Verdict
-    result: Any  # vram_planner.tracing.step.TraceResult: tensor bytes only, per phase and component
-    reserved: Any = None  # vram_planner.tracing.reserve.ReservedMemory: the allocator model's reserved bytes
-    need: Any = None  # vram_planner.tracing.need.Need: the least capacity the step runs in, bisected
-
-    @property
-    def fits(self) -> bool:
-        """Whether the step runs on the card: its need within the capacity, without a safety margin (the margin is
-        for the analytic answer's error; here the allocator model replays the step itself)."""
-        return self.traced.fits if self.need is None else self.need_bytes <= self.traced.context.capacity_bytes
-
-    @property
-    def need_bytes(self) -> int:
-        """The least card on which the step runs: the CUDA context, and what cudaMalloc must be able to hand out
-        for the traced tensors, the cuBLAS workspaces and the allocator's rounding and fragmentation."""
-        return self.need.capacity_bytes + round(self.traced.context.cuda_context.bytes)
-
-    @property
-    def held_bytes(self) -> int:
-        """The most the allocator reserves at once on this card (or, where the step runs out there, on a card with
-        room), with the CUDA context: what nvidia-smi shows."""
-        return self.need.held_bytes + round(self.traced.context.cuda_context.bytes)
-
-    @property
-    def seconds(self) -> float:
-        """The trace's wall time, the allocator replay's and the need's bisection's."""
-        return self.result.seconds + sum(part.seconds for part in (self.reserved, self.need) if part is not None)
-
-    def comparison(self) -> list[Any]:
-        """Per phase: traced against analytic tensor bytes (vram_planner.tracing.step.PhaseComparison)."""
-        from vram_planner.tracing.step import compare_with_estimate
-
-        return compare_with_estimate(self.result, self.analytic.estimate)
+    context: Context
+    train: TrainingConfig
+    result: Any
 
 
-def default_trace_gpu() -> tuple[GpuProfile, str | None]:
-    """The local card, else the fallback card with a note saying so."""
-    try:
-        return GpuProfile.from_name("auto"), None
-    except VramPlanError:
-        gpu = GpuProfile.from_name(FALLBACK_TRACE_GPU)
-        return gpu, f"no --gpu given and no local NVIDIA card: judged against the {gpu.label} (pass --gpu)"
+def check(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
+          exact: bool = False, progress: Callable[[str], None] | None = None, **fields: Any) -> Report:
+    """The verdict for exactly this configuration: `vram-plan check --json`'s document.
+
+    Args:
+        model: a catalog name, a config.json path or folder, a hub id, a config.json's dict, or a whole Request.
+        gpu: a catalog name, "auto" or a size like "24GiB".
+        settings: knobs by field name (e.g. {"max_completion_length": 1024}); keyword arguments add to them.
+        exact: judge by the traced step's need (`check --exact`; needs the train extra, seconds to a minute).
+        progress: called with what the trace is doing (with `exact`).
+
+    Returns:
+        The report: `.fits`, `.peak_bytes`, `.phases`, ...; `.to_dict()` is the JSON document.
+    """
+    request = _request(model, gpu, settings, fields)
+    if exact:
+        from vram_planner.report.document import exact_check_report
+
+        outcome = engine.check(*_engine_call(request), exact=True, progress=progress, **_options(request))
+        return _judged(exact_check_report(outcome), outcome.traced.context, outcome.traced.train, outcome)
+    context, train = resolve(request)
+    verdict = verdict_module.judge(context, train)
+    return _judged(verdict_report(verdict), context, train, verdict)
 
 
-def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, Any] | TrainingConfig | None = None,
-          progress: Callable[[str], None] | None = None, **context_options: Any) -> TraceOutcome:
-    """Trace one GRPO step of this config on fake tensors (needs torch, transformers, TRL and PEFT: the `train`
-    extras), next to the analytic verdict. `progress` is called with what the trace is doing. Each phase's reserved
-    bytes come from the caching allocator model, configured by the settings' `allocator_conf` (a
-    PYTORCH_CUDA_ALLOC_CONF text; when not given, that environment variable, as torch reads it), and the verdict
-    from the step's need, bisected with the same model."""
-    notes: tuple[str, ...] = ()
-    if gpu is None:
-        gpu, note = default_trace_gpu()
-        notes += (note,) if note else ()
-    context = make_context(model, gpu, **context_options)
-    return _traced(model, context, make_training(context, settings), progress, notes)
+def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
+         exact: bool = False, progress: Callable[[str], None] | None = None, **fields: Any) -> Report:
+    """The best configuration that fits, starting from this one: `vram-plan plan --json`'s document.
+
+    Args:
+        model, gpu, settings: as `check` takes them.
+        exact: trace the choice and the config ranked above it, and judge by their needs (`plan --exact`).
+        progress: called with what the trace is doing (with `exact`).
+
+    Returns:
+        The report of the chosen config (or of the smallest, when nothing fits), with `.changes` that lead to it.
+    """
+    request = _request(model, gpu, settings, fields)
+    if exact:
+        from vram_planner.report.document import exact_plan_report
+
+        result = engine.plan(*_engine_call(request), exact=True, progress=progress, **_options(request))
+        shown = result.plan.chosen or result.plan.smallest
+        return _judged(exact_plan_report(result), result.plan.requested.context, shown.train, result)
+    context, train = resolve(request)
+    result = search.best_plan(context, train)
+    return _judged(plan_report(result), context, (result.chosen or result.smallest).train, result)
 
 
-def _traced(model: str, context: Context, train: TrainingConfig, progress: Callable[[str], None] | None,
-            notes: tuple[str, ...] = ()) -> TraceOutcome:
-    """The step traced, replayed through the allocator model on this card, and its need bisected."""
-    from vram_planner.allocator import parse_allocator_conf
-    from vram_planner.model.cublas import workspace_bytes
-    from vram_planner.model.phases import Estimate
-    from vram_planner.tracing.events import with_workspaces
-    from vram_planner.tracing.need import least_capacity
-    from vram_planner.tracing.reserve import reserved_memory
-    from vram_planner.tracing.step import check_traceable, trace_step
+def maximize(model: str | dict[str, Any] | Request, gpu: str | None = None, field: str = "max_completion_length",
+             settings: Mapping[str, Any] | None = None, *, allow_savers: bool = False,
+             **fields: Any) -> MaximizedPlanReport:
+    """The largest value of one knob that fits the card: `vram-plan plan --maximize FIELD --json`'s document.
 
-    say = progress or (lambda what: None)
-    conf = parse_allocator_conf(train.allocator_conf, "--allocator-conf")
-    check_traceable(train, context.release)  # before model_config: a hub id is not fetched twice for nothing
-    config, _, _ = model_config(model)
-    result = trace_step(config, train, context.release, progress)
-    say("replaying the allocations through the caching allocator model")
-    # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
-    # calibration when it measured one, else from the GPU catalog).
-    stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
-    card = max(int(context.capacity_bytes - context.cuda_context.bytes), 0)
-    reserved = reserved_memory(stream, conf, card)
-    say("bisecting the least memory the step runs in")
-    need = least_capacity([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, card)
-    phases = tuple(_traced_phase(p, reserved.by_phase, context, train) for p in result.phases)
-    traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
-                      notes=tuple(result.notes) + notes + reserved.notes)
-    return TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result,
-                        reserved=reserved, need=need)
+    Args:
+        model, gpu, settings: as `check` takes them.
+        field: max_completion_length, max_prompt_length, num_generations, per_device_train_batch_size or lora_r.
+        allow_savers: let the plan's savers (smaller micro-batches, checkpointing, 8-bit AdamW, ...) make room.
 
-
-@dataclass(frozen=True)
-class ExactPlan:
-    """`plan(exact=True)`: the analytic plan, its choice moved one rank up where the config there runs by its
-    traced need, and the traced outcomes that decided it. The trace cannot run every config the ladder offers (8-bit
-    optimizers, 4-bit weights): where it cannot trace the shown one, `outcome` is None, `problem` says why, and the
-    verdict is the estimate's."""
-
-    plan: Plan  # what is shown: the analytic plan, or the same with the config ranked above it as its choice
-    analytic: Plan  # best_plan's answer
-    outcome: TraceOutcome | None  # the shown config traced: the choice, or the smallest config when none was chosen
-    problem: str | None = None  # why the shown config could not be traced
-    above_config: TrainingConfig | None = None  # the config ranked just above the analytic choice; None: none
-    above: TraceOutcome | None = None  # that config traced
-    above_problem: str | None = None  # why it could not be traced
-
-    @property
-    def fits(self) -> bool:
-        return self.plan.fits if self.outcome is None else self.outcome.fits
-
-
-def _exact_plan(model: str, context: Context, user: TrainingConfig,
-                progress: Callable[[str], None] | None) -> ExactPlan:
-    """Trace the config above the analytic choice first: where it runs, it is the answer and the choice below it
-    need not be traced."""
-    from vram_planner.model.rung_above import config_above, ladder, plan_choosing
-
-    analytic = best_plan(context, user)
-    rungs = ladder(context, user)
-
-    def traced(train: TrainingConfig, which: str) -> tuple[TraceOutcome | None, str | None]:
-        say = (lambda what: progress(f"{which}: {what}")) if progress is not None else None
-        try:
-            return _traced(model, context, train, say), None
-        except VramPlanError as error:  # what the CPU cannot run, said in the plan's words
-            return None, f"{which} could not be traced: {error}"
-
-    if analytic.chosen is None:  # nothing fits by the estimate; by its need the smallest config may
-        outcome, problem = traced(analytic.smallest.train, "the smallest config")
-        shown = analytic
-        if outcome is not None and outcome.fits:
-            shown = plan_choosing(context, user, analytic, rungs[-1], len(rungs) - 1, analytic.smallest.train)
-        return ExactPlan(shown, analytic, outcome, problem)
-    neighbour = config_above(rungs, analytic.rank)
-    above = above_problem = above_config = None
-    if neighbour is not None:
-        index, above_config = neighbour
-        above, above_problem = traced(above_config, "the config ranked above the choice")
-        if above is not None and above.fits:
-            shown = plan_choosing(context, user, analytic, rungs[index], index, above_config)
-            return ExactPlan(shown, analytic, above, None, above_config, above)
-    outcome, problem = traced(analytic.chosen.train, "the choice")
-    return ExactPlan(analytic, analytic, outcome, problem, above_config, above, above_problem)
-
-
-def _require_tracing(what: str) -> None:
-    """The train extra is installed, or one line says how to install it, before a hub id is fetched for nothing."""
-    from vram_planner.extras import require_train_extra
-
-    require_train_extra(what)
-
-
-def _environment_allocator_conf() -> str:
-    """The allocator conf as torch would read it at the run's first CUDA allocation ("" when unset)."""
-    from vram_planner.allocator.conf import environment_conf, parse_allocator_conf
-
-    text, name = environment_conf()
-    if text.strip():
-        parse_allocator_conf(text, name)  # refused here in the variable's name, not the knob's
-    return text.strip()
-
-
-def _traced_phase(traced: Any, reserved_by_phase: dict[str, int], context: Context, train: TrainingConfig) -> Any:
-    """A traced phase as the verdict judges it: its tensors, the CUDA context, the cuBLAS workspaces, and as the
-    allocator's overhead what the allocator model reserves beyond them (`check` takes a share of the tensors
-    instead)."""
-    from vram_planner.model.cublas import cublas_workspace_bytes
-    from vram_planner.model.phases import Phase, with_overheads
-
-    workspaces = cublas_workspace_bytes(context.gpu.compute_capability)
-    phase = with_overheads(Phase(traced.name, dict(traced.components), traced.moment), context.calibration, 0.0,
-                           train, context.cuda_context.bytes, workspaces)
-    reserve = reserved_by_phase.get(traced.name, traced.peak_bytes) - traced.peak_bytes - workspaces
-    return Phase(phase.name, {**phase.components, "allocator_overhead": float(max(reserve, 0))}, phase.moment)
-
-
-def maximize(model: str, gpu: str | GpuProfile, field: str, settings: dict[str, Any] | TrainingConfig | None = None,
-             allow_savers: bool = False, **context_options: Any) -> Maximized:
-    """The largest value of `field` (max_completion_length, max_prompt_length, num_generations,
-    per_device_train_batch_size or lora_r) that fits this card with every other knob as given, or as the plan's
-    savers make it with `allow_savers`; `.value` is None when even the smallest valid value does not fit."""
+    Returns:
+        The plan at that value, with `.maximized` (`.value` is None when even the smallest valid value does not fit).
+    """
     from vram_planner.model.maximize import maximizable_field
     from vram_planner.model.maximize import maximize as maximize_field
+    from vram_planner.report.maximized import maximized_report
 
-    field = maximizable_field(field)  # before a hub id is fetched for nothing
-    context = make_context(model, gpu, **context_options)
-    return maximize_field(context, make_training(context, settings), field, allow_savers)
-
-
-@dataclass(frozen=True)
-class CardFit:
-    """One catalog card judged for one config (or its largest value of a knob); `problem` when the card cannot run
-    the config at all (no bf16, no FlashAttention-2), and then no verdict."""
-
-    gpu: GpuProfile
-    verdict: Verdict | None
-    maximized: Maximized | None = None
-    problem: str | None = None
-
-    @property
-    def name(self) -> str:
-        return self.gpu.name
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.gpu.capacity_bytes
-
-    @property
-    def fits(self) -> bool:
-        if self.maximized is not None:
-            return self.maximized.fits
-        return self.verdict is not None and self.verdict.fits
-
-    @property
-    def peak_bytes(self) -> float | None:
-        if self.maximized is not None:
-            return self.maximized.peak_bytes if self.maximized.fits else self.maximized.next_peak_bytes
-        return None if self.verdict is None else self.verdict.estimate.peak_bytes
-
-    @property
-    def spare_bytes(self) -> float | None:
-        """Capacity left at the peak (negative: missing), before the safety margin."""
-        return None if self.peak_bytes is None else self.capacity_bytes - self.peak_bytes
+    request = _request(model, gpu, settings, fields)
+    knob = maximizable_field(field)  # before a hub id is fetched for nothing
+    context, train = resolve(request)
+    result = maximize_field(context, train, knob, allow_savers)
+    return _judged(maximized_report(result), context, result.plan.chosen.train if result.plan.chosen else train,
+                   result)
 
 
-def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: str | None = None,
-                 allow_savers: bool = False, *, trl_version: str | None = None,
-                 calibration: Calibration | Path | None = None,
-                 safety_margin: float = DEFAULT_SAFETY_MARGIN) -> list[CardFit]:
-    """Every catalog card judged for this config (with `maximize`: the largest value of that knob each card fits),
-    the smallest fitting card first, then the cards it does not fit, the closest first, then those that cannot run
-    it. The model, the release and the calibration file are read once for all the cards; a card's maximized plan
-    leaves out its changes (`maximize` on that card gives them)."""
-    from vram_planner.model.maximize import maximizable_field, peak_memo_key, verdict_at
-    from vram_planner.model.maximize import maximize as maximize_field
+def fitting_gpus(model: str | dict[str, Any] | Request, settings: Mapping[str, Any] | None = None, *,
+                 maximize: str | None = None, allow_savers: bool = False, **fields: Any) -> CardsReport:
+    """Every catalog card judged for this config, the smallest fitting card first: `vram-plan gpus --model M --json`.
 
-    field = None if maximize is None else maximizable_field(maximize)
-    first = make_context(model, gpus()[0], trl_version=trl_version, calibration=calibration,
-                         safety_margin=safety_margin)
-    shared_calibration = first.calibration if calibration is not None else None
-    cards, errors, memos, answers = [], [], {}, {}
-    for gpu in sorted(gpus(), key=lambda g: g.capacity_bytes):  # a card fits at least what a smaller one fits
-        context = replace(first, gpu=gpu, calibration=shared_calibration or calibration_for(gpu.name))
-        try:
-            train = make_training(context, settings)
-        except ConfigError as error:  # what this card cannot run, or bad knobs (then no card can)
-            cards.append(CardFit(gpu, None, problem=str(error)))
-            errors.append((gpu.capacity_bytes, error))
-            continue
-        if field is None:
-            cards.append(CardFit(gpu, judge(context, train)))
-            continue
-        key = peak_memo_key(context, train)  # cards that give every config the same peaks share what was judged
-        maximized = maximize_field(context, train, field, allow_savers, memos.setdefault(key, {}), answers.get(key),
-                                   describe=False)
-        answers[key] = maximized.value if maximized.fits else answers.get(key)
-        cards.append(CardFit(gpu, verdict_at(maximized), maximized))
-    if len(errors) == len(cards):
-        raise max(errors, key=lambda e: e[0])[1]  # knobs no card can run are bad input: the largest card's reason
-    return sorted(cards, key=_card_order)
+    Args:
+        model, settings: as `check` takes them (the request's gpu, if any, is left out: every card is judged).
+        maximize: a knob `maximize` takes: each card's largest value of it instead of a verdict.
+        allow_savers: with `maximize`, as `maximize` takes it.
+
+    Returns:
+        The cards: `.cards` (vram_planner.engine.CardFit each), `.fits` (some card fits); `.to_dict()` the rows.
+    """
+    from vram_planner.report.cards import CardsReport
+
+    request = _request(model, None, settings, fields)
+    _require_model(request)
+    cards = engine.fitting_gpus(request.model, request.knobs, maximize, allow_savers, **_options(request))
+    return CardsReport(cards=cards)
 
 
-def _card_order(card: CardFit) -> tuple[int, float]:
-    """Fitting cards by size, then the others by what they miss, then the cards that cannot run the config."""
-    if card.fits:
-        return 0, card.capacity_bytes
-    if card.spare_bytes is not None:
-        return 1, -card.spare_bytes
-    return 2, card.capacity_bytes
+def trace(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None,
+          *, progress: Callable[[str], None] | None = None, **fields: Any) -> Report:
+    """One GRPO step traced on fake tensors on the CPU, beside the analytic model: `vram-plan trace --json`.
+
+    Args:
+        model, gpu, settings: as `check` takes them; without a gpu, the local card (else rtx3080-mobile).
+        progress: called with what the trace is doing.
+
+    Returns:
+        The traced report (engine "trace"), judged by the step's need; needs the train extra.
+    """
+    from vram_planner.report.document import trace_report
+
+    request = _request(model, gpu, settings, fields)
+    _require_model(request)
+    outcome = engine.trace(request.model, request.gpu, request.knobs, progress=progress, **_options(request))
+    return _judged(trace_report(outcome), outcome.traced.context, outcome.traced.train, outcome)
+
+
+def gpus() -> list[dict[str, Any]]:
+    """The GPU catalog: `vram-plan gpus --json`'s rows (capacity in bytes as CUDA reports it).
+
+    Returns:
+        One dict per card: name, total_memory_gib, capacity_bytes, compute_capability, bf16, aliases, ...
+    """
+    from vram_planner.profiles import gpus as catalog
+    from vram_planner.validation import to_jsonable
+
+    return [{**to_jsonable(g), "capacity_bytes": g.capacity_bytes} for g in catalog()]
+
+
+def models() -> list[dict[str, Any]]:
+    """The model catalog: `vram-plan models --json`'s rows.
+
+    Returns:
+        One dict per model: name, hub_id, aliases, params, and the architecture's sizes.
+    """
+    from vram_planner.model.resolve import catalog_architecture
+    from vram_planner.profiles import models as catalog
+
+    rows = []
+    for entry in catalog():
+        a = catalog_architecture(entry)
+        rows.append({"name": entry.name, "hub_id": entry.hub_id, "aliases": entry.aliases, "params": a.params,
+                     "model_type": a.model_type, "num_layers": a.num_layers, "hidden_size": a.hidden_size,
+                     "num_attention_heads": a.num_attention_heads, "num_kv_heads": a.num_kv_heads,
+                     "vocab_size": a.vocab_size, "tie_word_embeddings": a.tie_word_embeddings})
+    return rows
+
+
+def resolve(request: Request) -> tuple[Context, TrainingConfig]:
+    """The context (model, card, TRL release, calibration, margin) and the validated training config of a request.
+
+    Args:
+        request: what to judge; its model and gpu must be given.
+
+    Returns:
+        (context, training config), as vram_planner.engine judges them.
+    """
+    _require_model(request, gpu=True)
+    context = engine.make_context(request.model, request.gpu, **_options(request))
+    return context, engine.make_training(context, request.knobs)
+
+
+def _request(model: Any, gpu: str | None, settings: Mapping[str, Any] | None, fields: dict[str, Any]) -> Request:
+    if settings is not None and not isinstance(settings, Mapping):
+        raise ConfigError([f"settings should be a mapping of field names to values (got {settings!r:.60})"])
+    given = {**(settings or {}), **fields}
+    if isinstance(model, Request):
+        return model.with_fields(**({"gpu": gpu} if gpu is not None else {}), **given)
+    return Request.of({"model": model, "gpu": gpu, **given})
+
+
+def _require_model(request: Request, gpu: bool = False) -> None:
+    missing = [name for name, value in (("model", request.model), ("gpu", request.gpu if gpu else "-"))
+               if value is None or (isinstance(value, str) and not value.strip())]
+    if missing:
+        examples = {"model": "a catalog name such as Llama-3.2-1B, a config.json, a model folder or a hub id",
+                    "gpu": "a catalog name such as rtx3080-mobile, auto, or a size such as 24GiB"}
+        raise ConfigError([f"{field_name(name)} is needed: {examples[name]}" for name in missing])
+
+
+def _options(request: Request) -> dict[str, Any]:
+    calibration = request.calibration
+    return {"trl_version": request.trl_version, "safety_margin": request.safety_margin,
+            "calibration": Path(calibration) if isinstance(calibration, str) else calibration}
+
+
+def _engine_call(request: Request) -> tuple[Any, Any, dict[str, Any]]:
+    _require_model(request, gpu=True)
+    return request.model, request.gpu, request.knobs
+
+
+def _judged(report: Any, context: Context, train: TrainingConfig, result: Any) -> Any:
+    report.judged = Judged(context, train, result)
+    return report

@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
+
+# A field's name inside a message, marked so that each face spells it for its reader: the field's own name in Python
+# and over HTTP (str() of the error), the flag on the command line (`worded(flag)`).
+_FIELD = re.compile("\x02([a-z0-9_]+)\x03")
+
+
+def field_name(name: str) -> str:
+    """`name` marked as a field of the request, for a message that each face words in its own terms."""
+    return f"\x02{name}\x03"
+
+
+def flag(name: str) -> str:
+    """The command-line flag that sets a field."""
+    return "--" + name.replace("_", "-")
+
+
+def spelled(text: str, spell: Callable[[str], str] = str) -> str:
+    """A message with its marked field names spelled by `spell` (as they are: the field names)."""
+    return _FIELD.sub(lambda m: spell(m.group(1)), text)
 
 
 class VramPlanError(Exception):
-    """Base class: anything the user can fix by changing their input (exit code 2)."""
+    """Base class: anything the user can fix by changing their input (exit code 2). Its text names fields as the
+    Python API and the HTTP API name them; `worded(flag)` names the command line's flags instead."""
+
+    def __str__(self) -> str:
+        return spelled(super().__str__())
+
+    def worded(self, spell: Callable[[str], str]) -> str:
+        """The message with each field it names spelled by `spell`."""
+        return spelled(super().__str__(), spell)
 
 
 class UnknownNameError(VramPlanError):

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from vram_planner.errors import ProfileError, UnknownNameError, json_kind, short_repr
+from vram_planner.errors import ProfileError, UnknownNameError, field_name, json_kind, short_repr
 from vram_planner.profile_cache import cached
 from vram_planner.units import GiB, MiB, looks_like_size, parse_size_bytes
 from vram_planner.validation import Rules, error_message, validate
@@ -58,7 +58,8 @@ class GpuProfile:
     def from_name(cls, name: str) -> GpuProfile:
         """A catalog name or alias, `auto` (the local CUDA device) or a size such as `24GiB`."""
         if not isinstance(name, str) or not name.strip():
-            raise ProfileError("--gpu needs a catalog name (`vram-plan gpus` lists them), auto, or a size like 24GiB")
+            raise ProfileError(f"{field_name('gpu')} needs a catalog name (`vram-plan gpus` lists them), auto, or a "
+                               "size like 24GiB")
         key = name.strip().lower()
         if key == "auto":
             return local_gpu_profile()
@@ -214,7 +215,7 @@ def models() -> list[ModelEntry]:
 def model_config(name: str) -> tuple[dict[str, Any], str, str]:
     """The config.json dict behind a model name, with the name to show and the hub id (as model.resolve reads)."""
     if not isinstance(name, str) or not name.strip():
-        raise ProfileError("--model needs a catalog name, a config.json, a model folder or a hub id "
+        raise ProfileError(f"{field_name('model')} needs a catalog name, a config.json, a model folder or a hub id "
                            "(`vram-plan models` lists the catalog)")
     text = name.strip()
     entry = model_catalog().get(text.lower())

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import CURRENT, one_line_error, run
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.advise.oom_log import read_log
 from vram_planner.errors import VramPlanError
 
@@ -86,7 +86,7 @@ def test_with_the_config_it_names_the_tensor_and_ranks_the_fixes(capsys, tmp_pat
     upgrade = next(f for f in advice["fixes"] if f["change"].startswith("pip install 'trl>="))
     # the same config on the installed TRL: the logits go away, the fused head's fp32 weight gradient comes
     knobs = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 1000}
-    old, new = (api.check("Llama-3.2-1B", "rtx3080-mobile", knobs, trl_version=v).estimate.peak_bytes
+    old, new = (engine.check("Llama-3.2-1B", "rtx3080-mobile", knobs, trl_version=v).estimate.peak_bytes
                 for v in ("1.13.0", "1.16.0"))
     assert upgrade["saves_bytes"] == round(old - new) > 0.5 * GiB
 
@@ -191,14 +191,14 @@ def test_the_seeds_crash_to_the_byte(capsys, tmp_path, transformers):
     assert found["first_micro_batch"] is True and found["phase"] == "loss forward/backward"
     # live then, by the model at 994 positions: the policy's and the reference's bf16 weights, the policy's
     # activations without checkpointing, and its bf16 logits (the request not yet made)
-    from vram_planner import api
+    from vram_planner import engine
     from vram_planner.model.phases import micro_batch_moments
 
     knobs = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=4,
                  max_prompt_length=208, max_completion_length=786, dtype="bfloat16", mixed_precision="bf16",
                  attn_implementation="flash_attention_2", gradient_checkpointing=False,
                  transformers_version=found["transformers_version"])
-    verdict = api.check("Llama-3.2-1B-Instruct", "rtx3080-mobile", knobs, trl_version="0.14.0")
+    verdict = engine.check("Llama-3.2-1B-Instruct", "rtx3080-mobile", knobs, trl_version="0.14.0")
     at = next(m for m in micro_batch_moments(verdict.context.arch, verdict.train, verdict.context.release,
                                              verdict.context.calibration, first=True) if m.moment == found["moment"])
     weights = at.components["weights"]

@@ -79,6 +79,11 @@ def drawn_bars(driver, plot_id: str = "bars") -> dict[tuple[str, str], float]:
     return {(m["phase"], m["part"]): float(m["gib"]) for m in matches if m and float(m["gib"])}  # drawn: not 0
 
 
+def drawn_capacity(driver, plot_id: str) -> float:
+    label = driver.find_element(By.CSS_SELECTOR, f"#{plot_id} svg line.capacity").get_attribute("aria-label")
+    return float(re.fullmatch(r"capacity: ([\d.]+) GiB", label)[1])
+
+
 def same_bars(drawn: dict, expected: dict) -> bool:
     return drawn.keys() == expected.keys() and all(abs(drawn[k] - expected[k]) < 0.001 for k in expected)
 
@@ -119,6 +124,10 @@ def test_the_page_follows_the_model_and_the_completion_length(browser, server, t
 
     document, verdict = shows(browser, server, {"gpu": GPU, "model": "Llama-3.2-1B"})
     verdict_agrees(verdict, document)
+    for chart in ("bars", "plan_bars"):  # the card's capacity on every chart, the plan's too
+        assert drawn_capacity(browser, chart) == pytest.approx(document["capacity_bytes"] / GiB, abs=0.005)
+    font = browser.execute_script("return getComputedStyle(document.querySelector('#verdict')).fontFamily")
+    assert font.startswith("system-ui"), font  # the system's fonts, not a bundled web font
     assert not document["fits"] and "With the plan's 1 change below it fits" in verdict
     assert "adamw_8bit" in browser.find_element(By.ID, "changes").text
     assert "optim='adamw_8bit'" in browser.find_element(By.ID, "code").text
@@ -139,8 +148,9 @@ def test_the_page_follows_the_model_and_the_completion_length(browser, server, t
     browser.save_screenshot(str(ARTIFACT))
     assert ARTIFACT.stat().st_size > 10_000
 
-    type_into(browser, "max_completion_length", "abc")  # bad input: the CLI's message where the verdict goes
-    expected = "✘ error: Invalid value for '--max-completion-length': 'abc' is not a valid integer."
+    type_into(browser, "max_completion_length", "abc")  # bad input: one line naming the field, where the verdict goes
+    expected = ("✘ error: max_completion_length should be a valid integer, unable to parse string as an integer "
+                "(got 'abc')")
     # each keystroke re-judges the page: "ab" gives an error of its own before "abc" arrives, so wait for the last
     WebDriverWait(browser, WAIT_SECONDS).until(lambda d: d.find_element(By.ID, "verdict").text == expected)
     assert browser.find_element(By.ID, "verdict").text == expected
@@ -159,3 +169,33 @@ def test_the_page_follows_the_model_and_the_completion_length(browser, server, t
     assert elsewhere == [], f"the page fetched from other hosts: {elsewhere}"
     severe = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert severe == [], severe
+
+
+def test_the_results_sit_beside_the_inputs_on_a_wide_screen_and_first_on_a_narrow_one(browser, server):
+    for width, beside in ((1400, True), (800, False)):
+        browser.set_window_size(width, 1600)
+        browser.get(server + "/")
+        shows(browser, server, {"gpu": GPU, "model": "Llama-3.2-1B"})
+        results = browser.find_element(By.ID, "results").rect
+        inputs = browser.find_element(By.ID, "inputs").rect
+        if beside:
+            assert results["x"] > inputs["x"] + inputs["width"] / 2 and abs(results["y"] - inputs["y"]) < 50
+        else:
+            assert results["y"] + results["height"] <= inputs["y"] + 1 and results["width"] > 0.9 * inputs["width"]
+            narrow = ARTIFACT.with_name("app-narrow.png")
+            browser.save_screenshot(str(narrow))
+            assert narrow.stat().st_size > 10_000
+            # the labels of the verdict are not cut: the text fits inside the page's width
+            overflow = browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth")
+            assert overflow <= 0, f"the page is {overflow} px wider than the window"
+    browser.set_window_size(1400, 1900)
+
+
+def test_the_api_describes_itself_to_a_browser(browser, server):
+    browser.get(server + "/api/openapi.json")
+    description = json.loads(browser.find_element(By.TAG_NAME, "body").text)
+    assert set(description["paths"]) >= {"/api/check", "/api/plan", "/api/gpus", "/api/models"}
+    browser.get(server + "/")
+    link = WebDriverWait(browser, WAIT_SECONDS).until(
+        lambda d: next(iter(d.find_elements(By.CSS_SELECTOR, "#api_links a[href='/api/openapi.json']")), None))
+    assert link.text == "/api/openapi.json"

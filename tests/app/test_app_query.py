@@ -10,15 +10,17 @@ import sys
 
 from pathlib import Path
 
-import click
+import re
+
 import pytest
 
 from helpers import run
 from vram_planner.app import views
-from vram_planner.app.query import error_line, options_from_query, query_parameters, query_report
-from vram_planner.cli.options import NOT_KNOBS
+from vram_planner.app.query import error_line, query_parameters, query_report, query_request
+from vram_planner.cli.options import NOT_KNOBS, request_from
 from vram_planner.cli.plan import check, plan
-from vram_planner.errors import VramPlanError
+from vram_planner.errors import VramPlanError, flag
+from vram_planner.request import knob_fields
 from vram_planner.model.verdict import DEFAULT_SAFETY_MARGIN
 from vram_planner.model.phases import COMPONENTS
 from vram_planner.units import GiB
@@ -30,40 +32,114 @@ LLAMA = [("gpu", "rtx3080-mobile"), ("model", "Llama-3.2-1B")]
 def test_every_flag_of_check_and_plan_but_the_files_and_the_output_is_a_query_parameter():
     for command in (check, plan):
         flags = {p.name for p in command.params} - set(NOT_KNOBS)
-        assert flags <= set(query_parameters(command))
-        assert set(query_parameters(command)) - flags == {"gpu", "model", "trl_version", "safety_margin", "exact"}
+        assert flags <= set(query_parameters())
+    assert set(query_parameters()) - set(knob_fields()) == {"gpu", "model", "trl_version", "safety_margin", "exact",
+                                                            "maximize", "allow_savers"}
 
 
-def test_a_query_gives_the_options_its_flags_give():
+def test_a_query_gives_the_request_its_flags_give():
     query = [*LLAMA, ("max_completion_length", "1024"), ("use_vllm", "true"), ("gradient-checkpointing", "false"),
              ("lora_target_modules", "q_proj,v_proj")]
-    options = options_from_query("check", query)
+    request, questions = query_request(query)
     flags = ["--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B", "--max-completion-length", "1024", "--use-vllm",
              "--no-gradient-checkpointing", "--lora-target-modules", "q_proj,v_proj"]
-    assert options == check.make_context("check", flags).params
-    assert options["max_completion_length"] == 1024 and options["gradient_checkpointing"] is False
+    options = check.make_context("check", flags).params
+    assert request == request_from("check", options) and questions == {}
+    assert request.max_completion_length == 1024 and request.gradient_checkpointing is False
 
 
-def test_a_value_starting_with_a_dash_is_a_value_not_a_flag():
+def test_a_negative_value_is_refused_in_the_fields_words():
     with pytest.raises(VramPlanError) as refused:
         query_report("check", [*LLAMA, ("beta", "-0.5")])
-    assert error_line(refused.value) == "--beta should be greater than or equal to 0 (got -0.5)"
+    assert error_line(refused.value) == "beta should be greater than or equal to 0 (got -0.5)"
 
 
 @pytest.mark.parametrize("name", ["max_completion_lenght", "json", "plot", "config", "calibration"])
 def test_an_unknown_parameter_and_the_command_line_files_are_refused_with_the_closest_names(name):
     with pytest.raises(VramPlanError) as refused:
-        options_from_query("plan", [*LLAMA, (name, "1")])
+        query_request([*LLAMA, (name, "1")])
     line = error_line(refused.value)
     assert line.startswith(f"unknown query parameter '{name}'") and "\n" not in line
     if name == "max_completion_lenght":
         assert "did you mean 'max_completion_length'" in line
 
 
-def test_a_bad_switch_value_is_refused_in_clicks_words():
-    with pytest.raises(click.BadParameter) as refused:
-        options_from_query("check", [*LLAMA, ("use_vllm", "maybe")])
-    assert error_line(refused.value).startswith("Invalid value for '--use-vllm': 'maybe' is not a valid boolean")
+def test_a_bad_switch_value_is_refused_naming_the_field():
+    with pytest.raises(VramPlanError) as refused:
+        query_request([*LLAMA, ("use_vllm", "maybe")])
+    assert error_line(refused.value).startswith("use_vllm should be a valid boolean") and "--" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("query", "words"), [
+    ([*LLAMA, ("num_generations", "3")], "change per_device_train_batch_size 8"),
+    ([*LLAMA, ("load_in_4bit", "true")], "load_in_4bit needs LoRA (lora_r)"),
+    ([*LLAMA, ("optim", "adamw_9bit")], "optim 'adamw_9bit' is not known"),
+    ([*LLAMA, ("trl_version", "0.9")], "trl_version 0.9.0 is outside"),
+    ([*LLAMA, ("max_completion_lenght", "9")], "did you mean 'max_completion_length'"),
+])
+def test_errors_over_http_name_the_fields_and_the_cli_the_flags(capsys, query, words):
+    with pytest.raises(VramPlanError) as refused:
+        query_report("check", query)
+    line = error_line(refused.value)
+    assert words in line and "--" not in line
+    if any("lenght" in name for name, _ in query):
+        return  # the CLI's parser refuses an unknown flag itself
+    args = [arg for name, value in query for arg in (f"--{name.replace('_', '-')}", value) if arg != "true"]
+    code, _, err = run(capsys, "check", *args)
+    assert code == 2 and err == f"error: {refused.value.worded(flag)}\n" and "--" in err
+
+
+def test_a_missing_gpu_is_named_as_the_caller_names_it(capsys):
+    with pytest.raises(VramPlanError, match="^gpu is needed: a catalog name"):
+        query_report("check", [("model", "Llama-3.2-1B")])
+    code, _, err = run(capsys, "check", "--model", "Llama-3.2-1B")
+    assert code == 2 and err.startswith("error: check needs --gpu")
+
+
+def test_maximize_on_plan_is_plans_maximize(capsys):
+    code, out, _ = run(capsys, "plan", "--gpu", "t4", "--model", "Llama-3.2-1B", "--lora-r", "16", "--maximize",
+                       "max_completion_length", "--json")
+    served = query_report("plan", [("gpu", "t4"), ("model", "Llama-3.2-1B"), ("lora_r", "16"),
+                                   ("maximize", "max_completion_length")])
+    assert json.loads(out) == served.to_dict() and served.maximized.value > 0
+    with pytest.raises(VramPlanError, match="maximize goes with /api/plan"):
+        query_report("check", [*LLAMA, ("maximize", "max_completion_length")])
+
+
+def test_a_server_that_reads_no_files_refuses_paths_before_looking_at_them(tmp_path, llama_1b_file):
+    with pytest.raises(VramPlanError) as refused:
+        query_request([("gpu", "t4"), ("model", str(llama_1b_file))], allow_local_files=False)
+    assert "reads no files" in str(refused.value) and "unknown model" in str(refused.value)
+    missing = tmp_path / "nothing" / "config.json"
+    with pytest.raises(VramPlanError) as also:  # the same answer whether the path exists or not
+        query_request([("gpu", "t4"), ("model", str(missing))], allow_local_files=False)
+    assert str(also.value).rsplit("'", 1)[1] == str(refused.value).rsplit("'", 1)[1]
+    request, _ = query_request([("gpu", "t4"), ("model", "Llama-3.2-1B")], allow_local_files=False)
+    assert request.model == "Llama-3.2-1B"
+    assert query_request([("gpu", "t4"), ("model", str(llama_1b_file))])[0].model == str(llama_1b_file)
+
+
+def test_model_paths_are_read_by_default_only_on_a_local_address():
+    from vram_planner.app.server import local_files_default
+
+    assert local_files_default("127.0.0.1") and local_files_default("localhost")
+    assert not local_files_default("0.0.0.0") and not local_files_default("192.168.1.5")
+
+
+def test_the_page_speaks_fields_not_flags():
+    assert views.page_words("(set --max-prompt-length; or --no-gradient-checkpointing, --config FILE)") == \
+        "(set max_prompt_length; or gradient_checkpointing off, --config FILE)"
+    report = query_report("check", LLAMA)
+    assert "--" not in views.notes_markdown(report)
+
+
+def test_every_chart_draws_the_cards_capacity():
+    for report in (query_report("check", LLAMA), query_report("plan", LLAMA)):
+        svg = views.bars_html(report, "bars")
+        line = re.search(r'<line class="capacity"[^>]*aria-label="capacity: ([\d.]+) GiB"', svg)
+        assert line and float(line[1]) == pytest.approx(report.capacity_bytes / GiB, abs=0.005)
+        labels = re.findall(r'aria-label="phase: ([^;]+); GiB: ([\d.]+); part: ([^"]+)"', svg)
+        assert {phase for phase, _, _ in labels} == {views.PHASE_TITLES[p.name] for p in report.phases}
 
 
 def test_the_bars_stack_each_phase_up_to_the_card_with_the_weights_at_the_bottom_and_free_memory_on_top():
@@ -183,9 +259,9 @@ def test_the_page_checks_exactly_on_request_and_says_when_the_estimate_is_near_t
     values = [None] * len(knobs)
     values[[k.name for k in knobs].index("max_completion_length")] = 64
     model = str(Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen2.json")
-    said = page.exact_output(knobs, "rtx3080-mobile", model, "", page.UNSET, DEFAULT_SAFETY_MARGIN, *values)
+    said = page.exact_output(knobs, True, "rtx3080-mobile", model, "", page.UNSET, DEFAULT_SAFETY_MARGIN, *values)
     assert said.startswith("**✔ Fits exactly:** the traced step needs ") and "Traced in" in said
-    wrong = page.exact_output(knobs, "rtx3080-mobil", model, "", page.UNSET, DEFAULT_SAFETY_MARGIN, *values)
+    wrong = page.exact_output(knobs, True, "rtx3080-mobil", model, "", page.UNSET, DEFAULT_SAFETY_MARGIN, *values)
     assert wrong.startswith("✘ error: ") and "rtx3080-mobile" in wrong  # the closest name
     near = query_report("check", [("gpu", "9.5GiB"), ("model", "Qwen2.5-0.5B")])
     far = query_report("check", [("gpu", "80GiB"), ("model", "Qwen2.5-0.5B")])

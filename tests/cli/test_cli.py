@@ -187,12 +187,12 @@ def test_plot_writes_a_png(capsys, tmp_path, llama_1b_file):
 
 
 def forbid_planning(monkeypatch) -> None:
-    from vram_planner import api
+    from vram_planner import engine
 
     def no_work(*args, **kwargs):
         raise AssertionError("the model and the card were resolved before the output target was checked")
 
-    monkeypatch.setattr(api, "make_context", no_work)
+    monkeypatch.setattr(engine, "make_context", no_work)
 
 
 @pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "a folder with a slash",
@@ -363,11 +363,11 @@ def test_a_verdict_near_the_boundary_says_so_and_names_exact(capsys):
     default 5% margin a "fits" is never that close; without a margin, a card 1% above the peak fits by the estimate
     but could be short. A card 5% below the peak does not fit by it, but a need NEED_BELOW_ESTIMATE below could; an
     80 GiB card is far from both."""
-    from vram_planner import api
+    from vram_planner import engine
     from vram_planner.model.verdict import NEED_BELOW_ESTIMATE, need_above_estimate
 
     model = ["--model", "Qwen2.5-0.5B"]
-    peak = api.check("Qwen2.5-0.5B", "80GiB", {}).estimate.peak_bytes
+    peak = engine.check("Qwen2.5-0.5B", "80GiB", {}).estimate.peak_bytes
     assert need_above_estimate("sdpa") < 0.05  # what the margin covers
     code, out, _ = run(capsys, "check", "--gpu", f"{peak / 0.95 / 2**30 + 0.01:.3f}GiB", *model, "--json")
     assert json.loads(out)["fits"] is True and json.loads(out)["near_boundary"] is False

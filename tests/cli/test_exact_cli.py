@@ -24,9 +24,9 @@ def exact_24gib():
     """`check --exact --json` of the short step on a 24 GiB card, and the same without --exact."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-        from vram_planner import api
+        from vram_planner import engine
 
-        outcome = api.check(TINY, "24GiB", {"per_device_train_batch_size": 2, "num_generations": 2,
+        outcome = engine.check(TINY, "24GiB", {"per_device_train_batch_size": 2, "num_generations": 2,
                                             "max_prompt_length": 16, "max_completion_length": 16}, exact=True)
     return outcome
 
@@ -106,14 +106,14 @@ def test_trace_judges_by_the_need_too(capsys, no_alloc_conf, exact_24gib):
 @pytest.fixture(scope="module")
 def ladder_need():
     """The need of the LADDER config (micro-batch 4) on a card with room, and of its micro-batch 2."""
-    from vram_planner import api
+    from vram_planner import engine
 
     settings = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "num_generations": 4,
                 "max_prompt_length": 16, "max_completion_length": 512, "lora_r": 8}
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-        own = api.check(TINY, "24GiB", settings, exact=True)
-        half = api.check(TINY, "24GiB", settings | {"per_device_train_batch_size": 2,
+        own = engine.check(TINY, "24GiB", settings, exact=True)
+        half = engine.check(TINY, "24GiB", settings | {"per_device_train_batch_size": 2,
                                                      "gradient_accumulation_steps": 2}, exact=True)
     assert half.need_bytes < own.need_bytes  # the ladder's next config needs less
     return own, half

@@ -11,7 +11,7 @@ import pytest
 from helpers import one_line_error, run
 from test_cli_fuzz import _offline  # noqa: F401 (autouse: no hub and no nvidia-smi, as on CI)
 from test_cli_fuzz import BAD_KNOBS, EXTREME_KNOBS, answered, refused
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.profiles import gpus
 
 PLAN_FIELDS = {"fits", "peak_bytes", "capacity_bytes", "params", "trainable_params", "phases", "config",
@@ -22,7 +22,7 @@ LAPTOP = ["--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B"]
 
 def test_the_answer_is_printed_with_its_peak_and_the_next_step(capsys):
     code, out, _ = run(capsys, "plan", *LAPTOP, *LORA, "--maximize", "max_completion_length")
-    answer = api.maximize("Llama-3.2-1B", "rtx3080-mobile", "max_completion_length", {"lora_r": 16,
+    answer = engine.maximize("Llama-3.2-1B", "rtx3080-mobile", "max_completion_length", {"lora_r": 16,
                                                                                        "dtype": "bfloat16"})
     assert code == 0
     assert f"Largest max_completion_length that fits" in out and f": {answer.value} tokens" in out
@@ -119,7 +119,7 @@ def test_gpus_with_maximize_gives_each_card_its_largest_value(capsys):
     assert code == 0
     for row in rows[::9]:
         if row["problem"] is None:
-            alone = api.maximize("Qwen2.5-0.5B", row["name"], "max_completion_length",
+            alone = engine.maximize("Qwen2.5-0.5B", row["name"], "max_completion_length",
                                  {"lora_r": 16, "dtype": "bfloat16"})
             assert row["maximized"]["value"] == alone.value and row["fits"] == alone.fits
 

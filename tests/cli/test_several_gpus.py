@@ -13,7 +13,7 @@ import yaml
 from helpers import json_of, launched, run
 from vram_planner.app import views
 from vram_planner.app.query import query_report
-from vram_planner.cli.plot import plot_phases
+from vram_planner.report.plot import plot_phases
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
 

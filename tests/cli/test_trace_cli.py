@@ -85,7 +85,7 @@ def test_an_unknown_model_name_suggests_close_ones(capsys):
 
 
 def test_without_gpu_it_judges_against_the_fallback_card_and_says_so(capsys, monkeypatch):
-    from vram_planner import api, local_gpu
+    from vram_planner import engine, local_gpu
     from vram_planner.errors import VramPlanError
     from vram_planner.profiles import GpuProfile
 
@@ -95,15 +95,15 @@ def test_without_gpu_it_judges_against_the_fallback_card_and_says_so(capsys, mon
     monkeypatch.setattr(local_gpu, "detect_local_gpu", no_card)
     code, out, _ = run(capsys, "trace", "--model", str(TINY), *SHORT, "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["gpu"] == GpuProfile.from_name(api.FALLBACK_TRACE_GPU).name
+    assert code == 0 and doc["gpu"] == GpuProfile.from_name(engine.FALLBACK_TRACE_GPU).name
     assert any("no --gpu given" in note for note in doc["notes"])
 
 
 def test_the_library_returns_both_engines(traced_directly):
-    from vram_planner import api
+    from vram_planner import engine
 
     said = []
-    outcome = api.trace(str(TINY), "24GiB", {"per_device_train_batch_size": 2, "num_generations": 2,
+    outcome = engine.trace(str(TINY), "24GiB", {"per_device_train_batch_size": 2, "num_generations": 2,
                                              "max_prompt_length": 16, "max_completion_length": 16},
                         progress=said.append)
     assert said == ["building the model on fake tensors", "tracing generation", "tracing loss forward and backward",

@@ -202,10 +202,10 @@ def test_run_with_vllm_on_a_machine_without_cuda_is_one_line(capsys, tmp_path, m
 def test_the_run_passes_the_planned_share_to_trl_which_starts_vllm_with_it(tmp_path):
     from trl import GRPOConfig
 
-    from vram_planner import api
+    from vram_planner import engine
     from vram_planner.run.launch import RunSetup, full_length_completions
 
-    plan = api.plan("Llama-3.1-8B", "h100-80gb", {"lora_r": 16, "dtype": "bfloat16", "use_vllm": True,
+    plan = engine.plan("Llama-3.1-8B", "h100-80gb", {"lora_r": 16, "dtype": "bfloat16", "use_vllm": True,
                                                   "vllm_gpu_memory_utilization": 0.1})
     setup = RunSetup.from_plan(plan, model_id="meta-llama/Llama-3.1-8B", dataset="math-sample",
                                rewards=["format"], output_dir=tmp_path / "out", on_cpu=True)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import ConfigError
 from vram_planner.model.calibration import (UNFITTED_RESERVE_FRACTION, Calibration, allocator_reserve_bytes,
                                             default_calibration)
@@ -64,8 +64,8 @@ def test_the_shipped_fit_covers_every_phase_of_both_settings_with_non_negative_c
 def test_the_estimate_uses_the_setting_of_the_run(llama_1b_file, fitted_file):
     gpu = GpuProfile(name="card", total_memory_gib=80)
     settings = {"max_completion_length": 2048, "per_device_train_batch_size": 16, "num_generations": 16}
-    default = api.check(str(llama_1b_file), gpu, {**settings, "allocator_conf": ""}, calibration=fitted_file)
-    expandable = api.check(str(llama_1b_file), gpu, {**settings, "allocator_conf": "expandable_segments:True"},
+    default = engine.check(str(llama_1b_file), gpu, {**settings, "allocator_conf": ""}, calibration=fitted_file)
+    expandable = engine.check(str(llama_1b_file), gpu, {**settings, "allocator_conf": "expandable_segments:True"},
                            calibration=fitted_file)
     # each phase's reserve is its setting's function of the phase's own components (the moment may differ: the one
     # that needs the most with its reserve)
@@ -91,24 +91,24 @@ def test_the_knob_takes_what_torch_accepts_and_refuses_the_rest_in_one_line():
 
 def test_the_knob_defaults_to_the_environment_as_torch_reads_it(monkeypatch, llama_1b_file):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert api.check(str(llama_1b_file), "24GiB").train.expandable_segments
-    assert not api.check(str(llama_1b_file), "24GiB", {"allocator_conf": ""}).train.expandable_segments
+    assert engine.check(str(llama_1b_file), "24GiB").train.expandable_segments
+    assert not engine.check(str(llama_1b_file), "24GiB", {"allocator_conf": ""}).train.expandable_segments
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:maybe")
     with pytest.raises(ConfigError, match="^PYTORCH_CUDA_ALLOC_CONF"):
-        api.check(str(llama_1b_file), "24GiB")
+        engine.check(str(llama_1b_file), "24GiB")
 
 
 def test_the_device_generic_variable_counts_too_after_the_cuda_one(monkeypatch, llama_1b_file):
     # torch reads PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF (the name newer releases document)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    assert api.check(str(llama_1b_file), "24GiB").train.expandable_segments
+    assert engine.check(str(llama_1b_file), "24GiB").train.expandable_segments
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
-    assert not api.check(str(llama_1b_file), "24GiB").train.expandable_segments
+    assert not engine.check(str(llama_1b_file), "24GiB").train.expandable_segments
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:maybe")
     with pytest.raises(ConfigError, match="^PYTORCH_ALLOC_CONF"):
-        api.check(str(llama_1b_file), "24GiB")
+        engine.check(str(llama_1b_file), "24GiB")
 
 
 def test_expandable_segments_replace_any_earlier_setting_of_it():
@@ -132,18 +132,18 @@ def test_expandable_segments_are_the_plans_first_rung_when_they_make_the_config_
     settings = {"max_completion_length": 2048, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 8,
                 "num_generations": 16, "gradient_checkpointing": True, "lora_r": 16, "dtype": "bfloat16"}
     probe = GpuProfile(name="card", total_memory_gib=1000)
-    default = api.check(str(llama_1b_file), probe, settings, calibration=fitted_file, safety_margin=0)
-    expandable = api.check(str(llama_1b_file), probe, {**settings, "allocator_conf": "expandable_segments:True"},
+    default = engine.check(str(llama_1b_file), probe, settings, calibration=fitted_file, safety_margin=0)
+    expandable = engine.check(str(llama_1b_file), probe, {**settings, "allocator_conf": "expandable_segments:True"},
                            calibration=fitted_file, safety_margin=0)
     saved = default.estimate.peak_bytes - expandable.estimate.peak_bytes
     assert saved > 0.1 * GiB  # the generation's KV cache is what the fit weighs
     card = GpuProfile(name="card", total_memory_gib=(expandable.estimate.peak_bytes + saved / 2) / GiB)
-    plan = api.plan(str(llama_1b_file), card, settings, calibration=fitted_file, safety_margin=0)
+    plan = engine.plan(str(llama_1b_file), card, settings, calibration=fitted_file, safety_margin=0)
     assert plan.fits and [c.knob for c in plan.changes] == ["allocator_conf"]
     assert plan.changes[0].saved_bytes == pytest.approx(saved)
     assert plan.chosen.train.allocator_conf == "expandable_segments:True"
     # already set: nothing to recommend
-    assert not api.plan(str(llama_1b_file), card, {**settings, "allocator_conf": "expandable_segments:True"},
+    assert not engine.plan(str(llama_1b_file), card, {**settings, "allocator_conf": "expandable_segments:True"},
                         calibration=fitted_file, safety_margin=0).changes
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import family_fixture_files
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model.verdict import NEED_BELOW_ESTIMATE, need_above_estimate
 from vram_planner.units import GiB
 
@@ -29,12 +29,12 @@ def test_no_verdict_is_wrong_without_saying_it_is_near_the_boundary(fixture, con
     near the boundary is what the exact engine says: "fits" where the step runs, "does not fit" where it does not."""
     pytest.importorskip("trl")
     settings = CONFIGS[config]
-    outcome = api.check(str(fixture), "24GiB", settings, exact=True)
+    outcome = engine.check(str(fixture), "24GiB", settings, exact=True)
     need, peak = outcome.need_bytes, outcome.analytic.estimate.peak_bytes
     above = need_above_estimate(outcome.analytic.train.attn_implementation)
     assert peak * (1 - NEED_BELOW_ESTIMATE) <= need <= peak * (1 + above), (need / peak - 1)
     for share in SHARES:
-        verdict = api.check(str(fixture), f"{need * share / GiB:.6f}GiB", settings)
+        verdict = engine.check(str(fixture), f"{need * share / GiB:.6f}GiB", settings)
         if not verdict.near_boundary:
             assert verdict.fits == (need <= verdict.context.capacity_bytes), share
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import ProfileError
 from vram_planner.model.calibration import Calibration, calibration_for, default_calibration
 from vram_planner.profiles import GpuProfile
@@ -28,7 +28,7 @@ def test_a_probe_calibration_for_the_gpu_is_picked_up(_private_home, llama_1b_fi
     (folder / "card.json").write_text(to_json(measured))
     assert calibration_for("card") == measured
     gpu = GpuProfile(name="card", total_memory_gib=24)
-    verdict = api.check(str(llama_1b_file), gpu, {"lora_r": 8, "dtype": "bfloat16"})
+    verdict = engine.check(str(llama_1b_file), gpu, {"lora_r": 8, "dtype": "bfloat16"})
     assert verdict.context.calibration.name == "probe-2026-11-22"
     assert all(p.components["cuda_context"] == 0 for p in verdict.estimate.phases)
 

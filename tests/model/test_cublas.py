@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.allocator.snapshot import load_snapshot
 from vram_planner.model.cublas import cublas_workspace_bytes, workspace_bytes
 from vram_planner.tracing.events import ALLOC, LOADING, Event, SteadyStream, with_workspaces
@@ -42,7 +42,7 @@ def test_a_real_h100_step_holds_two_sets_of_workspaces_that_are_never_freed(snap
 
 def test_check_counts_them_on_every_phase_by_the_cards_compute_capability():
     for gpu, capability in (("h100-80gb", "9.0"), ("rtx4090", "8.9")):
-        verdict = api.check("Qwen2.5-0.5B", gpu)
+        verdict = engine.check("Qwen2.5-0.5B", gpu)
         assert {p.components["cublas_workspaces"] for p in verdict.estimate.phases} == {
             cublas_workspace_bytes(capability)}
         assert verdict.estimate.peak_bytes == pytest.approx(max(p.total_bytes for p in verdict.estimate.phases))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from helpers import run
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model import components as m
 
 GiB = 2**30
@@ -21,7 +21,7 @@ SEEDS_FLAGS = ["--trl-version", "0.14.0", "--per-device-train-batch-size", "1", 
 
 def test_its_phases_hold_no_optimizer_state_and_no_gradient_from_an_earlier_micro_batch():
     knobs = {"gradient_accumulation_steps": 4, "dtype": "bfloat16"}
-    verdict = api.check("Llama-3.2-1B", "a100-80gb", knobs)
+    verdict = engine.check("Llama-3.2-1B", "a100-80gb", knobs)
     arch, train = verdict.context.arch, verdict.train
     first = {p.name: p for p in verdict.first_micro_batch.phases}
     steady = {p.name: p for p in verdict.estimate.phases}
@@ -35,7 +35,7 @@ def test_its_phases_hold_no_optimizer_state_and_no_gradient_from_an_earlier_micr
 
 
 def test_the_seeds_run_dies_in_its_first_micro_batch():
-    verdict = api.check("Llama-3.2-1B-Instruct", "rtx3080-mobile", {**SEEDS, "transformers_version": "4.52"},
+    verdict = engine.check("Llama-3.2-1B-Instruct", "rtx3080-mobile", {**SEEDS, "transformers_version": "4.52"},
                         trl_version="0.14.0")
     assert not verdict.fits and not verdict.first_micro_batch_fits
     first = verdict.first_micro_batch

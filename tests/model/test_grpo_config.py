@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model.grpo_config import grpo_config_kwargs, grpo_config_problems, python_snippet
 from vram_planner.model.spec import training_config
 from vram_planner.profiles import GpuProfile
@@ -27,7 +27,7 @@ def build_real(kwargs, tmp_path):
                                         "gradient_accumulation_steps": 2}])
 def test_every_plan_builds_a_real_grpo_config(tmp_path, llama_1b_file, gib, settings_):
     gpu = GpuProfile(name="card", total_memory_gib=gib, bf16=True, flash_attention_2=True)
-    result = api.plan(str(llama_1b_file), gpu, settings_)
+    result = engine.plan(str(llama_1b_file), gpu, settings_)
     verdict = result.chosen or result.smallest
     kwargs = grpo_config_kwargs(verdict.train)
     assert grpo_config_problems(kwargs) == []
@@ -53,7 +53,7 @@ def test_mirror_agrees_with_grpo_config(tmp_path, b, ga, s, g):
 
 def test_snippet_is_python_that_builds_the_config(tmp_path, llama_1b_file):
     gpu = GpuProfile(name="card", total_memory_gib=3.2, bf16=True, flash_attention_2=True)
-    chosen = api.plan(str(llama_1b_file), gpu).chosen
+    chosen = engine.plan(str(llama_1b_file), gpu).chosen
     assert chosen is not None and chosen.train.load_in_4bit  # QLoRA on 3.2 GiB
     code = python_snippet(chosen.train, "meta-llama/Llama-3.2-1B")
     code = code.replace('output_dir="grpo-Llama-3.2-1B"', f"output_dir={str(tmp_path)!r}, use_cpu=True, "
@@ -76,20 +76,21 @@ def test_snippet_is_python_that_builds_the_config(tmp_path, llama_1b_file):
 
 def test_config_for_a_card_without_bf16_uses_fp16(tmp_path, llama_1b_file):
     t4 = GpuProfile(name="t4", total_memory_gib=14.75, bf16=False, flash_attention_2=False)
-    verdict = api.plan(str(llama_1b_file), t4).chosen
+    verdict = engine.plan(str(llama_1b_file), t4).chosen
     kwargs = grpo_config_kwargs(verdict.train)
     assert kwargs["fp16"] and not kwargs["bf16"]
     build_real(kwargs, tmp_path)
 
 
-def test_generation_batch_rule_is_reported_with_flag_names():
-    with pytest.raises(Exception, match="--num-generations 8"):
+def test_generation_batch_rule_is_reported_with_field_names_which_the_cli_spells_as_flags():
+    with pytest.raises(Exception, match="num_generations 8") as refused:
         training_config({"per_device_train_batch_size": 3})
+    assert "--num-generations 8" in refused.value.worded(lambda name: "--" + name.replace("_", "-"))
 
 
 def test_smallest_config_on_a_card_without_bf16_loads_float16(llama_1b_file):
     rtx2060 = GpuProfile(name="rtx2060", total_memory_gib=0.5, bf16=False, flash_attention_2=False)
-    result = api.plan(str(llama_1b_file), rtx2060)
+    result = engine.plan(str(llama_1b_file), rtx2060)
     assert not result.fits
     kwargs = grpo_config_kwargs(result.smallest.train)
     assert kwargs["model_init_kwargs"]["dtype"] == "float16" and kwargs["fp16"]

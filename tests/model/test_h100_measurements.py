@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model.calibration import calibration_for, load_calibration_file
 from vram_planner.probe.fit import (ProbeRecord, compute_capability, emulated_card, fit_calibration, fit_quality,
                                     label_settings, summary)
@@ -40,7 +40,7 @@ def test_trls_own_steps_are_predicted_within_the_targets():
     assert {r["model"] for r in runs} == {"Qwen2.5-0.5B", "Llama-3.2-1B"} and len(runs) == 6
     errors = []
     for run in runs:
-        verdict = api.check(run["model"], "h100-80gb", run["train"])
+        verdict = engine.check(run["model"], "h100-80gb", run["train"])
         assert verdict.context.calibration == calibration_for("h100-80gb")
         errors.append(abs(verdict.estimate.peak_bytes / measured_peak_bytes(run) - 1))
     assert statistics.median(errors) < 0.03 and max(errors) < 0.08
@@ -55,7 +55,7 @@ def test_runs_on_emulated_cards_agree_with_every_verdict_not_flagged_near_the_bo
     for run in runs:
         at_prediction = run.get("limit") == "prediction"
         gpu = emulated_card(int(run["limit_bytes"]), "9.0") if at_prediction else run["plan_on"]
-        verdict = api.check(run["model"], gpu, run["train"])
+        verdict = engine.check(run["model"], gpu, run["train"])
         assert run["ran"] or not verdict.fits, run["name"]
         if not verdict.near_boundary:
             assert verdict.fits == run["ran"], run["name"]
@@ -68,7 +68,7 @@ def test_the_traces_replay_holds_what_the_h100_held_in_every_phase():
     # generate() bypasses accelerate's autocast wrapper): traced under autocast, its phases were 11-15% over.
     errors = []
     for run in (r for r in STEPS["configs"] if not r.get("plan_on")):
-        traced = api.trace(run["model"], "h100-80gb", run["train"]).reserved.by_phase
+        traced = engine.trace(run["model"], "h100-80gb", run["train"]).reserved.by_phase
         for phase in run["phases"]:
             if phase["step"] == (1 if phase["phase"] == "optimizer" else 2):
                 errors.append(abs(traced[phase["phase"]] / phase["reserved_peak_bytes"] - 1))
@@ -80,7 +80,7 @@ def test_the_traces_replay_holds_what_the_h100_held_in_every_phase():
 def test_every_verdict_on_an_emulated_card_is_what_happened(row):
     model, settings = label_settings(row["config"])
     card = emulated_card(int(row["capacity_gib"] * GiB), compute_capability("h100-80gb"))
-    verdict = api.check(model, card, settings, calibration=calibration_for("h100-80gb"))
+    verdict = engine.check(model, card, settings, calibration=calibration_for("h100-80gb"))
     assert verdict.fits == row["ran"]
     if row["ran"]:  # what it needs, against what the allocator held there (it keeps what it cached until it must not)
         assert verdict.estimate.peak_bytes / GiB == pytest.approx(row["measured_gib"], rel=0.12)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from helpers import FIXTURES, within_seconds
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import ConfigError, UnknownNameError, VramPlanError
 from vram_planner.model.maximize import (MAXIMIZABLE, SaverPeaks, largest_within, maximizable_field, maximize,
                                          valid_values)
@@ -66,69 +66,69 @@ def _semantics(train: TrainingConfig, field: str) -> tuple:
                          ids=[f"{c[0]}-{c[1]}-{c[3]}-{'savers' if c[4] else 'as-given'}-{c[5]}" for c in CASES])
 def test_the_answer_fits_and_one_step_more_does_not(model, card, knobs, field, savers, trl):
     options = {"trl_version": trl} if trl else {}
-    result = api.maximize(model, card, field, knobs, allow_savers=savers, **options)
+    result = engine.maximize(model, card, field, knobs, allow_savers=savers, **options)
     assert result.fits, result
     chosen = result.plan.chosen.train
     requested = result.plan.requested.train
     assert getattr(chosen, field) == result.value == getattr(requested, field)
-    assert api.check(model, card, chosen, **options).fits  # the config the answer prints fits, judged anew
-    assert result.peak_bytes == pytest.approx(api.check(model, card, chosen, **options).estimate.peak_bytes)
+    assert engine.check(model, card, chosen, **options).fits  # the config the answer prints fits, judged anew
+    assert result.peak_bytes == pytest.approx(engine.check(model, card, chosen, **options).estimate.peak_bytes)
     if savers:  # the savers changed how, not what, it trains
         assert _semantics(chosen, field) == _semantics(requested, field)
     else:
-        assert chosen == requested and api.check(model, card, {**knobs, field: result.value}, **options).fits
+        assert chosen == requested and engine.check(model, card, {**knobs, field: result.value}, **options).fits
     if result.next_value is None:
         assert result.limited_by != "memory"
         return
     one_more = {**knobs, field: result.next_value}
     if savers:  # the plan, which tries every saver, fits one step more only by changing what it trains
-        plan = api.plan(model, card, one_more, **options)
+        plan = engine.plan(model, card, one_more, **options)
         assert not plan.fits or _semantics(plan.chosen.train, field) != _semantics(plan.requested.train, field)
     else:
-        above = api.check(model, card, one_more, **options)
+        above = engine.check(model, card, one_more, **options)
         assert not above.fits and result.next_peak_bytes == pytest.approx(above.estimate.peak_bytes)
     assert result.next_peak_bytes > result.plan.chosen.context.budget_bytes
 
 
 @pytest.mark.parametrize("field", ["max_completion_length", "num_generations", "per_device_train_batch_size"])
 def test_even_the_smallest_value_not_fitting_is_an_answer_not_an_error(field):
-    result = api.maximize("Llama-3.1-8B", "rtx3060-12gb", field)  # full fine-tuning of 8B in fp32 on 12 GB
+    result = engine.maximize("Llama-3.1-8B", "rtx3060-12gb", field)  # full fine-tuning of 8B in fp32 on 12 GB
     smallest = result.next_value
     assert not result.fits and result.value is None and result.peak_bytes is None
     assert smallest == valid_values(result.plan.requested.context, result.plan.requested.train, field).at(0)
-    above = api.check("Llama-3.1-8B", "rtx3060-12gb", {field: smallest})
+    above = engine.check("Llama-3.1-8B", "rtx3060-12gb", {field: smallest})
     assert not above.fits and result.next_peak_bytes == pytest.approx(above.estimate.peak_bytes)
-    with_savers = api.maximize("Llama-3.1-8B", "2GiB", field, allow_savers=True)
+    with_savers = engine.maximize("Llama-3.1-8B", "2GiB", field, allow_savers=True)
     assert not with_savers.fits and with_savers.next_peak_bytes > 2 * 1024**3
 
 
 def test_the_largest_valid_value_is_the_answer_when_memory_allows_it():
     # LoRA's rank is capped by the width of the adapted layers, the completion by the model's context
-    rank = api.maximize("SmolLM2-135M", "h100-80gb", "lora_r", {"lora_r": 8})
+    rank = engine.maximize("SmolLM2-135M", "h100-80gb", "lora_r", {"lora_r": 8})
     assert rank.value == 576 and rank.next_value is None and "width" in rank.limited_by  # hidden size 576
-    length = api.maximize("SmolLM2-135M", "h100-80gb", "max_completion_length", {"lora_r": 8, "dtype": "bfloat16"})
+    length = engine.maximize("SmolLM2-135M", "h100-80gb", "max_completion_length", {"lora_r": 8, "dtype": "bfloat16"})
     context = length.plan.requested.context.arch.max_position_embeddings
     assert length.value == context - 256 and length.next_value is None and "context" in length.limited_by
 
 
 def test_num_generations_stays_a_divisor_of_the_generation_batch():
     # TRL 1.16: memory does not depend on the group size, so the largest divisor of B x S x GPUs is the answer
-    result = api.maximize("Qwen2.5-0.5B", "a100-80gb", "num_generations",
+    result = engine.maximize("Qwen2.5-0.5B", "a100-80gb", "num_generations",
                           {"per_device_train_batch_size": 12, "gradient_accumulation_steps": 2, "num_generations": 4})
     assert result.value == 24 and result.next_value is None and result.notes
-    assert api.check("Qwen2.5-0.5B", "a100-80gb", result.plan.chosen.train).train.num_generations == 24
+    assert engine.check("Qwen2.5-0.5B", "a100-80gb", result.plan.chosen.train).train.num_generations == 24
 
 
 @pytest.mark.parametrize("trl", TRL_VERSIONS)
 def test_the_valid_values_are_exactly_what_the_release_accepts(trl):
-    context = api.make_context("SmolLM2-135M", "24GiB", trl_version=trl)
+    context = engine.make_context("SmolLM2-135M", "24GiB", trl_version=trl)
     for knobs in ({"num_generations": 4, "per_device_train_batch_size": 4},
                   {"num_generations": 6, "per_device_train_batch_size": 6, "gradient_accumulation_steps": 2,
                    "num_gpus": 2},
                   {"num_generations": 3, "per_device_train_batch_size": 3, "gradient_accumulation_steps": 3,
                    "num_gpus": 3}):
         try:
-            train = api.make_training(context, knobs)
+            train = engine.make_training(context, knobs)
         except ConfigError:
             continue  # a combination this release refuses as given
         for field in ("per_device_train_batch_size", "num_generations"):
@@ -149,13 +149,13 @@ def _accepted(train: TrainingConfig, field: str, value: int) -> bool:
 def test_bad_requests_are_one_clear_error():
     with pytest.raises(UnknownNameError, match="did you mean 'max_completion_length'"):
         maximizable_field("max_completion")
-    with pytest.raises(ConfigError, match="--maximize beta is not supported"):
+    with pytest.raises(ConfigError, match="maximize beta is not supported"):
         maximizable_field("beta")
     assert maximizable_field("--max-prompt-length") == "max_prompt_length"  # the flag's spelling works too
-    with pytest.raises(ConfigError, match="--maximize lora_r needs LoRA: give --lora-r"):
-        api.maximize("Llama-3.2-1B", "rtx3080-mobile", "lora_r")
+    with pytest.raises(ConfigError, match="maximize lora_r needs LoRA: give lora_r"):
+        engine.maximize("Llama-3.2-1B", "rtx3080-mobile", "lora_r")
     with pytest.raises(ConfigError, match="already fills the model's context"):
-        api.maximize("SmolLM2-135M", "24GiB", "max_completion_length", {"max_prompt_length": 10**6})
+        engine.maximize("SmolLM2-135M", "24GiB", "max_completion_length", {"max_prompt_length": 10**6})
 
 
 # --- the search ---------------------------------------------------------------------------------------------------
@@ -187,8 +187,8 @@ def test_the_search_finds_the_last_value_within_the_budget_in_few_estimates(coun
 @pytest.mark.parametrize("field", ["max_completion_length", "per_device_train_batch_size", "max_prompt_length"])
 def test_the_search_does_not_grow_with_the_answer(field):
     # a tiny model (no context limit) on a huge card: answers in the millions, found in a few dozen estimates
-    context = api.make_context(str(FIXTURES / "tiny-llama-bias.json"), "100000GiB")
-    train = api.make_training(context, {})
+    context = engine.make_context(str(FIXTURES / "tiny-llama-bias.json"), "100000GiB")
+    train = engine.make_training(context, {})
     memo: dict = {}
     started = time.perf_counter()
     result = maximize(context, train, field, memo=memo)
@@ -218,9 +218,9 @@ def knobs(draw) -> dict[str, Any]:
 
 
 def _search_space(model, card, trl_version, drawn, field):
-    context = api.make_context(model, card, trl_version=trl_version)
+    context = engine.make_context(model, card, trl_version=trl_version)
     try:
-        train = api.make_training(context, drawn)
+        train = engine.make_training(context, drawn)
         return context, train, valid_values(context, train, field)
     except ConfigError:
         assume(False)  # a combination TRL, the card or the field refuses: not a question of memory
@@ -254,15 +254,15 @@ def test_memory_never_falls_as_a_maximized_knob_grows(field, model, card, trl_ve
 def test_the_one_non_monotone_case_is_searched_exhaustively():
     # TRL 0.15, 2 GPUs, a global batch of 2 x 12: 3 generations need micro-batches of 3 (3 x 2 GPUs holds whole
     # groups), 4 generations micro-batches of 2, so with the savers 4 can need less than 3
-    context = api.make_context("Qwen2.5-1.5B", "24GiB", trl_version="0.15.0")
-    train = api.make_training(context, {"num_gpus": 2, "per_device_train_batch_size": 12, "num_generations": 4,
+    context = engine.make_context("Qwen2.5-1.5B", "24GiB", trl_version="0.15.0")
+    train = engine.make_training(context, {"num_gpus": 2, "per_device_train_batch_size": 12, "num_generations": 4,
                                         "max_completion_length": 2048})
     peaks = SaverPeaks(context, train, "num_generations", True)
     assert peaks.least(4) < peaks.least(3), "the counterexample the docstring of maximize.py describes"
     values = valid_values(context, train, "num_generations")
     listed = [values.at(i) for i in range(values.count)]
     for gib in (8, 10, 12, 16, 24):
-        budget_context = api.make_context("Qwen2.5-1.5B", f"{gib}GiB", trl_version="0.15.0")
+        budget_context = engine.make_context("Qwen2.5-1.5B", f"{gib}GiB", trl_version="0.15.0")
         result = maximize(budget_context, train, "num_generations", allow_savers=True)
         within = SaverPeaks(budget_context, train, "num_generations", True)
         fitting = [v for v in listed if within.least(v) <= budget_context.budget_bytes]
@@ -289,7 +289,7 @@ def test_the_answer_is_the_largest_valid_value_that_fits(field, model, trl_versi
 # --- every card --------------------------------------------------------------------------------------------------
 
 def test_every_card_is_judged_smallest_fitting_first():
-    cards = api.fitting_gpus("Llama-3.2-1B", LORA)
+    cards = engine.fitting_gpus("Llama-3.2-1B", LORA)
     assert sorted(card.name for card in cards) == sorted(CARDS)
     fitting = [card for card in cards if card.fits]
     assert fitting and cards[:len(fitting)] == fitting  # the fitting cards first ...
@@ -297,27 +297,27 @@ def test_every_card_is_judged_smallest_fitting_first():
     rest = [card for card in cards[len(fitting):] if card.problem is None]
     assert [c.spare_bytes for c in rest] == sorted((c.spare_bytes for c in rest), reverse=True)
     for card in (fitting[0], fitting[-1], *rest[:1], *rest[-1:]):  # as `check` judges it on that card
-        verdict = api.check("Llama-3.2-1B", card.name, LORA)
+        verdict = engine.check("Llama-3.2-1B", card.name, LORA)
         assert card.fits == verdict.fits and card.peak_bytes == pytest.approx(verdict.estimate.peak_bytes)
 
 
 def test_a_card_that_cannot_run_the_config_says_why():
-    cards = {card.name: card for card in api.fitting_gpus("Llama-3.2-1B", {"dtype": "bfloat16", "lora_r": 16})}
+    cards = {card.name: card for card in engine.fitting_gpus("Llama-3.2-1B", {"dtype": "bfloat16", "lora_r": 16})}
     assert "no bf16" in cards["t4"].problem and not cards["t4"].fits and cards["t4"].peak_bytes is None
-    with pytest.raises(VramPlanError, match="--num-generations"):  # bad knobs: no card can run them
-        api.fitting_gpus("Llama-3.2-1B", {"per_device_train_batch_size": 3})
+    with pytest.raises(VramPlanError, match="num_generations"):  # bad knobs: no card can run them
+        engine.fitting_gpus("Llama-3.2-1B", {"per_device_train_batch_size": 3})
 
 
 @pytest.mark.parametrize("field,savers", [("max_completion_length", False), ("per_device_train_batch_size", True)])
 def test_every_card_gets_the_answer_maximize_gives_on_it(field, savers):
     started = time.perf_counter()
-    cards = api.fitting_gpus("Llama-3.2-1B", LORA, maximize=field, allow_savers=savers)
+    cards = engine.fitting_gpus("Llama-3.2-1B", LORA, maximize=field, allow_savers=savers)
     elapsed = time.perf_counter() - started
     fitting = [card for card in cards if card.fits]
     assert fitting and [c.capacity_bytes for c in fitting] == sorted(c.capacity_bytes for c in fitting)
     for card in cards[::7]:  # what was judged on one card and reused on another gives the same answer
         if card.problem is None:
-            alone = api.maximize("Llama-3.2-1B", card.name, field, LORA, allow_savers=savers)
+            alone = engine.maximize("Llama-3.2-1B", card.name, field, LORA, allow_savers=savers)
             assert (alone.value, alone.peak_bytes) == (card.maximized.value, card.maximized.peak_bytes), card.name
     assert elapsed < 10  # seconds, a bound for 2 busy cores (about a second unloaded)
 
@@ -359,9 +359,9 @@ def _runs(context, train: TrainingConfig, **changes: Any) -> bool:
 def test_maximize_answers_every_vllm_setting_with_a_config_vllm_runs(field, model, card, drawn, savers):
     # found by a sweep of plan: maximizing a length past --vllm-max-model-length gave "internal error: min() arg is
     # an empty sequence" (no config of the next value was valid), or an answer vLLM cannot generate
-    context = api.make_context(model, card)
+    context = engine.make_context(model, card)
     try:
-        train = api.make_training(context, drawn)
+        train = engine.make_training(context, drawn)
     except ConfigError:
         assume(False)  # settings TRL, vLLM or the card refuse: one clear line before any search
         raise
@@ -369,7 +369,7 @@ def test_maximize_answers_every_vllm_setting_with_a_config_vllm_runs(field, mode
         with within_seconds(30):
             result = maximize(context, train, field, allow_savers=savers)
     except ConfigError as error:  # no value to search (lora_r without LoRA, a length already at the context)
-        assert str(error).count("\n") == 0 and ("--maximize lora_r needs LoRA" in str(error) or "already fills" in
+        assert str(error).count("\n") == 0 and ("maximize lora_r needs LoRA" in str(error) or "already fills" in
                                                  str(error)), error
         return
     if result.fits:

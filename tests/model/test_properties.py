@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from helpers import FIXTURES, within_seconds
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import ConfigError, VramPlanError
 from vram_planner.model import activations as act
 from vram_planner.model.calibration import UNFITTED_RESERVE_FRACTION
@@ -102,11 +102,11 @@ def test_every_model_is_judged_and_planned_on_every_release_and_card(model):
     offset = MODELS.index(model) * len(TRL_VERSIONS)
     for i, trl_version in enumerate(TRL_VERSIONS):
         card = CARDS[(offset + i) % len(CARDS)]
-        context = _answer(lambda: api.make_context(model, card, trl_version=trl_version))
+        context = _answer(lambda: engine.make_context(model, card, trl_version=trl_version))
         assert not isinstance(context, VramPlanError), context
-        verdict = _answer(lambda: api.check(model, card, trl_version=trl_version))
+        verdict = _answer(lambda: engine.check(model, card, trl_version=trl_version))
         assert isinstance(verdict, Verdict) and verdict.estimate.peak_bytes > 0
-        assert isinstance(_answer(lambda: api.plan(model, card, trl_version=trl_version)), Plan)
+        assert isinstance(_answer(lambda: engine.plan(model, card, trl_version=trl_version)), Plan)
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.rsplit("/", 1)[-1])
@@ -116,10 +116,10 @@ def test_every_model_is_judged_and_planned_under_every_transformers_release(mode
     for i, version in enumerate(TRANSFORMERS_VERSIONS):
         card, trl_version = CARDS[(offset + i) % len(CARDS)], TRL_VERSIONS[i % 2 - 1]
         settings = {"transformers_version": version}
-        verdict = _answer(lambda: api.check(model, card, settings, trl_version=trl_version))
+        verdict = _answer(lambda: engine.check(model, card, settings, trl_version=trl_version))
         assert isinstance(verdict, Verdict) and verdict.estimate.peak_bytes > 0, verdict
         assert verdict.train.transformers.version == version
-        assert isinstance(_answer(lambda: api.plan(model, card, settings, trl_version=trl_version)), Plan)
+        assert isinstance(_answer(lambda: engine.plan(model, card, settings, trl_version=trl_version)), Plan)
 
 
 # --- valid configurations and the laws memory follows on them -------------------------------------------------
@@ -167,8 +167,8 @@ def any_knobs(draw) -> dict[str, Any]:
 @given(model=st.sampled_from(MODELS), card=st.sampled_from(CARDS + ["24GiB", "0.1GiB", "100000GiB"]),
        knobs=any_knobs(), options=ANY_CONTEXT)
 def test_any_input_gives_a_verdict_a_plan_or_one_clear_error(model, card, knobs, options):
-    checked = _answer(lambda: api.check(model, card, knobs, **options))
-    planned = _answer(lambda: api.plan(model, card, knobs, **options))
+    checked = _answer(lambda: engine.check(model, card, knobs, **options))
+    planned = _answer(lambda: engine.plan(model, card, knobs, **options))
     assert isinstance(checked, Verdict | VramPlanError) and isinstance(planned, Plan | VramPlanError)
     # both validate the same way before they estimate
     assert isinstance(checked, VramPlanError) == isinstance(planned, VramPlanError)
@@ -180,15 +180,15 @@ def test_every_knob_at_its_edges_gives_a_verdict_a_plan_or_one_clear_error(field
     for value in edge_values(field):
         for base in ({}, {"lora_r": 16, "load_in_4bit": True}):  # fields that need LoRA are checked with it
             knobs = {**base, field: value}
-            checked = _answer(lambda: api.check("Llama-3.2-1B", "24GiB", knobs))
-            planned = _answer(lambda: api.plan("Llama-3.2-1B", "24GiB", knobs))
+            checked = _answer(lambda: engine.check("Llama-3.2-1B", "24GiB", knobs))
+            planned = _answer(lambda: engine.plan("Llama-3.2-1B", "24GiB", knobs))
             assert isinstance(checked, VramPlanError) == isinstance(planned, VramPlanError), knobs
 
 
 def _valid(model: str, card: str, trl_version: str, knobs: dict[str, Any]):
-    context = api.make_context(model, card, trl_version=trl_version)
+    context = engine.make_context(model, card, trl_version=trl_version)
     try:
-        return context, api.make_training(context, knobs)
+        return context, engine.make_training(context, knobs)
     except ConfigError:
         assume(False)  # a combination TRL or the card refuses: not a question of memory
         raise
@@ -380,7 +380,7 @@ def test_the_first_micro_batch_is_judged_on_its_own_and_never_needs_more_than_th
 def test_several_gpus_are_said_with_their_strategy_and_their_accelerate_config(model, card, trl_version, knobs):
     import yaml
 
-    from vram_planner.cli.report import per_gpu, plan_report
+    from vram_planner.report.document import per_gpu, plan_report
     from vram_planner.model import accelerate_config as launcher
 
     context, train = _valid(model, card, trl_version, knobs)

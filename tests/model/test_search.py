@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import FIXTURES, within_seconds
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model import search
 from vram_planner.model.divisors import divisors, prime_factors
 from vram_planner.model.search import (best_plan, micro_batch_sizes, micro_batch_variants, rungs, smallest_config,
@@ -25,7 +25,7 @@ def gpu(gib: float, bf16: bool = True) -> GpuProfile:
 
 
 def plan_for(model_file, gib, bf16=True, **kw):
-    return api.plan(str(model_file), gpu(gib, bf16), kw)
+    return engine.plan(str(model_file), gpu(gib, bf16), kw)
 
 
 def assert_changes_are_truthful(result):
@@ -129,7 +129,7 @@ def test_changes_that_cannot_stand_alone_are_reported_together(llama_1b_file):
 def test_plan_time_does_not_grow_with_batch_or_lengths(knobs):
     # minutes before: every micro-batch from the requested one down to 1 was judged
     with within_seconds(2.0):
-        result = api.plan("Llama-3.2-1B", "24GiB", knobs)
+        result = engine.plan("Llama-3.2-1B", "24GiB", knobs)
     assert result.requested.train.per_device_train_batch_size == knobs.get("per_device_train_batch_size", 8)
 
 
@@ -155,11 +155,11 @@ def test_the_search_chooses_what_the_exhaustive_search_chooses(model, share, gro
              "steps_per_generation": s, "num_generations": generations, "max_completion_length": completion,
              "lora_r": 8 if lora else None}
     # a card between what the bottom of the ladder and what the request needs, so that every rung gets chosen
-    big = api.make_context(model, gpu(1000))
-    needs = judge(big, api.make_training(big, knobs)).estimate.peak_bytes
-    least = judge(big, smallest_config(api.make_training(big, knobs), True)).estimate.peak_bytes
-    context = api.make_context(model, gpu((least + share * (needs - least)) / 0.95 / GiB))
-    user = api.make_training(context, knobs)
+    big = engine.make_context(model, gpu(1000))
+    needs = judge(big, engine.make_training(big, knobs)).estimate.peak_bytes
+    least = judge(big, smallest_config(engine.make_training(big, knobs), True)).estimate.peak_bytes
+    context = engine.make_context(model, gpu((least + share * (needs - least)) / 0.95 / GiB))
+    user = engine.make_training(context, knobs)
     # `listed` 2: the list of micro-batches grows from 2 (to 4, 16, 256): the path huge batches take
     with mock.patch.object(search, "FIRST_LISTED_MICRO_BATCH", listed):
         result = best_plan(context, user)
@@ -182,7 +182,7 @@ def test_micro_batches_are_the_divisors_that_keep_both_batches():
 def test_every_reported_change_saves_memory_and_they_add_up():
     # a smaller micro-batch turns on accumulation, so full fine-tuning's gradients persist through the forward:
     # applied before bf16 weights and LoRA it cost 15 GiB ("saves -15.16 GiB" at 1024 tokens with the flat reserve)
-    result = api.plan("Qwen2.5-7B-Instruct", "rtx4090", {"max_completion_length": 1536})
+    result = engine.plan("Qwen2.5-7B-Instruct", "rtx4090", {"max_completion_length": 1536})
     assert result.fits and [c.knob for c in result.changes][-1] == "per_device_train_batch_size"
     assert_changes_are_truthful(result)
 
@@ -200,7 +200,7 @@ def knob_part(change, knob: str) -> tuple[str, str] | None:
 
 def test_the_generation_batch_shrinks_when_steps_per_generation_is_one():
     # 1024 completions per round do not fit 24 GiB whatever the savers; 512 do
-    result = api.plan("Llama-3.2-1B", "24GiB", {"per_device_train_batch_size": 1024})
+    result = engine.plan("Llama-3.2-1B", "24GiB", {"per_device_train_batch_size": 1024})
     assert result.fits
     chosen = result.chosen.train
     assert chosen.generation_batch_size <= 512 and chosen.generation_batch_size % chosen.num_generations == 0
@@ -221,7 +221,7 @@ def test_the_generation_batch_rung_halves_the_batch_within_trl_rules():
 def test_a_change_that_costs_memory_is_reported_with_the_one_that_pays_for_it():
     # 1024 sequences per micro-batch: LoRA's fp32 copies of the adapted linears' inputs outweigh the gradients and
     # optimizer states it frees, and 4-bit base weights pay for them
-    result = api.plan("Llama-3.2-1B", "24GiB", {"per_device_train_batch_size": 1024})
+    result = engine.plan("Llama-3.2-1B", "24GiB", {"per_device_train_batch_size": 1024})
     context, bf16 = result.requested.context, with_changes(result.requested.train, dtype="bfloat16")
     assert judge(context, with_changes(bf16, lora_r=16)).estimate.peak_bytes > judge(context, bf16).estimate.peak_bytes
     # (with the generation batch halved too, at 1024 sequences: the fp32 copy of the MLP's intermediate that the

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model.architecture import FAMILIES, MODEL_TYPE_ALIASES
 from vram_planner.model.spec import training_config
 from vram_planner.model.transformers_releases import (known_transformers_version, transformers_release,
@@ -81,10 +81,10 @@ def test_an_unknown_release_is_one_line_and_exit_2(capsys, given, message):
 
 def test_gemma2_runs_eager_attention_where_transformers_has_no_sdpa_for_it(capsys):
     long = {"max_completion_length": 4096}  # where eager's attention probabilities weigh
-    default = api.check("gemma-2-2b", "a100-80gb", {**long, "transformers_version": "5.24.0"})
+    default = engine.check("gemma-2-2b", "a100-80gb", {**long, "transformers_version": "5.24.0"})
     assert default.train.attn_implementation == "eager"
     assert any("eager, as transformers 5.24.0 runs gemma2" in note for note in default.estimate.notes)
-    before = api.check("gemma-2-2b", "a100-80gb", {**long, "transformers_version": "5.20.0"})
+    before = engine.check("gemma-2-2b", "a100-80gb", {**long, "transformers_version": "5.20.0"})
     assert before.train.attn_implementation == "sdpa" and not any("eager" in n for n in before.estimate.notes)
     assert before.estimate.peak_bytes < default.estimate.peak_bytes  # eager keeps the attention probabilities
     err = one_line_error(capsys, "check", "--gpu", "a100-80gb", "--model", "gemma-2-2b", "--attn-implementation",

@@ -41,8 +41,8 @@ def test_installed_version_is_read_without_importing_trl():
 
 
 def test_old_trl_plans_use_its_defaults(llama_1b_file):
-    from vram_planner import api
+    from vram_planner import engine
     from vram_planner.profiles import GpuProfile
 
-    verdict = api.check(str(llama_1b_file), GpuProfile(name="c", total_memory_gib=80), trl_version="0.18.0")
+    verdict = engine.check(str(llama_1b_file), GpuProfile(name="c", total_memory_gib=80), trl_version="0.18.0")
     assert verdict.train.beta == 0.04 and verdict.train.max_completion_length == 256

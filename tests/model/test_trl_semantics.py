@@ -8,7 +8,7 @@ import json
 import pytest
 
 from helpers import CURRENT, LLAMA_1B, one_line_error, run
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import ConfigError
 from vram_planner.model.grpo_config import grpo_config_kwargs, python_snippet
 from vram_planner.model.spec import TrainingConfig, training_config
@@ -22,7 +22,7 @@ SEEDS_FLAGS = ["--per-device-train-batch-size", "1", "--gradient-accumulation-st
 
 
 def check(llama_1b_file, settings, version, gpu="rtx4090"):
-    return api.check(str(llama_1b_file), gpu, settings, trl_version=version)
+    return engine.check(str(llama_1b_file), gpu, settings, trl_version=version)
 
 
 def test_0_14_batch_counts_prompts(llama_1b_file):
@@ -117,7 +117,7 @@ def test_each_release_applies_its_own_num_generations_rule(version, knobs, accep
 
 
 def test_steps_per_generation_does_not_exist_before_0_18():
-    with pytest.raises(ConfigError, match="--steps-per-generation is not a GRPOConfig field in TRL 0.17.0"):
+    with pytest.raises(ConfigError, match="steps_per_generation is not a GRPOConfig field in TRL 0.17.0"):
         training_config({"steps_per_generation": 2, "num_generations": 2, "trl_version": "0.17.0"})
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import ConfigError
 from vram_planner.model import vllm
 from vram_planner.model.architecture import ModelArchitecture
@@ -207,13 +207,13 @@ def test_the_config_rules_of_the_vllm_knobs():
             training_config(knobs)
         return str(caught.value)
 
-    assert "--vllm-tensor-parallel-size need" in problems(vllm_tensor_parallel_size=2)
+    assert "vllm_tensor_parallel_size need" in problems(vllm_tensor_parallel_size=2)
     assert "must divide the number of processes" in problems(use_vllm=True, vllm_tensor_parallel_size=2)
     assert "not a GRPOConfig field in TRL 0.25.0" in problems(use_vllm=True, vllm_max_model_length=1024,
                                                               trl_version="0.25.0")
-    assert "--vllm-enable-sleep-mode is not a GRPOConfig field in TRL 0.22.0" in problems(
+    assert "vllm_enable_sleep_mode is not a GRPOConfig field in TRL 0.22.0" in problems(
         use_vllm=True, vllm_enable_sleep_mode=True, trl_version="0.22.0")
-    assert "it needs --vllm-mode server" in problems(use_vllm=True, vllm_server_gpu="h100")
+    assert "it needs vllm_mode server" in problems(use_vllm=True, vllm_server_gpu="h100")
     assert "shorter than the longest prompt" in problems(use_vllm=True, vllm_max_model_length=100)
     train = training_config({"use_vllm": True, "num_gpus": 3, "vllm_tensor_parallel_size": 3})
     assert "attention heads (32) divisible" in vllm.vllm_config_problems(train, GQA)[0]
@@ -234,14 +234,14 @@ def test_the_context_vllm_derives_follows_rope_scaling():
 
 
 def test_a_trainer_that_fills_the_card_alone_is_said_so_not_as_negative_free_memory():
-    problem = api.check("Qwen2.5-3B", "rtx2060", {"use_vllm": True}).estimate.vllm.problem
+    problem = engine.check("Qwen2.5-3B", "rtx2060", {"use_vllm": True}).estimate.vllm.problem
     assert "the trainer's CUDA context and weights already take" in problem
     assert not re.search(r"-\d+(\.\d+)? GiB", problem)
 
 
 def test_a_larger_vllm_share_is_a_cost_not_a_negative_saving():
     # 8 GiB: vLLM's round needs 0.45 of the card, not TRL's 0.3; the trainer then has 0.15 x 8 GiB less
-    plan = api.plan("Llama-3.2-1B", "8GiB", {"use_vllm": True})
+    plan = engine.plan("Llama-3.2-1B", "8GiB", {"use_vllm": True})
     assert plan.fits
     share = next(c for c in plan.changes if c.knob == "vllm_gpu_memory_utilization")
     assert (share.before, share.after) == (0.3, 0.45)
@@ -252,7 +252,7 @@ def test_a_larger_vllm_share_is_a_cost_not_a_negative_saving():
 
 
 def test_prompt_and_completion_beyond_vllms_context_are_refused_with_vllms_reason():
-    arch = api.make_context("Llama-3.2-1B", "a40").arch
+    arch = engine.make_context("Llama-3.2-1B", "a40").arch
 
     def problems(**knobs):
         return vllm.vllm_config_problems(training_config({"use_vllm": True, **knobs}), arch)
@@ -286,7 +286,7 @@ def test_the_plan_never_proposes_what_vllms_context_cannot_hold(model, card, pro
     knobs = {"use_vllm": True, "vllm_max_model_length": context, "max_prompt_length": prompt,
              "max_completion_length": completion, **({"vllm_mode": "server"} if server else {})}
     try:
-        plan = api.plan(model, card, knobs)
+        plan = engine.plan(model, card, knobs)
     except ConfigError as error:
         assume("exceed --vllm-max-model-length" not in str(error) and prompt + completion <= context)
         raise  # prompt + completion within vLLM's context: nothing else here is a reason to refuse

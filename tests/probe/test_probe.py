@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from helpers import FIXTURES, cli_in_a_subprocess, library_warning_before
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model.calibration import Calibration, default_calibration
 from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.phases import estimate
@@ -122,8 +122,8 @@ def test_a_simulated_probe_writes_a_calibration_that_check_uses_only_when_asked(
     assert json.loads(written.read_text())["name"] == "simulated probe"
     assert "simulated" in json.loads(written.read_text())["measured"]
     # The real card keeps its own calibration (the shipped measurement): a simulation is no measurement of it.
-    assert api.check("Llama-3.2-1B", "h100-80gb").context.calibration.name == "probe"
-    asked = api.check("Llama-3.2-1B", "h100-80gb", calibration=written)
+    assert engine.check("Llama-3.2-1B", "h100-80gb").context.calibration.name == "probe"
+    asked = engine.check("Llama-3.2-1B", "h100-80gb", calibration=written)
     assert asked.context.calibration.name == "simulated probe"
 
 
@@ -134,9 +134,9 @@ def test_a_real_probes_calibration_replaces_the_defaults_for_its_card():
     cal = fit_calibration(record, "h100-80gb")
     [written] = save_calibration(cal, "h100-80gb")
     assert written == data_home() / "calibrations" / "h100-80gb.json" and cal.name == "probe"
-    used = api.check("Llama-3.2-1B", "h100-80gb").context.calibration
+    used = engine.check("Llama-3.2-1B", "h100-80gb").context.calibration
     assert used.name == "probe" and used.cuda_context_bytes == 400 * 2**20
-    assert api.check("Llama-3.2-1B", "a100-80gb").context.calibration.name == "default"
+    assert engine.check("Llama-3.2-1B", "a100-80gb").context.calibration.name == "default"
 
 
 class Interrupted(SimulatedMeasurer):

@@ -26,12 +26,12 @@ SEEDS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4, "nu
 VOCAB, FP32 = 128256, 4
 SCRIPT = textwrap.dedent("""
     import json, sys
-    from vram_planner import api
+    from vram_planner import engine
     from vram_planner.profiles import model_config
     from vram_planner.tracing.step import trace_step
     settings = json.loads(sys.argv[1])
-    context = api.make_context("Llama-3.2-1B-Instruct", "rtx3080-mobile", trl_version="0.14.0")
-    train = api.make_training(context, settings)
+    context = engine.make_context("Llama-3.2-1B-Instruct", "rtx3080-mobile", trl_version="0.14.0")
+    train = engine.make_training(context, settings)
     result = trace_step(model_config("Llama-3.2-1B-Instruct")[0], train, context.release)
     allocs = [e for e in result.events if e.kind == "alloc"]
     largest = max(allocs, key=lambda e: e.size_bytes)  # the first of the largest, in the order of the step

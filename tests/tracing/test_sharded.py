@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import FIXTURES, family_fixture_files, json_of, one_line_error
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.errors import VramPlanError
 from vram_planner.model.phases import estimate
 from vram_planner.model.spec import TrainingConfig
@@ -140,8 +140,8 @@ def test_trace_command_answers_for_one_rank(capsys):
 @pytest.mark.parametrize("gpus", [2, 8])
 def test_the_analytic_fsdp_model_stays_within_1_percent_of_the_sharded_trace(gpus):
     model = Path(__file__).resolve().parents[2] / "profiles" / "models" / "Llama-3.2-1B.json"
-    context = api.make_context(str(model), "h100-80gb")
-    train = api.make_training(context, {**SHORT, "max_prompt_length": 32, "max_completion_length": 32,
+    context = engine.make_context(str(model), "h100-80gb")
+    train = engine.make_training(context, {**SHORT, "max_prompt_length": 32, "max_completion_length": 32,
                                         "num_gpus": gpus, "fsdp": True})
     traced = trace_step(json.loads(model.read_text()), train, context.release)
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
@@ -156,8 +156,8 @@ def test_the_analytic_fsdp_model_stays_within_1_percent_of_the_sharded_trace(gpu
 def test_every_fixture_architecture_traces_one_fsdp2_rank_as_check_counts_it(fixture):
     # accelerate's wrapping finds each family's decoder layer and final norm; the tiny shards' 512-byte rounding keeps
     # the analytic model within a few percent of them
-    context = api.make_context(str(fixture), "h100-80gb")
-    train = api.make_training(context, {**SHORT, "num_gpus": 2, "fsdp": True})
+    context = engine.make_context(str(fixture), "h100-80gb")
+    train = engine.make_training(context, {**SHORT, "num_gpus": 2, "fsdp": True})
     traced = trace_step(json.loads(fixture.read_text()), train, context.release)
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                              context.capacity_bytes).phases}

@@ -153,7 +153,7 @@ def test_what_the_cpu_trace_cannot_run_is_a_clear_error(changes):
 @pytest.mark.parametrize("version", ["0.14.0", "1.14.0", "1.15.0"])
 def test_another_release_than_the_installed_one_is_refused(version):
     # the trace runs the installed TRL's code (1.16 here): another --trl-version can only be planned, not traced
-    with pytest.raises(VramPlanError, match=f"runs the installed TRL 1.16.0, not --trl-version {version}"):
+    with pytest.raises(VramPlanError, match=f"runs the installed TRL 1.16.0, not trl_version {version}"):
         check_traceable(TrainingConfig(), trl_release(version))
 
 
@@ -266,10 +266,10 @@ def test_analytic_model_stays_within_5_percent_of_the_trace(name):
 def test_every_fixture_architecture_traces_as_check_resolves_it(fixture):
     """Every family (a multimodal Gemma 3 among them) traces with the attention the installed transformers runs it
     with, and the trace counts the parameters the analytic model counts (a vision tower included)."""
-    from vram_planner import api
+    from vram_planner import engine
 
-    context = api.make_context(str(fixture), "h100-80gb")
-    train = api.make_training(context, {**SHORT, "beta": 0.04})
+    context = engine.make_context(str(fixture), "h100-80gb")
+    train = engine.make_training(context, {**SHORT, "beta": 0.04})
     result = trace_step(json.loads(fixture.read_text()), train, context.release)
     assert result.params == context.arch.params
     assert [p.name for p in result.phases] == ["generation", "scoring", "training", "optimizer"]

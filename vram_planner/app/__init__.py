@@ -1,8 +1,9 @@
 """`vram-plan app`: a web page and an HTTP API beside it, on Gradio (the `app` extra), for what plan and check say.
 
-query.py reads an HTTP query as the CLI reads its flags; views.py turns reports into what the page shows; page.py is
-the Gradio page; server.py serves both. Only page.py and server.py import Gradio, and only `vram-plan app` imports
-them.
+query.py reads an HTTP query into the library's request (vram_planner.api), as the CLI reads its flags into one;
+views.py turns reports into what the page shows; page.py is the Gradio page; server.py serves both, and openapi.py
+describes the API. Only page.py and server.py import Gradio, and only `vram-plan app` imports them. Nothing here
+imports the command line or click.
 """
 
 from __future__ import annotations

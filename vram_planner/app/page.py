@@ -1,39 +1,30 @@
 """The Gradio page: pick a card and a model (or paste a config.json), set the knobs, and see at once the verdict,
 the bars per phase, the plan's changes, the GRPOConfig to copy and the longest completion that fits.
 
-Every evaluation goes through the HTTP API's path (query.py): the page's fields become query parameters, read by the
-CLI's own options, so the page, the API and the CLI judge the same config the same way.
+Every evaluation goes through the HTTP API's path (query.py): the page's fields become query parameters, read into the
+same request, so the page, the API and the CLI judge the same config the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import tempfile
 import urllib.parse
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-import click
 import gradio as gr
-import pandas as pd
 
 from vram_planner import api
 from vram_planner.app import views
-from vram_planner.app.query import error_line, knob_parameters, options_from_query, query_report
-from vram_planner.cli.options import resolve, settings_from
-from vram_planner.cli.plan import judge_report
-from vram_planner.cli.report import Report
-from vram_planner.errors import ProfileError, VramPlanError, first_line
-from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.app.query import error_line, pasted_config, query_request
+from vram_planner.errors import VramPlanError
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.spec import TrainingConfig, knob_types
 from vram_planner.model.trl_releases import NEWEST_KNOWN, trl_release, trl_releases, version_tuple
-from vram_planner.model.verdict import DEFAULT_SAFETY_MARGIN
 from vram_planner.profiles import GpuProfile, gpus, models
+from vram_planner.report.document import Report
+from vram_planner.request import DEFAULT_SAFETY_MARGIN, knob_fields
 
 DEFAULT_GPU, DEFAULT_MODEL = "rtx3080-mobile", "Llama-3.2-1B"  # the command-line contract's first example
 PASTED = "pasted config.json"
@@ -50,12 +41,8 @@ UNSET = ""  # a dropdown's value for "not given": the release's default
 class Knob:
     """One knob's field on the page."""
 
-    param: click.Option
+    name: str
     widget: Any  # the Gradio component
-
-    @property
-    def name(self) -> str:
-        return self.param.name
 
     def query_value(self, value: Any) -> str | None:
         """The query parameter's value for what the field holds; None when it is left to the default."""
@@ -67,8 +54,20 @@ class Knob:
         """Show what the knob is when left unset, for the config just judged."""
         shown = default_text(train, self.name)
         if isinstance(self.widget, gr.Dropdown):
-            return gr.update(choices=[(f"default ({shown})", UNSET), *choices_of(self.param)])
+            return gr.update(choices=[(f"default ({shown})", UNSET), *choices_of(self.name)])
         return gr.update(placeholder=f"default: {shown}")
+
+
+# What a field means where its name does not say it, in the page's words (the knobs are GRPOConfig's fields).
+KNOB_HELP = {"max_prompt_length": "Longest prompt of your dataset, in tokens (default 256).",
+             "optim": "transformers optimizer name, e.g. adamw_torch_fused, adamw_8bit.",
+             "dtype": "Weights' dtype: float32 (TRL's default), bfloat16, float16.",
+             "vllm_max_model_length": "vLLM's context (default: the model's, TRL 0.26+).",
+             "vllm_server_gpu": "Server mode: the card trl vllm-serve runs on (planned too).",
+             "lora_target_modules": "Comma-separated module names, or all-linear.",
+             "transformers_version": "Plan for this transformers release (default: the installed one, if of the TRL "
+                                     "release's time).",
+             "allocator_conf": "PYTORCH_CUDA_ALLOC_CONF of the run, e.g. expandable_segments:True."}
 
 
 def default_text(train: TrainingConfig, name: str) -> str:
@@ -85,12 +84,15 @@ def default_text(train: TrainingConfig, name: str) -> str:
     return "unset" if value is None else str(value)
 
 
-def choices_of(param: click.Option) -> list[tuple[str, str]]:
+def choices_of(name: str) -> list[tuple[str, str]]:
     """The values a knob takes when they are few: on/off, or the names TrainingConfig accepts."""
-    if param.secondary_opts:
+    if is_switch(name):
         return [("on", "true"), ("off", "false")]
-    names = field_choices(param.name)
-    return [(name, name) for name in names or ()]
+    return [(choice, choice) for choice in field_choices(name) or ()]
+
+
+def is_switch(name: str) -> bool:
+    return bool in (knob_types()[name], *get_args(knob_types()[name]))
 
 
 def field_choices(name: str) -> list[str] | None:
@@ -104,13 +106,12 @@ def field_choices(name: str) -> list[str] | None:
     return None
 
 
-def knob_widget(param: click.Option) -> Any:
-    label = param.name
-    if param.secondary_opts or field_choices(param.name):
-        return gr.Dropdown([("default", UNSET), *choices_of(param)], value=UNSET, label=label, elem_id=label)
-    # Numbers too: a number field cannot be left empty (Gradio sends 0), and empty means TRL's default; the CLI's
-    # options then parse the text, with the CLI's messages for a bad value.
-    return gr.Textbox(label=label, elem_id=label, info=param.help, max_lines=1)
+def knob_widget(name: str) -> Any:
+    if is_switch(name) or field_choices(name):
+        return gr.Dropdown([("default", UNSET), *choices_of(name)], value=UNSET, label=name, elem_id=name)
+    # Numbers too: a number field cannot be left empty (Gradio sends 0), and empty means TRL's default; the request
+    # then reads the text, with its messages for a bad value.
+    return gr.Textbox(label=name, elem_id=name, info=KNOB_HELP.get(name), max_lines=1)
 
 
 def group_of(name: str) -> str:
@@ -128,19 +129,43 @@ def _catalog_choices() -> tuple[list[tuple[str, str]], list[tuple[str, str]], li
     return cards, catalog, releases
 
 
-def build_page() -> gr.Blocks:
-    """The page; its events evaluate the config on every change."""
+# Results beside the inputs on a wide screen; on a narrow one the two columns stack, the results first (the inputs
+# run to some forty fields). The system's own fonts: the bundled web font's semi-bold face lacks glyphs.
+SYSTEM_FONTS = ("system-ui", "-apple-system", "Segoe UI", "Roboto", "Helvetica Neue", "Arial", "sans-serif")
+MONO_FONTS = ("ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "Liberation Mono", "monospace")
+NARROW_PX = 900
+CSS = f"""
+#main_row {{ flex-wrap: wrap; align-items: flex-start; }}
+#results {{ position: sticky; top: 0; }}
+@media (max-width: {NARROW_PX}px) {{
+  #main_row {{ flex-direction: column; }}
+  #results {{ order: -1; position: static; }}
+  #inputs, #results {{ min-width: 100% !important; }}
+}}
+#bars svg, #plan_bars svg {{ font-family: {", ".join(SYSTEM_FONTS)}; }}
+"""
+
+
+def theme() -> Any:
+    """Gradio's default look with the system's fonts, fetched from nowhere."""
+    return gr.themes.Default(font=list(SYSTEM_FONTS), font_mono=list(MONO_FONTS))
+
+
+def build_page(allow_local_files: bool = True) -> gr.Blocks:
+    """The page; its events evaluate the config on every change. Without `allow_local_files` the model field takes
+    catalog names and hub ids only (a pasted config.json still works: it is not a file of the server's)."""
     cards, catalog, releases = _catalog_choices()
+    where = "a hub id or a local config.json" if allow_local_files else "or a hub id"
     with gr.Blocks(title="vram-plan: will this GRPO run fit?") as page:
         gr.Markdown("## vram-plan: will this GRPO run fit?\nThe GPU memory of GRPO fine-tuning with TRL, phase by "
                     "phase, before you start it. Knobs are spelled like `GRPOConfig` fields; empty ones take TRL's "
                     "defaults.")
-        with gr.Row():
-            with gr.Column(scale=2, min_width=320):
+        with gr.Row(elem_id="main_row"):
+            with gr.Column(scale=2, min_width=320, elem_id="inputs"):
                 gpu = gr.Dropdown(cards, value=GpuProfile.from_name(DEFAULT_GPU).name, label="GPU",
                                   allow_custom_value=True, elem_id="gpu", info="A catalog card, or a size like 24GiB")
                 model = gr.Dropdown(catalog, value=DEFAULT_MODEL, label="Model", allow_custom_value=True,
-                                    elem_id="model", info="A catalog model, a hub id or a local config.json")
+                                    elem_id="model", info=f"A catalog model, {where}")
                 with gr.Accordion("…or paste a config.json", open=False):
                     pasted = gr.Textbox(label="config.json (used instead of the model above)", lines=6,
                                         elem_id="pasted_config")
@@ -150,14 +175,14 @@ def build_page() -> gr.Blocks:
                     margin = gr.Number(value=DEFAULT_SAFETY_MARGIN, label="safety_margin", minimum=0, maximum=0.5,
                                        step=0.01, elem_id="safety_margin", info="Share of the card kept free")
                 knobs = _knob_fields()
-            with gr.Column(scale=3, min_width=480):
+            with gr.Column(scale=3, min_width=480, elem_id="results"):
                 title = gr.Markdown(elem_id="title")
                 verdict = gr.Markdown(elem_id="verdict")
                 bars_title = gr.Markdown(elem_id="bars_title")
-                bars = _bar_plot("bars")
+                bars = gr.HTML(elem_id="bars")
                 with gr.Column(visible=False, elem_id="plan_column") as plan_column:
                     plan_title = gr.Markdown(elem_id="plan_bars_title")
-                    plan_bars = _bar_plot("plan_bars")
+                    plan_bars = gr.HTML(elem_id="plan_bars")
                 gr.HTML(views.legend_html(), elem_id="legend")
                 changes = gr.Markdown(elem_id="changes")
                 longest = gr.Markdown(elem_id="longest")
@@ -172,7 +197,7 @@ def build_page() -> gr.Blocks:
                    links, *(k.widget for k in knobs)]
 
         def evaluate(*values: Any) -> list[Any]:
-            return page_outputs(knobs, *values)
+            return page_outputs(knobs, allow_local_files, *values)
 
         gr.on([page.load, *(c.change for c in inputs)], evaluate, inputs, outputs, trigger_mode="always_last",
               show_progress="hidden", api_visibility="private")
@@ -180,89 +205,69 @@ def build_page() -> gr.Blocks:
         gr.on([c.change for c in inputs], lambda: "", None, [exact], show_progress="hidden", api_visibility="private")
 
         def evaluate_exactly(*values: Any) -> str:
-            return exact_output(knobs, *values)
+            return exact_output(knobs, allow_local_files, *values)
 
         exact_button.click(evaluate_exactly, inputs, [exact], api_visibility="private")
     return page
 
 
-def _bar_plot(elem_id: str) -> Any:
-    # Only the data changes after this: Gradio 6.31 keeps drawing a bar plot's old data when an update also changes
-    # its other properties (its title, its y range), so those stay fixed and the free part shows the card's size;
-    # the legend is views.legend_html, which wraps where the plot's own would be cut off.
-    return gr.BarPlot(x="phase", y="GiB", color="part", color_map=views.BAR_COLOURS, colors_in_legend=[],
-                      y_title="GiB", x_title="", sort=list(views.PHASE_TITLES.values()), elem_id=elem_id, height=300)
-
-
 def _knob_fields() -> list[Knob]:
-    by_group: dict[str, list[click.Option]] = {}
-    for param in knob_parameters():
-        by_group.setdefault(group_of(param.name), []).append(param)
+    by_group: dict[str, list[str]] = {}
+    for name in knob_fields():
+        by_group.setdefault(group_of(name), []).append(name)
     knobs = []
-    for number, (title, params) in enumerate(sorted(by_group.items(), key=lambda g: g[0] != "Batch and lengths")):
+    for number, (title, names) in enumerate(sorted(by_group.items(), key=lambda g: g[0] != "Batch and lengths")):
         with gr.Accordion(title, open=number == 0):
             with gr.Row():
-                knobs += [Knob(p, knob_widget(p)) for p in params]
+                knobs += [Knob(name, knob_widget(name)) for name in names]
     return knobs
 
 
-def page_query(knobs: list[Knob], gpu: str, release: str, margin: float | None, values: tuple) -> list[tuple[str, str]]:
-    """The API's query for what the page's fields hold, the model aside."""
+def page_query(knobs: list[Knob], gpu: str, model: str, release: str, margin: float | None,
+               values: tuple) -> list[tuple[str, str]]:
+    """The API's query for what the page's fields hold."""
     margin = None if margin == DEFAULT_SAFETY_MARGIN else margin  # the default needs no parameter
-    query = [("gpu", gpu or ""), ("trl_version", release), ("safety_margin", margin)]
+    query = [("gpu", gpu or ""), ("model", model or ""), ("trl_version", release), ("safety_margin", margin)]
     query += [(k.name, k.query_value(v)) for k, v in zip(knobs, values)]
     return [(name, str(value)) for name, value in query if value not in (None, "")]
 
 
-def exact_output(knobs: list[Knob], gpu: str, model: str, pasted: str, release: str, margin: float | None,
-                 *values: Any) -> str:
-    """The exact verdict (`check --exact`) of the config the fields hold, or the one-line reason there is none."""
-    query = page_query(knobs, gpu, release, margin, values)
-    try:
-        with model_parameter(model, pasted) as model_query:
-            return views.exact_markdown(query_report("check", [model_query, *query, ("exact", "true")]))
-    except (VramPlanError, click.ClickException) as exc:
-        return f"✘ error: {error_line(exc)}"
-
-
-@contextlib.contextmanager
-def model_parameter(model: str, pasted: str) -> Iterator[tuple[str, str]]:
-    """The query's model: the field's, or a pasted config.json written to a folder for as long as it is read."""
+def page_request(knobs: list[Knob], allow_local_files: bool, gpu: str, model: str, pasted: str, release: str,
+                 margin: float | None, values: tuple) -> tuple[api.Request, str | None]:
+    """The request the fields hold, through the HTTP API's reading, and that API's query (None for a pasted
+    config.json, which a query cannot carry)."""
     pasted = (pasted or "").strip()
-    with tempfile.TemporaryDirectory(prefix="vram-plan-app-") as folder:
-        yield "model", pasted_model(pasted, Path(folder)) if pasted else model or ""
+    query = page_query(knobs, gpu, "" if pasted else model, release, margin, values)
+    request, _ = query_request(query, allow_local_files)
+    if not pasted:
+        return request, urllib.parse.urlencode(query)
+    config = pasted_config(pasted)
+    named = config.get("_name_or_path")
+    config = {**config, "_name_or_path": named if isinstance(named, str) and named.strip() else PASTED}
+    return request.with_fields(model=config), None
 
 
-def page_outputs(knobs: list[Knob], gpu: str, model: str, pasted: str, release: str, margin: float | None,
-                 *values: Any) -> list[Any]:
+def exact_output(knobs: list[Knob], allow_local_files: bool, gpu: str, model: str, pasted: str, release: str,
+                 margin: float | None, *values: Any) -> str:
+    """The exact verdict (`check` with exact) of the config the fields hold, or the one-line reason there is none."""
+    try:
+        request, _ = page_request(knobs, allow_local_files, gpu, model, pasted, release, margin, values)
+        return views.exact_markdown(api.check(request, exact=True))
+    except VramPlanError as exc:
+        return f"✘ error: {views.page_words(error_line(exc))}"
+
+
+def page_outputs(knobs: list[Knob], allow_local_files: bool, gpu: str, model: str, pasted: str, release: str,
+                 margin: float | None, *values: Any) -> list[Any]:
     """Every output of the page for what its fields hold."""
-    query = page_query(knobs, gpu, release, margin, values)
-    pasted = (pasted or "").strip()
     try:
-        with model_parameter(model, pasted) as model_query:
-            shown = evaluate_query([model_query, *query], pasted_name(pasted) if pasted else None)
-    except (VramPlanError, click.ClickException) as exc:  # what the CLI would say, where the verdict goes
-        cleared = ["", None, gr.update(visible=False), "", None, "", "", "", "", ""]
-        return [gr.update(), f"### ✘ error: {error_line(exc)}", *cleared, *(gr.update() for _ in knobs)]
-    api_query = None if pasted else urllib.parse.urlencode([model_query, *query])
+        request, api_query = page_request(knobs, allow_local_files, gpu, model, pasted, release, margin, values)
+        shown = evaluate(request)
+    except VramPlanError as exc:  # the request's own words, where the verdict goes
+        cleared = ["", "", gr.update(visible=False), "", "", "", "", "", "", ""]
+        return [gr.update(), f"### ✘ error: {views.page_words(error_line(exc))}", *cleared,
+                *(gr.update() for _ in knobs)]
     return [*shown.outputs(api_query), *(k.default_update(shown.train) for k in knobs)]
-
-
-def pasted_model(text: str, folder: Path) -> str:
-    """A pasted config.json, checked, as a model folder the CLI's path reads."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"the {PASTED} is not valid JSON: {first_line(exc)}") from exc
-    ModelArchitecture.from_config(config, name=PASTED)  # refused here, in the words of the pasted config
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
-
-
-def pasted_name(text: str) -> str:
-    """The name a pasted config goes by: its hub id when it says one."""
-    name = json.loads(text).get("_name_or_path")
-    return name if isinstance(name, str) and name.strip() else PASTED
 
 
 @dataclass(frozen=True)
@@ -279,42 +284,35 @@ class Shown:
     def outputs(self, api_query: str | None) -> list[Any]:
         plan_title = "With the plan's changes" if self.planned.fits else "The smallest config vram-plan knows"
         return [views.title_markdown(self.checked, self.gpu), views.verdict_markdown(self.checked, self.planned),
-                views.bars_title(self.checked, "Your config"), _frame(self.checked),
+                views.bars_title(self.checked, "Your config"), views.bars_html(self.checked, "bars"),
                 gr.update(visible=bool(self.planned.changes or not self.planned.fits)),
-                views.bars_title(self.planned, plan_title), _frame(self.planned), views.changes_markdown(self.planned),
-                self.longest, self.snippet, views.launch_markdown(self.planned) + views.notes_markdown(self.planned),
+                views.bars_title(self.planned, plan_title), views.bars_html(self.planned, "plan_bars"),
+                views.changes_markdown(self.planned), self.longest, self.snippet,
+                views.page_words(views.launch_markdown(self.planned)) + views.notes_markdown(self.planned),
                 _links(api_query)]
 
 
-def evaluate_query(query: list[tuple[str, str]], name: str | None) -> Shown:
-    """Judge the config as given and plan it, through the API's path; `name` renames a pasted config."""
-    options = options_from_query("plan", query)
-    context, train = resolve("plan", options)
-    if name is not None:
-        context = replace(context, model_id=name, arch=replace(context.arch, name=name, hub_id=name))
-    checked, _ = judge_report("check", context, train)
-    planned, shown_train = judge_report("plan", context, train)
-    model, gpu, trl_version, knobs = settings_from("plan", options)
-    options = {"trl_version": trl_version, "safety_margin": context.safety_margin}
-    longest = views.longest_markdown(*(_longest(model, gpu, knobs, savers, options) for savers in (False, True)))
-    snippet = python_snippet(shown_train, context.arch.hub_id or context.model_id)
-    return Shown(checked, planned, train, snippet, context.gpu, longest)
+def evaluate(request: api.Request) -> Shown:
+    """Judge the config as given and plan it, and find the longest completion that fits."""
+    checked = api.check(request)
+    planned = api.plan(request)
+    longest = views.longest_markdown(*(_longest(request, savers) for savers in (False, True)))
+    context = planned.judged.context
+    snippet = python_snippet(planned.judged.train, context.arch.hub_id or context.model_id)
+    return Shown(checked, planned, checked.judged.train, snippet, context.gpu, longest)
 
 
-def _longest(model: str, gpu: str, knobs: dict[str, Any], allow_savers: bool, options: dict[str, Any]) -> Any:
-    """The longest completion that fits (api.maximize), or the one-line reason there is none."""
+def _longest(request: api.Request, allow_savers: bool) -> Any:
+    """The longest completion that fits (api.maximize's answer), or the one-line reason there is none."""
     try:
-        return api.maximize(model, gpu, "max_completion_length", knobs, allow_savers=allow_savers, **options)
+        return api.maximize(request, field="max_completion_length", allow_savers=allow_savers).maximized
     except VramPlanError as exc:
-        return error_line(exc)
-
-
-def _frame(report: Report) -> pd.DataFrame:
-    return pd.DataFrame(views.phase_rows(report))
+        return views.page_words(error_line(exc))
 
 
 def _links(api_query: str | None) -> str:
     if api_query is None:
-        return "The HTTP API takes a catalog name, a hub id or a config.json path for `model`."
+        return "The HTTP API takes a catalog name or a hub id for `model` (see [/api/openapi.json](/api/openapi.json))."
     return (f"The same as JSON: [/api/check?{api_query}](/api/check?{api_query}) · "
-            f"[/api/plan?{api_query}](/api/plan?{api_query})")
+            f"[/api/plan?{api_query}](/api/plan?{api_query}) · the API's description: "
+            "[/api/openapi.json](/api/openapi.json)")

@@ -1,68 +1,122 @@
-"""The HTTP API's query, `?gpu=...&model=...&max_completion_length=1024`, read by the CLI's own options into the
-document `check --json` or `plan --json` prints, and bad input into the CLI's one-line message."""
+"""The HTTP API's reading of a query string: its parameters are the request's fields (GRPOConfig's spelling, plus
+gpu, model, trl_version and safety_margin) and what to ask (exact, maximize, allow_savers); the answer is the report
+`vram-plan check --json` or `plan --json` prints, and bad input is one line naming the fields."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
-import click
+from vram_planner import api
+from vram_planner.errors import ConfigError, UnknownNameError, VramPlanError, one_line
+from vram_planner.report.document import Report
+from vram_planner.request import Request, request_fields
 
-from vram_planner.cli.options import NOT_KNOBS, resolve
-from vram_planner.cli.plan import check, exact_judgement, judge_report, plan
-from vram_planner.cli.report import Report
-from vram_planner.errors import UnknownNameError, VramPlanError, one_line
-
-COMMANDS: dict[str, click.Command] = {"check": check, "plan": plan}
-# Besides the knobs: what names the model, the card and the release, and exact=true (the traced step's need decides,
-# as with --exact). The files of the command line (--config, --calibration, --plot) are not read or written over HTTP.
-CONTEXT_PARAMETERS = ("gpu", "model", "trl_version", "safety_margin", "exact")
+COMMANDS = ("check", "plan")
+# What to ask besides the request: exact=true (the traced step's need decides, as with --exact), and on plan
+# maximize=FIELD with allow_savers. The command line's files (--config, --calibration, --plot) are not read or
+# written over HTTP.
+QUESTION_PARAMETERS = ("exact", "maximize", "allow_savers")
 HINT = "(query parameters are spelled as GRPOConfig fields, e.g. max_completion_length=1024, plus gpu and model)"
+LOCAL_FILES_OFF = ("this server reads no files of its own: model takes a catalog name or a hub id; the app reads "
+                   "config.json paths when started with --allow-local-files")
 
 
-def knob_parameters(command: click.Command = check) -> list[click.Option]:
-    """The command's knobs, as the CLI declares them (the page shows one field for each)."""
-    return [p for p in command.params if isinstance(p, click.Option) and p.name not in NOT_KNOBS]
+def query_parameters() -> tuple[str, ...]:
+    """What a query may set: the request's fields (the calibration file aside) and the questions."""
+    return tuple(name for name in request_fields() if name != "calibration") + QUESTION_PARAMETERS
 
 
-def query_parameters(command: click.Command) -> dict[str, click.Option]:
-    """What a query may set: the model, the card, the release, the safety margin and every knob, by field name."""
-    context = [p for p in command.params if isinstance(p, click.Option) and p.name in CONTEXT_PARAMETERS]
-    return {p.name: p for p in context + knob_parameters(command)}
-
-
-def options_from_query(command: str, query: Iterable[tuple[str, str]]) -> dict[str, Any]:
-    """The options `vram-plan <command>` gets from the flags these parameters spell; click parses and checks them,
-    so a bad value is refused in the CLI's words."""
-    cli_command = COMMANDS[command]
-    known = query_parameters(cli_command)
-    args: list[str] = []
+def query_request(query: Iterable[tuple[str, str]], allow_local_files: bool = True) -> tuple[Request, dict[str, Any]]:
+    """The request the parameters spell (the last of a repeated one counts) and the question's options; names are
+    taken with dashes too (max-completion-length)."""
+    known = query_parameters()
+    values: dict[str, str] = {}
     for key, value in query:
-        param = known.get(key.replace("-", "_"))
-        if param is None:
+        name = key.replace("-", "_")
+        if name not in known:
             raise UnknownNameError("query parameter", key, sorted(known), hint=HINT)
-        args += _flag(param, value)
-    return cli_command.make_context(command, args).params
+        values[name] = value
+    questions = {name: values.pop(name) for name in QUESTION_PARAMETERS if name in values}
+    request = Request.of(values, from_text=True)
+    if not allow_local_files:
+        request = request.with_fields(model=without_local_files(request.model))
+    return request, _questions(questions)
 
 
-def _flag(param: click.Option, value: str) -> list[str]:
-    """`--name=value`, so that a value starting with a dash stays a value; on/off switches from a boolean."""
-    if param.secondary_opts:
-        return [param.opts[0] if click.BOOL.convert(value, param, None) else param.secondary_opts[0]]
-    if param.is_flag:
-        return [param.opts[0]] if click.BOOL.convert(value, param, None) else []
-    return [f"{param.opts[0]}={value}"]
+def without_local_files(model: Any) -> Any:
+    """The model as a server that reads no files of its own takes it: a catalog name as it is, a hub id as the config
+    the hub gives (no path of the same name is looked at), anything else refused before any file is looked at, so
+    that the answer says nothing of what the server's disk holds."""
+    if not isinstance(model, str) or not model.strip():
+        return model
+    from vram_planner.profiles import model_catalog
+
+    text = model.strip()
+    if text.lower() in model_catalog():
+        return model
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")) and not text.endswith(".json"):
+        from vram_planner.hub import fetch_hub_config
+
+        return {**fetch_hub_config(text), "_name_or_path": text}
+    names = sorted({entry.name for entry in model_catalog().values()})
+    raise UnknownNameError("model", text, names, hint=f"({LOCAL_FILES_OFF})")
 
 
-def query_report(command: str, query: Iterable[tuple[str, str]]) -> Report:
-    """Exactly the document `vram-plan <command> --json` prints for the flags these parameters spell."""
-    options = options_from_query(command, query)
-    if options.get("exact"):
-        return exact_judgement(command, options)[0]
-    context, train = resolve(command, options)
-    return judge_report(command, context, train)[0]
+def _questions(values: dict[str, str]) -> dict[str, Any]:
+    questions: dict[str, Any] = {}
+    for name in ("exact", "allow_savers"):
+        if name in values:
+            questions[name] = _boolean(name, values[name])
+    if values.get("maximize", "").strip():
+        questions["maximize"] = values["maximize"].strip()
+    if questions.get("allow_savers") and "maximize" not in questions:
+        raise ConfigError(["allow_savers goes with maximize=FIELD (plan without maximize already uses the savers)"])
+    return questions
 
 
-def error_line(exc: VramPlanError | click.ClickException) -> str:
-    """What the CLI prints after `error: ` for this bad input."""
-    return one_line(exc.format_message() if isinstance(exc, click.ClickException) else str(exc))
+def _boolean(name: str, text: str) -> bool:
+    """A switch's text read as the request's switches are (pydantic's booleans: true/false, 1/0, yes/no, on/off)."""
+    from pydantic import ValidationError
+
+    from vram_planner.validation import validate
+
+    try:
+        return validate(bool, text.strip() or "false")
+    except ValidationError as exc:
+        raise ConfigError([f"{name} should be true or false (got {text[:40]!r})"]) from exc
+
+
+def query_report(command: str, query: Iterable[tuple[str, str]], allow_local_files: bool = True) -> Report:
+    """Exactly the document `vram-plan <command> --json` prints for the request these parameters spell."""
+    request, questions = query_request(query, allow_local_files)
+    maximize = questions.get("maximize")
+    if maximize is not None and command != "plan":
+        raise ConfigError(["maximize goes with /api/plan"])
+    if maximize is not None:
+        if questions.get("exact"):
+            raise ConfigError(["exact judges one config or the plan's choice, not maximize: ask /api/check with "
+                               "exact=true and the value maximize finds"])
+        return api.maximize(request, field=maximize, allow_savers=questions.get("allow_savers", False))
+    ask = api.plan if command == "plan" else api.check
+    return ask(request, exact=questions.get("exact", False))
+
+
+def error_line(exc: VramPlanError) -> str:
+    """One line for bad input, naming the fields as the query spells them."""
+    return one_line(str(exc))
+
+
+def pasted_config(text: str) -> dict[str, Any]:
+    """A pasted config.json's dict, or one line saying why it is not one."""
+    from vram_planner.errors import ProfileError, first_line
+
+    try:
+        config = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ProfileError(f"the pasted config.json is not valid JSON: {first_line(exc)}") from exc
+    if not isinstance(config, dict):
+        raise ProfileError("the pasted config.json is not a config.json: it holds no JSON object")
+    return config
+

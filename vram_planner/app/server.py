@@ -1,5 +1,6 @@
 """One server for both: the HTTP API (GET /api/check and /api/plan, the documents of `check --json` and
-`plan --json`) and the Gradio page mounted at / on the same FastAPI app."""
+`plan --json`; /api/gpus and /api/models, the catalogs, and with model= every card's verdict; /api/openapi.json, its
+description) and the Gradio page mounted at / on the same FastAPI app."""
 
 from __future__ import annotations
 
@@ -9,52 +10,88 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import click
-
+from vram_planner import api
 from vram_planner.app import require_app_extra
-from vram_planner.app.query import COMMANDS, error_line, query_report
-from vram_planner.errors import VramPlanError, first_line
+from vram_planner.app.openapi import openapi_document
+from vram_planner.app.query import COMMANDS, error_line, query_report, query_request
+from vram_planner.errors import ConfigError, VramPlanError, first_line
 from vram_planner.validation import to_json
 
 log = logging.getLogger(__name__)
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def build_app() -> Any:
+def local_files_default(host: str) -> bool:
+    """Model paths are read by default only when the server listens on this machine alone."""
+    return host in LOCAL_HOSTS
+
+
+def build_app(allow_local_files: bool = True) -> Any:
     """The FastAPI app: the API's routes, and the page at /."""
     import gradio as gr
     from fastapi import FastAPI
 
-    from vram_planner.app.page import build_page
+    from vram_planner.app.page import CSS, build_page, theme
 
     server = FastAPI(title="vram-plan", docs_url=None, redoc_url=None, openapi_url=None)
     for command in COMMANDS:
         # a plain Starlette route: it takes the query as it comes, repeated and unknown names included
-        server.add_route(f"/api/{command}", _document_route(command), methods=["GET"])
+        server.add_route(f"/api/{command}", _route(lambda query, c=command: query_report(c, query, allow_local_files)),
+                         methods=["GET"])
+    server.add_route("/api/gpus", _route(lambda query: _gpus(query, allow_local_files)), methods=["GET"])
+    server.add_route("/api/models", _route(lambda query: _models(query)), methods=["GET"])
+    server.add_route("/api/openapi.json", _route(lambda query: openapi_document()), methods=["GET"])
     # No server-side rendering: it would need Node.js beside Python, and the page renders in the browser anyway.
-    return gr.mount_gradio_app(server, build_page(), path="/", ssr_mode=False, footer_links=["gradio", "settings"])
+    return gr.mount_gradio_app(server, build_page(allow_local_files), path="/", ssr_mode=False,
+                               footer_links=["gradio", "settings"], theme=theme(), css=CSS)
 
 
-def _document_route(command: str) -> Callable[..., Any]:
+def _gpus(query: list[tuple[str, str]], allow_local_files: bool) -> Any:
+    """The GPU catalog; with model= (and knobs, maximize), every card's verdict for that config."""
+    if not query:
+        return api.gpus()
+    request, questions = query_request(query, allow_local_files)
+    if questions.get("exact"):
+        raise ConfigError(["exact judges one card: ask /api/check with exact=true"])
+    if request.gpu is not None:
+        raise ConfigError(["/api/gpus judges every card: leave gpu out (or ask /api/check with it)"])
+    return api.fitting_gpus(request, maximize=questions.get("maximize"),
+                            allow_savers=questions.get("allow_savers", False))
+
+
+def _models(query: list[tuple[str, str]]) -> Any:
+    if query:
+        raise ConfigError([f"/api/models takes no query parameters (got {query[0][0]!r})"])
+    return api.models()
+
+
+def _route(answer: Callable[[list[tuple[str, str]]], Any]) -> Callable[..., Any]:
     from starlette.concurrency import run_in_threadpool
 
-    async def document(request: Any) -> Any:  # request: starlette.requests.Request
-        """The document `vram-plan <command> --json` prints; bad input: 400 and the CLI's one-line message."""
-        return await run_in_threadpool(_document, command, request.query_params.multi_items())
+    async def route(request: Any) -> Any:  # request: starlette.requests.Request
+        """The answer as JSON; bad input: 400 and one line naming the query's fields."""
+        return await run_in_threadpool(_document, request.url.path, answer, request.query_params.multi_items())
 
-    return document
+    return route
 
 
-def _document(command: str, query: list[tuple[str, str]]) -> Any:
+def _document(path: str, answer: Callable[[list[tuple[str, str]]], Any], query: list[tuple[str, str]]) -> Any:
+    import json
+
     from starlette.responses import JSONResponse, Response
 
     try:
-        report = query_report(command, query)
-    except (VramPlanError, click.ClickException) as exc:
+        document = answer(query)
+    except VramPlanError as exc:
         return JSONResponse({"error": error_line(exc)}, status_code=400)
     except Exception as exc:  # a bug, not bad input: said as the CLI says it, the traceback in the log
-        log.exception("/api/%s failed", command)
+        log.exception("%s failed", path)
         return JSONResponse({"error": f"internal error: {first_line(exc)}"}, status_code=500)
-    return Response(to_json(report, indent=2) + "\n", media_type="application/json")
+    if hasattr(document, "to_json"):
+        text = document.to_json(indent=2)
+    else:
+        text = to_json(document, indent=2) if not isinstance(document, (list, dict)) else json.dumps(document, indent=2)
+    return Response(text + "\n", media_type="application/json")
 
 
 def check_address(host: str, port: int) -> None:
@@ -67,14 +104,17 @@ def check_address(host: str, port: int) -> None:
                             "(or --host)") from exc
 
 
-def serve(host: str, port: int) -> None:
-    """Serve the page and the API until interrupted."""
+def serve(host: str, port: int, allow_local_files: bool | None = None) -> None:
+    """Serve the page and the API until interrupted; model paths are read when `allow_local_files` (by default
+    only on a local address)."""
     require_app_extra()
     check_address(host, port)
     import uvicorn
 
-    app = build_app()
+    local_files = local_files_default(host) if allow_local_files is None else allow_local_files
+    app = build_app(local_files)
     shown = f"[{host}]" if ":" in host else host
-    print(f"vram-plan app: http://{shown}:{port}/ (the API: /api/check and /api/plan; Ctrl+C stops it)",
-          file=sys.stderr, flush=True)
+    files = "reads model paths" if local_files else "reads no model paths (--allow-local-files to read them)"
+    print(f"vram-plan app: http://{shown}:{port}/ (the API: /api/check, /api/plan, /api/gpus, /api/models, "
+          f"described at /api/openapi.json; it {files}; Ctrl+C stops it)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

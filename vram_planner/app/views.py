@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vram_planner.cli.plot import COMPONENT_COLOURS
-from vram_planner.cli.render import first_micro_batch_line, footer, near_boundary_reason, saving
-from vram_planner.cli.report import Report, per_gpu
+import re
+from html import escape
+
+from vram_planner.errors import spelled
+from vram_planner.report.document import Report, per_gpu
+from vram_planner.report.plot import COMPONENT_COLOURS
+from vram_planner.report.words import first_micro_batch_line, footer_lines, near_boundary_reason, saving
 from vram_planner.model.accelerate_config import SCRIPT_FILE
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.profiles import GpuProfile
@@ -152,5 +156,79 @@ def launch_markdown(report: Report) -> str:
 
 
 def notes_markdown(report: Report) -> str:
-    """What was assumed and noted, as the CLI's footer says it."""
-    return "  \n".join(footer(report).plain.splitlines())
+    """What was assumed and noted, as the CLI's footer says it, in the page's words."""
+    return "  \n".join(page_words(spelled(line)) for line in footer_lines(report))
+
+
+# A command-line flag in a report's notes (the JSON document's words): `--lora-r 16`, `--no-gradient-checkpointing`.
+FLAG = re.compile(r"--(no-)?([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+def page_words(text: str) -> str:
+    """A text that names command-line flags, naming the page's fields instead (`--lora-r` is lora_r, and
+    `--no-gradient-checkpointing` is gradient_checkpointing off); other flags stay as they are."""
+    from vram_planner.request import request_fields
+
+    fields = set(request_fields())
+
+    def field(match: re.Match[str]) -> str:
+        name = match.group(2).replace("-", "_")
+        if name not in fields:
+            return match.group(0)
+        return f"{name} off" if match.group(1) else name
+
+    return FLAG.sub(field, text)
+
+
+def bars_html(report: Report, elem_id: str) -> str:
+    """Each phase as a stacked bar of its parts in GiB, the card's free rest on top, and the card's capacity as a
+    dashed line across every bar (a phase over the card rises above it). Each segment carries an aria-label
+    ("phase: generation; GiB: 6.906; part: weights") that screen readers and the browser test read."""
+    width, height, left, top, bottom = 640, 300, 48, 16, 28
+    phases = report.phases
+    capacity = report.capacity_bytes / GiB
+    highest = max([capacity, *(p.total_bytes / GiB for p in phases)]) * 1.08 or 1.0
+    scale = (height - top - bottom) / highest
+    slot = (width - left - 8) / max(len(phases), 1)
+    bar = min(slot * 0.6, 110)
+    parts = ['<text x="4" y="12" font-size="11">GiB</text>']
+    for tick in _ticks(highest):
+        y = height - bottom - tick * scale
+        parts.append(f'<line x1="{left}" x2="{width - 8}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>'
+                     f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11">{tick:g}</text>')
+    for index, row in enumerate(_stacks(report)):
+        x, base = left + slot * index + (slot - bar) / 2, height - bottom
+        for part, value in row["parts"]:
+            h = value * scale
+            if value <= 0:
+                continue
+            base -= h
+            label = f"phase: {row['phase']}; GiB: {round(value, 3)}; part: {part}"
+            parts.append(f'<rect x="{x:.1f}" y="{base:.1f}" width="{bar:.1f}" height="{h:.1f}" '
+                         f'fill="{BAR_COLOURS[part]}" aria-label="{escape(label)}"><title>{escape(label)}</title>'
+                         "</rect>")
+        parts.append(f'<text x="{x + bar / 2:.1f}" y="{height - bottom + 16}" text-anchor="middle" '
+                     f'font-size="11">{escape(row["phase"])}</text>')
+    y = height - bottom - capacity * scale
+    parts.append(f'<line class="capacity" x1="{left}" x2="{width - 8}" y1="{y:.1f}" y2="{y:.1f}" stroke="#111" '
+                 f'stroke-width="1.5" stroke-dasharray="6 4" aria-label="capacity: {capacity:.2f} GiB"/>'
+                 f'<text x="{width - 10}" y="{y - 4:.1f}" text-anchor="end" font-size="11">{escape(report.gpu)}: '
+                 f'{capacity:.2f} GiB</text>')
+    return (f'<svg id="{elem_id}_svg" role="img" viewBox="0 0 {width} {height}" width="100%" '
+            f'style="max-width: {width}px" xmlns="http://www.w3.org/2000/svg">{"".join(parts)}</svg>')
+
+
+def _stacks(report: Report) -> list[dict[str, Any]]:
+    """Per phase, its parts from the bottom of the stack up (the free rest last)."""
+    rows = phase_rows(report)
+    stacks = []
+    for phase in report.phases:
+        title = PHASE_TITLES.get(phase.name, phase.name)
+        mine = [r for r in rows if r["phase"] == title]
+        stacks.append({"phase": title, "parts": [(r["part"], r["GiB"]) for r in reversed(mine)]})
+    return stacks
+
+
+def _ticks(highest: float) -> list[float]:
+    step = next(s for s in (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500) if highest / s <= 8)
+    return [step * i for i in range(int(highest / step) + 1)]

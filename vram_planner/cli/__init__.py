@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, KNOBS, MAXIMIZE, MODEL_CONTEXT, PATH
-from vram_planner.errors import UnknownNameError, VramPlanError, first_line, one_line
+from vram_planner.errors import UnknownNameError, VramPlanError, first_line, flag, one_line
 
 # The commands with modules of their own, loaded when they run (or when --help lists them): each declares dozens
 # of options, and `plan` should not pay for building those of `run`, `advise` and `replay` (click's documented
@@ -93,12 +93,15 @@ def list_models(json_output: bool) -> None:
 @app.command("app")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
 @click.option("--port", type=click.IntRange(1, 65535), default=7860, show_default=True, help="Port to listen on.")
-def web_app(host: str, port: int) -> None:
+@click.option("--allow-local-files/--no-allow-local-files", default=None,
+              help="Read config.json paths given as the model (default: only when --host is 127.0.0.1).")
+def web_app(host: str, port: int, allow_local_files: bool | None) -> None:
     """A local web page for plan and check, with an HTTP API beside it: GET /api/check and /api/plan take the
-    knobs as query parameters and return the --json documents (needs the app extra: Gradio)."""
+    knobs as query parameters and return the --json documents, /api/gpus and /api/models the catalogs,
+    /api/openapi.json describes them (needs the app extra: Gradio)."""
     from vram_planner.app.server import serve
 
-    serve(host, port)
+    serve(host, port, allow_local_files)
 
 
 @app.command("probe")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     except (VramPlanError, click.ClickException) as exc:
         if debug:
             raise
-        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        message = exc.format_message() if isinstance(exc, click.ClickException) else exc.worded(flag)
         click.echo(f"error: {one_line(message)}", err=True)
         return EXIT_ERROR
     except click.exceptions.Abort:

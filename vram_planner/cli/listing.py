@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 from vram_planner.model.resolve import catalog_architecture
 from vram_planner.profiles import gpus, models
-from vram_planner.validation import to_jsonable
 
 if TYPE_CHECKING:  # rich is imported where a table is printed: `--json` goes without it
     from rich.console import Console
@@ -47,25 +46,22 @@ def print_models(console: Console | None = None) -> None:
 
 
 def gpus_json() -> str:
-    return json.dumps([{**to_jsonable(g), "capacity_bytes": g.capacity_bytes} for g in gpus()], indent=2)
+    from vram_planner import api
+
+    return json.dumps(api.gpus(), indent=2)
 
 
 def models_json() -> str:
-    rows = []
-    for entry in models():
-        a = catalog_architecture(entry)
-        rows.append({"name": entry.name, "hub_id": entry.hub_id, "aliases": entry.aliases, "params": a.params,
-                     "model_type": a.model_type, "num_layers": a.num_layers, "hidden_size": a.hidden_size,
-                     "num_attention_heads": a.num_attention_heads, "num_kv_heads": a.num_kv_heads,
-                     "vocab_size": a.vocab_size, "tie_word_embeddings": a.tie_word_embeddings})
-    return json.dumps(rows, indent=2)
+    from vram_planner import api
+
+    return json.dumps(api.models(), indent=2)
 
 
 def gpus_for_model(options: dict[str, Any]) -> int:
     """`gpus --model M [knobs] [--maximize FIELD]`: every card's verdict (or largest value) as a table or JSON; the
     exit code is 0 when some card fits, 1 when none does."""
     from vram_planner import api
-    from vram_planner.cli.options import EXIT_DOES_NOT_FIT, EXIT_FITS, settings_from
+    from vram_planner.cli.options import EXIT_DOES_NOT_FIT, EXIT_FITS, request_from
     from vram_planner.errors import VramPlanError
 
     if options["allow_savers"] and options["maximize"] is None:
@@ -73,39 +69,14 @@ def gpus_for_model(options: dict[str, Any]) -> int:
     if not options["model"] and not options["config_file"]:
         raise VramPlanError("knobs and --maximize on `gpus` need --model (e.g. vram-plan gpus --model Llama-3.2-1B "
                             "--lora-r 16)")
-    model, _, trl_version, knobs = settings_from("gpus", {**options, "gpu": None}, gpu_required=False)
-    cards = api.fitting_gpus(model, knobs, options["maximize"], options["allow_savers"], trl_version=trl_version,
-                             calibration=options["calibration"], safety_margin=options["safety_margin"])
+    request = request_from("gpus", {**options, "gpu": None}, gpu_required=False)
+    report = api.fitting_gpus(request, maximize=options["maximize"], allow_savers=options["allow_savers"])
+    cards = report.cards
     if options["json_output"]:
-        label = _strategy(cards)
-        print(json.dumps([_card_row(card, label) for card in cards], indent=2))
+        print(report.to_json(indent=2))
     else:
         print_fitting(cards)
     return EXIT_FITS if any(card.fits for card in cards) else EXIT_DOES_NOT_FIT
-
-
-def _strategy(cards: list[Any]) -> str | None:
-    """'2 x ZeRO-3' where the bytes are per GPU of several (None on one plain GPU)."""
-    from vram_planner.model.accelerate_config import strategy_label
-
-    judged = next((card.verdict for card in cards if card.verdict is not None), None)
-    return None if judged is None else strategy_label(judged.train)
-
-
-def _card_row(card: Any, per_gpu: str | None) -> dict[str, Any]:  # card: vram_planner.api.CardFit
-    row = {"name": card.name, "capacity_bytes": card.capacity_bytes, "fits": card.fits,
-           "peak_bytes": _whole(card.peak_bytes), "spare_bytes": _whole(card.spare_bytes), "problem": card.problem,
-           "per_gpu": per_gpu}
-    m = card.maximized
-    if m is not None:
-        row["maximized"] = {"field": m.field, "value": m.value, "peak_bytes": _whole(m.peak_bytes),
-                            "next_value": m.next_value, "next_peak_bytes": _whole(m.next_peak_bytes),
-                            "limited_by": m.limited_by}
-    return row
-
-
-def _whole(n_bytes: float | None) -> int | None:
-    return None if n_bytes is None else round(n_bytes)
 
 
 def print_fitting(cards: list[Any], console: Console | None = None) -> None:
@@ -115,10 +86,12 @@ def print_fitting(cards: list[Any], console: Console | None = None) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from vram_planner.report.cards import strategy
+
     judged = next(card.verdict for card in cards if card.verdict is not None)
     context, field = judged.context, next((c.maximized.field for c in cards if c.maximized), None)
     what = f"the largest {field} on each card" if field else "every card"
-    label = _strategy(cards)
+    label = strategy(cards)
     per_gpu = "" if label is None else f", per GPU, {label}"
     title = Text(f"{context.model_id or context.arch.name}, TRL {context.release.version}{per_gpu}: {what}, smallest "
                  "that fits first (GiB)", style="italic")

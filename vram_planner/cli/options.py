@@ -109,11 +109,17 @@ def settings_from(command: str, options: dict[str, Any],
     return model, gpu, trl_version, knobs
 
 
+def request_from(command: str, options: dict[str, Any], gpu_required: bool = True):
+    """The request the flags spell, over the --config file's values (vram_planner.request.Request)."""
+    from vram_planner.request import Request
+
+    model, gpu, trl_version, knobs = settings_from(command, options, gpu_required)
+    return Request.of({**knobs, "model": model, "gpu": gpu, "trl_version": trl_version,
+                       "calibration": options["calibration"], "safety_margin": options["safety_margin"]})
+
+
 def resolve(command: str, options: dict[str, Any]):
     """The context and training config from the flags, over the --config file's values."""
     from vram_planner import api
 
-    model, gpu, trl_version, knobs = settings_from(command, options)
-    context = api.make_context(model, gpu, trl_version=trl_version, calibration=options["calibration"],
-                               safety_margin=options["safety_margin"])
-    return context, api.make_training(context, knobs)
+    return api.resolve(request_from(command, options))

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT, resolve,
-                                      settings_from)
+from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT,
+                                      request_from)
 from vram_planner.errors import VramPlanError
 
 
@@ -36,7 +36,7 @@ trace = training_command("trace", "Count this config's GRPO step tensor by tenso
 
 def _execute(command: str, options: dict[str, Any]) -> None:
     if options["plot"]:  # before any work: a plot that cannot be written is refused now, not after the plan
-        from vram_planner.cli.plot import check_plot_target
+        from vram_planner.report.plot import check_plot_target
 
         check_plot_target(options["plot"])
     if command == "trace":
@@ -45,27 +45,27 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         _exact(command, options)
     if options.get("maximize") is not None or options.get("allow_savers"):
         _maximize(options)
-    context, train = resolve(command, options)
-    report, shown = judge_report(command, context, train)
+    from vram_planner import api
 
-    def human() -> None:
-        from vram_planner.cli.render import render
+    report = (api.plan if command == "plan" else api.check)(request_from(command, options))
+    _emit(report, options, lambda: _render(report))
 
-        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
 
-    _emit(report, options, human)
+def _render(report: Any) -> None:
+    from vram_planner.cli.render import render
+
+    context = report.judged.context
+    render(report, context.gpu, report.judged.train, context.arch.hub_id or context.model_id)
 
 
 def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
     """The plot when asked, then the JSON document or the human view; the exit code says whether it fits."""
     if options["plot"]:
-        from vram_planner.cli.plot import plot_phases
+        from vram_planner.report.plot import plot_phases
 
         plot_phases(report, options["plot"])
     if options["json_output"]:
-        from vram_planner.validation import to_json
-
-        click.echo(to_json(report, indent=2))
+        click.echo(report.to_json(indent=2))
     else:
         human()
     raise click.exceptions.Exit(EXIT_FITS if report.fits else EXIT_DOES_NOT_FIT)
@@ -73,22 +73,20 @@ def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
 
 def _maximize(options: dict[str, Any]) -> None:
     """`plan --maximize FIELD`: the answer, then the plan at it; the impossible case in one line (exit 1)."""
-    from vram_planner.cli.maximized_report import maximized_report
-    from vram_planner.model.maximize import maximizable_field, maximize
+    from vram_planner import api
+    from vram_planner.model.maximize import maximizable_field
 
     if options["maximize"] is None:
         raise VramPlanError("--allow-savers goes with --maximize FIELD (plan without --maximize already uses the "
                             "savers)")
     field = maximizable_field(options["maximize"])
-    context, train = resolve("plan", options)
-    result = maximize(context, train, field, options["allow_savers"])
-    report = maximized_report(result)
+    report = api.maximize(request_from("plan", options), field=field, allow_savers=options["allow_savers"])
 
     def human() -> None:
-        from vram_planner.cli.render import render, render_maximized
+        from vram_planner.cli.render import render_maximized
 
-        if render_maximized(report, context.gpu):
-            render(report, context.gpu, result.plan.chosen.train, context.arch.hub_id or context.model_id)
+        if render_maximized(report, report.judged.context.gpu):
+            _render(report)
 
     _emit(report, options, human)
 
@@ -97,19 +95,16 @@ def _trace(options: dict[str, Any]) -> None:
     from rich.console import Console
 
     from vram_planner import api
-    from vram_planner.cli.report import trace_report
 
-    model, gpu, trl_version, knobs = settings_from("trace", options, gpu_required=False)
+    request = request_from("trace", options, gpu_required=False)
     # The spinner names the phase being traced (up to a minute for a 70B model); stderr keeps --json clean.
     with Console(stderr=True).status("resolving the model and the config") as status:
-        outcome = api.trace(model, gpu, knobs, progress=status.update, trl_version=trl_version,
-                            calibration=options["calibration"], safety_margin=options["safety_margin"])
-    report = trace_report(outcome)
+        report = api.trace(request, progress=status.update)
 
     def human() -> None:
         from vram_planner.cli.render import render_trace
 
-        render_trace(report, outcome.traced.context.gpu)
+        render_trace(report, report.judged.context.gpu)
 
     _emit(report, options, human)
 
@@ -118,47 +113,12 @@ def _exact(command: str, options: dict[str, Any]) -> None:
     """`check --exact` and `plan --exact`: the analytic answer's document, judged by the traced step's need."""
     from rich.console import Console
 
-    with Console(stderr=True).status("resolving the model and the config") as status:
-        report, shown, context = exact_judgement(command, options, status.update)
-
-    def human() -> None:
-        from vram_planner.cli.render import render
-
-        render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
-
-    _emit(report, options, human)
-
-
-def exact_judgement(command: str, options: dict[str, Any], progress: Any = None):
-    """The report `command --exact` prints, the training config it shows and its context (the web app's HTTP API
-    serves the same report for exact=true)."""
     from vram_planner import api
-    from vram_planner.cli import report as reports
 
     if options.get("maximize") is not None or options.get("allow_savers"):
         raise VramPlanError("--exact judges one config (check) or the plan's choice (plan), not --maximize: run "
                             "`vram-plan check --exact` with the value --maximize finds")
-    model, gpu, trl_version, knobs = settings_from(command, options)
-    context_options = {"trl_version": trl_version, "calibration": options["calibration"],
-                       "safety_margin": options["safety_margin"]}
-    if command == "check":
-        outcome = api.check(model, gpu, knobs, exact=True, progress=progress, **context_options)
-        return reports.exact_check_report(outcome), outcome.traced.train, outcome.traced.context
-    exact = api.plan(model, gpu, knobs, exact=True, progress=progress, **context_options)
-    return (reports.exact_plan_report(exact), (exact.plan.chosen or exact.plan.smallest).train,
-            exact.plan.requested.context)
-
-
-def judge_report(command: str, context, train):
-    """The report `command` (check or plan) prints and the training config it describes (the web app's HTTP API
-    serves the same)."""
-    from vram_planner.cli import report as reports
-
-    if command == "plan":
-        from vram_planner.model.search import best_plan
-
-        result = best_plan(context, train)
-        return reports.plan_report(result), (result.chosen or result.smallest).train
-    from vram_planner.model.verdict import judge
-
-    return reports.verdict_report(judge(context, train)), train
+    request = request_from(command, options)
+    with Console(stderr=True).status("resolving the model and the config") as status:
+        report = (api.plan if command == "plan" else api.check)(request, exact=True, progress=status.update)
+    _emit(report, options, lambda: _render(report))

@@ -8,16 +8,18 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from vram_planner.cli.report import Report, per_gpu
+from vram_planner.errors import flag, spelled
+from vram_planner.report.document import Report, per_gpu
+from vram_planner.report.words import (first_micro_batch_line, footer_lines, near_boundary_reason, saving,
+                                       small_amount)
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
 from vram_planner.model.spec import TrainingConfig
-from vram_planner.model.verdict import NEED_BELOW_ESTIMATE, need_above_estimate
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB, KiB, MiB
 
 if TYPE_CHECKING:  # --maximize's report: its module loads only for --maximize
-    from vram_planner.cli.maximized_report import MaximizedPlanReport
+    from vram_planner.report.maximized import MaximizedPlanReport
 
 BAR_WIDTH = 40
 COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients": "magenta",
@@ -70,29 +72,6 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
     return title
 
 
-def first_micro_batch_line(first) -> str:  # first: vram_planner.cli.report.FirstMicroBatchReport
-    """The first micro-batch of the run judged on its own, in words."""
-    where = f"{PHASE_TITLES.get(first.peak_phase, first.peak_phase)}, {first.peak_moment}".rstrip(", ")
-    if first.fits:
-        return (f"The first micro-batch fits ({_g(first.peak_bytes)} GiB in {where}, before any optimizer state "
-                "exists): the run gets past it and runs out once the optimizer states (or accumulated gradients) "
-                "exist")
-    return (f"Dies before its first optimizer step: the first micro-batch alone, with no optimizer state yet, needs "
-            f"{_g(first.peak_bytes)} GiB in {where}")
-
-
-def near_boundary_reason(report: Report) -> str:
-    """Why the estimate's verdict could be the other way round (the web page says it too)."""
-    if report.fits:
-        above = need_above_estimate(report.assumptions["attn_implementation"])
-        attention = " with eager attention" if report.assumptions["attn_implementation"] == "eager" else ""
-        return (f"steps{attention} have needed up to {above:.0%} more than the estimate (the most measured), and "
-                "this card would not hold that")
-    return (f"steps have needed up to {NEED_BELOW_ESTIMATE:.0%} less than the estimate (the most measured), and "
-            "this card would hold that")
-
-
-# Why the allocator holds more than the step needs, as nvidia-smi shows it: the question users ask.
 WHY_HELD = ("blocks the step freed, which it keeps cached until cudaMalloc fails (on a card with room, those too "
             "small for the next request pile up: each decoding step's shorter KV cache, say)")
 
@@ -159,11 +138,6 @@ def changes_text(report: Report) -> Text:
     return text
 
 
-def saving(n_bytes: float) -> str:
-    """GiB to two decimals, or a smaller unit where that would read 0.00."""
-    return f"{_g(n_bytes)} GiB" if n_bytes >= GiB / 200 else _small(n_bytes)
-
-
 def breakdown_table(report: Report) -> Table:
     table = Table(title="Memory by phase (GiB)", title_justify="left", show_edge=False)
     table.add_column("component")
@@ -195,17 +169,7 @@ def peak_bar(report: Report) -> Text:
 
 
 def footer(report: Report) -> Text:
-    prompt = report.assumptions["max_prompt_length"]
-    if report.assumptions.get("prompts_truncated"):
-        assumed = f"prompts of {prompt} tokens (TRL {report.trl_version} truncates longer ones to max_prompt_length)"
-    else:
-        assumed = (f"the longest prompt is {prompt} tokens (set --max-prompt-length; TRL no longer truncates "
-                   "prompts)")
-    lines = [f"Assumed: {assumed}. Calibration: {report.calibration}."]
-    lines += [f"Note: {n}" for n in report.notes]
-    if not report.grpo_config_valid:
-        lines += [f"GRPOConfig would reject this: {p}" for p in report.grpo_config_problems]
-    return Text("\n".join(lines), style="dim")
+    return Text("\n".join(spelled(line, flag) for line in footer_lines(report)), style="dim")
 
 
 def render(report: Report, gpu: GpuProfile, train: TrainingConfig, hub_id: str,
@@ -260,7 +224,8 @@ def render_maximized(report: MaximizedPlanReport, gpu: GpuProfile, console: Cons
         text.append(f"\n  peak {_g3(m.peak_bytes)} GiB at {m.value}; at {m.next_value}: {m.limited_by}")
     else:
         text.append(f"\n  peak {_g3(m.peak_bytes)} GiB at {m.value}; at {m.next_value} it needs "
-                    f"{_g3(m.next_peak_bytes)} GiB, {_small(m.next_peak_bytes - budget)} over the {_g3(budget)} GiB "
+                    f"{_g3(m.next_peak_bytes)} GiB, {small_amount(m.next_peak_bytes - budget)} over the "
+                    f"{_g3(budget)} GiB "
                     f"the card allows ({_g(report.capacity_bytes)} GiB less the {_g(report.safety_margin_bytes)} GiB "
                     "safety margin)")
     console.print(text, Text(""))
@@ -269,12 +234,6 @@ def render_maximized(report: MaximizedPlanReport, gpu: GpuProfile, console: Cons
 
 def _g3(n_bytes: float | None) -> str:
     return f"{(n_bytes or 0) / GiB:.3f}"
-
-
-def _small(n_bytes: float) -> str:
-    """A few bytes in the unit that shows them: one token more can need a fraction of a MiB."""
-    unit, size = next(((u, s) for u, s in (("GiB", GiB), ("MiB", MiB)) if n_bytes >= s), ("KiB", KiB))
-    return f"{n_bytes / size:.1f} {unit}"
 
 
 def print_code(code: str, console: Console) -> None:

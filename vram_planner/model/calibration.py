@@ -11,7 +11,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from vram_planner.errors import ProfileError
+from vram_planner.errors import ProfileError, field_name
 from vram_planner.profile_cache import cached
 from vram_planner.profiles import data_home, profile_dirs, read_json, validated
 from vram_planner.validation import Rules
@@ -75,7 +75,7 @@ def _shipped(name: str) -> Path:
 def load_calibration_file(path: Path | str) -> Calibration:
     """A calibration profile from a JSON file; ProfileError in one line naming the file, the field and the problem."""
     if not isinstance(path, (str, Path)):
-        raise ProfileError(f"--calibration should be a calibration file's path (got {path!r:.60})")
+        raise ProfileError(f"{field_name('calibration')} should be a calibration file's path (got {path!r:.60})")
     try:
         return cached(Path(path), _calibration)
     except OSError as exc:

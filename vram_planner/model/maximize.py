@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vram_planner.errors import ConfigError, UnknownNameError
+from vram_planner.errors import ConfigError, UnknownNameError, field_name
 from vram_planner.model.divisors import divisors
 from vram_planner.model.search import (BATCH_FIELDS, Plan, best_plan, describe_changes, ladder_runs,
                                        smallest_micro_batch, vllm_tuned, with_micro_batch)
-from vram_planner.model.spec import MAX_COUNT, TrainingConfig, flag, knob_names, with_changes
+from vram_planner.model.spec import MAX_COUNT, TrainingConfig, knob_names, with_changes
 from vram_planner.model.verdict import Context, Verdict, judge
 
 MAXIMIZABLE = ("max_completion_length", "max_prompt_length", "num_generations", "per_device_train_batch_size",
@@ -44,8 +44,10 @@ def maximizable_field(name: object) -> str:
     if text in MAXIMIZABLE:
         return text
     if text in knob_names():
-        raise ConfigError([f"--maximize {text} is not supported: it maximizes one of {', '.join(MAXIMIZABLE)}"])
-    raise UnknownNameError("--maximize field", str(name), MAXIMIZABLE, hint=f"(choose from {', '.join(MAXIMIZABLE)})")
+        raise ConfigError([f"{field_name('maximize')} {text} is not supported: it maximizes one of "
+                           f"{', '.join(MAXIMIZABLE)}"])
+    raise UnknownNameError(f"{field_name('maximize')} field", str(name), MAXIMIZABLE,
+                           hint=f"(choose from {', '.join(MAXIMIZABLE)})")
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ def valid_values(context: Context, train: TrainingConfig, field: str) -> ValidVa
         return _lengths(context, train, field, largest)
     if field == "lora_r":
         if not train.uses_lora:
-            raise ConfigError(["--maximize lora_r needs LoRA: give --lora-r (any rank, e.g. --lora-r 16) to train "
-                               "adapters, and --maximize finds the largest rank that fits"])
+            raise ConfigError([f"{field_name('maximize')} lora_r needs LoRA: give {field_name('lora_r')} (any rank, "
+                               f"e.g. {field_name('lora_r')} 16) to train "
+                               f"adapters, and {field_name('maximize')} finds the largest rank that fits"])
         width = _adapted_width(context, train)
         return ValidValues(width, f"the width of the adapted layers ({width}): a larger rank adds nothing")
     if field == "per_device_train_batch_size":
@@ -101,7 +104,8 @@ def _lengths(context: Context, train: TrainingConfig, field: str, largest: str) 
         return ValidValues(MAX_COUNT, largest)
     tokens, whose, source = min(contexts, key=lambda found: found[0])
     if other >= tokens:
-        raise ConfigError([f"{flag(_other(field))} {other} already fills {whose} of {tokens} tokens ({source}): no "
+        raise ConfigError([f"{field_name(_other(field))} {other} already fills {whose} of {tokens} tokens "
+                           f"({source}): no "
                            f"{field} is left to maximize"])
     return ValidValues(min(tokens - other, MAX_COUNT),
                        f"{whose} of {tokens} tokens ({source}) less the "

@@ -7,7 +7,8 @@ from enum import Enum
 from functools import lru_cache
 from typing import Annotated, Any, Literal, get_args
 
-from vram_planner.errors import ConfigError, closest_names, short_repr
+from vram_planner.errors import ConfigError, closest_names, field_name, short_repr
+from vram_planner.errors import flag as cli_flag
 from vram_planner.model import trl_releases
 from vram_planner.model.divisors import divisors
 from vram_planner.model.transformers_releases import (TransformersRelease, known_transformers_version,
@@ -74,7 +75,7 @@ def _known_release(value: str | None) -> str | None:
     try:
         return trl_releases.trl_release(value).version
     except ConfigError as exc:
-        raise ValueError(exc.problems[0].removeprefix("--trl-version ")) from exc
+        raise ValueError(exc.problems[0].removeprefix(field_name("trl_version") + " ")) from exc
 
 
 def _known_transformers(value: str | None) -> str | None:
@@ -237,20 +238,15 @@ class TrainingConfig:
         return self.lora_target_modules
 
 
-# The command-line flag for each field, for messages.
-def flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
 def command_line_flags(settings: dict[str, Any]) -> str:
     """Settings as the flags that set them: `--lora-r 16 --load-in-4bit --no-gradient-checkpointing`."""
     words = []
-    for field, value in settings.items():
+    for name, value in settings.items():
         if isinstance(value, bool):
-            words.append(flag(field) if value else "--no-" + flag(field)[2:])
+            words.append(cli_flag(name) if value else "--no-" + cli_flag(name)[2:])
         elif value is not None:
             value = value.value if isinstance(value, Enum) else value
-            words.append(f"{flag(field)} {','.join(value) if isinstance(value, list) else value}")
+            words.append(f"{cli_flag(name)} {','.join(value) if isinstance(value, list) else value}")
     return " ".join(words)
 
 
@@ -258,26 +254,31 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
     """Every rule that involves several fields, each naming the flags to change."""
     problems = []
     if c.num_generations < 2:
-        problems.append(f"--num-generations must be at least 2 (got {c.num_generations}): "
+        problems.append(f"{field_name('num_generations')} must be at least 2 (got {c.num_generations}): "
                         "GRPO compares completions within a group")
     if c.steps_per_generation is not None and not c.release.accepts_steps_per_generation:
-        problems.append(f"--steps-per-generation is not a GRPOConfig field in TRL {c.release.version} (it came in "
-                        "0.18; before it one generation served --gradient-accumulation-steps micro-batches, or one)")
+        problems.append(f"{field_name('steps_per_generation')} is not a GRPOConfig field in TRL {c.release.version} "
+                        f"(it came in 0.18; before it one generation served "
+                        f"{field_name('gradient_accumulation_steps')} micro-batches, or one)")
     elif c.num_generations >= 2:
         problems.extend(generation_batch_problems(c))
     if c.load_in_4bit and not c.uses_lora:
-        problems.append("--load-in-4bit needs LoRA (--lora-r): 4-bit weights cannot be trained directly")
+        problems.append(f"{field_name('load_in_4bit')} needs LoRA ({field_name('lora_r')}): 4-bit weights cannot be "
+                        "trained directly")
     if not c.load_in_4bit and (c.bnb_4bit_quant_type is not None or c.bnb_4bit_use_double_quant is not None):
-        problems.append("--bnb-4bit-quant-type / --bnb-4bit-use-double-quant need --load-in-4bit")
+        problems.append(f"{field_name('bnb_4bit_quant_type')} / {field_name('bnb_4bit_use_double_quant')} need "
+                        f"{field_name('load_in_4bit')}")
     if not c.uses_lora and (c.lora_alpha is not None or c.lora_target_modules is not None or c.lora_dropout):
-        problems.append("--lora-alpha / --lora-target-modules / --lora-dropout need --lora-r")
+        problems.append(f"{field_name('lora_alpha')} / {field_name('lora_target_modules')} / "
+                        f"{field_name('lora_dropout')} need {field_name('lora_r')}")
     if c.zero_stage is not None and c.fsdp:
-        problems.append("choose one of --zero-stage and --fsdp")
+        problems.append(f"choose one of {field_name('zero_stage')} and {field_name('fsdp')}")
     if c.dtype == "float16" and c.mixed_precision == "fp16" and not c.uses_lora:
         problems.append("full fine-tuning of float16 weights with fp16 mixed precision fails in the grad scaler "
-                        "('Attempting to unscale FP16 gradients'); load float32 (--dtype float32) or use LoRA")
+                        f"('Attempting to unscale FP16 gradients'); load float32 ({field_name('dtype')} float32) or "
+                        "use LoRA")
     if c.vllm_mode == "server" and not c.use_vllm:
-        problems.append("--vllm-mode needs --use-vllm")
+        problems.append(f"{field_name('vllm_mode')} needs {field_name('use_vllm')}")
     problems.extend(vllm_problems(c))
     return problems
 
@@ -285,25 +286,28 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
 def vllm_problems(c: TrainingConfig) -> list[str]:
     """The vLLM knobs' rules: what needs vLLM (or its server mode), and what the TRL release has (GRPOConfig fields
     of trl/trainer/grpo_config.py; VLLMGeneration's check that the tensor parallel size divides the processes)."""
-    given = [flag(f) for f in ("vllm_max_model_length", "vllm_server_gpu") if getattr(c, f) is not None]
-    given += [flag("vllm_tensor_parallel_size")] if c.vllm_tensor_parallel_size != 1 else []
+    given = [field_name(f) for f in ("vllm_max_model_length", "vllm_server_gpu") if getattr(c, f) is not None]
+    given += [field_name("vllm_tensor_parallel_size")] if c.vllm_tensor_parallel_size != 1 else []
     if not c.use_vllm:
-        return [f"{' / '.join(given)} need{'s' * (len(given) == 1)} --use-vllm"] if given else []
+        return [f"{' / '.join(given)} need{'s' * (len(given) == 1)} {field_name('use_vllm')}"] if given else []
     problems, release = [], version_tuple(c.release.version)
     for field, since, unset in (("vllm_max_model_length", (0, 26, 0), None),
                                 ("vllm_enable_sleep_mode", (0, 23, 0), False),
                                 ("vllm_tensor_parallel_size", (0, 18, 0), 1)):
         if release < since and getattr(c, field) != unset:
-            problems.append(f"{flag(field)} is not a GRPOConfig field in TRL {c.release.version} (it came in "
+            problems.append(f"{field_name(field)} is not a GRPOConfig field in TRL {c.release.version} (it came in "
                             f"{'.'.join(map(str, since[:2]))})")
     if c.vllm_server_gpu is not None and c.vllm_mode != "server":
-        problems.append("--vllm-server-gpu plans the card of vLLM's server: it needs --vllm-mode server")
+        problems.append(f"{field_name('vllm_server_gpu')} plans the card of vLLM's server: it needs "
+                        f"{field_name('vllm_mode')} server")
     if c.vllm_mode == "colocate" and c.num_gpus % c.vllm_tensor_parallel_size:
-        problems.append(f"TRL refuses it: --vllm-tensor-parallel-size ({c.vllm_tensor_parallel_size}) must divide the "
-                        f"number of processes (--num-gpus {c.num_gpus}) evenly in colocate mode")
+        problems.append(f"TRL refuses it: {field_name('vllm_tensor_parallel_size')} ({c.vllm_tensor_parallel_size}) "
+                        "must divide the "
+                        f"number of processes ({field_name('num_gpus')} {c.num_gpus}) evenly in colocate mode")
     if c.vllm_max_model_length is not None and c.vllm_max_model_length < c.max_prompt_length:
-        problems.append(f"--vllm-max-model-length {c.vllm_max_model_length} is shorter than the longest prompt "
-                        f"(--max-prompt-length {c.max_prompt_length}): vLLM refuses longer prompts")
+        problems.append(f"{field_name('vllm_max_model_length')} {c.vllm_max_model_length} is shorter than the "
+                        "longest prompt "
+                        f"({field_name('max_prompt_length')} {c.max_prompt_length}): vLLM refuses longer prompts")
     return problems
 
 
@@ -325,7 +329,7 @@ def generation_batch_problems(c: TrainingConfig) -> list[str]:
             "generation batch size"
         batch_flags.append(("steps_per_generation" if c.steps_per_generation else "gradient_accumulation_steps",
                             c.steps_per_generation_resolved))
-    flags = ", ".join(f"{flag(f)} {v}" for f, v in batch_flags) + f" or {flag('num_generations')} {g}"
+    flags = ", ".join(f"{field_name(f)} {v}" for f, v in batch_flags) + f" or {field_name('num_generations')} {g}"
     if batch % g == 0:
         return []
     valid = sorted(d for d in divisors(batch, at_most=10**6) if d >= 2)
@@ -354,7 +358,8 @@ def training_config(values: dict[str, Any]) -> TrainingConfig:
     problems = []
     for key in (str(k) for k in values if k not in names):
         near = closest_names(key, names)
-        problems.append(f"unknown setting {flag(key)}" + (f" (did you mean {flag(near[0])}?)" if near else ""))
+        problems.append(f"unknown setting {field_name(key)}"
+                        + (f" (did you mean {field_name(near[0])}?)" if near else ""))
     known = {k: v for k, v in values.items() if k in names and v is not None}
     from pydantic import ValidationError
 
@@ -397,10 +402,10 @@ def _describe(exc: Any) -> list[str]:  # pydantic's ValidationError
         if allowed and err["type"] in ("enum", "literal_error"):
             near = closest_names(str(value), allowed)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            out.append(f"{flag(field)} {value!r} is not known; {hint}choose from {', '.join(allowed)}")
+            out.append(f"{field_name(field)} {value!r} is not known; {hint}choose from {', '.join(allowed)}")
             continue
         message = error_message(err).removeprefix("Input should be ").removeprefix("Value error, ")
-        out.append(f"{flag(field)} should be {message} (got {short_repr(value)})")
+        out.append(f"{field_name(field)} should be {message} (got {short_repr(value)})")
     return out
 
 
@@ -422,7 +427,7 @@ def with_changes(train: TrainingConfig, **changes: Any) -> TrainingConfig:
     names, metadata = knob_names(), _knob_rules()
     unknown = [name for name in changes if name not in names]
     if unknown:
-        raise ConfigError([f"unknown setting {flag(name)}" for name in unknown])
+        raise ConfigError([f"unknown setting {field_name(name)}" for name in unknown])
     try:
         checked = {name: _checked(metadata.get(name), value) for name, value in changes.items()}
     except (ValueError, OverflowError):

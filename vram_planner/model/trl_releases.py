@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from vram_planner.errors import ConfigError, ProfileError
+from vram_planner.errors import ConfigError, ProfileError, field_name
 from vram_planner.profile_cache import cached, remembered
 from vram_planner.profiles import profile_dirs, read_toml, validated
 from vram_planner.validation import Rules
@@ -171,10 +171,11 @@ def trl_release(version: str | None = None) -> TrlRelease:
     if version is not None:
         parsed = parse_version(version)
         if parsed is None:
-            raise ConfigError([f"--trl-version {version!r} is not a version number; write it like {NEWEST_KNOWN} "
+            raise ConfigError([f"{field_name('trl_version')} {version!r} is not a version number; write it like "
+                               f"{NEWEST_KNOWN} "
                                f"(vram-plan knows TRL {supported_range()})"])
         if not _supported(parsed[0]):
-            raise ConfigError([f"--trl-version {parsed[1]} is outside the TRL releases vram-plan knows "
+            raise ConfigError([f"{field_name('trl_version')} {parsed[1]} is outside the TRL releases vram-plan knows "
                                f"({supported_range()}); choose one of those"])
         return replace(_row(parsed[0]), version=parsed[1])
     installed = installed_trl_version()

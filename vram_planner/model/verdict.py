@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from vram_planner.errors import ConfigError, closest_names
+from vram_planner.errors import ConfigError, closest_names, field_name
 from vram_planner.model.architecture import FAMILIES, ModelArchitecture
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.cuda_context import ContextFigure, context_figure
@@ -14,10 +14,8 @@ from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.spec import TrainingConfig, with_changes
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.profiles import GpuProfile
+from vram_planner.request import DEFAULT_SAFETY_MARGIN
 
-# Share of the card a plan leaves free: the analytic model's error before calibration is several percent
-# (fitcheck-llm's mean 5.5% total error on T4, ../shared/design/grpo-memory.md), so "fits" keeps 5% spare.
-DEFAULT_SAFETY_MARGIN = 0.05
 MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a margin
 # How far the exact need of a step has been measured from the estimate (benchmarks/boundary.py: the traced step's
 # need, bisected through the allocator model, beside the analytic peak; benchmarks/results/boundary.txt): up to this
@@ -39,7 +37,7 @@ def check_safety_margin(value: object) -> float:
     """The share of the card a verdict keeps free: a number from 0 to MAX_SAFETY_MARGIN (ConfigError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             math.isfinite(value) and 0 <= value <= MAX_SAFETY_MARGIN):
-        raise ConfigError([f"--safety-margin should be a share of the card from 0 to {MAX_SAFETY_MARGIN} "
+        raise ConfigError([f"{field_name('safety_margin')} should be a share of the card from 0 to {MAX_SAFETY_MARGIN} "
                            f"(0.05 keeps 5% free; got {value!r})"])
     return float(value)
 
@@ -137,9 +135,10 @@ def gpu_problems(train: TrainingConfig, gpu: GpuProfile) -> list[str]:
     problems = []
     cc = f" (compute capability {gpu.compute_capability})" if gpu.compute_capability else ""
     if train.attn_implementation == "flash_attention_2" and not gpu.flash_attention_2:
-        problems.append(f"--attn-implementation flash_attention_2 does not run on {gpu.label}{cc}; use sdpa")
+        problems.append(f"{field_name('attn_implementation')} flash_attention_2 does not run on {gpu.label}{cc}; "
+                        "use sdpa")
     if not gpu.bf16 and train.mixed_precision == "bf16":
-        problems.append(f"{gpu.label}{cc} has no bf16: use --mixed-precision fp16")
+        problems.append(f"{gpu.label}{cc} has no bf16: use {field_name('mixed_precision')} fp16")
     if not gpu.bf16 and (train.dtype == "bfloat16" or train.load_in_4bit and train.mixed_precision == "bf16"):
         problems.append(f"{gpu.label}{cc} has no bf16: load float16 (with LoRA) or float32")
     return problems
@@ -169,7 +168,8 @@ def adapt_to_model(train: TrainingConfig, arch: ModelArchitecture, explicit: set
 def attention_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
     """An attention implementation the model's code refuses to load with."""
     if train.attn_implementation == "sdpa" and not train.transformers.supports_sdpa(arch.model_type):
-        return [f"--attn-implementation sdpa: transformers {train.transformers.version} has no SDPA attention for "
+        return [f"{field_name('attn_implementation')} sdpa: transformers {train.transformers.version} has no SDPA "
+                "attention for "
                 f"{arch.model_type} (from_pretrained refuses it); use eager (its default) or flash_attention_2"]
     return []
 
@@ -191,7 +191,8 @@ def lora_target_problems(train: TrainingConfig, arch: ModelArchitecture) -> list
         near = closest_names(name, known)
         named.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
     verb = "is not a linear layer" if len(unknown) == 1 else "are not linear layers"
-    return [f"--lora-target-modules {', '.join(named)} {verb} of {arch.name or arch.model_type}; choose from "
+    return [f"{field_name('lora_target_modules')} {', '.join(named)} {verb} of {arch.name or arch.model_type}; "
+            "choose from "
             f"{', '.join(known)}, or all-linear"]
 
 

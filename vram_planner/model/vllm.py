@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from vram_planner.errors import field_name
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig
@@ -447,10 +448,11 @@ def vllm_config_problems(train: TrainingConfig, arch: ModelArchitecture) -> list
     problems = []
     tp = train.vllm_tensor_parallel_size
     if arch.num_attention_heads % tp:  # ModelConfig.verify_with_parallel_config
-        problems.append(f"--vllm-tensor-parallel-size {tp}: vLLM needs the attention heads "
+        problems.append(f"{field_name('vllm_tensor_parallel_size')} {tp}: vLLM needs the attention heads "
                         f"({arch.num_attention_heads}) divisible by the tensor parallel size")
     if train.vllm_max_model_length and arch.context_length and train.vllm_max_model_length > arch.context_length:
-        problems.append(f"--vllm-max-model-length {train.vllm_max_model_length} exceeds the model's context "
+        problems.append(f"{field_name('vllm_max_model_length')} {train.vllm_max_model_length} exceeds the model's "
+                        "context "
                         f"({arch.context_length} tokens): vLLM refuses it")
     elif train.vllm_max_model_length and train.sequence_length > train.vllm_max_model_length:
         problems.append(context_problem(train, arch))
@@ -460,7 +462,8 @@ def vllm_config_problems(train: TrainingConfig, arch: ModelArchitecture) -> list
         try:
             server_gpu(train.vllm_server_gpu)
         except VramPlanError as exc:
-            problems.append(f"--vllm-server-gpu: {str(exc).removeprefix('--gpu ')}")
+            reason = exc.worded(field_name).removeprefix(field_name("gpu") + " ")
+            problems.append(f"{field_name('vllm_server_gpu')}: {reason}")
     return problems
 
 

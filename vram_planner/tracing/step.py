@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vram_planner.errors import VramPlanError, first_line
+from vram_planner.errors import VramPlanError, field_name, first_line
 from vram_planner.extras import TRAIN_EXTRA, library_log_warnings_hidden, require_bitsandbytes, require_train_extra
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
@@ -213,21 +213,23 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append(f"prompt + completion ({train.sequence_length} tokens) is longer than the model's "
                         f"max_position_embeddings ({max_position_embeddings}), so it has no positions for them")
     if train.load_in_4bit:
-        problems.append("4-bit weights (--load-in-4bit) need bitsandbytes' CUDA kernels")
+        problems.append(f"4-bit weights ({field_name('load_in_4bit')}) need bitsandbytes' CUDA kernels")
     if train.use_vllm:
-        problems.append("vLLM generation (--use-vllm) runs outside torch")
+        problems.append(f"vLLM generation ({field_name('use_vllm')}) runs outside torch")
     if train.zero_stage is not None:
-        problems.append("the trace covers one GPU, or one rank of FSDP2 (--fsdp), not DeepSpeed ZeRO")
+        problems.append(f"the trace covers one GPU, or one rank of FSDP2 ({field_name('fsdp')}), not DeepSpeed ZeRO")
     elif train.num_gpus > 1 and not train.fsdp:
-        problems.append("the trace covers one GPU, or one rank of FSDP2 (--fsdp), not DDP over several GPUs")
+        problems.append(f"the trace covers one GPU, or one rank of FSDP2 ({field_name('fsdp')}), not DDP over "
+                        "several GPUs")
     if train.use_liger_kernel:
-        problems.append("Liger kernels (--use-liger-kernel) are Triton kernels")
+        problems.append(f"Liger kernels ({field_name('use_liger_kernel')}) are Triton kernels")
     if train.attn_implementation == "flash_attention_2":
-        problems.append("FlashAttention-2 has no CPU kernel; trace with --attn-implementation sdpa")
+        problems.append(f"FlashAttention-2 has no CPU kernel; trace with {field_name('attn_implementation')} sdpa")
     if train.optim.needs_bitsandbytes and not train.optim.is_paged:
-        require_bitsandbytes(f"tracing --optim {train.optim.value}")
+        require_bitsandbytes(f"tracing {field_name('optim')} {train.optim.value}")
     if train.optim.is_paged:
-        problems.append(f"paged optimizers (--optim {train.optim.value}) keep their states in CUDA managed memory, "
+        problems.append(f"paged optimizers ({field_name('optim')} {train.optim.value}) keep their states in CUDA "
+                        "managed memory, "
                         "outside torch's allocator")
     installed = installed_version("transformers")
     installed_trl = installed_trl_version()
@@ -238,7 +240,7 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append(f"transformers {installed} generates {model_type} into a preallocated HybridCache, which the "
                         "trace does not model (from transformers 4.53 that cache grows as the trace grows it)")
     if train.transformers_version is not None and (parsed is None or train.transformers.version != parsed[1]):
-        problems.append(f"it runs the installed transformers {installed}, not --transformers-version "
+        problems.append(f"it runs the installed transformers {installed}, not {field_name('transformers_version')} "
                         f"{train.transformers.version}")
     notes = _release_notes(release, problems)
     if problems:
@@ -263,7 +265,8 @@ def _release_notes(release: TrlRelease | None, problems: list[str]) -> list[str]
         return []
     if release.note:  # the installed TRL is outside the table and was read as the newest release: its code is traced
         return [f"traced with the installed TRL {installed}"]
-    problems.append(f"it runs the installed TRL {installed}, not --trl-version {release.version} (to trace that "
+    problems.append(f"it runs the installed TRL {installed}, not {field_name('trl_version')} {release.version} (to "
+                    "trace that "
                     f"release, install it with a transformers it runs with: {pair_for(release.version)})")
     return []
 

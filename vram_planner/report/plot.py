@@ -6,7 +6,7 @@ import importlib.util
 import io
 from pathlib import Path
 
-from vram_planner.cli.report import Report, per_gpu
+from vram_planner.report.document import Report, per_gpu
 from vram_planner.errors import VramPlanError
 from vram_planner.files import check_writable, write_atomically
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES

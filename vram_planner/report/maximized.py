@@ -6,8 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vram_planner.cli.report import Report, plan_report
+from vram_planner.report.document import Report, plan_report
 from vram_planner.validation import field_names
+
+
+__all__ = ["MaximizedReport", "MaximizedPlanReport", "maximized_report"]
 
 
 @dataclass(kw_only=True)
@@ -23,11 +26,16 @@ class MaximizedReport:
     allow_savers: bool
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class MaximizedPlanReport(Report):
     """What `vram-plan plan --maximize FIELD --json` prints: the plan at the value, plus the answer."""
 
     maximized: MaximizedReport
+
+    def summary(self) -> list[tuple[str, str]]:
+        m = self.maximized
+        answer = "none fits" if m.value is None else f"{m.value} (limited by {m.limited_by})"
+        return [(f"largest {m.field}", answer), *super().summary()]
 
 
 def maximized_report(result: Any) -> MaximizedPlanReport:  # result: vram_planner.model.maximize.Maximized

@@ -1,10 +1,11 @@
 """The JSON document `check` and `plan` print with --json: bytes throughout, one schema (pydantic writes it:
-vram_planner.validation.to_json)."""
+vram_planner.validation.to_json). A report is that document as an object: `to_dict()` is the document, and a
+notebook shows it as a short table."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Literal
 
 from vram_planner.model import accelerate_config as launcher
 from vram_planner.model.calibration import calibration_for
@@ -14,6 +15,7 @@ from vram_planner.model.phases import COMPONENTS, Phase
 from vram_planner.model.search import Plan, smallest_config, vllm_fallback_note, vllm_tuned
 from vram_planner.model.verdict import Context, Verdict, judge
 from vram_planner.profiles import GpuProfile, gpus
+from vram_planner.units import GiB
 
 
 @dataclass(kw_only=True)
@@ -110,9 +112,50 @@ class RungAboveReport:
     problem: str | None  # why it could not be traced, else null
 
 
-@dataclass(kw_only=True)
-class Report:
-    """What `vram-plan check/plan --json` prints."""
+__all__ = ["Document", "Report", "PhaseReport", "ChangeReport", "VllmReport", "DistributedReport", "ExactReport",
+           "RungAboveReport", "FirstMicroBatchReport", "verdict_report", "plan_report", "exact_check_report",
+           "exact_plan_report", "trace_report", "per_gpu"]
+
+
+class Document:
+    """A report: its fields are the JSON document (bytes as integers); `judged` keeps what it was built from."""
+
+    # What the document describes, for the faces that render it (vram_planner.api.Judged: the context, the training
+    # config shown and the engine's own answer); not part of the document.
+    judged: ClassVar[Any] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document, as `vram-plan <command> --json` prints it."""
+        from vram_planner.validation import to_jsonable
+
+        return to_jsonable(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The JSON document's text."""
+        from vram_planner.validation import to_json
+
+        return to_json(self, indent=indent)
+
+    def summary(self) -> list[tuple[str, str]]:
+        """The few facts a notebook shows: (what, value) pairs."""
+        return [(f.name, str(getattr(self, f.name))) for f in fields(self)][:6]  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        rows = self.summary()
+        width = max(len(name) for name, _ in rows)
+        return "\n".join([f"<{type(self).__name__}>", *(f"  {name:<{width}}  {value}" for name, value in rows)])
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        rows = "".join(f"<tr><th style='text-align:left'>{escape(name)}</th><td style='text-align:left'>"
+                       f"{escape(value)}</td></tr>" for name, value in self.summary())
+        return f"<table><caption style='text-align:left'>{type(self).__name__}</caption>{rows}</table>"
+
+
+@dataclass(kw_only=True, repr=False)
+class Report(Document):
+    """What `vram-plan check/plan/trace --json` prints."""
 
     command: str
     fits: bool
@@ -158,6 +201,15 @@ class Report:
     near_boundary: bool = False
     # the first micro-batch of the first step judged on its own: its phases run before any optimizer state exists
     first_micro_batch: FirstMicroBatchReport | None = None
+
+    def summary(self) -> list[tuple[str, str]]:
+        gib = lambda n_bytes: f"{n_bytes / GiB:.2f} GiB"  # noqa: E731
+        rows = [("command", self.command), ("model", self.model), ("gpu", self.gpu + per_gpu(self)),
+                ("fits", "yes" if self.fits else "no"), ("peak", f"{gib(self.peak_bytes)} in {self.peak_phase}"),
+                ("capacity", gib(self.capacity_bytes)), ("spare", gib(self.spare_bytes))]
+        rows += [(f"phase {p.name}", gib(p.total_bytes)) for p in self.phases]
+        rows += [(f"change {c.knob}", f"{c.before} -> {c.after}") for c in self.changes]
+        return rows
 
 
 @dataclass(kw_only=True)
@@ -253,7 +305,7 @@ TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as t
                 "without running out, found by bisection")
 
 
-def exact_report(outcome: Any) -> ExactReport:  # outcome: vram_planner.api.TraceOutcome
+def exact_report(outcome: Any) -> ExactReport:  # outcome: vram_planner.engine.TraceOutcome
     return ExactReport(need_bytes=outcome.need_bytes, tensor_peak_bytes=outcome.need.tensor_peak_bytes,
                        reserved_peak_bytes=outcome.need.held_bytes, seconds=round(outcome.seconds, 2))
 
@@ -265,7 +317,7 @@ def _judged_exactly(report: Report, outcome: Any) -> None:
     report.notes += [note for note in outcome.traced.estimate.notes if note not in report.notes]
 
 
-def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutcome
+def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.engine.TraceOutcome
     """`check --exact`: check's document, judged by the traced step's need."""
     report = verdict_report(outcome.analytic)
     report.fits = outcome.fits
@@ -273,7 +325,7 @@ def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.api.Tra
     return report
 
 
-def exact_plan_report(exact: Any) -> Report:  # exact: vram_planner.api.ExactPlan
+def exact_plan_report(exact: Any) -> Report:  # exact: vram_planner.engine.ExactPlan
     """`plan --exact`: plan's document for the config the traced needs chose, with the need that decided it."""
     from vram_planner.model.spec import as_settings
 
@@ -294,7 +346,7 @@ def exact_plan_report(exact: Any) -> Report:  # exact: vram_planner.api.ExactPla
     return report
 
 
-def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.api.TraceOutcome
+def trace_report(outcome: Any) -> Report:  # outcome: vram_planner.engine.TraceOutcome
     """`vram-plan trace --json`: the traced verdict in check's shape, with the analytic tensor bytes beside it, judged
     by the step's need."""
     report = verdict_report(outcome.traced, command="trace")

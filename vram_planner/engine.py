@@ -1,0 +1,412 @@
+"""The engine under the API: names resolved into a context, knobs into a training config, and the memory model's
+own answers (Verdict, Plan, Maximized, TraceOutcome, CardFit). vram_planner.api turns them into reports.
+
+    >>> from vram_planner import engine
+    >>> result = engine.plan("Llama-3.2-1B", "rtx3080-mobile")
+    >>> result.fits, result.chosen.train.per_device_train_batch_size
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+from vram_planner.errors import ConfigError, VramPlanError, field_name, flag, short_repr
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import Calibration, calibration_for
+from vram_planner.model.resolve import resolve_model
+from vram_planner.model.search import Plan, best_plan
+from vram_planner.model.spec import TrainingConfig, as_settings, knob_names, release_config, training_config
+from vram_planner.model.trl_semantics import release_defaults
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, adapt_to_model,
+                                        check_safety_margin, check_training, judge)
+from vram_planner.profiles import GpuProfile, gpus, model_config
+
+if TYPE_CHECKING:  # `plan` and `check` do not search for a largest value: the module loads when one is asked for
+    from vram_planner.model.maximize import Maximized
+
+
+def make_context(model: str | dict[str, Any], gpu: str | GpuProfile, *, trl_version: str | None = None,
+                 calibration: Calibration | Path | None = None,
+                 safety_margin: float = DEFAULT_SAFETY_MARGIN) -> Context:
+    """Resolve the model (a name, or a config.json's dict), the GPU, the TRL release and the calibration to judge
+    configs against."""
+    check_safety_margin(safety_margin)  # before a hub id is fetched for nothing
+    if trl_version is not None and not isinstance(trl_version, str):
+        raise ConfigError([f"{field_name('trl_version')} should be a version like 1.16.0, as a string (got "
+                           f"{trl_version!r:.60})"])
+    gpu_profile = gpu if isinstance(gpu, GpuProfile) else GpuProfile.from_name(gpu)
+    if not isinstance(calibration, Calibration):
+        calibration = calibration_for(gpu_profile.name, calibration)
+    arch = resolve_model(model) if not isinstance(model, dict) else given_architecture(model)
+    return Context(arch=arch, gpu=gpu_profile, release=trl_release(trl_version), calibration=calibration,
+                   safety_margin=safety_margin, model_id=model if isinstance(model, str) else arch.name)
+
+
+GIVEN_CONFIG = "the given config.json"  # what a config passed as a dict is called where it names no hub id
+
+
+def given_architecture(config: dict[str, Any]) -> ModelArchitecture:
+    """A config.json's dict as a model, named by its `_name_or_path` where it has one."""
+    name = config.get("_name_or_path")
+    name = name.strip() if isinstance(name, str) and name.strip() else None
+    return ModelArchitecture.from_config(config, name=name or GIVEN_CONFIG, hub_id=name)
+
+
+def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | None = None) -> TrainingConfig:
+    """Validate the knobs, fill the TRL release's defaults and adapt unset defaults to the GPU."""
+    if isinstance(settings, TrainingConfig):
+        # a config object is the user's too: validated whole; its knobs at their defaults count as unset
+        unset = as_settings(TrainingConfig())
+        explicit = {name for name, value in as_settings(settings).items() if value != unset[name]}
+        train = training_config({**as_settings(settings), "trl_version": context.release.version})
+    elif settings is not None and not isinstance(settings, dict):
+        raise ConfigError([f"settings should be a mapping of GRPOConfig-style knobs to values (got {settings!r:.60})"])
+    else:
+        # None means "not given" for a knob; an unknown name is reported whatever its value (a typo'd YAML key
+        # left empty must not vanish silently)
+        values = {k: v for k, v in (settings or {}).items() if v is not None or k not in knob_names()}
+        explicit = set(values)
+        given = values.get("trl_version")
+        if given is not None and given != context.release.version:
+            raise ConfigError([f"trl_version {short_repr(given)} in the settings differs from the context's TRL "
+                               f"{context.release.version}; give the release once ({field_name('trl_version')}, or "
+                               "trl_version "
+                               "in a --config file)"])
+        values["trl_version"] = context.release.version
+        if values.get("allocator_conf") is None:  # as torch does: the environment's, unless the run says otherwise
+            values["allocator_conf"] = _environment_allocator_conf()
+        defaults = release_defaults(context.release, use_vllm=values.get("use_vllm") is True)
+        if explicit - {"trl_version"}:  # the user's knobs: validated at the edge
+            train = training_config({**defaults, **values})
+        else:
+            train = release_config({**defaults, **values})
+    train = adapt_to_model(adapt_to_gpu(train, context.gpu, explicit), context.arch, explicit)
+    check_training(train, context)
+    return train
+
+
+@overload
+def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+          exact: Literal[False] = False, progress: Callable[[str], None] | None = None,
+          **context_options: Any) -> Verdict: ...
+@overload
+def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+          exact: Literal[True], progress: Callable[[str], None] | None = None,
+          **context_options: Any) -> TraceOutcome: ...
+def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+          exact: bool = False, progress: Callable[[str], None] | None = None,
+          **context_options: Any) -> Verdict | TraceOutcome:
+    """The verdict for exactly this configuration. With `exact`, the step traced and judged by its need (`trace`'s
+    outcome: `.fits` is `need_bytes <= capacity`, `.analytic` the verdict without `exact`); needs the train extra,
+    and `progress` is called with what it is doing."""
+    if exact:
+        _require_tracing("an exact verdict (--exact)")
+    context = make_context(model, gpu, **context_options)
+    train = make_training(context, settings)
+    return _traced(model, context, train, progress) if exact else judge(context, train)
+
+
+@overload
+def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+         exact: Literal[False] = False, progress: Callable[[str], None] | None = None,
+         **context_options: Any) -> Plan: ...
+@overload
+def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+         exact: Literal[True], progress: Callable[[str], None] | None = None,
+         **context_options: Any) -> ExactPlan: ...
+def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+         exact: bool = False, progress: Callable[[str], None] | None = None,
+         **context_options: Any) -> Plan | ExactPlan:
+    """The best configuration that fits, starting from these settings. With `exact`, the plan's choice and the
+    config ranked just above it traced and judged by their needs (`ExactPlan`)."""
+    if exact:
+        _require_tracing("an exact plan (--exact)")
+    context = make_context(model, gpu, **context_options)
+    user = make_training(context, settings)
+    return _exact_plan(model, context, user, progress) if exact else best_plan(context, user)
+
+
+# Without --gpu a trace judges against the local card, and on a machine without one (where traces usually run)
+# against the card of the command-line contract's first example: the tensors it counts do not depend on the card.
+FALLBACK_TRACE_GPU = "rtx3080-mobile"
+
+
+@dataclass(frozen=True)
+class TraceOutcome:
+    """A traced step, the analytic verdict for the same config, and the verdict by the step's need: the least card
+    on which the caching allocator model replays the traced events without running out. `traced` is judged like
+    `check`, on what the allocator model holds on this card (plus the CUDA context, which the trace cannot see)."""
+
+    traced: Verdict
+    analytic: Verdict
+    result: Any  # vram_planner.tracing.step.TraceResult: tensor bytes only, per phase and component
+    reserved: Any = None  # vram_planner.tracing.reserve.ReservedMemory: the allocator model's reserved bytes
+    need: Any = None  # vram_planner.tracing.need.Need: the least capacity the step runs in, bisected
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step runs on the card: its need within the capacity, without a safety margin (the margin is
+        for the analytic answer's error; here the allocator model replays the step itself)."""
+        return self.traced.fits if self.need is None else self.need_bytes <= self.traced.context.capacity_bytes
+
+    @property
+    def need_bytes(self) -> int:
+        """The least card on which the step runs: the CUDA context, and what cudaMalloc must be able to hand out
+        for the traced tensors, the cuBLAS workspaces and the allocator's rounding and fragmentation."""
+        return self.need.capacity_bytes + round(self.traced.context.cuda_context.bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """The most the allocator reserves at once on this card (or, where the step runs out there, on a card with
+        room), with the CUDA context: what nvidia-smi shows."""
+        return self.need.held_bytes + round(self.traced.context.cuda_context.bytes)
+
+    @property
+    def seconds(self) -> float:
+        """The trace's wall time, the allocator replay's and the need's bisection's."""
+        return self.result.seconds + sum(part.seconds for part in (self.reserved, self.need) if part is not None)
+
+    def comparison(self) -> list[Any]:
+        """Per phase: traced against analytic tensor bytes (vram_planner.tracing.step.PhaseComparison)."""
+        from vram_planner.tracing.step import compare_with_estimate
+
+        return compare_with_estimate(self.result, self.analytic.estimate)
+
+
+def default_trace_gpu() -> tuple[GpuProfile, str | None]:
+    """The local card, else the fallback card with a note saying so."""
+    try:
+        return GpuProfile.from_name("auto"), None
+    except VramPlanError:
+        gpu = GpuProfile.from_name(FALLBACK_TRACE_GPU)
+        return gpu, f"no --gpu given and no local NVIDIA card: judged against the {gpu.label} (pass --gpu)"
+
+
+def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, Any] | TrainingConfig | None = None,
+          progress: Callable[[str], None] | None = None, **context_options: Any) -> TraceOutcome:
+    """Trace one GRPO step of this config on fake tensors (needs torch, transformers, TRL and PEFT: the `train`
+    extras), next to the analytic verdict. `progress` is called with what the trace is doing. Each phase's reserved
+    bytes come from the caching allocator model, configured by the settings' `allocator_conf` (a
+    PYTORCH_CUDA_ALLOC_CONF text; when not given, that environment variable, as torch reads it), and the verdict
+    from the step's need, bisected with the same model."""
+    notes: tuple[str, ...] = ()
+    if gpu is None:
+        gpu, note = default_trace_gpu()
+        notes += (note,) if note else ()
+    context = make_context(model, gpu, **context_options)
+    return _traced(model, context, make_training(context, settings), progress, notes)
+
+
+def _traced(model: str, context: Context, train: TrainingConfig, progress: Callable[[str], None] | None,
+            notes: tuple[str, ...] = ()) -> TraceOutcome:
+    """The step traced, replayed through the allocator model on this card, and its need bisected."""
+    from vram_planner.allocator import parse_allocator_conf
+    from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.model.phases import Estimate
+    from vram_planner.tracing.events import with_workspaces
+    from vram_planner.tracing.need import least_capacity
+    from vram_planner.tracing.reserve import reserved_memory
+    from vram_planner.tracing.step import check_traceable, trace_step
+
+    say = progress or (lambda what: None)
+    conf = parse_allocator_conf(train.allocator_conf, "--allocator-conf")
+    check_traceable(train, context.release)  # before model_config: a hub id is not fetched twice for nothing
+    config = model if isinstance(model, dict) else model_config(model)[0]
+    result = trace_step(config, train, context.release, progress)
+    say("replaying the allocations through the caching allocator model")
+    # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
+    # calibration when it measured one, else from the GPU catalog).
+    stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
+    card = max(int(context.capacity_bytes - context.cuda_context.bytes), 0)
+    reserved = reserved_memory(stream, conf, card)
+    say("bisecting the least memory the step runs in")
+    need = least_capacity([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, card)
+    phases = tuple(_traced_phase(p, reserved.by_phase, context, train) for p in result.phases)
+    traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
+                      notes=tuple(result.notes) + notes + reserved.notes)
+    return TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result,
+                        reserved=reserved, need=need)
+
+
+@dataclass(frozen=True)
+class ExactPlan:
+    """`plan(exact=True)`: the analytic plan, its choice moved one rank up where the config there runs by its
+    traced need, and the traced outcomes that decided it. The trace cannot run every config the ladder offers (8-bit
+    optimizers, 4-bit weights): where it cannot trace the shown one, `outcome` is None, `problem` says why, and the
+    verdict is the estimate's."""
+
+    plan: Plan  # what is shown: the analytic plan, or the same with the config ranked above it as its choice
+    analytic: Plan  # best_plan's answer
+    outcome: TraceOutcome | None  # the shown config traced: the choice, or the smallest config when none was chosen
+    problem: str | None = None  # why the shown config could not be traced
+    above_config: TrainingConfig | None = None  # the config ranked just above the analytic choice; None: none
+    above: TraceOutcome | None = None  # that config traced
+    above_problem: str | None = None  # why it could not be traced
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits if self.outcome is None else self.outcome.fits
+
+
+def _exact_plan(model: str, context: Context, user: TrainingConfig,
+                progress: Callable[[str], None] | None) -> ExactPlan:
+    """Trace the config above the analytic choice first: where it runs, it is the answer and the choice below it
+    need not be traced."""
+    from vram_planner.model.rung_above import config_above, ladder, plan_choosing
+
+    analytic = best_plan(context, user)
+    rungs = ladder(context, user)
+
+    def traced(train: TrainingConfig, which: str) -> tuple[TraceOutcome | None, str | None]:
+        say = (lambda what: progress(f"{which}: {what}")) if progress is not None else None
+        try:
+            return _traced(model, context, train, say), None
+        except VramPlanError as error:  # what the CPU cannot run, said in the plan's words
+            return None, f"{which} could not be traced: {error.worded(flag)}"  # a note: the document's words
+
+    if analytic.chosen is None:  # nothing fits by the estimate; by its need the smallest config may
+        outcome, problem = traced(analytic.smallest.train, "the smallest config")
+        shown = analytic
+        if outcome is not None and outcome.fits:
+            shown = plan_choosing(context, user, analytic, rungs[-1], len(rungs) - 1, analytic.smallest.train)
+        return ExactPlan(shown, analytic, outcome, problem)
+    neighbour = config_above(rungs, analytic.rank)
+    above = above_problem = above_config = None
+    if neighbour is not None:
+        index, above_config = neighbour
+        above, above_problem = traced(above_config, "the config ranked above the choice")
+        if above is not None and above.fits:
+            shown = plan_choosing(context, user, analytic, rungs[index], index, above_config)
+            return ExactPlan(shown, analytic, above, None, above_config, above)
+    outcome, problem = traced(analytic.chosen.train, "the choice")
+    return ExactPlan(analytic, analytic, outcome, problem, above_config, above, above_problem)
+
+
+def _require_tracing(what: str) -> None:
+    """The train extra is installed, or one line says how to install it, before a hub id is fetched for nothing."""
+    from vram_planner.extras import require_train_extra
+
+    require_train_extra(what)
+
+
+def _environment_allocator_conf() -> str:
+    """The allocator conf as torch would read it at the run's first CUDA allocation ("" when unset)."""
+    from vram_planner.allocator.conf import environment_conf, parse_allocator_conf
+
+    text, name = environment_conf()
+    if text.strip():
+        parse_allocator_conf(text, name)  # refused here in the variable's name, not the knob's
+    return text.strip()
+
+
+def _traced_phase(traced: Any, reserved_by_phase: dict[str, int], context: Context, train: TrainingConfig) -> Any:
+    """A traced phase as the verdict judges it: its tensors, the CUDA context, the cuBLAS workspaces, and as the
+    allocator's overhead what the allocator model reserves beyond them (`check` takes a share of the tensors
+    instead)."""
+    from vram_planner.model.cublas import cublas_workspace_bytes
+    from vram_planner.model.phases import Phase, with_overheads
+
+    workspaces = cublas_workspace_bytes(context.gpu.compute_capability)
+    phase = with_overheads(Phase(traced.name, dict(traced.components), traced.moment), context.calibration, 0.0,
+                           train, context.cuda_context.bytes, workspaces)
+    reserve = reserved_by_phase.get(traced.name, traced.peak_bytes) - traced.peak_bytes - workspaces
+    return Phase(phase.name, {**phase.components, "allocator_overhead": float(max(reserve, 0))}, phase.moment)
+
+
+def maximize(model: str, gpu: str | GpuProfile, field: str, settings: dict[str, Any] | TrainingConfig | None = None,
+             allow_savers: bool = False, **context_options: Any) -> Maximized:
+    """The largest value of `field` (max_completion_length, max_prompt_length, num_generations,
+    per_device_train_batch_size or lora_r) that fits this card with every other knob as given, or as the plan's
+    savers make it with `allow_savers`; `.value` is None when even the smallest valid value does not fit."""
+    from vram_planner.model.maximize import maximizable_field
+    from vram_planner.model.maximize import maximize as maximize_field
+
+    field = maximizable_field(field)  # before a hub id is fetched for nothing
+    context = make_context(model, gpu, **context_options)
+    return maximize_field(context, make_training(context, settings), field, allow_savers)
+
+
+@dataclass(frozen=True)
+class CardFit:
+    """One catalog card judged for one config (or its largest value of a knob); `problem` when the card cannot run
+    the config at all (no bf16, no FlashAttention-2), and then no verdict."""
+
+    gpu: GpuProfile
+    verdict: Verdict | None
+    maximized: Maximized | None = None
+    problem: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.gpu.name
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.gpu.capacity_bytes
+
+    @property
+    def fits(self) -> bool:
+        if self.maximized is not None:
+            return self.maximized.fits
+        return self.verdict is not None and self.verdict.fits
+
+    @property
+    def peak_bytes(self) -> float | None:
+        if self.maximized is not None:
+            return self.maximized.peak_bytes if self.maximized.fits else self.maximized.next_peak_bytes
+        return None if self.verdict is None else self.verdict.estimate.peak_bytes
+
+    @property
+    def spare_bytes(self) -> float | None:
+        """Capacity left at the peak (negative: missing), before the safety margin."""
+        return None if self.peak_bytes is None else self.capacity_bytes - self.peak_bytes
+
+
+def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: str | None = None,
+                 allow_savers: bool = False, *, trl_version: str | None = None,
+                 calibration: Calibration | Path | None = None,
+                 safety_margin: float = DEFAULT_SAFETY_MARGIN) -> list[CardFit]:
+    """Every catalog card judged for this config (with `maximize`: the largest value of that knob each card fits),
+    the smallest fitting card first, then the cards it does not fit, the closest first, then those that cannot run
+    it. The model, the release and the calibration file are read once for all the cards; a card's maximized plan
+    leaves out its changes (`maximize` on that card gives them)."""
+    from vram_planner.model.maximize import maximizable_field, peak_memo_key, verdict_at
+    from vram_planner.model.maximize import maximize as maximize_field
+
+    field = None if maximize is None else maximizable_field(maximize)
+    first = make_context(model, gpus()[0], trl_version=trl_version, calibration=calibration,
+                         safety_margin=safety_margin)
+    shared_calibration = first.calibration if calibration is not None else None
+    cards, errors, memos, answers = [], [], {}, {}
+    for gpu in sorted(gpus(), key=lambda g: g.capacity_bytes):  # a card fits at least what a smaller one fits
+        context = replace(first, gpu=gpu, calibration=shared_calibration or calibration_for(gpu.name))
+        try:
+            train = make_training(context, settings)
+        except ConfigError as error:  # what this card cannot run, or bad knobs (then no card can)
+            cards.append(CardFit(gpu, None, problem=error.worded(flag)))  # in the document's words, as notes are
+            errors.append((gpu.capacity_bytes, error))
+            continue
+        if field is None:
+            cards.append(CardFit(gpu, judge(context, train)))
+            continue
+        key = peak_memo_key(context, train)  # cards that give every config the same peaks share what was judged
+        maximized = maximize_field(context, train, field, allow_savers, memos.setdefault(key, {}), answers.get(key),
+                                   describe=False)
+        answers[key] = maximized.value if maximized.fits else answers.get(key)
+        cards.append(CardFit(gpu, verdict_at(maximized), maximized))
+    if len(errors) == len(cards):
+        raise max(errors, key=lambda e: e[0])[1]  # knobs no card can run are bad input: the largest card's reason
+    return sorted(cards, key=_card_order)
+
+
+def _card_order(card: CardFit) -> tuple[int, float]:
+    """Fitting cards by size, then the others by what they miss, then the cards that cannot run the config."""
+    if card.fits:
+        return 0, card.capacity_bytes
+    if card.spare_bytes is not None:
+        return 1, -card.spare_bytes
+    return 2, card.capacity_bytes
