@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from snapshot_builder import Recorder, expand, fragmented_until_oom
 
 from helpers import FIXTURES, one_line_error, run
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.advise.roles import planned_tensors
 from vram_planner.advise.snapshot import explain_snapshot
 from vram_planner.allocator import parse_allocator_conf
@@ -49,7 +49,7 @@ def test_an_oom_while_generating_is_the_kv_cache_by_role_and_the_phase_generatio
     layer's K and V made one position longer and the shorter ones freed, until a K of the card's last bytes fails."""
     knobs = {**SMOL, "per_device_train_batch_size": 16, "num_generations": 16, "max_completion_length": 1024,
              "lora_r": 16}
-    verdict = api.check("SmolLM2-135M", "1GiB", knobs)  # a card it does not fit: the plan has fixes
+    verdict = engine.check("SmolLM2-135M", "1GiB", knobs)  # a card it does not fit: the plan has fixes
     planned = planned_tensors(verdict.context.arch, verdict.train)
     unit, layers = planned.kv_position_bytes[0], planned.num_layers
     probe = Recorder()
@@ -83,7 +83,7 @@ def test_an_oom_while_generating_is_the_kv_cache_by_role_and_the_phase_generatio
 def test_an_oom_at_the_first_optimizer_step_tells_states_from_gradients_of_the_same_size():
     """Full fine-tuning in float32: weights, gradients and Adam's states are the same sizes; the order tells them
     apart (weights at load, gradients in the backward, states at the first optimizer step)."""
-    verdict = api.check("SmolLM2-135M", "t4", SMOL)
+    verdict = engine.check("SmolLM2-135M", "t4", SMOL)
     planned = planned_tensors(verdict.context.arch, verdict.train)
     assert set(planned.weights) == set(planned.gradients) == set(planned.optimizer_states)
     probe = Recorder()
@@ -114,7 +114,7 @@ def test_the_failed_request_is_named_against_the_plan_and_the_fixes_that_remove_
     fixes that remove it."""
     from vram_planner.advise.candidates import logits_candidates
 
-    verdict = api.check("Qwen2.5-0.5B", "8GiB", {"per_device_train_batch_size": 4, "num_generations": 4,
+    verdict = engine.check("Qwen2.5-0.5B", "8GiB", {"per_device_train_batch_size": 4, "num_generations": 4,
                                                   "max_prompt_length": 128, "max_completion_length": 256},
                         trl_version="0.14")
     arch, train = verdict.context.arch, verdict.train
@@ -240,7 +240,7 @@ def test_a_real_h100_step_at_its_worst_moment(name):
     full fine-tuning every gradient and both Adam states of every parameter (the second step's backward, after the
     first optimizer step); the moment's allocated bytes are the allocator model's replaying the recording."""
     model, knobs = H100_RUNS[name]
-    verdict = api.check(model, "h100", {"per_device_train_batch_size": 4, "num_generations": 4,
+    verdict = engine.check(model, "h100", {"per_device_train_batch_size": 4, "num_generations": 4,
                                         "gradient_accumulation_steps": 1, "max_completion_length": 128,
                                         "gradient_checkpointing": True, **knobs})
     planned = planned_tensors(verdict.context.arch, verdict.train)

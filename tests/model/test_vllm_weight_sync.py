@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from vram_planner import api
+from vram_planner import engine
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import training_config
@@ -42,8 +42,8 @@ def test_peft_merge_holds_two_delta_weights_of_the_largest_adapted_linear(target
 
 
 def _sync(model: str, **knobs) -> float:
-    context = api.make_context(model, "h100-80gb")
-    train = api.make_training(context, {"dtype": "bfloat16", "use_vllm": True, **knobs})
+    context = engine.make_context(model, "h100-80gb")
+    train = engine.make_training(context, {"dtype": "bfloat16", "use_vllm": True, **knobs})
     return m.vllm_weight_sync_bytes(context.arch, train)
 
 
@@ -53,8 +53,8 @@ def _sync(model: str, **knobs) -> float:
 def test_zero3_gathers_the_whole_model_only_to_merge_adapters(model, num_gpus, lora):
     knobs = {"num_gpus": num_gpus, "zero_stage": 3, **({"lora_r": 16} if lora else {})}
     sync = _sync(model, **knobs)
-    context = api.make_context(model, "h100-80gb")
-    train = api.make_training(context, {"dtype": "bfloat16", **knobs})
+    context = engine.make_context(model, "h100-80gb")
+    train = engine.make_training(context, {"dtype": "bfloat16", **knobs})
     whole = context.arch.params * 2  # DeepSpeed's engine holds the model in bf16
     if lora:  # every shard gathered: the whole model in 16 bits, less this rank's own shard, and the merge
         assert sync > whole * (1 - 1 / num_gpus)
@@ -65,12 +65,12 @@ def test_zero3_gathers_the_whole_model_only_to_merge_adapters(model, num_gpus, l
 def test_unsharded_weights_are_read_in_place_and_only_vllm_configs_sync():
     assert _sync("Qwen2.5-0.5B") == 0
     assert _sync("Qwen2.5-0.5B", lora_r=16) > 0
-    context = api.make_context("Qwen2.5-0.5B", "h100-80gb")
-    assert m.vllm_weight_sync_bytes(context.arch, api.make_training(context, {"lora_r": 16})) == 0
+    context = engine.make_context("Qwen2.5-0.5B", "h100-80gb")
+    assert m.vllm_weight_sync_bytes(context.arch, engine.make_training(context, {"lora_r": 16})) == 0
 
 
 def test_the_generation_phase_peaks_where_zero3_gathers_for_the_merge():
-    verdict = api.check("Qwen2.5-7B", "h100-80gb", {"dtype": "bfloat16", "use_vllm": True, "lora_r": 16,
+    verdict = engine.check("Qwen2.5-7B", "h100-80gb", {"dtype": "bfloat16", "use_vllm": True, "lora_r": 16,
                                                     "num_gpus": 2, "zero_stage": 3})
     generation = next(p for p in verdict.estimate.phases if p.name == "generation")
     assert generation.moment == "weights pushed to vLLM"
