@@ -4,7 +4,9 @@ seconds. In-process through `vram_planner.cli.main`, as tests/cli/test_cli.py do
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from helpers import CURRENT, FIXTURES, LLAMA_1B, unwritable_targets
-from vram_planner import profiles
+from vram_planner import files, profiles
 from vram_planner.cli import main
 
 TINY = FIXTURES / "tiny-llama-headdim.json"
@@ -266,9 +268,10 @@ FILE_ARGUMENTS = {
                                              "--config", path],
     "advise LOG": lambda path, folder: ["advise", path],
     "advise LOG with a model": lambda path, folder: ["advise", path, "--gpu", "24GiB", "--model", "Llama-3.2-1B"],
+    "replay SNAPSHOT": lambda path, folder: ["replay", path],
 }
 FILE_NAMES = {"--model": "config.json", "--config": "run.yaml", "--calibration": "calibration.json",
-              "LOG": "crash.log"}
+              "LOG": "crash.log", "SNAPSHOT": "memory.pickle"}
 
 
 def oom_log(folder: Path) -> Path:
@@ -321,6 +324,52 @@ def test_empty_and_unreadable_paths_as_every_file_argument(capsys, tmp_path, arg
         (tmp_path / "a-file").write_text("")
         path = tmp_path / "a-file" / path.name
     refused(capsys, FILE_ARGUMENTS[argument](path, tmp_path))
+
+
+# Files no reader may take whole (issue 28): nesting past any parser's recursion, devices that never end, and a file
+# larger than every cap (sparse: it takes no disk, and a reader that read it would take seconds).
+HOSTILE_FILES = {
+    "JSON arrays 100,000 deep": lambda path: path.write_text("[" * 100_000 + "]" * 100_000),
+    "JSON objects 100,000 deep": lambda path: path.write_text('{"a":' * 100_000 + "1" + "}" * 100_000),
+    "YAML 100,000 deep": lambda path: path.write_text("- " * 100_000 + "a\n"),
+    "/dev/zero": lambda path: Path("/dev/zero"),
+    "/dev/urandom": lambda path: Path("/dev/urandom"),
+    "a link to /dev/zero": lambda path: path.symlink_to("/dev/zero"),
+    "2 GiB and a byte": lambda path: sparse(path, files.MAX_SNAPSHOT_BYTES + 1),
+}
+
+
+def sparse(path: Path, size: int) -> None:
+    path.touch()
+    os.truncate(path, size)
+
+
+@pytest.mark.parametrize("argument", list(FILE_ARGUMENTS))
+@pytest.mark.parametrize("hostile", list(HOSTILE_FILES))
+def test_hostile_files_as_every_file_argument_are_refused_within_a_second(capsys, tmp_path, argument, hostile):
+    path = tmp_path / file_name(argument)
+    made = HOSTILE_FILES[hostile](path)
+    refused(capsys, FILE_ARGUMENTS[argument](made if isinstance(made, Path) else path, tmp_path), seconds=1.0)
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_advise_refuses_a_device_on_stdin(capsys, monkeypatch, device):
+    with open(device, "rb") as stream:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(stream))
+        err = refused(capsys, ["advise", "-"], seconds=1.0)
+    assert "stdin: it is a device" in err
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(depth=st.integers(65, 5000), kinds=st.sampled_from(["[", '{"a":', '[{"a":']),
+       argument=st.sampled_from(["check --model", "check --calibration", "check --config", "trace --model"]))
+def test_json_nested_past_the_cap(capsys, random_files, depth, kinds, argument):
+    """Between the cap and the parsers' recursion limit too: whatever walks the value after parsing is safe."""
+    closing = {"[": "]", '{"a":': "}", '[{"a":': "}]"}[kinds]
+    path = random_files / "deep.json"
+    path.write_text(kinds * depth + "1" + closing * depth)
+    err = refused(capsys, FILE_ARGUMENTS[argument](path, random_files), seconds=1.0)
+    assert f"nested more than {files.MAX_NESTING} levels deep" in err
 
 
 @pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "in /proc", "below /proc"])
