@@ -143,17 +143,6 @@ def test_text_that_is_not_utf8(tmp_path):
         read_text(path, kind="a JSON file")
 
 
-@pytest.fixture
-def immutable_file(tmp_path):
-    """A file `chattr +i` makes immutable, for root too; skipped where the file system or the user cannot."""
-    path = tmp_path / "plan.png"
-    path.write_bytes(b"")
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
-        pytest.skip("chattr +i is not available here")
-    yield path
-    subprocess.run(["chattr", "-i", str(path)], check=True)
-
-
 def test_an_immutable_target_is_refused_before_the_work(immutable_file):
     with pytest.raises(VramPlanError, match="cannot write --plot .*plan.png: the file there is read-only or immutable"):
         check_writable(immutable_file, "--plot")

@@ -378,6 +378,22 @@ def test_unwritable_plots(capsys, tmp_path, command, where):
     refused(capsys, [*BASE[command], "--plot", unwritable_targets(tmp_path)[where]])
 
 
+@pytest.mark.parametrize("command", TRAINING_COMMANDS)
+def test_an_immutable_plot_is_refused_before_the_work(capsys, immutable_file, command):
+    err = refused(capsys, [*BASE[command], "--plot", immutable_file])
+    assert "read-only or immutable" in err
+
+
+@pytest.mark.parametrize("flag", ["--plot", "--out"])
+def test_a_device_as_a_target_is_refused(capsys, tmp_path, flag):
+    """A name that ends in .png but links to /dev/full: renaming the plot over it would replace the device."""
+    link = tmp_path / "plan.png"
+    link.symlink_to("/dev/full")
+    args = ["probe", "--simulate", "--gpu", "h100", "--quick", "--out"] if flag == "--out" else [*BASE["plan"], flag]
+    assert "it is a device, not a file" in refused(capsys, [*args, link])
+    assert Path("/dev/full").is_char_device()
+
+
 @pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "in /proc", "below /proc"])
 def test_unwritable_probe_outputs(capsys, tmp_path, where):
     refused(capsys, ["probe", "--simulate", "--gpu", "h100", "--quick", "--out", unwritable_targets(tmp_path)[where]])
@@ -426,6 +442,120 @@ def test_random_bytes_as_a_users_catalog(capsys, monkeypatch, random_files, cata
         (folder / catalog).unlink()
         profiles.gpu_catalog.cache_clear()
         profiles.model_catalog.cache_clear()
+
+
+# What people read, on consoles that are not UTF-8 and into pipes that close: each command's human output and JSON.
+READABLE = {
+    "plan": BASE["plan"], "check": BASE["check"],
+    "plan --maximize": [*BASE["plan"], "--maximize", "max_completion_length"],
+    "check that does not fit": [*BASE["check"], "--gpu", "t4", "--per-device-train-batch-size", "64"],
+    "gpus": ["gpus"], "models": ["models"], "gpus --model": ["gpus", "--model", "Llama-3.2-1B"],
+    "replay": ["replay", FIXTURES / "snapshots" / "kv_cache_growth.pickle"], "--help": ["--help"],
+    "plan --help": ["plan", "--help"],
+}
+JSON = {"check --json": [*BASE["check"], "--json"], "gpus --json": ["gpus", "--json"],
+        "models --json": ["models", "--json"],
+        "replay --json": ["replay", FIXTURES / "snapshots" / "kv_cache_growth.pickle", "--json"]}
+
+
+def output_on(monkeypatch, stream, args: list) -> int:
+    """The exit code of `args` with `stream` as stdout."""
+    monkeypatch.setattr("sys.stdout", stream)
+    try:
+        return main([str(a) for a in args])
+    finally:
+        monkeypatch.undo()
+
+
+def console_text(monkeypatch, args: list, encoding: str) -> tuple[int, str]:
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding=encoding, newline="\n")
+    code = output_on(monkeypatch, stream, args)
+    stream.flush()
+    return code, raw.getvalue().decode(encoding)
+
+
+@pytest.mark.parametrize("args", [*READABLE.values(), ["advise", "LOG", "--gpu", "24GiB", "--model", "Llama-3.2-1B"]],
+                         ids=[*READABLE, "advise"])
+def test_a_console_that_is_not_utf8_gets_a_readable_answer(capsys, monkeypatch, tmp_path, args):
+    """A legacy Windows console is cp1252: no check mark, no blocks, no box drawing. The same answer as on UTF-8,
+    with ASCII stand-ins: nothing falls back to '?'."""
+    args = [oom_log(tmp_path) if a == "LOG" else a for a in args]
+    code, utf8 = console_text(monkeypatch, args, "utf-8")
+    assert code in (0, 1), capsys.readouterr().err
+    code_cp1252, cp1252 = console_text(monkeypatch, args, "cp1252")
+    assert (code_cp1252, capsys.readouterr().err) == (code, "")
+    assert cp1252.count("?") == utf8.count("?") and len(cp1252.splitlines()) >= len(utf8.splitlines()) > 0
+    for symbol, stand_in in [("\u2714 fits", "[ok] fits"), ("\u2718", "[x]"), ("\u2588", "#"), ("\u2192", "->")]:
+        assert (symbol in utf8) == (stand_in in cp1252), symbol
+
+
+def test_every_symbol_we_print_has_an_ascii_stand_in():
+    """Any character in a string of the package (help texts included) that cp1252 lacks has an ASCII stand-in,
+    so a new symbol cannot turn into '?' on a legacy console."""
+    import tokenize
+
+    from vram_planner.cli.console import ASCII_FALLBACKS
+
+    package = Path(main.__code__.co_filename).parents[1]
+    lacking = set()
+    for source in package.rglob("*.py"):
+        if "app" in source.relative_to(package).parts:  # the web page is HTML, in UTF-8
+            continue
+        with source.open("rb") as fh:
+            strings = [t.string for t in tokenize.tokenize(fh.readline) if t.type == tokenize.STRING]
+        lacking |= {c for text in strings for c in text if c not in ASCII_FALLBACKS and not _encodes(c, "cp1252")}
+    assert not lacking
+    assert "\u2714" in ASCII_FALLBACKS and all(v.isascii() for v in ASCII_FALLBACKS.values())
+
+
+def _encodes(character: str, encoding: str) -> bool:
+    try:
+        character.encode(encoding)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class ClosedPipe(io.RawIOBase):
+    """stdout whose reader went away (`| head`): every write is EPIPE, until the test is over."""
+
+    broken = True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self.broken:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(data)
+
+
+@pytest.mark.parametrize("args", [*READABLE.values(), *JSON.values()], ids=[*READABLE, *JSON])
+def test_a_closed_pipe_is_its_own_exit_code(capsys, monkeypatch, args):
+    """141 (128 + SIGPIPE), never 1 ("does not fit") or 2, and nothing on stderr."""
+    pipe = ClosedPipe()
+    stream = io.TextIOWrapper(pipe, encoding="utf-8")
+    try:
+        assert output_on(monkeypatch, stream, args) == 141
+    finally:
+        pipe.broken = False
+        stream.close()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("args", [READABLE["replay"], JSON["gpus --json"]], ids=["replay", "gpus --json"])
+def test_a_real_pipe_closed_by_its_reader(args):
+    """`vram-plan replay ... | head`, with a reader that is gone before the first write: exit 141, no traceback."""
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    process = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()
+    _, err = process.communicate(timeout=60)
+    assert (process.returncode, err) == (141, b"")
 
 
 # `run`: the same checks before anything starts. --dry-run keeps a case that is wrongly let through from training.
@@ -515,3 +645,13 @@ def test_bad_run_model_folders(capsys, run_base, tmp_path, kind):
     config = TINY.read_bytes() if kind == "config only" else b"\x00\xff not json"
     (folder / "config.json").write_bytes(config)
     refused(capsys, run_base + ["--model", folder])
+
+
+@pytest.mark.parametrize("when", ["on a sample batch", "on import"])
+def test_a_reward_that_calls_sys_exit(capsys, run_base, tmp_path, when):
+    """A dry run calls the reward on a sample batch; its sys.exit(3) would have been the command's exit code."""
+    reward = tmp_path / "my_reward.py"
+    body = "    sys.exit(3)\n" if when == "on a sample batch" else "    return [1.0] * len(completions)\nsys.exit(3)\n"
+    reward.write_text(f"import sys\n\n\ndef score(completions, **kwargs):\n{body}")
+    err = refused(capsys, run_base + ["--reward", f"{reward}:score"])
+    assert "sys.exit(3)" in err
