@@ -101,7 +101,7 @@ def test_a_file_over_the_cap_is_refused_by_its_size(tmp_path):
     log = tmp_path / "crash.log"
     with log.open("wb") as fh:
         fh.truncate(files.MAX_LOG_BYTES + 1)
-    with pytest.raises(VramPlanError, match="the log .* holds more than 1 GiB"):
+    with pytest.raises(VramPlanError, match=r"the log .* holds more than 256 MiB.*; give its end instead \(tail"):
         next(bounded_lines(str(log)))
 
 

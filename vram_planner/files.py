@@ -21,8 +21,10 @@ from vram_planner.units import GiB, MiB
 # The most each kind of file may hold. A config.json, a calibration or a --config file is kilobytes (a
 # tokenizer-sized config.json is under 1 MiB); a catalog a few hundred rows.
 MAX_DATA_FILE_BYTES = 16 * MiB
-# An OOM log may be a whole run's stdout; 1 GiB is days of logging every step, and read_log keeps only a window.
-MAX_LOG_BYTES = 1 * GiB
+# An OOM log may be a whole run's stdout: 256 MiB is a million steps' log lines, and reading them takes about 30 s
+# (read_log keeps only a window; the time is in its patterns, line by line).
+MAX_LOG_BYTES = 256 * MiB
+LOG_TAIL = "; give its end instead (tail -n 100000 LOG | vram-plan advise -)"
 # torch.cuda.memory._dump_snapshot() pickles, after gunzip: 100,000 events with their stack frames are ~200 MiB.
 MAX_SNAPSHOT_BYTES = 2 * GiB
 # JSON or YAML nesting: the deepest any config.json goes is about 4 (text_config.rope_scaling.*); Python's own
@@ -114,22 +116,22 @@ def bounded_lines(path: str, limit: int = MAX_LOG_BYTES, what: str = "the log") 
         raise VramPlanError(f"cannot read {path}: {exc.strerror}") from exc
     with stream:
         if not stream.isatty():
-            _check_kind(os.fstat(stream.fileno()), label, limit, VramPlanError)
+            _check_kind(os.fstat(stream.fileno()), label, limit, VramPlanError, LOG_TAIL)
         read = 0
         for line in iter(lambda: stream.readline(65536), ""):
             read += len(line)  # characters: bytes for the ASCII of a log, and a bound either way
             if read > limit:
-                raise VramPlanError(_too_large(label, limit))
+                raise VramPlanError(_too_large(label, limit) + LOG_TAIL)
             yield line
 
 
-def _check_kind(info: os.stat_result, label: str, limit: int, error: type[VramPlanError]) -> None:
+def _check_kind(info: os.stat_result, label: str, limit: int, error: type[VramPlanError], hint: str = "") -> None:
     if stat.S_ISDIR(info.st_mode):
         raise error(f"cannot read {label}: it is a folder, not a file")
-    if not (stat.S_ISREG(info.st_mode) or stat.S_ISFIFO(info.st_mode)):  # a pipe, as <(...) or `cmd |` give
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode)):  # a pipe
         raise error(f"cannot read {label}: it is a device, not a file")
     if info.st_size > limit:
-        raise error(_too_large(label, limit))
+        raise error(_too_large(label, limit) + hint)
 
 
 def _too_large(label: str, limit: int) -> str:
