@@ -479,14 +479,18 @@ def console_text(monkeypatch, args: list, encoding: str) -> tuple[int, str]:
                          ids=[*READABLE, "advise"])
 def test_a_console_that_is_not_utf8_gets_a_readable_answer(capsys, monkeypatch, tmp_path, args):
     """A legacy Windows console is cp1252: no check mark, no blocks, no box drawing. The same answer as on UTF-8,
-    with ASCII stand-ins: nothing falls back to '?'."""
+    with ASCII stand-ins (nothing falls back to '?') and the tables and bars still aligned."""
     args = [oom_log(tmp_path) if a == "LOG" else a for a in args]
     code, utf8 = console_text(monkeypatch, args, "utf-8")
     assert code in (0, 1), capsys.readouterr().err
     code_cp1252, cp1252 = console_text(monkeypatch, args, "cp1252")
     assert (code_cp1252, capsys.readouterr().err) == (code, "")
-    assert cp1252.count("?") == utf8.count("?") and len(cp1252.splitlines()) >= len(utf8.splitlines()) > 0
-    for symbol, stand_in in [("\u2714 fits", "[ok] fits"), ("\u2718", "[x]"), ("\u2588", "#"), ("\u2192", "->")]:
+    assert cp1252.count("?") == utf8.count("?") and len(cp1252.splitlines()) == len(utf8.splitlines()) > 0
+    aligned = [(a, b) for a, b in zip(utf8.splitlines(), cp1252.splitlines(), strict=True)
+               if "\u2502" in a or "\u2588" in a]  # table rows and bars
+    assert all(len(a) == len(b) for a, b in aligned), "\n".join(b for a, b in aligned)
+    for symbol, stand_in in [("\u2714 fits", "+ fits"), ("\u2718 does not fit", "x does not fit"), ("\u2588", "#"),
+                             ("\u2192", "->")]:
         assert (symbol in utf8) == (stand_in in cp1252), symbol
 
 

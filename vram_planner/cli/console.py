@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, TextIO
 if TYPE_CHECKING:  # rich loads when something is printed for people: `--json` and the refusals go without it
     from rich.console import Console
 
-# What we print that some encodings lack, in ASCII. rich draws its tables in ASCII itself on such a console.
-ASCII_FALLBACKS = {"\u2714": "[ok]", "\u2718": "[x]", "\u2192": "->", "\u25c6": "*", "\u2588": "#", "\u2591": ".",
+# What we print that some encodings lack, in ASCII. rich draws its tables in ASCII itself on such a console, and
+# lays them out before the text is encoded: what can stand in a table cell or a bar keeps its one column.
+ASCII_FALLBACKS = {"\u2714": "+", "\u2718": "x", "\u2192": "->", "\u25c6": "*", "\u2588": "#", "\u2591": ".",
                    "\u2022": "-", "\u2248": "~", "\u00d7": "x", "\u2026": "...", "\u2013": "-", "\u2014": "-",
                    "\u2264": "<=", "\u2265": ">=", "\u00b7": "."}
 ERRORS = "vram-plan-ascii"
