@@ -494,6 +494,19 @@ def test_a_console_that_is_not_utf8_gets_a_readable_answer(capsys, monkeypatch, 
         assert (symbol in utf8) == (stand_in in cp1252), symbol
 
 
+def test_the_issue_s_cp1252_console():
+    """`PYTHONIOENCODING=cp1252 vram-plan plan --gpu t4 --model Llama-3.2-1B` answered 'internal error'."""
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    done = subprocess.run([sys.executable, "-c", code, "plan", "--gpu", "t4", "--model", "Llama-3.2-1B"],
+                          capture_output=True, env={**os.environ, "PYTHONIOENCODING": "cp1252"}, timeout=60)
+    assert (done.returncode, done.stderr) == (0, b"")
+    text = done.stdout.decode("cp1252")
+    assert "+ fits: peak" in text and "##" in text and "?" not in text
+
+
 def test_every_symbol_we_print_has_an_ascii_stand_in():
     """Any character in a string of the package (help texts included) that cp1252 lacks has an ASCII stand-in,
     so a new symbol cannot turn into '?' on a legacy console."""

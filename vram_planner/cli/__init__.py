@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from vram_planner.cli.console import OutputClosed, encode_anywhere, stdout_closed
+from vram_planner.cli.console import OutputClosed, encode_anywhere, stdout_closed, terminal
 from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, KNOBS, MAXIMIZE, MODEL_CONTEXT, PATH
 from vram_planner.errors import UnknownNameError, VramPlanError, first_line, one_line, short_repr
 
@@ -131,7 +131,7 @@ def probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, valida
     """Measure GRPO steps on this GPU, fit the calibration plan/check use for it, and check the verdicts."""
     from vram_planner.probe.command import run_probe
 
-    raise click.exceptions.Exit(run_probe(gpu, simulate, out, quick, validate, json_output))
+    raise click.exceptions.Exit(run_probe(gpu, simulate, out, quick, validate, json_output, terminal()))
 
 
 def main(argv: list[str] | None = None) -> int:
