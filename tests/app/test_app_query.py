@@ -192,3 +192,11 @@ def test_the_page_checks_exactly_on_request_and_says_when_the_estimate_is_near_t
     assert near.near_boundary and not far.near_boundary
     assert "**Near the boundary:**" in views.verdict_markdown(near, near)
     assert "Near the boundary" not in views.verdict_markdown(far, far)
+
+
+def test_a_pasted_config_nested_100000_deep_is_one_line(tmp_path):
+    pytest.importorskip("gradio")
+    from vram_planner.app.page import pasted_model
+
+    with pytest.raises(VramPlanError, match="the pasted config.json is nested more than 64 levels deep"):
+        pasted_model("[" * 100_000 + "]" * 100_000, tmp_path)

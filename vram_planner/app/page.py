@@ -28,6 +28,7 @@ from vram_planner.cli.options import resolve, settings_from
 from vram_planner.cli.plan import judge_report
 from vram_planner.cli.report import Report
 from vram_planner.errors import ProfileError, VramPlanError, first_line
+from vram_planner.files import load_json
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.spec import TrainingConfig, knob_types
@@ -251,7 +252,7 @@ def page_outputs(knobs: list[Knob], gpu: str, model: str, pasted: str, release: 
 def pasted_model(text: str, folder: Path) -> str:
     """A pasted config.json, checked, as a model folder the CLI's path reads."""
     try:
-        config = json.loads(text)
+        config = load_json(text, f"the {PASTED}")  # nesting bounded, as every config.json read
     except json.JSONDecodeError as exc:
         raise ProfileError(f"the {PASTED} is not valid JSON: {first_line(exc)}") from exc
     ModelArchitecture.from_config(config, name=PASTED)  # refused here, in the words of the pasted config
