@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from vram_planner import files
 from vram_planner.errors import ProfileError, VramPlanError
-from vram_planner.files import (MAX_NESTING, bounded_lines, check_json_nesting, check_writable, load_json, load_yaml,
-                                read_bytes, read_text)
+from vram_planner.files import (MAX_NESTING, bounded_lines, check_json_lines_nesting, check_json_nesting, check_writable,
+                                load_json, load_yaml, read_bytes, read_text)
 
 DEVICES = ["/dev/zero", "/dev/urandom", "/dev/null", "/dev/full"]
 
@@ -156,3 +156,17 @@ def test_a_device_target_is_refused(tmp_path, device):
     for target in (Path(device), link):
         with pytest.raises(VramPlanError, match="it is a device, not a file"):
             check_writable(target, "--out")
+
+
+def test_json_lines_are_checked_line_by_line(tmp_path):
+    """As pyarrow's reader takes them: a crowded but shallow line passes, a deep one is named by its number."""
+    path = tmp_path / "data.jsonl"
+    shallow = json.dumps({"prompt": [{"role": "user", "content": "[{"}] * 100})
+    path.write_text(f'{{"prompt": "a"}}\n{shallow}\n')
+    check_json_lines_nesting(path, "dataset")
+    path.write_text(f'{{"prompt": "a"}}\n{shallow}\n{nested(20_000, "[{")}\n')
+    with pytest.raises(ProfileError, match="dataset: line 3 is nested more than"):
+        check_json_lines_nesting(path, "dataset")
+    path.write_text(shallow * 2 + "\n")
+    with pytest.raises(ProfileError, match="dataset: line 1 is longer than"):
+        check_json_lines_nesting(path, "dataset", line_limit=len(shallow) + 10)

@@ -164,6 +164,21 @@ def check_json_nesting(text: str, label: str) -> None:
         raise ProfileError(f"{label} is nested more than {MAX_NESTING} levels deep; no file vram-plan reads is")
 
 
+def check_json_lines_nesting(path: Path, label: str, line_limit: int = MAX_DATA_FILE_BYTES) -> None:
+    """Refuse a JSON or JSON Lines file with a line nested deeper than MAX_NESTING, reading it line by line as
+    pyarrow's JSON reader does (the datasets library's), which recurses and crashes the process near 20,000 levels.
+    A line with no more brackets than the cap cannot be deeper, so counting them passes over a 100 MB file in a
+    second; only a crowded line is scanned."""
+    with open(path, "rb") as fh:
+        for number, line in enumerate(iter(lambda: fh.readline(line_limit), b""), start=1):
+            if line.count(b"[") + line.count(b"{") <= MAX_NESTING:
+                continue
+            if len(line) >= line_limit and not line.endswith(b"\n"):
+                raise ProfileError(f"{label}: line {number} is longer than {line_limit // MiB} MiB; a record is "
+                                   "one line of JSON, kilobytes long")
+            check_json_nesting(line.decode(errors="replace"), f"{label}: line {number}")
+
+
 def load_yaml(text: str, label: str) -> Any:
     """YAML text's value (yaml.safe_load), refused in one line when nested deeper than MAX_NESTING: counted over the
     parser's events, which PyYAML makes without recursion (its composer recurses, and fails near 300 levels)."""

@@ -634,10 +634,18 @@ def test_bad_run_datasets(capsys, run_base, tmp_path, name):
     refused(capsys, run_base + ["--dataset", dataset])
 
 
-@pytest.mark.parametrize("kind", ["missing", "a folder that is no dataset", "below a file"])
+@pytest.mark.parametrize("kind", ["missing", "a folder that is no dataset", "below a file", "a link to /dev/zero",
+                                  "nested 100,000 deep", "nested 100,000 deep, a bracket a line"])
 def test_unreadable_run_datasets(capsys, run_base, tmp_path, kind):
     dataset = tmp_path / "data.jsonl"
-    if kind == "a folder that is no dataset":
+    if kind == "a link to /dev/zero":
+        dataset.symlink_to("/dev/zero")
+    elif kind == "nested 100,000 deep":  # the datasets library's reader (pyarrow's) crashed the process
+        dataset.write_text('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    elif kind == "nested 100,000 deep, a bracket a line":
+        dataset = tmp_path / "data.json"
+        dataset.write_text('{"prompt":\n' + "[\n" * 100_000 + "]\n" * 100_000 + "}\n")
+    elif kind == "a folder that is no dataset":
         dataset = tmp_path / "folder"
         dataset.mkdir()
         (dataset / "notes.txt").write_text("hello")

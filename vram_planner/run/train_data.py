@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import ProfileError, VramPlanError, first_line, json_kind
-from vram_planner.files import MAX_DATA_FILE_BYTES, check_json_nesting
+from vram_planner.files import MAX_DATA_FILE_BYTES, check_json_lines_nesting, check_json_nesting
 from vram_planner.run.rewards import SYSTEM_PROMPT
 
 BUNDLED = {"math-sample": "data/math_sample.jsonl"}
@@ -38,6 +38,8 @@ def load_prompts(spec: str) -> Any:
         raise VramPlanError(f"dataset {spec!r}: it is a device, not a file")
     if not path.is_dir() and path.suffix not in (".jsonl", ".json", ".parquet"):
         raise VramPlanError(f"dataset {spec!r}: read .jsonl, .json, .parquet or a save_to_disk folder")
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        check_json_lines_nesting(path, f"dataset {spec!r}")  # deep enough, the datasets reader ends the process
     try:
         with _datasets_logs_off():
             if path.is_dir():
