@@ -66,7 +66,7 @@ def _installed_transformers() -> str | None:
 
 def _known_trl(version: str | None) -> bool:
     """Whether a TRL release the log names is one the release table covers (else the log's figure is unused)."""
-    from vram_planner.files import bounded_lines
+    from vram_planner.errors import VramPlanError
     from vram_planner.model.trl_releases import trl_release
 
     if version is None:
