@@ -58,6 +58,34 @@ def test_json_nesting_is_counted_outside_strings(value, indent):
             check_json_nesting(f"[{at_cap}]", "x")
 
 
+SHALLOW = st.none() | st.integers() | TRICKY_TEXT | st.lists(TRICKY_TEXT, max_size=2) | st.just({"a": [[]]})
+
+
+@st.composite
+def spines(draw):
+    """A value nested about MAX_NESTING deep along one spine, with shallow siblings at random levels: deep files
+    whose opening brackets do not come in one run."""
+    value = draw(JSON_VALUES)
+    for _ in range(draw(st.integers(MAX_NESTING - 6, MAX_NESTING + 4))):
+        siblings = draw(st.lists(SHALLOW, max_size=2))
+        if draw(st.booleans()):
+            value = [*siblings, value] if draw(st.booleans()) else [value, *siblings]
+        else:
+            value = {**{f"s{i}": v for i, v in enumerate(siblings)}, "spine": value}
+    return value
+
+
+@settings(max_examples=100, deadline=None)
+@given(value=spines())
+def test_nesting_near_the_cap_is_counted_exactly(value):
+    text = json.dumps(value, ensure_ascii=False)
+    if json_depth(value) > MAX_NESTING:
+        with pytest.raises(ProfileError, match="nested more than"):
+            check_json_nesting(text, "x")
+    else:
+        check_json_nesting(text, "x")
+
+
 @settings(max_examples=30, deadline=None)
 @given(depth=st.integers(MAX_NESTING + 1, 100_000), kinds=st.sampled_from(["[", "{", "[{", "{[["]))
 def test_deep_json_is_refused_in_milliseconds(depth, kinds):
