@@ -17,17 +17,18 @@ from typing import Any
 from vram_planner.errors import ProfileError, VramPlanError
 from vram_planner.units import GiB, MiB
 
-# The most each kind of file may hold. A config.json, a calibration or a --config file is kilobytes (a
-# tokenizer-sized config.json is under 1 MiB); a catalog a few hundred rows.
+# The most each kind of file may hold. A config.json, a calibration or a --config file is kilobytes (a vision
+# model's config.json with its processor settings, tens of KiB); a catalog a few hundred rows.
 MAX_DATA_FILE_BYTES = 16 * MiB
 # An OOM log may be a whole run's stdout: 256 MiB is a million steps' log lines, and reading them takes about 30 s
 # (read_log keeps only a window; the time is in its patterns, line by line).
 MAX_LOG_BYTES = 256 * MiB
 LOG_TAIL = "; give its end instead (tail -n 100000 LOG | vram-plan advise -)"
-# torch.cuda.memory._dump_snapshot() pickles, after gunzip: 100,000 events with their stack frames are ~200 MiB.
+# torch.cuda.memory._dump_snapshot() pickles, after gunzip: the largest, with every event's stack frames, run to
+# hundreds of MiB.
 MAX_SNAPSHOT_BYTES = 2 * GiB
-# JSON or YAML nesting: the deepest any config.json goes is about 4 (text_config.rope_scaling.*); Python's own
-# parsers recurse and fail near 1,000, and everything that walks the value afterwards would too.
+# JSON or YAML nesting: the deepest shipped config.json or calibration goes 4 levels; Python's own parsers recurse
+# and fail near 1,000 (PyYAML's near 500), and what walks the value afterwards would too.
 MAX_NESTING = 64
 
 
@@ -189,7 +190,7 @@ def check_json_lines_nesting(path: Path, label: str, line_limit: int = MAX_DATA_
 
 def load_yaml(text: str, label: str) -> Any:
     """YAML text's value (yaml.safe_load), refused in one line when nested deeper than MAX_NESTING: counted over the
-    parser's events, which PyYAML makes without recursion (its composer recurses, and fails near 300 levels)."""
+    parser's events, which PyYAML makes without recursion (its composer recurses, and fails near 500 levels)."""
     import yaml
 
     depth = 0
