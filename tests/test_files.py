@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vram_planner import files
+from vram_planner.cli.settings_file import read_settings_file
 from vram_planner.errors import ProfileError, VramPlanError
 from vram_planner.files import (MAX_NESTING, bounded_lines, check_json_lines_nesting, check_json_nesting, check_writable,
                                 load_json, load_yaml, read_bytes, read_text)
@@ -126,6 +127,10 @@ def test_a_file_over_the_cap_is_refused_by_its_size(tmp_path):
         fh.truncate(files.MAX_DATA_FILE_BYTES + 1)  # sparse: no disk, and read_bytes must not read it
     with pytest.raises(ProfileError, match="holds more than 16 MiB"):
         read_text(big)
+    settings = tmp_path / "run.yaml"  # written by hand, and YAML parses at about 1 MiB a second: a smaller cap
+    settings.write_text("beta: 0.0\n" + "#" * files.MAX_SETTINGS_BYTES)
+    with pytest.raises(ProfileError, match="cannot read --config .*run.yaml: it holds more than 1 MiB"):
+        read_settings_file(settings)
     log = tmp_path / "crash.log"
     with log.open("wb") as fh:
         fh.truncate(files.MAX_LOG_BYTES + 1)

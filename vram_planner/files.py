@@ -17,9 +17,12 @@ from typing import Any
 from vram_planner.errors import ProfileError, VramPlanError
 from vram_planner.units import GiB, MiB
 
-# The most each kind of file may hold. A config.json, a calibration or a --config file is kilobytes (a vision
-# model's config.json with its processor settings, tens of KiB); a catalog a few hundred rows.
+# The most each kind of file may hold. A config.json or a calibration is kilobytes (a vision model's config.json with
+# its processor settings, tens of KiB), parsed by json's C scanner.
 MAX_DATA_FILE_BYTES = 16 * MiB
+# What people write by hand, --config files and catalogs: the largest shipped catalog is 30 KiB, and YAML parses at
+# about 1 MiB a second even with LibYAML (TOML faster).
+MAX_SETTINGS_BYTES = 1 * MiB
 # An OOM log may be a whole run's stdout: 256 MiB is a million steps' log lines, and reading them takes about 30 s
 # (read_log keeps only a window; the time is in its patterns, line by line).
 MAX_LOG_BYTES = 256 * MiB
@@ -189,17 +192,24 @@ def check_json_lines_nesting(path: Path, label: str, line_limit: int = MAX_DATA_
 
 
 def load_yaml(text: str, label: str) -> Any:
-    """YAML text's value (yaml.safe_load), refused in one line when nested deeper than MAX_NESTING: counted over the
-    parser's events, which PyYAML makes without recursion (its composer recurses, and fails near 500 levels)."""
+    """YAML text's value (as yaml.safe_load reads it), refused in one line when nested deeper than MAX_NESTING:
+    counted over the parser's events, which come without recursion (PyYAML's composer recurses, and fails near 500
+    levels; LibYAML's scanner stops flow nesting at 1,000 itself, with its own words)."""
     import yaml
 
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # LibYAML's, where PyYAML was built with it: 3x faster
+    deeper = ProfileError(f"{label} is nested more than {MAX_NESTING} levels deep; no file vram-plan reads is")
     depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_NESTING:
-                raise ProfileError(f"{label} is nested more than {MAX_NESTING} levels deep; no file vram-plan "
-                                   "reads is")
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-    return yaml.safe_load(text)
+    try:
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_NESTING:
+                    raise deeper
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError as exc:
+        if "maximum nesting depth" in str(getattr(exc, "problem", "")):
+            raise deeper from exc
+        raise
+    return yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader, LibYAML's or PyYAML's

@@ -125,10 +125,10 @@ def data_home() -> Path:
 def read_toml(path: Path) -> dict[str, Any]:
     import tomllib  # profile_cache keeps what the loaders make of a file: this runs when a file is new or changed
 
-    from vram_planner.files import MAX_DATA_FILE_BYTES, read_text
+    from vram_planner.files import MAX_SETTINGS_BYTES, read_text
 
     try:
-        return tomllib.loads(read_text(path, MAX_DATA_FILE_BYTES, kind="a TOML file"))
+        return tomllib.loads(read_text(path, MAX_SETTINGS_BYTES, kind="a TOML file"))
     except ValueError as exc:  # tomllib.TOMLDecodeError is a ValueError
         raise ProfileError(f"cannot read {path}: {exc}") from exc
     except RecursionError as exc:  # tomllib recurses into nested arrays and inline tables

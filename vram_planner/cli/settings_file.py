@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import ProfileError, first_line
-from vram_planner.files import MAX_DATA_FILE_BYTES, load_json, load_yaml, read_text
+from vram_planner.files import MAX_SETTINGS_BYTES, load_json, load_yaml, read_text
 
 
 def read_settings_file(path: Path) -> dict[str, Any]:
     """Keys may be spelled with dashes or underscores."""
-    text = read_text(path, MAX_DATA_FILE_BYTES, "--config", kind="a YAML or JSON file")
+    text = read_text(path, MAX_SETTINGS_BYTES, "--config", kind="a YAML or JSON file")
     try:
         data = load_json(text, f"--config {path}") if path.suffix.lower() == ".json" else load_yaml(
             text, f"--config {path}")
