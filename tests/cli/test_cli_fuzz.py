@@ -561,6 +561,19 @@ def test_a_closed_pipe_is_its_own_exit_code(capsys, monkeypatch, args):
     assert capsys.readouterr().err == ""
 
 
+def test_a_refusal_into_a_closed_pipe(monkeypatch):
+    """`vram-plan check --gpu bad ... 2>&1 | head -0`: the error line meets the closed pipe too; 141, not a traceback
+    and exit 1."""
+    pipe = ClosedPipe()
+    stream = io.TextIOWrapper(pipe, encoding="utf-8", line_buffering=True)
+    monkeypatch.setattr("sys.stderr", stream)
+    try:
+        assert output_on(monkeypatch, stream, [*BASE["check"], "--gpu", "rtx9999"]) == 141
+    finally:
+        pipe.broken = False
+        stream.close()
+
+
 @pytest.mark.parametrize("args", [READABLE["replay"], JSON["gpus --json"]], ids=["replay", "gpus --json"])
 def test_a_real_pipe_closed_by_its_reader(args):
     """`vram-plan replay ... | head`, with a reader that is gone before the first write: exit 141, no traceback."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from vram_planner.cli.console import OutputClosed, encode_anywhere, stdout_closed, terminal
+from vram_planner.cli.console import OutputClosed, encode_anywhere, outputs_closed, terminal
 from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, KNOBS, MAXIMIZE, MODEL_CONTEXT, PATH
 from vram_planner.errors import UnknownNameError, VramPlanError, first_line, one_line, short_repr
 
@@ -146,13 +146,21 @@ def main(argv: list[str] | None = None) -> int:
         args.insert(0, "plan")
     encode_anywhere(sys.stdout, sys.stderr)
     try:
+        return _answer(args, debug)
+    except (OutputClosed, BrokenPipeError):  # `vram-plan ... | head` (2>&1 too): the reader has what it wanted
+        outputs_closed()
+        return EXIT_BROKEN_PIPE
+
+
+def _answer(args: list[str], debug: bool) -> int:
+    """Run the command; its exit code, and any error as the one line the contract promises."""
+    try:
         exit_code = app.main(args, prog_name="vram-plan", standalone_mode=False, obj={"argv": args})
         sys.stdout.flush()  # a closed pipe shows here, while it can still be answered
     except click.exceptions.Exit as done:
         return done.exit_code
-    except (OutputClosed, BrokenPipeError):  # `vram-plan ... | head`: the reader has what it wanted
-        stdout_closed()
-        return EXIT_BROKEN_PIPE
+    except (OutputClosed, BrokenPipeError):  # main's to answer, even when the error line meets the closed pipe
+        raise
     except SystemExit as done:  # user code (a reward) ending the process: neither a verdict nor silence
         if debug:
             raise

@@ -68,13 +68,15 @@ def _terminal_class() -> type[Console]:
     return Terminal
 
 
-def stdout_closed() -> None:
-    """After a broken pipe: point stdout at /dev/null, so that Python's last flush at exit does not fail again and
-    print a traceback of its own."""
+def outputs_closed() -> None:
+    """After a broken pipe: point stdout and stderr at /dev/null, so that Python's last flush at exit does not fail
+    again and print a traceback of its own (the answer is given: nothing more is printed)."""
     import os
 
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's captured stream): nothing to flush
-        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no file descriptor (a test's captured stream): no flush
+            pass
