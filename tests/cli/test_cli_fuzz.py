@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import CURRENT, FIXTURES, LLAMA_1B, unwritable_targets
@@ -423,6 +423,7 @@ def test_bad_catalog_and_command_names(capsys, args):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.one_of(st.binary(max_size=2048), st.just(b"gpu = 3\n"), st.just(b"[[gpu]]\nname = 1\n"),
                       st.just(b"[[model]]\nname = 'x'\nconfig = '/nonexistent.json'\n")))
+@example(data=b"gpu = " + b"[" * 100_000 + b"]" * 100_000 + b"\n")  # tomllib recurses into arrays
 def test_random_bytes_as_a_users_catalog(capsys, monkeypatch, random_files, catalog, data):
     folder = random_files / "profiles"
     folder.mkdir(exist_ok=True)
