@@ -1,6 +1,8 @@
 """Fuzz the command line: every subcommand, fed bad numbers, names, files of random bytes, empty files, unreadable
-and unwritable paths, answers with exit code 2 and exactly one line on stderr that names no exception class, within
-seconds. In-process through `vram_planner.cli.main`, as tests/cli/test_cli.py does."""
+and unwritable paths, devices, oversized files and JSON or YAML nested 100,000 deep, answers with exit code 2 and
+exactly one line on stderr that names no exception class, within seconds (devices within one). Its output reads on a
+console that is not UTF-8, and a closed pipe is exit 141. In-process through `vram_planner.cli.main`, as
+tests/cli/test_cli.py does."""
 
 from __future__ import annotations
 
