@@ -4,6 +4,8 @@ a tokenizer (helpers.py holds the shared functions and constants)."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,18 @@ def tiny_model_folder(tmp_path_factory):
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
+
+
+CHATTR = shutil.which("chattr")  # found before a test empties PATH
+
+
+@pytest.fixture
+def immutable_file(tmp_path):
+    """A file `chattr +i` makes immutable, for root too; skipped where the file system or the user cannot."""
+    path = tmp_path / "immutable" / "plan.png"
+    path.parent.mkdir()
+    path.write_bytes(b"")
+    if CHATTR is None or subprocess.run([CHATTR, "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    yield path
+    subprocess.run([CHATTR, "-i", str(path)], check=True)

@@ -126,25 +126,25 @@ def data_home() -> Path:
 def read_toml(path: Path) -> dict[str, Any]:
     import tomllib  # profile_cache keeps what the loaders make of a file: this runs when a file is new or changed
 
+    from vram_planner.files import MAX_SETTINGS_BYTES, read_text
+
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
+        return tomllib.loads(read_text(path, MAX_SETTINGS_BYTES, kind="a TOML file"))
+    except ValueError as exc:  # tomllib.TOMLDecodeError is a ValueError
         raise ProfileError(f"cannot read {path}: {exc}") from exc
+    except RecursionError as exc:  # tomllib recurses into nested arrays and inline tables
+        raise ProfileError(f"cannot read {path}: its arrays or tables nest too deeply to read") from exc
 
 
 def read_json(path: Path) -> Any:
     """A JSON file's value; ProfileError in one line when it cannot be read or is not JSON."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ProfileError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"{path} is not a JSON file (its bytes are not UTF-8 text)") from exc
+    from vram_planner.files import MAX_DATA_FILE_BYTES, load_json, read_text
+
+    text = read_text(path, MAX_DATA_FILE_BYTES, kind="a JSON file")
     if not text.strip():
         raise ProfileError(f"{path} is empty; it should hold a JSON object")
     try:
-        return json.loads(text)
+        return load_json(text, str(path))
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path} is not valid JSON: {exc}") from exc
 
@@ -226,7 +226,7 @@ def model_config(name: str) -> tuple[dict[str, Any], str, str]:
         config_file = path / "config.json" if path.is_dir() else path
         if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
             raise ProfileError(f"cannot read the model folder {path}: permission denied")
-        if not config_file.is_file():
+        if path.is_dir() and not config_file.is_file():  # anything else, a device too, read_json words
             raise ProfileError(f"{path} has no config.json")
         # what from_pretrained takes: the folder of a config.json (GRPOTrainer(model=...) and `run` load it)
         loadable = config_file.parent if config_file.name == "config.json" else path

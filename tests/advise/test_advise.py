@@ -106,9 +106,9 @@ def test_a_huge_log_is_read_in_bounded_memory(tmp_path):
             fh.write("step 1: loss 0.1 reward 0.5\n")
         fh.write("x" * 5_000_000 + "\n")  # one enormous line
         fh.write(CURRENT + "\n")
-    from vram_planner.cli.advise import _bounded_lines
+    from vram_planner.files import bounded_lines
 
-    assert read_log(_bounded_lines(str(log))).tried_to_allocate == round(1.90 * GiB)
+    assert read_log(bounded_lines(str(log))).tried_to_allocate == round(1.90 * GiB)
 
 
 @settings(max_examples=200, deadline=None)

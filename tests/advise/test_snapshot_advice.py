@@ -217,10 +217,10 @@ def test_a_pickle_that_is_no_snapshot_is_refused_in_one_line(capsys, tmp_path):
 def test_a_snapshot_over_the_size_bound_is_refused_unread(capsys, tmp_path, monkeypatch):
     from vram_planner.allocator import snapshot
 
-    monkeypatch.setattr(snapshot, "MAX_SNAPSHOT_BYTES", 1000)
+    monkeypatch.setattr(snapshot, "MAX_SNAPSHOT_BYTES", 2**20)
     path = tmp_path / "big.pickle"
-    path.write_bytes(pickle.dumps({"device_traces": [], "segments": [], "pad": "x" * 2000}))
-    assert "larger than" in one_line_error(capsys, "advise", str(path))
+    path.write_bytes(pickle.dumps({"device_traces": [], "segments": [], "pad": "x" * 2**21}))
+    assert "holds more than 1 MiB, the most vram-plan reads" in one_line_error(capsys, "advise", str(path))
 
 
 H100 = FIXTURES / "snapshots" / "h100"

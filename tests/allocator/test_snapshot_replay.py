@@ -160,3 +160,23 @@ def test_the_replay_puts_segments_where_the_recording_says_cudamalloc_put_them()
     assert result.recorded.segment_sizes == [12 * MiB, 20 * MiB, 16 * MiB]
     assert result.predicted_segment_sizes == result.recorded.segment_sizes
     assert result.predicted_max_reserved_bytes == 48 * MiB
+
+
+def test_a_gzip_that_unzips_past_the_cap_is_refused(tmp_path, monkeypatch):
+    """A small file may unzip to any size (a gzip bomb): the unzipping stops one byte past the cap."""
+    from vram_planner.allocator import snapshot
+
+    monkeypatch.setattr(snapshot, "MAX_SNAPSHOT_BYTES", 1 << 20)
+    path = tmp_path / "bomb.pickle.gz"
+    path.write_bytes(gzip.compress(pickle.dumps({"segments": []}) + bytes(4 << 20)))
+    assert path.stat().st_size < 64 << 10
+    with pytest.raises(SnapshotError, match="it unzips to more than"):
+        load_snapshot(path)
+    monkeypatch.setattr(snapshot, "MAX_SNAPSHOT_BYTES", 8 << 20)  # under the cap it is read whole (and the pickle
+    assert load_snapshot(path).device_traces == []                # stops at its end, before the padding)
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_a_device_is_refused_at_once(device):
+    with pytest.raises(SnapshotError, match=f"cannot read the snapshot {device}: it is a device, not a file"):
+        load_snapshot(device)

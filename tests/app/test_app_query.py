@@ -268,3 +268,10 @@ def test_the_page_checks_exactly_on_request_and_says_when_the_estimate_is_near_t
     assert near.near_boundary and not far.near_boundary
     assert "**Near the boundary:**" in views.verdict_markdown(near, near)
     assert "Near the boundary" not in views.verdict_markdown(far, far)
+
+
+def test_a_pasted_config_nested_100000_deep_is_one_line():
+    from vram_planner.app.query import pasted_config
+
+    with pytest.raises(VramPlanError, match="the pasted config.json is nested more than 64 levels deep"):
+        pasted_config("[" * 100_000 + "]" * 100_000)

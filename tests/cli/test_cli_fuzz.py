@@ -1,20 +1,24 @@
 """Fuzz the command line: every subcommand, fed bad numbers, names, files of random bytes, empty files, unreadable
-and unwritable paths, answers with exit code 2 and exactly one line on stderr that names no exception class, within
-seconds. In-process through `vram_planner.cli.main`, as tests/cli/test_cli.py does."""
+and unwritable paths, devices, oversized files and JSON or YAML nested 100,000 deep, answers with exit code 2 and
+exactly one line on stderr that names no exception class, within seconds (devices within one). Its output reads on a
+console that is not UTF-8, and a closed pipe is exit 141. In-process through `vram_planner.cli.main`, as
+tests/cli/test_cli.py does."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import CURRENT, FIXTURES, LLAMA_1B, unwritable_targets
-from vram_planner import profiles
+from vram_planner import files, profiles
 from vram_planner.cli import main
 
 TINY = FIXTURES / "tiny-llama-headdim.json"
@@ -266,9 +270,10 @@ FILE_ARGUMENTS = {
                                              "--config", path],
     "advise LOG": lambda path, folder: ["advise", path],
     "advise LOG with a model": lambda path, folder: ["advise", path, "--gpu", "24GiB", "--model", "Llama-3.2-1B"],
+    "replay SNAPSHOT": lambda path, folder: ["replay", path],
 }
 FILE_NAMES = {"--model": "config.json", "--config": "run.yaml", "--calibration": "calibration.json",
-              "LOG": "crash.log"}
+              "LOG": "crash.log", "SNAPSHOT": "memory.pickle"}
 
 
 def oom_log(folder: Path) -> Path:
@@ -323,10 +328,72 @@ def test_empty_and_unreadable_paths_as_every_file_argument(capsys, tmp_path, arg
     refused(capsys, FILE_ARGUMENTS[argument](path, tmp_path))
 
 
+# Files no reader may take whole (issue 28): nesting past any parser's recursion, devices that never end, and a file
+# larger than every cap (sparse: it takes no disk, and a reader that read it would take seconds).
+HOSTILE_FILES = {
+    "JSON arrays 100,000 deep": lambda path: path.write_text("[" * 100_000 + "]" * 100_000),
+    "JSON objects 100,000 deep": lambda path: path.write_text('{"a":' * 100_000 + "1" + "}" * 100_000),
+    "YAML 100,000 deep": lambda path: path.write_text("- " * 100_000 + "a\n"),
+    "/dev/zero": lambda path: Path("/dev/zero"),
+    "/dev/urandom": lambda path: Path("/dev/urandom"),
+    "a link to /dev/zero": lambda path: path.symlink_to("/dev/zero"),
+    "2 GiB and a byte": lambda path: sparse(path, files.MAX_SNAPSHOT_BYTES + 1),
+}
+
+
+def sparse(path: Path, size: int) -> None:
+    path.touch()
+    os.truncate(path, size)
+
+
+@pytest.mark.parametrize("argument", list(FILE_ARGUMENTS))
+@pytest.mark.parametrize("hostile", list(HOSTILE_FILES))
+def test_hostile_files_as_every_file_argument_are_refused_within_a_second(capsys, tmp_path, argument, hostile):
+    path = tmp_path / file_name(argument)
+    made = HOSTILE_FILES[hostile](path)
+    refused(capsys, FILE_ARGUMENTS[argument](made if isinstance(made, Path) else path, tmp_path), seconds=1.0)
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_advise_refuses_a_device_on_stdin(capsys, monkeypatch, device):
+    with open(device, "rb") as stream:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(stream))
+        err = refused(capsys, ["advise", "-"], seconds=1.0)
+    assert "stdin: it is a device" in err
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(depth=st.integers(65, 5000), kinds=st.sampled_from(["[", '{"a":', '[{"a":']),
+       argument=st.sampled_from(["check --model", "check --calibration", "check --config", "trace --model"]))
+def test_json_nested_past_the_cap(capsys, random_files, depth, kinds, argument):
+    """Between the cap and the parsers' recursion limit too: whatever walks the value after parsing is safe."""
+    closing = {"[": "]", '{"a":': "}", '[{"a":': "}]"}[kinds]
+    path = random_files / "deep.json"
+    path.write_text(kinds * depth + "1" + closing * depth)
+    err = refused(capsys, FILE_ARGUMENTS[argument](path, random_files), seconds=1.0)
+    assert f"nested more than {files.MAX_NESTING} levels deep" in err
+
+
 @pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "in /proc", "below /proc"])
 @pytest.mark.parametrize("command", TRAINING_COMMANDS)
 def test_unwritable_plots(capsys, tmp_path, command, where):
     refused(capsys, [*BASE[command], "--plot", unwritable_targets(tmp_path)[where]])
+
+
+@pytest.mark.parametrize("command", TRAINING_COMMANDS)
+def test_an_immutable_plot_is_refused_before_the_work(capsys, immutable_file, command):
+    err = refused(capsys, [*BASE[command], "--plot", immutable_file])
+    assert "read-only or immutable" in err
+
+
+@pytest.mark.parametrize("flag", ["--plot", "--out"])
+def test_a_device_as_a_target_is_refused(capsys, tmp_path, flag):
+    """A name that ends in .png but links to /dev/full: renaming the plot over it would replace the device."""
+    link = tmp_path / "plan.png"
+    link.symlink_to("/dev/full")
+    args = ["probe", "--simulate", "--gpu", "h100", "--quick", "--out"] if flag == "--out" else [*BASE["plan"], flag]
+    assert "it is a device, not a file" in refused(capsys, [*args, link])
+    assert Path("/dev/full").is_char_device()
 
 
 @pytest.mark.parametrize("where", ["below a file", "deeper below a file", "a folder", "in /proc", "below /proc"])
@@ -358,6 +425,7 @@ def test_bad_catalog_and_command_names(capsys, args):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.one_of(st.binary(max_size=2048), st.just(b"gpu = 3\n"), st.just(b"[[gpu]]\nname = 1\n"),
                       st.just(b"[[model]]\nname = 'x'\nconfig = '/nonexistent.json'\n")))
+@example(data=b"gpu = " + b"[" * 100_000 + b"]" * 100_000 + b"\n")  # tomllib recurses into arrays
 def test_random_bytes_as_a_users_catalog(capsys, monkeypatch, random_files, catalog, data):
     folder = random_files / "profiles"
     folder.mkdir(exist_ok=True)
@@ -377,6 +445,150 @@ def test_random_bytes_as_a_users_catalog(capsys, monkeypatch, random_files, cata
         (folder / catalog).unlink()
         profiles.gpu_catalog.cache_clear()
         profiles.model_catalog.cache_clear()
+
+
+# What people read, on consoles that are not UTF-8 and into pipes that close: each command's human output and JSON.
+READABLE = {
+    "plan": BASE["plan"], "check": BASE["check"],
+    "plan --maximize": [*BASE["plan"], "--maximize", "max_completion_length"],
+    "check that does not fit": [*BASE["check"], "--gpu", "t4", "--per-device-train-batch-size", "64"],
+    "gpus": ["gpus"], "models": ["models"], "gpus --model": ["gpus", "--model", "Llama-3.2-1B"],
+    "replay": ["replay", FIXTURES / "snapshots" / "kv_cache_growth.pickle"], "--help": ["--help"],
+    "plan --help": ["plan", "--help"],
+}
+JSON = {"check --json": [*BASE["check"], "--json"], "gpus --json": ["gpus", "--json"],
+        "models --json": ["models", "--json"],
+        "replay --json": ["replay", FIXTURES / "snapshots" / "kv_cache_growth.pickle", "--json"]}
+
+
+def output_on(monkeypatch, stream, args: list) -> int:
+    """The exit code of `args` with `stream` as stdout."""
+    monkeypatch.setattr("sys.stdout", stream)
+    try:
+        return main([str(a) for a in args])
+    finally:
+        monkeypatch.undo()
+
+
+def console_text(monkeypatch, args: list, encoding: str) -> tuple[int, str]:
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding=encoding, newline="\n")
+    code = output_on(monkeypatch, stream, args)
+    stream.flush()
+    return code, raw.getvalue().decode(encoding)
+
+
+@pytest.mark.parametrize("args", [*READABLE.values(), ["advise", "LOG", "--gpu", "24GiB", "--model", "Llama-3.2-1B"]],
+                         ids=[*READABLE, "advise"])
+def test_a_console_that_is_not_utf8_gets_a_readable_answer(capsys, monkeypatch, tmp_path, args):
+    """A legacy Windows console is cp1252: no check mark, no blocks, no box drawing. The same answer as on UTF-8,
+    with ASCII stand-ins (nothing falls back to '?') and the tables and bars still aligned."""
+    args = [oom_log(tmp_path) if a == "LOG" else a for a in args]
+    code, utf8 = console_text(monkeypatch, args, "utf-8")
+    assert code in (0, 1), capsys.readouterr().err
+    code_cp1252, cp1252 = console_text(monkeypatch, args, "cp1252")
+    assert (code_cp1252, capsys.readouterr().err) == (code, "")
+    assert cp1252.count("?") == utf8.count("?") and len(cp1252.splitlines()) == len(utf8.splitlines()) > 0
+    aligned = [(a, b) for a, b in zip(utf8.splitlines(), cp1252.splitlines(), strict=True)
+               if "\u2502" in a or "\u2588" in a]  # table rows and bars
+    assert all(len(a) == len(b) for a, b in aligned), "\n".join(b for a, b in aligned)
+    for symbol, stand_in in [("\u2714 fits", "+ fits"), ("\u2718 does not fit", "x does not fit"), ("\u2588", "#"),
+                             ("\u2192", "->")]:
+        assert (symbol in utf8) == (stand_in in cp1252), symbol
+
+
+def test_the_issue_s_cp1252_console():
+    """`PYTHONIOENCODING=cp1252 vram-plan plan --gpu t4 --model Llama-3.2-1B` answered 'internal error'."""
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    done = subprocess.run([sys.executable, "-c", code, "plan", "--gpu", "t4", "--model", "Llama-3.2-1B"],
+                          capture_output=True, env={**os.environ, "PYTHONIOENCODING": "cp1252"}, timeout=60)
+    assert (done.returncode, done.stderr) == (0, b"")
+    text = done.stdout.decode("cp1252")
+    assert "+ fits: peak" in text and "##" in text and "?" not in text
+
+
+def test_every_symbol_we_print_has_an_ascii_stand_in():
+    """Any character in a string of the package (help texts included) that cp1252 lacks has an ASCII stand-in,
+    so a new symbol cannot turn into '?' on a legacy console."""
+    import tokenize
+
+    from vram_planner.cli.console import ASCII_FALLBACKS
+
+    package = Path(main.__code__.co_filename).parents[1]
+    lacking = set()
+    for source in package.rglob("*.py"):
+        if "app" in source.relative_to(package).parts:  # the web page is HTML, in UTF-8
+            continue
+        with source.open("rb") as fh:
+            strings = [t.string for t in tokenize.tokenize(fh.readline) if t.type == tokenize.STRING]
+        lacking |= {c for text in strings for c in text if c not in ASCII_FALLBACKS and not _encodes(c, "cp1252")}
+    assert not lacking
+    assert "\u2714" in ASCII_FALLBACKS and all(v.isascii() for v in ASCII_FALLBACKS.values())
+
+
+def _encodes(character: str, encoding: str) -> bool:
+    try:
+        character.encode(encoding)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class ClosedPipe(io.RawIOBase):
+    """stdout whose reader went away (`| head`): every write is EPIPE, until the test is over."""
+
+    broken = True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self.broken:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(data)
+
+
+@pytest.mark.parametrize("args", [*READABLE.values(), *JSON.values()], ids=[*READABLE, *JSON])
+def test_a_closed_pipe_is_its_own_exit_code(capsys, monkeypatch, args):
+    """141 (128 + SIGPIPE), never 1 ("does not fit") or 2, and nothing on stderr."""
+    pipe = ClosedPipe()
+    stream = io.TextIOWrapper(pipe, encoding="utf-8")
+    try:
+        assert output_on(monkeypatch, stream, args) == 141
+    finally:
+        pipe.broken = False
+        stream.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_refusal_into_a_closed_pipe(monkeypatch):
+    """`vram-plan check --gpu bad ... 2>&1 | head -0`: the error line meets the closed pipe too; 141, not a traceback
+    and exit 1."""
+    pipe = ClosedPipe()
+    stream = io.TextIOWrapper(pipe, encoding="utf-8", line_buffering=True)
+    monkeypatch.setattr("sys.stderr", stream)
+    try:
+        assert output_on(monkeypatch, stream, [*BASE["check"], "--gpu", "rtx9999"]) == 141
+    finally:
+        pipe.broken = False
+        stream.close()
+
+
+@pytest.mark.parametrize("args", [READABLE["replay"], JSON["gpus --json"]], ids=["replay", "gpus --json"])
+def test_a_real_pipe_closed_by_its_reader(args):
+    """`vram-plan replay ... | head`, with a reader that is gone before the first write: exit 141, no traceback."""
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom vram_planner.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    process = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()
+    _, err = process.communicate(timeout=60)
+    assert (process.returncode, err) == (141, b"")
 
 
 # `run`: the same checks before anything starts. --dry-run keeps a case that is wrongly let through from training.
@@ -438,10 +650,18 @@ def test_bad_run_datasets(capsys, run_base, tmp_path, name):
     refused(capsys, run_base + ["--dataset", dataset])
 
 
-@pytest.mark.parametrize("kind", ["missing", "a folder that is no dataset", "below a file"])
+@pytest.mark.parametrize("kind", ["missing", "a folder that is no dataset", "below a file", "a link to /dev/zero",
+                                  "nested 100,000 deep", "nested 100,000 deep, a bracket a line"])
 def test_unreadable_run_datasets(capsys, run_base, tmp_path, kind):
     dataset = tmp_path / "data.jsonl"
-    if kind == "a folder that is no dataset":
+    if kind == "a link to /dev/zero":
+        dataset.symlink_to("/dev/zero")
+    elif kind == "nested 100,000 deep":  # the datasets library's reader (pyarrow's) crashed the process
+        dataset.write_text('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    elif kind == "nested 100,000 deep, a bracket a line":
+        dataset = tmp_path / "data.json"
+        dataset.write_text('{"prompt":\n' + "[\n" * 100_000 + "]\n" * 100_000 + "}\n")
+    elif kind == "a folder that is no dataset":
         dataset = tmp_path / "folder"
         dataset.mkdir()
         (dataset / "notes.txt").write_text("hello")
@@ -466,3 +686,13 @@ def test_bad_run_model_folders(capsys, run_base, tmp_path, kind):
     config = TINY.read_bytes() if kind == "config only" else b"\x00\xff not json"
     (folder / "config.json").write_bytes(config)
     refused(capsys, run_base + ["--model", folder])
+
+
+@pytest.mark.parametrize("when", ["on a sample batch", "on import"])
+def test_a_reward_that_calls_sys_exit(capsys, run_base, tmp_path, when):
+    """A dry run calls the reward on a sample batch; its sys.exit(3) would have been the command's exit code."""
+    reward = tmp_path / "my_reward.py"
+    body = "    sys.exit(3)\n" if when == "on a sample batch" else "    return [1.0] * len(completions)\nsys.exit(3)\n"
+    reward.write_text(f"import sys\n\n\ndef score(completions, **kwargs):\n{body}")
+    err = refused(capsys, run_base + ["--reward", f"{reward}:score"])
+    assert "sys.exit(3)" in err

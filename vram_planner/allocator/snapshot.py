@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vram_planner.errors import VramPlanError, first_line, json_kind
+from vram_planner.files import MAX_SNAPSHOT_BYTES, read_bytes
+from vram_planner.units import GiB
 
 ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
            "segment_unmap", "snapshot", "oom")
 SIZED_ACTIONS = frozenset(ACTIONS) - {"snapshot", "oom"}
 GZIP_MAGIC = b"\x1f\x8b"
-# A snapshot of a long run with frames is hundreds of MiB; more than this, compressed or not, is refused unread.
-MAX_SNAPSHOT_BYTES = 4 * 2**30
 FRAMES_KEPT = 24  # innermost frames kept per allocation: where a tensor was made is near the top
 
 
@@ -83,11 +83,7 @@ def free_action(events: list[TraceEvent]) -> str:
 
 def load_snapshot(path: Path) -> Snapshot:
     """The snapshot in `path` (a .pickle, or gzip-compressed); SnapshotError in one line for anything else."""
-    try:
-        with open(path, "rb") as stream:
-            data = stream.read(MAX_SNAPSHOT_BYTES + 1)
-    except OSError as exc:
-        raise SnapshotError(f"cannot read the snapshot {path}: {exc.strerror or first_line(exc)}") from exc
+    data = read_bytes(path, MAX_SNAPSHOT_BYTES, "the snapshot", SnapshotError)
     try:
         return parse_snapshot(_unpickle(_decompress(data)))
     except SnapshotError as exc:
@@ -102,13 +98,13 @@ def _decompress(data: bytes) -> bytes:
     if not data.startswith(GZIP_MAGIC):
         return data
     try:
-        with gzip.GzipFile(fileobj=io.BytesIO(data)) as stream:
-            plain = stream.read(MAX_SNAPSHOT_BYTES + 1)
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as unzipped:
+            data = unzipped.read(MAX_SNAPSHOT_BYTES + 1)  # a small file may unzip to any size
     except (OSError, EOFError, zlib.error) as exc:
         raise SnapshotError(f"it starts like gzip but does not decompress ({first_line(exc)})") from exc
-    if len(plain) > MAX_SNAPSHOT_BYTES:
-        raise SnapshotError(f"it decompresses to more than {MAX_SNAPSHOT_BYTES // 2**30} GiB")
-    return plain
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise SnapshotError(f"it unzips to more than {MAX_SNAPSHOT_BYTES // GiB} GiB, the most vram-plan reads")
+    return data
 
 
 def _unpickle(data: bytes) -> object:

@@ -111,9 +111,10 @@ def error_line(exc: VramPlanError) -> str:
 def pasted_config(text: str) -> dict[str, Any]:
     """A pasted config.json's dict, or one line saying why it is not one."""
     from vram_planner.errors import ProfileError, first_line
+    from vram_planner.files import load_json
 
     try:
-        config = json.loads(text)
+        config = load_json(text, "the pasted config.json")  # nesting bounded, as every config.json read
     except (json.JSONDecodeError, RecursionError) as exc:
         raise ProfileError(f"the pasted config.json is not valid JSON: {first_line(exc)}") from exc
     if not isinstance(config, dict):

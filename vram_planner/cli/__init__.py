@@ -1,4 +1,5 @@
-"""The command line: parse, call the library, render. Exit 0 fits, 1 does not fit, 2 bad input or error.
+"""The command line: parse, call the library, render. Exit 0 fits, 1 does not fit, 2 bad input or error, 141 the
+output's reader went away (a broken pipe, as a shell reports a process SIGPIPE ended).
 
 One module per command that has grown (plan.py for plan/check/trace, run.py, advise.py); the catalogs and probe
 are a few lines each and stay here. Each command imports its engine only when it runs.
@@ -10,11 +11,15 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
+from vram_planner.cli.console import OutputClosed, encode_anywhere, outputs_closed, terminal
 from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, KNOBS, MAXIMIZE, MODEL_CONTEXT, PATH
-from vram_planner.errors import UnknownNameError, VramPlanError, first_line, flag, one_line
+from vram_planner.errors import UnknownNameError, VramPlanError, first_line, flag, one_line, short_repr
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` exits with, and never a verdict
 
 # The commands with modules of their own, loaded when they run (or when --help lists them): each declares dozens
 # of options, and `plan` should not pay for building those of `run`, `advise` and `replay` (click's documented
@@ -35,6 +40,20 @@ class LazyGroup(click.Group):
             module, name = LAZY_COMMANDS[cmd_name].split(":")
             return getattr(importlib.import_module(module), name)
         return super().get_command(ctx, cmd_name)
+
+    # click answers a broken pipe with exit 1, our "does not fit": carried past it as OutputClosed instead, from
+    # parsing (which prints --help and --version) and from the command.
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError as exc:
+            raise OutputClosed from exc
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as exc:
+            raise OutputClosed from exc
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple:
         """click suggests only among the commands already loaded; an unknown name is compared with all of them."""
@@ -115,7 +134,7 @@ def probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, valida
     """Measure GRPO steps on this GPU, fit the calibration plan/check use for it, and check the verdicts."""
     from vram_planner.probe.command import run_probe
 
-    raise click.exceptions.Exit(run_probe(gpu, simulate, out, quick, validate, json_output))
+    raise click.exceptions.Exit(run_probe(gpu, simulate, out, quick, validate, json_output, terminal()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,10 +147,29 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
     if args and args[0].startswith("-") and args[0] not in ("--help", "-h", "--version"):
         args.insert(0, "plan")
+    encode_anywhere(sys.stdout, sys.stderr)
+    try:
+        return _answer(args, debug)
+    except (OutputClosed, BrokenPipeError):  # `vram-plan ... | head` (2>&1 too): the reader has what it wanted
+        outputs_closed()
+        return EXIT_BROKEN_PIPE
+
+
+def _answer(args: list[str], debug: bool) -> int:
+    """Run the command; its exit code, and any error as the one line the contract promises."""
     try:
         exit_code = app.main(args, prog_name="vram-plan", standalone_mode=False, obj={"argv": args})
+        sys.stdout.flush()  # a closed pipe shows here, while it can still be answered
     except click.exceptions.Exit as done:
         return done.exit_code
+    except (OutputClosed, BrokenPipeError):  # main's to answer, even when the error line meets the closed pipe
+        raise
+    except SystemExit as done:  # user code (a reward) ending the process: neither a verdict nor silence
+        if debug:
+            raise
+        click.echo(f"error: code vram-plan ran for you (a reward, a callback) called "
+                   f"sys.exit({short_repr(done.code)}); run with --debug for where", err=True)
+        return EXIT_ERROR
     except (VramPlanError, click.ClickException) as exc:
         if debug:
             raise

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
 from vram_planner.cli.options import KNOBS, PATH, resolve
-from vram_planner.errors import VramPlanError
+from vram_planner.files import bounded_lines
 
 
 @click.command("advise")
@@ -33,7 +32,7 @@ def advise_command(log: str, gpu: str | None, model: str | None, config_file: Pa
         return
     from vram_planner.advise.oom_log import read_log
 
-    error = read_log(_bounded_lines(log))
+    error = read_log(bounded_lines(log))
     context = train = None
     source = "flag" if knobs.get("transformers_version") is not None else "assumed"
     trl_from = "flag" if trl_version is not None else "installed"
@@ -142,18 +141,3 @@ def _known_transformers(version: str | None) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _bounded_lines(log: str):  # -> Iterator[str]
-    """The log's lines, each read 64 KiB at most at a time, undecodable bytes replaced."""
-    import io
-
-    if log == "-":
-        stream = io.TextIOWrapper(sys.stdin.buffer, errors="replace")
-    else:
-        try:
-            stream = open(log, errors="replace")  # noqa: SIM115 (closed below, after the generator is drained)
-        except OSError as exc:
-            raise VramPlanError(f"cannot read {log}: {exc.strerror}") from exc
-    with stream:
-        yield from iter(lambda: stream.readline(65536), "")

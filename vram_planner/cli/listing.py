@@ -13,8 +13,9 @@ if TYPE_CHECKING:  # rich is imported where a table is printed: `--json` goes wi
 
 
 def print_gpus(console: Console | None = None) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from vram_planner.cli.console import terminal
 
     table = Table(title="GPU catalog (GiB as CUDA reports them; --gpu takes a name, an alias or a size)",
                   title_justify="left", show_edge=False)
@@ -26,12 +27,13 @@ def print_gpus(console: Console | None = None) -> None:
         also = min(g.aliases, key=len, default="")
         table.add_row(g.name, f"{g.total_memory_gib:.2f}", g.compute_capability, "yes" if g.bf16 else "no",
                       "yes" if g.flash_attention_2 else "no", g.segment, also)
-    (console or Console()).print(table)
+    (console or terminal()).print(table)
 
 
 def print_models(console: Console | None = None) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from vram_planner.cli.console import terminal
 
     table = Table(title="Model catalog", title_justify="left", show_edge=False)
     table.add_column("name (hub ids work too)", no_wrap=True)
@@ -42,7 +44,7 @@ def print_models(console: Console | None = None) -> None:
         table.add_row(entry.name, f"{a.params / 1e9:.2f}B", str(a.num_layers),
                       f"{a.num_attention_heads}/{a.num_kv_heads}", str(a.vocab_size),
                       "yes" if a.tie_word_embeddings else "no")
-    (console or Console()).print(table)
+    (console or terminal()).print(table)
 
 
 def gpus_json() -> str:
@@ -82,8 +84,9 @@ def gpus_for_model(options: dict[str, Any]) -> int:
 def print_fitting(cards: list[Any], console: Console | None = None) -> None:
     """The cards as `gpus_for_model` orders them, the smallest that fits first; those that cannot run the config
     at all below the table, grouped by reason."""
-    from rich.console import Console
     from rich.table import Table
+
+    from vram_planner.cli.console import terminal
     from rich.text import Text
 
     from vram_planner.report.cards import strategy
@@ -107,7 +110,7 @@ def print_fitting(cards: list[Any], console: Console | None = None) -> None:
             continue
         cells = _maximized_cells(card) if field else _verdict_cells(card)
         table.add_row(card.name, f"{card.gpu.total_memory_gib:.2f}", *cells)
-    console = console or Console()
+    console = console or terminal()
     console.print(title, table)
     for reason, names in refused.items():
         console.print(Text(f"✘ cannot run on {', '.join(names)}: {reason}", style="dim"))

@@ -8,6 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from vram_planner.cli.console import terminal
 from vram_planner.errors import flag, spelled
 from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.words import (first_micro_batch_line, footer_lines, near_boundary_reason, saving,
@@ -27,12 +28,6 @@ COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients":
                     "lm_head_buffers": "bright_green", "vllm_reservation": "bright_cyan",
                     "cuda_context": "bright_black", "cublas_workspaces": "grey50",
                     "allocator_overhead": "white"}
-
-
-def terminal() -> Console:
-    """The console for what people read. Nothing we print means a `:name:` emoji code, so rich's emoji table (a
-    few ms to load at every start) is never loaded."""
-    return Console(emoji=False)
 
 
 def _g(n_bytes: float) -> str:

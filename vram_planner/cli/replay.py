@@ -100,12 +100,12 @@ def _report(path: Path, result: SnapshotReplay, conf_text: str, source: str) -> 
 
 def _render(report: ReplayReport) -> None:
     """For people: GiB for totals, MiB for segment sizes, said in the labels."""
-    from rich.console import Console
     from rich.table import Table
 
+    from vram_planner.cli.console import terminal
     from vram_planner.units import GiB, MiB
 
-    console = Console()
+    console = terminal()
     conf = repr(report.allocator_conf) if report.allocator_conf else "torch's defaults"
     origin = {"default": "", "snapshot": " (as the snapshot records)"}.get(report.allocator_conf_source,
                                                                           f" (from {report.allocator_conf_source})")

@@ -7,21 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import ProfileError, first_line
+from vram_planner.files import MAX_SETTINGS_BYTES, load_json, load_yaml, read_text
 
 
 def read_settings_file(path: Path) -> dict[str, Any]:
     """Keys may be spelled with dashes or underscores."""
+    text = read_text(path, MAX_SETTINGS_BYTES, "--config", kind="a YAML or JSON file")
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"cannot read --config {path}: {exc}") from exc
-    try:
-        if path.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
+        data = load_json(text, f"--config {path}") if path.suffix.lower() == ".json" else load_yaml(
+            text, f"--config {path}")
+    except ProfileError:
+        raise
     except (json.JSONDecodeError, ValueError) as exc:
         raise ProfileError(f"--config {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: "
                            f"{first_line(exc)}") from exc

@@ -41,8 +41,9 @@ def _measurer(simulate: bool, gpu: str | None) -> tuple[p.Measurer, str]:
 
 @library_log_warnings_hidden()  # the training stack's imports (bitsandbytes) log beside the progress bar
 def run_probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, validate: bool,
-              json_output: bool) -> int:
-    """Measure, fit, save (and validate); the exit code: 0, or 1 when a validated "fits" did not run."""
+              json_output: bool, console_out: Console | None = None) -> int:
+    """Measure, fit, save (and validate); the exit code: 0, or 1 when a validated "fits" did not run. The results
+    go to `console_out` (the command line's, which answers a closed pipe with its own exit code)."""
     measurer, gpu_name = _measurer(simulate, gpu)
     p.check_targets(gpu_name, measurer.simulated, out)  # before minutes of measuring
     console = Console(stderr=True)
@@ -73,7 +74,7 @@ def run_probe(gpu: str | None, simulate: bool, out: Path | None, quick: bool, va
                           "validation": [{**r.model_dump(), "error": r.error, "wrong_fit": r.wrong_fit}
                                          for r in rows]}, indent=2))
     else:
-        _print(Console(), cal, quality, rows, written)
+        _print(console_out or Console(), cal, quality, rows, written)
     return 1 if any(r.wrong_fit for r in rows) else 0
 
 

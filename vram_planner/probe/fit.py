@@ -9,7 +9,6 @@ stopped, and the calibration is written only at the end, atomically. This module
 from __future__ import annotations
 
 import functools
-import json
 import math
 import statistics
 from collections.abc import Callable, Iterable
@@ -189,8 +188,8 @@ def load_record(path: Path, device: dict[str, str], context_bytes: int) -> Probe
     """The points measured earlier on the same device and software; a fresh record otherwise."""
     if path.is_file():
         try:
-            record = ProbeRecord.model_validate(json.loads(path.read_text()))
-        except (OSError, ValueError, ValidationError):
+            record = ProbeRecord.model_validate(read_json(path))
+        except (VramPlanError, ValidationError):
             record = None  # unreadable: measure again rather than fail
         if record is not None and record.device == device:
             return record

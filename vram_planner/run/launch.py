@@ -22,7 +22,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
 from vram_planner.extras import library_log_warnings_hidden, require_bitsandbytes, require_vllm
-from vram_planner.files import check_writable, write_atomically
+from vram_planner.files import MAX_LOG_BYTES, check_writable, read_text, write_atomically
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig, knob_names
@@ -317,7 +317,7 @@ class JsonlLog:
 
     def _drop_steps_after(self, step: int) -> None:
         """The steps an interrupted run logged after its last checkpoint are trained again: their lines go."""
-        kept = [line for line in self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in read_text(self.path, MAX_LOG_BYTES, "the run's log").splitlines(keepends=True)
                 if (logged := _logged_step(line)) is None or logged <= step]
         write_atomically(self.path, "".join(kept))
 
@@ -338,7 +338,7 @@ class JsonlLog:
 def _logged_step(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
 
 

@@ -13,8 +13,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from vram_planner.errors import VramPlanError
 from vram_planner.files import write_atomically
 from vram_planner.model.grpo_config import lora_config_kwargs, quantization_config_kwargs
+from vram_planner.profiles import read_json
 
 RECORD_NAME = "vram-plan-run.json"
 DISTRIBUTIONS = ("vram-plan", "torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "vllm")
@@ -78,7 +80,7 @@ def record_outcome(folder: Path, outcome: dict[str, Any]) -> None:
     """Add how the run ended (steps, seconds, measured peak, or where it stopped) to the folder's record."""
     path = folder / RECORD_NAME
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):  # the record went missing or was edited: the outcome alone
+        record = read_json(path)
+    except VramPlanError:  # the record went missing or was edited: the outcome alone
         record = {}
     write_record(folder, {**record, "outcome": outcome})

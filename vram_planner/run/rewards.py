@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vram_planner.errors import VramPlanError, first_line
+from vram_planner.errors import VramPlanError, first_line, short_repr
 
 # The recipe's format: <reasoning> ... </reasoning> then <answer> ... </answer>, each on its own lines.
 STRICT_FORMAT = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n?$", re.DOTALL)
@@ -82,6 +82,9 @@ def load_reward(spec: str) -> RewardFunction:
             module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module: any error on import is theirs to see in one line
         raise VramPlanError(f"reward {spec!r}: cannot import {module_name}: {first_line(exc)}") from exc
+    except SystemExit as exc:  # a script's `sys.exit(main())` run on import
+        raise VramPlanError(f"reward {spec!r}: importing {module_name} calls sys.exit({short_repr(exc.code)}); "
+                            "put that call under `if __name__ == \"__main__\":`") from exc
     function = getattr(module, function_name, None)
     if not callable(function):
         raise VramPlanError(f"reward {spec!r}: {module_name} has no function {function_name!r}")
@@ -143,6 +146,9 @@ def check_reward(function: RewardFunction, sample: dict[str, Any], name: str) ->
         output = function(**sample)
     except Exception as exc:
         raise VramPlanError(f"reward {name} fails on a sample batch: {_describe(exc)} (--debug shows where)") from exc
+    except SystemExit as exc:  # it would end the trainer, mid-run, with its own exit code
+        raise VramPlanError(f"reward {name} calls sys.exit({short_repr(exc.code)}) on a sample batch; a reward "
+                            "returns one number per completion, it does not end the program") from exc
     count = len(sample["completions"])
     if output is None or isinstance(output, str | bytes | dict) or not isinstance(output, Iterable):
         raise VramPlanError(f"reward {name} returned {_a(output)} instead of a list with one number (or None) per "

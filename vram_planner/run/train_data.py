@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vram_planner.errors import VramPlanError, first_line, json_kind
+from vram_planner.errors import ProfileError, VramPlanError, first_line, json_kind
+from vram_planner.files import MAX_DATA_FILE_BYTES, check_json_lines_nesting, check_json_nesting
 from vram_planner.run.rewards import SYSTEM_PROMPT
 
 BUNDLED = {"math-sample": "data/math_sample.jsonl"}
@@ -33,8 +34,12 @@ def load_prompts(spec: str) -> Any:
     path = Path(spec).expanduser()
     if not path.exists():
         raise VramPlanError(f"dataset {spec!r}: no such file or folder (or use gsm8k or math-sample)")
+    if not path.is_dir() and not path.is_file():
+        raise VramPlanError(f"dataset {spec!r}: it is a device, not a file")
     if not path.is_dir() and path.suffix not in (".jsonl", ".json", ".parquet"):
         raise VramPlanError(f"dataset {spec!r}: read .jsonl, .json, .parquet or a save_to_disk folder")
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        check_json_lines_nesting(path, f"dataset {spec!r}")  # deep enough, the datasets reader ends the process
     try:
         with _datasets_logs_off():
             if path.is_dir():
@@ -75,9 +80,15 @@ def _what_is_wrong(path: Path, exc: Exception) -> str:
 def first_json_problem(path: Path) -> str | None:
     """Where a JSON (one document) or JSON Lines file stops being records of JSON objects, as the datasets library
     reads both; None when it is."""
+    if path.stat().st_size > MAX_DATA_FILE_BYTES:  # too large to look through here: the library's words, then
+        return None
     text = path.read_text(errors="replace")
     if not text.strip():
         return "the file is empty"
+    try:
+        check_json_nesting(text, "the file")
+    except ProfileError as exc:
+        return str(exc)
     try:
         document = json.loads(text)
     except json.JSONDecodeError as whole:
