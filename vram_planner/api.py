@@ -73,6 +73,17 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
     return train
 
 
+def make_training_auto(context: Context, settings: dict[str, Any] | None = None) -> tuple[TrainingConfig, Any]:
+    """As `make_training`, where num_gpus may be "auto": then the fewest GPUs of the card and the strategy on which
+    the config fits (or, where none does, the closest try on a whole node), and the search (model/fewest_gpus.py)."""
+    if not settings or not (isinstance(settings.get("num_gpus"), str) and settings["num_gpus"].lower() == "auto"):
+        return make_training(context, settings), None
+    from vram_planner.model.fewest_gpus import fewest_gpus
+
+    found = fewest_gpus(context, make_training(context, {k: v for k, v in settings.items() if k != "num_gpus"}))
+    return found.closest.train, found
+
+
 @overload
 def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
           exact: Literal[False] = False, progress: Callable[[str], None] | None = None,
@@ -323,6 +334,7 @@ class CardFit:
     verdict: Verdict | None
     maximized: Maximized | None = None
     problem: str | None = None
+    fewest: Any = None  # `--num-gpus auto`: the search (model/fewest_gpus.py) whose choice `verdict` is
 
     @property
     def name(self) -> str:
@@ -362,6 +374,9 @@ def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: s
     from vram_planner.model.maximize import maximize as maximize_field
 
     field = None if maximize is None else maximizable_field(maximize)
+    if field is not None and str((settings or {}).get("num_gpus")).lower() == "auto":
+        raise ConfigError(["--maximize takes a number of GPUs, not --num-gpus auto: find the count first, then "
+                           "maximize on it"])
     first = make_context(model, gpus()[0], trl_version=trl_version, calibration=calibration,
                          safety_margin=safety_margin)
     shared_calibration = first.calibration if calibration is not None else None
@@ -369,10 +384,13 @@ def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: s
     for gpu in sorted(gpus(), key=lambda g: g.capacity_bytes):  # a card fits at least what a smaller one fits
         context = replace(first, gpu=gpu, calibration=shared_calibration or calibration_for(gpu.name))
         try:
-            train = make_training(context, settings)
+            train, fewest = make_training_auto(context, settings)
         except ConfigError as error:  # what this card cannot run, or bad knobs (then no card can)
             cards.append(CardFit(gpu, None, problem=str(error)))
             errors.append((gpu.capacity_bytes, error))
+            continue
+        if fewest is not None:
+            cards.append(CardFit(gpu, fewest.chosen or judge(context, train), fewest=fewest))
             continue
         if field is None:
             cards.append(CardFit(gpu, judge(context, train)))

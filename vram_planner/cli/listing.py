@@ -21,6 +21,8 @@ def print_gpus(console: Console | None = None) -> None:
                   title_justify="left", show_edge=False)
     table.add_column("name", no_wrap=True)
     table.add_column("GiB", justify="right")
+    if auto:
+        table.add_column("GPUs")
     for column in ("cc", "bf16", "FA2", "segment", "also"):
         table.add_column(column)
     for g in gpus():
@@ -78,7 +80,8 @@ def gpus_for_model(options: dict[str, Any]) -> int:
                              calibration=options["calibration"], safety_margin=options["safety_margin"])
     if options["json_output"]:
         label = _strategy(cards)
-        print(json.dumps([_card_row(card, label) for card in cards], indent=2))
+        print(json.dumps([_card_row(card, _card_strategy(card) if card.fewest else label) for card in cards],
+                         indent=2))
     else:
         print_fitting(cards)
     return EXIT_FITS if any(card.fits for card in cards) else EXIT_DOES_NOT_FIT
@@ -92,10 +95,21 @@ def _strategy(cards: list[Any]) -> str | None:
     return None if judged is None else strategy_label(judged.train)
 
 
+def _card_strategy(card: Any) -> str | None:
+    """The count and strategy `--num-gpus auto` chose for this card ('1 GPU' where one plain GPU fits)."""
+    from vram_planner.model.accelerate_config import strategy_label
+
+    return None if card.verdict is None else strategy_label(card.verdict.train) or "1 GPU"
+
+
 def _card_row(card: Any, per_gpu: str | None) -> dict[str, Any]:  # card: vram_planner.api.CardFit
     row = {"name": card.name, "capacity_bytes": card.capacity_bytes, "fits": card.fits,
            "peak_bytes": _whole(card.peak_bytes), "spare_bytes": _whole(card.spare_bytes), "problem": card.problem,
            "per_gpu": per_gpu}
+    if card.fewest is not None and card.verdict is not None:  # --num-gpus auto: the count and strategy chosen
+        train = card.verdict.train
+        row.update(num_gpus=train.num_gpus, strategy=train.distributed, offload_optimizer=train.offload_optimizer,
+                   offload_param=train.offload_param)
     m = card.maximized
     if m is not None:
         row["maximized"] = {"field": m.field, "value": m.value, "peak_bytes": _whole(m.peak_bytes),
@@ -115,16 +129,22 @@ def print_fitting(cards: list[Any], console: Console | None = None) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from vram_planner.model.offload import MAX_GPUS_PER_NODE
+
     judged = next(card.verdict for card in cards if card.verdict is not None)
     context, field = judged.context, next((c.maximized.field for c in cards if c.maximized), None)
     what = f"the largest {field} on each card" if field else "every card"
+    auto = any(card.fewest is not None for card in cards)
     label = _strategy(cards)
-    per_gpu = "" if label is None else f", per GPU, {label}"
+    per_gpu = ", per GPU, the fewest of each card that fit (--num-gpus auto)" if auto else (
+        "" if label is None else f", per GPU, {label}")
     title = Text(f"{context.model_id or context.arch.name}, TRL {context.release.version}{per_gpu}: {what}, smallest "
                  "that fits first (GiB)", style="italic")
     table = Table(show_edge=False)
     table.add_column("card", no_wrap=True)
     table.add_column("GiB", justify="right")
+    if auto:
+        table.add_column("GPUs")
     for column in ([f"largest {field}", "peak", "next", "next needs"] if field else ["verdict", "peak", "spare"]):
         table.add_column(column, justify="left" if column == "verdict" else "right")
     refused: dict[str, list[str]] = {}
@@ -133,7 +153,8 @@ def print_fitting(cards: list[Any], console: Console | None = None) -> None:
             refused.setdefault(card.problem.replace(card.gpu.label, "the card"), []).append(card.name)
             continue
         cells = _maximized_cells(card) if field else _verdict_cells(card)
-        table.add_row(card.name, f"{card.gpu.total_memory_gib:.2f}", *cells)
+        counted = [_card_strategy(card) if card.fits else f"> {MAX_GPUS_PER_NODE}"] if auto else []
+        table.add_row(card.name, f"{card.gpu.total_memory_gib:.2f}", *counted, *cells)
     console = console or Console()
     console.print(title, table)
     for reason, names in refused.items():

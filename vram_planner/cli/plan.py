@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT, resolve,
-                                      settings_from)
+                                      resolve_gpu_count, settings_from)
 from vram_planner.errors import VramPlanError
 
 
@@ -45,8 +45,13 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         _exact(command, options)
     if options.get("maximize") is not None or options.get("allow_savers"):
         _maximize(options)
-    context, train = resolve(command, options)
+    context, train, fewest = resolve_gpu_count(command, options)
     report, shown = judge_report(command, context, train)
+    if fewest is not None:  # --num-gpus auto: what it chose, and why
+        from vram_planner.cli.report import gpu_count_report
+
+        report.num_gpus_auto = gpu_count_report(fewest)
+        report.notes.insert(0, fewest.note(context.gpu.label))
 
     def human() -> None:
         from vram_planner.cli.render import render

@@ -1,0 +1,228 @@
+"""Model states in the host's RAM: DeepSpeed's ZeRO-Offload (`offload_optimizer`, `offload_param` with device cpu) and
+FSDP2's CPUOffloadPolicy, as the engines allocate them; what stays on each GPU is counted in model/components.py.
+
+Pure: no DeepSpeed, no torch. DeepSpeed's constants cite DeepSpeed 0.19.8's source (`deepspeed/...`), FSDP2's and the
+pinned-memory allocator's torch 2.13's (`torch/...`, and the C++ headers torch ships in `torch/include`).
+
+- DeepSpeed pins its offload buffers by default: `pin_memory: bool = True` for parameters and for the optimizer
+  (runtime/zero/offload_config.py:45 and :75), accelerate's config sets only the device (accelerate/utils/
+  dataclasses.py:1308-1316). FSDP2's CPUOffloadPolicy pins too (accelerate/utils/dataclasses.py:2189 makes
+  `CPUOffloadPolicy()`, whose `pin_memory` defaults to True, torch/distributed/fsdp/_fully_shard/_fsdp_api.py:183).
+- A pinned tensor comes from PyTorch's CachingHostAllocator, which rounds each allocation up to the next power of two
+  (torch/include/ATen/core/CachingHostAllocator.h:300-305, "Round up the allocation to the nearest power of two"; the
+  thresholds that could stop it are unlimited by default, torch/include/c10/core/AllocatorConfig.h:361-363), so a
+  pinned buffer of 3.1 GiB holds 4 GiB of page-locked RAM.
+- With an optimizer offloaded, accelerate hands DeepSpeed a DeepSpeedCPUAdam in place of the Trainer's optimizer
+  (accelerate/accelerator.py:2374-2383, accelerate/utils/deepspeed.py:41-43), which keeps exp_avg and exp_avg_sq in
+  float32 beside each fp32 partition (deepspeed/ops/adam/cpu_adam.py:158-164): 8 bytes per parameter of the partition.
+
+DeepSpeed's own estimators of the offloaded cases (zero/stage_1_and_2.py:4025-4027 and zero/stage3.py:4030-4043) count
+more host RAM than these buffers (they multiply by `additional_buffer_factor=1.5` and count the fp32 model every
+process loads); the host RAM planned is never below theirs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+from vram_planner.model import components as m
+from vram_planner.model import fsdp, zero
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.spec import DTYPE_BYTES, TrainingConfig
+
+FP32_BYTES = 4
+BIT16_BYTES = 2
+# DeepSpeedCPUAdam's exp_avg and exp_avg_sq, float32 (deepspeed/ops/adam/cpu_adam.py:158-164)
+CPU_ADAM_STATE_BYTES = 8
+# ZeRO-3 steps its partition in sub-groups of at most this many elements, each with a pinned fp32 gradient buffer
+# (deepspeed/runtime/zero/config.py:182, `sub_group_size: int = Field(pp_int(1e9))`; zero/stage3.py:1337-1342)
+SUB_GROUP_ELEMENTS = 1_000_000_000
+# ZeRO-3 keeps its gradient partitions in one flat buffer of gradient_accumulation_dtype, float32 by default
+# (zero/stage3.py:192 and :791-795), on the CPU when the optimizer is offloaded (zero/stage3.py:333)
+GRADIENT_PARTITION_BYTES = 4
+# DeepSpeed's estimators' factor for what their count leaves out (zero/stage_1_and_2.py:4021, zero/stage3.py:4022)
+ESTIMATE_BUFFER_FACTOR = 1.5
+# The most GPUs one node holds (the HGX/DGX boards of 8): host RAM is per node, and `--num-gpus auto` plans one node,
+# as the printed accelerate config does (num_machines: 1)
+MAX_GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class HostBuffer:
+    """One kind of buffer in the host's RAM on one rank: its bytes as held (pinned ones rounded up)."""
+
+    name: str
+    held_bytes: int
+    pinned: bool
+
+
+def pinned_bytes(n_bytes: float) -> int:
+    """What CachingHostAllocator holds for a pinned tensor of n_bytes: the next power of two."""
+    n = math.ceil(n_bytes)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def _buffer(name: str, n_bytes: float, pinned: bool) -> HostBuffer:
+    return HostBuffer(name, pinned_bytes(n_bytes) if pinned else math.ceil(n_bytes), pinned)
+
+
+def _trainable(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    return arch.lora_params(train.lora_r or 0, train.lora_targets) if train.uses_lora else arch.params
+
+
+def host_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBuffer]:
+    """The offloaded states one rank keeps in the host's RAM during training (none without offload)."""
+    if not train.offloaded:
+        return []
+    if train.fsdp:
+        return _fsdp_buffers(arch, train)
+    part = math.ceil(_trainable(arch, train) / train.num_gpus)
+    if train.zero_stage == 3:
+        return _zero3_buffers(arch, train, part)
+    buffers = [
+        _buffer("fp32 master partition", part * FP32_BYTES, True),  # zero/stage_1_and_2.py:560-565
+        _buffer("16-bit copy of the partition for the upload", part * BIT16_BYTES, True),  # :566-573
+        _buffer("fp32 gradient partition", part * FP32_BYTES, True),  # :936-941
+        _buffer("DeepSpeedCPUAdam's moments", part * CPU_ADAM_STATE_BYTES, False),
+        # the largest parameter's gradient staged on its way to the host (zero/stage_1_and_2.py:653-658)
+        _buffer("gradient staging buffer", zero.largest_layer_params(arch) * BIT16_BYTES, True),
+    ]
+    if train.gradient_accumulation_steps > 1:
+        # gradients accumulated across micro-batches in the parameters' dtype (zero/stage_1_and_2.py:1822-1825,
+        # used from the second micro-batch or before the boundary, :2166-2167)
+        buffers.append(_buffer("gradients accumulated on the host", part * BIT16_BYTES, True))
+    return buffers
+
+
+def _zero3_buffers(arch: ModelArchitecture, train: TrainingConfig, part: int) -> list[HostBuffer]:
+    groups, last = divmod(part, SUB_GROUP_ELEMENTS)
+    sub_group_grads = groups * pinned_bytes(SUB_GROUP_ELEMENTS * FP32_BYTES) + pinned_bytes(last * FP32_BYTES)
+    buffers = [
+        _buffer("fp32 master partition", part * FP32_BYTES, False),  # zero/stage3.py:1157-1159, unpinned
+        HostBuffer("fp32 gradient of each sub-group", sub_group_grads, True),  # zero/stage3.py:1337-1342
+        _buffer("gradient partitions", part * GRADIENT_PARTITION_BYTES, True),  # zero/stage3.py:791-795
+        _buffer("DeepSpeedCPUAdam's moments", part * CPU_ADAM_STATE_BYTES, False),
+    ]
+    if train.offload_param == "cpu":
+        # the 16-bit parameter partitions, pinned (zero/stage3.py:888-907); every parameter, frozen ones too
+        buffers.append(_buffer("16-bit parameter partitions", math.ceil(arch.params / train.num_gpus)
+                               * BIT16_BYTES, True))
+    return buffers
+
+
+def _fsdp_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBuffer]:
+    """FSDP2 pins each parameter's padded shard on its own (torch/distributed/fsdp/_fully_shard/_fsdp_param.py:
+    312-315) and copies each reduced gradient shard to the host (_fsdp_collectives.py:711-743, into pinned memory
+    with a non-blocking copy); the optimizer's states are made beside the shards, unpinned."""
+    n, master = train.num_gpus, fsdp.master_bytes(train)
+    trainable, frozen = _parameter_numels(arch, train)
+    shards = sum(count * pinned_bytes(math.ceil(numel / n) * master) for numel, count in trainable)
+    shards += sum(count * pinned_bytes(math.ceil(numel / n) * DTYPE_BYTES[train.dtype]) for numel, count in frozen)
+    grads = sum(count * pinned_bytes(math.ceil(numel / n) * master) for numel, count in trainable)
+    on_device = _on_device(train)
+    return [HostBuffer("parameter shards", shards, True), HostBuffer("gradient shards", grads, True),
+            _buffer("optimizer states", m.optimizer_state_bytes(arch, on_device), False),
+            _buffer("optimizer step scratch", m.optimizer_step_temporary_bytes(arch, on_device), False)]
+
+
+def _on_device(train: TrainingConfig) -> TrainingConfig:
+    return replace(train, offload_optimizer="none", offload_param="none")
+
+
+def _parameter_numels(arch: ModelArchitecture, train: TrainingConfig) -> tuple[list[tuple[int, int]],
+                                                                            list[tuple[int, int]]]:
+    """(numel, how many) of every parameter tensor: the trainable ones, and the frozen ones (a LoRA base)."""
+    layers = arch.num_layers
+    tensors = [(arch.embedding_params, 1), (arch.hidden_size, arch.family.norms_per_layer * layers + 1)]
+    if arch.family.layer_norm_bias:
+        tensors.append((arch.hidden_size, arch.family.norms_per_layer * layers + 1))
+    if not arch.tie_word_embeddings:
+        tensors.append((arch.embedding_params, 1))
+    for lin in arch.layer_linears():
+        tensors.append((lin.in_features * lin.out_features, layers))
+        if lin.bias:
+            tensors.append((lin.out_features, layers))
+    if not train.uses_lora:
+        return tensors, []
+    r = train.lora_r or 0
+    adapters = [(r * dim, layers) for lin in arch.lora_linears(train.lora_targets)
+                for dim in (lin.in_features, lin.out_features)]
+    return adapters, tensors
+
+
+def loading_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """The host RAM the model takes while it loads, before the engine moves it: every process builds the whole model
+    on the CPU under ZeRO-1/2 (no zero.Init: TRL's zero2 config sets zero3_init_flag false); under FSDP2 only rank 0
+    loads the weights (fsdp_cpu_ram_efficient_loading, accelerate/utils/fsdp_utils.py:887-888); ZeRO-3's zero.Init
+    partitions each layer as it is built."""
+    whole = arch.params * DTYPE_BYTES[train.dtype]
+    if train.fsdp:
+        return whole
+    return whole * min(train.num_gpus, MAX_GPUS_PER_NODE) if train.zero_stage in (1, 2) else 0
+
+
+def deepspeed_estimate(arch: ModelArchitecture, train: TrainingConfig) -> tuple[int, int] | None:
+    """DeepSpeed's estimate with cpu_offload (host RAM of one node, GPU bytes of one rank), as its estimators compute
+    it for one node of `num_gpus` (zero/stage_1_and_2.py:4025-4027, zero/stage3.py:4030-4043, zero_init as TRL's
+    zero3 config sets it); None where DeepSpeed does not offload."""
+    if train.fsdp or train.offload_optimizer != "cpu":
+        return None
+    p, n, factor = arch.params, train.num_gpus, ESTIMATE_BUFFER_FACTOR
+    if train.zero_stage != 3:
+        return int(p * max(4 * n, 16) * factor), 2 * p
+    largest = 4 * zero.largest_layer_params(arch)
+    if train.offload_param == "cpu":
+        return int(p * 18 * factor), largest
+    return int(p * 16 * factor), largest + int(2 * p / n)
+
+
+def host_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """The host RAM one node needs at its peak: the offloaded states of its ranks (or the model while it loads),
+    never below DeepSpeed's own estimate; 0 without offload."""
+    if not train.offloaded:
+        return 0
+    ranks = min(train.num_gpus, MAX_GPUS_PER_NODE)
+    training = ranks * sum(b.held_bytes for b in host_buffers(arch, train))
+    estimate = deepspeed_estimate(arch, train)
+    return max(training, loading_bytes(arch, train), estimate[0] if estimate else 0)
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's RAM (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_memory_bytes(train: TrainingConfig) -> int | None:
+    """The RAM of one node: --host-memory, else this machine's."""
+    if train.host_memory is not None:
+        from vram_planner.units import parse_size_bytes
+
+        return parse_size_bytes(train.host_memory)
+    return machine_memory_bytes()
+
+
+def host_fits(arch: ModelArchitecture, train: TrainingConfig) -> bool:
+    """Whether one node's RAM holds what offload puts there (true without offload, or where the RAM is unknown)."""
+    capacity = host_memory_bytes(train)
+    return capacity is None or host_bytes(arch, train) <= capacity
+
+
+def host_note(arch: ModelArchitecture, train: TrainingConfig) -> str | None:
+    """The host RAM the offloaded states need beside the node's, in words (None without offload)."""
+    if not train.offloaded:
+        return None
+    from vram_planner.units import format_gib
+
+    need, capacity = host_bytes(arch, train), host_memory_bytes(train)
+    where = "--host-memory" if train.host_memory is not None else "this machine's RAM"
+    ranks = min(train.num_gpus, MAX_GPUS_PER_NODE)
+    head = f"host RAM: the offloaded states of {ranks} rank{'s' * (ranks > 1)} need {format_gib(need)}"
+    if capacity is None:
+        return f"{head} per node (give --host-memory to judge it)"
+    verdict = "fits in" if need <= capacity else "does not fit in"
+    return f"{head} per node, which {verdict} {format_gib(capacity)} ({where})"
