@@ -154,7 +154,9 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     if train.zero_stage in (1, 2) and train.optimizer_offloaded:
         # ZeRO-Offload copies each reduced gradient to the host through one device buffer the size of the largest
         # parameter (deepspeed/runtime/zero/stage_1_and_2.py:659-661); no partition stays on the GPU
-        return zero.largest_layer_params(arch) * zero.GATHERED_GRADIENT_BYTES
+        largest = zero.largest_trainable_layer_params(arch, train.lora_r if train.uses_lora else None,
+                                                      train.lora_targets)
+        return largest * zero.GATHERED_GRADIENT_BYTES
     if train.distributed in ("ddp", "zero0"):  # ZeRO-0 counted as DDP's bucket copy, as it was (not checked)
         return 2 * grads
     if train.zero_stage == 3:  # the largest trainable layer's full gradient before its reduce-scatter (model/zero.py)

@@ -58,9 +58,10 @@ class Fewest:
             return (f"--num-gpus auto: no strategy fits on up to {MAX_GPUS_PER_NODE} x {gpu_label} (one node); "
                     f"shown: {strategy_label(self.closest.train)}")
         count = self.chosen.train.num_gpus
-        fewer = "" if count == 1 else f"; on {count - 1} none of the {len(_strategies_on(self, count - 1))} " \
+        fewer = "" if count == 1 else f"; on {count - 1}, none of the {len(_strategies_on(self, count - 1))} " \
                                       f"strategies tried fits"
-        return f"--num-gpus auto: {strategy_label(self.chosen.train) or '1 GPU'} is the fewest {gpu_label} that fit{fewer}"
+        return (f"--num-gpus auto: {strategy_label(self.chosen.train) or '1 GPU'}, the fewest {gpu_label} cards "
+                f"that fit{fewer}")
 
 
 def _strategies_on(fewest: Fewest, count: int) -> list[Verdict]:

@@ -87,7 +87,8 @@ def host_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBuf
         _buffer("fp32 gradient partition", part * FP32_BYTES, True),  # :936-941
         _buffer("DeepSpeedCPUAdam's moments", part * CPU_ADAM_STATE_BYTES, False),
         # the largest parameter's gradient staged on its way to the host (zero/stage_1_and_2.py:653-658)
-        _buffer("gradient staging buffer", zero.largest_layer_params(arch) * BIT16_BYTES, True),
+        _buffer("gradient staging buffer", zero.largest_trainable_layer_params(
+            arch, train.lora_r if train.uses_lora else None, train.lora_targets) * BIT16_BYTES, True),
     ]
     if train.gradient_accumulation_steps > 1:
         # gradients accumulated across micro-batches in the parameters' dtype (zero/stage_1_and_2.py:1822-1825,
