@@ -50,6 +50,9 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
         train = training_config({**as_settings(settings), "trl_version": context.release.version})
     elif settings is not None and not isinstance(settings, dict):
         raise ConfigError([f"settings should be a mapping of GRPOConfig-style knobs to values (got {settings!r:.60})"])
+    elif _auto_gpus(settings):
+        raise ConfigError(["--num-gpus auto is answered by plan, check (without --exact) and gpus --model; give a "
+                           "count here"])
     else:
         # None means "not given" for a knob; an unknown name is reported whatever its value (a typo'd YAML key
         # left empty must not vanish silently)
@@ -73,10 +76,15 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
     return train
 
 
+def _auto_gpus(settings: Any) -> bool:
+    value = settings.get("num_gpus") if isinstance(settings, dict) else None
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
 def make_training_auto(context: Context, settings: dict[str, Any] | None = None) -> tuple[TrainingConfig, Any]:
     """As `make_training`, where num_gpus may be "auto": then the fewest GPUs of the card and the strategy on which
     the config fits (or, where none does, the closest try on a whole node), and the search (model/fewest_gpus.py)."""
-    if not settings or not (isinstance(settings.get("num_gpus"), str) and settings["num_gpus"].lower() == "auto"):
+    if not _auto_gpus(settings):
         return make_training(context, settings), None
     from vram_planner.model.fewest_gpus import fewest_gpus
 

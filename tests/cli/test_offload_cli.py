@@ -29,6 +29,8 @@ def test_the_host_that_cannot_hold_the_offloaded_states_is_refused_with_both_num
     code, out, _ = run(capsys, "check", *MODEL, "--num-gpus", "2", *flags, "--host-memory", f"{need - 1}B")
     words = " ".join(out.split())
     assert code == 1 and f"need {need / GiB:.2f} GiB per node, which does not fit in {(need - 1) / GiB:.2f} GiB" in words
+    assert (f"✘ does not fit: the offloaded states need {need / GiB:.2f} GiB of host RAM per node, more than its "
+            f"{(need - 1) / GiB:.2f} GiB; each GPU's peak is {roomy['peak_bytes'] / GiB:.2f} GiB") in words
 
 
 @pytest.mark.parametrize(("flags", "label"), OFFLOADS, ids=[label for _, label in OFFLOADS])
@@ -49,6 +51,8 @@ def test_offload_without_a_strategy_that_offloads_is_one_clear_line(capsys):
     assert "--offload-optimizer cpu needs --zero-stage 2 or 3" in err
     err = one_line_error(capsys, "check", *MODEL, "--num-gpus", "two")
     assert "neither a whole number of GPUs nor auto" in err
+    err = one_line_error(capsys, "check", *MODEL, "--num-gpus", "auto", "--exact")
+    assert "--num-gpus auto is answered by plan, check (without --exact)" in err
 
 
 def test_plan_num_gpus_auto_says_what_it_chose_in_the_json_and_the_text(capsys):

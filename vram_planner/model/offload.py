@@ -7,7 +7,7 @@ pinned-memory allocator's torch 2.13's (`torch/...`, and the C++ headers torch s
 - DeepSpeed pins its offload buffers by default: `pin_memory: bool = True` for parameters and for the optimizer
   (runtime/zero/offload_config.py:45 and :75), accelerate's config sets only the device (accelerate/utils/
   dataclasses.py:1308-1316). FSDP2's CPUOffloadPolicy pins too (accelerate/utils/dataclasses.py:2189 makes
-  `CPUOffloadPolicy()`, whose `pin_memory` defaults to True, torch/distributed/fsdp/_fully_shard/_fsdp_api.py:183).
+  `CPUOffloadPolicy()`, whose `pin_memory` defaults to True, torch/distributed/fsdp/_fully_shard/_fsdp_api.py:199).
 - A pinned tensor comes from PyTorch's CachingHostAllocator, which rounds each allocation up to the next power of two
   (torch/include/ATen/core/CachingHostAllocator.h:300-305, "Round up the allocation to the nearest power of two"; the
   thresholds that could stop it are unlimited by default, torch/include/c10/core/AllocatorConfig.h:361-363), so a
@@ -42,7 +42,7 @@ SUB_GROUP_ELEMENTS = 1_000_000_000
 # ZeRO-3 keeps its gradient partitions in one flat buffer of gradient_accumulation_dtype, float32 by default
 # (zero/stage3.py:192 and :791-795), on the CPU when the optimizer is offloaded (zero/stage3.py:333)
 GRADIENT_PARTITION_BYTES = 4
-# DeepSpeed's estimators' factor for what their count leaves out (zero/stage_1_and_2.py:4021, zero/stage3.py:4022)
+# DeepSpeed's estimators' factor for what their count leaves out (zero/stage_1_and_2.py:4021, zero/stage3.py:4023)
 ESTIMATE_BUFFER_FACTOR = 1.5
 # The most GPUs one node holds (the HGX/DGX boards of 8): host RAM is per node, and `--num-gpus auto` plans one node,
 # as the printed accelerate config does (num_machines: 1)

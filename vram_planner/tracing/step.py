@@ -220,6 +220,8 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append("the trace covers one GPU, or one rank of FSDP2 (--fsdp), not DeepSpeed ZeRO")
     elif train.num_gpus > 1 and not train.fsdp:
         problems.append("the trace covers one GPU, or one rank of FSDP2 (--fsdp), not DDP over several GPUs")
+    elif train.offloaded:
+        problems.append("the trace runs FSDP2 without its CPU offload (--offload-param cpu): check plans it")
     if train.use_liger_kernel:
         problems.append("Liger kernels (--use-liger-kernel) are Triton kernels")
     if train.attn_implementation == "flash_attention_2":
