@@ -66,22 +66,24 @@ def test_offload_never_raises_a_gpus_bytes_and_never_goes_below_deepspeeds_estim
     assert offload.host_bytes(arch, kept) == 0 and offload.host_buffers(arch, kept) == []
 
 
-@pytest.mark.parametrize("gpus", [1, 2, 8])
 @pytest.mark.parametrize("strategy", OFFLOADS[:3], ids=["zero2-optimizer", "zero3-optimizer", "zero3-both"])
-def test_deepspeeds_own_offload_estimators_when_installed(llama_1b, gpus, strategy):
+def test_deepspeeds_own_offload_estimators_when_installed(strategy):
     stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
-    train = _config(strategy, gpus)
-    p, largest = llama_1b.params, zero.largest_layer_params(llama_1b)
-    if train.zero_stage == 2:
-        cpu, gpu = stage_1_and_2.estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=gpus, cpu_offload=True)
-    else:
-        cpu, gpu, _ = stage3.estimate_zero3_model_states_mem_needs(
-            p, largest, num_gpus_per_node=gpus, cpu_offload=True, cpu_offload_params=train.offload_param == "cpu",
-            zero_init=True)
-    assert offload.deepspeed_estimate(llama_1b, train) == (cpu, gpu)
-    assert offload.host_bytes(llama_1b, train) >= cpu
-    assert _optimizer_states(llama_1b, train) >= gpu
+    for arch in CATALOG:
+        p, largest = arch.params, zero.largest_layer_params(arch)
+        for gpus in (1, 2, 3, 8):
+            train = _config(strategy, gpus)
+            if train.zero_stage == 2:
+                cpu, gpu = stage_1_and_2.estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=gpus,
+                                                                               cpu_offload=True)
+            else:
+                cpu, gpu, _ = stage3.estimate_zero3_model_states_mem_needs(
+                    p, largest, num_gpus_per_node=gpus, cpu_offload=True,
+                    cpu_offload_params=train.offload_param == "cpu", zero_init=True)
+            assert offload.deepspeed_estimate(arch, train) == (cpu, gpu), (arch.name, gpus)
+            assert offload.host_bytes(arch, train) >= cpu
+            assert _optimizer_states(arch, train) >= gpu
 
 
 def test_pinned_buffers_are_held_as_the_caching_host_allocator_rounds_them():
