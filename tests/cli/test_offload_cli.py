@@ -64,6 +64,9 @@ def test_plan_num_gpus_auto_says_what_it_chose_in_the_json_and_the_text(capsys):
     last = chosen["tried"][-1]
     assert last["fits"] and last["num_gpus"] == chosen["num_gpus"] and last["peak_bytes"] == document["peak_bytes"]
     assert not any(t["fits"] for t in chosen["tried"][:-1])
+    # offload fails on the host's RAM, not on the card: each try says what the node would need
+    assert all((t["host_bytes"] > 32 * GiB) == (t["offload_optimizer"] == "cpu" or t["offload_param"] == "cpu")
+               for t in chosen["tried"])
     _, out, _ = run(capsys, "plan", *MODEL, "--num-gpus", "auto", "--host-memory", "32GiB")
     assert f"--num-gpus auto: {document['distributed']['label']}, the fewest" in " ".join(out.split())
     # the count it chose, given as a count, fits as the same strategy
@@ -83,6 +86,8 @@ def test_gpus_num_gpus_auto_gives_each_card_its_count_and_strategy(capsys, monke
     monkeypatch.setenv("COLUMNS", "200")
     _, out, _ = run(capsys, "gpus", "--model", "Qwen2.5-7B", "--num-gpus", "auto", "--host-memory", "32GiB")
     assert "per GPU, the fewest of each card that fit (--num-gpus auto)" in out
+    _, plain, _ = run(capsys, "gpus", "--model", "Qwen2.5-7B")
+    assert "--num-gpus auto finds the fewest of each card" in plain and "--num-gpus auto finds" not in out
     assert h100["per_gpu"] in next(line for line in out.splitlines() if line.lstrip(" ").startswith("h100-80gb "))
     err = one_line_error(capsys, "gpus", "--model", "Qwen2.5-7B", "--num-gpus", "auto", "--maximize",
                          "max_completion_length")

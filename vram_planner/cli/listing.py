@@ -159,6 +159,9 @@ def print_fitting(cards: list[Any], console: Console | None = None) -> None:
     console.print(title, table)
     for reason, names in refused.items():
         console.print(Text(f"✘ cannot run on {', '.join(names)}: {reason}", style="dim"))
+    if not auto and label is None and any(card.verdict is not None and not card.fits for card in cards):
+        console.print(Text("Where one GPU does not hold it, --num-gpus auto finds the fewest of each card and the "
+                           "strategy (DDP, ZeRO, FSDP2, with or without offload) that fit.", style="dim"))
 
 
 def _gib(n_bytes: float | None, digits: int = 2) -> str:

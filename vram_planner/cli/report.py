@@ -90,7 +90,8 @@ class GpuCountReport:
     fits: bool  # whether any count up to a node's and strategy fits; the document shows the closest when none does
     num_gpus: int
     strategy: str  # single, ddp, zero2, zero3, fsdp (with the offloads beside it)
-    tried: list[dict[str, Any]]  # num_gpus, strategy, offload_optimizer, offload_param, peak_bytes, fits; in order
+    # num_gpus, strategy, offload_optimizer, offload_param, peak_bytes, host_bytes (0 without offload), fits; in order
+    tried: list[dict[str, Any]]
 
 
 def distributed_report(train: Any, host_bytes: int = 0) -> DistributedReport | None:  # train: a TrainingConfig
@@ -109,7 +110,8 @@ def gpu_count_report(fewest: Any) -> GpuCountReport:  # fewest: vram_planner.mod
     shown = fewest.closest.train
     tried = [{"num_gpus": v.train.num_gpus, "strategy": v.train.distributed,
               "offload_optimizer": v.train.offload_optimizer, "offload_param": v.train.offload_param,
-              "peak_bytes": round(v.estimate.peak_bytes), "fits": v.fits} for v in fewest.tried]
+              "peak_bytes": round(v.estimate.peak_bytes), "host_bytes": v.estimate.host_bytes, "fits": v.fits}
+             for v in fewest.tried]
     return GpuCountReport(fits=fewest.fits, num_gpus=shown.num_gpus, strategy=shown.distributed, tried=tried)
 
 
