@@ -96,10 +96,18 @@ def test_the_zero2_host_buffers_are_each_of_their_partition(llama_1b):
     train = _config(OFFLOADS[0], 4, gradient_accumulation_steps=2)
     part = -(-llama_1b.params // 4)
     held = {b.name: b for b in offload.host_buffers(llama_1b, train)}
-    assert held["fp32 master partition"].held_bytes == offload.pinned_bytes(4 * part)
-    assert held["fp32 gradient partition"].held_bytes == offload.pinned_bytes(4 * part)
+    # one flat partition per optimizer group (the matrices' and the norms'), each a power of two
+    norms = llama_1b.hidden_size * (2 * llama_1b.num_layers + 1)
+    matrices = -(-(llama_1b.params - norms) // 4)
+    for name in ("fp32 master partition", "fp32 gradient partition"):
+        assert held[name].tensor_bytes == 4 * (matrices + -(-norms // 4))
+        assert held[name].held_bytes == offload.pinned_bytes(4 * matrices) + offload.pinned_bytes(4 * -(-norms // 4))
     assert held["DeepSpeedCPUAdam's moments"].held_bytes == 8 * part and not held["DeepSpeedCPUAdam's moments"].pinned
-    assert held["gradients accumulated on the host"].held_bytes == offload.pinned_bytes(2 * part)
+    # a pinned tensor per parameter with a piece in the partition, the two it shares with its neighbours whole
+    accumulated = held["gradients accumulated on the host"]
+    largest = zero.largest_layer_params(llama_1b)
+    assert 2 * part < accumulated.tensor_bytes <= 2 * (part + 2 * largest)
+    assert accumulated.tensor_bytes < accumulated.held_bytes  # a power of two each
     # one micro-batch per step: nothing accumulates on the host
     names = {b.name for b in offload.host_buffers(llama_1b, with_changes(train, gradient_accumulation_steps=1))}
     assert "gradients accumulated on the host" not in names

@@ -39,9 +39,10 @@ CPU_ADAM_STATE_BYTES = 8
 # ZeRO-3 steps its partition in sub-groups of at most this many elements, each with a pinned fp32 gradient buffer
 # (deepspeed/runtime/zero/config.py:182, `sub_group_size: int = Field(pp_int(1e9))`; zero/stage3.py:1337-1342)
 SUB_GROUP_ELEMENTS = 1_000_000_000
-# ZeRO-3 keeps its gradient partitions in one flat buffer of gradient_accumulation_dtype, float32 by default
-# (zero/stage3.py:192 and :791-795), on the CPU when the optimizer is offloaded (zero/stage3.py:333)
-GRADIENT_PARTITION_BYTES = 4
+# ZeRO-3 keeps its gradient partitions in one flat buffer of gradient_accumulation_dtype (zero/stage3.py:791-795), on
+# the CPU when the optimizer is offloaded (zero/stage3.py:333); the engine passes the model's dtype, bf16, unless the
+# config sets data_types.grad_accum_dtype (runtime/engine.py:1799-1810), which TRL's configs do not
+GRADIENT_PARTITION_BYTES = 2
 # DeepSpeed's estimators' factor for what their count leaves out (zero/stage_1_and_2.py:4021, zero/stage3.py:4023)
 ESTIMATE_BUFFER_FACTOR = 1.5
 # The most GPUs one node holds (the HGX/DGX boards of 8): host RAM is per node, and `--num-gpus auto` plans one node,
@@ -51,9 +52,11 @@ MAX_GPUS_PER_NODE = 8
 
 @dataclass(frozen=True)
 class HostBuffer:
-    """One kind of buffer in the host's RAM on one rank: its bytes as held (pinned ones rounded up)."""
+    """One kind of buffer in the host's RAM on one rank: its tensors' bytes, and what they hold (pinned ones rounded
+    up, each tensor to its own power of two)."""
 
     name: str
+    tensor_bytes: int
     held_bytes: int
     pinned: bool
 
@@ -65,7 +68,15 @@ def pinned_bytes(n_bytes: float) -> int:
 
 
 def _buffer(name: str, n_bytes: float, pinned: bool) -> HostBuffer:
-    return HostBuffer(name, pinned_bytes(n_bytes) if pinned else math.ceil(n_bytes), pinned)
+    """One tensor (or one flat buffer) of n_bytes."""
+    return HostBuffer(name, math.ceil(n_bytes), pinned_bytes(n_bytes) if pinned else math.ceil(n_bytes), pinned)
+
+
+def _per_parameter(name: str, numels: list[tuple[int, int]], share: float, element_bytes: int) -> HostBuffer:
+    """A pinned tensor per parameter (numel, how many), `share` of them on this rank."""
+    n_bytes = share * sum(count * numel * element_bytes for numel, count in numels)
+    held = share * sum(count * pinned_bytes(numel * element_bytes) for numel, count in numels)
+    return HostBuffer(name, math.ceil(n_bytes), math.ceil(held), True)
 
 
 def _trainable(arch: ModelArchitecture, train: TrainingConfig) -> int:
@@ -81,35 +92,83 @@ def host_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBuf
     part = math.ceil(_trainable(arch, train) / train.num_gpus)
     if train.zero_stage == 3:
         return _zero3_buffers(arch, train, part)
+    # one flat partition per optimizer group, each pinned on its own
+    parts = [math.ceil(sum(group) / train.num_gpus) for group in _optimizer_groups(arch, train)]
     buffers = [
-        _buffer("fp32 master partition", part * FP32_BYTES, True),  # zero/stage_1_and_2.py:560-565
-        _buffer("16-bit copy of the partition for the upload", part * BIT16_BYTES, True),  # :566-573
-        _buffer("fp32 gradient partition", part * FP32_BYTES, True),  # :936-941
-        _buffer("DeepSpeedCPUAdam's moments", part * CPU_ADAM_STATE_BYTES, False),
+        _flat("fp32 master partition", parts, FP32_BYTES),  # zero/stage_1_and_2.py:560-565
+        _flat("16-bit copy of the partition for the upload", parts, BIT16_BYTES),  # :566-573
+        _flat("fp32 gradient partition", parts, FP32_BYTES),  # :936-941
+        _buffer("DeepSpeedCPUAdam's moments", sum(parts) * CPU_ADAM_STATE_BYTES, False),
         # the largest parameter's gradient staged on its way to the host (zero/stage_1_and_2.py:653-658)
         _buffer("gradient staging buffer", zero.largest_trainable_layer_params(
             arch, train.lora_r if train.uses_lora else None, train.lora_targets) * BIT16_BYTES, True),
     ]
     if train.gradient_accumulation_steps > 1:
-        # gradients accumulated across micro-batches in the parameters' dtype (zero/stage_1_and_2.py:1822-1825,
-        # used from the second micro-batch or before the boundary, :2166-2167)
-        buffers.append(_buffer("gradients accumulated on the host", part * BIT16_BYTES, True))
+        # gradients accumulated across micro-batches, one pinned tensor per parameter in the parameters' dtype
+        # (zero/stage_1_and_2.py:1822-1825, used from the second micro-batch or before the boundary, :2166-2167):
+        # every parameter with a piece in the partition, whole, so the ones it shares with its neighbours come in full
+        touching = [numel for group in _optimizer_groups(arch, train) for numel in _touching(group, train.num_gpus)]
+        buffers.append(HostBuffer("gradients accumulated on the host", sum(touching) * BIT16_BYTES,
+                                  sum(pinned_bytes(numel * BIT16_BYTES) for numel in touching), True))
     return buffers
 
 
+def _flat(name: str, parts: list[int], element_bytes: int) -> HostBuffer:
+    """Pinned flat partitions, one per optimizer group."""
+    return HostBuffer(name, sum(parts) * element_bytes, sum(pinned_bytes(p * element_bytes) for p in parts), True)
+
+
+def _optimizer_groups(arch: ModelArchitecture, train: TrainingConfig) -> list[list[int]]:
+    """The trainable parameters' numels in the model's order, in the Trainer's two optimizer groups (weight decay:
+    the matrices; none: norms and biases, transformers' get_decay_parameter_names), which ZeRO partitions apart;
+    what the model has besides (q/k norms, a vision tower) joins the second."""
+    layers, h = arch.num_layers, arch.hidden_size
+    if train.uses_lora:
+        r = train.lora_r or 0
+        adapters = [r * dim for lin in arch.lora_linears(train.lora_targets) for dim in (lin.in_features,
+                                                                                         lin.out_features)]
+        return [adapters * layers]
+    norms = [h] * (arch.family.norms_per_layer * (2 if arch.family.layer_norm_bias else 1))
+    linears = [lin.in_features * lin.out_features for lin in arch.layer_linears()]
+    biases = [lin.out_features for lin in arch.layer_linears() if lin.bias]
+    head = [] if arch.tie_word_embeddings else [arch.embedding_params]
+    decay = [arch.embedding_params, *linears * layers, *head]
+    no_decay = [*(biases + norms) * layers, h]
+    rest = arch.params - sum(decay) - sum(no_decay)
+    return [decay, no_decay + ([rest] if rest > 0 else [])]
+
+
+def _touching(numels: list[int], ranks: int) -> list[int]:
+    """The parameters (numels, in order) with a piece in the rank's partition of their flat group that has the most
+    elements of them, each whole."""
+    part = -(-sum(numels) // ranks)
+    worst: list[int] = []
+    for rank in range(ranks):
+        start, end, offset, touching = rank * part, (rank + 1) * part, 0, []
+        for numel in numels:
+            if offset < end and offset + numel > start:
+                touching.append(numel)
+            offset += numel
+        worst = max(worst, touching, key=sum)
+    return worst
+
+
 def _zero3_buffers(arch: ModelArchitecture, train: TrainingConfig, part: int) -> list[HostBuffer]:
-    groups, last = divmod(part, SUB_GROUP_ELEMENTS)
-    sub_group_grads = groups * pinned_bytes(SUB_GROUP_ELEMENTS * FP32_BYTES) + pinned_bytes(last * FP32_BYTES)
+    parts = [math.ceil(sum(group) / train.num_gpus) for group in _optimizer_groups(arch, train)]
+    # each optimizer group's partition steps in sub-groups of at most SUB_GROUP_ELEMENTS, a pinned gradient each
+    sub_groups = [size for p in parts for size in [SUB_GROUP_ELEMENTS] * (p // SUB_GROUP_ELEMENTS)
+                  + [p % SUB_GROUP_ELEMENTS] if size]
     buffers = [
         _buffer("fp32 master partition", part * FP32_BYTES, False),  # zero/stage3.py:1157-1159, unpinned
-        HostBuffer("fp32 gradient of each sub-group", sub_group_grads, True),  # zero/stage3.py:1337-1342
+        _flat("fp32 gradient of each sub-group", sub_groups, FP32_BYTES),  # zero/stage3.py:1337-1342
         _buffer("gradient partitions", part * GRADIENT_PARTITION_BYTES, True),  # zero/stage3.py:791-795
         _buffer("DeepSpeedCPUAdam's moments", part * CPU_ADAM_STATE_BYTES, False),
     ]
     if train.offload_param == "cpu":
-        # the 16-bit parameter partitions, pinned (zero/stage3.py:888-907); every parameter, frozen ones too
-        buffers.append(_buffer("16-bit parameter partitions", math.ceil(arch.params / train.num_gpus)
-                               * BIT16_BYTES, True))
+        # the 16-bit parameter partitions, pinned, one per optimizer group (zero/stage3.py:888-907); a frozen base
+        # counted the same way, as one more
+        frozen = math.ceil((arch.params - _trainable(arch, train)) / train.num_gpus)
+        buffers.append(_flat("16-bit parameter partitions", parts + ([frozen] if frozen else []), BIT16_BYTES))
     return buffers
 
 
@@ -119,11 +178,12 @@ def _fsdp_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBu
     with a non-blocking copy); the optimizer's states are made beside the shards, unpinned."""
     n, master = train.num_gpus, fsdp.master_bytes(train)
     trainable, frozen = _parameter_numels(arch, train)
-    shards = sum(count * pinned_bytes(math.ceil(numel / n) * master) for numel, count in trainable)
-    shards += sum(count * pinned_bytes(math.ceil(numel / n) * DTYPE_BYTES[train.dtype]) for numel, count in frozen)
-    grads = sum(count * pinned_bytes(math.ceil(numel / n) * master) for numel, count in trainable)
+    shards = [(math.ceil(numel / n), count) for numel, count in trainable]
+    frozen_shards = [(math.ceil(numel / n), count) for numel, count in frozen]
     on_device = _on_device(train)
-    return [HostBuffer("parameter shards", shards, True), HostBuffer("gradient shards", grads, True),
+    return [_per_parameter("parameter shards", shards, 1.0, master),
+            _per_parameter("frozen parameter shards", frozen_shards, 1.0, DTYPE_BYTES[train.dtype]),
+            _per_parameter("gradient shards", shards, 1.0, master),
             _buffer("optimizer states", m.optimizer_state_bytes(arch, on_device), False),
             _buffer("optimizer step scratch", m.optimizer_step_temporary_bytes(arch, on_device), False)]
 
