@@ -145,3 +145,21 @@ def test_this_machines_ram_is_read_without_psutil():
     assert offload.host_memory_bytes(TrainingConfig()) == offload.machine_memory_bytes()
     assert offload.host_memory_bytes(TrainingConfig(host_memory="512GiB")) == 512 * GiB
     assert os.sysconf("SC_PAGE_SIZE") > 0
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+@pytest.mark.parametrize("lora", [None, 16])
+def test_fsdp2_offload_moves_the_shards_the_sharded_trace_counts_on_the_gpu_to_the_host(llama_1b, gpus, lora):
+    # without offload the shards, their gradients and the optimizer's states are what each GPU holds (model/fsdp.py,
+    # held to torch's own fully_shard by the sharded trace); with it, the host holds those bytes and the GPU one unit's
+    from vram_planner.model import components as m
+
+    offloaded = _config({"fsdp": True, "offload_param": "cpu"}, gpus, lora_r=lora)
+    kept = with_changes(offloaded, offload_param="none")
+    on_gpu = (m.weight_bytes(llama_1b, kept) + m.gradient_bytes(llama_1b, kept)
+              + m.optimizer_state_bytes(llama_1b, kept) + m.optimizer_step_temporary_bytes(llama_1b, kept))
+    host = sum(b.tensor_bytes for b in offload.host_buffers(llama_1b, offloaded))
+    assert host == pytest.approx(on_gpu, rel=1e-3)
+    assert m.gradient_bytes(llama_1b, offloaded) == m.optimizer_state_bytes(llama_1b, offloaded) == 0
+    # one unit's shard copied in for its all-gather, not every shard
+    assert 0 < m.weight_bytes(llama_1b, offloaded) < m.weight_bytes(llama_1b, kept)
