@@ -72,11 +72,9 @@ def _buffer(name: str, n_bytes: float, pinned: bool) -> HostBuffer:
     return HostBuffer(name, math.ceil(n_bytes), pinned_bytes(n_bytes) if pinned else math.ceil(n_bytes), pinned)
 
 
-def _per_parameter(name: str, numels: list[tuple[int, int]], share: float, element_bytes: int) -> HostBuffer:
-    """A pinned tensor per parameter (numel, how many), `share` of them on this rank."""
-    n_bytes = share * sum(count * numel * element_bytes for numel, count in numels)
-    held = share * sum(count * pinned_bytes(numel * element_bytes) for numel, count in numels)
-    return HostBuffer(name, math.ceil(n_bytes), math.ceil(held), True)
+def _per_parameter(name: str, numels: list[int], element_bytes: int) -> HostBuffer:
+    """A pinned tensor per parameter of these numels."""
+    return HostBuffer(name, sum(numels) * element_bytes, sum(pinned_bytes(n * element_bytes) for n in numels), True)
 
 
 def _trainable(arch: ModelArchitecture, train: TrainingConfig) -> int:
@@ -108,8 +106,7 @@ def host_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBuf
         # (zero/stage_1_and_2.py:1822-1825, used from the second micro-batch or before the boundary, :2166-2167):
         # every parameter with a piece in the partition, whole, so the ones it shares with its neighbours come in full
         touching = [numel for group in _optimizer_groups(arch, train) for numel in _touching(group, train.num_gpus)]
-        buffers.append(HostBuffer("gradients accumulated on the host", sum(touching) * BIT16_BYTES,
-                                  sum(pinned_bytes(numel * BIT16_BYTES) for numel in touching), True))
+        buffers.append(_per_parameter("gradients accumulated on the host", touching, BIT16_BYTES))
     return buffers
 
 
@@ -119,15 +116,21 @@ def _flat(name: str, parts: list[int], element_bytes: int) -> HostBuffer:
 
 
 def _optimizer_groups(arch: ModelArchitecture, train: TrainingConfig) -> list[list[int]]:
-    """The trainable parameters' numels in the model's order, in the Trainer's two optimizer groups (weight decay:
-    the matrices; none: norms and biases, transformers' get_decay_parameter_names), which ZeRO partitions apart;
-    what the model has besides (q/k norms, a vision tower) joins the second."""
-    layers, h = arch.num_layers, arch.hidden_size
+    """The trainable parameters' numels in the model's order, in the Trainer's optimizer groups, which ZeRO
+    partitions apart: a LoRA run's adapters, else the base model's (`_base_groups`)."""
     if train.uses_lora:
         r = train.lora_r or 0
         adapters = [r * dim for lin in arch.lora_linears(train.lora_targets) for dim in (lin.in_features,
                                                                                          lin.out_features)]
-        return [adapters * layers]
+        return [adapters * arch.num_layers]
+    return _base_groups(arch)
+
+
+def _base_groups(arch: ModelArchitecture) -> list[list[int]]:
+    """The model's parameters' numels in its order, in the Trainer's two groups (weight decay: the matrices; none:
+    norms and biases, transformers' get_decay_parameter_names); what the model has besides (q/k norms, a vision
+    tower) joins the second."""
+    layers, h = arch.num_layers, arch.hidden_size
     norms = [h] * (arch.family.norms_per_layer * (2 if arch.family.layer_norm_bias else 1))
     linears = [lin.in_features * lin.out_features for lin in arch.layer_linears()]
     biases = [lin.out_features for lin in arch.layer_linears() if lin.bias]
@@ -177,40 +180,18 @@ def _fsdp_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBu
     312-315) and copies each reduced gradient shard to the host (_fsdp_collectives.py:711-743, into pinned memory
     with a non-blocking copy); the optimizer's states are made beside the shards, unpinned."""
     n, master = train.num_gpus, fsdp.master_bytes(train)
-    trainable, frozen = _parameter_numels(arch, train)
-    shards = [(math.ceil(numel / n), count) for numel, count in trainable]
-    frozen_shards = [(math.ceil(numel / n), count) for numel, count in frozen]
+    shards = [math.ceil(numel / n) for group in _optimizer_groups(arch, train) for numel in group]
+    frozen = [math.ceil(numel / n) for group in _base_groups(arch) for numel in group] if train.uses_lora else []
     on_device = _on_device(train)
-    return [_per_parameter("parameter shards", shards, 1.0, master),
-            _per_parameter("frozen parameter shards", frozen_shards, 1.0, DTYPE_BYTES[train.dtype]),
-            _per_parameter("gradient shards", shards, 1.0, master),
+    return [_per_parameter("parameter shards", shards, master),
+            _per_parameter("frozen parameter shards", frozen, DTYPE_BYTES[train.dtype]),
+            _per_parameter("gradient shards", shards, master),
             _buffer("optimizer states", m.optimizer_state_bytes(arch, on_device), False),
             _buffer("optimizer step scratch", m.optimizer_step_temporary_bytes(arch, on_device), False)]
 
 
 def _on_device(train: TrainingConfig) -> TrainingConfig:
     return replace(train, offload_optimizer="none", offload_param="none")
-
-
-def _parameter_numels(arch: ModelArchitecture, train: TrainingConfig) -> tuple[list[tuple[int, int]],
-                                                                            list[tuple[int, int]]]:
-    """(numel, how many) of every parameter tensor: the trainable ones, and the frozen ones (a LoRA base)."""
-    layers = arch.num_layers
-    tensors = [(arch.embedding_params, 1), (arch.hidden_size, arch.family.norms_per_layer * layers + 1)]
-    if arch.family.layer_norm_bias:
-        tensors.append((arch.hidden_size, arch.family.norms_per_layer * layers + 1))
-    if not arch.tie_word_embeddings:
-        tensors.append((arch.embedding_params, 1))
-    for lin in arch.layer_linears():
-        tensors.append((lin.in_features * lin.out_features, layers))
-        if lin.bias:
-            tensors.append((lin.out_features, layers))
-    if not train.uses_lora:
-        return tensors, []
-    r = train.lora_r or 0
-    adapters = [(r * dim, layers) for lin in arch.lora_linears(train.lora_targets)
-                for dim in (lin.in_features, lin.out_features)]
-    return adapters, tensors
 
 
 def loading_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
