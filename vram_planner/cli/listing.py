@@ -21,8 +21,6 @@ def print_gpus(console: Console | None = None) -> None:
                   title_justify="left", show_edge=False)
     table.add_column("name", no_wrap=True)
     table.add_column("GiB", justify="right")
-    if auto:
-        table.add_column("GPUs")
     for column in ("cc", "bf16", "FA2", "segment", "also"):
         table.add_column(column)
     for g in gpus():
