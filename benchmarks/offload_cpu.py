@@ -4,14 +4,14 @@
 
 DeepSpeed is not a dependency: `--python` names an interpreter that imports it and this project's torch (see
 benchmarks/deepspeed_cpu.py). Each case runs `torch.distributed.run --nproc_per_node 2` on this file's worker with
-DS_ACCELERATOR=cpu (gloo): benchmarks/deepspeed_cpu.py's 28M-parameter Llama-shaped model under DeepSpeed's bf16
-engine (the Trainer's two optimizer groups), ZeRO-2 or ZeRO-3 with `offload_optimizer: {device: cpu}` (and `offload_param` for ZeRO-3 as well), two
-micro-batches per step, four steps. After them each rank reads its optimizer's own buffers by name and reports their
-tensors' bytes (numel x element size); the planner's buffers for the same model and config are set beside them.
-Two things differ from a GPU run: the CPU accelerator's pin_memory does nothing, so the bytes are the tensors' before
-CachingHostAllocator's power-of-two rounding (the planner's `tensor_bytes`, not its `held_bytes`), and the optimizer
-is torch's AdamW with `zero_force_ds_cpu_optimizer: false` (DeepSpeedCPUAdam needs its C++ op built; its two fp32
-moments are the same bytes). Results: benchmarks/results/offload_cpu.json.
+DS_ACCELERATOR=cpu (gloo): benchmarks/deepspeed_cpu.py's 28M-parameter Llama-shaped model under DeepSpeed's bf16 engine
+(the Trainer's two optimizer groups), ZeRO-2 or ZeRO-3 with `offload_optimizer: {device: cpu}` (and `offload_param` for
+ZeRO-3 as well), two micro-batches per step, four steps. After them each rank reads its optimizer's own buffers by name
+and reports their tensors' bytes (numel x element size); the planner's buffers for the same model and config are set
+beside them. Two things differ from a GPU run: the CPU accelerator's pin_memory does nothing, so the bytes are the
+tensors' before CachingHostAllocator's power-of-two rounding (the planner's `tensor_bytes`, not its `held_bytes`), and
+the optimizer is torch's AdamW with `zero_force_ds_cpu_optimizer: false` (DeepSpeedCPUAdam needs its C++ op built; its
+two fp32 moments are the same bytes). Results: benchmarks/results/offload_cpu.json.
 """
 
 from __future__ import annotations

@@ -382,7 +382,7 @@ def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: s
     from vram_planner.model.maximize import maximize as maximize_field
 
     field = None if maximize is None else maximizable_field(maximize)
-    if field is not None and str((settings or {}).get("num_gpus")).lower() == "auto":
+    if field is not None and _auto_gpus(settings):
         raise ConfigError(["--maximize takes a number of GPUs, not --num-gpus auto: find the count first, then "
                            "maximize on it"])
     first = make_context(model, gpus()[0], trl_version=trl_version, calibration=calibration,

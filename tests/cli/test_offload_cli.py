@@ -28,7 +28,8 @@ def test_the_host_that_cannot_hold_the_offloaded_states_is_refused_with_both_num
     assert code == 1 and not tight["fits"] and tight["peak_bytes"] == roomy["peak_bytes"]
     code, out, _ = run(capsys, "check", *MODEL, "--num-gpus", "2", *flags, "--host-memory", f"{need - 1}B")
     words = " ".join(out.split())
-    assert code == 1 and f"need {need / GiB:.2f} GiB per node, which does not fit in {(need - 1) / GiB:.2f} GiB" in words
+    assert code == 1
+    assert f"need {need / GiB:.2f} GiB per node, which does not fit in {(need - 1) / GiB:.2f} GiB" in words
     assert (f"✘ does not fit: the offloaded states need {need / GiB:.2f} GiB of host RAM per node, more than its "
             f"{(need - 1) / GiB:.2f} GiB; each GPU's peak is {roomy['peak_bytes'] / GiB:.2f} GiB") in words
 

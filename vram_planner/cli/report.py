@@ -236,7 +236,8 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
                      "transformers_version": train.transformers.version},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
-        vllm=vllm_report(est.vllm), distributed=distributed_report(train, est.host_bytes), near_boundary=verdict.near_boundary,
+        vllm=vllm_report(est.vllm), distributed=distributed_report(train, est.host_bytes),
+        near_boundary=verdict.near_boundary,
         first_micro_batch=first_micro_batch_report(verdict),
     )
 

@@ -248,12 +248,6 @@ def host_memory_bytes(train: TrainingConfig) -> int | None:
     return machine_memory_bytes()
 
 
-def host_fits(arch: ModelArchitecture, train: TrainingConfig) -> bool:
-    """Whether one node's RAM holds what offload puts there (true without offload, or where the RAM is unknown)."""
-    capacity = host_memory_bytes(train)
-    return capacity is None or host_bytes(arch, train) <= capacity
-
-
 def host_note(arch: ModelArchitecture, train: TrainingConfig) -> str | None:
     """The host RAM the offloaded states need beside the node's, in words (None without offload)."""
     if not train.offloaded:

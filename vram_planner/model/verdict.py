@@ -95,7 +95,8 @@ class Verdict:
     @property
     def host_fits(self) -> bool:
         """Whether one node's RAM holds the offloaded states (model/offload.py; true without offload)."""
-        return offload.host_fits(self.context.arch, self.train)
+        capacity = offload.host_memory_bytes(self.train)
+        return capacity is None or self.estimate.host_bytes <= capacity
 
     @cached_property
     def first_micro_batch(self) -> Estimate:
