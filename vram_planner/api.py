@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vram_planner.report.maximized import MaximizedPlanReport
 
 __all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "gpus", "models",
-           "resolve", "VramPlanError", "ConfigError"]
+           "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
 
 @dataclass(frozen=True)
 class Judged:
@@ -64,9 +64,9 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
 
         outcome = engine.check(*_engine_call(request), exact=True, progress=progress, **_options(request))
         return _judged(exact_check_report(outcome), outcome.traced.context, outcome.traced.train, outcome)
-    context, train = resolve(request)
+    context, train, fewest = resolve_gpu_count(request)
     verdict = verdict_module.judge(context, train)
-    return _judged(verdict_report(verdict), context, train, verdict)
+    return _judged(_with_gpu_count(verdict_report(verdict), fewest, context), context, train, verdict)
 
 
 def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
@@ -88,9 +88,10 @@ def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings
         result = engine.plan(*_engine_call(request), exact=True, progress=progress, **_options(request))
         shown = result.plan.chosen or result.plan.smallest
         return _judged(exact_plan_report(result), result.plan.requested.context, shown.train, result)
-    context, train = resolve(request)
+    context, train, fewest = resolve_gpu_count(request)
     result = search.best_plan(context, train)
-    return _judged(plan_report(result), context, (result.chosen or result.smallest).train, result)
+    return _judged(_with_gpu_count(plan_report(result), fewest, context), context,
+                   (result.chosen or result.smallest).train, result)
 
 
 def maximize(model: str | dict[str, Any] | Request, gpu: str | None = None, field: str = "max_completion_length",
@@ -200,6 +201,31 @@ def resolve(request: Request) -> tuple[Context, TrainingConfig]:
     _require_model(request, gpu=True)
     context = engine.make_context(request.model, request.gpu, **_options(request))
     return context, engine.make_training(context, request.knobs)
+
+
+def resolve_gpu_count(request: Request) -> tuple[Context, TrainingConfig, Any]:
+    """As `resolve`, where num_gpus may be "auto": then the fewest GPUs of the card and the strategy that fit, and
+    the search that chose them (vram_planner.model.fewest_gpus; None for a count given).
+
+    Args:
+        request: what to judge; its model and gpu must be given.
+
+    Returns:
+        (context, training config, the search or None).
+    """
+    _require_model(request, gpu=True)
+    context = engine.make_context(request.model, request.gpu, **_options(request))
+    return (context, *engine.make_training_auto(context, request.knobs))
+
+
+def _with_gpu_count(report: Report, fewest: Any, context: Context) -> Report:
+    """With num_gpus "auto": what the search chose, and why, first among the notes."""
+    if fewest is not None:
+        from vram_planner.report.document import gpu_count_report
+
+        report.num_gpus_auto = gpu_count_report(fewest)
+        report.notes.insert(0, fewest.note(context.gpu.label))
+    return report
 
 
 def _request(model: Any, gpu: str | None, settings: Mapping[str, Any] | None, fields: dict[str, Any]) -> Request:

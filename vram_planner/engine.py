@@ -65,6 +65,9 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
         train = training_config({**as_settings(settings), "trl_version": context.release.version})
     elif settings is not None and not isinstance(settings, dict):
         raise ConfigError([f"settings should be a mapping of GRPOConfig-style knobs to values (got {settings!r:.60})"])
+    elif _auto_gpus(settings):
+        raise ConfigError(["--num-gpus auto is answered by plan, check (without --exact) and gpus --model; give a "
+                           "count here"])
     else:
         # None means "not given" for a knob; an unknown name is reported whatever its value (a typo'd YAML key
         # left empty must not vanish silently)
@@ -87,6 +90,22 @@ def make_training(context: Context, settings: dict[str, Any] | TrainingConfig | 
     train = adapt_to_model(adapt_to_gpu(train, context.gpu, explicit), context.arch, explicit)
     check_training(train, context)
     return train
+
+
+def _auto_gpus(settings: Any) -> bool:
+    value = settings.get("num_gpus") if isinstance(settings, dict) else None
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def make_training_auto(context: Context, settings: dict[str, Any] | None = None) -> tuple[TrainingConfig, Any]:
+    """As `make_training`, where num_gpus may be "auto": then the fewest GPUs of the card and the strategy on which
+    the config fits (or, where none does, the closest try on a whole node), and the search (model/fewest_gpus.py)."""
+    if not _auto_gpus(settings):
+        return make_training(context, settings), None
+    from vram_planner.model.fewest_gpus import fewest_gpus
+
+    found = fewest_gpus(context, make_training(context, {k: v for k, v in settings.items() if k != "num_gpus"}))
+    return found.closest.train, found
 
 
 @overload
@@ -339,6 +358,7 @@ class CardFit:
     verdict: Verdict | None
     maximized: Maximized | None = None
     problem: str | None = None
+    fewest: Any = None  # `--num-gpus auto`: the search (model/fewest_gpus.py) whose choice `verdict` is
 
     @property
     def name(self) -> str:
@@ -378,6 +398,9 @@ def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: s
     from vram_planner.model.maximize import maximize as maximize_field
 
     field = None if maximize is None else maximizable_field(maximize)
+    if field is not None and _auto_gpus(settings):
+        raise ConfigError(["--maximize takes a number of GPUs, not --num-gpus auto: find the count first, then "
+                           "maximize on it"])
     first = make_context(model, gpus()[0], trl_version=trl_version, calibration=calibration,
                          safety_margin=safety_margin)
     shared_calibration = first.calibration if calibration is not None else None
@@ -385,10 +408,13 @@ def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: s
     for gpu in sorted(gpus(), key=lambda g: g.capacity_bytes):  # a card fits at least what a smaller one fits
         context = replace(first, gpu=gpu, calibration=shared_calibration or calibration_for(gpu.name))
         try:
-            train = make_training(context, settings)
+            train, fewest = make_training_auto(context, settings)
         except ConfigError as error:  # what this card cannot run, or bad knobs (then no card can)
             cards.append(CardFit(gpu, None, problem=error.worded(flag)))  # in the document's words, as notes are
             errors.append((gpu.capacity_bytes, error))
+            continue
+        if fewest is not None:
+            cards.append(CardFit(gpu, fewest.chosen or judge(context, train), fewest=fewest))
             continue
         if field is None:
             cards.append(CardFit(gpu, judge(context, train)))

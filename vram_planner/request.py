@@ -66,9 +66,12 @@ class Request:
     load_in_4bit: bool | None = None
     bnb_4bit_quant_type: str | None = None  # nf4 or fp4
     bnb_4bit_use_double_quant: bool | None = None
-    num_gpus: int | None = None
+    num_gpus: int | str | None = None  # a count, or "auto": the fewest that fit, with the strategy
     zero_stage: int | None = None
     fsdp: bool | None = None
+    offload_optimizer: str | None = None  # cpu: ZeRO-Offload's optimizer on the host (zero_stage 2 or 3)
+    offload_param: str | None = None  # cpu: ZeRO-3's parameters on the host, or FSDP2's CPU offload
+    host_memory: str | None = None  # RAM of one node for offloaded states, like "512GiB" (default: this machine's)
     transformers_version: str | None = None
     allocator_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF of the run (default: that environment variable)
 

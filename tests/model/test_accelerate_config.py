@@ -16,7 +16,10 @@ from vram_planner.model import accelerate_config as launcher
 from vram_planner.model.spec import training_config
 
 STRATEGIES = st.sampled_from([{}, {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
-                              {"fsdp": True}])
+                              {"fsdp": True}, {"zero_stage": 2, "offload_optimizer": "cpu"},
+                              {"zero_stage": 3, "offload_optimizer": "cpu"},
+                              {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+                              {"fsdp": True, "offload_param": "cpu"}])
 
 
 def installed_trl_configs() -> Path:
@@ -54,9 +57,14 @@ def test_accelerate_launches_the_printed_config_as_planned(tmp_path_factory, str
         assert args.zero_stage == train.zero_stage
         if train.zero_stage in (0, 1):  # zero1.yaml names it; transformers refuses a value other than GRPOConfig's
             assert args.gradient_accumulation_steps == accumulation
+        if train.zero_stage in (2, 3):  # the offload devices, as TRL's zero2/zero3 files name them
+            assert (args.offload_optimizer_device, args.offload_param_device) == (train.offload_optimizer,
+                                                                                   train.offload_param)
     if train.fsdp:
         assert str(args.fsdp_version) == "2"
+        assert str(args.fsdp_offload_params).lower() == str(train.offload_param == "cpu").lower()
     name = {"ddp": "DDP", "fsdp": "FSDP2"}.get(launcher.strategy(train), f"ZeRO-{train.zero_stage}")
-    assert launcher.per_gpu_label(train) == f", per GPU, {gpus} x {name}"
+    assert launcher.per_gpu_label(train) == f", per GPU, {gpus} x {name}{launcher.offload_label(train)}"
+    assert ("offload" in launcher.per_gpu_label(train)) == train.offloaded
     assert launcher.launch_line(train) == (f"accelerate launch --config_file {launcher.CONFIG_FILE} "
                                            f"{launcher.SCRIPT_FILE}")

@@ -33,7 +33,7 @@ KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "dty
                                           "attn_implementation", "use_liger_kernel", "transformers_version")),
                ("LoRA and 4-bit weights", ("lora_", "load_in_4bit", "bnb_")),
                ("vLLM", ("use_vllm", "vllm_")),
-               ("Several GPUs", ("num_gpus", "zero_stage", "fsdp")))
+               ("Several GPUs", ("num_gpus", "zero_stage", "fsdp", "offload_", "host_memory")))
 UNSET = ""  # a dropdown's value for "not given": the release's default
 
 

@@ -89,18 +89,23 @@ def print_fitting(cards: list[Any], console: Console | None = None) -> None:
     from vram_planner.cli.console import terminal
     from rich.text import Text
 
-    from vram_planner.report.cards import strategy
+    from vram_planner.model.offload import MAX_GPUS_PER_NODE
+    from vram_planner.report.cards import card_strategy, strategy
 
     judged = next(card.verdict for card in cards if card.verdict is not None)
     context, field = judged.context, next((c.maximized.field for c in cards if c.maximized), None)
     what = f"the largest {field} on each card" if field else "every card"
+    auto = any(card.fewest is not None for card in cards)
     label = strategy(cards)
-    per_gpu = "" if label is None else f", per GPU, {label}"
+    per_gpu = ", per GPU, the fewest of each card that fit (--num-gpus auto)" if auto else (
+        "" if label is None else f", per GPU, {label}")
     title = Text(f"{context.model_id or context.arch.name}, TRL {context.release.version}{per_gpu}: {what}, smallest "
                  "that fits first (GiB)", style="italic")
     table = Table(show_edge=False)
     table.add_column("card", no_wrap=True)
     table.add_column("GiB", justify="right")
+    if auto:
+        table.add_column("GPUs")
     for column in ([f"largest {field}", "peak", "next", "next needs"] if field else ["verdict", "peak", "spare"]):
         table.add_column(column, justify="left" if column == "verdict" else "right")
     refused: dict[str, list[str]] = {}
@@ -109,11 +114,15 @@ def print_fitting(cards: list[Any], console: Console | None = None) -> None:
             refused.setdefault(card.problem.replace(card.gpu.label, "the card"), []).append(card.name)
             continue
         cells = _maximized_cells(card) if field else _verdict_cells(card)
-        table.add_row(card.name, f"{card.gpu.total_memory_gib:.2f}", *cells)
+        counted = [card_strategy(card) if card.fits else f"> {MAX_GPUS_PER_NODE}"] if auto else []
+        table.add_row(card.name, f"{card.gpu.total_memory_gib:.2f}", *counted, *cells)
     console = console or terminal()
     console.print(title, table)
     for reason, names in refused.items():
         console.print(Text(f"✘ cannot run on {', '.join(names)}: {reason}", style="dim"))
+    if not auto and label is None and any(card.verdict is not None and not card.fits for card in cards):
+        console.print(Text("Where one GPU does not hold it, --num-gpus auto finds the fewest of each card and the "
+                           "strategy (DDP, ZeRO, FSDP2, with or without offload) that fit.", style="dim"))
 
 
 def _gib(n_bytes: float | None, digits: int = 2) -> str:

@@ -13,6 +13,21 @@ from vram_planner.errors import VramPlanError
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_ERROR = 0, 1, 2
 PATH = click.Path(path_type=Path, dir_okay=False)
 
+class GpuCount(click.ParamType):
+    """--num-gpus: a count, or auto (the fewest that fit: vram_planner/model/fewest_gpus.py)."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or str(value).strip().lower() == "auto":
+            return value if isinstance(value, int) else "auto"
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number of GPUs nor auto", param, ctx)
+
+
+GPU_COUNT = GpuCount()
 # Knobs are spelled like GRPOConfig fields; unset ones take the TRL release's defaults (None = not given).
 KNOBS = [
     click.option("--per-device-train-batch-size", type=int),
@@ -43,9 +58,14 @@ KNOBS = [
     click.option("--load-in-4bit/--no-load-in-4bit", default=None),
     click.option("--bnb-4bit-quant-type", help="nf4 or fp4."),
     click.option("--bnb-4bit-use-double-quant/--no-bnb-4bit-use-double-quant", default=None),
-    click.option("--num-gpus", type=int),
+    click.option("--num-gpus", type=GPU_COUNT,
+                 help="GPUs of the card, or auto: the fewest that fit, with the strategy (up to one node of 8)."),
     click.option("--zero-stage", type=int),
     click.option("--fsdp/--no-fsdp", default=None),
+    click.option("--offload-optimizer", help="cpu: ZeRO-Offload's optimizer on the host (--zero-stage 2 or 3)."),
+    click.option("--offload-param", help="cpu: ZeRO-3's parameters on the host, or FSDP2's CPU offload (--fsdp)."),
+    click.option("--host-memory", metavar="SIZE", help="RAM of one node for offloaded states, like 512GiB "
+                                                      "(default: this machine's)."),
     click.option("--transformers-version", metavar="VERSION",
                  help="Plan for this transformers release (default: the installed one, if of the TRL release's time)."),
     click.option("--allocator-conf", metavar="TEXT",
@@ -120,6 +140,12 @@ def request_from(command: str, options: dict[str, Any], gpu_required: bool = Tru
 
 def resolve(command: str, options: dict[str, Any]):
     """The context and training config from the flags, over the --config file's values."""
+    context, train, _ = resolve_gpu_count(command, options)
+    return context, train
+
+
+def resolve_gpu_count(command: str, options: dict[str, Any]):
+    """As `resolve`, and with --num-gpus auto the search that chose the count and strategy (else None)."""
     from vram_planner import api
 
-    return api.resolve(request_from(command, options))
+    return api.resolve_gpu_count(request_from(command, options))

@@ -34,6 +34,15 @@ def _g(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.2f}"
 
 
+def _host_shortfall(report: Report) -> str | None:
+    """'the host's RAM: ...' where the offloaded states need more than one node's RAM, else None."""
+    launch = report.distributed
+    if launch is None or launch.host_memory_bytes is None or launch.host_bytes <= launch.host_memory_bytes:
+        return None
+    return (f"the offloaded states need {_g(launch.host_bytes)} GiB of host RAM per node, more than its "
+            f"{_g(launch.host_memory_bytes)} GiB")
+
+
 def headline(report: Report, gpu: GpuProfile) -> Text:
     title = Text(f"{report.model} on {gpu.label} ({gpu.total_memory_gib:.2f} GiB){per_gpu(report)}, TRL "
                  f"{report.trl_version} GRPO\n", style="bold")
@@ -52,6 +61,9 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
     elif report.vllm is not None and report.vllm.problem:  # the trainer may fit; vLLM stops the run at start-up
         title.append("✘ does not fit: ", style="bold red")
         title.append(f"{report.vllm.problem}; the trainer's peak is {_g(report.peak_bytes)} GiB in {peak_phase}")
+    elif (host := _host_shortfall(report)) is not None:  # the card holds it; the node's RAM does not
+        title.append("✘ does not fit: ", style="bold red")
+        title.append(f"{host}; each GPU's peak is {_g(report.peak_bytes)} GiB in {peak_phase}")
     else:
         title.append("✘ does not fit: ", style="bold red")
         over = (f"{_g(-report.spare_bytes)} GiB over the card" if report.spare_bytes < 0 else

@@ -53,10 +53,19 @@ def strategy(train: TrainingConfig) -> str:
     return train.distributed
 
 
+def offload_label(train: TrainingConfig) -> str:
+    """' + offload: optimizer' after the strategy's name where states are offloaded to the CPU; '' where none is."""
+    if train.fsdp and train.offload_param == "cpu":
+        return " + CPU offload"
+    offloaded = [what for what, device in (("optimizer", train.offload_optimizer), ("parameters", train.offload_param))
+                 if device == "cpu"]
+    return f" + offload: {', '.join(offloaded)}" if offloaded else ""
+
+
 def strategy_label(train: TrainingConfig) -> str | None:
     """'2 x ZeRO-3' (None on one GPU without DeepSpeed or FSDP): what the per-GPU numbers are for."""
     name = STRATEGY_NAMES.get(strategy(train))
-    return None if name is None else f"{train.num_gpus} x {name}"
+    return None if name is None else f"{train.num_gpus} x {name}{offload_label(train)}"
 
 
 def per_gpu_label(train: TrainingConfig) -> str:
@@ -82,6 +91,11 @@ def accelerate_config(train: TrainingConfig) -> dict[str, Any] | None:
         if "gradient_accumulation_steps" in deepspeed:
             # transformers refuses a DeepSpeed value other than GRPOConfig's (HfTrainerDeepSpeedConfig.fill_match)
             deepspeed["gradient_accumulation_steps"] = train.gradient_accumulation_steps
+        if train.offloaded:  # the keys TRL's zero2/zero3 files spell out, set as accelerate config --offload asks
+            deepspeed.update(offload_optimizer_device=train.offload_optimizer, offload_param_device=train.offload_param)
+    fsdp = config.get("fsdp_config")
+    if fsdp is not None:
+        fsdp["fsdp_offload_params"] = train.offload_param == "cpu"
     return config
 
 
@@ -92,8 +106,9 @@ def accelerate_config_yaml(train: TrainingConfig) -> str | None:
         return None
     import yaml
 
+    offloaded = ", and its CPU offload" if train.offloaded else ""
     origin = (f"# TRL's accelerate_configs/{trl_config_name(train)}.yaml with the plan's {train.num_gpus} processes "
-              f"and mixed precision\n")
+              f"and mixed precision{offloaded}\n")
     return origin + yaml.safe_dump(config, sort_keys=True)
 
 

@@ -104,7 +104,9 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     s = sizes(train)
     if train.fsdp and not train.load_in_4bit:  # the shards (model/fsdp.py)
         return fsdp.shard_weight_bytes(arch, train, trainable_params(arch, train))
-    if train.load_in_4bit:
+    if train.zero_stage == 3 and train.offload_param == "cpu":  # the partitions live on the host (model/offload.py)
+        base = 0
+    elif train.load_in_4bit:
         absmax = (NF4_DOUBLE_QUANT_ABSMAX_BYTES_PER_PARAM if train.bnb_4bit_use_double_quant is not False
                   else NF4_ABSMAX_BYTES_PER_PARAM)
         base = arch.linear_params * (NF4_BYTES_PER_PARAM + absmax) + (arch.params - arch.linear_params) * s.weight
@@ -129,7 +131,7 @@ def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> f
     if train.fsdp and not train.load_in_4bit:
         return weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train, trainable_params(arch, train))
     if train.zero_stage == 3 or train.fsdp:
-        unsharded = replace(train, num_gpus=1)
+        unsharded = replace(train, num_gpus=1, offload_param="none")
         return weight_bytes(arch, unsharded) - _zero3_gathered_bytes(arch, unsharded)
     return weight_bytes(arch, train)
 
@@ -171,27 +173,38 @@ def reference_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
 def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Gradients of the trainable parameters; DDP adds its bucket copy (gradient_as_bucket_view=False)."""
     grads = trainable_params(arch, train) * sizes(train).trainable
-    if train.fsdp:  # reduce-scattered into the shards' dtype (model/fsdp.py)
-        return trainable_params(arch, train) * fsdp.master_bytes(train) / train.num_gpus
+    if train.fsdp:  # reduce-scattered into the shards' dtype (model/fsdp.py), on the host under CPU offload
+        return trainable_params(arch, train) * fsdp.shard_gradient_bytes_per_param(train)
+    if train.zero_stage in (1, 2) and train.optimizer_offloaded:
+        # ZeRO-Offload copies each reduced gradient to the host through one device buffer the size of the largest
+        # parameter (deepspeed/runtime/zero/stage_1_and_2.py:659-661); no partition stays on the GPU
+        largest = zero.largest_trainable_layer_params(arch, train.lora_r if train.uses_lora else None,
+                                                      train.lora_targets)
+        return largest * zero.GATHERED_GRADIENT_BYTES
     if train.distributed in ("ddp", "zero0"):  # ZeRO-0 counted as DDP's bucket copy, as it was (not checked)
         return 2 * grads
     if train.zero_stage == 3:  # the largest trainable layer's full gradient before its reduce-scatter (model/zero.py)
         largest = zero.largest_trainable_layer_params(arch, train.lora_r if train.uses_lora else None,
                                                       train.lora_targets)
-        return shard_bytes(train, grads, 2) + largest * zero.GATHERED_GRADIENT_BYTES
+        # the partition lives on the host when the optimizer does (zero/stage3.py:333 and :791)
+        partition = 0 if train.optimizer_offloaded else shard_bytes(train, grads, 2)
+        return partition + largest * zero.GATHERED_GRADIENT_BYTES
     return shard_bytes(train, grads, 2)
 
 
 def fp32_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """DeepSpeed's fp32 copy of the gradient partition, made inside the optimizer step (model/zero.py); none
     without DeepSpeed."""
-    if train.zero_stage is None:
+    if train.zero_stage is None or train.optimizer_offloaded:  # offloaded: on the host (model/offload.py)
         return 0
     return shard_bytes(train, trainable_params(arch, train) * zero.FP32_GRADIENT_BYTES, 1)
 
 
 def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Optimizer states (created at the first step, then kept), plus ZeRO's fp32 master weights."""
+    """Optimizer states (created at the first step, then kept), plus ZeRO's fp32 master weights; none on the GPU when
+    the optimizer is offloaded (model/offload.py counts them on the host)."""
+    if train.optimizer_offloaded:
+        return 0
     trainable = trainable_params(arch, train)
     state_dtype = FP32_BYTES if train.zero_stage is not None else sizes(train).trainable
     if train.fsdp:  # the optimizer steps the shards (model/fsdp.py)
@@ -218,6 +231,8 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
 
 def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Scratch memory of one optimizer step: foreach AdamW builds a param-sized denominator; fused kernels none."""
+    if train.optimizer_offloaded:
+        return 0
     if train.optim is Optimizer.adamw_torch:
         per_param = fsdp.master_bytes(train) if train.fsdp else sizes(train).trainable
         return shard_bytes(train, trainable_params(arch, train) * per_param, 1)

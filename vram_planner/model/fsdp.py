@@ -38,9 +38,25 @@ def gathered_bytes_per_param(train: TrainingConfig) -> int:
     return 2 if train.mixed_precision != "no" else DTYPE_BYTES[train.dtype]
 
 
+def offloaded(train: TrainingConfig) -> bool:
+    """FSDP2's CPUOffloadPolicy: the shards, their gradients and the optimizer step on the host (model/offload.py)."""
+    return train.offload_param == "cpu"
+
+
+def shard_gradient_bytes_per_param(train: TrainingConfig) -> float:
+    """A reduced gradient shard's bytes per parameter of the unit on this rank's GPU: none under CPU offload, which
+    copies each reduced shard to the host (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:711-743)."""
+    return 0 if offloaded(train) else master_bytes(train) / train.num_gpus
+
+
 def shard_weight_bytes(arch: ModelArchitecture, train: TrainingConfig, trainable: int) -> float:
     """The policy's shards on one rank: trainable parameters as float32 masters, frozen ones (a LoRA base) as loaded;
-    PEFT's adapters are float32 already."""
+    PEFT's adapters are float32 already. Under CPU offload the shards are on the host, and a unit's shards are copied
+    to the GPU for its all-gather (`all_gather_inputs`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py:897-900):
+    the largest unit's shard is counted."""
+    if offloaded(train):
+        largest = max(layer_unit_params(arch, train, trainable), tail_params(arch), arch.embedding_params)
+        return largest * master_bytes(train) / train.num_gpus
     if train.uses_lora:
         stored = arch.params * DTYPE_BYTES[train.dtype] + trainable * master_bytes(train)
     else:
@@ -73,7 +89,7 @@ def embedding_unit_bytes(arch: ModelArchitecture, train: TrainingConfig) -> floa
 
 def embedding_shard_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """This rank's reduced gradient of an untied embedding, in the shards' dtype."""
-    return 0 if arch.tie_word_embeddings else arch.embedding_params * master_bytes(train) / train.num_gpus
+    return 0 if arch.tie_word_embeddings else arch.embedding_params * shard_gradient_bytes_per_param(train)
 
 
 def reference_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -84,7 +100,7 @@ def reference_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> 
 
 def tail_shard_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """This rank's reduced gradient of the tail, in the shards' dtype."""
-    return tail_params(arch) * master_bytes(train) / train.num_gpus
+    return tail_params(arch) * shard_gradient_bytes_per_param(train)
 
 
 def gathered_bytes(arch: ModelArchitecture, train: TrainingConfig, trainable: int, layers: int,

@@ -15,6 +15,7 @@ from vram_planner.model import activations as act
 from vram_planner.model import components as m
 from vram_planner.model import zero
 from vram_planner.model import fsdp
+from vram_planner.model import offload
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
 from vram_planner.model.cublas import cublas_workspace_bytes
@@ -66,6 +67,7 @@ class Estimate:
     trainable_params: int
     notes: tuple[str, ...] = field(default=())
     vllm: VllmBudget | None = None  # the vLLM this config starts on a planned card (vram_planner/model/vllm.py)
+    host_bytes: int = 0  # the host RAM one node needs for offloaded states (vram_planner/model/offload.py)
 
     @property
     def peak_phase(self) -> Phase:
@@ -121,7 +123,8 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     workspaces = cublas_workspace_bytes(compute_capability)
     phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
-                    notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm)
+                    notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm,
+                    host_bytes=offload.host_bytes(arch, train))
 
 
 def _reservation(colocated: VllmBudget | None, phase: Phase) -> float:
@@ -449,8 +452,8 @@ def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, 
     """Gradients that exist at the peak of the first layer's backward: every later layer's, and of its own only the
     MLP output projection's (backward reaches it first; the peak comes as the MLP's input gradients form). The
     embedding's comes last, unless it is tied to the output projection."""
-    if train.uses_lora:
-        return all_grads
+    if train.uses_lora or (train.zero_stage is not None and train.optimizer_offloaded):
+        return all_grads  # ZeRO-Offload: what stays on the GPU (model/components.py) does not grow with the backward
     if train.fsdp:
         # As the sharded trace finds the peak: with a tied embedding, in the first layer's backward, every later
         # unit's reduced shard, of its own gradients the MLP's whole in bf16, and the output projection's whole
@@ -459,7 +462,7 @@ def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, 
         gathered = fsdp.gathered_bytes_per_param(train)
         if arch.tie_word_embeddings:
             mlp = sum(lin.params for lin in arch.layer_linears() if lin.name in arch.family.mlp_names)
-            return (all_grads - arch.layer_params * fsdp.master_bytes(train) / train.num_gpus + mlp * gathered
+            return (all_grads - arch.layer_params * fsdp.shard_gradient_bytes_per_param(train) + mlp * gathered
                     + fsdp.tail_params(arch) * gathered - fsdp.tail_shard_gradient_bytes(arch, train))
         return all_grads + arch.layer_params * gathered - fsdp.embedding_shard_gradient_bytes(arch, train)
     missing = arch.layer_params - arch.layer_linears()[-1].params
@@ -482,6 +485,8 @@ def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) 
                      f"TRL {release.version} passes, so the logits (and accelerate's float32 copy under mixed "
                      f"precision) cover all {train.sequence_length} positions of prompt + completion, not the "
                      f"completion's {train.max_completion_length + 1}")
+    if (host := offload.host_note(arch, train)) is not None:
+        notes.append(host)
     if not arch.exact:
         notes.append(f"model_type {arch.model_type!r} is not one vram-plan knows; it was read as a Llama-style "
                      "decoder, so counts may be off")

@@ -7,7 +7,7 @@ from enum import Enum
 from functools import lru_cache
 from typing import Annotated, Any, Literal, get_args
 
-from vram_planner.errors import ConfigError, closest_names, field_name, short_repr
+from vram_planner.errors import ConfigError, VramPlanError, closest_names, field_name, short_repr
 from vram_planner.errors import flag as cli_flag
 from vram_planner.model import trl_releases
 from vram_planner.model.divisors import divisors
@@ -66,6 +66,18 @@ def _allocator_settings(value: str) -> str:
             reason = str(exc).removeprefix("allocator_conf").removeprefix(":").strip()
             reason = reason.replace(f"{value!r}: ", "").replace(f"{value!r} ", "the text ")
             raise ValueError(f"a PYTORCH_CUDA_ALLOC_CONF text torch accepts; {reason}") from exc
+    return value.strip()
+
+
+def _host_memory(value: str | None) -> str | None:
+    if value is None:
+        return None
+    from vram_planner.units import parse_size_bytes
+
+    try:
+        parse_size_bytes(value)
+    except VramPlanError as exc:
+        raise ValueError(f"a memory size such as 512GiB ({exc})") from exc
     return value.strip()
 
 
@@ -145,6 +157,12 @@ class TrainingConfig:
     num_gpus: Annotated[int, COUNT] = 1
     zero_stage: Annotated[int | None, Rules(ge=0, le=3)] = None
     fsdp: bool = False
+    # ZeRO-Offload (DeepSpeed's offload_optimizer / offload_param devices) and FSDP2's CPUOffloadPolicy (--offload-param
+    # under --fsdp): which model states live in the host's RAM (vram_planner/model/offload.py)
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_param: Literal["none", "cpu"] = "none"
+    # The RAM of one node, as a size ("512GiB"; None: this machine's), that offloaded states are judged against
+    host_memory: Annotated[str | None, After(_host_memory)] = None
     trl_version: Annotated[str | None, After(_known_release)] = None
     # None: the installed transformers when it is of the TRL release's time, else the newest of that time we know
     transformers_version: Annotated[str | None, After(_known_transformers)] = None
@@ -231,6 +249,17 @@ class TrainingConfig:
         return "ddp" if self.num_gpus > 1 else "single"
 
     @property
+    def offloaded(self) -> bool:
+        """Whether any model state lives in the host's RAM."""
+        return "cpu" in (self.offload_optimizer, self.offload_param)
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        """Whether the optimizer steps on the CPU: ZeRO-Offload's optimizer, or FSDP2's CPU offload (which moves the
+        shards, their gradients and so the step to the host)."""
+        return self.offload_optimizer == "cpu" or (self.fsdp and self.offload_param == "cpu")
+
+    @property
     def lora_targets(self) -> list[str] | None:
         """None means every linear layer of the decoder (PEFT's 'all-linear')."""
         if self.lora_target_modules in (None, ["all-linear"]):
@@ -273,6 +302,7 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
                         f"{field_name('lora_dropout')} need {field_name('lora_r')}")
     if c.zero_stage is not None and c.fsdp:
         problems.append(f"choose one of {field_name('zero_stage')} and {field_name('fsdp')}")
+    problems.extend(offload_problems(c))
     if c.dtype == "float16" and c.mixed_precision == "fp16" and not c.uses_lora:
         problems.append("full fine-tuning of float16 weights with fp16 mixed precision fails in the grad scaler "
                         f"('Attempting to unscale FP16 gradients'); load float32 ({field_name('dtype')} float32) or "
@@ -280,6 +310,28 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
     if c.vllm_mode == "server" and not c.use_vllm:
         problems.append(f"{field_name('vllm_mode')} needs {field_name('use_vllm')}")
     problems.extend(vllm_problems(c))
+    return problems
+
+
+def offload_problems(c: TrainingConfig) -> list[str]:
+    """What each offload needs: ZeRO-Offload's optimizer under stage 2 or 3 (the TRL configs that carry the key),
+    its parameters under stage 3 beside the optimizer; FSDP2 offloads parameters, gradients and the step at once."""
+    problems = []
+    if c.offload_optimizer == "cpu" and c.fsdp:
+        problems.append(f"{field_name('offload_optimizer')} cpu: FSDP2 offloads parameters, gradients and the optimizer step "
+                        f"together; use {field_name('offload_param')} cpu")
+    elif c.offload_optimizer == "cpu" and c.zero_stage not in (2, 3):
+        problems.append(f"{field_name('offload_optimizer')} cpu needs {field_name('zero_stage')} 2 or 3 (ZeRO-Offload), or "
+                        f"{field_name('fsdp')} with {field_name('offload_param')} cpu")
+    if c.offload_param == "cpu" and not c.fsdp and c.zero_stage != 3:
+        problems.append(f"{field_name('offload_param')} cpu needs {field_name('zero_stage')} 3 (with "
+                        f"{field_name('offload_optimizer')} cpu) or {field_name('fsdp')}")
+    elif c.offload_param == "cpu" and c.zero_stage == 3 and c.offload_optimizer != "cpu":
+        problems.append(f"{field_name('offload_param')} cpu under ZeRO-3 goes with {field_name('offload_optimizer')} cpu "
+                        "(vram-plan plans ZeRO-3's parameter offload as DeepSpeed's estimator and TRL's examples pair them)")
+    if c.load_in_4bit and "cpu" in (c.offload_optimizer, c.offload_param):
+        problems.append(f"{field_name('offload_optimizer')} / {field_name('offload_param')} with {field_name('load_in_4bit')}: "
+                        "bitsandbytes' 4-bit weights are not planned off the GPU; choose one")
     return problems
 
 

@@ -8,6 +8,7 @@ from functools import cached_property
 
 from vram_planner.errors import ConfigError, closest_names, field_name
 from vram_planner.model.architecture import FAMILIES, ModelArchitecture
+from vram_planner.model import offload
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.cuda_context import ContextFigure, context_figure
 from vram_planner.model.phases import Estimate, estimate
@@ -86,7 +87,14 @@ class Verdict:
     def fits(self) -> bool:
         # vLLM that cannot start in its budget stops the run, however much the trainer leaves spare
         vllm = self.estimate.vllm
-        return self.estimate.peak_bytes <= self.context.budget_bytes and (vllm is None or vllm.problem is None)
+        return (self.estimate.peak_bytes <= self.context.budget_bytes and (vllm is None or vllm.problem is None)
+                and self.host_fits)
+
+    @property
+    def host_fits(self) -> bool:
+        """Whether one node's RAM holds the offloaded states (model/offload.py; true without offload)."""
+        capacity = offload.host_memory_bytes(self.train)
+        return capacity is None or self.estimate.host_bytes <= capacity
 
     @cached_property
     def first_micro_batch(self) -> Estimate:
@@ -108,7 +116,7 @@ class Verdict:
         """Whether the step's need could lie on the other side of the card than the verdict says, as far from the
         estimate as needs have been measured (`--exact` then decides); never for a vLLM that cannot start."""
         vllm = self.estimate.vllm
-        if vllm is not None and vllm.problem is not None:
+        if (vllm is not None and vllm.problem is not None) or not self.host_fits:
             return False
         peak, capacity = self.estimate.peak_bytes, self.context.capacity_bytes
         if self.fits:

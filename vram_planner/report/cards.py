@@ -9,7 +9,7 @@ from typing import Any
 from vram_planner.report.document import Document
 
 
-__all__ = ["CardsReport", "card_row", "strategy"]
+__all__ = ["CardsReport", "card_row", "card_strategy", "strategy"]
 
 
 @dataclass(kw_only=True, repr=False)
@@ -20,7 +20,7 @@ class CardsReport(Document):
 
     def to_dict(self) -> list[dict[str, Any]]:  # type: ignore[override]
         label = strategy(self.cards)
-        return [card_row(card, label) for card in self.cards]
+        return [card_row(card, card_strategy(card) if card.fewest else label) for card in self.cards]
 
     def to_json(self, indent: int | None = 2) -> str:
         import json
@@ -56,10 +56,21 @@ def strategy(cards: list[Any]) -> str | None:
     return None if judged is None else strategy_label(judged.train)
 
 
+def card_strategy(card: Any) -> str | None:
+    """The count and strategy `--num-gpus auto` chose for this card ('1 GPU' where one plain GPU fits)."""
+    from vram_planner.model.accelerate_config import strategy_label
+
+    return None if card.verdict is None else strategy_label(card.verdict.train) or "1 GPU"
+
+
 def card_row(card: Any, per_gpu: str | None) -> dict[str, Any]:  # card: vram_planner.engine.CardFit
     row = {"name": card.name, "capacity_bytes": card.capacity_bytes, "fits": card.fits,
            "peak_bytes": _whole(card.peak_bytes), "spare_bytes": _whole(card.spare_bytes), "problem": card.problem,
            "per_gpu": per_gpu}
+    if card.fewest is not None and card.verdict is not None:  # --num-gpus auto: the count and strategy chosen
+        train = card.verdict.train
+        row.update(num_gpus=train.num_gpus, strategy=train.distributed, offload_optimizer=train.offload_optimizer,
+                   offload_param=train.offload_param)
     m = card.maximized
     if m is not None:
         row["maximized"] = {"field": m.field, "value": m.value, "peak_bytes": _whole(m.peak_bytes),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Literal
 
 from vram_planner.model import accelerate_config as launcher
+from vram_planner.model import offload
 from vram_planner.model.calibration import calibration_for
 from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_problems, lora_config_kwargs,
                                             quantization_config_kwargs)
@@ -78,16 +79,42 @@ class DistributedReport:
     accelerate_config: dict[str, Any]  # TRL's accelerate config file for the strategy, as plan prints it
     accelerate_config_file: str  # the name the launch command gives that file
     launch_command: str  # starts the printed GRPOConfig code (saved as the file it names) on every GPU
+    offload_optimizer: str = "none"  # cpu: ZeRO-Offload's optimizer (or FSDP2's CPU offload) on the host
+    offload_param: str = "none"  # cpu: ZeRO-3's parameters, or FSDP2's shards, on the host
+    host_bytes: int = 0  # the host RAM one node needs for the offloaded states (0 without offload)
+    host_memory_bytes: int | None = None  # one node's RAM it is judged against (--host-memory or this machine's)
 
 
-def distributed_report(train: Any) -> DistributedReport | None:  # train: vram_planner.model.spec.TrainingConfig
+@dataclass(kw_only=True)
+class GpuCountReport:
+    """`--num-gpus auto`: the count and strategy chosen, and every count and strategy judged on the way."""
+
+    fits: bool  # whether any count up to a node's and strategy fits; the document shows the closest when none does
+    num_gpus: int
+    strategy: str  # single, ddp, zero2, zero3, fsdp (with the offloads beside it)
+    # num_gpus, strategy, offload_optimizer, offload_param, peak_bytes, host_bytes (0 without offload), fits; in order
+    tried: list[dict[str, Any]]
+
+
+def distributed_report(train: Any, host_bytes: int = 0) -> DistributedReport | None:  # train: a TrainingConfig
     config, label, command = (launcher.accelerate_config(train), launcher.strategy_label(train),
                               launcher.launch_line(train))
     if config is None or label is None or command is None:
         return None
     return DistributedReport(num_gpus=train.num_gpus, strategy=launcher.strategy(train), label=label,
                              accelerate_config=config, accelerate_config_file=launcher.CONFIG_FILE,
-                             launch_command=command)
+                             launch_command=command, offload_optimizer=train.offload_optimizer,
+                             offload_param=train.offload_param, host_bytes=host_bytes,
+                             host_memory_bytes=offload.host_memory_bytes(train) if train.offloaded else None)
+
+
+def gpu_count_report(fewest: Any) -> GpuCountReport:  # fewest: vram_planner.model.fewest_gpus.Fewest
+    shown = fewest.closest.train
+    tried = [{"num_gpus": v.train.num_gpus, "strategy": v.train.distributed,
+              "offload_optimizer": v.train.offload_optimizer, "offload_param": v.train.offload_param,
+              "peak_bytes": round(v.estimate.peak_bytes), "host_bytes": v.estimate.host_bytes, "fits": v.fits}
+             for v in fewest.tried]
+    return GpuCountReport(fits=fewest.fits, num_gpus=shown.num_gpus, strategy=shown.distributed, tried=tried)
 
 
 @dataclass(kw_only=True)
@@ -182,6 +209,7 @@ class Report(Document):
     changes: list[ChangeReport] = field(default_factory=list)
     vllm: VllmReport | None = None  # null when no vLLM runs on a planned card
     distributed: DistributedReport | None = None  # null on one GPU without DeepSpeed or FSDP
+    num_gpus_auto: GpuCountReport | None = None  # `--num-gpus auto` only
     requested_peak_bytes: int | None = None
     smallest_config_peak_bytes: int | None = None
     smallest_fitting_gpu: str | None = None
@@ -260,7 +288,8 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
                      "transformers_version": train.transformers.version},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
-        vllm=vllm_report(est.vllm), distributed=distributed_report(train), near_boundary=verdict.near_boundary,
+        vllm=vllm_report(est.vllm), distributed=distributed_report(train, est.host_bytes),
+        near_boundary=verdict.near_boundary,
         first_micro_batch=first_micro_batch_report(verdict),
     )
 

@@ -221,6 +221,8 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
     elif train.num_gpus > 1 and not train.fsdp:
         problems.append(f"the trace covers one GPU, or one rank of FSDP2 ({field_name('fsdp')}), not DDP over "
                         "several GPUs")
+    elif train.offloaded:
+        problems.append(f"the trace runs FSDP2 without its CPU offload ({field_name('offload_param')} cpu): check plans it")
     if train.use_liger_kernel:
         problems.append(f"Liger kernels ({field_name('use_liger_kernel')}) are Triton kernels")
     if train.attn_implementation == "flash_attention_2":
