@@ -8,6 +8,7 @@ import click
 
 from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT, resolve,
                                       settings_from)
+from vram_planner.cli.speed import CHECK_SPEED, PLAN_SPEED, render_speed, with_step_times
 from vram_planner.errors import VramPlanError
 
 
@@ -25,9 +26,9 @@ def training_command(command: str, doc: str, extra: tuple = ()) -> click.Command
 plan = training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes; "
                                 "with --maximize FIELD, the largest value of that knob that fits; with --exact, the "
                                 "choice and the config ranked above it traced and judged by their needs.",
-                        (*MAXIMIZE, EXACT))
+                        (*MAXIMIZE, EXACT, *PLAN_SPEED))
 check = training_command("check", "The verdict for exactly this config (with --exact: by the traced step's need).",
-                         (EXACT,))
+                         (EXACT, *CHECK_SPEED))
 trace = training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic "
                                   "model, and what PyTorch's caching allocator reserves for it; judged by the least "
                                   "card the step runs on (needs the train extras; without --gpu: the local card, "
@@ -47,11 +48,13 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         _maximize(options)
     context, train = resolve(command, options)
     report, shown = judge_report(command, context, train)
+    report, shown = with_step_times(command, report, shown, context, train, options)
 
     def human() -> None:
-        from vram_planner.cli.render import render
+        from vram_planner.cli.render import render, terminal
 
         render(report, context.gpu, shown, context.arch.hub_id or context.model_id)
+        render_speed(report, terminal())
 
     _emit(report, options, human)
 
