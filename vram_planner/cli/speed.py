@@ -55,7 +55,8 @@ def _ranked(report: Report, shown: Any, context: Any, train: Any, optimize: str,
     from vram_planner.model.search import Plan, best_plan, describe_changes
 
     plan = best_plan(context, train)
-    ranking = rank_configs(context, plan, reward)
+    # the memory plan's alternatives generate as the user's config does: vLLM's model loads only when asked for
+    ranking = rank_configs(context, plan, reward, try_vllm=optimize == "speed")
     report.optimize = optimize
     chosen = ranking.memory_choice
     if optimize == "speed" and ranking.fastest is not None:
@@ -114,7 +115,8 @@ def render_speed(report: Report, console: Any) -> None:
                   f"(efficiency {time['efficiency']}; full-length completions)")
     if not report.alternatives:
         return
-    table = Table(title="Configs that fit, fastest first (→ the one shown)")
+    vllm = "" if report.optimize == "speed" else "; --optimize speed also weighs vLLM generation"
+    table = Table(title=f"Configs that fit, fastest first (→ the one shown{vllm})")
     for column in ("", "s/step", "tokens/s", "peak GiB", "changes from yours"):
         table.add_column(column, justify="left" if column.startswith("changes") else "right")
     for row in [r for r in report.alternatives if r["fits"]][:SHOWN_ALTERNATIVES]:

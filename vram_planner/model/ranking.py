@@ -68,9 +68,10 @@ def timed(verdict: Verdict, reward_seconds: float = 0.0) -> Ranked:
     return Ranked(verdict, time)
 
 
-def rank_configs(context: Context, plan: search.Plan, reward_seconds: float = 0.0) -> Ranking:
+def rank_configs(context: Context, plan: search.Plan, reward_seconds: float = 0.0, try_vllm: bool = True) -> Ranking:
     """Every speed variant of the memory plan's choice that fits, fastest first (the smaller peak first among
-    equals). NoSpeedFigures where the card has no speed figures."""
+    equals); without `try_vllm`, only those that generate as the user's config does (vLLM's model then never loads
+    for a config without it). NoSpeedFigures where the card has no speed figures."""
     requested = timed(plan.requested, reward_seconds)
     if plan.chosen is None:
         return Ranking((), None, requested)
@@ -78,7 +79,7 @@ def rank_configs(context: Context, plan: search.Plan, reward_seconds: float = 0.
     found: dict[TrainingConfig, Ranked] = {memory_choice.train: memory_choice}
     if plan.requested.fits:
         found[requested.train] = requested
-    for variant in speed_variants(context, plan.requested.train, plan.chosen.train):
+    for variant in speed_variants(context, plan.requested.train, plan.chosen.train, try_vllm):
         fitting = _fastest_fitting(context, variant)
         if fitting is not None and fitting.train not in found:
             found[fitting.train] = timed(fitting, reward_seconds)
@@ -86,16 +87,17 @@ def rank_configs(context: Context, plan: search.Plan, reward_seconds: float = 0.
     return Ranking(tuple(ranked), memory_choice, requested)
 
 
-def speed_variants(context: Context, user: TrainingConfig, chosen: TrainingConfig) -> list[TrainingConfig]:
+def speed_variants(context: Context, user: TrainingConfig, chosen: TrainingConfig,
+                   try_vllm: bool = True) -> list[TrainingConfig]:
     """The user's config with the memory plan's semantics (batches, lengths, group size), in every combination of
-    the savers the ladder knows, checkpointing on and off, and vLLM on and off."""
+    the savers the ladder knows, checkpointing on and off, and (`try_vllm`) vLLM on and off."""
     semantic = {name: getattr(chosen, name) for name in knob_names() if name not in SPEED_KNOBS}
     base = _try(user, {name: value for name, value in semantic.items() if getattr(user, name) != value})
     if base is None:
         return []
     variants = []
     for method, checkpointing, vllm in product(_methods(base, context.gpu.bf16), (True, False),
-                                               _vllm_choices(base)):
+                                               _vllm_choices(base) if try_vllm else [{}]):
         variant = _try(method, {"gradient_checkpointing": checkpointing, **vllm})
         if variant is not None and _runs_here(context, variant):
             variants.append(search.vllm_tuned(context, variant))

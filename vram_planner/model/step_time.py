@@ -196,9 +196,10 @@ def _generation_round(arch: ModelArchitecture, train: TrainingConfig, card: _Car
     if train.use_vllm:
         at_once = min(n, vllm_sequences or n)
         waves = math.ceil(n / at_once)
-        prefill, _ = card.seconds(w.forward_work(arch, generated, n, p, p / 2, 1), eff.bandwidth, 0.0)
-        step = w.forward_work(arch, generated, at_once, 1, p + c / 2, 1)
-        step = replace(step, bytes_moved=step.bytes_moved + w.kv_read_bytes(arch, train, at_once, p + c / 2), ops=0)
+        held = _as_vllm_holds_it(train)
+        prefill, _ = card.seconds(w.forward_work(arch, held, n, p, p / 2, 1), eff.bandwidth, 0.0)
+        step = w.forward_work(arch, held, at_once, 1, p + c / 2, 1)
+        step = replace(step, bytes_moved=step.bytes_moved + w.kv_read_bytes(arch, held, at_once, p + c / 2), ops=0)
         decode, bound = card.seconds(step, eff.vllm_bandwidth, 0.0)
         decode += eff.vllm_step_seconds
         return prefill + waves * (c - 1) * decode + _vllm_sync_seconds(arch, train, card), bound
@@ -209,6 +210,12 @@ def _generation_round(arch: ModelArchitecture, train: TrainingConfig, card: _Car
         step = step + w.Work(bytes_moved=arch.params * 2 * (train.num_gpus - 1) / train.num_gpus)
     decode, bound = card.seconds(step, eff.decode_bandwidth, eff.op_seconds)
     return prefill + (c - 1) * decode, bound
+
+
+def _as_vllm_holds_it(train: TrainingConfig) -> TrainingConfig:
+    """The model as vLLM loads it: 16-bit weights and KV cache (4-bit where TRL loads bitsandbytes), LoRA merged."""
+    return replace(train, dtype="bfloat16", mixed_precision="no", zero_stage=None, fsdp=False, lora_r=None,
+                   lora_alpha=None, lora_target_modules=None)
 
 
 def _vllm_sync_seconds(arch: ModelArchitecture, train: TrainingConfig, card: _Card) -> float:
