@@ -33,7 +33,7 @@ def test_every_ranked_config_fits_and_keeps_the_plans_semantics(llama_1b_file, g
         assert judge(context, ranked.train).fits  # judged again, from the config alone
         assert {n: getattr(ranked.train, n) for n in semantic} == {n: getattr(plan.chosen.train, n) for n in semantic}
         assert ranked.train.generation_batch_size == plan.chosen.train.generation_batch_size
-    assert len({r.train for r in ranking.ranked}) == len(ranking.ranked)
+    assert len({str(r.train) for r in ranking.ranked}) == len(ranking.ranked)
 
 
 def test_with_room_to_spare_the_fastest_drops_checkpointing(llama_1b_file):
@@ -59,3 +59,10 @@ def test_ranking_stays_fast(llama_1b_file):
                                                       "gradient_accumulation_steps": 4})
     with within_seconds(1.0):
         rank_configs(context, plan)
+
+
+def test_configs_with_lora_target_lists_are_ranked(llama_1b_file):
+    """A list of target modules makes a config unhashable; the ranking keys configs by their values."""
+    _, _, _, ranking = ranking_for(llama_1b_file, "t4", lora_r=8, lora_target_modules="q_proj,v_proj",
+                                   dtype="float16", mixed_precision="fp16")
+    assert ranking.ranked and all(r.train.lora_target_modules == ["q_proj", "v_proj"] for r in ranking.ranked)

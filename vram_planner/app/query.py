@@ -10,6 +10,7 @@ import click
 
 from vram_planner.cli.options import NOT_KNOBS, resolve
 from vram_planner.cli.plan import check, exact_judgement, judge_report, plan
+from vram_planner.cli.speed import with_step_times
 from vram_planner.cli.report import Report
 from vram_planner.errors import UnknownNameError, VramPlanError, one_line
 
@@ -60,7 +61,8 @@ def query_report(command: str, query: Iterable[tuple[str, str]]) -> Report:
     if options.get("exact"):
         return exact_judgement(command, options)[0]
     context, train = resolve(command, options)
-    return judge_report(command, context, train)[0]
+    report, shown = judge_report(command, context, train)
+    return with_step_times(command, report, shown, context, train, options)[0]
 
 
 def error_line(exc: VramPlanError | click.ClickException) -> str:

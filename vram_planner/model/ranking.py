@@ -16,7 +16,7 @@ from typing import Any
 
 from vram_planner.errors import ConfigError
 from vram_planner.model import search
-from vram_planner.model.spec import Optimizer, TrainingConfig, knob_names, with_changes
+from vram_planner.model.spec import Optimizer, TrainingConfig, as_settings, knob_names, with_changes
 from vram_planner.model.step_time import StepTime, efficiency_from, step_time
 from vram_planner.model.verdict import Context, Verdict, check_training
 
@@ -76,13 +76,13 @@ def rank_configs(context: Context, plan: search.Plan, reward_seconds: float = 0.
     if plan.chosen is None:
         return Ranking((), None, requested)
     memory_choice = timed(plan.chosen, reward_seconds)
-    found: dict[TrainingConfig, Ranked] = {memory_choice.train: memory_choice}
+    found = {_key(memory_choice.train): memory_choice}
     if plan.requested.fits:
-        found[requested.train] = requested
+        found[_key(requested.train)] = requested
     for variant in speed_variants(context, plan.requested.train, plan.chosen.train, try_vllm):
         fitting = _fastest_fitting(context, variant)
-        if fitting is not None and fitting.train not in found:
-            found[fitting.train] = timed(fitting, reward_seconds)
+        if fitting is not None and _key(fitting.train) not in found:
+            found[_key(fitting.train)] = timed(fitting, reward_seconds)
     ranked = sorted(found.values(), key=lambda r: (r.step_seconds, r.verdict.estimate.peak_bytes))
     return Ranking(tuple(ranked), memory_choice, requested)
 
@@ -117,8 +117,8 @@ def _methods(base: TrainingConfig, gpu_bf16: bool) -> list[TrainingConfig]:
     if not base.load_in_4bit:
         lora = {} if base.uses_lora else {"lora_r": search.LORA_DEFAULT_RANK}
         steps.append({**lora, "load_in_4bit": True, "dtype": half})
-    methods = [_try(base, step) for step in steps]
-    return list(dict.fromkeys(m for m in methods if m is not None))
+    methods = {_key(m): m for m in (_try(base, step) for step in steps) if m is not None}
+    return list(methods.values())
 
 
 def _vllm_choices(base: TrainingConfig) -> list[dict[str, Any]]:
@@ -144,6 +144,11 @@ def _fastest_fitting(context: Context, variant: TrainingConfig) -> Verdict | Non
         return fitting
     expandable = _try(variant, {"allocator_conf": search.with_expandable_segments(variant.allocator_conf)})
     return None if expandable is None else search.largest_fitting(context, expandable)
+
+
+def _key(train: TrainingConfig) -> tuple[Any, ...]:
+    """A config as a dictionary key (its list of LoRA target modules makes it unhashable)."""
+    return tuple(tuple(v) if isinstance(v, list) else v for v in as_settings(train).values())
 
 
 def _try(train: TrainingConfig, changes: dict[str, Any]) -> TrainingConfig | None:
