@@ -127,11 +127,19 @@ def card_tflops(gpu: GpuProfile, train: TrainingConfig) -> float:
 
 
 @dataclass(frozen=True)
-class _Card:
+class Card:
+    """A card's peaks for one config's compute dtype, in FLOP/s and bytes/s, and the efficiency factors."""
+
     flops_per_s: float
     bytes_per_s: float
     link_bytes_per_s: float | None
     eff: Efficiency
+
+    @classmethod
+    def of(cls, gpu: GpuProfile, train: TrainingConfig, eff: Efficiency = Efficiency()) -> Card:
+        """NoSpeedFigures where the catalog has no figures for the card."""
+        link = None if gpu.interconnect_gb_s is None else gpu.interconnect_gb_s * 1e9
+        return cls(card_tflops(gpu, train) * 1e12, gpu.memory_bandwidth_gb_s * 1e9, link, eff)
 
     def seconds(self, work: w.Work, bandwidth_eff: float, op_seconds: float) -> tuple[float, str]:
         """The roofline of one pass: its slowest bound, and which it is."""
@@ -151,23 +159,20 @@ def step_time(arch: ModelArchitecture, train: TrainingConfig, gpu: GpuProfile, e
         vllm_sequences: how many sequences vLLM decodes at once (its KV cache's room, VllmBudget.batch_sequences);
             None: the whole generation round.
     """
-    card = _Card(card_tflops(gpu, train) * 1e12, gpu.memory_bandwidth_gb_s * 1e9,
-                 None if gpu.interconnect_gb_s is None else gpu.interconnect_gb_s * 1e9, eff)
+    card = Card.of(gpu, train, eff)
     s = train.steps_per_generation_resolved
     rounds = train.gradient_accumulation_steps / (s * train.num_iterations)
     b, p, c = train.micro_batch_completions, train.max_prompt_length, train.max_completion_length
     seconds, bounds = {}, {}
-    gen, bounds["generation"] = _generation_round(arch, train, card, vllm_sequences)
+    gen, bounds["generation"] = generation_round_seconds(arch, train, card, vllm_sequences)
     seconds["generation"] = rounds * (gen + eff.round_overhead_seconds)
     passes = int(train.computes_old_logps) + int(train.computes_ref_logps)
     if passes:
-        forward = w.forward_work(arch, train, b, p + c, (p + c) / 2, c)
-        one, bounds["scoring"] = card.seconds(forward, eff.bandwidth, eff.op_seconds)
+        one, bounds["scoring"] = scoring_pass_seconds(arch, train, card)
         seconds["scoring"] = rounds * s * passes * one
-    micro, bounds["training"] = card.seconds(w.training_work(arch, train, b, p, c), eff.bandwidth, eff.op_seconds)
+    micro, bounds["training"] = micro_batch_seconds(arch, train, card)
     seconds["training"] = train.gradient_accumulation_steps * micro
-    seconds["optimizer"] = w.optimizer_bytes(arch, train) / (card.bytes_per_s * eff.bandwidth)
-    bounds["optimizer"] = "memory"
+    seconds["optimizer"], bounds["optimizer"] = optimizer_seconds(arch, train, card), "memory"
     notes = []
     if train.num_gpus > 1:
         if card.link_bytes_per_s is None:
@@ -186,11 +191,31 @@ def step_time(arch: ModelArchitecture, train: TrainingConfig, gpu: GpuProfile, e
                     notes=tuple(notes))
 
 
-def _generation_round(arch: ModelArchitecture, train: TrainingConfig, card: _Card,
-                      vllm_sequences: int | None) -> tuple[float, str]:
-    """One generation round: the prefill of every prompt, then max_completion_length - 1 decoding steps at the
-    average context, in transformers' generate() or in vLLM; with the weights' trip into vLLM."""
-    n, p, c = train.local_generation_batch_size, train.max_prompt_length, train.max_completion_length
+def scoring_pass_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> tuple[float, str]:
+    """One no-grad log-prob forward of a micro-batch (TRL scores the generation batch in micro-batches)."""
+    b, p, c = train.micro_batch_completions, train.max_prompt_length, train.max_completion_length
+    return card.seconds(w.forward_work(arch, train, b, p + c, (p + c) / 2, c), card.eff.bandwidth,
+                        card.eff.op_seconds)
+
+
+def micro_batch_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> tuple[float, str]:
+    """The loss forward and backward of one micro-batch."""
+    work = w.training_work(arch, train, train.micro_batch_completions, train.max_prompt_length,
+                           train.max_completion_length)
+    return card.seconds(work, card.eff.bandwidth, card.eff.op_seconds)
+
+
+def optimizer_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> float:
+    return w.optimizer_bytes(arch, train) / (card.bytes_per_s * card.eff.bandwidth)
+
+
+def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card,
+                             vllm_sequences: int | None = None, new_tokens: int | None = None) -> tuple[float, str]:
+    """One generation round: the prefill of every prompt, then `new_tokens` - 1 decoding steps (max_completion_length
+    - 1 by default) at the average context, in transformers' generate() or in vLLM; with the weights' trip into
+    vLLM, and what bounds the decoding."""
+    n, p = train.local_generation_batch_size, train.max_prompt_length
+    c = train.max_completion_length if new_tokens is None else new_tokens
     eff = card.eff
     generated = m.as_generated(train)
     if train.use_vllm:
@@ -218,7 +243,7 @@ def _as_vllm_holds_it(train: TrainingConfig) -> TrainingConfig:
                    lora_alpha=None, lora_target_modules=None)
 
 
-def _vllm_sync_seconds(arch: ModelArchitecture, train: TrainingConfig, card: _Card) -> float:
+def _vllm_sync_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> float:
     """TRL's copy of the policy into vLLM each round (merged adapters under LoRA): on the card when colocated, over
     the link to the server otherwise; with sleep mode, vLLM's weights back from the host and out again."""
     weights = arch.params * 2  # vLLM holds 16-bit weights
