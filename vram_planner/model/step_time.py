@@ -233,8 +233,11 @@ def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, car
     step = step + w.Work(bytes_moved=w.kv_read_bytes(arch, train, n, p + c / 2), ops=w.GENERATE_OPS_PER_TOKEN)
     if train.fsdp:  # FSDP2 gathers each layer for every forward, every decoding step's too (model/fsdp.py)
         step = step + w.Work(bytes_moved=arch.params * 2 * (train.num_gpus - 1) / train.num_gpus)
-    decode, bound = card.seconds(step, eff.decode_bandwidth, eff.op_seconds)
-    return prefill + (c - 1) * decode, bound
+    # generate() reads `unfinished_sequences.max() == 0` on the host every step, which waits for the device
+    # (transformers' generation/utils.py, StopCheck): the host's launches and the device's work follow each other
+    device, bound = card.seconds(replace(step, ops=0), eff.decode_bandwidth, 0.0)
+    launches = step.ops * eff.op_seconds
+    return prefill + (c - 1) * (device + launches), "launch" if launches > device else bound
 
 
 def _as_vllm_holds_it(train: TrainingConfig) -> TrainingConfig:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from itertools import product
 from typing import Any
 
 from vram_planner.model.architecture import ModelArchitecture
@@ -26,7 +27,8 @@ FITTED_FACTORS = ("op_seconds", "matmul", "bandwidth", "decode_bandwidth")
 SHARES = ("matmul", "bandwidth", "decode_bandwidth")
 # Candidate values: the prior times 2^(k/16) from 1/16 to 16 times it (steps of 4.4%).
 GRID = tuple(2 ** (k / 16) for k in range(-64, 65))
-PASSES = 3  # coordinate descent sweeps; the factors barely interact past the second
+MAX_VALLEY_STEPS = 60
+MAX_PASSES = 10  # coordinate descent sweeps, until none moves a factor (decoding's launches and bytes interact)
 TIMED_PHASES = ("training", "scoring", "optimizer", "decoding")
 
 
@@ -73,7 +75,8 @@ def fit_step_time(samples: list[TimedPhase], gpu: GpuProfile) -> dict[str, float
     prior, eff = Efficiency(), Efficiency()
     used = [name for name in FITTED_FACTORS  # those some sample's time moves with, anywhere on the grid
             if any(loss(replace(prior, **{name: getattr(prior, name) * g})) != loss(prior) for g in (GRID[0], GRID[-1]))]
-    for _ in range(PASSES):
+    for _ in range(MAX_PASSES):
+        before = eff
         for name in used:
             start = getattr(prior, name)
             values = [start * g for g in GRID if name not in SHARES or start * g <= 1.0]
@@ -82,7 +85,33 @@ def fit_step_time(samples: list[TimedPhase], gpu: GpuProfile) -> dict[str, float
             # where the samples do not pin a factor down (a bound none of them reaches), the prior stays
             tied = [v for v, value in losses.items() if value <= least * (1 + 1e-9) + 1e-12]
             eff = replace(eff, **{name: min(tied, key=lambda v: abs(math.log(v / start)))})
+        if eff == before:
+            break
+    eff = _along_valleys(eff, used, loss)
     return {name: float(f"{getattr(eff, name):.4g}") for name in used}
+
+
+def _on_grid(eff: Efficiency, name: str) -> bool:
+    """Within the grid's range around the prior (and at most 1 for a share of a peak)."""
+    value, prior = getattr(eff, name), getattr(Efficiency(), name)
+    return prior * GRID[0] * 0.999 <= value <= prior * GRID[-1] * 1.001 and (name not in SHARES or value <= 1.0)
+
+
+def _along_valleys(eff: Efficiency, used: list[str], loss: Any) -> Efficiency:
+    """Steps of one grid spacing in several factors at once, while one lowers the loss: coordinate descent stalls
+    where two factors trade off (decoding's launches against its bytes), and these diagonal steps go on along the
+    valley."""
+    step = GRID[1] / GRID[0]
+    current = loss(eff)
+    for _ in range(MAX_VALLEY_STEPS):
+        moves = [dict(zip(used, signs)) for signs in product((-1, 0, 1), repeat=len(used)) if any(signs)]
+        candidates = [replace(eff, **{n: getattr(eff, n) * step ** d for n, d in move.items()}) for move in moves]
+        candidates = [c for c in candidates if all(_on_grid(c, n) for n in used)]
+        best = min(candidates, key=loss)
+        if loss(best) >= current:
+            return eff
+        eff, current = best, loss(best)
+    return eff
 
 
 def timed_phases(record: Any) -> list[TimedPhase]:
