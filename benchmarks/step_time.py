@@ -6,7 +6,8 @@ Inputs, all measured before the step-time model existed (none of its constants w
 1. benchmarks/results/gpu/h100-trl-steps.json: real TRL GRPO runs of two optimizer steps on an H100
    (benchmarks/gpu_steps.py). Their `seconds` is the wall time of the whole run: loading the model, building the
    trainer and TRL's start-up included, and for the first six allocator-history recording too. The prediction is
-   two steps, so the difference is start-up; the ranking is what they can check.
+   two steps, so the difference is start-up; the ranking is what they can check. Runs since issue 30 also time each
+   optimizer step (`step_seconds`), and their last step is compared with one predicted step.
 2. benchmarks/results/gpu/h100-probe-record.json: probe points on the same H100, two steps each of the probe's
    phases (generation there is the prefill and one decoding step; vram_planner/tracing/phases.py), model building
    included; the first point also warmed the process up (Triton's kernels compiled).
@@ -56,8 +57,12 @@ def trl_rows() -> list[dict]:
         if run.get("ran") is False:  # stopped by the memory limit it was given: no step time
             continue
         verdict = api.check(run["model"], CARD, {k: v for k, v in run["train"].items() if k != "trl_version"})
-        predicted = STEPS_PER_RUN * timed(verdict).step_seconds
-        rows.append({"name": run["name"], "measured": run["seconds"], "predicted": predicted})
+        if run.get("step_seconds"):  # runs since issue 30 time each step: the last, warm one is compared
+            rows.append({"name": f"{run['name']} (step {len(run['step_seconds'])})",
+                         "measured": run["step_seconds"][-1], "predicted": timed(verdict).step_seconds})
+        else:
+            rows.append({"name": run["name"], "measured": run["seconds"],
+                         "predicted": STEPS_PER_RUN * timed(verdict).step_seconds})
     return rows
 
 
