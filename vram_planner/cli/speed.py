@@ -119,7 +119,9 @@ def render_speed(report: Report, console: Any) -> None:
     table = Table(title=f"Configs that fit, fastest first (→ the one shown{vllm})")
     for column in ("", "s/step", "tokens/s", "peak GiB", "changes from yours"):
         table.add_column(column, justify="left" if column.startswith("changes") else "right")
-    for row in [r for r in report.alternatives if r["fits"]][:SHOWN_ALTERNATIVES]:
+    fitting = [r for r in report.alternatives if r["fits"]]
+    shown = fitting[:SHOWN_ALTERNATIVES] + [r for r in fitting[SHOWN_ALTERNATIVES:] if r["chosen"]]
+    for row in shown:
         changes = command_line_flags({k: a for k, (_, a) in row["changes"].items()}) or "none"
         table.add_row("→" if row["chosen"] else "", f"{row['step_seconds']:.2f}",
                       f"{row['completion_tokens_per_second']:.0f}", f"{row['peak_bytes'] / GiB:.2f}", changes)
