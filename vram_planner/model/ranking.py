@@ -16,7 +16,7 @@ from typing import Any
 
 from vram_planner.errors import ConfigError
 from vram_planner.model import search
-from vram_planner.model.spec import Optimizer, TrainingConfig, as_settings, knob_names, with_changes
+from vram_planner.model.spec import Optimizer, TrainingConfig, knob_names, with_changes
 from vram_planner.model.step_time import StepTime, efficiency_from, step_time
 from vram_planner.model.verdict import Context, Verdict, check_training
 
@@ -146,9 +146,9 @@ def _fastest_fitting(context: Context, variant: TrainingConfig) -> Verdict | Non
     return None if expandable is None else search.largest_fitting(context, expandable)
 
 
-def _key(train: TrainingConfig) -> tuple[Any, ...]:
-    """A config as a dictionary key (its list of LoRA target modules makes it unhashable)."""
-    return tuple(tuple(v) if isinstance(v, list) else v for v in as_settings(train).values())
+def _key(train: TrainingConfig) -> str:
+    """A config as a dictionary key (its list of LoRA target modules makes it unhashable): its fields' values."""
+    return repr(train)
 
 
 def _try(train: TrainingConfig, changes: dict[str, Any]) -> TrainingConfig | None:
