@@ -55,10 +55,18 @@ def test_speed_without_figures_is_one_line(capsys, llama_1b_file):
     err = one_line_error(capsys, "plan", "--gpu", "24GiB", "--model", str(llama_1b_file), "--optimize", "speed")
     assert "catalog card" in err
     _, doc = json_of(capsys, "plan", "--gpu", "24GiB", "--model", str(llama_1b_file))
-    assert doc["step_seconds"] is None and any("no step time" in n for n in doc["notes"])
+    assert doc["step_seconds"] is None and "no memory bandwidth" in doc["step_time"]["problem"]
+    assert "No step time" in run(capsys, "plan", "--gpu", "24GiB", "--model", str(llama_1b_file))[1]
 
 
 @pytest.mark.parametrize("args", [("--optimize", "fast"), ("--reward-seconds", "-1"), ("--dataset-prompts", "0")])
 def test_bad_speed_options_are_refused(capsys, llama_1b_file, args):
     code, out, err = run(capsys, "plan", "--gpu", "rtx4090", "--model", str(llama_1b_file), *args)
     assert code == 2 and "Traceback" not in err and args[0] in err
+
+
+@pytest.mark.parametrize("other", [("--maximize", "max_completion_length"), ("--exact",)])
+def test_speed_refuses_the_other_questions(capsys, llama_1b_file, other):
+    err = one_line_error(capsys, "plan", "--gpu", "rtx4090", "--model", str(llama_1b_file), "--optimize", "speed",
+                         *other)
+    assert "--optimize speed" in err and other[0] in err

@@ -8,7 +8,7 @@ import click
 
 from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT, resolve,
                                       settings_from)
-from vram_planner.cli.speed import CHECK_SPEED, PLAN_SPEED, render_speed, with_step_times
+from vram_planner.cli.speed import CHECK_SPEED, PLAN_SPEED, refuse_speed_with, render_speed, with_step_times
 from vram_planner.errors import VramPlanError
 
 
@@ -36,6 +36,7 @@ trace = training_command("trace", "Count this config's GRPO step tensor by tenso
 
 
 def _execute(command: str, options: dict[str, Any]) -> None:
+    refuse_speed_with(options)
     if options["plot"]:  # before any work: a plot that cannot be written is refused now, not after the plan
         from vram_planner.cli.plot import check_plot_target
 

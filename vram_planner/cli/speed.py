@@ -25,6 +25,15 @@ SPEED_OPTIONS = ("optimize", "reward_seconds", "dataset_prompts")
 SHOWN_ALTERNATIVES = 5
 
 
+def refuse_speed_with(options: dict[str, Any]) -> None:
+    """`--optimize speed` ranks the plan's configs: --maximize and --exact answer other questions."""
+    if options.get("optimize") == "speed":
+        for other in ("maximize", "exact"):
+            if options.get(other):
+                raise VramPlanError(f"--optimize speed ranks the plan's configs by step time; --{other} answers "
+                                    "another question: run them one at a time")
+
+
 def with_step_times(command: str, report: Report, shown: Any, context: Any, train: Any,
                     options: dict[str, Any]) -> tuple[Report, Any]:
     """The report with the predicted step time of its config, for `plan` the ranked alternatives, and with
@@ -44,7 +53,7 @@ def with_step_times(command: str, report: Report, shown: Any, context: Any, trai
     except NoSpeedFigures as exc:
         if optimize == "speed":
             raise VramPlanError(f"--optimize speed: {exc}") from exc
-        report.notes.append(f"no step time: {exc}")
+        report.step_time = {"problem": str(exc)}
     return report, shown
 
 
@@ -108,6 +117,9 @@ def render_speed(report: Report, console: Any) -> None:
     if report.step_time is None:
         return
     time = report.step_time
+    if "problem" in time:
+        console.print(f"No step time: {time['problem']}", style="dim")
+        return
     phases = ", ".join(f"{phase} {s:.2f} s" for phase, s in time["seconds"].items())
     epoch = "" if time["epoch_seconds"] is None else f"; one epoch {_duration(time['epoch_seconds'])}"
     console.print(f"Predicted step time: {time['step_seconds']:.2f} s per optimizer step ({phases}); "

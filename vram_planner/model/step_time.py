@@ -162,7 +162,7 @@ def step_time(arch: ModelArchitecture, train: TrainingConfig, gpu: GpuProfile, e
     card = Card.of(gpu, train, eff)
     s = train.steps_per_generation_resolved
     rounds = train.gradient_accumulation_steps / (s * train.num_iterations)
-    b, p, c = train.micro_batch_completions, train.max_prompt_length, train.max_completion_length
+    b, c = train.micro_batch_completions, train.max_completion_length
     seconds, bounds = {}, {}
     gen, bounds["generation"] = generation_round_seconds(arch, train, card, vllm_sequences)
     seconds["generation"] = rounds * (gen + eff.round_overhead_seconds)
