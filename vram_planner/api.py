@@ -25,6 +25,7 @@ from vram_planner.profiles import GpuProfile, gpus, model_config
 
 if TYPE_CHECKING:  # `plan` and `check` do not search for a largest value: the module loads when one is asked for
     from vram_planner.model.maximize import Maximized
+    from vram_planner.model.ranking import Ranking
 
 
 def make_context(model: str, gpu: str | GpuProfile, *, trl_version: str | None = None,
@@ -112,6 +113,16 @@ def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingC
     context = make_context(model, gpu, **context_options)
     user = make_training(context, settings)
     return _exact_plan(model, context, user, progress) if exact else best_plan(context, user)
+
+
+def rank(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
+         reward_seconds: float = 0.0, try_vllm: bool = True, **context_options: Any) -> Ranking:
+    """Every config that fits and trains what the plan would, fastest first by predicted seconds per optimizer step
+    (`plan --optimize speed`); NoSpeedFigures (a ProfileError) on a card without speed figures."""
+    from vram_planner.model.ranking import rank_configs
+
+    context = make_context(model, gpu, **context_options)
+    return rank_configs(context, best_plan(context, make_training(context, settings)), reward_seconds, try_vllm)
 
 
 # Without --gpu a trace judges against the local card, and on a machine without one (where traces usually run)

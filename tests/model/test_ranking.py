@@ -66,3 +66,11 @@ def test_configs_with_lora_target_lists_are_ranked(llama_1b_file):
     _, _, _, ranking = ranking_for(llama_1b_file, "t4", lora_r=8, lora_target_modules="q_proj,v_proj",
                                    dtype="float16", mixed_precision="fp16")
     assert ranking.ranked and all(r.train.lora_target_modules == ["q_proj", "v_proj"] for r in ranking.ranked)
+
+
+def test_the_library_ranks_as_plan_does(llama_1b_file):
+    ranking = api.rank(str(llama_1b_file), "rtx4090", {"max_completion_length": 256}, reward_seconds=0.2)
+    _, _, _, direct = ranking_for(llama_1b_file, "rtx4090", max_completion_length=256)
+    assert ranking.fastest.step_seconds <= ranking.memory_choice.step_seconds
+    assert ranking.fastest.time.seconds["rewards"] == pytest.approx(0.2 * 8)
+    assert direct.memory_choice.train == ranking.memory_choice.train
