@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers import within_seconds
 from vram_planner import api
@@ -74,3 +76,23 @@ def test_the_library_ranks_as_plan_does(llama_1b_file):
     assert ranking.fastest.step_seconds <= ranking.memory_choice.step_seconds
     assert ranking.fastest.time.seconds["rewards"] == pytest.approx(0.2 * 8)
     assert direct.memory_choice.train == ranking.memory_choice.train
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(card=st.sampled_from(["t4", "rtx3060-12gb", "rtx4090", "rtx3080-mobile", "a100-40gb"]),
+       completion=st.sampled_from([128, 512, 2048]), generations=st.sampled_from([2, 4, 8, 16]),
+       lora=st.booleans(), speed=st.booleans())
+def test_whatever_the_config_every_ranked_one_fits_in_order(llama_1b_file, card, completion, generations, lora,
+                                                          speed):
+    settings_ = {"max_completion_length": completion, "num_generations": generations,
+                 "per_device_train_batch_size": generations, **({"lora_r": 8} if lora else {})}
+    context = api.make_context(str(llama_1b_file), card)
+    plan = api.plan(str(llama_1b_file), card, settings_)
+    ranking = rank_configs(context, plan, try_vllm=speed)
+    times = [r.step_seconds for r in ranking.ranked]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert all(r.verdict.fits for r in ranking.ranked)
+    assert (ranking.fastest is None) == (not plan.fits)
+    if plan.fits:
+        assert ranking.memory_choice in ranking.ranked
+        assert all(r.train.generation_batch_size == plan.chosen.train.generation_batch_size for r in ranking.ranked)
