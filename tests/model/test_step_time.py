@@ -168,3 +168,14 @@ def test_every_step_time_is_finite_positive_and_grows_with_completions(llama_1b,
     longer = step_time(llama_1b, with_changes(train, max_completion_length=completion + 64), card)
     assert longer.seconds["generation"] > time.seconds["generation"]
     assert longer.seconds["training"] >= time.seconds["training"]
+
+
+def test_eager_decoding_moves_the_cache_several_times(llama_1b):
+    """Llama-3.2-1B has 32 query heads on 8 KV heads: under GRPO's padding mask SDPA repeats each KV head 4 times,
+    and the cache is concatenated every step; FlashAttention-2 only reads it."""
+    assert w.eager_kv_passes(llama_1b, cfg()) == 2 + 1 + 2 * 4
+    assert w.eager_kv_passes(llama_1b, cfg(attn_implementation="flash_attention_2")) == 3
+    long = cfg(per_device_train_batch_size=64, max_completion_length=4096)
+    sdpa = step_time(llama_1b, long, H100).seconds["generation"]
+    flash = step_time(llama_1b, with_changes(long, attn_implementation="flash_attention_2"), H100)
+    assert flash.seconds["generation"] < sdpa

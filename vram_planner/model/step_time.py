@@ -230,7 +230,8 @@ def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, car
         return prefill + waves * (c - 1) * decode + _vllm_sync_seconds(arch, train, card), bound
     prefill, _ = card.seconds(w.forward_work(arch, generated, n, p, p / 2, 1), eff.bandwidth, eff.op_seconds)
     step = w.forward_work(arch, generated, n, 1, p + c / 2, 1)
-    step = step + w.Work(bytes_moved=w.kv_read_bytes(arch, train, n, p + c / 2), ops=w.GENERATE_OPS_PER_TOKEN)
+    kv = w.kv_read_bytes(arch, train, n, p + c / 2) * w.eager_kv_passes(arch, train)
+    step = step + w.Work(bytes_moved=kv, ops=w.GENERATE_OPS_PER_TOKEN)
     if train.fsdp:  # FSDP2 gathers each layer for every forward, every decoding step's too (model/fsdp.py)
         step = step + w.Work(bytes_moved=arch.params * 2 * (train.num_gpus - 1) / train.num_gpus)
     # generate() reads `unfinished_sequences.max() == 0` on the host every step, which waits for the device

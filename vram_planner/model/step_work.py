@@ -108,6 +108,18 @@ def kv_read_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int
     return m.kv_cache_bytes(arch, train, sequences, 1) * context
 
 
+def eager_kv_passes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """How many times one decoding step in transformers moves its KV cache: DynamicLayer.update concatenates the new
+    token to each layer's keys and values (torch.cat: the cache read and written again, cache_utils.py), and with
+    grouped-query attention under a padding mask (GRPO's left-padded prompts) SDPA's integration repeats each key and
+    value head for its group of query heads before attending (repeat_kv: read once, written and read `groups` times;
+    integrations/sdpa_attention.py, use_gqa_in_sdpa wants no mask on CUDA); FlashAttention-2 reads the cache once."""
+    groups = arch.num_attention_heads // max(arch.num_kv_heads, 1)
+    if train.attn_implementation == "flash_attention_2" or groups <= 1:
+        return 2 + 1
+    return 2 + 1 + 2 * groups
+
+
 def training_work(arch: ModelArchitecture, train: TrainingConfig, sequences: int, prompt: int,
                   completion: int) -> Work:
     """Forward and backward of one micro-batch, with checkpointing's second forward of each layer."""
