@@ -10,8 +10,8 @@ import click
 
 from vram_planner.cli.options import NOT_KNOBS, resolve
 from vram_planner.cli.plan import check, exact_judgement, judge_report, plan
-from vram_planner.cli.speed import with_step_times
 from vram_planner.cli.report import Report
+from vram_planner.cli.speed import with_step_times
 from vram_planner.errors import UnknownNameError, VramPlanError, one_line
 
 COMMANDS: dict[str, click.Command] = {"check": check, "plan": plan}
