@@ -83,10 +83,13 @@ def model_folder(model: str, cache: Path) -> Path:
 
 
 class PhaseMeter:
-    """Peak allocated and reserved bytes of each phase of each step, from the caching allocator's statistics."""
+    """Peak allocated and reserved bytes of each phase of each step, from the caching allocator's statistics, with
+    each phase's and each optimizer step's synchronized wall time (the step-time model's measurements)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda, self.rows, self.step, self.phase = cuda, [], 0, None
+        self.step_seconds: list[float] = []
+        self.phase_started = self.step_started = 0.0
 
     def start(self, phase: str) -> None:
         import torch
@@ -96,6 +99,7 @@ class PhaseMeter:
             torch.cuda.reset_peak_memory_stats()
         self.phase = phase
         self.reserved_at_start = torch.cuda.memory_reserved() if self.cuda else 0
+        self.phase_started = time.perf_counter()
 
     def end(self, phase: str) -> None:
         import torch
@@ -108,7 +112,8 @@ class PhaseMeter:
                  torch.cuda.memory_allocated()) if self.cuda else (0, 0, 0)
         self.rows.append({"step": self.step, "phase": phase, "allocated_peak_bytes": stats[0],
                           "reserved_peak_bytes": stats[1], "allocated_after_bytes": stats[2],
-                          "reserved_at_start_bytes": self.reserved_at_start})
+                          "reserved_at_start_bytes": self.reserved_at_start,
+                          "seconds": round(time.perf_counter() - self.phase_started, 4)})
         self.phase = None
 
 
@@ -148,6 +153,14 @@ def instrument(meter: PhaseMeter) -> Any:
     GRPOTrainer._get_per_token_logps_and_entropies = logps
 
     class OptimizerPhase(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            meter.step_started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if meter.cuda:
+                torch.cuda.synchronize()
+            meter.step_seconds.append(round(time.perf_counter() - meter.step_started, 4))
+
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             meter.start("optimizer")
 
@@ -206,7 +219,7 @@ def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {**config, "ran": ran, "fits": verdict.fits, "limit_bytes": limit if cuda else None,
                               "train": changed_settings(verdict.train),
                               "predicted_peak_bytes": verdict.estimate.peak_bytes, "phases": meter.rows,
-                              "seconds": round(seconds, 1)}
+                              "seconds": round(seconds, 1), "step_seconds": meter.step_seconds}
     if cuda:
         free, total = torch.cuda.mem_get_info()
         result.update(capacity_bytes=total, max_reserved_bytes=torch.cuda.max_memory_reserved(),

@@ -29,10 +29,11 @@ if TYPE_CHECKING:
     from vram_planner.model.spec import TrainingConfig
     from vram_planner.model.verdict import Context
     from vram_planner.report.cards import CardsReport
+    from vram_planner.model.ranking import Ranking
     from vram_planner.report.maximized import MaximizedPlanReport
 
-__all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "gpus", "models",
-           "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
+__all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "rank", "gpus",
+           "models", "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
 
 @dataclass(frozen=True)
 class Judged:
@@ -45,7 +46,8 @@ class Judged:
 
 
 def check(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
-          exact: bool = False, progress: Callable[[str], None] | None = None, **fields: Any) -> Report:
+          exact: bool = False, progress: Callable[[str], None] | None = None, reward_seconds: float = 0.0,
+          dataset_prompts: int | None = None, **fields: Any) -> Report:
     """The verdict for exactly this configuration: `vram-plan check --json`'s document.
 
     Args:
@@ -54,9 +56,11 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
         settings: knobs by field name (e.g. {"max_completion_length": 1024}); keyword arguments add to them.
         exact: judge by the traced step's need (`check --exact`; needs the train extra, seconds to a minute).
         progress: called with what the trace is doing (with `exact`).
+        reward_seconds: seconds the reward functions take per completion, for the predicted step time.
+        dataset_prompts: prompts in the dataset, for the predicted time of an epoch.
 
     Returns:
-        The report: `.fits`, `.peak_bytes`, `.phases`, ...; `.to_dict()` is the JSON document.
+        The report: `.fits`, `.peak_bytes`, `.phases`, `.step_seconds`, ...; `.to_dict()` is the JSON document.
     """
     request = _request(model, gpu, settings, fields)
     if exact:
@@ -64,24 +68,40 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
 
         outcome = engine.check(*_engine_call(request), exact=True, progress=progress, **_options(request))
         return _judged(exact_check_report(outcome), outcome.traced.context, outcome.traced.train, outcome)
+    from vram_planner.report.speed import with_step_times
+
     context, train, fewest = resolve_gpu_count(request)
     verdict = verdict_module.judge(context, train)
-    return _judged(_with_gpu_count(verdict_report(verdict), fewest, context), context, train, verdict)
+    report, _ = with_step_times("check", _with_gpu_count(verdict_report(verdict), fewest, context), train, context,
+                                train, reward=reward_seconds, prompts=dataset_prompts)
+    return _judged(report, context, train, verdict)
 
 
 def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
-         exact: bool = False, progress: Callable[[str], None] | None = None, **fields: Any) -> Report:
+         exact: bool = False, progress: Callable[[str], None] | None = None, optimize: str = "memory",
+         reward_seconds: float = 0.0, dataset_prompts: int | None = None, **fields: Any) -> Report:
     """The best configuration that fits, starting from this one: `vram-plan plan --json`'s document.
 
     Args:
         model, gpu, settings: as `check` takes them.
         exact: trace the choice and the config ranked above it, and judge by their needs (`plan --exact`).
         progress: called with what the trace is doing (with `exact`).
+        optimize: "memory", the config that keeps most of yours (the first saver that fits), or "speed", the config
+            that fits with the least predicted time per optimizer step.
+        reward_seconds, dataset_prompts: as `check` takes them.
 
     Returns:
-        The report of the chosen config (or of the smallest, when nothing fits), with `.changes` that lead to it.
+        The report of the chosen config (or of the smallest, when nothing fits), with `.changes` that lead to it and
+        `.alternatives`, every config that fits, fastest first.
     """
+    from vram_planner.report.speed import OPTIMIZE_CHOICES, with_step_times
+
+    if optimize not in OPTIMIZE_CHOICES:
+        raise ConfigError([f"{field_name('optimize')} should be memory or speed (got {optimize!r:.40})"])
     request = _request(model, gpu, settings, fields)
+    if exact and optimize == "speed":
+        raise ConfigError([f"{field_name('optimize')} speed ranks the plan's configs by step time; "
+                           f"{field_name('exact')} answers another question: ask them one at a time"])
     if exact:
         from vram_planner.report.document import exact_plan_report
 
@@ -90,8 +110,30 @@ def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings
         return _judged(exact_plan_report(result), result.plan.requested.context, shown.train, result)
     context, train, fewest = resolve_gpu_count(request)
     result = search.best_plan(context, train)
-    return _judged(_with_gpu_count(plan_report(result), fewest, context), context,
-                   (result.chosen or result.smallest).train, result)
+    report, shown = with_step_times("plan", _with_gpu_count(plan_report(result), fewest, context),
+                                    (result.chosen or result.smallest).train, context, train, optimize,
+                                    reward_seconds, dataset_prompts)
+    return _judged(report, context, shown, result)
+
+
+def rank(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
+         reward_seconds: float = 0.0, try_vllm: bool = True, **fields: Any) -> Ranking:
+    """Every config that fits and trains what the plan would, fastest first by predicted seconds per optimizer step
+    (what `plan --optimize speed` chooses from).
+
+    Args:
+        model, gpu, settings: as `check` takes them.
+        reward_seconds: seconds the reward functions take per completion.
+        try_vllm: weigh vLLM generation too.
+
+    Returns:
+        The ranking (vram_planner.model.ranking.Ranking): `.ranked`, `.fastest`, `.memory_choice`; NoSpeedFigures
+        (a ProfileError) on a card without speed figures.
+    """
+    from vram_planner.model.ranking import rank_configs
+
+    context, train = resolve(_request(model, gpu, settings, fields))
+    return rank_configs(context, search.best_plan(context, train), reward_seconds, try_vllm)
 
 
 def maximize(model: str | dict[str, Any] | Request, gpu: str | None = None, field: str = "max_completion_length",

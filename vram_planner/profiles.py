@@ -45,6 +45,15 @@ class GpuProfile:
     segment: Literal["consumer", "laptop", "workstation", "datacenter", "custom"] = "custom"
     capacity_source: Literal["measured", "estimated", "user"] = "estimated"
     source: str = ""
+    # Speed figures from the vendor's datasheet (profiles/gpus.toml); None where the catalog has none (a size given
+    # on the command line): the step-time model then has nothing to predict with.
+    memory_bandwidth_gb_s: Annotated[float | None, Rules(gt=0, le=10**6)] = None
+    bf16_tflops: Annotated[float | None, Rules(gt=0, le=10**6)] = None  # dense, FP32 accumulate
+    fp16_tflops: Annotated[float | None, Rules(gt=0, le=10**6)] = None  # dense, FP32 accumulate
+    fp32_tflops: Annotated[float | None, Rules(gt=0, le=10**6)] = None  # without tensor cores
+    interconnect: Literal["nvlink2", "nvlink3", "nvlink4", "nvlink5", "nvlink-bridge", "pcie3", "pcie4", "pcie4-x8",
+                          "pcie5", "pcie5-x8"] | None = None
+    interconnect_gb_s: Annotated[float | None, Rules(gt=0, le=10**6)] = None  # per direction
 
     @property
     def capacity_bytes(self) -> int:

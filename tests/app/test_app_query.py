@@ -34,7 +34,8 @@ def test_every_flag_of_check_and_plan_but_the_files_and_the_output_is_a_query_pa
         flags = {p.name for p in command.params} - set(NOT_KNOBS)
         assert flags <= set(query_parameters())
     assert set(query_parameters()) - set(knob_fields()) == {"gpu", "model", "trl_version", "safety_margin", "exact",
-                                                            "maximize", "allow_savers"}
+                                                            "maximize", "allow_savers", "optimize", "reward_seconds",
+                                                            "dataset_prompts"}
 
 
 def test_a_query_gives_the_request_its_flags_give():

@@ -408,6 +408,35 @@ def test_the_progress_line_and_the_log_come_from_the_main_process_only(capsys, t
         assert (tmp_path / f"log-{main_process}.jsonl").exists() == main_process
 
 
+def test_the_log_has_the_measured_step_time_beside_the_predicted(tmp_path, monkeypatch):
+    import json
+
+    from transformers import TrainerControl, TrainerState
+
+    from vram_planner.run import launch
+
+    clock = iter([100.0, 130.0, 150.0, 190.0])  # start, then the time of each logged line
+    monkeypatch.setattr(launch.time, "perf_counter", lambda: next(clock))
+    log = launch.JsonlLog(tmp_path / "log.jsonl", 1e9, predicted_step_seconds=9.5)
+    for step in (1, 3, 5):
+        log.on_log(None, TrainerState(global_step=step, is_world_process_zero=True), TrainerControl(), logs={})
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [line.get("measured_step_seconds") for line in lines] == [None, 10.0, 20.0]  # loading is no step
+    assert {line["predicted_step_seconds"] for line in lines} == {9.5}
+
+
+def test_a_run_predicts_its_step_time_on_a_catalog_card(llama_1b_file, tmp_path):
+    from vram_planner import engine
+    from vram_planner.run.launch import RunSetup
+
+    setup = RunSetup(verdict=engine.check(str(llama_1b_file), "h100-80gb"), model_id=str(llama_1b_file),
+                     dataset="math-sample", rewards=["format"], output_dir=tmp_path / "run")
+    assert setup.predicted_step_seconds > 0
+    sized = RunSetup(verdict=engine.check(str(llama_1b_file), "80GiB"), model_id=str(llama_1b_file),
+                     dataset="math-sample", rewards=["format"], output_dir=tmp_path / "run")
+    assert sized.predicted_step_seconds is None
+
+
 # --- the extras ---------------------------------------------------------------------------------------------------
 
 def train_extra() -> list[str]:

@@ -11,7 +11,12 @@ from vram_planner.request import Request
 QUESTIONS = {"exact": ("boolean", "Judge by the traced step's need (needs the train extra; seconds to a minute)."),
              "maximize": ("string", "On /api/plan and /api/gpus: the largest value that fits of max_completion_length, "
                                     "max_prompt_length, num_generations, per_device_train_batch_size or lora_r."),
-             "allow_savers": ("boolean", "With maximize: let the plan's savers make room.")}
+             "allow_savers": ("boolean", "With maximize: let the plan's savers make room."),
+             "optimize": ("string", "On /api/plan: memory (default), the config that keeps most of yours, or speed, "
+                                    "the config that fits with the least predicted time per optimizer step."),
+             "reward_seconds": ("number", "Seconds the reward functions take per completion, for the step time."),
+             "dataset_prompts": ("integer", "Prompts in the dataset, for the predicted time of one epoch.")}
+SPEED_QUESTIONS = ("optimize", "reward_seconds", "dataset_prompts")
 CONTEXT_HELP = {"model": "Catalog name (GET /api/models), hub id, or a config.json path where the server reads files.",
                 "gpu": "Catalog name (GET /api/gpus), or a size like 24GiB.",
                 "trl_version": "Plan for this TRL release (default: the installed one).",
@@ -66,12 +71,13 @@ def openapi_document() -> dict[str, Any]:
                                 "`vram-plan <command> --json` prints, bytes as integers."},
         "paths": {
             "/api/check": _get("The verdict for exactly this config (`vram-plan check --json`).",
-                               (*fields, "exact"), "The check document."),
+                               (*fields, "exact", "reward_seconds", "dataset_prompts"), "The check document."),
             "/api/plan": _get("The best config that fits, or with maximize the largest value of one knob "
                               "(`vram-plan plan --json`).", (*fields, *QUESTION_PARAMETERS), "The plan document."),
             "/api/gpus": _get("The GPU catalog; with model (and knobs, maximize), every card's verdict, the smallest "
                               "fitting card first (`vram-plan gpus --model M --json`).",
-                              tuple(n for n in (*fields, *QUESTION_PARAMETERS) if n not in ("gpu", "exact")),
+                              tuple(n for n in (*fields, *QUESTION_PARAMETERS)
+                                    if n not in ("gpu", "exact", *SPEED_QUESTIONS)),
                               "The cards."),
             "/api/models": {"get": {"summary": "The model catalog (`vram-plan models --json`).",
                                     "responses": {"200": {"description": "The models.",

@@ -17,7 +17,7 @@ COMMANDS = ("check", "plan")
 # What to ask besides the request: exact=true (the traced step's need decides, as with --exact), and on plan
 # maximize=FIELD with allow_savers. The command line's files (--config, --calibration, --plot) are not read or
 # written over HTTP.
-QUESTION_PARAMETERS = ("exact", "maximize", "allow_savers")
+QUESTION_PARAMETERS = ("exact", "maximize", "allow_savers", "optimize", "reward_seconds", "dataset_prompts")
 HINT = "(query parameters are spelled as GRPOConfig fields, e.g. max_completion_length=1024, plus gpu and model)"
 LOCAL_FILES_OFF = ("this server reads no files of its own: model takes a catalog name or a hub id; the app reads "
                    "config.json paths when started with --allow-local-files")
@@ -73,7 +73,29 @@ def _questions(values: dict[str, str]) -> dict[str, Any]:
         questions["maximize"] = values["maximize"].strip()
     if questions.get("allow_savers") and "maximize" not in questions:
         raise ConfigError(["allow_savers goes with maximize=FIELD (plan without maximize already uses the savers)"])
+    if values.get("optimize", "").strip():
+        questions["optimize"] = values["optimize"].strip()
+    for name, kind in (("reward_seconds", float), ("dataset_prompts", int)):
+        if values.get(name, "").strip():
+            questions[name] = _number(name, values[name], kind)
     return questions
+
+
+def _number(name: str, text: str, kind: type) -> Any:
+    """A number's text read as pydantic reads the request's numbers; a negative one is refused."""
+    from pydantic import ValidationError
+
+    from vram_planner.validation import validate
+
+    try:
+        value = validate(kind, text.strip())
+    except ValidationError as exc:
+        raise ConfigError([f"{name} should be a {'whole ' if kind is int else ''}number (got {text[:40]!r})"]) \
+            from exc
+    if (kind is int and value < 1) or (kind is float and not 0 <= value <= 3600):
+        bounds = "at least 1" if kind is int else "between 0 and 3600"
+        raise ConfigError([f"{name} should be {bounds} (got {text[:40]!r})"])
+    return value
 
 
 def _boolean(name: str, text: str) -> bool:
@@ -99,8 +121,13 @@ def query_report(command: str, query: Iterable[tuple[str, str]], allow_local_fil
             raise ConfigError(["exact judges one config or the plan's choice, not maximize: ask /api/check with "
                                "exact=true and the value maximize finds"])
         return api.maximize(request, field=maximize, allow_savers=questions.get("allow_savers", False))
-    ask = api.plan if command == "plan" else api.check
-    return ask(request, exact=questions.get("exact", False))
+    speed = {name: questions[name] for name in ("reward_seconds", "dataset_prompts") if name in questions}
+    if command == "plan":
+        return api.plan(request, exact=questions.get("exact", False), optimize=questions.get("optimize", "memory"),
+                        **speed)
+    if "optimize" in questions:
+        raise ConfigError(["optimize goes with /api/plan"])
+    return api.check(request, exact=questions.get("exact", False), **speed)
 
 
 def error_line(exc: VramPlanError) -> str:

@@ -53,6 +53,9 @@ def _gpus(query: list[tuple[str, str]], allow_local_files: bool) -> Any:
     request, questions = query_request(query, allow_local_files)
     if questions.get("exact"):
         raise ConfigError(["exact judges one card: ask /api/check with exact=true"])
+    timed = [name for name in ("optimize", "reward_seconds", "dataset_prompts") if name in questions]
+    if timed:
+        raise ConfigError([f"{timed[0]} goes with /api/plan and /api/check: /api/gpus judges memory on every card"])
     if request.gpu is not None:
         raise ConfigError(["/api/gpus judges every card: leave gpu out (or ask /api/check with it)"])
     return api.fitting_gpus(request, maximize=questions.get("maximize"),

@@ -104,7 +104,7 @@ EXACT = click.option("--exact", is_flag=True,
                           "the caching allocator model (needs the train extra; seconds to a minute).")
 
 NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin",
-             "maximize", "allow_savers", "exact")
+             "maximize", "allow_savers", "exact", "optimize", "reward_seconds", "dataset_prompts")
 
 
 def settings_from(command: str, options: dict[str, Any],

@@ -8,6 +8,7 @@ import click
 
 from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT,
                                       request_from)
+from vram_planner.cli.speed import CHECK_SPEED, PLAN_SPEED, refuse_speed_with
 from vram_planner.errors import VramPlanError
 
 
@@ -25,9 +26,9 @@ def training_command(command: str, doc: str, extra: tuple = ()) -> click.Command
 plan = training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes; "
                                 "with --maximize FIELD, the largest value of that knob that fits; with --exact, the "
                                 "choice and the config ranked above it traced and judged by their needs.",
-                        (*MAXIMIZE, EXACT))
+                        (*MAXIMIZE, EXACT, *PLAN_SPEED))
 check = training_command("check", "The verdict for exactly this config (with --exact: by the traced step's need).",
-                         (EXACT,))
+                         (EXACT, *CHECK_SPEED))
 trace = training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic "
                                   "model, and what PyTorch's caching allocator reserves for it; judged by the least "
                                   "card the step runs on (needs the train extras; without --gpu: the local card, "
@@ -35,6 +36,7 @@ trace = training_command("trace", "Count this config's GRPO step tensor by tenso
 
 
 def _execute(command: str, options: dict[str, Any]) -> None:
+    refuse_speed_with(options)
     if options["plot"]:  # before any work: a plot that cannot be written is refused now, not after the plan
         from vram_planner.report.plot import check_plot_target
 
@@ -47,15 +49,22 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         _maximize(options)
     from vram_planner import api
 
-    report = (api.plan if command == "plan" else api.check)(request_from(command, options))
+    speed = {"reward_seconds": options["reward_seconds"], "dataset_prompts": options["dataset_prompts"]}
+    if command == "plan":
+        report = api.plan(request_from(command, options), optimize=options["optimize"], **speed)
+    else:
+        report = api.check(request_from(command, options), **speed)
     _emit(report, options, lambda: _render(report))
 
 
 def _render(report: Any) -> None:
+    from vram_planner.cli.console import terminal
     from vram_planner.cli.render import render
+    from vram_planner.cli.speed import render_speed
 
     context = report.judged.context
     render(report, context.gpu, report.judged.train, context.arch.hub_id or context.model_id)
+    render_speed(report, terminal())
 
 
 def _emit(report: Any, options: dict[str, Any], human: Any) -> None:

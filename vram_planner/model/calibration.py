@@ -40,6 +40,9 @@ class Calibration:
     # A flat reserve, as a fraction of the tensors, in place of the fitted function (None: the fitted one). Probes
     # wrote it before they scaled the fitted function to their measurements; a hand-made calibration may set it.
     allocator_overhead_fraction: Annotated[float | None, Rules(ge=0, lt=1)] = None
+    # The step-time model's efficiency factors that a probe fitted on this card (vram_planner/model/step_time.py,
+    # Efficiency: matmul, decode_bandwidth, op_seconds, ...); the priors for the factors left out.
+    step_time: dict[str, float] = field(default_factory=dict)
 
     # What a layer keeps for backward is counted tensor by tensor (vram_planner/model/activations.py, checked against
     # the trace engine); only Liger's kernels, which the CPU trace cannot run, and the transient working sets below

@@ -42,6 +42,7 @@ REASONS = {
     "generation_batch_size": "smaller generation batch: fewer prompts per optimizer step",
     "max_completion_length": "shorter completions",
     "num_generations": "smaller groups per prompt",
+    "use_vllm": "generate in vLLM (CUDA graphs, paged KV cache) beside the trainer: faster decoding, a share of the card",
     "vllm_max_model_length": "vLLM's context: prompt + completion, not the model's whole context",
     "vllm_gpu_memory_utilization": "vLLM's share: its start-up needs and a whole generation round's KV cache, "
                                    "the smallest multiple of 0.05 of the card",
@@ -367,11 +368,16 @@ def _largest_fitting_micro_batch(context: Context, rung: TrainingConfig,
     return verdicts[smaller[first]], verdicts[lowest]
 
 
+def largest_fitting(context: Context, rung: TrainingConfig) -> Verdict | None:
+    """The rung at its largest micro-batch that fits, or None (what each speed variant is ranked at)."""
+    return _largest_fitting_micro_batch(context, rung, None)[0]
+
+
 # The ladder's changes in the order it makes them, each with the fields it sets. The generation batch, which the
 # ladder halves between the other semantic changes, comes after the group size: a halved group still divides the
 # requested generation batch, while the halved generation batch may not be a multiple of the requested group.
 BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
-LADDER_CHANGES = (("vllm_max_model_length", ("vllm_max_model_length",)),
+LADDER_CHANGES = (("use_vllm", ("use_vllm",)), ("vllm_max_model_length", ("vllm_max_model_length",)),
                   ("vllm_gpu_memory_utilization", ("vllm_gpu_memory_utilization",)),
                   ("allocator_conf", ("allocator_conf",)),
                   ("gradient_checkpointing", ("gradient_checkpointing",)), ("optim", ("optim",)),
@@ -381,7 +387,7 @@ LADDER_CHANGES = (("vllm_max_model_length", ("vllm_max_model_length",)),
 
 
 def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfig,
-                     chosen: TrainingConfig) -> tuple[Change, ...]:
+                     chosen: TrainingConfig, join_costs: bool = True) -> tuple[Change, ...]:
     """The changes from the user's config to the chosen one, each with the peak bytes it saved, in the order the
     ladder makes them: its savers and semantic changes up to the chosen rung, then the micro-batch of that rung.
 
@@ -394,6 +400,7 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
     last), so that every reported change of the trainer saves more than zero (one that saves nothing, such as 16-bit
     weights under DeepSpeed, is joined the same way) and says truthfully what the pair saves.
     vLLM's share is set to what vLLM needs, not to save: a larger share is reported as the cost it is.
+    Without `join_costs` (a config chosen for speed, whose changes may cost memory) each change stands alone.
     """
     steps: list[Change] = []
     current, before_peak = user, judge(context, user).estimate.peak_bytes
@@ -413,8 +420,9 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
                             before_peak - after_peak, settings))
         current, before_peak, pending = step, after_peak, []
     # vLLM's share is set, not saved: raising it costs the trainer memory and is reported as it is
-    vllm = tuple(step for step in steps if step.knob.startswith("vllm_"))
-    return vllm + _paid_for([step for step in steps if not step.knob.startswith("vllm_")])
+    vllm = tuple(step for step in steps if step.knob.startswith(("vllm_", "use_vllm")))
+    trainer = [step for step in steps if not step.knob.startswith(("vllm_", "use_vllm"))]
+    return vllm + (_paid_for(trainer) if join_costs else tuple(trainer))
 
 
 def _paid_for(steps: list[Change]) -> tuple[Change, ...]:

@@ -97,6 +97,9 @@ def _print(console: Console, cal, quality: list[p.FitQuality], rows: list[p.Vali
                   f"{len(quality)} steps")
     fitted = ", ".join(f"{c} {getattr(cal, c):g}" for c in p.FITTED_COEFFICIENTS)
     console.print(f"fitted: CUDA context {cal.cuda_context_bytes / GiB:.2f} GiB, {fitted} ({cal.source})")
+    if cal.step_time:
+        console.print("step-time efficiency factors fitted to the timed phases: "
+                      + ", ".join(f"{name} {value:g}" for name, value in cal.step_time.items()))
     if rows:
         check = Table(title="Verdicts on emulated smaller cards")
         for column in ("card GiB", "config", "verdict", "ran", "predicted", "measured", "error"):

@@ -78,11 +78,12 @@ class CudaMeasurer:
     def measure(self, point: ProbePoint) -> PointMeasurement:
         start = time.perf_counter()
         try:
-            phases = self._steady_step(point)
+            phases, (decode_seconds, decode_tokens) = self._steady_step(point, time_decoding=True)
         finally:
             self._release()
         return PointMeasurement(label=point.label, model=point.model, settings=_settings(point.train),
-                                lora_generation_autocast=False, phases=phases, seconds=time.perf_counter() - start)
+                                lora_generation_autocast=False, phases=phases, seconds=time.perf_counter() - start,
+                                decode_seconds=decode_seconds, decode_tokens=decode_tokens)
 
     def run_within(self, point: ProbePoint, capacity_bytes: int) -> tuple[bool, int]:
         """Two steps with the process limited to `capacity_bytes` of the card (less the context)."""
@@ -90,7 +91,7 @@ class CudaMeasurer:
         context = self.context_bytes()
         torch.cuda.set_per_process_memory_fraction(min(max(capacity_bytes - context, 0) / total, 1.0))
         try:
-            phases = self._steady_step(point)
+            phases, _ = self._steady_step(point)
             return True, max(p.reserved_bytes for p in phases) + context
         except torch.cuda.OutOfMemoryError:
             return False, capacity_bytes
@@ -98,9 +99,11 @@ class CudaMeasurer:
             self._release()
             torch.cuda.set_per_process_memory_fraction(1.0)
 
-    def _steady_step(self, point: ProbePoint) -> list[PhaseMeasurement]:
+    def _steady_step(self, point: ProbePoint,
+                     time_decoding: bool = False) -> tuple[list[PhaseMeasurement], tuple[float | None, int]]:
         """The phases of step 2: step 1 creates the optimizer states, step 2 runs with them (its optimizer phase
-        is step 1's, whose peak already holds the states it creates)."""
+        is step 1's, whose peak already holds the states it creates); with `time_decoding`, then generate()'s time
+        for a few tokens (seconds, tokens)."""
         from vram_planner.tracing import phases as tp
         from vram_planner.tracing.session import Session, _add_fused_head, _add_lora, _build_model
 
@@ -113,9 +116,13 @@ class CudaMeasurer:
 
         def measured(run: Any) -> PhaseMeasurement:
             meter.reserved_peak = 0
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             peak = run(session)
+            torch.cuda.synchronize()
             return PhaseMeasurement(name=peak.name, allocated_bytes=int(peak.peak_bytes),
-                                    reserved_bytes=int(max(meter.reserved_peak, torch.cuda.max_memory_reserved())))
+                                    reserved_bytes=int(max(meter.reserved_peak, torch.cuda.max_memory_reserved())),
+                                    seconds=time.perf_counter() - start)
 
         try:
             with torch.device(self.device_type):
@@ -133,7 +140,8 @@ class CudaMeasurer:
                     run(session)
                 optimizer = measured(lambda s: tp.run_optimizer(s, recipe))
                 session.optimizer.zero_grad(set_to_none=True)
-                return [*(measured(run) for run in runs), optimizer]
+                phases = [*(measured(run) for run in runs), optimizer]
+                return phases, (timed_decoding(session) if time_decoding else (None, 0))
         finally:
             session.model = session.ref_model = session.optimizer = None
 
@@ -145,6 +153,29 @@ class CudaMeasurer:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+# Tokens the probe decodes for real to time generation: enough that the decoding steps outweigh the prefill, few
+# enough to keep each point to a second or two.
+DECODE_TOKENS = 32
+
+
+def timed_decoding(session: Any) -> tuple[float, int]:
+    """Seconds of generate() on the point's generation batch for DECODE_TOKENS new tokens (fewer when completions
+    are shorter), with TRL's sampling settings and no end-of-sequence token, so that every sequence runs them all."""
+    from vram_planner.tracing.phases import _generation_config, _prompt
+
+    train = session.train
+    tokens = min(DECODE_TOKENS, train.max_completion_length)
+    config = _generation_config(session.base_model, tokens)
+    config.eos_token_id = None  # random weights may sample it at any step
+    ids, mask = _prompt(session, train.local_generation_batch_size, train.max_prompt_length)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad(), session.generation_autocast():
+        session.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, tokens
 
 
 def _nvidia_smi(field: str) -> str | None:

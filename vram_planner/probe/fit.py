@@ -86,6 +86,7 @@ class PhaseMeasurement(BaseModel):
     name: str
     allocated_bytes: int  # torch.cuda.max_memory_allocated over the phase
     reserved_bytes: int  # torch.cuda.max_memory_reserved over the phase
+    seconds: float | None = None  # CUDA-synchronized wall time of the phase (None: a record of before issue 30)
 
 
 class PointMeasurement(BaseModel):
@@ -98,6 +99,9 @@ class PointMeasurement(BaseModel):
     # accelerate's autocast wrapper); a point that does not say otherwise was measured so, and the fit leaves its
     # LoRA generation out. New points say False.
     lora_generation_autocast: bool = True
+    # generate() timed for real on the generation batch: `decode_tokens` new tokens in `decode_seconds`
+    decode_seconds: float | None = None
+    decode_tokens: int = 0
 
 
 class ProbeRecord(BaseModel):
@@ -303,7 +307,20 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
         "cuda_context_bytes": record.context_bytes,
         "allocator_reserve": reserve,
         "allocator_overhead_fraction": None,
+        "step_time": _step_time_factors(record, gpu_name) or base.step_time,
     })
+
+
+def _step_time_factors(record: ProbeRecord, gpu_name: str) -> dict[str, float]:
+    """The step-time model's efficiency factors fitted to the record's phase times, on a catalog card with speed
+    figures (none for a simulated record, which has no times)."""
+    from vram_planner.probe.step_fit import fit_step_time, timed_phases
+    from vram_planner.profiles import gpu_catalog
+
+    gpu = gpu_catalog().get(gpu_name)
+    if gpu is None or gpu.memory_bandwidth_gb_s is None:
+        return {}
+    return fit_step_time(timed_phases(record), gpu)
 
 
 def _fit_coefficients(record: ProbeRecord, base: Calibration, workspaces: int) -> dict[str, float]:

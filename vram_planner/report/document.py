@@ -30,6 +30,7 @@ class PhaseReport:
     reserved_bytes: int | None = None  # the most the caching allocator model reserves during the phase
     analytic_tensor_bytes: int | None = None
     analytic_relative_error: float | None = None
+    seconds: float | None = None  # predicted seconds of this phase per optimizer step (plan and check)
 
 
 @dataclass(kw_only=True)
@@ -229,6 +230,13 @@ class Report(Document):
     near_boundary: bool = False
     # the first micro-batch of the first step judged on its own: its phases run before any optimizer state exists
     first_micro_batch: FirstMicroBatchReport | None = None
+    # Predicted seconds per optimizer step of the config shown, per GPU (vram_planner/cli/speed.py); null where
+    # the card has no speed figures. `step_time` has each phase's seconds and what bounds it; `alternatives` (plan)
+    # every config that fits, fastest first, with its peak, its step time and its changes from the requested one.
+    step_seconds: float | None = None
+    step_time: dict[str, Any] | None = None
+    optimize: Literal["memory", "speed"] | None = None
+    alternatives: list[dict[str, Any]] | None = None
 
     def summary(self) -> list[tuple[str, str]]:
         gib = lambda n_bytes: f"{n_bytes / GiB:.2f} GiB"  # noqa: E731

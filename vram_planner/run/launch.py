@@ -83,6 +83,17 @@ class RunSetup:
     def predicted_peak_bytes(self) -> float:
         return self.verdict.estimate.peak_bytes
 
+    @property
+    def predicted_step_seconds(self) -> float | None:
+        """The step-time model's seconds per optimizer step (None where the card has no speed figures)."""
+        from vram_planner.model.ranking import timed
+        from vram_planner.model.step_time import NoSpeedFigures
+
+        try:
+            return timed(self.verdict).step_seconds
+        except NoSpeedFigures:
+            return None
+
     def one_rung_down(self) -> RunSetup | None:
         """The same run with the next smaller config of the plan's ladder: a smaller micro-batch with the same
         generation and optimizer batches, else the next saver."""
@@ -306,12 +317,16 @@ def clear_previous_run(setup: RunSetup) -> None:
 
 
 class JsonlLog:
-    """A TrainerCallback writing each logged step (with measured and predicted peak memory) as one JSON line, from
-    the main process only."""
+    """A TrainerCallback writing each logged step (with measured and predicted peak memory, and the measured
+    seconds per optimizer step since the last line beside the predicted ones) as one JSON line, from the main
+    process only."""
 
-    def __init__(self, path: Path, predicted_peak_bytes: float, resumed_at_step: int | None = None) -> None:
+    def __init__(self, path: Path, predicted_peak_bytes: float, resumed_at_step: int | None = None,
+                 predicted_step_seconds: float | None = None) -> None:
         self.path, self.predicted = path, predicted_peak_bytes
+        self.predicted_step_seconds = predicted_step_seconds
         self.started = time.perf_counter()
+        self.last_logged: tuple[int, float] | None = None  # (step, time) of the last line
         if resumed_at_step is not None and path.is_file():
             self._drop_steps_after(resumed_at_step)
 
@@ -326,8 +341,16 @@ class JsonlLog:
 
         if not state.is_world_process_zero:
             return
-        record = {"step": state.global_step, "seconds": round(time.perf_counter() - self.started, 3),
+        now = time.perf_counter()
+        record = {"step": state.global_step, "seconds": round(now - self.started, 3),
                   **(logs or {}), "predicted_peak_bytes": round(self.predicted)}
+        if self.last_logged is not None and state.global_step > self.last_logged[0]:
+            # the first line's steps include the model's loading and the trainer's start: no step time there
+            steps = state.global_step - self.last_logged[0]
+            record["measured_step_seconds"] = round((now - self.last_logged[1]) / steps, 3)
+        if self.predicted_step_seconds is not None:
+            record["predicted_step_seconds"] = round(self.predicted_step_seconds, 3)
+        self.last_logged = (state.global_step, now)
         if torch.cuda.is_available():
             record["measured_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
             record["measured_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -582,7 +605,7 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     readme_kept = users_readme(setup.output_dir)
     setup.output_dir.mkdir(parents=True, exist_ok=True)
     resumed_at = int(resume_from.name.partition("-")[2]) if resume_from is not None else None
-    log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes, resumed_at)
+    log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes, resumed_at, setup.predicted_step_seconds)
     progress = RichProgress(setup.predicted_peak_bytes, transient=smoke)
 
     def on_log(*args: Any, **kwargs: Any) -> None:
