@@ -1,11 +1,11 @@
 """The package's folders are its architecture: imports only point down the layers, and no modules (nor packages)
 import in a circle.
 
-cli -> app -> api -> report -> engine | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras ->
+cli | app -> api -> report -> engine | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras ->
 units, errors, files, profile_cache, validation, request.
 engine, run, probe and advise sit side by side and do not import each other. The web app is a skin of its own over
-the library: it imports nothing of the command line's, and not click. Every import counts: at the top of a module,
-inside a function, under TYPE_CHECKING.
+the library: it imports nothing of the command line's, and not click, and the command line nothing of its (`vram-plan
+app` starts it as a process). Every import counts: at the top of a module, inside a function, under TYPE_CHECKING.
 """
 
 from __future__ import annotations
@@ -173,6 +173,15 @@ def test_the_web_app_imports_neither_the_command_line_nor_click():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             problems += [f"{module} (line {node.lineno}) imports {name}" for name in names
                          if name.split(".")[0] == "click"]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_command_line_imports_nothing_of_the_web_app():
+    # `vram-plan app` starts `python -m vram_planner.app` in a process of its own: two skins over one library
+    graph = import_graph()
+    problems = [f"{module} (line {line}) imports {target}" for module, targets in graph.items()
+                if module.startswith(("vram_planner.cli", "vram_planner.__main__")) for target, line in targets
+                if target.startswith("vram_planner.app")]
     assert not problems, "\n".join(problems)
 
 

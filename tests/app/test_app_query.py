@@ -189,8 +189,9 @@ def test_the_page_says_a_larger_vllm_share_costs():
 
 
 def test_without_gradio_the_app_says_how_to_install_it():
+    # the process `vram-plan app` starts (python -m vram_planner.app), in a Python without Gradio
     code = ("import sys\nsys.modules['gradio'] = None\n"
-            "from vram_planner.cli import main\nsys.exit(main(['app', '--port', '7861']))\n")
+            "from vram_planner.app.__main__ import main\nsys.exit(main(['--port', '7861']))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == ("error: vram-plan app needs Gradio (gradio cannot be imported): "

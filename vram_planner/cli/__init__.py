@@ -118,9 +118,18 @@ def web_app(host: str, port: int, allow_local_files: bool | None) -> None:
     """A local web page for plan and check, with an HTTP API beside it: GET /api/check and /api/plan take the
     knobs as query parameters and return the --json documents, /api/gpus and /api/models the catalogs,
     /api/openapi.json describes them (needs the app extra: Gradio)."""
-    from vram_planner.app.server import serve
+    import subprocess
 
-    serve(host, port, allow_local_files)
+    # A process of its own: the command line and the web app are two skins that never import each other
+    command = [sys.executable, "-m", "vram_planner.app", "--host", host, "--port", str(port)]
+    if allow_local_files is not None:
+        command.append("--allow-local-files" if allow_local_files else "--no-allow-local-files")
+    with subprocess.Popen(command) as server:
+        try:
+            code = server.wait()
+        except KeyboardInterrupt:  # the server has the same Ctrl+C and stops on it
+            code = server.wait()
+    raise click.exceptions.Exit(0 if code in (0, -2, 130) else code)
 
 
 @app.command("probe")
