@@ -66,8 +66,13 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
     if exact:
         from vram_planner.report.document import exact_check_report
 
+        from vram_planner.report.speed import with_step_times
+
         outcome = engine.check(*_engine_call(request), exact=True, progress=progress, **_options(request))
-        return _judged(exact_check_report(outcome), outcome.traced.context, outcome.traced.train, outcome)
+        context, train = outcome.traced.context, outcome.traced.train
+        report, _ = with_step_times("check", exact_check_report(outcome), train, context, train,
+                                    reward=reward_seconds, prompts=dataset_prompts)
+        return _judged(report, context, train, outcome)
     from vram_planner.report.speed import with_step_times
 
     context, train, fewest = resolve_gpu_count(request)
