@@ -102,6 +102,7 @@ class CudaMeasurer:
         """The phases of step 2: step 1 creates the optimizer states, step 2 runs with them (its optimizer phase
         is step 1's, whose peak already holds the states it creates)."""
         from vram_planner.tracing import phases as tp
+        from vram_planner.tracing import trainer as own
         from vram_planner.tracing.session import Session, _add_fused_head, _add_lora, _build_model
 
         train = point.train
@@ -126,16 +127,17 @@ class CudaMeasurer:
                     _add_fused_head(session.ref_model, outputs=("log_probs",))
                 _add_fused_head(session.base_model, outputs=("log_probs", "entropy"))
                 recipe = tp.optimizer_recipe(train)
-                runs = [tp.run_generation, tp.run_scoring, tp.run_training]
+                session.trainer = own.build_trainer(session)  # the installed GRPOTrainer's own scoring and loss
+                runs = [tp.run_generation, own.run_scoring, own.run_training]
                 if not (train.computes_old_logps or train.computes_ref_logps):
-                    runs.remove(tp.run_scoring)
+                    runs.remove(own.run_scoring)
                 for run in runs:
                     run(session)
                 optimizer = measured(lambda s: tp.run_optimizer(s, recipe))
                 session.optimizer.zero_grad(set_to_none=True)
                 return [*(measured(run) for run in runs), optimizer]
         finally:
-            session.model = session.ref_model = session.optimizer = None
+            session.model = session.ref_model = session.optimizer = session.trainer = None
 
     @staticmethod
     def _release() -> None:

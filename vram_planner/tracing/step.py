@@ -1,8 +1,9 @@
 """The trace engine: exact tensor bytes of one GRPO step, counted on the CPU with no GPU and no real memory.
 
 `trace_step` builds the transformers model from its config.json on torch FakeTensors (shapes and dtypes, no data),
-wraps it as TRL 1.16 does (PEFT, fused LM head, checkpointing) and runs the step's phases through the installed
-transformers and TRL code while a dispatch mode counts every live tensor storage. The phases and their peaks follow
+wraps it as the installed TRL does (PEFT, from TRL 1.15 the fused LM head, checkpointing) and runs the step's phases
+through the installed transformers and TRL code (the GRPOTrainer's own scoring and loss, vram_planner.tracing.trainer)
+while a dispatch mode counts every live tensor storage. The phases and their peaks follow
 ../shared/design/grpo-memory.md; the torch side lives in `vram_planner.tracing` (imported only when a trace runs).
 
 What the trace measures is what `torch.cuda.memory_allocated` would report on one CUDA device (blocks rounded to
@@ -135,14 +136,11 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     from vram_planner.tracing.sharded import sharded_rank
 
     from vram_planner.tracing import trainer as own
-    from vram_planner.tracing.session import uses_fused_lm_head
 
-    # TRL 1.15 and later: the fused LM head TRL patches in, driven by tracing.phases; older releases: their own
-    # GRPOTrainer's compute_loss and _get_per_token_logps (tracing.trainer).
-    steps = tp if uses_fused_lm_head(train) else own
+    # The scoring passes and the loss are the installed GRPOTrainer's own methods (tracing.trainer)
     runs = [("generation", "generation", tp.run_generation),
-            ("scoring", "old/reference log-probs", steps.run_scoring),
-            ("training", "loss forward and backward", steps.run_training),
+            ("scoring", "old/reference log-probs", own.run_scoring),
+            ("training", "loss forward and backward", own.run_training),
             (OPTIMIZER, "the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
     if not (train.computes_old_logps or train.computes_ref_logps) or train.release.step_structure == "loss_merged":
         del runs[1]  # TRL 0.14 scores inside compute_loss
@@ -158,8 +156,8 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
         say("building the model on fake tensors")
         with _explained("building the model"):
             session = build_session(arch_config, train)
-            if steps is own:  # the installed GRPOTrainer whose own loss runs, made outside the fake-tensor world
-                session.trainer = own.build_trainer(session)
+            # the installed GRPOTrainer whose own loss runs, made outside the fake-tensor world
+            session.trainer = own.build_trainer(session)
         # Under --fsdp, sharded_rank shards the models and replaces the counter (tracing.sharded): entered first.
         with sharded_rank(session), session.fake_mode, session.tracker, cuda_like_behaviour(session), \
                 head_tagging(session):
