@@ -188,14 +188,15 @@ def test_the_printed_config_is_one_the_release_accepts():
     assert grpo_config_kwargs(TrainingConfig(trl_version="0.18.0", **vllm))["vllm_mode"] == "server"
 
 
-def test_transformers_4_builds_one_mask_for_all_layers(llama_1b_file):
-    # 0.27.1 ran on transformers 4, 0.27.2 on 5: the same code, one shared float mask against a float copy per layer
+def test_transformers_before_4_53_builds_one_mask_for_all_layers(llama_1b_file):
+    # The same TRL release on transformers 4.52 (its model's own _update_causal_mask: one shared float mask) and 4.53
+    # (masking_utils' boolean mask, of which SDPA makes a float copy in each layer)
     knobs = {"gradient_checkpointing": False, "per_device_train_batch_size": 8, "max_prompt_length": 256,
              "max_completion_length": 256}
-    tf4, tf5 = check(llama_1b_file, knobs, "0.27.1"), check(llama_1b_file, knobs, "0.27.2")
+    tf4, tf5 = (check(llama_1b_file, {**knobs, "transformers_version": v}, "0.19.1") for v in ("4.52.4", "4.53.0"))
     length, layers = 512, LLAMA_1B["num_hidden_layers"]
-    per_layer_rows = 8 * length * length * 2 * layers  # transformers 5: each layer's bf16 mask [8, 1, 512, 512]
-    shared = 8 * length * length * 4  # transformers 4: one mask in the float32 embeddings' dtype
+    per_layer_rows = 8 * length * length * 2 * layers  # 4.53 on: each layer's bf16 mask [8, 1, 512, 512]
+    shared = 8 * length * length * 4  # before 4.53: one mask in the float32 embeddings' dtype
     assert tf5.estimate.phases[-1].components == tf4.estimate.phases[-1].components  # the optimizer step: no masks
     first = {p.name: p for p in tf4.estimate.phases}["training"]
     assert first.moment == {p.name: p for p in tf5.estimate.phases}["training"].moment

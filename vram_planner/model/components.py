@@ -275,13 +275,13 @@ def inference_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal:
 
 def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
     """Padded batches under SDPA: the boolean [B, 1, L, L] mask and the compute-dtype copy SDPA makes of it per layer
-    (transformers 5).
+    (transformers 4.53 on).
 
     FlashAttention-2 unpads instead.
     """
     if train.attn_implementation == "flash_attention_2":
         return 0
-    if train.release.transformers_major < 5:  # one float mask in the embeddings' dtype, read by every layer
+    if train.transformers.attention_mask == "shared":  # one float mask in the embeddings' dtype, read by every layer
         return sequences * length * length * sizes(train).residual
     return sequences * length * length * (1 + sizes(train).compute)
 
