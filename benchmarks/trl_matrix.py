@@ -48,6 +48,7 @@ PAIRS = (
     ("1.0.0", "5.4.0", "1.13.0", "0.18.1"),
     ("1.12.0", "5.16.1", "1.15.0", "0.21.2"),
     ("1.14.2", "5.19.0", "1.15.0", "0.21.2"),
+    ("1.15.0", "5.19.0", "1.15.0", "0.21.2"),
     ("1.16.0", "5.24.0", "1.15.0", "0.21.2"),
     ("0.14.0", "5.4.0", "1.13.0", "0.18.1"),
     ("1.16.0", "4.57.3", "1.15.0", "0.18.1"),
@@ -115,6 +116,11 @@ def measure_installed() -> dict:
     return {"versions": versions, "points": points}
 
 
+# What a TRL release imports without requiring it: TRL 1.15's fused LM head imports triton unconditionally (its import
+# needs no GPU; without it the trace refuses the release in one line, as a real run fails)
+IMPORTED_UNREQUIRED = {"1.15.0": ["triton"]}
+
+
 def venv_of(venvs: Path, trl: str, transformers: str) -> Path:
     return venvs / f"trl-{trl}-transformers-{transformers}"
 
@@ -126,7 +132,8 @@ def build(venv: Path, trl: str, transformers: str, accelerate: str, peft: str) -
     subprocess.run([*pip, TORCH], check=True)
     # requests: TRL 1.0 imports it without requiring it
     subprocess.run([*pip, f"trl=={trl}", f"transformers=={transformers}", f"accelerate=={accelerate}",
-                    f"peft=={peft}", "requests", "pydantic", "rich", "click", "pyyaml", "packaging"], check=True)
+                    f"peft=={peft}", "requests", "pydantic", "rich", "click", "pyyaml", "packaging",
+                    *IMPORTED_UNREQUIRED.get(trl, [])], check=True)
     subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
 
 

@@ -38,7 +38,7 @@ from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
 from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream
-from vram_planner.tracing.support import check_supported_pair, pair_for
+from vram_planner.tracing.support import check_kernels_importable, check_supported_pair, pair_for
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,7 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
     installed_trl = installed_trl_version()
     if installed and installed_trl:  # without metadata (a source checkout) the installed code is trusted
         check_supported_pair(installed_trl, installed)
+        check_kernels_importable(installed_trl)
     parsed = parse_version(installed) if installed else None
     if model_type in PREALLOCATED_CACHE_TYPES and parsed is not None and parsed[0] < PREALLOCATED_CACHE_BELOW:
         problems.append(f"transformers {installed} generates {model_type} into a preallocated HybridCache, which the "
