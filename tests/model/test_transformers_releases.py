@@ -142,23 +142,6 @@ def test_the_rows_agree_with_every_wheel_read():
         "'logits_to_keep']", "transformers 4.52.0 llama: attention_mask table shared, wheel per_layer"]
 
 
-def test_the_installed_transformers_masks_as_its_row_says():
-    pytest.importorskip("transformers")
-    import inspect
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    import transformers
-
-    row = transformers_release(None, int(installed_version("transformers").split(".")[0]))
-    script = _facts_script()
-    for model_type in script.MODEL_TYPES:
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-        if name is not None:
-            source = inspect.getsource(inspect.getmodule(getattr(transformers, name)))
-            assert script.attention_mask(source) == row.attention_mask, model_type
-
-
 def test_the_installed_transformers_honours_what_its_row_says():
     pytest.importorskip("transformers")
     import inspect
@@ -175,6 +158,7 @@ def test_the_installed_transformers_honours_what_its_row_says():
             continue
         source = inspect.getsource(inspect.getmodule(getattr(transformers, name)))
         assert script.honoured_names(source) == sorted(row.logits_to_keep_names, key=script.NAMES.index), model_type
+        assert script.attention_mask(source) == row.attention_mask, model_type
 
 
 @pytest.mark.parametrize(("trl", "argument"), [
