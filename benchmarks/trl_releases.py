@@ -557,6 +557,20 @@ def logits_to_keep_argument(trainer: ast.ClassDef, lm_head: dict | None) -> str 
     return "unknown"
 
 
+def log_prob_forward_cache(trainer: ast.ClassDef, lm_head: dict | None) -> str:
+    """"off" where the log-prob forward passes use_cache=False (`model_inputs["use_cache"] = False` or the keyword;
+    the fused head sets it itself), else "model_default" (the model's config.use_cache)."""
+    if lm_head is not None:
+        return "off"
+    for node in ast.walk(trainer):
+        if isinstance(node, ast.keyword) and node.arg == "use_cache" and literal(node.value) is False:
+            return "off"
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript) and \
+                literal(node.targets[0].slice) == "use_cache" and literal(node.value) is False:
+            return "off"
+    return "model_default"
+
+
 def prompt_truncation(src: WheelSource, trainer: ast.ClassDef) -> str:
     """Which side max_prompt_length cuts prompts from: "left", "none" (the trainer never reads it) or "unknown"."""
     if not mentions(trainer, "max_prompt_length"):
@@ -634,6 +648,7 @@ def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
         "log_probs": log_probs(trainer, lm_head),
         "full_logits_log_probs": full_logits_log_probs(trainer, lm_head),
         "logits_to_keep_argument": logits_to_keep_argument(trainer, lm_head),
+        "log_prob_forward_cache": log_prob_forward_cache(trainer, lm_head),
         "use_liger_kernel": liger_effect, "liger_fused_loss_flag": liger_loss_flag,
         "prompt_truncation": prompt_truncation(src, trainer),
         "old_logps_when": old_logps, "old_logps_if": old_logps_if,
@@ -756,6 +771,7 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     # rows with the fused head (None) are not compared
     "full_logits_log_probs": lambda f: f["behaviour"]["full_logits_log_probs"] or SKIP,
     "logits_to_keep_argument": lambda f: f["behaviour"]["logits_to_keep_argument"] or SKIP,
+    "log_prob_forward_cache": lambda f: f["behaviour"]["log_prob_forward_cache"],
 }
 
 

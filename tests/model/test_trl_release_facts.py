@@ -61,6 +61,8 @@ def test_facts_cover_every_release_pypi_listed():
     ("1.10.0", "full_logits_log_probs", "scaled_copy_beside_output"), ("1.14.0", "full_logits_log_probs", "kernel"),
     ("0.14.0", "logits_to_keep_argument", "num_logits_to_keep"), ("0.15.0", "logits_to_keep_argument",
                                                                    "logits_to_keep"),
+    # model_inputs["use_cache"] = False  # only used in generation; set False to suppress warnings (0.22.0 on)
+    ("0.21.0", "log_prob_forward_cache", "model_default"), ("0.22.0", "log_prob_forward_cache", "off"),
 ])
 def test_extracted_facts_hold_what_the_source_says(version, column, value):
     facts = next(r for r in FACTS["releases"] if r["version"] == version)

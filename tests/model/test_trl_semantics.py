@@ -250,3 +250,18 @@ def test_trace_refuses_another_release_in_one_line(capsys, llama_1b_file):
     assert "runs the installed TRL 1.16.0, not --trl-version 0.14.0" in err
     # and how to trace it: that release with a transformers the engine runs it with
     assert "install it with a transformers it runs with: transformers 4.48.0 to 4.x" in err
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_before_0_22_a_scoring_pass_keeps_its_chunks_kv_cache_unless_checkpointing_turned_it_off(llama_1b_file,
+                                                                                              checkpointing):
+    # 0.21's log-prob forward keeps the model's use_cache, which TRL turns off only under gradient checkpointing;
+    # 0.22 passes use_cache=False. Same knobs in both (the releases share their defaults and the batch's meaning).
+    knobs = {"gradient_checkpointing": checkpointing, "per_device_train_batch_size": 4, "num_generations": 4,
+             "max_prompt_length": 256, "max_completion_length": 256, "beta": 0.04, "transformers_version": "4.56.2",
+             "dtype": "bfloat16", "mixed_precision": "bf16"}
+    before, after = ({p.name: p for p in check(llama_1b_file, knobs, v).estimate.phases}["scoring"]
+                     for v in ("0.21.0", "0.22.0"))
+    kv = 4 * 512 * LLAMA_1B["num_hidden_layers"] * 2 * LLAMA_1B["num_key_value_heads"] * 64 * 2  # bf16 k and v
+    assert before.components.get("kv_cache", 0) == (0 if checkpointing else kv)
+    assert after.components.get("kv_cache", 0) == 0

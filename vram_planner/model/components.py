@@ -230,16 +230,19 @@ def _adafactor_state_elements(arch: ModelArchitecture, train: TrainingConfig) ->
     return matrices + embeddings + vectors
 
 
-def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int) -> float:
+def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int,
+                   forward: TrainingConfig | None = None) -> float:
     """Keys and values of every layer for `sequences` sequences of `tokens` tokens.
 
     Keys come out of rotary in the residual stream's dtype (cos and sin follow it); values come out of v_proj in
-    the dtype generate() computes in (autocast's, or the weights' for LoRA). Where the installed transformers starts
+    the dtype the forward computes in: generate()'s by default (autocast's, or the weights' for LoRA), `forward`'s
+    for another forward that fills a cache (a scoring pass under accelerate's autocast). Where the installed transformers starts
     each layer's storage from an empty tensor of the keys' dtype (4.56 to 5.23), concatenation promotes the values
     to it: with float32 weights under autocast both are float32 (profiles/transformers.toml).
     """
     key_bytes = sizes(train).residual
-    value_bytes = key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(as_generated(train)).compute
+    computing = forward or as_generated(train)
+    value_bytes = key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(computing).compute
     per_token_layer = arch.num_kv_heads * arch.head_dim * (key_bytes + value_bytes)
     return sequences * arch.kv_layers_tokens(tokens) * per_token_layer
 

@@ -221,8 +221,13 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         int(train.computes_old_logps) + int(train.computes_ref_logps))
     layers = m.inference_working_bytes(arch, train, cal, b * length, length) + m.padded_mask_bytes(train, b, length)
     casts = _scoring_casts(arch, train)
-    moments = [Phase("scoring", {**persistent, **casts, "activations": kept_logps + layers}, "decoder forward"),
-               Phase("scoring", {**persistent, **casts, "activations": kept_logps,
+    # Before TRL 0.22 the log-prob forward keeps the model's use_cache (off only under gradient checkpointing): the
+    # chunk's keys and values of every layer stay in a cache until the forward returns
+    cached = release.log_prob_forward_cache == "model_default" and not train.gradient_checkpointing
+    cache = {"kv_cache": m.kv_cache_bytes(arch, train, b, length, forward=train)} if cached else {}
+    moments = [Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps + layers},
+                     "decoder forward"),
+               Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps,
                                  "lm_head_buffers": head.forward_transient}, "LM head of a chunk")]
     return _heaviest(moments, cal, train)
 

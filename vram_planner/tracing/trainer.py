@@ -91,6 +91,9 @@ def build_trainer(session: Session) -> Any:
     eos = getattr(text, "eos_token_id", None)
     eos = eos[0] if isinstance(eos, list) else eos
     signature_of = base.forward
+    if train.gradient_checkpointing:  # TRL loads the models with use_cache=False under checkpointing (0.14 on)
+        for config in {id(m.config): m.config for m in (base, session.ref_model) if m is not None}.values():
+            config.use_cache = False
     epsilon = getattr(args, "epsilon", 0.2)
     trainer.__dict__.update(
         args=args, model=session.model, ref_model=session.ref_model, accelerator=OneProcessAccelerator(session),
