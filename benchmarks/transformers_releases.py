@@ -102,11 +102,14 @@ def release_facts(path: Path) -> dict[str, dict[str, Any]]:
             if member in members:
                 source = archive.read(member).decode()
                 names = honoured_names(source)
-                sdpa = shared_sdpa if shared_sdpa and "ALL_ATTENTION_FUNCTIONS" in source else source
+                shared = shared_sdpa is not None and "ALL_ATTENTION_FUNCTIONS" in source
+                sdpa = shared_sdpa if shared else source
                 if names is not None:
                     facts[model_type] = {"logits_to_keep_names": names, "supports_sdpa": supports_sdpa(source),
                                          "attention_mask": attention_mask(source),
-                                         "sdpa_contiguous_inputs": contiguous_inputs(sdpa)}
+                                         "sdpa_contiguous_inputs": contiguous_inputs(sdpa),
+                                         # use_gqa_in_sdpa: k and v unrepeated where no mask is given (4.54 on)
+                                         "sdpa_gqa_without_mask": shared and "use_gqa_in_sdpa(" in sdpa}
         return facts
 
 
@@ -123,7 +126,8 @@ def disagreements(facts: dict[str, Any]) -> list[str]:
     for version, types in facts["releases"].items():
         row = transformers_release(version, int(version.split(".")[0]))
         table = {"logits_to_keep_names": sorted(row.logits_to_keep_names, key=NAMES.index),
-                 "attention_mask": row.attention_mask, "sdpa_contiguous_inputs": row.sdpa_contiguous_inputs}
+                 "attention_mask": row.attention_mask, "sdpa_contiguous_inputs": row.sdpa_contiguous_inputs,
+                 "sdpa_gqa_without_mask": row.sdpa_gqa_without_mask}
         for model_type, read in types.items():
             said = {**table, "supports_sdpa": row.supports_sdpa(model_type)}
             lines += [f"transformers {version} {model_type}: {column} table {said[column]}, wheel {value}"

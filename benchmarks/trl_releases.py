@@ -514,6 +514,14 @@ def log_probs(trainer: ast.ClassDef, lm_head: dict | None) -> str:
     return "per_row_log_softmax" if loops else "unknown"
 
 
+def _log_prob_function(trainer: ast.ClassDef) -> ast.FunctionDef | None:
+    """The innermost function that calls a log-softmax: a method (`_get_per_token_logps`, 1.14's
+    `_full_logits_logps`) or 0.14's `get_per_token_logps` nested in compute_loss; None with the fused head."""
+    softmaxes = ("log_softmax", "selective_log_softmax", "selective_log_softmax_and_entropy")
+    found = [f for f in ast.walk(trainer) if isinstance(f, ast.FunctionDef) and any(calls(f, n) for n in softmaxes)]
+    return found[-1] if found else None
+
+
 def full_logits_log_probs(trainer: ast.ClassDef, lm_head: dict | None) -> str | None:
     """How the log-prob method turns full logits into log-probs, in profiles/trl.toml's words (None with the fused
     head): "kernel" (a log-softmax kernel that takes the temperature and scales inside), "scaled_in_place"
@@ -521,11 +529,7 @@ def full_logits_log_probs(trainer: ast.ClassDef, lm_head: dict | None) -> str | 
     same while a name still holds the model's output, so its logits outlive the copy), "rows" (no scaling)."""
     if lm_head is not None:
         return None
-    # The innermost function that calls a log-softmax: a method (`_get_per_token_logps`, 1.14's `_full_logits_logps`)
-    # or 0.14's `get_per_token_logps` nested in compute_loss.
-    softmaxes = ("log_softmax", "selective_log_softmax", "selective_log_softmax_and_entropy")
-    found = [f for f in ast.walk(trainer) if isinstance(f, ast.FunctionDef) and any(calls(f, n) for n in softmaxes)]
-    func = found[-1] if found else None
+    func = _log_prob_function(trainer)
     if func is None:
         return "unknown"
     if calls(func, "selective_log_softmax_and_entropy"):
@@ -555,6 +559,13 @@ def logits_to_keep_argument(trainer: ast.ClassDef, lm_head: dict | None) -> str 
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and literal(node.slice) in names:
             return literal(node.slice)
     return "unknown"
+
+
+def log_prob_attention_mask(trainer: ast.ClassDef) -> str:
+    """"passed" where the log-prob method hands the model the batch's attention mask, "none" where it calls it with
+    the token ids alone (0.14's `model(input_ids, num_logits_to_keep=...)`)."""
+    func = _log_prob_function(trainer) or method(trainer, "_get_per_token_logps_and_entropies")
+    return "passed" if mentions(func, "attention_mask") or "attention_mask" in ast.unparse(func) else "none"
 
 
 def log_prob_forward_cache(trainer: ast.ClassDef, lm_head: dict | None) -> str:
@@ -649,6 +660,7 @@ def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
         "full_logits_log_probs": full_logits_log_probs(trainer, lm_head),
         "logits_to_keep_argument": logits_to_keep_argument(trainer, lm_head),
         "log_prob_forward_cache": log_prob_forward_cache(trainer, lm_head),
+        "log_prob_attention_mask": log_prob_attention_mask(trainer),
         "use_liger_kernel": liger_effect, "liger_fused_loss_flag": liger_loss_flag,
         "prompt_truncation": prompt_truncation(src, trainer),
         "old_logps_when": old_logps, "old_logps_if": old_logps_if,
@@ -772,6 +784,7 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "full_logits_log_probs": lambda f: f["behaviour"]["full_logits_log_probs"] or SKIP,
     "logits_to_keep_argument": lambda f: f["behaviour"]["logits_to_keep_argument"] or SKIP,
     "log_prob_forward_cache": lambda f: f["behaviour"]["log_prob_forward_cache"],
+    "log_prob_attention_mask": lambda f: f["behaviour"]["log_prob_attention_mask"],
 }
 
 

@@ -132,11 +132,13 @@ def test_the_rows_agree_with_every_wheel_read():
     assert not read("4.44.0", "phi3", "supports_sdpa") and read("4.45.0", "phi3", "supports_sdpa")
     # integrations/sdpa_attention.py: query = query.contiguous() (and key, value) up to 4.55, gone in 4.56
     assert read("4.55.0", "llama", "sdpa_contiguous_inputs") and not read("4.56.0", "llama", "sdpa_contiguous_inputs")
+    # use_gqa_in_sdpa (k and v unrepeated when no mask is given) from 4.54
+    assert not read("4.53.0", "llama", "sdpa_gqa_without_mask") and read("4.54.0", "llama", "sdpa_gqa_without_mask")
     assert all(set(types) >= {"llama", "qwen2", "mistral", "gemma2", "phi3"} for types in releases.values())
     # a disagreement is reported, one line per column
     broken = {"releases": {"4.52.0": {"llama": {"logits_to_keep_names": ["num_logits_to_keep", "logits_to_keep"],
                                                 "supports_sdpa": True, "attention_mask": "per_layer",
-                                                "sdpa_contiguous_inputs": True}}}}
+                                                "sdpa_contiguous_inputs": True, "sdpa_gqa_without_mask": False}}}}
     assert script.disagreements(broken) == [
         "transformers 4.52.0 llama: logits_to_keep_names table ['logits_to_keep'], wheel ['num_logits_to_keep', "
         "'logits_to_keep']", "transformers 4.52.0 llama: attention_mask table shared, wheel per_layer"]

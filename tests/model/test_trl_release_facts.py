@@ -63,6 +63,10 @@ def test_facts_cover_every_release_pypi_listed():
                                                                    "logits_to_keep"),
     # model_inputs["use_cache"] = False  # only used in generation; set False to suppress warnings (0.22.0 on)
     ("0.21.0", "log_prob_forward_cache", "model_default"), ("0.22.0", "log_prob_forward_cache", "off"),
+    # 0.14.0: model(input_ids, num_logits_to_keep=num_logits_to_keep + 1); 0.15.0: model(input_ids=...,
+    # attention_mask=attention_mask, ...)
+    ("0.14.0", "log_prob_attention_mask", "none"), ("0.15.0", "log_prob_attention_mask", "passed"),
+    ("1.16.0", "log_prob_attention_mask", "passed"),
 ])
 def test_extracted_facts_hold_what_the_source_says(version, column, value):
     facts = next(r for r in FACTS["releases"] if r["version"] == version)

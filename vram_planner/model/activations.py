@@ -118,8 +118,14 @@ def attention_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     total += _contiguous_inputs_saved_bytes(arch, train)
     # log-sum-exp per head; from transformers 4.53 SDPA converts the boolean mask to a float one in each layer (a row
     # per token), before it one float mask served all layers (kept_mask_bytes)
-    per_layer = train.transformers.attention_mask == "per_layer"
+    per_layer = train.transformers.attention_mask == "per_layer" and masked_log_prob_forward(train)
     return total + FP32_BYTES * a + (c * train.sequence_length if per_layer else 0)
+
+
+def masked_log_prob_forward(train: TrainingConfig) -> bool:
+    """Whether the loss forward gets the batch's attention mask: TRL 0.14 passes none (profiles/trl.toml
+    log_prob_attention_mask), so its forward attends causally and builds no mask."""
+    return train.release.log_prob_attention_mask == "passed"
 
 
 def _qk_norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -195,7 +201,8 @@ def _repeated_kv_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> 
     """
     c, k = sizes(train).compute, arch.num_kv_heads
     q_width, kv_width = arch.num_attention_heads * arch.head_dim, k * arch.head_dim
-    if k > 1 and q_width != kv_width:
+    unrepeated = train.transformers.sdpa_gqa_without_mask and not masked_log_prob_forward(train)
+    if k > 1 and q_width != kv_width and not (unrepeated and train.attn_implementation == "sdpa"):
         return 2 * c * q_width
     # phi3's v is a slice of the fused qkv_proj output: keeping it keeps the q and k columns of that tensor too
     fused = c * (q_width + kv_width) if arch.family.fused_qkv else 0
@@ -316,6 +323,8 @@ def kept_mask_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: i
     """The masks kept for backward besides the layers' own tensors: the shared float mask of transformers before 4.53
     (every layer's attention keeps it), or under checkpointing the later masks (the checkpointed layers' input): one
     per kind of layer (Gemma 2 and 3: full and sliding)."""
+    if not masked_log_prob_forward(train):
+        return 0
     if train.transformers.attention_mask == "shared" or train.gradient_checkpointing:
         return arch.attention_mask_kinds * attention_mask_bytes(train, sequences, length)
     return 0
