@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -335,6 +336,29 @@ def _import_engine() -> None:
         missing = exc.name or str(exc)
         raise VramPlanError(f"the trace needs torch, transformers, TRL and PEFT ({missing} cannot be imported): "
                             f"{TRAIN_EXTRA}") from exc
+
+    def load() -> Any:
+        from trl import GRPOTrainer  # TRL imports its trainers lazily: here, not halfway through the trace
+
+        return GRPOTrainer
+
+    require_grpo_trainer(installed_trl_version() or trl.__version__, load)
+
+
+def require_grpo_trainer(version: str, load: Callable[[], Any]) -> None:
+    """The installed GRPOTrainer, or one line naming the module its import needs: a release may import a package it
+    does not require (TRL 0.28.0's callbacks import weave whenever `is_weave_available()` returns its tuple, which
+    is always true), and a run on that release fails the same way."""
+    try:
+        load()
+    except (ImportError, RuntimeError) as exc:
+        found = re.search(r"No module named '([\w.]+)'", str(exc))
+        if found is None:
+            raise
+        module = found.group(1).split(".")[0]
+        raise VramPlanError(f"the trace cannot run TRL {version} (installed): importing its GRPOTrainer needs "
+                            f"{module}, which is not installed (`pip install {module}`, or another TRL release; "
+                            "`vram-plan check` gives the analytic estimate)") from exc
 
 
 @contextlib.contextmanager
