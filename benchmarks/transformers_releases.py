@@ -7,7 +7,11 @@ For each release in RELEASES (the first and last of every range the table draws,
 the wheel is fetched with `pip download --no-deps transformers==X` into DIR and read straight out of the zip, never
 imported: for each model type vram-plan counts, the keyword arguments its `...ForCausalLM.forward` honours to project
 only the last positions to logits (a parameter of that name, or one a `@deprecate_kwarg(old, new_name=...)` renames to
-it). One line per disagreement with the table (release, model type, table, wheel); exit code 1 when there is any.
+it), whether SDPA's caller makes the query contiguous first, whether it has SDPA attention (`_supports_sdpa = True`
+in the module: a run that names no kernel gets SDPA, else eager) and how it masks attention ("per_layer": masking_utils' `create_causal_mask` or
+`create_sliding_window_causal_mask`, a boolean mask that SDPA turns into a float copy in every layer; "shared": the
+model's own `_update_causal_mask`, one float mask for all layers). One line per disagreement with the table (release,
+model type, column, table, wheel); exit code 1 when there is any.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "transformers_releases.json"
 DEFAULT_WHEELS = Path.home() / ".cache" / "vram-plan" / "transformers-wheels"
 RELEASES = ("4.44.0", "4.45.0", "4.46.0", "4.48.2", "4.49.0", "4.50.0", "4.51.0", "4.52.0", "4.53.0", "4.54.0",
-            "4.55.0", "4.56.0", "5.0.0")
+            "4.55.0", "4.56.0", "5.0.0", "5.20.0", "5.21.0", "5.24.0")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3")
 NAMES = ("num_logits_to_keep", "logits_to_keep")
 
@@ -64,34 +68,70 @@ def honoured_names(source: str) -> list[str] | None:
     return None
 
 
-def release_facts(path: Path) -> dict[str, list[str]]:
+def supports_sdpa(source: str) -> bool:
+    """Whether a class of the module sets `_supports_sdpa = True` (PreTrainedModel's own default is False)."""
+    assigned = [node.value.value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "_supports_sdpa" for t in node.targets)
+                and isinstance(node.value, ast.Constant)]
+    return bool(assigned) and all(assigned)
+
+
+def attention_mask(source: str) -> str:
+    """"per_layer" where the model builds its mask with masking_utils (transformers 4.53 on), else "shared"."""
+    built = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(ast.parse(source))
+             if isinstance(n, (ast.Name, ast.Attribute))}
+    return "per_layer" if built & {"create_causal_mask", "create_sliding_window_causal_mask"} else "shared"
+
+
+def contiguous_inputs(source: str) -> bool:
+    """Whether SDPA's caller makes the query contiguous first (`query.contiguous()`, `query_states.contiguous()`)."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "contiguous"
+               and getattr(n.func.value, "id", None) in ("query", "query_states") for n in ast.walk(ast.parse(source)))
+
+
+SDPA_INTEGRATION = "transformers/integrations/sdpa_attention.py"  # shared by the models from 4.48
+
+
+def release_facts(path: Path) -> dict[str, dict[str, Any]]:
     with zipfile.ZipFile(path) as archive:
         members = set(archive.namelist())
+        shared_sdpa = archive.read(SDPA_INTEGRATION).decode() if SDPA_INTEGRATION in members else None
         facts = {}
         for model_type in MODEL_TYPES:
             member = f"transformers/models/{model_type}/modeling_{model_type}.py"
             if member in members:
-                names = honoured_names(archive.read(member).decode())
+                source = archive.read(member).decode()
+                names = honoured_names(source)
+                shared = shared_sdpa is not None and "ALL_ATTENTION_FUNCTIONS" in source
+                sdpa = shared_sdpa if shared else source
                 if names is not None:
-                    facts[model_type] = names
+                    facts[model_type] = {"logits_to_keep_names": names, "supports_sdpa": supports_sdpa(source),
+                                         "attention_mask": attention_mask(source),
+                                         "sdpa_contiguous_inputs": contiguous_inputs(sdpa),
+                                         # use_gqa_in_sdpa: k and v unrepeated where no mask is given (4.54 on)
+                                         "sdpa_gqa_without_mask": shared and "use_gqa_in_sdpa(" in sdpa}
         return facts
 
 
 def extract(folder: Path) -> dict[str, Any]:
     return {"made": date.today().isoformat(),
-            "source": "pip download --no-deps transformers==X; models/<type>/modeling_<type>.py, ...ForCausalLM.forward",
+            "source": "pip download --no-deps transformers==X; models/<type>/modeling_<type>.py: ...ForCausalLM.forward, "
+                      "_supports_sdpa, the mask it builds",
             "releases": {v: release_facts(wheel(v, folder)) for v in RELEASES}}
 
 
 def disagreements(facts: dict[str, Any]) -> list[str]:
-    """One line per release and model type whose honoured names differ from the table's row."""
+    """One line per release, model type and column where the wheel differs from the table's row."""
     lines = []
     for version, types in facts["releases"].items():
         row = transformers_release(version, int(version.split(".")[0]))
-        for model_type, names in types.items():
-            table = sorted(row.logits_to_keep_names, key=NAMES.index)
-            if table != names:
-                lines.append(f"transformers {version} {model_type}: logits_to_keep_names table {table}, wheel {names}")
+        table = {"logits_to_keep_names": sorted(row.logits_to_keep_names, key=NAMES.index),
+                 "attention_mask": row.attention_mask, "sdpa_contiguous_inputs": row.sdpa_contiguous_inputs,
+                 "sdpa_gqa_without_mask": row.sdpa_gqa_without_mask}
+        for model_type, read in types.items():
+            said = {**table, "supports_sdpa": row.supports_sdpa(model_type)}
+            lines += [f"transformers {version} {model_type}: {column} table {said[column]}, wheel {value}"
+                      for column, value in read.items() if said[column] != value]
     return lines
 
 

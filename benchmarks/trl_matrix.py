@@ -30,7 +30,9 @@ DEFAULT_VENVS = Path("/tmp")
 TORCH = "torch==2.13.0"  # the CPU wheel the project pins (constraints.txt)
 # (TRL, transformers, accelerate, PEFT): each TRL row of profiles/trl.toml with the transformers of its time (the
 # newest before the TRL wheel, benchmarks/results/trl_releases.json), and TRL 0.14 with the transformers that
-# stopped honouring its num_logits_to_keep (4.52). accelerate and PEFT: releases of the same months.
+# stopped honouring its num_logits_to_keep (4.52). accelerate and PEFT: releases of the same months. The releases
+# between them that the trace accepts (0.18.2, 0.20.0, 0.22.2, 0.25.1, 0.27.1, 0.28.0, 1.5.1, 1.13.0, 1.15.0) run with
+# the transformers, accelerate and PEFT of the pair next to them.
 # Then pairs across the generations, which the trace refuses up front (vram_planner/tracing/support.py): TRL 0.14's
 # GRPOTrainer does not import under transformers 5, and TRL 1.16 under 4.57 would be traced with 5.x's row.
 PAIRS = (
@@ -40,14 +42,23 @@ PAIRS = (
     ("0.15.2", "4.49.0", "1.4.0", "0.14.0"),
     ("0.16.1", "4.50.3", "1.6.0", "0.15.2"),
     ("0.17.0", "4.51.3", "1.6.0", "0.15.2"),
+    ("0.18.2", "4.52.4", "1.3.0", "0.14.0"),
     ("0.19.1", "4.53.1", "1.8.1", "0.15.2"),
+    ("0.20.0", "4.55.0", "1.10.0", "0.17.0"),
     ("0.21.0", "4.55.0", "1.10.0", "0.17.0"),
+    ("0.22.2", "4.56.2", "1.10.1", "0.17.1"),
     ("0.23.1", "4.56.2", "1.10.1", "0.17.1"),
+    ("0.25.1", "4.57.3", "1.12.0", "0.18.0"),
     ("0.26.2", "4.57.3", "1.12.0", "0.18.0"),
+    ("0.27.1", "4.57.3", "1.12.0", "0.18.0"),
+    ("0.28.0", "5.3.0", "1.13.0", "0.18.1"),
     ("0.29.1", "5.3.0", "1.13.0", "0.18.1"),
     ("1.0.0", "5.4.0", "1.13.0", "0.18.1"),
+    ("1.5.1", "5.4.0", "1.13.0", "0.18.1"),
     ("1.12.0", "5.16.1", "1.15.0", "0.21.2"),
+    ("1.13.0", "5.16.1", "1.15.0", "0.21.2"),
     ("1.14.2", "5.19.0", "1.15.0", "0.21.2"),
+    ("1.15.0", "5.19.0", "1.15.0", "0.21.2"),
     ("1.16.0", "5.24.0", "1.15.0", "0.21.2"),
     ("0.14.0", "5.4.0", "1.13.0", "0.18.1"),
     ("1.16.0", "4.57.3", "1.15.0", "0.18.1"),
@@ -115,6 +126,11 @@ def measure_installed() -> dict:
     return {"versions": versions, "points": points}
 
 
+# What a TRL release imports without requiring it: TRL 1.15's fused LM head imports triton unconditionally (its import
+# needs no GPU; without it the trace refuses the release in one line, as a real run fails)
+IMPORTED_UNREQUIRED = {"1.15.0": ["triton"]}
+
+
 def venv_of(venvs: Path, trl: str, transformers: str) -> Path:
     return venvs / f"trl-{trl}-transformers-{transformers}"
 
@@ -126,7 +142,8 @@ def build(venv: Path, trl: str, transformers: str, accelerate: str, peft: str) -
     subprocess.run([*pip, TORCH], check=True)
     # requests: TRL 1.0 imports it without requiring it
     subprocess.run([*pip, f"trl=={trl}", f"transformers=={transformers}", f"accelerate=={accelerate}",
-                    f"peft=={peft}", "requests", "pydantic", "rich", "click", "pyyaml", "packaging"], check=True)
+                    f"peft=={peft}", "requests", "pydantic", "rich", "click", "pyyaml", "packaging",
+                    *IMPORTED_UNREQUIRED.get(trl, [])], check=True)
     subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
 
 

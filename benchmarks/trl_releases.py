@@ -514,6 +514,74 @@ def log_probs(trainer: ast.ClassDef, lm_head: dict | None) -> str:
     return "per_row_log_softmax" if loops else "unknown"
 
 
+def _log_prob_function(trainer: ast.ClassDef) -> ast.FunctionDef | None:
+    """The innermost function that calls a log-softmax: a method (`_get_per_token_logps`, 1.14's
+    `_full_logits_logps`) or 0.14's `get_per_token_logps` nested in compute_loss; None with the fused head."""
+    softmaxes = ("log_softmax", "selective_log_softmax", "selective_log_softmax_and_entropy")
+    found = [f for f in ast.walk(trainer) if isinstance(f, ast.FunctionDef) and any(calls(f, n) for n in softmaxes)]
+    return found[-1] if found else None
+
+
+def full_logits_log_probs(trainer: ast.ClassDef, lm_head: dict | None) -> str | None:
+    """How the log-prob method turns full logits into log-probs, in profiles/trl.toml's words (None with the fused
+    head): "kernel" (a log-softmax kernel that takes the temperature and scales inside), "scaled_in_place"
+    (`logits.div_(temperature)`), "scaled_copy" (`logits = logits / temperature`), "scaled_copy_beside_output" (the
+    same while a name still holds the model's output, so its logits outlive the copy), "rows" (no scaling)."""
+    if lm_head is not None:
+        return None
+    func = _log_prob_function(trainer)
+    if func is None:
+        return "unknown"
+    if calls(func, "selective_log_softmax_and_entropy"):
+        return "kernel"
+    if any(mentions(c, "temperature") for c in calls(func, "div_")):
+        return "scaled_in_place"
+    if not any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, "temperature")
+               for n in ast.walk(func)):
+        return "rows"
+    # `outputs = model(...)` then `logits = outputs.logits`: the output object keeps the unscaled logits alive
+    outputs = {t.id for n in ast.walk(func) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+               for t in n.targets if isinstance(t, ast.Name)}
+    beside = any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Attribute) and n.value.attr == "logits"
+                 and isinstance(n.value.value, ast.Name) and n.value.value.id in outputs for n in ast.walk(func))
+    return "scaled_copy_beside_output" if beside else "scaled_copy"
+
+
+def logits_to_keep_argument(trainer: ast.ClassDef, lm_head: dict | None) -> str | None:
+    """The keyword the log-prob method asks the model's forward for the completion's logits only with
+    (`model(..., num_logits_to_keep=...)` or `model_inputs["logits_to_keep"] = ...`); None with the fused head."""
+    if lm_head is not None:
+        return None
+    names = ("num_logits_to_keep", "logits_to_keep")
+    for node in ast.walk(trainer):
+        if isinstance(node, ast.keyword) and node.arg in names:
+            return node.arg
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and literal(node.slice) in names:
+            return literal(node.slice)
+    return "unknown"
+
+
+def log_prob_attention_mask(trainer: ast.ClassDef) -> str:
+    """"passed" where the log-prob method hands the model the batch's attention mask, "none" where it calls it with
+    the token ids alone (0.14's `model(input_ids, num_logits_to_keep=...)`)."""
+    func = _log_prob_function(trainer) or method(trainer, "_get_per_token_logps_and_entropies")
+    return "passed" if mentions(func, "attention_mask") or "attention_mask" in ast.unparse(func) else "none"
+
+
+def log_prob_forward_cache(trainer: ast.ClassDef, lm_head: dict | None) -> str:
+    """"off" where the log-prob forward passes use_cache=False (`model_inputs["use_cache"] = False` or the keyword;
+    the fused head sets it itself), else "model_default" (the model's config.use_cache)."""
+    if lm_head is not None:
+        return "off"
+    for node in ast.walk(trainer):
+        if isinstance(node, ast.keyword) and node.arg == "use_cache" and literal(node.value) is False:
+            return "off"
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript) and \
+                literal(node.targets[0].slice) == "use_cache" and literal(node.value) is False:
+            return "off"
+    return "model_default"
+
+
 def prompt_truncation(src: WheelSource, trainer: ast.ClassDef) -> str:
     """Which side max_prompt_length cuts prompts from: "left", "none" (the trainer never reads it) or "unknown"."""
     if not mentions(trainer, "max_prompt_length"):
@@ -589,6 +657,10 @@ def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
         "generation_batch": split, "generation_split_by": split_by,
         "lm_head": "fused_chunked" if lm_head else "full_logits", "fused_lm_head_tiles": lm_head,
         "log_probs": log_probs(trainer, lm_head),
+        "full_logits_log_probs": full_logits_log_probs(trainer, lm_head),
+        "logits_to_keep_argument": logits_to_keep_argument(trainer, lm_head),
+        "log_prob_forward_cache": log_prob_forward_cache(trainer, lm_head),
+        "log_prob_attention_mask": log_prob_attention_mask(trainer),
         "use_liger_kernel": liger_effect, "liger_fused_loss_flag": liger_loss_flag,
         "prompt_truncation": prompt_truncation(src, trainer),
         "old_logps_when": old_logps, "old_logps_if": old_logps_if,
@@ -708,6 +780,11 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "lm_head_token_chunk": tile("token_chunk"),
     "lm_head_vocab_chunk": tile("vocab_chunk"),
     "liger": lambda f: f["behaviour"]["use_liger_kernel"],
+    # rows with the fused head (None) are not compared
+    "full_logits_log_probs": lambda f: f["behaviour"]["full_logits_log_probs"] or SKIP,
+    "logits_to_keep_argument": lambda f: f["behaviour"]["logits_to_keep_argument"] or SKIP,
+    "log_prob_forward_cache": lambda f: f["behaviour"]["log_prob_forward_cache"],
+    "log_prob_attention_mask": lambda f: f["behaviour"]["log_prob_attention_mask"],
 }
 
 

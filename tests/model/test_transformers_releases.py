@@ -13,7 +13,7 @@ from vram_planner.model.transformers_releases import (known_transformers_version
                                                       transformers_releases)
 from vram_planner.model.trl_releases import installed_version, version_tuple
 
-from helpers import one_line_error, run
+from helpers import FIXTURES, one_line_error, run
 
 
 def test_the_rows_cover_every_release_from_the_oldest_to_the_newest_without_a_gap_or_an_overlap():
@@ -108,23 +108,40 @@ def _facts_script():
     return module
 
 
-def test_logits_to_keep_rows_agree_with_every_wheel_read():
-    """benchmarks/transformers_releases.py read each release's ...ForCausalLM.forward for every model type vram-plan
-    counts (benchmarks/results/transformers_releases.json); the rows say the same."""
+def test_the_rows_agree_with_every_wheel_read():
+    """benchmarks/transformers_releases.py read each release's modeling code for every model type vram-plan counts
+    (benchmarks/results/transformers_releases.json): the logits_to_keep names, SDPA support and the attention mask;
+    the rows say the same."""
     script = _facts_script()
     facts = json.loads(script.RESULTS.read_text())
     assert script.disagreements(facts) == []
     releases = facts["releases"]
+
+    def read(version, model_type, column):
+        return releases[version][model_type][column]
+
     # read by hand in models/llama/modeling_llama.py of each wheel
-    assert releases["4.44.0"]["llama"] == []
-    assert releases["4.48.2"]["llama"] == ["num_logits_to_keep"]  # forward(..., num_logits_to_keep: int = 0)
-    assert releases["4.51.0"]["llama"] == ["num_logits_to_keep", "logits_to_keep"]  # @deprecate_kwarg renames it
-    assert releases["4.52.0"]["llama"] == ["logits_to_keep"]  # the decorator is gone: the old name is dropped
+    assert read("4.44.0", "llama", "logits_to_keep_names") == []
+    assert read("4.48.2", "llama", "logits_to_keep_names") == ["num_logits_to_keep"]  # forward(..., = 0)
+    assert read("4.51.0", "llama", "logits_to_keep_names") == ["num_logits_to_keep", "logits_to_keep"]
+    assert read("4.52.0", "llama", "logits_to_keep_names") == ["logits_to_keep"]  # the old name is dropped
+    # _update_causal_mask in 4.52, masking_utils' create_causal_mask from 4.53; gemma2 without SDPA from 5.21
+    assert read("4.52.0", "llama", "attention_mask") == "shared" and read("4.53.0", "llama", "attention_mask") == \
+        "per_layer"
+    assert read("5.20.0", "gemma2", "supports_sdpa") and not read("5.21.0", "gemma2", "supports_sdpa")
+    assert not read("4.44.0", "phi3", "supports_sdpa") and read("4.45.0", "phi3", "supports_sdpa")
+    # integrations/sdpa_attention.py: query = query.contiguous() (and key, value) up to 4.55, gone in 4.56
+    assert read("4.55.0", "llama", "sdpa_contiguous_inputs") and not read("4.56.0", "llama", "sdpa_contiguous_inputs")
+    # use_gqa_in_sdpa (k and v unrepeated when no mask is given) from 4.54
+    assert not read("4.53.0", "llama", "sdpa_gqa_without_mask") and read("4.54.0", "llama", "sdpa_gqa_without_mask")
     assert all(set(types) >= {"llama", "qwen2", "mistral", "gemma2", "phi3"} for types in releases.values())
-    # a disagreement is reported
-    broken = {"releases": {"4.52.0": {"llama": ["num_logits_to_keep", "logits_to_keep"]}}}
-    assert script.disagreements(broken) == ["transformers 4.52.0 llama: logits_to_keep_names table ['logits_to_keep'], "
-                                            "wheel ['num_logits_to_keep', 'logits_to_keep']"]
+    # a disagreement is reported, one line per column
+    broken = {"releases": {"4.52.0": {"llama": {"logits_to_keep_names": ["num_logits_to_keep", "logits_to_keep"],
+                                                "supports_sdpa": True, "attention_mask": "per_layer",
+                                                "sdpa_contiguous_inputs": True, "sdpa_gqa_without_mask": False}}}}
+    assert script.disagreements(broken) == [
+        "transformers 4.52.0 llama: logits_to_keep_names table ['logits_to_keep'], wheel ['num_logits_to_keep', "
+        "'logits_to_keep']", "transformers 4.52.0 llama: attention_mask table shared, wheel per_layer"]
 
 
 def test_the_installed_transformers_honours_what_its_row_says():
@@ -143,6 +160,7 @@ def test_the_installed_transformers_honours_what_its_row_says():
             continue
         source = inspect.getsource(inspect.getmodule(getattr(transformers, name)))
         assert script.honoured_names(source) == sorted(row.logits_to_keep_names, key=script.NAMES.index), model_type
+        assert script.attention_mask(source) == row.attention_mask, model_type
 
 
 @pytest.mark.parametrize(("trl", "argument"), [
@@ -157,3 +175,21 @@ def test_each_trl_release_passes_the_keyword_its_row_names(trl, argument):
     from vram_planner.model.trl_releases import trl_release
 
     assert trl_release(trl).logits_to_keep_argument == argument
+
+
+@pytest.mark.parametrize(("model", "copies"), ids=["Llama-3.2-1B", "one-kv-head"], argvalues=[
+    # Llama-3.2-1B: 8 key/value heads, repeat_kv copies already; the o_proj input's copy, a query wide
+    ("Llama-3.2-1B", lambda q, kv: q),
+    # one key/value head: repeat_kv's views of k and v become query-wide copies too
+    (str(FIXTURES / "tiny-llama-headdim.json"), lambda q, kv: q + 2 * (q - kv)),
+])
+def test_sdpa_inputs_made_contiguous_before_4_56_keep_copies(model, copies):
+    knobs = {"gradient_checkpointing": False, "per_device_train_batch_size": 4, "num_generations": 4,
+             "max_prompt_length": 256, "max_completion_length": 256, "dtype": "bfloat16", "mixed_precision": "bf16",
+             "attn_implementation": "sdpa"}
+    before, after = (api.check(model, "a100-80gb", {**knobs, "transformers_version": v}, trl_version="0.23.1")
+                     for v in ("4.55.0", "4.56.0"))
+    arch = before.context.arch
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    training = [{p.name: p for p in r.estimate.phases}["training"].components["activations"] for r in (before, after)]
+    assert training[0] - training[1] == arch.num_layers * 4 * 512 * 2 * copies(q, kv)

@@ -52,6 +52,21 @@ def test_facts_cover_every_release_pypi_listed():
     ("1.10.0", "default_max_completion_length", 512), ("0.27.1", "transformers_major", 4),
     ("0.27.2", "transformers_major", 5), ("1.13.0", "liger", "fused_loss"), ("1.14.0", "liger", "chunked_logprobs"),
     ("1.15.0", "lm_head", "fused_chunked"), ("1.14.2", "lm_head", "full_logits"),
+    # the log-prob method's own lines: per-row log_softmax (0.14), `logits / self.temperature` (0.16),
+    # `logits.div_(self.temperature)` (1.0), the same division while `outputs` keeps the model's output (1.10), the
+    # kernel that takes the temperature (1.14)
+    ("0.14.0", "full_logits_log_probs", "rows"), ("0.15.2", "full_logits_log_probs", "rows"),
+    ("0.16.0", "full_logits_log_probs", "scaled_copy"), ("0.29.1", "full_logits_log_probs", "scaled_copy"),
+    ("1.0.0", "full_logits_log_probs", "scaled_in_place"), ("1.9.2", "full_logits_log_probs", "scaled_in_place"),
+    ("1.10.0", "full_logits_log_probs", "scaled_copy_beside_output"), ("1.14.0", "full_logits_log_probs", "kernel"),
+    ("0.14.0", "logits_to_keep_argument", "num_logits_to_keep"), ("0.15.0", "logits_to_keep_argument",
+                                                                   "logits_to_keep"),
+    # model_inputs["use_cache"] = False  # only used in generation; set False to suppress warnings (0.22.0 on)
+    ("0.21.0", "log_prob_forward_cache", "model_default"), ("0.22.0", "log_prob_forward_cache", "off"),
+    # 0.14.0: model(input_ids, num_logits_to_keep=num_logits_to_keep + 1); 0.15.0: model(input_ids=...,
+    # attention_mask=attention_mask, ...)
+    ("0.14.0", "log_prob_attention_mask", "none"), ("0.15.0", "log_prob_attention_mask", "passed"),
+    ("1.16.0", "log_prob_attention_mask", "passed"),
 ])
 def test_extracted_facts_hold_what_the_source_says(version, column, value):
     facts = next(r for r in FACTS["releases"] if r["version"] == version)
@@ -61,3 +76,8 @@ def test_extracted_facts_hold_what_the_source_says(version, column, value):
 @pytest.mark.parametrize("facts", FACTS["releases"], ids=lambda facts: facts["version"])
 def test_table_row_agrees_with_the_release(facts):
     assert script.disagreements({"releases": [facts]}) == []
+
+
+def test_the_fused_head_releases_have_no_full_logits_to_compare():
+    fused = [r for r in FACTS["releases"] if r["behaviour"]["lm_head"] == "fused_chunked"]
+    assert fused and all(script.COLUMNS["full_logits_log_probs"](r) is script.SKIP for r in fused)

@@ -49,9 +49,14 @@ def test_0_14_merges_both_log_prob_passes_into_the_loss(llama_1b_file, transform
     training = verdict.estimate.phases[1]
     assert training.moment == "reference log-probs while the policy's graph is alive"
     # 4 completions: every row's fp32 log_softmax is kept for backward (4 x (positions - 1) x V x 4 B); the
-    # reference's bf16 logits and accelerate's fp32 copy (6 B each); one row's log_softmax
-    rows, converting, one_row = 4 * (positions - 1) * V * 4, 4 * positions * V * (2 + 4), (positions - 1) * V * 4
-    assert training.components["lm_head_buffers"] == rows + converting + one_row
+    # reference's bf16 logits and accelerate's fp32 copy (6 B each), and the KV cache its output holds (0.14 leaves
+    # use_cache on without checkpointing): bf16 keys and values of 4 x (256 + 786) tokens in every layer. One row's
+    # log_softmax comes after the output is gone, beside the fp32 copy alone (4 B a logit), which is less.
+    rows, converting = 4 * (positions - 1) * V * 4, 4 * positions * V * (2 + 4)
+    assert training.components["lm_head_buffers"] == rows + converting
+    kv = 4 * (256 + 786) * LLAMA_1B["num_hidden_layers"] * 2 * LLAMA_1B["num_key_value_heads"] * 64 * 2
+    assert training.components["kv_cache"] == kv
+    assert 4 * positions * V * 4 + (positions - 1) * V * 4 < converting + kv
     # the reference's weights are loaded whatever beta (until 0.16) and stay beside the policy's graph
     assert training.components["reference_weights"] > 0
     dropped = [n for n in verdict.estimate.notes if "ignores the num_logits_to_keep" in n]
@@ -188,14 +193,15 @@ def test_the_printed_config_is_one_the_release_accepts():
     assert grpo_config_kwargs(TrainingConfig(trl_version="0.18.0", **vllm))["vllm_mode"] == "server"
 
 
-def test_transformers_4_builds_one_mask_for_all_layers(llama_1b_file):
-    # 0.27.1 ran on transformers 4, 0.27.2 on 5: the same code, one shared float mask against a float copy per layer
+def test_transformers_before_4_53_builds_one_mask_for_all_layers(llama_1b_file):
+    # The same TRL release on transformers 4.52 (its model's own _update_causal_mask: one shared float mask) and 4.53
+    # (masking_utils' boolean mask, of which SDPA makes a float copy in each layer)
     knobs = {"gradient_checkpointing": False, "per_device_train_batch_size": 8, "max_prompt_length": 256,
              "max_completion_length": 256}
-    tf4, tf5 = check(llama_1b_file, knobs, "0.27.1"), check(llama_1b_file, knobs, "0.27.2")
+    tf4, tf5 = (check(llama_1b_file, {**knobs, "transformers_version": v}, "0.19.1") for v in ("4.52.4", "4.53.0"))
     length, layers = 512, LLAMA_1B["num_hidden_layers"]
-    per_layer_rows = 8 * length * length * 2 * layers  # transformers 5: each layer's bf16 mask [8, 1, 512, 512]
-    shared = 8 * length * length * 4  # transformers 4: one mask in the float32 embeddings' dtype
+    per_layer_rows = 8 * length * length * 2 * layers  # 4.53 on: each layer's bf16 mask [8, 1, 512, 512]
+    shared = 8 * length * length * 4  # before 4.53: one mask in the float32 embeddings' dtype
     assert tf5.estimate.phases[-1].components == tf4.estimate.phases[-1].components  # the optimizer step: no masks
     first = {p.name: p for p in tf4.estimate.phases}["training"]
     assert first.moment == {p.name: p for p in tf5.estimate.phases}["training"].moment
@@ -249,3 +255,20 @@ def test_trace_refuses_another_release_in_one_line(capsys, llama_1b_file):
     assert "runs the installed TRL 1.16.0, not --trl-version 0.14.0" in err
     # and how to trace it: that release with a transformers the engine runs it with
     assert "install it with a transformers it runs with: transformers 4.48.0 to 4.x" in err
+
+
+@pytest.mark.parametrize(("version", "cached"), [("0.15.0", True), ("0.22.0", False)])
+def test_before_0_22_a_scoring_pass_keeps_its_chunks_kv_cache_unless_checkpointing_turned_it_off(llama_1b_file,
+                                                                                              version, cached):
+    # 0.15's log-prob forward keeps the model's use_cache, which TRL turns off only under gradient checkpointing; its
+    # peak is the chunk's logits and their float32 copy, made while the forward's output holds the cache. 0.22 passes
+    # use_cache=False. Gradient checkpointing changes nothing else in a no-grad pass.
+    knobs = {"per_device_train_batch_size": 4, "num_generations": 4, "max_prompt_length": 256,
+             "max_completion_length": 256, "beta": 0.04, "transformers_version": "4.56.2", "dtype": "bfloat16",
+             "mixed_precision": "bf16"}
+    on, off = ({p.name: p for p in check(llama_1b_file, {**knobs, "gradient_checkpointing": g}, version)
+                .estimate.phases}["scoring"] for g in (False, True))
+    kv = 4 * 512 * LLAMA_1B["num_hidden_layers"] * 2 * LLAMA_1B["num_key_value_heads"] * 64 * 2  # bf16 k and v
+    assert on.components.get("kv_cache", 0) == (kv if cached else 0)
+    assert off.components.get("kv_cache", 0) == 0
+    assert on.tensor_bytes - off.tensor_bytes == (kv if cached else 0)

@@ -25,16 +25,17 @@ def traced_with_phase_ends(train: TrainingConfig, monkeypatch: pytest.MonkeyPatc
     """The trace, and after each phase: (name, events so far, the counter's live bytes, the phase's peak)."""
     pytest.importorskip("trl")
     from vram_planner.tracing import phases as tp
+    from vram_planner.tracing import trainer as own
     from vram_planner.tracing.step import trace_step
 
     ends = []
-    for name in ("run_generation", "run_scoring", "run_training", "run_optimizer"):
-        def run(session, *args, _original=getattr(tp, name), **kwargs):
+    for module, name in ((tp, "run_generation"), (own, "run_scoring"), (own, "run_training"), (tp, "run_optimizer")):
+        def run(session, *args, _original=getattr(module, name), **kwargs):
             peak = _original(session, *args, **kwargs)
             tracker = session.tracker
             ends.append((peak.name, len(tracker.events), tracker.total, peak.peak_bytes))
             return peak
-        monkeypatch.setattr(tp, name, run)
+        monkeypatch.setattr(module, name, run)
     return trace_step(TINY, train), ends
 
 

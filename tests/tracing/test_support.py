@@ -5,13 +5,16 @@ from __future__ import annotations
 import pytest
 
 from vram_planner.errors import VramPlanError
-from vram_planner.tracing.support import check_supported_pair, pair_for
+from vram_planner.tracing.support import check_kernels_importable, check_supported_pair, pair_for
 
 
 @pytest.mark.parametrize(("trl", "transformers"), [
     ("0.14.0", "4.48.2"), ("0.14.0", "4.52.4"), ("0.14.0", "4.57.3"), ("0.16.1", "4.50.3"), ("0.19.1", "4.53.1"),
     ("0.23.1", "4.56.2"), ("0.26.2", "4.57.3"), ("0.29.1", "5.3.0"), ("1.0.0", "5.4.0"), ("1.14.2", "5.19.0"),
-    ("1.16.0", "5.24.0"), ("1.16.0rc1", "5.24.0.dev0"),
+    ("1.15.0", "5.19.0"), ("1.16.0", "5.24.0"),
+    # the releases between them, traced with their neighbours' libraries
+    ("0.18.2", "4.52.4"), ("0.20.0", "4.55.0"), ("0.22.2", "4.56.2"), ("0.25.1", "4.57.3"), ("0.27.1", "4.57.3"),
+    ("0.28.0", "5.3.0"), ("1.5.1", "5.4.0"), ("1.13.0", "5.16.1"), ("1.16.0rc1", "5.24.0.dev0"),
 ])
 def test_the_pairs_the_release_matrix_traced_are_accepted(trl, transformers):
     check_supported_pair(trl, transformers)
@@ -64,3 +67,44 @@ def test_gemma_2_and_3_before_transformers_4_53_are_refused_up_front(monkeypatch
             step.check_traceable(train, trl_release("0.14.0"), None, model_type)
     else:
         step.check_traceable(train, trl_release("0.14.0"), None, model_type)
+
+
+def test_a_fused_head_that_imports_triton_unconditionally_is_refused_without_triton(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    kernels = tmp_path / "chunked_logprob.py"
+    kernels.write_text("import torch\nimport triton\nimport triton.language as tl\n")  # TRL 1.15.0's first lines
+    with pytest.raises(VramPlanError) as caught:
+        check_kernels_importable("1.15.0", kernels)
+    assert "\n" not in str(caught.value)
+    assert "TRL 1.15.0 (installed)" in str(caught.value) and "pip install triton" in str(caught.value)
+    # TRL 1.16 imports it only where it is available
+    kernels.write_text("from transformers.utils import is_triton_available\nif is_triton_available():\n"
+                       "    import triton\n")
+    check_kernels_importable("1.16.0", kernels)
+    # and with triton installed, 1.15's import works
+    kernels.write_text("import triton\n")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a))
+    check_kernels_importable("1.15.0", kernels)
+
+
+def test_a_trainer_whose_import_needs_an_uninstalled_module_is_refused_in_one_line_naming_it():
+    from vram_planner.tracing.step import require_grpo_trainer
+
+    def load():  # TRL 0.28.0 without weave, as its lazy module reports it
+        raise RuntimeError("Failed to import trl.trainer.grpo_trainer because of the following error (look up to see "
+                           "its traceback):\nNo module named 'weave'")
+
+    with pytest.raises(VramPlanError) as caught:
+        require_grpo_trainer("0.28.0", load)
+    message = str(caught.value)
+    assert "\n" not in message and "TRL 0.28.0 (installed)" in message and "`pip install weave`" in message
+    require_grpo_trainer("1.16.0", lambda: object)  # an importable trainer passes
+
+    def broken():
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError):  # anything else is the trace's own error to explain, as before
+        require_grpo_trainer("1.16.0", broken)

@@ -115,9 +115,17 @@ def attention_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
         return (total + c * q_width + output + _repeated_kv_saved_bytes(arch, train)
                 + a * train.sequence_length * eager_scores_saved_bytes(arch, train))
     total += c * 2 * q_width + _repeated_kv_saved_bytes(arch, train)  # q and the output; k and v
-    # log-sum-exp per head; transformers 5 converts the boolean mask to a float one in each layer (a row per token),
-    # transformers 4 built one float mask for all layers (kept_mask_bytes)
-    return total + FP32_BYTES * a + (c * train.sequence_length if train.release.transformers_major >= 5 else 0)
+    total += _contiguous_inputs_saved_bytes(arch, train)
+    # log-sum-exp per head; from transformers 4.53 SDPA converts the boolean mask to a float one in each layer (a row
+    # per token), before it one float mask served all layers (kept_mask_bytes)
+    per_layer = train.transformers.attention_mask == "per_layer" and masked_log_prob_forward(train)
+    return total + FP32_BYTES * a + (c * train.sequence_length if per_layer else 0)
+
+
+def masked_log_prob_forward(train: TrainingConfig) -> bool:
+    """Whether the loss forward gets the batch's attention mask: TRL 0.14 passes none (profiles/trl.toml
+    log_prob_attention_mask), so its forward attends causally and builds no mask."""
+    return train.release.log_prob_attention_mask == "passed"
 
 
 def _qk_norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -193,11 +201,31 @@ def _repeated_kv_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> 
     """
     c, k = sizes(train).compute, arch.num_kv_heads
     q_width, kv_width = arch.num_attention_heads * arch.head_dim, k * arch.head_dim
-    if k > 1 and q_width != kv_width:
+    unrepeated = train.transformers.sdpa_gqa_without_mask and not masked_log_prob_forward(train)
+    if k > 1 and q_width != kv_width and not (unrepeated and train.attn_implementation == "sdpa"):
         return 2 * c * q_width
     # phi3's v is a slice of the fused qkv_proj output: keeping it keeps the q and k columns of that tensor too
     fused = c * (q_width + kv_width) if arch.family.fused_qkv else 0
     return _key_saved_bytes(arch, train) + c * kv_width + fused
+
+
+def _contiguous_inputs_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Per token: what SDPA keeps more where transformers makes its inputs contiguous first (before 4.56,
+    profiles/transformers.toml sdpa_contiguous_inputs). With one key/value head repeat_kv's k and v are views, which
+    `.contiguous()` copies to the query's width. The query leaves a full rotary head-major but not contiguous; its
+    copy makes the attention's output come back contiguous in that layout, so `transpose(1, 2).contiguous()` copies
+    it before o_proj, which (trained in full) keeps that copy besides SDPA's own output. Phi's partial rotary
+    concatenates q into a contiguous tensor: nothing is copied."""
+    if not train.transformers.sdpa_contiguous_inputs:
+        return 0
+    c, k = sizes(train).compute, arch.num_kv_heads
+    q_width, kv_width = arch.num_attention_heads * arch.head_dim, k * arch.head_dim
+    extra = 0.0
+    if k == 1 and q_width != kv_width:
+        extra += 2 * c * q_width - _repeated_kv_saved_bytes(arch, train)
+    if not arch.family.partial_rotary and not train.uses_lora:
+        extra += c * q_width
+    return extra
 
 
 def _key_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -309,20 +337,22 @@ def one_layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: C
 
 
 def attention_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
-    """The [B, 1, L, L] mask transformers builds for padded batches (FlashAttention-2 unpads instead): boolean in
-    transformers 5 for SDPA, float in the embeddings' dtype for eager attention (masking_utils.eager_mask); in
-    transformers 4 a float mask in the embeddings' dtype, shared by every layer."""
+    """The [B, 1, L, L] mask transformers builds for padded batches (FlashAttention-2 unpads instead): from 4.53
+    (profiles/transformers.toml attention_mask "per_layer") boolean for SDPA, float in the embeddings' dtype for eager
+    attention (masking_utils.eager_mask); before it a float mask in the embeddings' dtype, shared by every layer."""
     if train.attn_implementation == "flash_attention_2":
         return 0
-    boolean = train.release.transformers_major >= 5 and train.attn_implementation != "eager"
+    boolean = train.transformers.attention_mask == "per_layer" and train.attn_implementation != "eager"
     per_entry = BOOL_BYTES if boolean else sizes(train).residual
     return sequences * length * length * per_entry
 
 
 def kept_mask_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, length: int) -> float:
-    """The masks kept for backward besides the layers' own tensors: transformers 4's shared float mask (every layer's
-    attention keeps it), or under checkpointing transformers 5's masks (the checkpointed layers' input): one per
-    kind of layer (Gemma 2 and 3: full and sliding)."""
-    if train.release.transformers_major < 5 or train.gradient_checkpointing:
+    """The masks kept for backward besides the layers' own tensors: the shared float mask of transformers before 4.53
+    (every layer's attention keeps it), or under checkpointing the later masks (the checkpointed layers' input): one
+    per kind of layer (Gemma 2 and 3: full and sliding)."""
+    if not masked_log_prob_forward(train):
+        return 0
+    if train.transformers.attention_mask == "shared" or train.gradient_checkpointing:
         return arch.attention_mask_kinds * attention_mask_bytes(train, sequences, length)
     return 0

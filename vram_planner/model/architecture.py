@@ -44,6 +44,7 @@ class Family:
     o_bias: bool | None = None  # None: same as the q/k/v bias
     norms_per_layer: int = 2
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
+    partial_rotary: bool = False  # phi: q and k leave rotary as one concatenated, already contiguous tensor
     layer_norm_bias: bool = False  # LayerNorm (weight and bias) instead of RMSNorm
     lm_head_bias: bool = False
     fp32_norm_scale: bool = False  # Gemma's RMSNorm scales by (1 + weight) in fp32 and casts back at the end
@@ -61,7 +62,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(norms_per_layer=4, qk_norm=True, fp32_norm_scale=True),
     "phi3": Family(fused_qkv=True, fused_gate_up=True, qkv_bias=False, mlp_names=("gate_up_proj", "down_proj")),
     "phi": Family(
-        gated_mlp=False, qkv_bias=True, norms_per_layer=1, layer_norm_bias=True, lm_head_bias=True,
+        gated_mlp=False, qkv_bias=True, norms_per_layer=1, layer_norm_bias=True, lm_head_bias=True, partial_rotary=True,
         attention_out_name="dense", mlp_names=("fc1", "fc2"),
     ),
 }

@@ -269,16 +269,19 @@ def _adafactor_state_elements(arch: ModelArchitecture, train: TrainingConfig) ->
     return matrices + embeddings + vectors
 
 
-def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int) -> float:
+def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int,
+                   forward: TrainingConfig | None = None) -> float:
     """Keys and values of every layer for `sequences` sequences of `tokens` tokens.
 
     Keys come out of rotary in the residual stream's dtype (cos and sin follow it); values come out of v_proj in
-    the dtype generate() computes in (autocast's, or the weights' for LoRA). Where the installed transformers starts
+    the dtype the forward computes in: generate()'s by default (autocast's, or the weights' for LoRA), `forward`'s
+    for another forward that fills a cache (a scoring pass under accelerate's autocast). Where the installed transformers starts
     each layer's storage from an empty tensor of the keys' dtype (4.56 to 5.23), concatenation promotes the values
     to it: with float32 weights under autocast both are float32 (profiles/transformers.toml).
     """
     key_bytes = sizes(train).residual
-    value_bytes = key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(as_generated(train)).compute
+    computing = forward or as_generated(train)
+    value_bytes = key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(computing).compute
     per_token_layer = arch.num_kv_heads * arch.head_dim * (key_bytes + value_bytes)
     return sequences * arch.kv_layers_tokens(tokens) * per_token_layer
 
@@ -314,13 +317,13 @@ def inference_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal:
 
 def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
     """Padded batches under SDPA: the boolean [B, 1, L, L] mask and the compute-dtype copy SDPA makes of it per layer
-    (transformers 5).
+    (transformers 4.53 on).
 
     FlashAttention-2 unpads instead.
     """
     if train.attn_implementation == "flash_attention_2":
         return 0
-    if train.release.transformers_major < 5:  # one float mask in the embeddings' dtype, read by every layer
+    if train.transformers.attention_mask == "shared":  # one float mask in the embeddings' dtype, read by every layer
         return sequences * length * length * sizes(train).residual
     return sequences * length * length * (1 + sizes(train).compute)
 

@@ -60,6 +60,13 @@ class LmHeadMemory:
     forward_transient: float  # alive only while the forward runs (tiles, statistics)
     saved: float  # kept from forward to backward
     backward_transient: float  # alive during the LM head's backward
+    # the part of forward_transient made before the model's forward returns (its output, accelerate's copy): what
+    # meets the forward's own tensors, such as a KV cache its output holds (None: all of it)
+    in_forward: float | None = None
+
+    @property
+    def inside_forward(self) -> float:
+        return self.forward_transient if self.in_forward is None else self.in_forward
 
 
 def logit_positions(train: TrainingConfig, release: TrlRelease) -> int:
@@ -93,14 +100,16 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     if not _uses_fused_head(train, release):
         logits = sequences * logit_positions(train, release) * vocab
         forward, saved, backward = full_logits_bytes(train, release)
+        inside = _logit_bytes(train)[1]  # the model's logits and accelerate's copy, made before its forward returns
         if not with_grad and train.local_generation_batch_size > sequences:
             # A scoring pass over several chunks (TRL 0.17 on) keeps the previous chunk's logits in its loop variable
             # until the next chunk's forward returns: they meet that chunk's logits and accelerate's copy of them
             # (1.10-1.13 keep the previous chunk's model output beside its scaled copy).
             kept = 2 * saved if release.full_logits_log_probs == "scaled_copy_beside_output" else saved
-            forward = max(forward, kept + _logit_bytes(train)[1])
+            inside = kept + _logit_bytes(train)[1]
+            forward = max(forward, inside)
         return LmHeadMemory(forward_transient=logits * forward, saved=logits * saved if with_grad else 0,
-                            backward_transient=logits * backward if with_grad else 0)
+                            backward_transient=logits * backward if with_grad else 0, in_forward=logits * inside)
     chunk = release.lm_head_vocab_chunk
     tile_tokens = min(scored, release.lm_head_token_chunk)
     tile = tile_tokens * chunk * s.compute  # the tile buffer is a whole vocabulary chunk wide, whatever V is

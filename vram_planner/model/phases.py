@@ -239,7 +239,15 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         int(train.computes_old_logps) + int(train.computes_ref_logps))
     layers = m.inference_working_bytes(arch, train, cal, b * length, length) + m.padded_mask_bytes(train, b, length)
     casts = _scoring_casts(arch, train)
-    moments = [Phase("scoring", {**persistent, **casts, "activations": kept_logps + layers}, "decoder forward"),
+    # Before TRL 0.22 the log-prob forward keeps the model's use_cache (off only under gradient checkpointing): the
+    # chunk's keys and values of every layer stay in a cache its output holds until the forward returns, which
+    # the logits and accelerate's copy of them meet, not the log-softmax work after it (a temperature-scaled copy)
+    cached = release.log_prob_forward_cache == "model_default" and not train.gradient_checkpointing
+    cache = {"kv_cache": m.kv_cache_bytes(arch, train, b, length, forward=train)} if cached else {}
+    moments = [Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps + layers},
+                     "decoder forward"),
+               Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps,
+                                 "lm_head_buffers": head.inside_forward}, "LM head of a chunk, in its forward"),
                Phase("scoring", {**persistent, **casts, "activations": kept_logps,
                                  "lm_head_buffers": head.forward_transient}, "LM head of a chunk")]
     return _heaviest(moments, cal, train)
@@ -427,12 +435,18 @@ def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, rel
     reference = dict(policy_graph)
     for name, value in _scoring_casts(arch, train).items():  # the reference's weight casts, cached by autocast
         reference[name] = reference.get(name, persistent[name]) + value - persistent[name]
+    # The reference's output (and the KV cache it holds where use_cache is left on: log_prob_forward_cache) goes
+    # once its logits are copied to float32; its rows' log_softmax, one at a time, meets that copy alone
+    cache = (m.kv_cache_bytes(arch, train, sequences, train.sequence_length, forward=train)
+             if release.log_prob_forward_cache == "model_default" and not train.gradient_checkpointing else 0)
     return [
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": converting}, POLICY_LOGITS_MOMENT),
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": logits * logit + rows},
               "policy log-probs: the logits and every row's log_softmax"),
-        Phase("training", {**persistent, **reference, "lm_head_buffers": rows + converting + one_row},
+        Phase("training", {**persistent, **reference, "kv_cache": cache, "lm_head_buffers": rows + converting},
               "reference log-probs while the policy's graph is alive"),
+        Phase("training", {**persistent, **reference, "lm_head_buffers": rows + logits * logit + one_row},
+              "reference log-probs: a row's log_softmax while the policy's graph is alive"),
         Phase("training", {**persistent, **policy_graph, "weights": backward_weights,
                            "lm_head_buffers": 2 * rows + one_row}, "log-prob backward: every row's gradient, stacked"),
     ]

@@ -33,6 +33,10 @@ class TransformersRelease:
     sdpa_unsupported: tuple[str, ...] = ()
     # the names ...ForCausalLM.forward honours to project only the last positions; another is dropped silently
     logits_to_keep_names: tuple[Literal["num_logits_to_keep", "logits_to_keep"], ...]
+    # "shared": one float mask for every layer; "per_layer": a boolean mask SDPA copies to a float one in each layer
+    attention_mask: Literal["shared", "per_layer"]
+    sdpa_contiguous_inputs: bool  # SDPA's query, key and value made contiguous first (before 4.56)
+    sdpa_gqa_without_mask: bool  # no mask: k and v reach SDPA unrepeated, with enable_gqa (4.54 on)
     version: str = ""  # the release planned for, filled in by `transformers_release`
 
     def supports_sdpa(self, model_type: str) -> bool:

@@ -64,6 +64,8 @@ class TrlRelease:
     lm_head_token_chunk: int = 4096
     lm_head_vocab_chunk: int = 32768
     liger: Literal["fused_loss", "chunked_logprobs", "layer_kernels"]
+    log_prob_forward_cache: Literal["model_default", "off"] = "off"
+    log_prob_attention_mask: Literal["passed", "none"] = "passed"
     version: str = ""  # the release asked for, filled in by `trl_release`
     note: str = ""  # why this row was chosen when it is not the installed TRL's own (for the verdict's notes)
 

@@ -44,8 +44,8 @@ def release_assumptions(train: TrainingConfig) -> list[str]:
     if release.step_structure == "loss_merged":
         notes.append(f"{name}: generation, the policy's log-probs and the reference's run inside compute_loss, so "
                      "their memory meets in one moment")
-    if release.transformers_major < 5:
-        notes.append(f"{name} ran on transformers 4.x (the release of its time): one attention mask for all layers")
+    if train.transformers.attention_mask == "shared":
+        notes.append(f"transformers {train.transformers.version} builds one attention mask for all layers")
     if release.reference_when == "always" and train.beta == 0:
         notes.append(f"{name}: the reference model is loaded and scores even with beta 0")
     return notes

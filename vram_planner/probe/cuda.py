@@ -105,6 +105,7 @@ class CudaMeasurer:
         is step 1's, whose peak already holds the states it creates); with `time_decoding`, then generate()'s time
         for a few tokens (seconds, tokens)."""
         from vram_planner.tracing import phases as tp
+        from vram_planner.tracing import trainer as own
         from vram_planner.tracing.session import Session, _add_fused_head, _add_lora, _build_model
 
         train = point.train
@@ -133,9 +134,10 @@ class CudaMeasurer:
                     _add_fused_head(session.ref_model, outputs=("log_probs",))
                 _add_fused_head(session.base_model, outputs=("log_probs", "entropy"))
                 recipe = tp.optimizer_recipe(train)
-                runs = [tp.run_generation, tp.run_scoring, tp.run_training]
+                session.trainer = own.build_trainer(session)  # the installed GRPOTrainer's own scoring and loss
+                runs = [tp.run_generation, own.run_scoring, own.run_training]
                 if not (train.computes_old_logps or train.computes_ref_logps):
-                    runs.remove(tp.run_scoring)
+                    runs.remove(own.run_scoring)
                 for run in runs:
                     run(session)
                 optimizer = measured(lambda s: tp.run_optimizer(s, recipe))
@@ -143,7 +145,7 @@ class CudaMeasurer:
                 phases = [*(measured(run) for run in runs), optimizer]
                 return phases, (timed_decoding(session) if time_decoding else (None, 0))
         finally:
-            session.model = session.ref_model = session.optimizer = None
+            session.model = session.ref_model = session.optimizer = session.trainer = None
 
     @staticmethod
     def _release() -> None:

@@ -42,8 +42,7 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
         import trl.trainer.utils as trl_utils
 
         patches = [(trl_utils, "_use_triton", lambda device: True),
-                   (chunked, "_forward_tile", _in_place_kernel),
-                   (chunked, "_backward_tile", _in_place_kernel),
+                   *_tile_kernel_patches(chunked),
                    (chunked, "_addmm_fp32", _in_place_kernel),
                    (chunked, "range", _representative_range),  # a module global shadows the builtin in its loops
                    *patches]
@@ -134,6 +133,22 @@ def _representative_range(*args: int) -> range | list[int]:
 
 def _in_place_kernel(*args: Any, **kwargs: Any) -> None:
     """A Triton kernel (or cuBLAS addmm into an fp32 accumulator): works in place, allocates nothing."""
+
+
+class _InPlaceLaunch:
+    """A Triton kernel launched as `kernel[grid](...)`: works in place on the buffers it is given."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return _in_place_kernel
+
+
+def _tile_kernel_patches(chunked: Any) -> list[tuple[Any, str, Any]]:
+    """The fused head's per-tile work, in place: TRL 1.16 calls `_forward_tile`/`_backward_tile`, which launch the
+    Triton kernels or run torch stand-ins; TRL 1.15 launches `_forward_kernel[grid]`/`_backward_kernel[grid]`
+    itself (and imports triton unconditionally)."""
+    if hasattr(chunked, "_forward_tile"):
+        return [(chunked, "_forward_tile", _in_place_kernel), (chunked, "_backward_tile", _in_place_kernel)]
+    return [(chunked, "_forward_kernel", _InPlaceLaunch()), (chunked, "_backward_kernel", _InPlaceLaunch())]
 
 
 @contextlib.contextmanager

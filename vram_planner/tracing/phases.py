@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from vram_planner.errors import VramPlanError
 from vram_planner.model.spec import Optimizer, TrainingConfig
 from vram_planner.tracing.counter import ACTS, GRADS, HEAD, STATES, STEP, PhasePeak
 from vram_planner.tracing.session import Session, set_checkpointing
@@ -156,43 +155,6 @@ def _bytes_per_token(t: Any) -> int:
     return t.element_size() * t.numel() // max(t.shape[-2], 1)
 
 
-def _labels(ids: Any, mask: Any, completion: int) -> Any:
-    """TRL's labels: prompt and padding positions -100, completion tokens their ids."""
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, :-completion] = -100
-    return labels
-
-
-def _fused_forward(session: Session, model: Any, sequences: int) -> Any:
-    """One `model(..., labels=..., fused_lm_head=True)` call over `sequences` sequences, as TRL makes it."""
-    train = session.train
-    length, c = train.sequence_length, train.max_completion_length
-    ids, mask = _prompt(session, sequences, length)
-    labels = _labels(ids, mask, c)
-    # The fused head keeps labels[:, 1:] != -100: c positions per sequence when every completion runs to full length.
-    session.tracker.selected_tokens = (sequences * (length - 1), sequences * c)
-    with session.autocast():
-        return model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-
-
-def run_scoring(session: Session) -> PhasePeak:
-    """No-grad log-prob forwards over the generation batch in chunks of B (old and/or reference log-probs)."""
-    train, tracker = session.train, session.tracker
-    b = train.per_device_train_batch_size
-    scored = train.local_generation_batch_size * train.max_completion_length
-    tracker.reset_peak()
-    with torch.no_grad(), tracker.tagged(ACTS, "scoring forward"):
-        kept = []  # every chunk's log-probs stay until the whole batch is scored
-        for needed, model in _scoring_models(session):
-            if needed:
-                kept.append(torch.empty(scored, dtype=torch.float32, device=session.device_type))
-                with model() as scorer:
-                    out = _fused_forward(session, scorer, b)
-                    del out
-        del kept
-    return PhasePeak("scoring", tracker.peak, tracker.peak_split, tracker.peak_moment)
-
-
 def _scoring_models(session: Session) -> list[tuple[bool, Callable[[], Any]]]:
     train = session.train
 
@@ -225,22 +187,6 @@ def loss_phase(session: Session) -> Iterator[None]:
         for handle in handles:
             handle.remove()
         set_checkpointing(model, False)
-
-
-def run_training(session: Session) -> PhasePeak:
-    """The loss forward and backward of one micro-batch of B sequences (two when gradients accumulate)."""
-    train, tracker, model = session.train, session.tracker, session.model
-    with loss_phase(session):
-        for _ in range(2 if train.gradient_accumulation_steps > 1 else 1):
-            # From the second micro-batch on, every gradient exists before the forward starts.
-            with tracker.tagged(ACTS, "forward"):
-                out = _fused_forward(session, model, train.per_device_train_batch_size)
-                loss = -out.log_probs[:, -train.max_completion_length:].sum()
-                del out
-            with tracker.backward("LM head backward"):
-                loss.backward()
-                del loss
-    return PhasePeak("training", tracker.peak, tracker.peak_split, tracker.peak_moment)
 
 
 def optimizer_recipe(train: TrainingConfig) -> tuple[type, dict[str, Any]]:

@@ -24,7 +24,7 @@ class Session:
     ref_model: Any = None  # a second full model when beta != 0 without LoRA
     state_bytes: int = 0  # the optimizer states the first step leaves behind
     optimizer: Any = None  # kept after the first step, so a real device carries its states into the next
-    trainer: Any = None  # the installed GRPOTrainer whose loss runs (vram_planner.tracing.trainer), before TRL 1.15
+    trainer: Any = None  # the installed GRPOTrainer whose scoring and loss run (vram_planner.tracing.trainer)
 
     device_type: str = "cpu"  # "cuda" when the probe runs the phases on a real device
 
@@ -89,8 +89,8 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
 
 
 def uses_fused_lm_head(train: TrainingConfig) -> bool:
-    """TRL 1.15 and later patch the model with a fused LM head the trace's own phases drive; older releases score
-    with full logits through their own GRPOTrainer methods (vram_planner.tracing.trainer)."""
+    """TRL 1.15 and later patch the model with a fused LM head, which their GRPOTrainer scores through; older releases
+    score with full logits."""
     return train.release.lm_head == "fused_chunked"
 
 

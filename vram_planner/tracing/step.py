@@ -1,8 +1,9 @@
 """The trace engine: exact tensor bytes of one GRPO step, counted on the CPU with no GPU and no real memory.
 
 `trace_step` builds the transformers model from its config.json on torch FakeTensors (shapes and dtypes, no data),
-wraps it as TRL 1.16 does (PEFT, fused LM head, checkpointing) and runs the step's phases through the installed
-transformers and TRL code while a dispatch mode counts every live tensor storage. The phases and their peaks follow
+wraps it as the installed TRL does (PEFT, from TRL 1.15 the fused LM head, checkpointing) and runs the step's phases
+through the installed transformers and TRL code (the GRPOTrainer's own scoring and loss, vram_planner.tracing.trainer)
+while a dispatch mode counts every live tensor storage. The phases and their peaks follow
 ../shared/design/grpo-memory.md; the torch side lives in `vram_planner.tracing` (imported only when a trace runs).
 
 What the trace measures is what `torch.cuda.memory_allocated` would report on one CUDA device (blocks rounded to
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -37,7 +39,7 @@ from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
 from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream
-from vram_planner.tracing.support import check_supported_pair, pair_for
+from vram_planner.tracing.support import check_kernels_importable, check_supported_pair, pair_for
 
 
 @dataclass(frozen=True)
@@ -135,14 +137,11 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     from vram_planner.tracing.sharded import sharded_rank
 
     from vram_planner.tracing import trainer as own
-    from vram_planner.tracing.session import uses_fused_lm_head
 
-    # TRL 1.15 and later: the fused LM head TRL patches in, driven by tracing.phases; older releases: their own
-    # GRPOTrainer's compute_loss and _get_per_token_logps (tracing.trainer).
-    steps = tp if uses_fused_lm_head(train) else own
+    # The scoring passes and the loss are the installed GRPOTrainer's own methods (tracing.trainer)
     runs = [("generation", "generation", tp.run_generation),
-            ("scoring", "old/reference log-probs", steps.run_scoring),
-            ("training", "loss forward and backward", steps.run_training),
+            ("scoring", "old/reference log-probs", own.run_scoring),
+            ("training", "loss forward and backward", own.run_training),
             (OPTIMIZER, "the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
     if not (train.computes_old_logps or train.computes_ref_logps) or train.release.step_structure == "loss_merged":
         del runs[1]  # TRL 0.14 scores inside compute_loss
@@ -158,8 +157,8 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
         say("building the model on fake tensors")
         with _explained("building the model"):
             session = build_session(arch_config, train)
-            if steps is own:  # the installed GRPOTrainer whose own loss runs, made outside the fake-tensor world
-                session.trainer = own.build_trainer(session)
+            # the installed GRPOTrainer whose own loss runs, made outside the fake-tensor world
+            session.trainer = own.build_trainer(session)
         # Under --fsdp, sharded_rank shards the models and replaces the counter (tracing.sharded): entered first.
         with sharded_rank(session), session.fake_mode, session.tracker, cuda_like_behaviour(session), \
                 head_tagging(session):
@@ -237,6 +236,7 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
     installed_trl = installed_trl_version()
     if installed and installed_trl:  # without metadata (a source checkout) the installed code is trusted
         check_supported_pair(installed_trl, installed)
+        check_kernels_importable(installed_trl)
     parsed = parse_version(installed) if installed else None
     if model_type in PREALLOCATED_CACHE_TYPES and parsed is not None and parsed[0] < PREALLOCATED_CACHE_BELOW:
         problems.append(f"transformers {installed} generates {model_type} into a preallocated HybridCache, which the "
@@ -341,6 +341,29 @@ def _import_engine() -> None:
         missing = exc.name or str(exc)
         raise VramPlanError(f"the trace needs torch, transformers, TRL and PEFT ({missing} cannot be imported): "
                             f"{TRAIN_EXTRA}") from exc
+
+    def load() -> Any:
+        from trl import GRPOTrainer  # TRL imports its trainers lazily: here, not halfway through the trace
+
+        return GRPOTrainer
+
+    require_grpo_trainer(installed_trl_version() or trl.__version__, load)
+
+
+def require_grpo_trainer(version: str, load: Callable[[], Any]) -> None:
+    """The installed GRPOTrainer, or one line naming the module its import needs: a release may import a package it
+    does not require (TRL 0.28.0's callbacks import weave whenever `is_weave_available()` returns its tuple, which
+    is always true), and a run on that release fails the same way."""
+    try:
+        load()
+    except (ImportError, RuntimeError) as exc:
+        found = re.search(r"No module named '([\w.]+)'", str(exc))
+        if found is None:
+            raise
+        module = found.group(1).split(".")[0]
+        raise VramPlanError(f"the trace cannot run TRL {version} (installed): importing its GRPOTrainer needs "
+                            f"{module}, which is not installed (`pip install {module}`, or another TRL release; "
+                            "`vram-plan check` gives the analytic estimate)") from exc
 
 
 @contextlib.contextmanager

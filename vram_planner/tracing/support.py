@@ -8,7 +8,10 @@ works. Pure Python: no torch, so `check` and the CLI's bad-input path stay fast.
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from vram_planner.errors import VramPlanError
 from vram_planner.model.trl_releases import parse_version, version_tuple
@@ -71,3 +74,19 @@ def pair_for(trl: str) -> str:
 def _release(version: str) -> tuple[int, int, int] | None:
     parsed = parse_version(version)
     return parsed[0] if parsed else None
+
+
+def check_kernels_importable(trl: str, kernels: Path | None = None) -> None:
+    """Raise VramPlanError, in one line, when the installed TRL's fused LM head cannot load: TRL 1.15 imports triton
+    at the top of trl/kernels/chunked_logprob.py (1.16 guards it), so without triton neither a run nor the trace
+    gets past it. `kernels`: that file (default: the installed TRL's, read without importing TRL)."""
+    if kernels is None:
+        spec = importlib.util.find_spec("trl")
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        kernels = Path(folders[0]) / "kernels" / "chunked_logprob.py" if folders else None
+    if kernels is None or not kernels.is_file() or importlib.util.find_spec("triton") is not None:
+        return
+    if re.search(r"^import triton\b", kernels.read_text(), re.MULTILINE):
+        raise VramPlanError(f"the trace cannot run TRL {trl} (installed): its fused LM head imports triton, which "
+                            "is not installed (`pip install triton`, whose import needs no GPU; TRL 1.16 or later "
+                            "runs without it) (`vram-plan check` gives the analytic estimate)")

@@ -1,13 +1,14 @@
-"""The installed TRL's own loss step on fake tensors, for the releases that score with full logits (TRL < 1.15).
+"""The installed TRL's own loss step and scoring passes on fake tensors, for every release from TRL 0.14.
 
 GRPOTrainer.__init__ loads models by name, builds datasets and an Accelerator; none of that fits fake tensors. The
 trainer here is `object.__new__` of the installed GRPOTrainer with the attributes its loss reads set as __init__ sets
 them (most are copies of GRPOConfig fields, read from a real GRPOConfig of the installed release), and an accelerator
 with the one-process surface the loss touches. The models are prepared as accelerate prepares them under mixed
 precision: the forward runs under autocast and its outputs are converted to float32 (accelerate's own
-`convert_outputs_to_fp32`), which is where the full logits' float32 copy comes from. Then the release's own
+`convert_outputs_to_fp32`), which is where the full logits' float32 copy comes from (TRL 1.15 and later ask their
+fused LM head for float32 log-probs instead, which that copy leaves as they are). Then the release's own
 `compute_loss` (TRL 0.14: generation, both log-prob passes and the loss in one call) and `_get_per_token_logps`
-(scoring) run unmodified.
+or `_get_per_token_logps_and_entropies` (scoring) run unmodified.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ class OneProcessAccelerator:
     """What GRPOTrainer's loss and scoring read from accelerate's Accelerator, for one process on one device."""
 
     num_processes, process_index, is_main_process = 1, 0, True
+    sync_gradients = True  # read by TRL 1.16's adaptive entropy bonus at the end of an accumulation window
 
-    def __init__(self, device: str) -> None:
-        self.device = torch.device(device)
+    def __init__(self, session: Session) -> None:
+        self.device = torch.device(session.device_type)
         self.state = SimpleNamespace(deepspeed_plugin=None)
+        self.autocast = session.autocast  # TRL 1.15 and later call the model under accelerator.autocast() too
 
     def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True) -> Any:
         return model  # never wrapped in DDP here; accelerate keeps the fp32 wrapper by default too
@@ -88,9 +91,12 @@ def build_trainer(session: Session) -> Any:
     eos = getattr(text, "eos_token_id", None)
     eos = eos[0] if isinstance(eos, list) else eos
     signature_of = base.forward
+    if train.gradient_checkpointing:  # TRL loads the models with use_cache=False under checkpointing (0.14 on)
+        for config in {id(m.config): m.config for m in (base, session.ref_model) if m is not None}.values():
+            config.use_cache = False
     epsilon = getattr(args, "epsilon", 0.2)
     trainer.__dict__.update(
-        args=args, model=session.model, ref_model=session.ref_model, accelerator=OneProcessAccelerator("cpu"),
+        args=args, model=session.model, ref_model=session.ref_model, accelerator=OneProcessAccelerator(session),
         processing_class=FakeTokenizer(session, eos), _metrics=Metrics(), state=SimpleNamespace(global_step=0),
         control=SimpleNamespace(should_evaluate=False), tools=None,
         epsilon_low=epsilon, epsilon_high=getattr(args, "epsilon_high", None) or epsilon,
@@ -135,6 +141,7 @@ def accelerate_prepared(session: Session) -> Iterator[None]:
 
     dtype = session.autocast_dtype
     models = [m for m in (session.model, session.ref_model) if m is not None] if dtype else []
+    instance_forwards = [model.__dict__.get("forward") for model in models]  # TRL 1.15+'s fused LM head
     for model in models:
         original = model.forward
 
@@ -146,8 +153,11 @@ def accelerate_prepared(session: Session) -> Iterator[None]:
     try:
         yield
     finally:
-        for model in models:
-            del model.forward  # the class's forward again
+        for model, forward in zip(models, instance_forwards, strict=True):
+            if forward is None:
+                del model.forward  # the class's forward again
+            else:
+                model.forward = forward
 
 
 def run_scoring(session: Session) -> PhasePeak:
@@ -161,6 +171,7 @@ def run_scoring(session: Session) -> PhasePeak:
     with torch.no_grad(), tracker.tagged(ACTS, "scoring forward"), accelerate_prepared(session):
         kept = []  # every pass's log-probs stay until the whole batch is scored
         ids, mask = _prompt(session, sequences, train.sequence_length)
+        _completions_selected(session, train.micro_batch_completions)
         for needed, model in _scoring_models(session):
             if needed:
                 with model() as scorer:
@@ -178,6 +189,7 @@ def _loss_inputs(session: Session) -> dict[str, Any]:
     b, c = train.micro_batch_completions, train.max_completion_length
     prompt_ids, prompt_mask = _prompt(session, b, train.max_prompt_length)
     completion_ids, _ = _prompt(session, b, c)
+    _completions_selected(session, b)
     inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
               "completion_mask": torch.ones((b, c), dtype=torch.long, device=session.device_type),
               "advantages": torch.zeros(b, device=session.device_type),
@@ -187,6 +199,17 @@ def _loss_inputs(session: Session) -> dict[str, Any]:
                           ("ref_per_token_logps", train.computes_ref_logps)):
         inputs[key] = torch.zeros((b, c), device=session.device_type) if computed else None
     return inputs
+
+
+def _completions_selected(session: Session, sequences: int) -> None:
+    """TRL 1.15 and later label only the completion tokens and their fused LM head keeps `labels[:, 1:] != -100`, a
+    boolean index fake tensors cannot count: c positions per sequence when every completion runs to full length."""
+    from vram_planner.tracing.session import uses_fused_lm_head
+
+    train = session.train
+    if uses_fused_lm_head(train):
+        session.tracker.selected_tokens = (sequences * (train.sequence_length - 1),
+                                           sequences * train.max_completion_length)
 
 
 @contextlib.contextmanager
