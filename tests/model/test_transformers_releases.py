@@ -187,7 +187,7 @@ def test_sdpa_inputs_made_contiguous_before_4_56_keep_copies(model, copies):
     knobs = {"gradient_checkpointing": False, "per_device_train_batch_size": 4, "num_generations": 4,
              "max_prompt_length": 256, "max_completion_length": 256, "dtype": "bfloat16", "mixed_precision": "bf16",
              "attn_implementation": "sdpa"}
-    before, after = (api.check(model, "a100-80gb", {**knobs, "transformers_version": v}, trl_version="0.23.1")
+    before, after = (engine.check(model, "a100-80gb", {**knobs, "transformers_version": v}, trl_version="0.23.1")
                      for v in ("4.55.0", "4.56.0"))
     arch = before.context.arch
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
