@@ -73,7 +73,7 @@ def run(**options: Any) -> None:
         prepared = prepare(setup)
         echo(setup.describe())
         if needs_launcher(setup.train):
-            echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup.train)}"
+            echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup)}"
                  f"command: {' '.join(launch_command(setup, argv))}")
             raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv))
         if not dry_run:

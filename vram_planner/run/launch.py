@@ -114,6 +114,8 @@ class RunSetup:
                       logging_steps=1, report_to=[])
         if self.on_cpu and on_this_machine:  # tests and smoke runs: no autocast on the CPU
             kwargs.update(CPU_ADAPTATION)
+            if self.train.num_gpus > 1:  # accelerate's cpu flag turns FSDP and DeepSpeed off: see gloo_ranks
+                kwargs["use_cpu"] = False
         return kwargs
 
     def describe(self) -> str:
@@ -244,14 +246,38 @@ def check_chat_template(model_id: str, dataset: Any) -> Any:
     return processor
 
 
-def check_dependencies(train: TrainingConfig) -> None:
-    """The optional packages the plan's config needs (bitsandbytes for 8-bit optimizers and 4-bit weights)."""
+def check_dependencies(train: TrainingConfig, dry_run: bool = False, notes: list[str] | None = None) -> None:
+    """The optional packages the plan's config needs (bitsandbytes for 8-bit optimizers and 4-bit weights,
+    accelerate for several GPUs and DeepSpeed for ZeRO). A dry run notes the launcher's packages it lacks instead:
+    it only prints the config and the launch line."""
+    problem = missing_launcher(train)
+    if problem is not None:
+        if not dry_run:
+            raise VramPlanError(problem)
+        if notes is not None:
+            notes.append(problem)
     if train.optim.needs_bitsandbytes:
         require_bitsandbytes(f"--optim {train.optim.value}")
     if train.load_in_4bit:
         require_bitsandbytes("--load-in-4bit")
     if train.use_vllm:
         require_vllm("--use-vllm")
+
+
+def missing_launcher(train: TrainingConfig) -> str | None:
+    """What several GPUs need that is not installed: accelerate's launcher, and DeepSpeed under --zero-stage."""
+    import importlib.util
+
+    if train.num_gpus < 2:
+        return None
+    what = f"--num-gpus {train.num_gpus}"
+    if importlib.util.find_spec("accelerate") is None:
+        return (f"{what} starts one process per GPU with accelerate's launcher, which is not installed: "
+                "pip install accelerate")
+    if train.zero_stage is not None and importlib.util.find_spec("deepspeed") is None:
+        return (f"{what} --zero-stage {train.zero_stage} runs DeepSpeed's ZeRO, which is not installed: "
+                "pip install deepspeed")
+    return None
 
 
 def run_files(folder: Path) -> list[Path]:
@@ -376,7 +402,7 @@ class PreparedRun:
 def prepare(setup: RunSetup) -> PreparedRun:
     """Everything a run depends on, checked before anything is written: optional packages, the output folder, the
     model folder, the dataset, the chat template, the rewards."""
-    check_dependencies(setup.train)
+    check_dependencies(setup.train, setup.dry_run, setup.notes)
     if setup.on_cpu and setup.train.use_vllm:
         raise VramPlanError("--use-vllm needs a CUDA device: vLLM generates on the GPU (drop --use-vllm to try the "
                             "run on the CPU)")
@@ -582,6 +608,8 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     done and raise RunInterrupted. On CUDA the allocator's history is recorded, and an out-of-memory error writes its
     snapshot to `oom_snapshot` (default: the run's folder) before anything is freed."""
     _use_allocator_conf(setup.train.allocator_conf)
+    if setup.on_cpu and launched_worker():
+        gloo_ranks()
     from transformers import TrainerCallback
     from trl import GRPOConfig
 
@@ -797,12 +825,21 @@ def needs_launcher(train: TrainingConfig) -> bool:
     return train.num_gpus > 1 and not launched_worker()
 
 
-def accelerate_config_yaml(train: TrainingConfig) -> str:
+def accelerate_config_yaml(setup: RunSetup) -> str:
     """TRL's accelerate config for the plan's strategy, with the plan's GPU count and mixed precision: the file `plan`
-    prints (vram_planner/model/accelerate_config.py)."""
-    from vram_planner.model.accelerate_config import accelerate_config_yaml as config_text
+    prints (vram_planner/model/accelerate_config.py). On a machine without CUDA (tests) the ranks train in float32,
+    as the CPU_NOTE says of the GRPOConfig: mixed precision "no"."""
+    import yaml
 
-    return config_text(train) or ""
+    from vram_planner.model.accelerate_config import accelerate_config, accelerate_config_yaml as config_text
+
+    text = config_text(setup.train) or ""
+    if not setup.on_cpu or not text:
+        return text
+    origin = text.splitlines(keepends=True)[0]
+    config = {**(accelerate_config(setup.train) or {}), "mixed_precision": "no"}
+    return (origin.rstrip("\n") + "; no CUDA here: ranks on the CPU with gloo, in float32\n"
+            + yaml.safe_dump(config, sort_keys=True))
 
 
 def launch_command(setup: RunSetup, argv: list[str]) -> list[str]:
@@ -811,12 +848,43 @@ def launch_command(setup: RunSetup, argv: list[str]) -> list[str]:
             *(arg for arg in argv if arg != "--dry-run")]
 
 
-def launch(setup: RunSetup, argv: list[str]) -> int:
-    """Write the accelerate config beside the run's output and start one process per GPU."""
-    import subprocess
+# What the ranks of a run on a machine without CUDA need: accelerate's device, and DeepSpeed's CPU accelerator (gloo)
+CPU_RANKS_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"}
 
-    from vram_planner.files import write_atomically
+
+def launch(setup: RunSetup, argv: list[str]) -> int:
+    """Write the accelerate config beside the run's output and start one process per GPU through accelerate's own
+    launcher, run by this interpreter (the `accelerate` script on PATH may belong to another)."""
+    import subprocess
+    import sys
 
     clear_previous_run(setup)
-    write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup.train))
-    return subprocess.call(launch_command(setup, argv))
+    write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup))
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_command(setup, argv)[2:]]
+    env = {**os.environ, **(CPU_RANKS_ENV if setup.on_cpu else {})}
+    return subprocess.call(command, env=env)
+
+
+def gloo_ranks() -> None:
+    """Let accelerate set up FSDP or DeepSpeed across processes on a machine without CUDA (tests), over gloo.
+
+    accelerate picks the process group from the device: without CUDA and without its cpu flag it finds none and
+    trains each rank alone; with the cpu flag it takes gloo but as MULTI_CPU, plain data parallelism, turning FSDP and
+    DeepSpeed off (accelerate/state.py, PartialState._prepare_backend and AcceleratorState.__init__). So the ranks run
+    without the cpu flag (RunSetup.grpo_kwargs), ACCELERATE_TORCH_DEVICE names the CPU, and the backend is gloo as a
+    GPU's is nccl: what follows is accelerate's own FSDP2 or DeepSpeed set-up."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    found = PartialState._prepare_backend
+    if getattr(found, "gloo_ranks", False):
+        return
+
+    def prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False,
+                        backend: str | None = None) -> tuple[str | None, Any]:
+        if not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", DistributedType.MULTI_GPU
+        return found(self, cpu, sagemaker_dp, backend)
+
+    prepare_backend.gloo_ranks = True  # type: ignore[attr-defined]
+    PartialState._prepare_backend = prepare_backend
