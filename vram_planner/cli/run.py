@@ -66,8 +66,9 @@ def run(**options: Any) -> None:
     settings["output_dir"] = settings["output_dir"] or Path(output_dir_name(model_id))
     argv = click.get_current_context().find_root().obj["argv"]  # the command line, as the user gave it
     setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, command=argv,
-                               dry_run=dry_run, **settings,
-                               notes=[CPU_NOTE] if on_cpu else [])
+                               dry_run=dry_run, **settings)
+    if on_cpu:
+        setup.notes.append(CPU_RANKS_NOTE if setup.train.num_gpus > 1 else CPU_NOTE)
     echo = click.echo if is_main_process() else (lambda *args, **kwargs: None)
     with library_output(verbose):
         prepared = prepare(setup)
@@ -88,6 +89,12 @@ def run(**options: Any) -> None:
 # The config printed is the GPU run's; started here, the run changes only what a machine without CUDA refuses.
 CPU_NOTE = ("no CUDA device: started on this machine the run uses the CPU (for smoke tests only), with "
             "use_cpu=True, bf16=False, fp16=False over the GPU run's GRPOConfig above")
+
+
+# Several ranks on the CPU: accelerate's FSDP2 or DeepSpeed over gloo, which its cpu flag would turn off
+CPU_RANKS_NOTE = ("no CUDA device: started on this machine each rank trains on the CPU over gloo (for tests only), "
+                  "with bf16=False, fp16=False over the GPU run's GRPOConfig above and mixed_precision 'no' in the "
+                  "accelerate config")
 
 
 def _check_installed_trl(release: Any) -> None:

@@ -28,6 +28,7 @@ from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig, knob_names
 from vram_planner.model.verdict import Verdict, judge
 from vram_planner.run.memory_history import OOM_SNAPSHOT_NAME, memory_history
+from vram_planner.run.ranks import RankBytes, gathered
 from vram_planner.run.record import RECORD_NAME, record_outcome, run_record, write_record
 from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
 from vram_planner.units import GiB
@@ -115,7 +116,7 @@ class RunSetup:
         if self.on_cpu and on_this_machine:  # tests and smoke runs: no autocast on the CPU
             kwargs.update(CPU_ADAPTATION)
             if self.train.num_gpus > 1:  # accelerate's cpu flag turns FSDP and DeepSpeed off: see gloo_ranks
-                kwargs["use_cpu"] = False
+                kwargs.update(use_cpu=False, dataloader_pin_memory=False)  # nothing to pin for
         return kwargs
 
     def describe(self) -> str:
@@ -640,13 +641,15 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
         log.on_log(*args, **kwargs)
         progress.on_log(*args, **kwargs)
 
+    ranks = RankBytes()
     callback = type("VramPlanLog", (TrainerCallback,), {"on_log": staticmethod(on_log),
                                                         "on_train_begin": staticmethod(progress.on_train_begin),
-                                                        "on_train_end": staticmethod(progress.on_train_end)})()
+                                                        "on_train_end": staticmethod(progress.on_train_end),
+                                                        "on_optimizer_step": staticmethod(ranks.on_optimizer_step)})()
     snapshot_path = oom_snapshot or setup.output_dir / OOM_SNAPSHOT_NAME
     with memory_history(snapshot_path, setup.record_frames) as history:  # from the weights' loading on
         return _train_recorded(setup, args, peft_config, dataset, callback, progress, created, readme_kept,
-                               resume_from, smoke, history)
+                               resume_from, smoke, history, ranks)
 
 
 def _use_allocator_conf(allocator_conf: str) -> None:
@@ -663,7 +666,7 @@ def _use_allocator_conf(allocator_conf: str) -> None:
 
 def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, callback: Any, progress: RichProgress,
                     created: bool, readme_kept: bool, resume_from: Path | None, smoke: bool,
-                    history: Any) -> RunSummary:
+                    history: Any, ranks: RankBytes) -> RunSummary:
     import torch
     from trl import GRPOTrainer
 
@@ -675,7 +678,8 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         if created and not history.written:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
-    if not smoke:
+    main = is_main_process()  # of several ranks, rank 0 alone writes the record and places the card
+    if not smoke and main:
         place_model_card(trainer, setup.output_dir, setup.model_id, aside=readme_kept)
         write_record(setup.output_dir, run_record(setup, setup.command))
     from transformers.trainer_callback import PrinterCallback
@@ -688,7 +692,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     except torch.cuda.OutOfMemoryError as exc:
         snapshot = history.written[-1] if history.written else None
         oom = RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer), snapshot)
-        if not smoke:
+        if not smoke and main:
             record_outcome(setup.output_dir, {"status": "out_of_memory", "step": trainer.state.global_step,
                                               "checkpoint": oom.checkpoint, "error": first_line(exc, limit=400),
                                               "oom_snapshot": snapshot, "oom_snapshot_failed": history.failed})
@@ -698,7 +702,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         terminated = isinstance(exc, Terminated)
         stop = RunInterrupted(143 if terminated else 130, "SIGTERM" if terminated else "Ctrl+C",
                               trainer.state.global_step, None if smoke else _rescue(trainer))
-        if not smoke:
+        if not smoke and main:
             record_outcome(setup.output_dir, {"status": "interrupted", "signal": stop.signal_name,
                                               "step": stop.step, "checkpoint": stop.checkpoint})
         raise stop from None
@@ -706,11 +710,13 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         trainer.save_model(str(setup.output_dir / "final"))
     measured = int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
     summary = RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started, measured)
-    if not smoke:
+    per_rank = gathered(ranks.measured) if setup.train.num_gpus > 1 else None  # every rank takes part
+    if not smoke and main:
         record_outcome(setup.output_dir, {"status": "finished", "steps": summary.steps,
                                           "seconds": round(summary.seconds, 1),
                                           "measured_peak_reserved_bytes": measured,
-                                          "predicted_peak_bytes": round(setup.predicted_peak_bytes)})
+                                          "predicted_peak_bytes": round(setup.predicted_peak_bytes),
+                                          **({"ranks": per_rank} if per_rank else {})})
     return summary
 
 
