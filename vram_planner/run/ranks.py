@@ -1,10 +1,11 @@
 """Each rank's own bytes of a run on several GPUs, read off the model and the optimizer the engine prepared.
 
 The plan counts one rank's share of the weights, gradients and optimizer states (FSDP2's shards, DeepSpeed's
-partitions); these are the same three read from the tensors the rank holds when its optimizer has stepped: a DTensor's
-local shard under FSDP2, a ZeRO-3 parameter's `ds_tensor` partition, the innermost torch optimizer's state (DeepSpeed
-wraps it, and accelerate wraps that). numel x element size, no allocator rounding. Rank 0 gathers every rank's figures
-into the run's record, so the processes never write the same file.
+partitions); these are the same three read from the tensors the rank holds when its optimizer has stepped: a
+DTensor's local shard under FSDP2, a ZeRO-3 parameter's `ds_tensor` partition, the innermost torch optimizer's state
+and ZeRO's fp32 master partitions (DeepSpeed wraps the torch optimizer, and accelerate wraps that). numel x element
+size, no allocator rounding. Rank 0 gathers every rank's figures into the run's record, so the processes never write
+the same file.
 """
 
 from __future__ import annotations
@@ -24,11 +25,18 @@ def _bytes(tensor: Any) -> int:
     return int(local.numel() * local.element_size())
 
 
-def _innermost(optimizer: Any) -> Any:
-    """The torch optimizer under accelerate's AcceleratedOptimizer and DeepSpeed's ZeRO optimizer."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
+# DeepSpeed's fp32 master partitions, by the attribute of its ZeRO optimizer that holds them
+# (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py); stage 3 takes them out of the torch optimizer's param_groups
+# after each sub-group's step, so they are read here
+MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+
+
+def _optimizers(optimizer: Any) -> list[Any]:
+    """accelerate's AcceleratedOptimizer, DeepSpeed's ZeRO optimizer where there is one, and the torch optimizer."""
+    chain = [optimizer]
+    while hasattr(chain[-1], "optimizer"):
+        chain.append(chain[-1].optimizer)
+    return chain
 
 
 def rank_bytes(model: Any, optimizer: Any) -> dict[str, int]:
@@ -36,11 +44,18 @@ def rank_bytes(model: Any, optimizer: Any) -> dict[str, int]:
     import torch
 
     parameters = list({id(p): p for p in model.parameters()}.values())
-    states = [value for state in _innermost(optimizer).state.values() for value in state.values()
+    chain = _optimizers(optimizer)
+    states = [value for state in chain[-1].state.values() for value in state.values()
               if isinstance(value, torch.Tensor) and value.dim() > 0]  # the moments, not the step counters
+    # what the optimizer steps that is not the model's own parameters: ZeRO's fp32 master partitions, which the
+    # plan counts with the optimizer states
+    stepped = [p for group in chain[-1].param_groups for p in group["params"]]
+    stepped += [p for level in chain for name in MASTER_ATTRIBUTES for p in getattr(level, name, None) or []]
+    model_ids = {id(p) for p in parameters}
+    masters = list({id(p): p for p in stepped if id(p) not in model_ids}.values())
     return {"weights": sum(_bytes(p) for p in parameters),
             "gradients": sum(_bytes(p.grad) for p in parameters if p.grad is not None),
-            "optimizer_states": sum(_bytes(s) for s in states)}
+            "optimizer_states": sum(_bytes(s) for s in states) + sum(_bytes(p) for p in masters)}
 
 
 class RankBytes:
