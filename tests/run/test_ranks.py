@@ -98,3 +98,32 @@ def test_a_missing_launcher_package_is_refused_in_one_line(capsys, monkeypatch, 
     # the dry run prints the config and the launch line all the same, and says what is missing
     code, stdout, _ = run(capsys, *args, "--dry-run")
     assert code == 0 and "accelerate launch --config_file" in stdout and install in stdout and not out.exists()
+
+
+RANK_1_FAILS = {
+    "refused": "raise RuntimeError('no answer column on this rank')",  # the rank says why in its own line
+    "killed": "os.kill(os.getpid(), signal.SIGKILL)",  # as the kernel's out-of-memory killer does: not a word
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", list(RANK_1_FAILS))
+def test_a_failed_rank_is_one_line_not_the_launchers_traceback(capfd, tiny_model_folder, tmp_path, how):
+    from vram_planner.cli import main
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("import os, signal\n\ndef reward(completions, **kwargs):\n"
+                       f"    if os.environ.get('RANK') == '1':\n        {RANK_1_FAILS[how]}\n"
+                       "    return [0.0] * len(completions)\n")
+    code = main(["run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--max-steps", "1",
+                 "--output-dir", str(tmp_path / "run"), *SMALL, "--num-gpus", "2", "--fsdp",
+                 "--reward", f"{rewards}:reward"])
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err and "ChildFailedError" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    if how == "refused":
+        assert errors == [f"error: reward {rewards}:reward fails on a sample batch: no answer column on this rank "
+                          "(--debug shows where)"]
+    else:
+        assert errors == ["error: rank 1 of 2 was killed by SIGKILL (out of host memory, or killed); --verbose "
+                          "shows the launcher's report"]

@@ -76,7 +76,7 @@ def run(**options: Any) -> None:
         if needs_launcher(setup.train):
             echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup)}"
                  f"command: {' '.join(launch_command(setup, argv))}")
-            raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv))
+            raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv, verbose))
         if not dry_run:
             try:
                 train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))

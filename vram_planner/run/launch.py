@@ -858,17 +858,49 @@ def launch_command(setup: RunSetup, argv: list[str]) -> list[str]:
 CPU_RANKS_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"}
 
 
-def launch(setup: RunSetup, argv: list[str]) -> int:
-    """Write the accelerate config beside the run's output and start one process per GPU through accelerate's own
-    launcher, run by this interpreter (the `accelerate` script on PATH may belong to another)."""
-    import subprocess
-    import sys
+# The exit codes of a rank that said why it stopped, in its own line above: refused (2), Ctrl+C (130), SIGTERM (143)
+RANK_SAID_WHY = (2, 130, 143)
+
+
+def launch(setup: RunSetup, argv: list[str], verbose: bool = False) -> int:
+    """Write the accelerate config beside the run's output and start one process per GPU with accelerate's own
+    launcher, in this process (so this Python runs the ranks). Returns the exit code: 0, or a failed rank's, which
+    said why in its own line; a rank that stopped without a word (killed) is named in one line. Without --verbose,
+    torch's launcher logs nothing (its warnings and the failure report with its traceback): the ranks' lines say it."""
+    import logging
+
+    from accelerate.commands.launch import launch_command as accelerate_launch
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     clear_previous_run(setup)
     write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup))
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_command(setup, argv)[2:]]
-    env = {**os.environ, **(CPU_RANKS_ENV if setup.on_cpu else {})}
-    return subprocess.call(command, env=env)
+    args = launch_command_parser().parse_args(launch_command(setup, argv)[2:])
+    logger = logging.getLogger("torch.distributed")
+    level = logger.level
+    if not verbose:
+        logger.setLevel(logging.CRITICAL)
+    saved = {name: os.environ.get(name) for name in CPU_RANKS_ENV}
+    if setup.on_cpu:
+        os.environ.update(CPU_RANKS_ENV)
+    try:
+        accelerate_launch(args)
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        if failure.exitcode in RANK_SAID_WHY:
+            return failure.exitcode
+        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exited with code {failure.exitcode}")
+        raise VramPlanError(f"rank {rank} of {setup.train.num_gpus} {how} (out of host memory, or killed); "
+                            "--verbose shows the launcher's report") from None
+    finally:
+        logger.setLevel(level)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return 0
 
 
 def gloo_ranks() -> None:
