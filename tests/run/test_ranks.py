@@ -127,3 +127,18 @@ def test_a_failed_rank_is_one_line_not_the_launchers_traceback(capfd, tiny_model
     else:
         assert errors == ["error: rank 1 of 2 was killed by SIGKILL (out of host memory, or killed); --verbose "
                           "shows the launcher's report"]
+
+
+def test_the_launch_line_spells_out_what_num_gpus_auto_chose(capsys, tmp_path):
+    out = tmp_path / "run"
+    base = ["run", "--gpu", "h100", "--model", "Qwen2.5-7B", "--dataset", "math-sample", "--output-dir", str(out)]
+    code, stdout, _ = run(capsys, *base, "--num-gpus", "auto", "--dry-run")
+    assert code == 0 and not out.exists()
+    command = stdout.split("command: ")[1].strip().split()
+    assert "auto" not in command and "--dry-run" not in command
+    count = command[command.index("--num-gpus") + 1]
+    chosen = command[command.index("--num-gpus") + 2:]
+    assert chosen and chosen[0] in ("--fsdp", "--zero-stage", "--offload-optimizer", "--offload-param"), command
+    # the ranks plan the same run from the spelled-out flags: the same config file, the same launch line
+    spelled = run(capsys, *base, "--num-gpus", count, *chosen, "--dry-run")[1]
+    assert spelled.split(f"{out}/accelerate_config.yaml:")[1] == stdout.split(f"{out}/accelerate_config.yaml:")[1]

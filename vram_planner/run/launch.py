@@ -849,9 +849,35 @@ def accelerate_config_yaml(setup: RunSetup) -> str:
 
 
 def launch_command(setup: RunSetup, argv: list[str]) -> list[str]:
-    """`accelerate launch` of this same `vram-plan run` (each process then trains its share)."""
+    """`accelerate launch` of this same `vram-plan run` (each process then trains its share), with the count and
+    strategy `--num-gpus auto` chose spelled out, so every rank starts the planned run without searching again."""
     return ["accelerate", "launch", "--config_file", str(setup.output_dir / CONFIG_NAME), "-m", "vram_planner",
-            *(arg for arg in argv if arg != "--dry-run")]
+            *(arg for arg in _strategy_spelled_out(setup.train, argv) if arg != "--dry-run")]
+
+
+def _strategy_spelled_out(train: TrainingConfig, argv: list[str]) -> list[str]:
+    """`argv` with `--num-gpus auto` replaced by the count, and the strategy's flags the search chose added."""
+    args, auto = [], False
+    for arg in argv:
+        if arg.lower() == "--num-gpus=auto":
+            args.append(f"--num-gpus={train.num_gpus}")
+            auto = True
+        elif arg == "auto" and args and args[-1] == "--num-gpus":
+            args.append(str(train.num_gpus))
+            auto = True
+        else:
+            args.append(arg)
+    if not auto:
+        return argv
+    strategy = (["--fsdp"] if train.fsdp else
+                ["--zero-stage", str(train.zero_stage)] if train.zero_stage is not None else [])
+    given = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
+    if given & {"--fsdp", "--zero-stage"}:
+        strategy = []
+    offload = [item for flag, device in (("--offload-optimizer", train.offload_optimizer),
+                                         ("--offload-param", train.offload_param))
+               if device != "none" and flag not in given for item in (flag, device)]
+    return args + strategy + offload
 
 
 # What the ranks of a run on a machine without CUDA need: accelerate's device, and DeepSpeed's CPU accelerator (gloo)
