@@ -50,9 +50,9 @@ def run(**options: Any) -> None:
 
     require_train_extra("vram-plan run")
     from vram_planner.model.search import best_plan
-    from vram_planner.run.launch import (CONFIG_NAME, RunInterrupted, RunSetup, accelerate_config_yaml,
-                                         interrupted_message, is_main_process, launch, launch_command, library_output,
-                                         needs_launcher, prepare, train)
+    from vram_planner.run.launch import (RunInterrupted, RunSetup, clear_previous_run, interrupted_message,
+                                         is_main_process, library_output, prepare, train)
+    from vram_planner.run.several import CONFIG_NAME, accelerate_config_yaml, launch, launch_command, needs_launcher
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite",
                 "record_frames")
@@ -76,7 +76,10 @@ def run(**options: Any) -> None:
         if needs_launcher(setup.train):
             echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup)}"
                  f"command: {' '.join(launch_command(setup, argv))}")
-            raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv, verbose))
+            if dry_run:
+                raise click.exceptions.Exit(EXIT_FITS)
+            clear_previous_run(setup)
+            raise click.exceptions.Exit(launch(setup, argv, verbose))
         if not dry_run:
             try:
                 train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))
