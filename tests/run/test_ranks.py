@@ -1,5 +1,6 @@
 """`vram-plan run --num-gpus 2`: two gloo ranks on the CPU train a tiny model through accelerate's own launcher under
-FSDP2 (and DeepSpeed ZeRO-2/3 where it is installed), and each rank's bytes are held to the plan's per-rank figures."""
+DDP and FSDP2 (and DeepSpeed ZeRO-2/3 where it is installed), and each rank's bytes are held to the plan's per-rank
+figures."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ def _close(measured: float, planned: float, within: float = 0.01) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [
+    [],
     ["--fsdp"],
     pytest.param(["--zero-stage", "2"], marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
     pytest.param(["--zero-stage", "3"], marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
-], ids=["fsdp2", "zero2", "zero3"])
+], ids=["ddp", "fsdp2", "zero2", "zero3"])
 def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, tiny_model_folder, tmp_path, flags):
     out = tmp_path / "run"
     code, stdout, _ = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
@@ -37,7 +39,8 @@ def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, tiny_mode
     assert code == 0, stdout
     config = (out / "accelerate_config.yaml").read_text()
     assert "num_processes: 2" in config and "mixed_precision: 'no'" in config  # float32 ranks on the CPU
-    assert ("fsdp_version: 2" if flags == ["--fsdp"] else f"zero_stage: {flags[1]}") in config
+    expected = {0: "distributed_type: MULTI_GPU", 1: "fsdp_version: 2"}.get(len(flags)) or f"zero_stage: {flags[1]}"
+    assert expected in config
     record = json.loads((out / "vram-plan-run.json").read_text())
     assert record["outcome"]["status"] == "finished" and record["outcome"]["steps"] == 1
     # rank 0 alone writes: one line per logged step, one record that holds both ranks
@@ -49,7 +52,11 @@ def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, tiny_mode
     for rank in ranks:
         # DeepSpeed's fp32 master partition with the moments, FSDP2's fp32 shard of both: what the plan counts
         assert _close(rank["optimizer_states"], plan["optimizer_states"]), (rank, plan)
-        if flags == ["--fsdp"]:
+        if not flags:
+            # DDP: the whole model on every rank; the plan's gradients add DDP's bucket copy of them, which the
+            # reducer holds, not the parameters' .grad
+            assert _close(rank["weights"], plan["weights"]) and _close(2 * rank["gradients"], plan["gradients"]), rank
+        elif flags == ["--fsdp"]:
             assert _close(rank["weights"], plan["weights"]) and _close(rank["gradients"], plan["gradients"]), rank
         elif flags[1] == "2":
             # transformers refuses bf16 without a GPU, so the CPU ranks run DeepSpeed's fp32 engine: the whole

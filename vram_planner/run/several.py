@@ -12,10 +12,11 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.files import write_atomically
+from vram_planner.model.accelerate_config import CONFIG_FILE
 from vram_planner.model.spec import TrainingConfig
 
 # `setup` below is run/launch.py's RunSetup, which imports this module: typed Any, so the two make no import circle
-CONFIG_NAME = "accelerate_config.yaml"  # TRL's accelerate config for the plan's strategy, beside the run's output
+CONFIG_NAME = CONFIG_FILE  # TRL's accelerate config for the plan's strategy, beside the run's output
 
 
 def launched_worker() -> bool:
@@ -149,7 +150,8 @@ def gloo_ranks() -> None:
     trains each rank alone; with the cpu flag it takes gloo but as MULTI_CPU, plain data parallelism, turning FSDP and
     DeepSpeed off (accelerate/state.py, PartialState._prepare_backend and AcceleratorState.__init__). So the ranks run
     without the cpu flag (RunSetup.grpo_kwargs), ACCELERATE_TORCH_DEVICE names the CPU, and the backend is gloo as a
-    GPU's is nccl: what follows is accelerate's own FSDP2 or DeepSpeed set-up."""
+    GPU's is nccl: what follows is accelerate's own FSDP2 or DeepSpeed set-up. Plain data parallelism (neither) takes
+    accelerate's own CPU path, MULTI_CPU: DDP given a GPU's device ids refuses a module on the CPU."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
@@ -160,7 +162,9 @@ def gloo_ranks() -> None:
     def prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False,
                         backend: str | None = None) -> tuple[str | None, Any]:
         if not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
-            return "gloo", DistributedType.MULTI_GPU
+            sharded = any(os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"
+                          for name in ("FSDP", "DEEPSPEED"))  # what accelerate's launcher sets from the config
+            return "gloo", DistributedType.MULTI_GPU if sharded else DistributedType.MULTI_CPU
         return found(self, cpu, sagemaker_dp, backend)
 
     prepare_backend.gloo_ranks = True  # type: ignore[attr-defined]
