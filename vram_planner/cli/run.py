@@ -50,9 +50,9 @@ def run(**options: Any) -> None:
 
     require_train_extra("vram-plan run")
     from vram_planner.model.search import best_plan
-    from vram_planner.run.launch import (CONFIG_NAME, RunInterrupted, RunSetup, accelerate_config_yaml,
-                                         interrupted_message, is_main_process, launch, launch_command, library_output,
-                                         needs_launcher, prepare, train)
+    from vram_planner.run.launch import (RunInterrupted, RunSetup, clear_previous_run, interrupted_message,
+                                         is_main_process, library_output, prepare, train)
+    from vram_planner.run.several import CONFIG_NAME, accelerate_config_yaml, launch, launch_command, needs_launcher
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite",
                 "record_frames")
@@ -66,16 +66,20 @@ def run(**options: Any) -> None:
     settings["output_dir"] = settings["output_dir"] or Path(output_dir_name(model_id))
     argv = click.get_current_context().find_root().obj["argv"]  # the command line, as the user gave it
     setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, command=argv,
-                               dry_run=dry_run, **settings,
-                               notes=[CPU_NOTE] if on_cpu else [])
+                               dry_run=dry_run, **settings)
+    if on_cpu:
+        setup.notes.append(CPU_RANKS_NOTE if setup.train.num_gpus > 1 else CPU_NOTE)
     echo = click.echo if is_main_process() else (lambda *args, **kwargs: None)
     with library_output(verbose):
         prepared = prepare(setup)
         echo(setup.describe())
         if needs_launcher(setup.train):
-            echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup.train)}"
+            echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup)}"
                  f"command: {' '.join(launch_command(setup, argv))}")
-            raise click.exceptions.Exit(EXIT_FITS if dry_run else launch(setup, argv))
+            if dry_run:
+                raise click.exceptions.Exit(EXIT_FITS)
+            clear_previous_run(setup)
+            raise click.exceptions.Exit(launch(setup, argv, verbose))
         if not dry_run:
             try:
                 train(setup, prepared, auto_fallback, say=lambda text: echo(text, err=True))
@@ -88,6 +92,12 @@ def run(**options: Any) -> None:
 # The config printed is the GPU run's; started here, the run changes only what a machine without CUDA refuses.
 CPU_NOTE = ("no CUDA device: started on this machine the run uses the CPU (for smoke tests only), with "
             "use_cpu=True, bf16=False, fp16=False over the GPU run's GRPOConfig above")
+
+
+# Several ranks on the CPU: accelerate's FSDP2 or DeepSpeed over gloo, which its cpu flag would turn off
+CPU_RANKS_NOTE = ("no CUDA device: started on this machine each rank trains on the CPU over gloo (for tests only), "
+                  "with bf16=False, fp16=False over the GPU run's GRPOConfig above and mixed_precision 'no' in the "
+                  "accelerate config")
 
 
 def _check_installed_trl(release: Any) -> None:

@@ -28,12 +28,13 @@ from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig, knob_names
 from vram_planner.model.verdict import Verdict, judge
 from vram_planner.run.memory_history import OOM_SNAPSHOT_NAME, memory_history
+from vram_planner.run.ranks import RankBytes, gathered
 from vram_planner.run.record import RECORD_NAME, record_outcome, run_record, write_record
 from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
+from vram_planner.run.several import CONFIG_NAME, gloo_ranks, launched_worker, missing_launcher
 from vram_planner.units import GiB
 
 LOG_NAME = "vram-plan-log.jsonl"
-CONFIG_NAME = "accelerate_config.yaml"  # TRL's accelerate config for several GPUs
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
@@ -114,6 +115,8 @@ class RunSetup:
                       logging_steps=1, report_to=[])
         if self.on_cpu and on_this_machine:  # tests and smoke runs: no autocast on the CPU
             kwargs.update(CPU_ADAPTATION)
+            if self.train.num_gpus > 1:  # accelerate's cpu flag turns FSDP and DeepSpeed off: see gloo_ranks
+                kwargs.update(use_cpu=False, dataloader_pin_memory=False)  # nothing to pin for
         return kwargs
 
     def describe(self) -> str:
@@ -244,8 +247,16 @@ def check_chat_template(model_id: str, dataset: Any) -> Any:
     return processor
 
 
-def check_dependencies(train: TrainingConfig) -> None:
-    """The optional packages the plan's config needs (bitsandbytes for 8-bit optimizers and 4-bit weights)."""
+def check_dependencies(train: TrainingConfig, dry_run: bool = False, notes: list[str] | None = None) -> None:
+    """The optional packages the plan's config needs (bitsandbytes for 8-bit optimizers and 4-bit weights,
+    accelerate for several GPUs and DeepSpeed for ZeRO). A dry run notes the launcher's packages it lacks instead:
+    it only prints the config and the launch line."""
+    problem = missing_launcher(train)
+    if problem is not None:
+        if not dry_run:
+            raise VramPlanError(problem)
+        if notes is not None:
+            notes.append(problem)
     if train.optim.needs_bitsandbytes:
         require_bitsandbytes(f"--optim {train.optim.value}")
     if train.load_in_4bit:
@@ -376,7 +387,7 @@ class PreparedRun:
 def prepare(setup: RunSetup) -> PreparedRun:
     """Everything a run depends on, checked before anything is written: optional packages, the output folder, the
     model folder, the dataset, the chat template, the rewards."""
-    check_dependencies(setup.train)
+    check_dependencies(setup.train, setup.dry_run, setup.notes)
     if setup.on_cpu and setup.train.use_vllm:
         raise VramPlanError("--use-vllm needs a CUDA device: vLLM generates on the GPU (drop --use-vllm to try the "
                             "run on the CPU)")
@@ -384,11 +395,6 @@ def prepare(setup: RunSetup) -> PreparedRun:
     check_model_folder(setup.model_id)
     check_hub_model(setup)
     return PreparedRun(prepared_dataset(setup), resume_from)
-
-
-def launched_worker() -> bool:
-    """This process is one of several that `accelerate launch` (or torchrun) started."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def is_main_process() -> bool:
@@ -582,6 +588,8 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     done and raise RunInterrupted. On CUDA the allocator's history is recorded, and an out-of-memory error writes its
     snapshot to `oom_snapshot` (default: the run's folder) before anything is freed."""
     _use_allocator_conf(setup.train.allocator_conf)
+    if setup.on_cpu and launched_worker():
+        gloo_ranks()
     from transformers import TrainerCallback
     from trl import GRPOConfig
 
@@ -612,13 +620,15 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
         log.on_log(*args, **kwargs)
         progress.on_log(*args, **kwargs)
 
+    ranks = RankBytes()
     callback = type("VramPlanLog", (TrainerCallback,), {"on_log": staticmethod(on_log),
                                                         "on_train_begin": staticmethod(progress.on_train_begin),
-                                                        "on_train_end": staticmethod(progress.on_train_end)})()
+                                                        "on_train_end": staticmethod(progress.on_train_end),
+                                                        "on_optimizer_step": staticmethod(ranks.on_optimizer_step)})()
     snapshot_path = oom_snapshot or setup.output_dir / OOM_SNAPSHOT_NAME
     with memory_history(snapshot_path, setup.record_frames) as history:  # from the weights' loading on
         return _train_recorded(setup, args, peft_config, dataset, callback, progress, created, readme_kept,
-                               resume_from, smoke, history)
+                               resume_from, smoke, history, ranks)
 
 
 def _use_allocator_conf(allocator_conf: str) -> None:
@@ -635,7 +645,7 @@ def _use_allocator_conf(allocator_conf: str) -> None:
 
 def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, callback: Any, progress: RichProgress,
                     created: bool, readme_kept: bool, resume_from: Path | None, smoke: bool,
-                    history: Any) -> RunSummary:
+                    history: Any, ranks: RankBytes) -> RunSummary:
     import torch
     from trl import GRPOTrainer
 
@@ -647,7 +657,8 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         if created and not history.written:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
-    if not smoke:
+    main = is_main_process()  # of several ranks, rank 0 alone writes the record and places the card
+    if not smoke and main:
         place_model_card(trainer, setup.output_dir, setup.model_id, aside=readme_kept)
         write_record(setup.output_dir, run_record(setup, setup.command))
     from transformers.trainer_callback import PrinterCallback
@@ -660,7 +671,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     except torch.cuda.OutOfMemoryError as exc:
         snapshot = history.written[-1] if history.written else None
         oom = RunOutOfMemory(setup, exc, None if smoke else _rescue(trainer), snapshot)
-        if not smoke:
+        if not smoke and main:
             record_outcome(setup.output_dir, {"status": "out_of_memory", "step": trainer.state.global_step,
                                               "checkpoint": oom.checkpoint, "error": first_line(exc, limit=400),
                                               "oom_snapshot": snapshot, "oom_snapshot_failed": history.failed})
@@ -670,7 +681,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         terminated = isinstance(exc, Terminated)
         stop = RunInterrupted(143 if terminated else 130, "SIGTERM" if terminated else "Ctrl+C",
                               trainer.state.global_step, None if smoke else _rescue(trainer))
-        if not smoke:
+        if not smoke and main:
             record_outcome(setup.output_dir, {"status": "interrupted", "signal": stop.signal_name,
                                               "step": stop.step, "checkpoint": stop.checkpoint})
         raise stop from None
@@ -678,11 +689,13 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         trainer.save_model(str(setup.output_dir / "final"))
     measured = int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
     summary = RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started, measured)
-    if not smoke:
+    per_rank = gathered(ranks.measured) if setup.train.num_gpus > 1 else None  # every rank takes part
+    if not smoke and main:
         record_outcome(setup.output_dir, {"status": "finished", "steps": summary.steps,
                                           "seconds": round(summary.seconds, 1),
                                           "measured_peak_reserved_bytes": measured,
-                                          "predicted_peak_bytes": round(setup.predicted_peak_bytes)})
+                                          "predicted_peak_bytes": round(setup.predicted_peak_bytes),
+                                          **({"ranks": per_rank} if per_rank else {})})
     return summary
 
 
@@ -790,33 +803,3 @@ def changed(before: TrainingConfig, after: TrainingConfig) -> str:
     fields = knob_names()
     return ", ".join(f"{k} {getattr(before, k)} -> {getattr(after, k)}" for k in fields
                      if getattr(before, k) != getattr(after, k))
-
-
-def needs_launcher(train: TrainingConfig) -> bool:
-    """Several GPUs, and this process is not one that `accelerate launch` started."""
-    return train.num_gpus > 1 and not launched_worker()
-
-
-def accelerate_config_yaml(train: TrainingConfig) -> str:
-    """TRL's accelerate config for the plan's strategy, with the plan's GPU count and mixed precision: the file `plan`
-    prints (vram_planner/model/accelerate_config.py)."""
-    from vram_planner.model.accelerate_config import accelerate_config_yaml as config_text
-
-    return config_text(train) or ""
-
-
-def launch_command(setup: RunSetup, argv: list[str]) -> list[str]:
-    """`accelerate launch` of this same `vram-plan run` (each process then trains its share)."""
-    return ["accelerate", "launch", "--config_file", str(setup.output_dir / CONFIG_NAME), "-m", "vram_planner",
-            *(arg for arg in argv if arg != "--dry-run")]
-
-
-def launch(setup: RunSetup, argv: list[str]) -> int:
-    """Write the accelerate config beside the run's output and start one process per GPU."""
-    import subprocess
-
-    from vram_planner.files import write_atomically
-
-    clear_previous_run(setup)
-    write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup.train))
-    return subprocess.call(launch_command(setup, argv))

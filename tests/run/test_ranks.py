@@ -1,0 +1,151 @@
+"""`vram-plan run --num-gpus 2`: two gloo ranks on the CPU train a tiny model through accelerate's own launcher under
+DDP and FSDP2 (and DeepSpeed ZeRO-2/3 where it is installed), and each rank's bytes are held to the plan's per-rank
+figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from helpers import SMALL, one_line_error, run
+
+pytest.importorskip("trl")
+pytest.importorskip("accelerate")
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def _planned(record: dict, phase: str = "optimizer") -> dict[str, int]:
+    return next(p["components"] for p in record["phases"] if p["name"] == phase)
+
+
+def _close(measured: float, planned: float, within: float = 0.01) -> bool:
+    return abs(measured - planned) <= within * planned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    [],
+    ["--fsdp"],
+    pytest.param(["--zero-stage", "2"], marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
+    pytest.param(["--zero-stage", "3"], marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
+], ids=["ddp", "fsdp2", "zero2", "zero3"])
+def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, tiny_model_folder, tmp_path, flags):
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                          "--max-steps", "1", "--output-dir", str(out), *SMALL, "--num-gpus", "2", *flags)
+    assert code == 0, stdout
+    config = (out / "accelerate_config.yaml").read_text()
+    assert "num_processes: 2" in config and "mixed_precision: 'no'" in config  # float32 ranks on the CPU
+    expected = {0: "distributed_type: MULTI_GPU", 1: "fsdp_version: 2"}.get(len(flags)) or f"zero_stage: {flags[1]}"
+    assert expected in config
+    record = json.loads((out / "vram-plan-run.json").read_text())
+    assert record["outcome"]["status"] == "finished" and record["outcome"]["steps"] == 1
+    # rank 0 alone writes: one line per logged step, one record that holds both ranks
+    lines = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "reward" in line] == [1]
+    ranks = record["outcome"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    plan = _planned(record)
+    for rank in ranks:
+        # DeepSpeed's fp32 master partition with the moments, FSDP2's fp32 shard of both: what the plan counts
+        assert _close(rank["optimizer_states"], plan["optimizer_states"]), (rank, plan)
+        if not flags:
+            # DDP: the whole model on every rank; the plan's gradients add DDP's bucket copy of them, which the
+            # reducer holds, not the parameters' .grad
+            assert _close(rank["weights"], plan["weights"]) and _close(2 * rank["gradients"], plan["gradients"]), rank
+        elif flags == ["--fsdp"]:
+            assert _close(rank["weights"], plan["weights"]) and _close(rank["gradients"], plan["gradients"]), rank
+        elif flags[1] == "2":
+            # transformers refuses bf16 without a GPU, so the CPU ranks run DeepSpeed's fp32 engine: the whole
+            # module at 4 bytes a parameter where the plan counts bf16's 2
+            assert _close(rank["weights"], 2 * plan["weights"]), (rank, plan)
+        else:
+            # ZeRO-3: this rank's fp32 partition; the plan counts it in bf16 beside the largest layer gathered
+            from vram_planner.model import zero
+            from vram_planner.model.architecture import ModelArchitecture
+
+            arch = ModelArchitecture.from_config(json.loads((tiny_model_folder / "config.json").read_text()))
+            partition = plan["weights"] - zero.largest_layer_params(arch) * zero.GATHERED_PARAM_BYTES
+            assert _close(rank["weights"], 2 * partition), (rank, plan)
+
+
+def test_rank_bytes_reads_weights_gradients_and_optimizer_states():
+    import torch
+
+    from vram_planner.run.ranks import gathered, rank_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2, bias=False))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(3, 8)).sum().backward()
+    optimizer.step()
+    params = 8 * 4 + 4 + 4 * 2
+    assert rank_bytes(model, optimizer) == {"weights": 4 * params, "gradients": 4 * params,
+                                            "optimizer_states": 8 * params}  # two fp32 moments, no step counters
+    optimizer.zero_grad()
+    assert rank_bytes(model, optimizer)["gradients"] == 0
+    assert gathered({"weights": 1}) == [{"rank": 0, "weights": 1}]  # no process group: this process alone
+
+
+@pytest.mark.parametrize(("missing", "flags", "install"), [
+    ("accelerate", ["--fsdp"], "pip install accelerate"),
+    ("deepspeed", ["--zero-stage", "2"], "pip install deepspeed"),
+])
+def test_a_missing_launcher_package_is_refused_in_one_line(capsys, monkeypatch, tiny_model_folder, tmp_path, missing,
+                                                            flags, install):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else found(name, *a))
+    out = tmp_path / "run"
+    args = ["run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--output-dir", str(out), *SMALL,
+            "--num-gpus", "2", *flags]
+    err = one_line_error(capsys, *args)
+    assert install in err and "--num-gpus 2" in err and not out.exists()
+    # the dry run prints the config and the launch line all the same, and says what is missing
+    code, stdout, _ = run(capsys, *args, "--dry-run")
+    assert code == 0 and "accelerate launch --config_file" in stdout and install in stdout and not out.exists()
+
+
+RANK_1_FAILS = {
+    "refused": "raise RuntimeError('no answer column on this rank')",  # the rank says why in its own line
+    "killed": "os.kill(os.getpid(), signal.SIGKILL)",  # as the kernel's out-of-memory killer does: not a word
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", list(RANK_1_FAILS))
+def test_a_failed_rank_is_one_line_not_the_launchers_traceback(capfd, tiny_model_folder, tmp_path, how):
+    from vram_planner.cli import main
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("import os, signal\n\ndef reward(completions, **kwargs):\n"
+                       f"    if os.environ.get('RANK') == '1':\n        {RANK_1_FAILS[how]}\n"
+                       "    return [0.0] * len(completions)\n")
+    code = main(["run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--max-steps", "1",
+                 "--output-dir", str(tmp_path / "run"), *SMALL, "--num-gpus", "2", "--fsdp",
+                 "--reward", f"{rewards}:reward"])
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err and "ChildFailedError" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    if how == "refused":
+        assert errors == [f"error: reward {rewards}:reward fails on a sample batch: no answer column on this rank "
+                          "(--debug shows where)"]
+    else:
+        assert errors == ["error: rank 1 of 2 was killed by SIGKILL (out of host memory, or killed); --verbose "
+                          "shows the launcher's report"]
+
+
+def test_the_launch_line_spells_out_what_num_gpus_auto_chose(capsys, tmp_path):
+    out = tmp_path / "run"
+    base = ["run", "--gpu", "h100", "--model", "Qwen2.5-7B", "--dataset", "math-sample", "--output-dir", str(out)]
+    code, stdout, _ = run(capsys, *base, "--num-gpus", "auto", "--dry-run")
+    assert code == 0 and not out.exists()
+    command = stdout.split("command: ")[1].strip().split()
+    assert "auto" not in command and "--dry-run" not in command
+    count = command[command.index("--num-gpus") + 1]
+    chosen = command[command.index("--num-gpus") + 2:]
+    assert chosen and chosen[0] in ("--fsdp", "--zero-stage", "--offload-optimizer", "--offload-param"), command
+    # the ranks plan the same run from the spelled-out flags: the same config file, the same launch line
+    spelled = run(capsys, *base, "--num-gpus", count, *chosen, "--dry-run")[1]
+    assert spelled.split(f"{out}/accelerate_config.yaml:")[1] == stdout.split(f"{out}/accelerate_config.yaml:")[1]

@@ -1,0 +1,82 @@
+"""Each rank's own bytes of a run on several GPUs, read off the model and the optimizer the engine prepared.
+
+The plan counts one rank's share of the weights, gradients and optimizer states (FSDP2's shards, DeepSpeed's
+partitions); these are the same three read from the tensors the rank holds when its optimizer has stepped: a
+DTensor's local shard under FSDP2, a ZeRO-3 parameter's `ds_tensor` partition, the innermost torch optimizer's state
+and ZeRO's fp32 master partitions (DeepSpeed wraps the torch optimizer, and accelerate wraps that). numel x element
+size, no allocator rounding. Rank 0 gathers every rank's figures into the run's record, so the processes never write
+the same file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _local(tensor: Any) -> Any:
+    """The part of `tensor` this rank holds."""
+    if hasattr(tensor, "ds_tensor"):  # a ZeRO-3 parameter: its data is gathered only around its layer's use
+        return tensor.ds_tensor
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _bytes(tensor: Any) -> int:
+    local = _local(tensor)
+    return int(local.numel() * local.element_size())
+
+
+# DeepSpeed's fp32 master partitions, by the attribute of its ZeRO optimizer that holds them
+# (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py); stage 3 takes them out of the torch optimizer's param_groups
+# after each sub-group's step, so they are read here
+MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+
+
+def _optimizers(optimizer: Any) -> list[Any]:
+    """accelerate's AcceleratedOptimizer, DeepSpeed's ZeRO optimizer where there is one, and the torch optimizer."""
+    chain = [optimizer]
+    while hasattr(chain[-1], "optimizer"):
+        chain.append(chain[-1].optimizer)
+    return chain
+
+
+def rank_bytes(model: Any, optimizer: Any) -> dict[str, int]:
+    """This rank's weights, gradients and optimizer states, in bytes."""
+    import torch
+
+    parameters = list({id(p): p for p in model.parameters()}.values())
+    chain = _optimizers(optimizer)
+    states = [value for state in chain[-1].state.values() for value in state.values()
+              if isinstance(value, torch.Tensor) and value.dim() > 0]  # the moments, not the step counters
+    # what the optimizer steps that is not the model's own parameters: ZeRO's fp32 master partitions, which the
+    # plan counts with the optimizer states
+    stepped = [p for group in chain[-1].param_groups for p in group["params"]]
+    stepped += [p for level in chain for name in MASTER_ATTRIBUTES for p in getattr(level, name, None) or []]
+    model_ids = {id(p) for p in parameters}
+    masters = list({id(p): p for p in stepped if id(p) not in model_ids}.values())
+    return {"weights": sum(_bytes(p) for p in parameters),
+            "gradients": sum(_bytes(p.grad) for p in parameters if p.grad is not None),
+            "optimizer_states": sum(_bytes(s) for s in states) + sum(_bytes(p) for p in masters)}
+
+
+class RankBytes:
+    """A TrainerCallback's hooks: each rank's bytes after its optimizer's first step, before the gradients are
+    freed."""
+
+    def __init__(self) -> None:
+        self.measured: dict[str, int] | None = None
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                          **_: Any) -> None:
+        if self.measured is None and model is not None and optimizer is not None:
+            self.measured = rank_bytes(model, optimizer)
+
+
+def gathered(measured: dict[str, int] | None) -> list[dict[str, Any]]:
+    """Every rank's figures, in rank order (on every rank; rank 0 records them)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [{"rank": 0, **(measured or {})}]
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, measured)
+    return [{"rank": rank, **(figures or {})} for rank, figures in enumerate(found)]

@@ -1,0 +1,171 @@
+"""`vram-plan run --num-gpus N`: the planned run on N GPUs, one process each, through accelerate's own launcher.
+
+The accelerate config `plan` prints is written beside the run and `accelerate launch` starts this same `vram-plan run`
+in every process; what `--num-gpus auto` chose is spelled out so no rank searches again. On a machine without CUDA
+(tests) the ranks train on the CPU over gloo with accelerate's own FSDP2 or DeepSpeed set-up (`gloo_ranks`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vram_planner.errors import VramPlanError
+from vram_planner.files import write_atomically
+from vram_planner.model.accelerate_config import CONFIG_FILE
+from vram_planner.model.spec import TrainingConfig
+
+# `setup` below is run/launch.py's RunSetup, which imports this module: typed Any, so the two make no import circle
+CONFIG_NAME = CONFIG_FILE  # TRL's accelerate config for the plan's strategy, beside the run's output
+
+
+def launched_worker() -> bool:
+    """This process is one of several that `accelerate launch` (or torchrun) started."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def missing_launcher(train: TrainingConfig) -> str | None:
+    """What several GPUs need that is not installed: accelerate's launcher, and DeepSpeed under --zero-stage."""
+    import importlib.util
+
+    if train.num_gpus < 2:
+        return None
+    what = f"--num-gpus {train.num_gpus}"
+    if importlib.util.find_spec("accelerate") is None:
+        return (f"{what} starts one process per GPU with accelerate's launcher, which is not installed: "
+                "pip install accelerate")
+    if train.zero_stage is not None and importlib.util.find_spec("deepspeed") is None:
+        return (f"{what} --zero-stage {train.zero_stage} runs DeepSpeed's ZeRO, which is not installed: "
+                "pip install deepspeed")
+    return None
+
+
+def needs_launcher(train: TrainingConfig) -> bool:
+    """Several GPUs, and this process is not one that `accelerate launch` started."""
+    return train.num_gpus > 1 and not launched_worker()
+
+
+def accelerate_config_yaml(setup: Any) -> str:
+    """TRL's accelerate config for the plan's strategy, with the plan's GPU count and mixed precision: the file `plan`
+    prints (vram_planner/model/accelerate_config.py). On a machine without CUDA (tests) the ranks train in float32,
+    as the CPU_NOTE says of the GRPOConfig: mixed precision "no"."""
+    import yaml
+
+    from vram_planner.model.accelerate_config import accelerate_config, accelerate_config_yaml as config_text
+
+    text = config_text(setup.train) or ""
+    if not setup.on_cpu or not text:
+        return text
+    origin = text.splitlines(keepends=True)[0]
+    config = {**(accelerate_config(setup.train) or {}), "mixed_precision": "no"}
+    return (origin.rstrip("\n") + "; no CUDA here: ranks on the CPU with gloo, in float32\n"
+            + yaml.safe_dump(config, sort_keys=True))
+
+
+def launch_command(setup: Any, argv: list[str]) -> list[str]:
+    """`accelerate launch` of this same `vram-plan run` (each process then trains its share), with the count and
+    strategy `--num-gpus auto` chose spelled out, so every rank starts the planned run without searching again."""
+    return ["accelerate", "launch", "--config_file", str(setup.output_dir / CONFIG_NAME), "-m", "vram_planner",
+            *(arg for arg in _strategy_spelled_out(setup.train, argv) if arg != "--dry-run")]
+
+
+def _strategy_spelled_out(train: TrainingConfig, argv: list[str]) -> list[str]:
+    """`argv` with `--num-gpus auto` replaced by the count, and the strategy's flags the search chose added."""
+    args, auto = [], False
+    for arg in argv:
+        if arg.lower() == "--num-gpus=auto":
+            args.append(f"--num-gpus={train.num_gpus}")
+            auto = True
+        elif arg == "auto" and args and args[-1] == "--num-gpus":
+            args.append(str(train.num_gpus))
+            auto = True
+        else:
+            args.append(arg)
+    if not auto:
+        return argv
+    strategy = (["--fsdp"] if train.fsdp else
+                ["--zero-stage", str(train.zero_stage)] if train.zero_stage is not None else [])
+    given = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
+    if given & {"--fsdp", "--zero-stage"}:
+        strategy = []
+    offload = [item for flag, device in (("--offload-optimizer", train.offload_optimizer),
+                                         ("--offload-param", train.offload_param))
+               if device != "none" and flag not in given for item in (flag, device)]
+    return args + strategy + offload
+
+
+# What the ranks of a run on a machine without CUDA need: accelerate's device, and DeepSpeed's CPU accelerator (gloo)
+CPU_RANKS_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"}
+
+
+# The exit codes of a rank that said why it stopped, in its own line above: refused (2), Ctrl+C (130), SIGTERM (143)
+RANK_SAID_WHY = (2, 130, 143)
+
+
+def launch(setup: Any, argv: list[str], verbose: bool = False) -> int:
+    """Write the accelerate config beside the run's output (what an earlier run left is cleared first, by
+    launch.clear_previous_run) and start one process per GPU with accelerate's own launcher, in this process (so this
+    Python runs the ranks). Returns the exit code: 0, or a failed rank's, which said why in its own line; a rank that
+    stopped without a word (killed) is named in one line. Without --verbose, torch's launcher logs nothing (its
+    warnings and the failure report with its traceback): the ranks' lines say it."""
+    import logging
+
+    from accelerate.commands.launch import launch_command as accelerate_launch
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup))
+    args = launch_command_parser().parse_args(launch_command(setup, argv)[2:])
+    logger = logging.getLogger("torch.distributed")
+    level = logger.level
+    if not verbose:
+        logger.setLevel(logging.CRITICAL)
+    saved = {name: os.environ.get(name) for name in CPU_RANKS_ENV}
+    if setup.on_cpu:
+        os.environ.update(CPU_RANKS_ENV)
+    try:
+        accelerate_launch(args)
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        if failure.exitcode in RANK_SAID_WHY:
+            return failure.exitcode
+        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exited with code {failure.exitcode}")
+        raise VramPlanError(f"rank {rank} of {setup.train.num_gpus} {how} (out of host memory, or killed); "
+                            "--verbose shows the launcher's report") from None
+    finally:
+        logger.setLevel(level)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return 0
+
+
+def gloo_ranks() -> None:
+    """Let accelerate set up FSDP or DeepSpeed across processes on a machine without CUDA (tests), over gloo.
+
+    accelerate picks the process group from the device: without CUDA and without its cpu flag it finds none and
+    trains each rank alone; with the cpu flag it takes gloo but as MULTI_CPU, plain data parallelism, turning FSDP and
+    DeepSpeed off (accelerate/state.py, PartialState._prepare_backend and AcceleratorState.__init__). So the ranks run
+    without the cpu flag (RunSetup.grpo_kwargs), ACCELERATE_TORCH_DEVICE names the CPU, and the backend is gloo as a
+    GPU's is nccl: what follows is accelerate's own FSDP2 or DeepSpeed set-up. Plain data parallelism (neither) takes
+    accelerate's own CPU path, MULTI_CPU: DDP given a GPU's device ids refuses a module on the CPU."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    found = PartialState._prepare_backend
+    if getattr(found, "gloo_ranks", False):
+        return
+
+    def prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False,
+                        backend: str | None = None) -> tuple[str | None, Any]:
+        if not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            sharded = any(os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"
+                          for name in ("FSDP", "DEEPSPEED"))  # what accelerate's launcher sets from the config
+            return "gloo", DistributedType.MULTI_GPU if sharded else DistributedType.MULTI_CPU
+        return found(self, cpu, sagemaker_dp, backend)
+
+    prepare_backend.gloo_ranks = True  # type: ignore[attr-defined]
+    PartialState._prepare_backend = prepare_backend
