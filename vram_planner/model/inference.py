@@ -1,0 +1,141 @@
+"""What a no-grad forward holds at its widest moment, tensor by tensor: generation's prefill and the log-prob scoring
+passes (old and reference log-probs), one decoder layer at a time.
+
+Counted from what `vram-plan trace` sees alive in transformers 5.x's Llama-style layer (llama, mistral, qwen2,
+qwen3: two RMSNorms, a gated MLP of gate, up and down) under PEFT's LoRA forward; the other layouts keep the
+calibrated working set (`components.inference_working_bytes`). Nothing is kept for backward, so only the moment
+matters: a layer's tensors are freed as its forward moves on.
+
+- Along the whole MLP the residual stream holds four hidden-wide tensors in its dtype: the embeddings (the model's
+  forward keeps `inputs_embeds`), the layer's input (the residual), the sum after attention (the next residual) and
+  the post-attention norm's output, which the MLP's argument holds until it returns. Autocast's casts of that output
+  for each linear live only inside the linear.
+- The plain MLP peaks at its product: the gate's activation, the up projection and the product, MLP wide, in the
+  compute dtype (`STREAM_TENSORS`, `MLP_TENSORS`).
+- An adapted linear (PEFT's `Linear.forward`) first runs the base layer, then copies its input to the adapter's dtype
+  when that differs (`_cast_input_dtype`, alive to the end of the forward), lets autocast cast that copy again for
+  lora_A, and adds `lora_B(...) * scaling` to the base output: lora_B's output and its scaled copy, or the scaled
+  copy and the sum, exist beside the base output. The up projection's adapter runs while the gate's activation is
+  alive, so it is the widest moment of a layer with float32 adapters; with float32 weights under autocast the
+  input needs no copy there, and the down projection, whose bf16 input is copied to float32 and cast back by
+  autocast, is the widest.
+- The boolean [B, 1, L, L] mask lives through the forward; SDPA's compute-dtype copy of it (transformers 4.53 on)
+  only inside attention, where the MLP's tensors do not exist. Eager attention peaks inside its softmax: the masked
+  scores, softmax's float32 copy of them and its float32 output, per head and key; its probabilities stay alive
+  through the layer's MLP.
+- Generation passes position ids per sequence, so rotary's cos and sin are per token (in the stream's dtype); the
+  scoring forward's are per position, and negligible.
+"""
+
+from __future__ import annotations
+
+from vram_planner.model.architecture import Linear, ModelArchitecture
+from vram_planner.model.calibration import Calibration
+from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.spec import TrainingConfig
+
+# Hidden-wide tensors of the residual stream alive along the MLP, and MLP-wide tensors at its product (see above).
+STREAM_TENSORS = 4
+MLP_TENSORS = 3
+BOOL_BYTES = 1
+
+
+def counted(arch: ModelArchitecture, train: TrainingConfig) -> bool:
+    """Whether this layer is counted tensor by tensor here: the Llama-style layer without Liger's kernels."""
+    f = arch.family
+    return (f.gated_mlp and not f.fused_gate_up and not f.fused_qkv and f.norms_per_layer == 2
+            and not f.layer_norm_bias and not f.fp32_norm_scale and not train.use_liger_kernel)
+
+
+def prefill_bytes(arch: ModelArchitecture, run: TrainingConfig, cal: Calibration, sequences: int,
+                  length: int) -> float:
+    """Generation's prefill of `sequences` prompts of `length` tokens, as generate() runs it (`run`, with the
+    adapters on). The plain MLP moment's tensors are the calibration's (`inference_hidden_bytes` and
+    `inference_mlp_bytes`, per element of a 2-byte tensor, which a probe fits on a real GPU; their defaults are the
+    counted `STREAM_TENSORS` and `MLP_TENSORS`); rotary's cos and sin are per token."""
+    tokens = sequences * length
+    rotary = 2 * arch.head_dim * sizes(run).residual
+    counts = (cal.inference_hidden_bytes / 2, cal.inference_mlp_bytes / 2)
+    return (tokens * (_widest_moment(arch, run, length, run.uses_lora, counts) + rotary)
+            + _mask_bytes(run, sequences, length))
+
+
+def scoring_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, length: int,
+                  adapters: bool) -> float:
+    """One chunk of the scoring forward: `sequences` sequences of `length` tokens, with the LoRA adapters on
+    (`adapters`: the policy's old log-probs) or off (the reference's, the adapters disabled)."""
+    counts = (STREAM_TENSORS, MLP_TENSORS)
+    return (sequences * length * _widest_moment(arch, train, length, adapters and train.uses_lora, counts)
+            + _mask_bytes(train, sequences, length))
+
+
+def _mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
+    """The mask alive at every moment: SDPA's boolean one (transformers 4.53 on), else a float mask in the
+    embeddings' dtype that every layer reads (eager attention's; SDPA's before 4.53); none under FlashAttention-2,
+    which unpads."""
+    if train.attn_implementation == "flash_attention_2":
+        return 0
+    if train.transformers.attention_mask == "shared" or train.attn_implementation == "eager":
+        return sequences * length * length * sizes(train).residual
+    return sequences * length * length * BOOL_BYTES
+
+
+def _widest_moment(arch: ModelArchitecture, train: TrainingConfig, length: int, adapters: bool,
+                   counts: tuple[float, float]) -> float:
+    """Per token: the most one layer's forward holds beside the masks, at the MLP or in attention."""
+    s = sizes(train)
+    h, i = arch.hidden_size, arch.intermediate_size
+    stream = counts[0] * h * s.residual
+    if train.attn_implementation == "eager":
+        # the layer's `hidden_states, _ = self.self_attn(...)` keeps the probabilities (eager attention's second
+        # output, in the compute dtype) in `_` until the layer returns
+        stream += arch.num_attention_heads * length * s.compute
+    plain = stream + counts[1] * i * s.compute
+    moments = [plain, _attention_moment(arch, train, length)]
+    if adapters:
+        linears = {lin.name: lin for lin in arch.lora_linears(train.lora_targets)}
+        gate, up, down = arch.family.mlp_names
+        # the plain moment's MLP-wide tensors that do not exist while each adapted linear runs: all three at the gate;
+        # up and the product at up (the gate's activation waits); at down the activation and up, freed once the
+        # product (down's input) is made
+        absent = {gate: 3, up: 2, down: 2}
+        for name, tensors in absent.items():
+            if name in linears:
+                input_bytes = s.compute if name == down else s.residual
+                moments.append(plain - tensors * i * s.compute
+                               + _adapted_linear_bytes(train, linears[name], input_bytes))
+    return max(moments)
+
+
+def _adapted_linear_bytes(train: TrainingConfig, lin: Linear, input_bytes: int) -> float:
+    """Per token: PEFT's LoRA linear at its widest, its input's own tensor left out."""
+    s = sizes(train)
+    autocast = train.mixed_precision != "no"
+    adapter = s.compute if autocast else s.trainable  # lora_A's and lora_B's outputs
+    base = lin.out_features * s.compute
+    copied = input_bytes != s.trainable
+    copy = lin.in_features * s.trainable if copied else 0
+    # autocast casts lora_A's (float32) input back to the compute dtype while lora_A runs
+    recast = lin.in_features * s.compute if autocast and (s.trainable if copied else input_bytes) != s.compute else 0
+    # lora_B's output and its scaled copy; then the scaled copy and the sum, promoted to the wider dtype
+    summed = lin.out_features * (adapter + max(adapter, s.compute))
+    return base + copy + max(recast + (train.lora_r or 0) * s.compute, summed)
+
+
+def _attention_moment(arch: ModelArchitecture, train: TrainingConfig, length: int) -> float:
+    """Per token: attention at its widest, beside the stream's layer input and embeddings and the norm's output.
+
+    q and k after rotary and v, and k and v repeated to every query head by repeat_kv (a padded batch passes a mask;
+    with one key/value head the repeat is a view). SDPA adds its compute-dtype copy of the boolean mask (a row of
+    `length`) and its output. Eager attention peaks inside softmax(..., dtype=float32): the masked scores in the
+    compute dtype, the float32 copy softmax makes of a narrower input, and its float32 output, per head and key."""
+    s = sizes(train)
+    c = s.compute
+    q_width, kv_width = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    repeated = 2 * c * q_width if arch.num_kv_heads > 1 and q_width != kv_width else 0
+    held = 3 * arch.hidden_size * s.residual + c * (q_width + 2 * kv_width) + repeated
+    if train.attn_implementation == "eager":
+        upcast = FP32_BYTES if c != FP32_BYTES else 0
+        return held + arch.num_attention_heads * length * (c + upcast + FP32_BYTES)
+    per_layer_mask = train.attn_implementation == "sdpa" and train.transformers.attention_mask == "per_layer"
+    return held + c * q_width + (c * length if per_layer_mask else 0)
