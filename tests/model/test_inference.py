@@ -58,6 +58,16 @@ def test_eager_attention_peaks_inside_softmax(llama_1b):
     assert inference.scoring_bytes(llama_1b, train, 1, length, adapters=False) == length * (held + scores) + mask
 
 
+def test_eager_scores_under_a_float32_stream_take_the_masks_dtype(llama_1b):
+    # float32 weights under autocast: the bf16 scores plus the float32 mask are float32, which softmax takes as is
+    train = cfg(beta=0.04, attn_implementation="eager")
+    length = 4096
+    held = 3 * H * 4 + 2 * (Q + 2 * KV) + 2 * 2 * Q
+    scores = HEADS * length * (4 + 4)
+    assert inference.scoring_bytes(llama_1b, train, 1, length, adapters=False) == length * (held + scores) \
+        + length * length * 4
+
+
 def test_the_prefill_keeps_the_fitted_coefficients(llama_1b):
     run = cfg(dtype="bfloat16")
     fitted = Calibration(inference_hidden_bytes=10, inference_mlp_bytes=8)

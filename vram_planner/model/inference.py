@@ -21,8 +21,8 @@ matters: a layer's tensors are freed as its forward moves on.
   autocast, is the widest.
 - The boolean [B, 1, L, L] mask lives through the forward; SDPA's compute-dtype copy of it (transformers 4.53 on)
   only inside attention, where the MLP's tensors do not exist. Eager attention peaks inside its softmax: the masked
-  scores, softmax's float32 copy of them and its float32 output, per head and key; its probabilities stay alive
-  through the layer's MLP.
+  scores, softmax's float32 copy of them and its float32 output, per head and key; its probabilities, in the
+  query's dtype, stay alive through the layer's MLP.
 - Generation passes position ids per sequence, so rotary's cos and sin are per token (in the stream's dtype); the
   scoring forward's are per position, and negligible.
 """
@@ -88,8 +88,8 @@ def _widest_moment(arch: ModelArchitecture, train: TrainingConfig, length: int, 
     stream = counts[0] * h * s.residual
     if train.attn_implementation == "eager":
         # the layer's `hidden_states, _ = self.self_attn(...)` keeps the probabilities (eager attention's second
-        # output, in the compute dtype) in `_` until the layer returns
-        stream += arch.num_attention_heads * length * s.compute
+        # output, in the query's dtype: rotary's, the stream's) in `_` until the layer returns
+        stream += arch.num_attention_heads * length * s.residual
     plain = stream + counts[1] * i * s.compute
     moments = [plain, _attention_moment(arch, train, length)]
     if adapters:
@@ -127,15 +127,18 @@ def _attention_moment(arch: ModelArchitecture, train: TrainingConfig, length: in
 
     q and k after rotary and v, and k and v repeated to every query head by repeat_kv (a padded batch passes a mask;
     with one key/value head the repeat is a view). SDPA adds its compute-dtype copy of the boolean mask (a row of
-    `length`) and its output. Eager attention peaks inside softmax(..., dtype=float32): the masked scores in the
-    compute dtype, the float32 copy softmax makes of a narrower input, and its float32 output, per head and key."""
+    `length`) and its output. Eager attention peaks inside softmax(..., dtype=float32): the masked scores (the
+    matmul's compute dtype, promoted by the mask's), the float32 copy softmax makes of a narrower input, and its
+    float32 output, per head and key."""
     s = sizes(train)
     c = s.compute
     q_width, kv_width = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     repeated = 2 * c * q_width if arch.num_kv_heads > 1 and q_width != kv_width else 0
     held = 3 * arch.hidden_size * s.residual + c * (q_width + 2 * kv_width) + repeated
     if train.attn_implementation == "eager":
-        upcast = FP32_BYTES if c != FP32_BYTES else 0
-        return held + arch.num_attention_heads * length * (c + upcast + FP32_BYTES)
+        # the matmul's scores are in the compute dtype; adding the mask (the embeddings' dtype) promotes them
+        masked = max(c, s.residual)
+        upcast = FP32_BYTES if masked != FP32_BYTES else 0
+        return held + arch.num_attention_heads * length * (masked + upcast + FP32_BYTES)
     per_layer_mask = train.attn_implementation == "sdpa" and train.transformers.attention_mask == "per_layer"
     return held + c * q_width + (c * length if per_layer_mask else 0)
