@@ -25,12 +25,16 @@ def cfg(**kw):
     return training_config(kw)
 
 
+def rotary(length, stream_bytes):
+    return 2 * length * 64 * stream_bytes  # the scoring forward's cos and sin, per position
+
+
 def test_the_reference_pass_of_lora_runs_no_adapter(llama_1b):
     # beta with LoRA: the reference is the policy with its adapters disabled, so the MLP's product is the widest
     # moment: four bf16 stream tensors and three MLP-wide ones, and the boolean mask; no float32 input copy
     train = cfg(lora_r=16, dtype="bfloat16", beta=0.04)
     assert inference.scoring_bytes(llama_1b, train, 8, 768, adapters=False) == 8 * 768 * (4 * H * 2 + 3 * I * 2) \
-        + 8 * 768 * 768
+        + 8 * 768 * 768 + rotary(768, 2)
 
 
 def test_float32_adapters_peak_at_the_up_projections_add(llama_1b):
@@ -38,7 +42,8 @@ def test_float32_adapters_peak_at_the_up_projections_add(llama_1b):
     # scaled copy (bf16), and PEFT's float32 copy of the norm output
     train = cfg(lora_r=16, dtype="bfloat16", beta=0.04)
     per_token = 4 * H * 2 + 4 * I * 2 + H * 4
-    assert inference.scoring_bytes(llama_1b, train, 8, 768, adapters=True) == 8 * 768 * per_token + 8 * 768 * 768
+    assert inference.scoring_bytes(llama_1b, train, 8, 768, adapters=True) == 8 * 768 * per_token + 8 * 768 * 768 \
+        + rotary(768, 2)
 
 
 def test_float32_weights_under_autocast_peak_at_the_down_projections_adapter(llama_1b):
@@ -46,7 +51,8 @@ def test_float32_weights_under_autocast_peak_at_the_down_projections_adapter(lla
     train = cfg(lora_r=16, beta=0.04)
     # stream, product, base output, the copy, autocast's cast of it while lora_A runs and lora_A's output
     per_token = 4 * H * 4 + I * 2 + H * 2 + I * 4 + I * 2 + 16 * 2
-    assert inference.scoring_bytes(llama_1b, train, 8, 768, adapters=True) == 8 * 768 * per_token + 8 * 768 * 768
+    assert inference.scoring_bytes(llama_1b, train, 8, 768, adapters=True) == 8 * 768 * per_token + 8 * 768 * 768 \
+        + rotary(768, 4)
 
 
 def test_eager_attention_peaks_inside_softmax(llama_1b):
@@ -55,17 +61,19 @@ def test_eager_attention_peaks_inside_softmax(llama_1b):
     held = 3 * H * 2 + 2 * (Q + 2 * KV) + 2 * 2 * Q  # stream, q k v after rotary, k and v repeated
     scores = HEADS * length * (2 + 4 + 4)  # masked bf16 scores, softmax's float32 copy and output
     mask = length * length * 2  # eager's float mask in the embeddings' dtype
-    assert inference.scoring_bytes(llama_1b, train, 1, length, adapters=False) == length * (held + scores) + mask
+    assert inference.scoring_bytes(llama_1b, train, 1, length, adapters=False) == length * (held + scores) + mask \
+        + rotary(length, 2)
 
 
 def test_eager_scores_under_a_float32_stream_take_the_masks_dtype(llama_1b):
     # float32 weights under autocast: the bf16 scores plus the float32 mask are float32, which softmax takes as is
     train = cfg(beta=0.04, attn_implementation="eager")
     length = 4096
-    held = 3 * H * 4 + 2 * (Q + 2 * KV) + 2 * 2 * Q
+    # q and k leave rotary in float32 (cos and sin follow the stream), v and the repeated v in bf16
+    held = 3 * H * 4 + 4 * (Q + KV) + 2 * KV + (4 + 2) * Q
     scores = HEADS * length * (4 + 4)
     assert inference.scoring_bytes(llama_1b, train, 1, length, adapters=False) == length * (held + scores) \
-        + length * length * 4
+        + length * length * 4 + rotary(length, 4)
 
 
 def test_the_prefill_keeps_the_fitted_coefficients(llama_1b):

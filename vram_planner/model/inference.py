@@ -24,7 +24,7 @@ matters: a layer's tensors are freed as its forward moves on.
   scores, softmax's float32 copy of them and its float32 output, per head and key; its probabilities, in the
   query's dtype, stay alive through the layer's MLP.
 - Generation passes position ids per sequence, so rotary's cos and sin are per token (in the stream's dtype); the
-  scoring forward's are per position, and negligible.
+  scoring forward's are per position.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ from vram_planner.model.spec import TrainingConfig
 STREAM_TENSORS = 4
 MLP_TENSORS = 3
 BOOL_BYTES = 1
+INT64_BYTES = 8
+# generate()'s int64 tensors per prompt token in the prefill: the prompt ids and attention mask, the position ids it
+# derives from the mask, and the ids' copy prepare_inputs_for_generation makes
+GENERATE_INPUTS = 4
 
 
 def counted(arch: ModelArchitecture, train: TrainingConfig) -> bool:
@@ -52,21 +56,30 @@ def prefill_bytes(arch: ModelArchitecture, run: TrainingConfig, cal: Calibration
     """Generation's prefill of `sequences` prompts of `length` tokens, as generate() runs it (`run`, with the
     adapters on). The plain MLP moment's tensors are the calibration's (`inference_hidden_bytes` and
     `inference_mlp_bytes`, per element of a 2-byte tensor, which a probe fits on a real GPU; their defaults are the
-    counted `STREAM_TENSORS` and `MLP_TENSORS`); rotary's cos and sin are per token."""
+    counted `STREAM_TENSORS` and `MLP_TENSORS`); rotary's cos and sin are per token, and the prompts' keys and values
+    are the cache's."""
     tokens = sequences * length
     rotary = 2 * arch.head_dim * sizes(run).residual
     counts = (cal.inference_hidden_bytes / 2, cal.inference_mlp_bytes / 2)
-    return (tokens * (_widest_moment(arch, run, length, run.uses_lora, counts) + rotary)
+    return (tokens * (_widest_moment(arch, run, length, run.uses_lora, counts, cached=True) + rotary
+                      + GENERATE_INPUTS * INT64_BYTES)
             + _mask_bytes(run, sequences, length))
 
 
 def scoring_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, length: int,
-                  adapters: bool) -> float:
+                  adapters: bool, cached: bool = False) -> float:
     """One chunk of the scoring forward: `sequences` sequences of `length` tokens, with the LoRA adapters on
-    (`adapters`: the policy's old log-probs) or off (the reference's, the adapters disabled)."""
+    (`adapters`: the policy's old log-probs) or off (the reference's, the adapters disabled), filling a KV cache
+    (`cached`, counted apart) or not."""
     counts = (STREAM_TENSORS, MLP_TENSORS)
-    return (sequences * length * _widest_moment(arch, train, length, adapters and train.uses_lora, counts)
-            + _mask_bytes(train, sequences, length))
+    rotary = 2 * length * arch.head_dim * sizes(train).residual  # cos and sin per position
+    return (sequences * length * _widest_moment(arch, train, length, adapters and train.uses_lora, counts, cached)
+            + _mask_bytes(train, sequences, length) + rotary)
+
+
+def batch_ids_bytes(sequences: int, length: int) -> float:
+    """The generation batch's token ids and attention mask (int64), alive through every scoring pass."""
+    return 2 * INT64_BYTES * sequences * length
 
 
 def _mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
@@ -81,7 +94,7 @@ def _mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
 
 
 def _widest_moment(arch: ModelArchitecture, train: TrainingConfig, length: int, adapters: bool,
-                   counts: tuple[float, float]) -> float:
+                   counts: tuple[float, float], cached: bool) -> float:
     """Per token: the most one layer's forward holds beside the masks, at the MLP or in attention."""
     s = sizes(train)
     h, i = arch.hidden_size, arch.intermediate_size
@@ -91,7 +104,7 @@ def _widest_moment(arch: ModelArchitecture, train: TrainingConfig, length: int, 
         # output, in the query's dtype: rotary's, the stream's) in `_` until the layer returns
         stream += arch.num_attention_heads * length * s.residual
     plain = stream + counts[1] * i * s.compute
-    moments = [plain, _attention_moment(arch, train, length)]
+    moments = [plain, _attention_moment(arch, train, length, cached)]
     if adapters:
         linears = {lin.name: lin for lin in arch.lora_linears(train.lora_targets)}
         gate, up, down = arch.family.mlp_names
@@ -122,23 +135,27 @@ def _adapted_linear_bytes(train: TrainingConfig, lin: Linear, input_bytes: int) 
     return base + copy + max(recast + (train.lora_r or 0) * s.compute, summed)
 
 
-def _attention_moment(arch: ModelArchitecture, train: TrainingConfig, length: int) -> float:
+def _attention_moment(arch: ModelArchitecture, train: TrainingConfig, length: int, cached: bool) -> float:
     """Per token: attention at its widest, beside the stream's layer input and embeddings and the norm's output.
 
-    q and k after rotary and v, and k and v repeated to every query head by repeat_kv (a padded batch passes a mask;
-    with one key/value head the repeat is a view). SDPA adds its compute-dtype copy of the boolean mask (a row of
-    `length`) and its output. Eager attention peaks inside softmax(..., dtype=float32): the masked scores (the
-    matmul's compute dtype, promoted by the mask's), the float32 copy softmax makes of a narrower input, and its
-    float32 output, per head and key."""
+    q and k after rotary, in the stream's dtype (cos and sin follow it), v in the compute dtype, and k and v repeated
+    to every query head by repeat_kv (a padded batch passes a mask; with one key/value head the repeat is a view).
+    SDPA adds autocast's compute-dtype casts of q and of the repeated k where the stream is wider, its
+    compute-dtype copy of the boolean mask (a row of `length`), its output and a float32 log-sum-exp per head.
+    Eager attention peaks inside softmax(..., dtype=float32): the masked scores (the matmul's compute dtype,
+    promoted by the mask's), the float32 copy softmax makes of a narrower input, and its float32 output, per head
+    and key."""
     s = sizes(train)
-    c = s.compute
-    q_width, kv_width = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    repeated = 2 * c * q_width if arch.num_kv_heads > 1 and q_width != kv_width else 0
-    held = 3 * arch.hidden_size * s.residual + c * (q_width + 2 * kv_width) + repeated
+    r, c, a = s.residual, s.compute, arch.num_attention_heads
+    q_width, kv_width = a * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    repeated = (r + c) * q_width if arch.num_kv_heads > 1 and q_width != kv_width else 0
+    # k and v themselves are the cache's where the forward fills one (`cached`: counted as the KV cache)
+    own_kv = 0 if cached else r * kv_width + c * kv_width
+    held = 3 * arch.hidden_size * r + r * q_width + own_kv + repeated
     if train.attn_implementation == "eager":
-        # the matmul's scores are in the compute dtype; adding the mask (the embeddings' dtype) promotes them
-        masked = max(c, s.residual)
+        masked = max(c, r)
         upcast = FP32_BYTES if masked != FP32_BYTES else 0
-        return held + arch.num_attention_heads * length * (masked + upcast + FP32_BYTES)
+        return held + a * length * (masked + upcast + FP32_BYTES)
+    casts = 2 * c * q_width if train.mixed_precision != "no" and r != c else 0
     per_layer_mask = train.attn_implementation == "sdpa" and train.transformers.attention_mask == "per_layer"
-    return held + c * q_width + (c * length if per_layer_mask else 0)
+    return held + casts + (c * length if per_layer_mask else 0) + c * q_width + FP32_BYTES * a
