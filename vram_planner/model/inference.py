@@ -2,8 +2,8 @@
 passes (old and reference log-probs), one decoder layer at a time.
 
 Counted from what `vram-plan trace` sees alive in transformers 5.x's Llama-style layer (llama, mistral, qwen2,
-qwen3: two RMSNorms, a gated MLP of gate, up and down) under PEFT's LoRA forward; the other layouts keep the
-calibrated working set (`components.inference_working_bytes`). Nothing is kept for backward, so only the moment
+qwen3, phi3: two RMSNorms, a gated MLP of gate, up and down, or phi3's fused gate_up and qkv) under PEFT's LoRA
+forward; the other layouts (gemma's, phi's) keep the calibrated working set (`components.inference_working_bytes`). Nothing is kept for backward, so only the moment
 matters: a layer's tensors are freed as its forward moves on.
 
 - Along the whole MLP the residual stream holds four hidden-wide tensors in its dtype: the embeddings (the model's
@@ -45,10 +45,11 @@ GENERATE_INPUTS = 4
 
 
 def counted(arch: ModelArchitecture, train: TrainingConfig) -> bool:
-    """Whether this layer is counted tensor by tensor here: the Llama-style layer without Liger's kernels."""
+    """Whether this layer is counted tensor by tensor here: the Llama-style layer (phi3's too) without Liger's
+    kernels."""
     f = arch.family
-    return (f.gated_mlp and not f.fused_gate_up and not f.fused_qkv and f.norms_per_layer == 2
-            and not f.layer_norm_bias and not f.fp32_norm_scale and not train.use_liger_kernel)
+    return (f.gated_mlp and f.norms_per_layer == 2 and not f.layer_norm_bias and not f.fp32_norm_scale
+            and not train.use_liger_kernel)
 
 
 def prefill_bytes(arch: ModelArchitecture, run: TrainingConfig, cal: Calibration, sequences: int,
@@ -103,15 +104,20 @@ def _widest_moment(arch: ModelArchitecture, train: TrainingConfig, length: int, 
         # the layer's `hidden_states, _ = self.self_attn(...)` keeps the probabilities (eager attention's second
         # output, in the query's dtype: rotary's, the stream's) in `_` until the layer returns
         stream += arch.num_attention_heads * length * s.residual
-    plain = stream + counts[1] * i * s.compute
+    fused = arch.family.fused_gate_up  # phi3: gate_up_proj's output, 2 MLP wide, which its two halves keep
+    plain = stream + (counts[1] + fused) * i * s.compute
     moments = [plain, _attention_moment(arch, train, length, cached)]
     if adapters:
         linears = {lin.name: lin for lin in arch.lora_linears(train.lora_targets)}
-        gate, up, down = arch.family.mlp_names
         # the plain moment's MLP-wide tensors that do not exist while each adapted linear runs: all three at the gate;
         # up and the product at up (the gate's activation waits); at down the activation and up, freed once the
-        # product (down's input) is made
-        absent = {gate: 3, up: 2, down: 2}
+        # product (down's input) is made. Fused, nothing at gate_up; at down only the activation is gone.
+        if fused:
+            gate_up, down = arch.family.mlp_names
+            absent = {gate_up: 4, down: 1}
+        else:
+            gate, up, down = arch.family.mlp_names
+            absent = {gate: 3, up: 2, down: 2}
         for name, tensors in absent.items():
             if name in linears:
                 input_bytes = s.compute if name == down else s.residual
@@ -149,8 +155,10 @@ def _attention_moment(arch: ModelArchitecture, train: TrainingConfig, length: in
     r, c, a = s.residual, s.compute, arch.num_attention_heads
     q_width, kv_width = a * arch.head_dim, arch.num_kv_heads * arch.head_dim
     repeated = (r + c) * q_width if arch.num_kv_heads > 1 and q_width != kv_width else 0
-    # k and v themselves are the cache's where the forward fills one (`cached`: counted as the KV cache)
-    own_kv = 0 if cached else r * kv_width + c * kv_width
+    # k and v themselves are the cache's where the forward fills one (`cached`: counted as the KV cache); phi3's v is
+    # a slice of the fused qkv_proj output, which it keeps whole
+    v_bytes = c * (q_width + 2 * kv_width) if arch.family.fused_qkv else c * kv_width
+    own_kv = 0 if cached else r * kv_width + v_bytes
     held = 3 * arch.hidden_size * r + r * q_width + own_kv + repeated
     if train.attn_implementation == "eager":
         masked = max(c, r)
