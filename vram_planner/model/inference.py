@@ -1,9 +1,11 @@
 """What a no-grad forward holds at its widest moment, tensor by tensor: generation's prefill and the log-prob scoring
 passes (old and reference log-probs), one decoder layer at a time.
 
-Counted from what `vram-plan trace` sees alive in transformers 5.x's Llama-style layer (llama, mistral, qwen2,
-qwen3, phi3: two RMSNorms, a gated MLP of gate, up and down, or phi3's fused gate_up and qkv) under PEFT's LoRA
-forward; the other layouts (gemma's, phi's) keep the calibrated working set (`components.inference_working_bytes`). Nothing is kept for backward, so only the moment
+Counted from what `vram-plan trace` sees alive in transformers 5.x's layers with a gated MLP (llama, mistral,
+qwen2, qwen3, gemma 1-3: RMSNorms and a gated MLP of gate, up and down, or phi3's fused gate_up and qkv) under
+PEFT's LoRA forward; phi's parallel layer keeps the calibrated working set (`components.inference_working_bytes`).
+Gemma 2 and 3 normalise each sublayer's output too, which changes no moment (the norm's input is freed as its
+output is made), and build a full and a sliding mask. Nothing is kept for backward, so only the moment
 matters: a layer's tensors are freed as its forward moves on.
 
 - Along the whole MLP the residual stream holds four hidden-wide tensors in its dtype: the embeddings (the model's
@@ -42,14 +44,15 @@ INT64_BYTES = 8
 # generate()'s int64 tensors per prompt token in the prefill: the prompt ids and attention mask, the position ids it
 # derives from the mask, and the ids' copy prepare_inputs_for_generation makes
 GENERATE_INPUTS = 4
+# Rotary embeddings a model's forward runs, each making its own cos and sin: gemma 3 one per kind of layer (global
+# and sliding, with their own base frequencies)
+ROTARY_EMBEDDINGS = {"gemma3_text": 2, "gemma3": 2}
 
 
 def counted(arch: ModelArchitecture, train: TrainingConfig) -> bool:
-    """Whether this layer is counted tensor by tensor here: the Llama-style layer (phi3's too) without Liger's
-    kernels."""
+    """Whether this layer is counted tensor by tensor here: a gated MLP's, without Liger's kernels."""
     f = arch.family
-    return (f.gated_mlp and f.norms_per_layer == 2 and not f.layer_norm_bias and not f.fp32_norm_scale
-            and not train.use_liger_kernel)
+    return f.gated_mlp and not f.layer_norm_bias and not train.use_liger_kernel
 
 
 def prefill_bytes(arch: ModelArchitecture, run: TrainingConfig, cal: Calibration, sequences: int,
@@ -60,11 +63,11 @@ def prefill_bytes(arch: ModelArchitecture, run: TrainingConfig, cal: Calibration
     counted `STREAM_TENSORS` and `MLP_TENSORS`); rotary's cos and sin are per token, and the prompts' keys and values
     are the cache's."""
     tokens = sequences * length
-    rotary = 2 * arch.head_dim * sizes(run).residual
+    rotary = _rotary_tables(arch) * arch.head_dim * sizes(run).residual
     counts = (cal.inference_hidden_bytes / 2, cal.inference_mlp_bytes / 2)
     return (tokens * (_widest_moment(arch, run, length, run.uses_lora, counts, cached=True) + rotary
                       + GENERATE_INPUTS * INT64_BYTES)
-            + _mask_bytes(run, sequences, length))
+            + _mask_bytes(arch, run, sequences, length))
 
 
 def scoring_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, length: int,
@@ -73,9 +76,9 @@ def scoring_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int
     (`adapters`: the policy's old log-probs) or off (the reference's, the adapters disabled), filling a KV cache
     (`cached`, counted apart) or not."""
     counts = (STREAM_TENSORS, MLP_TENSORS)
-    rotary = 2 * length * arch.head_dim * sizes(train).residual  # cos and sin per position
+    rotary = _rotary_tables(arch) * length * arch.head_dim * sizes(train).residual  # cos and sin per position
     return (sequences * length * _widest_moment(arch, train, length, adapters and train.uses_lora, counts, cached)
-            + _mask_bytes(train, sequences, length) + rotary)
+            + _mask_bytes(arch, train, sequences, length) + rotary)
 
 
 def batch_ids_bytes(sequences: int, length: int) -> float:
@@ -83,15 +86,21 @@ def batch_ids_bytes(sequences: int, length: int) -> float:
     return 2 * INT64_BYTES * sequences * length
 
 
-def _mask_bytes(train: TrainingConfig, sequences: int, length: int) -> float:
+def _rotary_tables(arch: ModelArchitecture) -> int:
+    """cos and sin of every rotary embedding the forward runs."""
+    return 2 * ROTARY_EMBEDDINGS.get(arch.model_type, 1)
+
+
+def _mask_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, length: int) -> float:
     """The mask alive at every moment: SDPA's boolean one (transformers 4.53 on), else a float mask in the
     embeddings' dtype that every layer reads (eager attention's; SDPA's before 4.53); none under FlashAttention-2,
     which unpads."""
     if train.attn_implementation == "flash_attention_2":
         return 0
+    kinds = arch.attention_mask_kinds  # gemma 2 and 3: a full and a sliding mask
     if train.transformers.attention_mask == "shared" or train.attn_implementation == "eager":
-        return sequences * length * length * sizes(train).residual
-    return sequences * length * length * BOOL_BYTES
+        return kinds * sequences * length * length * sizes(train).residual
+    return kinds * sequences * length * length * BOOL_BYTES
 
 
 def _widest_moment(arch: ModelArchitecture, train: TrainingConfig, length: int, adapters: bool,
