@@ -56,7 +56,7 @@ class Calibration:
     liger_act_mlp_bytes: Annotated[float, Rules(ge=0)] = 6.0
     # Generation's prefill at the MLP's product (vram_planner/model/inference.py), per token, per element of a 2-byte
     # tensor: hidden-wide and MLP-wide tensors alive (the defaults are the 4 and 3 counted there, which the scoring
-    # pass uses as they are); for phi's layer, the whole no-grad working set of both.
+    # pass uses as they are); with Liger's kernels, the whole no-grad working set of both.
     inference_hidden_bytes: Annotated[float, Rules(ge=0)] = 8.0
     inference_mlp_bytes: Annotated[float, Rules(ge=0)] = 6.0
     # Gradient buffers alive at the peak of one layer's backward, per token: fitted by least squares to the

@@ -1,11 +1,11 @@
 """What a no-grad forward holds at its widest moment, tensor by tensor: generation's prefill and the log-prob scoring
 passes (old and reference log-probs), one decoder layer at a time.
 
-Counted from what `vram-plan trace` sees alive in transformers 5.x's layers with a gated MLP (llama, mistral,
-qwen2, qwen3, gemma 1-3: RMSNorms and a gated MLP of gate, up and down, or phi3's fused gate_up and qkv) under
-PEFT's LoRA forward; phi's parallel layer keeps the calibrated working set (`components.inference_working_bytes`).
-Gemma 2 and 3 normalise each sublayer's output too, which changes no moment (the norm's input is freed as its
-output is made), and build a full and a sliding mask. Nothing is kept for backward, so only the moment
+Counted from what `vram-plan trace` sees alive in transformers 5.x's layers (llama, mistral, qwen2, qwen3, gemma
+1-3: RMSNorms and a gated MLP of gate, up and down; phi3's fused gate_up and qkv; phi's parallel attention and
+fc1/fc2 MLP) under PEFT's LoRA forward; Liger's kernels keep the calibrated working set
+(`components.inference_working_bytes`). Gemma 2 and 3 normalise each sublayer's output too, which changes no moment
+(the norm's input is freed as its output is made), and build a full and a sliding mask. Nothing is kept for backward, so only the moment
 matters: a layer's tensors are freed as its forward moves on.
 
 - Along the whole MLP the residual stream holds four hidden-wide tensors in its dtype: the embeddings (the model's
@@ -39,6 +39,9 @@ from vram_planner.model.spec import TrainingConfig
 # Hidden-wide tensors of the residual stream alive along the MLP, and MLP-wide tensors at its product (see above).
 STREAM_TENSORS = 4
 MLP_TENSORS = 3
+# An fc1/fc2 MLP at its widest: fc1's output and a kernel activation's; gelu_new, written as an expression
+# (0.5 * x * (1 + tanh(...))), holds its input, 0.5 * x and two temporaries at once
+NON_GATED_MLP_TENSORS = {"gelu_new": 4}
 BOOL_BYTES = 1
 INT64_BYTES = 8
 # generate()'s int64 tensors per prompt token in the prefill: the prompt ids and attention mask, the position ids it
@@ -50,9 +53,9 @@ ROTARY_EMBEDDINGS = {"gemma3_text": 2, "gemma3": 2}
 
 
 def counted(arch: ModelArchitecture, train: TrainingConfig) -> bool:
-    """Whether this layer is counted tensor by tensor here: a gated MLP's, without Liger's kernels."""
+    """Whether the layer is counted tensor by tensor here: every layout, without Liger's kernels."""
     f = arch.family
-    return f.gated_mlp and not f.layer_norm_bias and not train.use_liger_kernel
+    return not train.use_liger_kernel
 
 
 def prefill_bytes(arch: ModelArchitecture, run: TrainingConfig, cal: Calibration, sequences: int,
@@ -108,24 +111,36 @@ def _widest_moment(arch: ModelArchitecture, train: TrainingConfig, length: int, 
     """Per token: the most one layer's forward holds beside the masks, at the MLP or in attention."""
     s = sizes(train)
     h, i = arch.hidden_size, arch.intermediate_size
-    stream = counts[0] * h * s.residual
+    f = arch.family
+    parallel = f.norms_per_layer == 1  # phi: the attention's output waits for the MLP's, in the compute dtype,
+    # in place of the residual sum after attention
+    stream = (counts[0] - 1) * h * s.residual + h * (s.compute if parallel else s.residual)
     if train.attn_implementation == "eager":
         # the layer's `hidden_states, _ = self.self_attn(...)` keeps the probabilities (eager attention's second
         # output, in the query's dtype: rotary's, the stream's) in `_` until the layer returns
         stream += arch.num_attention_heads * length * s.residual
-    fused = arch.family.fused_gate_up  # phi3: gate_up_proj's output, 2 MLP wide, which its two halves keep
-    plain = stream + (counts[1] + fused) * i * s.compute
+    # MLP-wide tensors of the plain moment beyond the gated MLP's three: phi3's gate_up output, 2 wide, which its two
+    # halves keep; fc1/fc2 hold fc1's output and its activation, or gelu_new's (a Python expression) widest four
+    extra = 1 if f.fused_gate_up else 0
+    if not f.gated_mlp:
+        extra = NON_GATED_MLP_TENSORS.get(arch.hidden_act, 2) - MLP_TENSORS
+    plain = stream + (counts[1] + extra) * i * s.compute
     moments = [plain, _attention_moment(arch, train, length, cached)]
     if adapters:
         linears = {lin.name: lin for lin in arch.lora_linears(train.lora_targets)}
         # the plain moment's MLP-wide tensors that do not exist while each adapted linear runs: all three at the gate;
         # up and the product at up (the gate's activation waits); at down the activation and up, freed once the
-        # product (down's input) is made. Fused, nothing at gate_up; at down only the activation is gone.
-        if fused:
-            gate_up, down = arch.family.mlp_names
-            absent = {gate_up: 4, down: 1}
+        # product (down's input) is made. Fused, nothing at gate_up; at down only the activation is gone. fc2 reads
+        # the activation's output alone.
+        widest = counts[1] + extra
+        if not f.gated_mlp:
+            fc1, down = f.mlp_names
+            absent = {fc1: widest, down: widest - 1}
+        elif f.fused_gate_up:
+            gate_up, down = f.mlp_names
+            absent = {gate_up: widest, down: 1}
         else:
-            gate, up, down = arch.family.mlp_names
+            gate, up, down = f.mlp_names
             absent = {gate: 3, up: 2, down: 2}
         for name, tensors in absent.items():
             if name in linears:
