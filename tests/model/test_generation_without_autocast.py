@@ -62,8 +62,10 @@ def test_lora_prefill_with_float32_weights_runs_in_float32(llama_1b):
     # At the up projection: the gate's activation, the base output, lora_B's output and its scaled copy, all fp32
     # (the plain forward's peak has three MLP-wide tensors)
     adapters = tokens * I * 4
-    mask = 8 * 2048 * 2048 * (1 + 4)  # the boolean mask and SDPA's fp32 copy
-    assert gen.components["activations"] == plain + adapters + mask
+    mask = 8 * 2048 * 2048  # the boolean mask (SDPA's fp32 copy of it lives inside attention only)
+    rotary = tokens * 2 * 64 * 4  # cos and sin per token: generate() passes position ids per sequence
+    inputs = tokens * 4 * 8  # generate()'s int64 ids, mask, position ids and the ids' copy
+    assert gen.components["activations"] == plain + adapters + mask + rotary + inputs
 
 
 def test_lora_prefill_with_bf16_weights_runs_the_adapters_in_float32(llama_1b):
@@ -72,5 +74,5 @@ def test_lora_prefill_with_bf16_weights_runs_the_adapters_in_float32(llama_1b):
     plain = tokens * (cal.inference_hidden_bytes * H * 2 / 2 + cal.inference_mlp_bytes * I * 2 / 2)
     # lora_B's fp32 output and its scaled copy in place of one bf16 MLP-wide tensor, after an fp32 copy of the input
     adapters = tokens * (I * (2 * 4 - 2) + H * 4)
-    mask = 8 * 2048 * 2048 * (1 + 2)
-    assert gen.components["activations"] == plain + adapters + mask
+    mask = 8 * 2048 * 2048
+    assert gen.components["activations"] == plain + adapters + mask + tokens * (2 * 64 * 2 + 4 * 8)

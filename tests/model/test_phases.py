@@ -113,11 +113,13 @@ def test_generation_phase_by_hand(llama_1b):
 def test_scoring_phase_by_hand(llama_1b):
     # beta 0.04: one no-grad pass of the reference model for its log-probs, in chunks of B=8 sequences of 768 tokens
     scoring = phase(run(llama_1b, beta=0.04), "scoring")
-    cal = Calibration()
     tokens, scored = 8 * 768, 8 * 512
-    kept_ref_logps = scored * 4
-    per_token = cal.inference_hidden_bytes * 2048 * 4 / 2 + cal.inference_mlp_bytes * 8192 * 2 / 2
-    decoder = tokens * per_token + 8 * 768 * 768 * (1 + 2)  # the boolean mask and one layer's bf16 copy
+    kept_ref_logps = scored * 4 + 2 * 8 * tokens  # and the batch's int64 ids and attention mask
+    # at the MLP's product: four fp32 tensors of the residual stream (embeddings, layer input, residual, norm
+    # output) and three bf16 MLP-wide ones (the gate's activation, up, the product); the boolean mask (SDPA's bf16
+    # copy of it lives inside attention only)
+    per_token = 4 * 2048 * 4 + 3 * 8192 * 2
+    decoder = tokens * per_token + 8 * 768 * 768 + 2 * 768 * 64 * 4  # and rotary's fp32 cos and sin per position
     fused_head = (tokens * 2048 * 4  # the backbone's fp32 output
                   + scored * 2048 * 4  # the gathered completion hidden states
                   + scored * 28  # seven fp32 statistics per token

@@ -54,7 +54,9 @@ class Calibration:
     liger_act_query_bytes: Annotated[float, Rules(ge=0)] = 4.0
     liger_act_kv_bytes: Annotated[float, Rules(ge=0)] = 4.0
     liger_act_mlp_bytes: Annotated[float, Rules(ge=0)] = 6.0
-    # Working set of a no-grad forward (generation prefill, log-prob scoring), per token, per element.
+    # Generation's prefill at the MLP's product (vram_planner/model/inference.py), per token, per element of a 2-byte
+    # tensor: hidden-wide and MLP-wide tensors alive (the defaults are the 4 and 3 counted there, which the scoring
+    # pass uses as they are); with Liger's kernels, the whole no-grad working set of both.
     inference_hidden_bytes: Annotated[float, Rules(ge=0)] = 8.0
     inference_mlp_bytes: Annotated[float, Rules(ge=0)] = 6.0
     # Gradient buffers alive at the peak of one layer's backward, per token: fitted by least squares to the

@@ -15,6 +15,7 @@ from vram_planner.model import activations as act
 from vram_planner.model import components as m
 from vram_planner.model import zero
 from vram_planner.model import fsdp
+from vram_planner.model import inference
 from vram_planner.model import offload
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
@@ -205,8 +206,11 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
     casts = m.layer_weight_cast_bytes(arch, run) + m.adapter_cast_bytes(arch, run)
     with_casts = {**base, "weights": base["weights"] + casts}
     tokens = sequences * p
-    prefill = (m.inference_working_bytes(arch, run, cal, tokens, p) + m.padded_mask_bytes(run, sequences, p)
-               + m.adapter_forward_bytes(arch, run, tokens))
+    if inference.counted(arch, run):
+        prefill = inference.prefill_bytes(arch, run, cal, sequences, p)
+    else:
+        prefill = (m.inference_working_bytes(arch, run, cal, tokens, p) + m.padded_mask_bytes(run, sequences, p)
+                   + m.adapter_forward_bytes(arch, run, tokens))
     prompt_kv = m.kv_cache_bytes(arch, train, sequences, p)
     head = m.generation_logits_bytes(arch, run, sequences)
     # ... and the output projection is cast at the LM head, cached or not.
@@ -235,14 +239,19 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     b, generated = train.micro_batch_completions, train.local_generation_batch_size
     length = train.sequence_length
     head = lm_head_memory(arch, train, release, b, with_grad=False)
+    # the log-probs kept so far, and the batch's ids and mask
     kept_logps = generated * train.max_completion_length * m.FP32_BYTES * (
-        int(train.computes_old_logps) + int(train.computes_ref_logps))
-    layers = m.inference_working_bytes(arch, train, cal, b * length, length) + m.padded_mask_bytes(train, b, length)
+        int(train.computes_old_logps) + int(train.computes_ref_logps)) + inference.batch_ids_bytes(generated, length)
+    cached = release.log_prob_forward_cache == "model_default" and not train.gradient_checkpointing
+    if inference.counted(arch, train):  # the old log-probs run the policy with its adapters, the reference without
+        layers = inference.scoring_bytes(arch, train, b, length, adapters=train.computes_old_logps, cached=cached)
+    else:
+        layers = (m.inference_working_bytes(arch, train, cal, b * length, length)
+                  + m.padded_mask_bytes(train, b, length))
     casts = _scoring_casts(arch, train)
     # Before TRL 0.22 the log-prob forward keeps the model's use_cache (off only under gradient checkpointing): the
     # chunk's keys and values of every layer stay in a cache its output holds until the forward returns, which
     # the logits and accelerate's copy of them meet, not the log-softmax work after it (a temperature-scaled copy)
-    cached = release.log_prob_forward_cache == "model_default" and not train.gradient_checkpointing
     cache = {"kv_cache": m.kv_cache_bytes(arch, train, b, length, forward=train)} if cached else {}
     moments = [Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps + layers},
                      "decoder forward"),
