@@ -105,6 +105,8 @@ def test_a_missing_launcher_package_is_refused_in_one_line(capsys, monkeypatch, 
     # the dry run prints the config and the launch line all the same, and says what is missing
     code, stdout, _ = run(capsys, *args, "--dry-run")
     assert code == 0 and "accelerate launch --config_file" in stdout and install in stdout and not out.exists()
+    # the accelerate config of the GPU run, as plan prints it (its CPU ranks would train in float32)
+    assert "mixed_precision: bf16" in stdout and "no CUDA here" not in stdout
 
 
 RANK_1_FAILS = {

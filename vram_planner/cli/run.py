@@ -74,7 +74,7 @@ def run(**options: Any) -> None:
         prepared = prepare(setup)
         echo(setup.describe())
         if needs_launcher(setup.train):
-            echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup)}"
+            echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup, planned=dry_run)}"
                  f"command: {' '.join(launch_command(setup, argv))}")
             if dry_run:
                 raise click.exceptions.Exit(EXIT_FITS)
@@ -96,8 +96,8 @@ CPU_NOTE = ("no CUDA device: started on this machine the run uses the CPU (for s
 
 # Several ranks on the CPU: accelerate's FSDP2 or DeepSpeed over gloo, which its cpu flag would turn off
 CPU_RANKS_NOTE = ("no CUDA device: started on this machine each rank trains on the CPU over gloo (for tests only), "
-                  "with bf16=False, fp16=False over the GPU run's GRPOConfig above and mixed_precision 'no' in the "
-                  "accelerate config")
+                  "with bf16=False, fp16=False over the GPU run's GRPOConfig above, and mixed_precision 'no' in the "
+                  "accelerate config it writes")
 
 
 def _check_installed_trl(release: Any) -> None:

@@ -45,16 +45,17 @@ def needs_launcher(train: TrainingConfig) -> bool:
     return train.num_gpus > 1 and not launched_worker()
 
 
-def accelerate_config_yaml(setup: Any) -> str:
+def accelerate_config_yaml(setup: Any, planned: bool = False) -> str:
     """TRL's accelerate config for the plan's strategy, with the plan's GPU count and mixed precision: the file `plan`
     prints (vram_planner/model/accelerate_config.py). On a machine without CUDA (tests) the ranks train in float32,
-    as the CPU_NOTE says of the GRPOConfig: mixed precision "no"."""
+    as the CPU_NOTE says of the GRPOConfig: mixed precision "no", unless `planned` asks for the GPU run's file (what
+    a dry run shows)."""
     import yaml
 
     from vram_planner.model.accelerate_config import accelerate_config, accelerate_config_yaml as config_text
 
     text = config_text(setup.train) or ""
-    if not setup.on_cpu or not text:
+    if planned or not setup.on_cpu or not text:
         return text
     origin = text.splitlines(keepends=True)[0]
     config = {**(accelerate_config(setup.train) or {}), "mixed_precision": "no"}
