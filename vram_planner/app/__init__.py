@@ -18,7 +18,7 @@ from vram_planner.errors import VramPlanError
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 APP_EXTRA = "pip install 'vram-plan[app]'"
-APP_PACKAGES = ("gradio", "fastapi", "uvicorn", "pandas")
+APP_PACKAGES = ("gradio", "fastapi", "uvicorn")
 
 
 def require_app_extra() -> None:
