@@ -696,3 +696,21 @@ def test_a_reward_that_calls_sys_exit(capsys, run_base, tmp_path, when):
     reward.write_text(f"import sys\n\n\ndef score(completions, **kwargs):\n{body}")
     err = refused(capsys, run_base + ["--reward", f"{reward}:score"])
     assert "sys.exit(3)" in err
+
+
+@pytest.mark.parametrize("command", ["plan", "check"])
+def test_a_target_that_fails_after_the_check_is_one_line(capsys, tmp_path, monkeypatch, command):
+    """Checked writable before the work, the plot's file is made read-only (or its disk fills) meanwhile: the system's
+    word for it in one line, not an internal error."""
+    import errno
+
+    from vram_planner.report import plot
+
+    target = tmp_path / "plan.png"
+
+    def fails(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(target))
+
+    monkeypatch.setattr(plot, "plot_phases", fails)
+    err = refused(capsys, [*BASE[command], "--plot", target])
+    assert err == f"error: cannot use {target}: Permission denied\n"

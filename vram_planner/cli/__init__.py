@@ -191,6 +191,11 @@ def _answer(args: list[str], debug: bool) -> int:
     except Exception as exc:
         if debug:
             raise
+        if isinstance(exc, OSError) and exc.filename:
+            # A file that changed under the work after it was checked (replaced, made read-only, its disk full):
+            # the system's word for it, not a bug's
+            click.echo(f"error: cannot use {exc.filename}: {exc.strerror or first_line(exc)}", err=True)
+            return EXIT_ERROR
         # A bug, not bad input: what it says, without the class name (the traceback is what --debug is for).
         reason = first_line(exc, default="")
         click.echo(f"error: internal error{': ' + reason if reason else ''}; run with --debug for the traceback",
