@@ -62,23 +62,19 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
     Returns:
         The report: `.fits`, `.peak_bytes`, `.phases`, `.step_seconds`, ...; `.to_dict()` is the JSON document.
     """
+    from vram_planner.report.speed import check_step_time
+
     request = _request(model, gpu, settings, fields)
     if exact:
         from vram_planner.report.document import exact_check_report
 
-        from vram_planner.report.speed import with_step_times
-
         outcome = engine.check(*_engine_call(request), exact=True, progress=progress, **_options(request))
-        context, train = outcome.traced.context, outcome.traced.train
-        report, _ = with_step_times("check", exact_check_report(outcome), train, context, train,
-                                    reward=reward_seconds, prompts=dataset_prompts)
-        return _judged(report, context, train, outcome)
-    from vram_planner.report.speed import with_step_times
-
+        report = check_step_time(exact_check_report(outcome), outcome.analytic, reward_seconds, dataset_prompts)
+        return _judged(report, outcome.traced.context, outcome.traced.train, outcome)
     context, train, fewest = resolve_gpu_count(request)
     verdict = verdict_module.judge(context, train)
-    report, _ = with_step_times("check", _with_gpu_count(verdict_report(verdict), fewest, context), train, context,
-                                train, reward=reward_seconds, prompts=dataset_prompts)
+    report = check_step_time(_with_gpu_count(verdict_report(verdict), fewest, context), verdict, reward_seconds,
+                             dataset_prompts)
     return _judged(report, context, train, verdict)
 
 
@@ -99,14 +95,10 @@ def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings
         The report of the chosen config (or of the smallest, when nothing fits), with `.changes` that lead to it and
         `.alternatives`, every config that fits, fastest first.
     """
-    from vram_planner.report.speed import OPTIMIZE_CHOICES, with_step_times
+    from vram_planner.report.speed import check_optimize, plan_step_times
 
-    if optimize not in OPTIMIZE_CHOICES:
-        raise ConfigError([f"{field_name('optimize')} should be memory or speed (got {optimize!r:.40})"])
+    check_optimize(optimize, exact=exact)
     request = _request(model, gpu, settings, fields)
-    if exact and optimize == "speed":
-        raise ConfigError([f"{field_name('optimize')} speed ranks the plan's configs by step time; "
-                           f"{field_name('exact')} answers another question: ask them one at a time"])
     if exact:
         from vram_planner.report.document import exact_plan_report
 
@@ -115,9 +107,8 @@ def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings
         return _judged(exact_plan_report(result), result.plan.requested.context, shown.train, result)
     context, train, fewest = resolve_gpu_count(request)
     result = search.best_plan(context, train)
-    report, shown = with_step_times("plan", _with_gpu_count(plan_report(result), fewest, context),
-                                    (result.chosen or result.smallest).train, context, train, optimize,
-                                    reward_seconds, dataset_prompts)
+    report, shown = plan_step_times(_with_gpu_count(plan_report(result), fewest, context), result, context, train,
+                                    optimize, reward_seconds, dataset_prompts)
     return _judged(report, context, shown, result)
 
 
@@ -245,8 +236,7 @@ def resolve(request: Request) -> tuple[Context, TrainingConfig]:
     Returns:
         (context, training config), as vram_planner.engine judges them.
     """
-    _require_model(request, gpu=True)
-    context = engine.make_context(request.model, request.gpu, **_options(request))
+    context = _context(request)
     return context, engine.make_training(context, request.knobs)
 
 
@@ -260,9 +250,13 @@ def resolve_gpu_count(request: Request) -> tuple[Context, TrainingConfig, Any]:
     Returns:
         (context, training config, the search or None).
     """
-    _require_model(request, gpu=True)
-    context = engine.make_context(request.model, request.gpu, **_options(request))
+    context = _context(request)
     return (context, *engine.make_training_auto(context, request.knobs))
+
+
+def _context(request: Request) -> Context:
+    _require_model(request, gpu=True)
+    return engine.make_context(request.model, request.gpu, **_options(request))
 
 
 def _with_gpu_count(report: Report, fewest: Any, context: Context) -> Report:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from vram_planner.app.query import QUESTION_PARAMETERS, query_parameters
+from vram_planner.app.query import QUESTION_PARAMETERS, SPEED_PARAMETERS, TIMING_PARAMETERS, query_parameters
 from vram_planner.request import Request
 
 QUESTIONS = {"exact": ("boolean", "Judge by the traced step's need (needs the train extra; seconds to a minute)."),
@@ -16,7 +16,6 @@ QUESTIONS = {"exact": ("boolean", "Judge by the traced step's need (needs the tr
                                     "the config that fits with the least predicted time per optimizer step."),
              "reward_seconds": ("number", "Seconds the reward functions take per completion, for the step time."),
              "dataset_prompts": ("integer", "Prompts in the dataset, for the predicted time of one epoch.")}
-SPEED_QUESTIONS = ("optimize", "reward_seconds", "dataset_prompts")
 CONTEXT_HELP = {"model": "Catalog name (GET /api/models), hub id, or a config.json path where the server reads files.",
                 "gpu": "Catalog name (GET /api/gpus), or a size like 24GiB.",
                 "trl_version": "Plan for this TRL release (default: the installed one).",
@@ -71,13 +70,13 @@ def openapi_document() -> dict[str, Any]:
                                 "`vram-plan <command> --json` prints, bytes as integers."},
         "paths": {
             "/api/check": _get("The verdict for exactly this config (`vram-plan check --json`).",
-                               (*fields, "exact", "reward_seconds", "dataset_prompts"), "The check document."),
+                               (*fields, "exact", *TIMING_PARAMETERS), "The check document."),
             "/api/plan": _get("The best config that fits, or with maximize the largest value of one knob "
                               "(`vram-plan plan --json`).", (*fields, *QUESTION_PARAMETERS), "The plan document."),
             "/api/gpus": _get("The GPU catalog; with model (and knobs, maximize), every card's verdict, the smallest "
                               "fitting card first (`vram-plan gpus --model M --json`).",
                               tuple(n for n in (*fields, *QUESTION_PARAMETERS)
-                                    if n not in ("gpu", "exact", *SPEED_QUESTIONS)),
+                                    if n not in ("gpu", "exact", *SPEED_PARAMETERS)),
                               "The cards."),
             "/api/models": {"get": {"summary": "The model catalog (`vram-plan models --json`).",
                                     "responses": {"200": {"description": "The models.",

@@ -17,7 +17,11 @@ COMMANDS = ("check", "plan")
 # What to ask besides the request: exact=true (the traced step's need decides, as with --exact), and on plan
 # maximize=FIELD with allow_savers. The command line's files (--config, --calibration, --plot) are not read or
 # written over HTTP.
-QUESTION_PARAMETERS = ("exact", "maximize", "allow_savers", "optimize", "reward_seconds", "dataset_prompts")
+# The step time's parameters: what the rewards take (reward_seconds) and the dataset's size (dataset_prompts), and on
+# /api/plan which config to recommend (optimize)
+TIMING_PARAMETERS = ("reward_seconds", "dataset_prompts")
+SPEED_PARAMETERS = ("optimize", *TIMING_PARAMETERS)
+QUESTION_PARAMETERS = ("exact", "maximize", "allow_savers", *SPEED_PARAMETERS)
 HINT = "(query parameters are spelled as GRPOConfig fields, e.g. max_completion_length=1024, plus gpu and model)"
 LOCAL_FILES_OFF = ("this server reads no files of its own: model takes a catalog name or a hub id; the app reads "
                    "config.json paths when started with --allow-local-files")
@@ -121,7 +125,7 @@ def query_report(command: str, query: Iterable[tuple[str, str]], allow_local_fil
             raise ConfigError(["exact judges one config or the plan's choice, not maximize: ask /api/check with "
                                "exact=true and the value maximize finds"])
         return api.maximize(request, field=maximize, allow_savers=questions.get("allow_savers", False))
-    speed = {name: questions[name] for name in ("reward_seconds", "dataset_prompts") if name in questions}
+    speed = {name: questions[name] for name in TIMING_PARAMETERS if name in questions}
     if command == "plan":
         return api.plan(request, exact=questions.get("exact", False), optimize=questions.get("optimize", "memory"),
                         **speed)

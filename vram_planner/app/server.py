@@ -13,7 +13,7 @@ from typing import Any
 from vram_planner import api
 from vram_planner.app import require_app_extra
 from vram_planner.app.openapi import openapi_document
-from vram_planner.app.query import COMMANDS, error_line, query_report, query_request
+from vram_planner.app.query import COMMANDS, SPEED_PARAMETERS, error_line, query_report, query_request
 from vram_planner.errors import ConfigError, VramPlanError, first_line
 from vram_planner.validation import to_json
 
@@ -53,7 +53,7 @@ def _gpus(query: list[tuple[str, str]], allow_local_files: bool) -> Any:
     request, questions = query_request(query, allow_local_files)
     if questions.get("exact"):
         raise ConfigError(["exact judges one card: ask /api/check with exact=true"])
-    timed = [name for name in ("optimize", "reward_seconds", "dataset_prompts") if name in questions]
+    timed = [name for name in SPEED_PARAMETERS if name in questions]
     if timed:
         raise ConfigError([f"{timed[0]} goes with /api/plan and /api/check: /api/gpus judges memory on every card"])
     if request.gpu is not None:

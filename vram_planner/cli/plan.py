@@ -8,7 +8,7 @@ import click
 
 from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT,
                                       request_from)
-from vram_planner.cli.speed import CHECK_SPEED, PLAN_SPEED, refuse_speed_with
+from vram_planner.cli.speed import CHECK_SPEED, PLAN_SPEED
 from vram_planner.errors import VramPlanError
 
 
@@ -36,7 +36,10 @@ trace = training_command("trace", "Count this config's GRPO step tensor by tenso
 
 
 def _execute(command: str, options: dict[str, Any]) -> None:
-    refuse_speed_with(options)
+    from vram_planner.report.speed import check_optimize
+
+    check_optimize(options.get("optimize") or "memory", exact=bool(options.get("exact")),
+                   maximize=options.get("maximize") is not None)
     if options["plot"]:  # before any work: a plot that cannot be written is refused now, not after the plan
         from vram_planner.report.plot import check_plot_target
 

@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from vram_planner.errors import VramPlanError
-
 if TYPE_CHECKING:
     from vram_planner.report.document import Report
 
@@ -22,15 +20,6 @@ PLAN_SPEED = [click.option("--optimize", type=click.Choice(["memory", "speed"]),
                                 "config that fits with the least predicted time per optimizer step."),
               *CHECK_SPEED]
 SHOWN_ALTERNATIVES = 5
-
-
-def refuse_speed_with(options: dict[str, Any]) -> None:
-    """`--optimize speed` ranks the plan's configs: --maximize and --exact answer other questions."""
-    if options.get("optimize") == "speed":
-        for other in ("maximize", "exact"):
-            if options.get(other):
-                raise VramPlanError(f"--optimize speed ranks the plan's configs by step time; --{other} answers "
-                                    "another question: run them one at a time")
 
 
 def render_speed(report: Report, console: Any) -> None:

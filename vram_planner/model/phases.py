@@ -176,10 +176,13 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns)
 
 
-def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig) -> Phase:
-    """The moment that needs the most with the allocator's reserve on it: its tensors alone could pick a moment of
-    fewer bytes but a smaller reserve, and a longer completion would then seem to need less."""
-    return max(moments, key=lambda moment: moment.tensor_bytes + _reserve(moment, cal, train))
+def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig,
+              colocated: VllmBudget | None = None) -> Phase:
+    """The moment that needs the most with the allocator's reserve on it (and what colocated vLLM holds then): its
+    tensors alone could pick a moment of fewer bytes but a smaller reserve, and a longer completion would then seem
+    to need less."""
+    return max(moments, key=lambda moment: (moment.tensor_bytes + _reserve(moment, cal, train)
+                                            + _reservation(colocated, moment)))
 
 
 def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, persistent: dict[str, float],
@@ -194,7 +197,7 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         if colocated is not None and colocated.sleep_level is not None:
             sync["vllm_reservation"] = colocated.asleep_bytes + colocated.weights_bytes
         moments = [generating, Phase("generation", sync, "weights pushed to vLLM")]
-        return max(moments, key=lambda p: p.tensor_bytes + _reserve(p, cal, train) + _reservation(colocated, p))
+        return _heaviest(moments, cal, train, colocated)
     base = {**persistent, "weights": m.generation_weight_bytes(arch, train)}
     sequences, p = train.local_generation_batch_size, train.max_prompt_length
     run = m.as_generated(train)
