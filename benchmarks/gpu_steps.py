@@ -69,7 +69,7 @@ def model_folder(model: str, cache: Path) -> Path:
 
     from helpers import math_sample_tokenizer
 
-    folder = cache / model
+    folder = cache / (Path(model).stem if model.endswith(".json") else model)
     if (folder / "config.json").is_file():
         return folder
     fast = math_sample_tokenizer()
@@ -170,8 +170,20 @@ def instrument(meter: PhaseMeter) -> Any:
     return OptimizerPhase()
 
 
-def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
-    """Train two steps of one config in this process and measure them (the parent set the allocator's env)."""
+def same_prompt_rows(dataset: Any, tokenizer: Any, rows: int) -> Any:
+    """`rows` copies of the prompt with the most tokens: every step's prompts are max_prompt_length long, as the
+    trace's are (the longest-first order leaves the second step's prompts shorter than the first's)."""
+    from vram_planner.run.train_data import longest_prompt_tokens
+
+    longest = max(range(len(dataset)), key=lambda i: longest_prompt_tokens(dataset.select([i]), tokenizer))
+    return dataset.select([longest] * rows)
+
+
+def run_one(config: dict[str, Any], folder: Path, out: Path, meter: PhaseMeter | None = None) -> dict[str, Any]:
+    """Train `max_steps` (default two) steps of one config in this process and measure them (the parent set the
+    allocator's env). Config keys beside the model and settings: `plan_on` (the largest micro-batch a card takes) with
+    `limit` ("prediction": the allocator limited to the predicted peak), `limit_bytes` (the allocator limited to that
+    many bytes), `same_prompts` (every prompt the longest), `snapshot` (record the allocator's history)."""
     import torch
 
     from vram_planner import engine
@@ -182,6 +194,9 @@ def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
     from vram_planner.run.train_data import load_prompts, longest_prompt_tokens
 
     cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.reset_peak_memory_stats()
     used_before_mib = float(_nvidia_smi("memory.used") or 0) if cuda else 0.0
     if cuda and config.get("snapshot", True):
         torch.cuda.memory._record_memory_history(context=None, max_entries=50_000_000)
@@ -203,23 +218,36 @@ def run_one(config: dict[str, Any], folder: Path, out: Path) -> dict[str, Any]:
             torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.mem_get_info()[1])
     else:
         verdict = engine.check(config["model"], CARD, settings)
+        if cuda and config.get("limit_bytes"):
+            limit = int(config["limit_bytes"])
+            torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.mem_get_info()[1])
     scratch = Path(tempfile.mkdtemp(prefix="gpu-steps-"))
+    steps = int(config.get("max_steps", 2))
     setup = RunSetup(verdict=verdict, model_id=str(folder), dataset="math-sample", rewards=["format", "correctness"],
-                     output_dir=scratch / "run", max_steps=2, on_cpu=not cuda)
-    meter = PhaseMeter(cuda)
-    launch.EXTRA_CALLBACKS.append(instrument(meter))
-    dataset = longest_first(prepared_dataset(setup), verdict.train.per_device_train_batch_size * 2)
+                     output_dir=scratch / "run", max_steps=steps, on_cpu=not cuda)
+    if meter is None:
+        meter = PhaseMeter(cuda)
+        launch.EXTRA_CALLBACKS.append(instrument(meter))
+    rows = verdict.train.per_device_train_batch_size * verdict.train.steps_per_generation_resolved * steps
+    if config.get("same_prompts"):
+        dataset = same_prompt_rows(prepared_dataset(setup), AutoTokenizer.from_pretrained(folder), rows)
+    else:
+        dataset = longest_first(prepared_dataset(setup), rows)
     start = time.perf_counter()
+    oom_note = None
     try:
         start_run(setup, dataset, smoke=True)  # smoke: full-length completions, nothing saved
         ran = True
-    except launch.RunOutOfMemory:
+    except launch.RunOutOfMemory as exc:
         ran = False
+        oom_note = str(exc)[:400]
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {**config, "ran": ran, "fits": verdict.fits, "limit_bytes": limit if cuda else None,
                               "train": changed_settings(verdict.train),
                               "predicted_peak_bytes": verdict.estimate.peak_bytes, "phases": meter.rows,
                               "seconds": round(seconds, 1), "step_seconds": meter.step_seconds}
+    if oom_note:
+        result["out_of_memory"] = oom_note
     if cuda:
         free, total = torch.cuda.mem_get_info()
         result.update(capacity_bytes=total, max_reserved_bytes=torch.cuda.max_memory_reserved(),
@@ -272,12 +300,93 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+# Issue 30's step-time set: what plan's ranking chooses between (checkpointing, LoRA or full, micro-batch against
+# accumulation, completion length, weights' dtype, model size), three optimizer steps each, timed in one process one
+# after another on an otherwise idle GPU (the first step warms the kernels up; step_time.py compares the last).
+TIMED = [{"name": f"{model} {label}", "model": model, "allocator_conf": "", "snapshot": False, "max_steps": 3,
+          "settings": {"per_device_train_batch_size": 4, "num_generations": 4, "gradient_accumulation_steps": 1,
+                       "max_completion_length": 128, "gradient_checkpointing": True, "dtype": "bfloat16",
+                       "optim": "adamw_torch_fused", **settings}}
+         for model, label, settings in (
+             ("Qwen2.5-0.5B", "full", {}),
+             ("Qwen2.5-0.5B", "full no-checkpointing", {"gradient_checkpointing": False}),
+             ("Llama-3.2-1B", "lora16", {"lora_r": 16}),
+             ("Llama-3.2-1B", "lora16 no-checkpointing", {"lora_r": 16, "gradient_checkpointing": False}),
+             ("Llama-3.2-1B", "lora16 B2 GA2", {"lora_r": 16, "per_device_train_batch_size": 2,
+                                                "gradient_accumulation_steps": 2}),
+             ("Qwen2.5-0.5B", "full B8 G8 c256", {"per_device_train_batch_size": 8, "num_generations": 8,
+                                                  "max_completion_length": 256}),
+             ("Qwen2.5-0.5B", "fp32 full", {"dtype": "float32"}),
+             ("Qwen2.5-1.5B", "lora16 B8 G8 c256", {"lora_r": 16, "per_device_train_batch_size": 8,
+                                                    "num_generations": 8, "max_completion_length": 256}),
+             ("Qwen3-0.6B", "lora16 B32 G16", {"lora_r": 16, "per_device_train_batch_size": 32,
+                                               "num_generations": 16}),
+             ("Llama-3.2-1B", "full B8 G8", {"per_device_train_batch_size": 8, "num_generations": 8}),
+             ("Qwen2.5-1.5B", "full", {}),
+             ("SmolLM2-135M", "lora16 B16 G16 c256", {"lora_r": 16, "per_device_train_batch_size": 16,
+                                                      "num_generations": 16, "max_completion_length": 256}),
+         )]
+
+
+def run_in_process(configs: list[dict[str, Any]], models: Path, out: Path, summary: dict[str, Any],
+                   summary_path: Path) -> None:
+    """Each config after the other in this process, timed (the allocator's figures of later configs include what
+    earlier ones left cached, so only the times are comparable)."""
+    import gc
+
+    import torch
+
+    from vram_planner.run import launch
+
+    meter = PhaseMeter(torch.cuda.is_available())
+    launch.EXTRA_CALLBACKS.append(instrument(meter))
+    for config in configs:
+        meter.rows, meter.step, meter.step_seconds = [], 0, []
+        try:
+            result = run_one(config, model_folder(config["model"], models), out, meter)
+        except Exception as exc:  # report and go on: the other configs' times still count
+            result = {**config, "error": repr(exc)[-3000:]}
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        summary["configs"].append(result)
+        save(summary, summary_path)
+        print(f"{config['name']}: " + (result["error"][-300:] if "error" in result else
+                                       f"steps {result['step_seconds']} s"), flush=True)
+
+
+def save(summary: dict[str, Any], path: Path) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(summary, indent=1))
+    partial.replace(path)
+
+
+def run_subprocess(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": config["allocator_conf"]}
+    done = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--models", str(args.models),
+                           "--one", json.dumps(config)], env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        return {**config, "error": done.stderr[-3000:]}
+    result = json.loads(lines[-1][len("RESULT "):])
+    if "snapshot" in result and args.replay:
+        try:
+            result["replay"] = replay_check(args.out / result["snapshot"]["file"], config["allocator_conf"])
+        except Exception as exc:  # report and go on: the other configs' measurements still count
+            result["replay"] = {"error": repr(exc)}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--timing", action="store_true", help="issue 30's step-time set, in one process")
+    parser.add_argument("--points", type=Path, help="configs from a JSON file's 'points' (gpu_boundary.py prepare)")
+    parser.add_argument("--jobs", type=int, default=1, help="configs run at once (memory only: times interfere)")
     parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
     parser.add_argument("--replay", action="store_true", help="replay each snapshot through the allocator model")
+    parser.add_argument("--build-models", action="store_true", help="build the configs' model folders and stop")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a config as JSON: run it in this process
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "vram-plan-gpu-models")
     args = parser.parse_args(argv)
@@ -287,31 +396,34 @@ def main(argv: list[str] | None = None) -> int:
         config = json.loads(args.one)
         print("RESULT " + json.dumps(run_one(config, model_folder(config["model"], args.models), args.out)))
         return 0
-    configs = [c for c in (QUICK if args.quick else CONFIGS + PLANNED) if not args.only or c["name"] in args.only]
-    summary_path = args.out / "gpu_steps.json"
+    if args.points:
+        configs = json.loads(args.points.read_text())["points"]
+    else:
+        configs = QUICK if args.quick else TIMED if args.timing else CONFIGS + PLANNED
+    configs = [c for c in configs if not args.only or c["name"] in args.only]
+    if args.build_models:
+        for model in dict.fromkeys(c["model"] for c in configs):
+            model_folder(model, args.models)
+        return 0
+    summary_path = args.out / ("step_times.json" if args.timing else "gpu_steps.json")
     summary = {"device": device_info(), "configs": []}
-    for config in configs:
-        model_folder(config["model"], args.models)  # built once, before any process holds CUDA memory
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": config["allocator_conf"]}
-        done = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--models", str(args.models),
-                               "--one", json.dumps(config)], env=env, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not lines:
-            result = {**config, "error": done.stderr[-3000:]}
-        else:
-            result = json.loads(lines[-1][len("RESULT "):])
-            if "snapshot" in result and args.replay:
-                try:
-                    result["replay"] = replay_check(args.out / result["snapshot"]["file"], config["allocator_conf"])
-                except Exception as exc:  # report and go on: the other configs' measurements still count
-                    result["replay"] = {"error": repr(exc)}
-        summary["configs"].append(result)
-        summary_path.write_text(json.dumps(summary, indent=1))
-        reserved_gib = result.get("max_reserved_bytes", 0) / 2**30
-        print(f"{config['name']}: " + ("ERROR " + result["error"][-600:] if "error" in result else
-                                       f"ran: {result['ran']}, {reserved_gib:.2f} GiB reserved, {result['seconds']} s, "
-                                       f"segments match: {result.get('replay', {}).get('segments_match')}"),
-              flush=True)
+    for model in dict.fromkeys(c["model"] for c in configs):
+        model_folder(model, args.models)  # built once, before any process holds CUDA memory
+    if args.timing:
+        run_in_process(configs, args.models, args.out, summary, summary_path)
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for config, result in zip(configs, pool.map(lambda c: run_subprocess(c, args), configs)):
+            summary["configs"].append(result)
+            save(summary, summary_path)
+            reserved_gib = result.get("max_reserved_bytes", 0) / 2**30
+            print(f"{config['name']}: " + ("ERROR " + result["error"][-600:] if "error" in result else
+                                           f"ran: {result['ran']}, {reserved_gib:.2f} GiB reserved, "
+                                           f"{result['seconds']} s, "
+                                           f"segments match: {result.get('replay', {}).get('segments_match')}"),
+                  flush=True)
     return 0
 
 
