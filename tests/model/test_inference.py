@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vram_planner.model import inference
+from vram_planner.model import components, inference
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.spec import training_config
@@ -138,3 +138,42 @@ def _assert_matches(phases):
         assert modelled >= 0.999 * traced, (name, traced, modelled)
     assert phases["generation"][2:] == ("prefill", "prefill")
     assert phases["scoring"][2:] == ("scoring forward", "decoder forward")
+
+
+def _gemma3(**overrides):
+    config = json.loads((FIXTURES / "tiny-gemma3.json").read_text())
+    return {**config, **overrides}
+
+
+@pytest.mark.parametrize(("release", "sliding_tokens"), [("5.24.0", 512), ("4.56.0", 512), ("4.55.0", 16)])
+def test_the_prefill_leaves_sliding_layers_the_whole_prompt_from_4_56(release, sliding_tokens):
+    # DynamicSlidingWindowLayer.update (4.56 on) keeps a view of the prompt's concatenated keys and values, which
+    # holds their storage until the first decoding step: a 512-token prompt over a 16-token window
+    arch = ModelArchitecture.from_config(_gemma3())
+    train = cfg(transformers_version=release, dtype="bfloat16")
+    full = arch.num_layers - arch.sliding_layers
+    per_token_layer = arch.num_kv_heads * arch.head_dim * 2 * 2
+    assert 0 < arch.sliding_layers < arch.num_layers and arch.sliding_window == 16
+    assert components.kv_cache_bytes(arch, train, 4, 512, prefill=True) == \
+        4 * (full * 512 + arch.sliding_layers * sliding_tokens) * per_token_layer
+    # decoding steps hold the window alone in every release
+    assert components.kv_cache_bytes(arch, train, 4, 512) == 4 * (full * 512 + arch.sliding_layers * 16) * \
+        per_token_layer
+
+
+@pytest.mark.slow
+def test_gemma3_prefill_of_prompts_longer_than_the_window_matches_the_trace():
+    # gemma-3-1b-it (a 512-token window on 22 of its 26 layers) with 2048-token prompts: the prefill's cache decides
+    # the generation phase (analytic before the row: -6.5%)
+    pytest.importorskip("trl")
+    from vram_planner.model.phases import estimate
+    from vram_planner.model.trl_releases import trl_release
+    from vram_planner.tracing.step import compare_with_estimate, trace_step
+
+    config = json.loads((MODELS / "gemma-3-1b-it.json").read_text())
+    train = cfg(per_device_train_batch_size=4, num_generations=4, max_prompt_length=2048, max_completion_length=8,
+                dtype="bfloat16", lora_r=8)
+    traced = trace_step(config, train)
+    analytic = estimate(ModelArchitecture.from_config(config), train, trl_release(), Calibration(), 80 * 2**30)
+    generation = next(r for r in compare_with_estimate(traced, analytic) if r.name == "generation")
+    assert abs(generation.analytic_bytes / generation.trace_bytes - 1) < 0.005, generation

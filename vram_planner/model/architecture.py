@@ -223,10 +223,11 @@ class ModelArchitecture:
         where layers of both kinds exist (Gemma 2 and 3), else one."""
         return 2 if 0 < self.sliding_layers < self.num_layers else 1
 
-    def kv_layers_tokens(self, sequence_tokens: int) -> int:
-        """Sum over layers of the tokens each layer keeps in its KV cache for one sequence."""
+    def kv_layers_tokens(self, sequence_tokens: int, sliding_keep_all: bool = False) -> int:
+        """Sum over layers of the tokens each layer keeps in its KV cache for one sequence (`sliding_keep_all`:
+        sliding-window layers hold every token too, as after a prefill of transformers 4.56 on)."""
         full = self.num_layers - self.sliding_layers
-        window = min(sequence_tokens, self.sliding_window or sequence_tokens)
+        window = sequence_tokens if sliding_keep_all else min(sequence_tokens, self.sliding_window or sequence_tokens)
         return full * sequence_tokens + self.sliding_layers * window
 
 

@@ -270,8 +270,9 @@ def _adafactor_state_elements(arch: ModelArchitecture, train: TrainingConfig) ->
 
 
 def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int,
-                   forward: TrainingConfig | None = None) -> float:
-    """Keys and values of every layer for `sequences` sequences of `tokens` tokens.
+                   forward: TrainingConfig | None = None, prefill: bool = False) -> float:
+    """Keys and values of every layer for `sequences` sequences of `tokens` tokens (`prefill`: just after a
+    prefill of `tokens`, when the installed transformers' sliding-window layers still hold all of them).
 
     Keys come out of rotary in the residual stream's dtype (cos and sin follow it); values come out of v_proj in
     the dtype the forward computes in: generate()'s by default (autocast's, or the weights' for LoRA), `forward`'s
@@ -283,7 +284,8 @@ def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: in
     computing = forward or as_generated(train)
     value_bytes = key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(computing).compute
     per_token_layer = arch.num_kv_heads * arch.head_dim * (key_bytes + value_bytes)
-    return sequences * arch.kv_layers_tokens(tokens) * per_token_layer
+    keep_all = prefill and train.transformers.sliding_prefill_storage == "prompt"
+    return sequences * arch.kv_layers_tokens(tokens, keep_all) * per_token_layer
 
 
 def backward_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:

@@ -214,7 +214,7 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
     else:
         prefill = (m.inference_working_bytes(arch, run, cal, tokens, p) + m.padded_mask_bytes(run, sequences, p)
                    + m.adapter_forward_bytes(arch, run, tokens))
-    prompt_kv = m.kv_cache_bytes(arch, train, sequences, p)
+    prompt_kv = m.kv_cache_bytes(arch, train, sequences, p, prefill=True)
     head = m.generation_logits_bytes(arch, run, sequences)
     # ... and the output projection is cast at the LM head, cached or not.
     head_weights = with_casts["weights"] + m.lm_head_cast_bytes(arch, run)

@@ -37,6 +37,10 @@ class TransformersRelease:
     attention_mask: Literal["shared", "per_layer"]
     sdpa_contiguous_inputs: bool  # SDPA's query, key and value made contiguous first (before 4.56)
     sdpa_gqa_without_mask: bool  # no mask: k and v reach SDPA unrepeated, with enable_gqa (4.54 on)
+    # what a sliding-window layer's cache holds once the prefill has run: "window" tokens, or the whole "prompt"
+    # (4.56 on: DynamicSlidingWindowLayer keeps a view of the prompt's concatenated keys and values until the first
+    # decoding step replaces it)
+    sliding_prefill_storage: Literal["window", "prompt"] = "window"
     version: str = ""  # the release planned for, filled in by `transformers_release`
 
     def supports_sdpa(self, model_type: str) -> bool:
