@@ -105,6 +105,12 @@ def test_maximize_on_plan_is_plans_maximize(capsys):
     assert json.loads(out) == served.to_dict() and served.maximized.value > 0
     with pytest.raises(VramPlanError, match="maximize goes with /api/plan"):
         query_report("check", [*LLAMA, ("maximize", "max_completion_length")])
+    # optimize=speed with maximize is refused as the command line refuses it, never ignored
+    code, _, err = run(capsys, "plan", *[f"--{k}={v}" for k, v in LLAMA], "--maximize", "max_completion_length",
+                       "--optimize", "speed")
+    with pytest.raises(VramPlanError) as refused:
+        query_report("plan", [*LLAMA, ("maximize", "max_completion_length"), ("optimize", "speed")])
+    assert code == 2 and error_line(refused.value) == err.strip().removeprefix("error: ").replace("--", "")
 
 
 def test_a_server_that_reads_no_files_refuses_paths_before_looking_at_them(tmp_path, llama_1b_file):

@@ -11,6 +11,7 @@ from typing import Any
 from vram_planner import api
 from vram_planner.errors import ConfigError, UnknownNameError, VramPlanError, one_line
 from vram_planner.report.document import Report
+from vram_planner.report.speed import check_optimize
 from vram_planner.request import Request, request_fields
 
 COMMANDS = ("check", "plan")
@@ -121,6 +122,7 @@ def query_report(command: str, query: Iterable[tuple[str, str]], allow_local_fil
     if maximize is not None and command != "plan":
         raise ConfigError(["maximize goes with /api/plan"])
     if maximize is not None:
+        check_optimize(questions.get("optimize", "memory"), maximize=True)  # refused in the CLI's words, not ignored
         if questions.get("exact"):
             raise ConfigError(["exact judges one config or the plan's choice, not maximize: ask /api/check with "
                                "exact=true and the value maximize finds"])
