@@ -59,3 +59,48 @@ def test_the_traced_stream_allocates_them_at_the_first_product_and_the_first_bac
         ("generation", 10), ("training", 10)]
     assert grown.second_step == 5 and grown.spans == {LOADING: (0, 1), "generation": (5, 6), "training": (6, 7)}
     assert len({e.block for e in grown.events}) == len(grown.events)
+
+
+def test_autograds_workspace_comes_at_the_backwards_first_product():
+    # given where the trace saw the backward's first product, the second workspace goes there, not at the training
+    # phase's first event (it would split a cached block the LM head's backward then asks for whole)
+    step = [Event(ALLOC, 1, 100, LOADING, "weights"), Event(ALLOC, 2, 10, "generation", "prefill"),
+            Event(ALLOC, 3, 10, "training", "forward"), Event(ALLOC, 4, 64, "training", "LM head backward"),
+            Event(ALLOC, 5, 8, "training", "backward through the decoder")]
+    stream = SteadyStream(step + [e._replace(block=e.block + 10) for e in step[1:]],
+                          {LOADING: (0, 1), "generation": (5, 6), "training": (6, 9)}, 5)
+    grown = with_workspaces(stream, 32 * MiB, backward_matmul_event=4)
+    assert [(e.moment, e.size_bytes) for e in grown.events[:7]] == [
+        ("weights", 100), ("cuBLAS workspaces of the Python thread", 32 * MiB), ("prefill", 10), ("forward", 10),
+        ("LM head backward", 64), ("cuBLAS workspaces of autograd's thread", 32 * MiB),
+        ("backward through the decoder", 8)]
+    assert grown.second_step == 7
+
+
+@pytest.mark.parametrize("snapshot", ["Qwen2.5-0.5B-full.pkl.gz", "Llama-3.2-1B-full.pkl.gz"])
+def test_the_trace_puts_it_after_the_lm_heads_backward_buffer_as_a_real_step_does(snapshot):
+    """On the H100 the kept second workspace follows the LM head backward's first product buffer (a [tokens,
+    vocabulary chunk] tile), after the float32 gradient of the head's weight; the trace finds that product."""
+    pytest.importorskip("trl")
+    import json
+
+    from vram_planner.model.spec import TrainingConfig
+    from vram_planner.tracing.step import trace_step
+
+    events = load_snapshot(H100_SNAPSHOTS / snapshot).device_traces[0]
+    last_free = {address: i for i, (action, address, _, _) in enumerate(events) if action == "free_completed"}
+    kept = [i for i, (action, address, size, _) in enumerate(events)
+            if action == "alloc" and size == 32 * MiB and last_free.get(address, -1) < i]
+    before = [size for action, _, size, _ in events[kept[1] - 4:kept[1]] if action == "alloc"]
+    assert before[-1] > 32 * MiB and max(before) > before[-1]  # the tile, after the head's weight gradient
+
+    config = json.loads((Path(__file__).parents[1] / "fixtures" / "tiny-qwen2.json").read_text())
+    result = trace_step(config, TrainingConfig(per_device_train_batch_size=2, num_generations=2,
+                                               max_prompt_length=16, max_completion_length=32))
+    stream = result.stream_with_workspaces(32 * MiB)
+    at = next(i for i, e in enumerate(stream.events) if e.moment == "cuBLAS workspaces of autograd's thread")
+    made = [e for e in stream.events[:at] if e.moment == "LM head backward" and e.kind == ALLOC]
+    tile = 2 * 32 * 32768 * 2  # [the completion tokens, TRL's 32,768-entry vocabulary chunk] under bf16 autocast
+    # after the tile buffer and the casts of the first chunk's inputs: at the product itself
+    assert stream.events[at - 1].moment == "LM head backward" and tile in [e.size_bytes for e in made]
+    assert made[-1].size_bytes == 1000 * 64 * 2  # the first vocabulary chunk of the head's weight, cast to bf16
