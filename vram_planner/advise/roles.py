@@ -105,14 +105,16 @@ class Tagged:
 
 
 def tag_blocks(events: list, stop: int, planned: PlannedTensors | None,
-               frames: dict[int, tuple[str, ...]]) -> Tagged:
+               frames: dict[int, tuple[str, ...]], before: dict[int, int] | None = None) -> Tagged:
     """Replay the trace's allocs and frees before event `stop`, giving each block a role as it is made (a freed
-    block gives its planned size back, so the next tensor of that size takes it)."""
+    block gives its planned size back, so the next tensor of that size takes it). The blocks made `before` the
+    recorded history (address -> requested bytes) are given theirs first."""
     from vram_planner.allocator.snapshot import free_action
 
     freed = free_action(events)
     remaining = {role: Counter(getattr(planned, role)) for role in COUNTED} if planned else {}
     tagged = Tagged({}, stepping=planned is None, last_role=None)
+    _tag_before_history(tagged, before or {}, planned, remaining)
     for index, (action, address, size, _) in enumerate(itertools.islice(events, stop)):
         if action == "alloc":
             if address in tagged.live:
@@ -127,6 +129,27 @@ def tag_blocks(events: list, stop: int, planned: PlannedTensors | None,
     if planned is not None:
         _find_kv_cache(tagged, planned)
     return tagged
+
+
+def _tag_before_history(tagged: Tagged, before: dict[int, int], planned: PlannedTensors | None,
+                        remaining: dict[str, Counter]) -> None:
+    """The blocks made before the history, in the order a run makes the plan's tensors whatever order they were
+    made in: the weights, then the gradients and the optimizer's states; a logits-sized block is logits, any other
+    is other (nothing says which activation or buffer it was)."""
+    roles: dict[int, str] = {}
+    for role in COUNTED if planned else ():
+        if role != "weights" and not tagged.stepping:
+            break  # a step's tensors only once every weight is loaded
+        for address, size in sorted(before.items()):
+            if address not in roles and remaining[role][size] > 0:
+                remaining[role][size] -= 1
+                roles[address] = role
+        tagged.stepping = tagged.stepping or not +remaining["weights"]
+    for address, size in before.items():
+        role = roles.get(address) or ("logits" if planned is not None and tagged.stepping
+                                      and _logits_sized(size, planned) else "other")
+        tagged.live[address] = (size, role)
+        tagged.made_at[address] = -1
 
 
 def _give_back(remaining: dict[str, Counter], size: int, role: str) -> None:
@@ -152,10 +175,14 @@ def _role(size: int, frames: tuple[str, ...] | None, planned: PlannedTensors | N
             remaining[role][size] -= 1
             tagged.stepping = tagged.stepping or (role == "weights" and not +remaining["weights"])
             return role
-    if size % planned.vocab_size == 0 and size >= 2 * planned.vocab_size and size not in planned.weight_casts:
+    if _logits_sized(size, planned):
         tagged.stepping = True
         return "logits"
     return "activations" if tagged.stepping else "other"
+
+
+def _logits_sized(size: int, planned: PlannedTensors) -> bool:
+    return size % planned.vocab_size == 0 and size >= 2 * planned.vocab_size and size not in planned.weight_casts
 
 
 def _find_kv_cache(tagged: Tagged, planned: PlannedTensors) -> None:
