@@ -32,6 +32,7 @@ class Candidate:
     per_position: int = 0  # bytes per position of the sequence, for a tensor that spans positions (the logits)
     positions: int = 0  # positions per sequence it spans as planned
     fewer_than_logits: int = 0  # positions it spans fewer than the logits (a log_softmax row drops the last)
+    whole_sequence: bool = False  # it spans prompt + completion whatever the release (a decoder layer's activation)
     shape: str = ""  # its shape in words, "{n}" standing for its positions
 
     def described(self) -> str:
@@ -139,8 +140,7 @@ def other_candidates(arch: Any, train: Any, release: Any) -> list[Candidate]:
         Candidate("the KV cache of one layer for the generation batch",
                   train.local_generation_batch_size * train.sequence_length * arch.num_kv_heads * arch.head_dim * 2
                   * s.residual, "generation"),
-        Candidate("an MLP activation of one layer", b * train.sequence_length * arch.intermediate_size * s.compute,
-                  "training"),
+        _mlp_activation(arch, train, s.compute),
     ]
     if release.lm_head == "fused_chunked":
         out.insert(0, Candidate("a logits tile of the fused LM head",
@@ -149,6 +149,17 @@ def other_candidates(arch: Any, train: Any, release: Any) -> list[Candidate]:
     if train.distributed == "ddp":
         out.append(Candidate("a DDP gradient bucket (25 MiB by default)", 25 * MiB, "training"))
     return out
+
+
+def _mlp_activation(arch: Any, train: Any, compute: int) -> Candidate:
+    """One decoder layer's MLP-wide tensor for the micro-batch (the gate or up projection, or their product): made
+    in the training forward, and again in the backward where gradient checkpointing recomputes the layer."""
+    b, width = train.micro_batch_completions, arch.intermediate_size
+    when = "; gradient checkpointing makes it again in the backward" if train.gradient_checkpointing else ""
+    return Candidate(f"an MLP activation of one layer (its gate or up projection{when})",
+                     b * train.sequence_length * width * compute, "training", per_position=b * width * compute,
+                     positions=train.sequence_length, whole_sequence=True,
+                     shape=f"{b} sequence{'s' * (b != 1)} x {{n}} positions x {width} x {compute} B")
 
 
 def explain_positions(candidate: Candidate, request: int, train: Any, release: Any) -> Match | None:
@@ -164,7 +175,12 @@ def explain_positions(candidate: Candidate, request: int, train: Any, release: A
     total = n + candidate.fewer_than_logits  # the positions of prompt + completion the logits then span
     off = candidate.fewer_than_logits
     allowed = f"{low + off}-{high + off}" if low != high else str(low + off)
-    if total <= c + 1:
+    if candidate.whole_sequence:  # every position of prompt + completion passes the layers, whatever the release
+        what = (f"sequences of {n} positions: " + (f"a {n - c}-token prompt with {c}-token completions"
+                                                   if n > c else "completions that ended early")
+                + (f", or {p} + {n - p}" if n - p >= 1 and n - c != p else "")
+                + f" (the plan assumed {length} = {p} + {c})")
+    elif total <= c + 1:
         what = (f"completions of {total - 1} tokens, not {c} (every completion ended early), the logits over the "
                 "completion only")
         if not train.transformers.honours(release.logits_to_keep_argument):

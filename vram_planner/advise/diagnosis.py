@@ -114,7 +114,8 @@ def attribute(error: OomError, verdict: Any) -> Attribution | None:
     match = best_match(candidates, request)
     if match is None:  # none within MATCH_TOLERANCE: one made exact by another sequence length or release, the
         # one that asks least first (prompts no longer than the config's, then the nearest length)
-        solved = [m for m in (explain_positions(c, request, train, release) for c in logits) if m]
+        solved = [m for m in (explain_positions(c, request, train, release) for c in candidates if c.per_position)
+                  if m]
         match = min(solved, key=lambda m: (m.positions > train.sequence_length,
                                            abs(m.positions - m.candidate.positions)), default=None)
     elif not match.exact and match.candidate.per_position:  # accepted, with what would make it exact
@@ -141,7 +142,7 @@ def _attribution(match: Any, request: int, verdict: Any) -> Attribution:
     context, train, c = verdict.context, verdict.train, match.candidate
     if match.positions and match.positions > train.max_completion_length + 1:
         changes: dict[str, Any] = {"max_prompt_length": match.positions - train.max_completion_length}
-        if train.transformers.honours(context.release.logits_to_keep_argument):
+        if not c.whole_sequence and train.transformers.honours(context.release.logits_to_keep_argument):
             changes["transformers_version"] = _dropping_release(train, context.release)
         try:
             train = with_changes(train, **changes)

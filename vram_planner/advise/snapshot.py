@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from vram_planner.advise.diagnosis import Fix
+from vram_planner.advise.diagnosis import Attribution, Fix
 from vram_planner.advise.roles import ROLES, Tagged, planned_tensors, tag_blocks
 from vram_planner.allocator.snapshot import Snapshot
 from vram_planner.units import GiB
@@ -49,6 +49,7 @@ class SnapshotAdvice(BaseModel):
     before_history_by_role: dict[str, int] = {}
     diagnosis: list[str] = []
     culprit: str | None = None
+    attribution: Attribution | None = None  # the failed request's tensor in the plan, and what makes it exact
     fixes: list[Fix] = []
     fitting_config: dict[str, Any] | None = None
 
@@ -62,7 +63,7 @@ def explain_snapshot(snapshot: Snapshot, device: int, context: Any = None, train
     moment = moment_of(snapshot, device)
     stop = moment.index
     frames = {index: stack for (d, index), stack in snapshot.frames.items() if d == device}
-    planned = planned_tensors(context.arch, train) if context is not None else None
+    planned = planned_tensors(context.arch, train, context.release) if context is not None else None
     tagged = tag_blocks(events, stop, planned, frames, moment.before_history)
     by_role, requested, before = dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0)
     for address, n_bytes in moment.block_sizes.items():
@@ -151,7 +152,7 @@ def _rank_fixes(advice: SnapshotAdvice, expandable: bool, context: Any, train: A
                             saves_bytes=a.reserved_unallocated_bytes, cost="none",
                             why="the request fit the cached bytes but no cached block; segments that grow in place "
                                 "leave no such holes"))
-    a.fixes, a.fitting_config, a.culprit = fixes, found.fitting_config, found.culprit
+    a.fixes, a.fitting_config, a.culprit, a.attribution = fixes, found.fitting_config, found.culprit, found.attribution
     a.diagnosis.extend(note for note in found.diagnosis if not note.startswith("fragmentation:"))
 
 
