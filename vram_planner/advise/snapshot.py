@@ -140,7 +140,8 @@ def _rank_fixes(advice: SnapshotAdvice, expandable: bool, context: Any, train: A
         a.diagnosis.append("fragmentation decided this crash: the cached bytes would have held the request, no "
                            "cached block would")
     error = OomError(kind="cuda_oom", message=f"a memory snapshot's {a.moment.replace('_', ' ')} moment",
-                     gpu_index=a.device, tried_to_allocate=a.requested_bytes, free=a.device_free_bytes,
+                     gpu_index=a.device, tried_to_allocate=a.requested_bytes, tried_to_allocate_exact=True,
+                     free=a.device_free_bytes,
                      allocated_by_pytorch=a.allocated_bytes, reserved_unallocated=a.reserved_unallocated_bytes,
                      reserved_total=a.reserved_bytes, expandable_segments=expandable)
     found = advise_error(error, context, train,
