@@ -63,7 +63,7 @@ class Recorder:
             segment = {"device": 0, "address": address, "total_size": total, "stream": 0,
                        "segment_type": "small" if total <= 2 * 2**20 else "large", "is_expandable": False}
             if with_blocks:
-                segment["blocks"] = [{"address": a, "size": s, "requested_size": s, "state": state}
+                segment["blocks"] = [{"address": a, "size": s, "requested_size": self.live.get(a, s), "state": state}
                                      for a, s, state in sorted(inside)]
             segments.append(segment)
         return {"segments": segments, "device_traces": [list(self.events)],

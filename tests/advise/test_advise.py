@@ -296,3 +296,42 @@ def test_the_log_names_trl_as_pip_trl_env_and_wheel_paths_write_it():
                           ("/site-packages/trl-1.16.0.dist-info/METADATA", "1.16.0"),
                           ("trl 0.17", "0.17"), ("controlled==1.2.3", None), ("trl_utils 1.2", None)):
         assert read_log([line, CURRENT]).trl_version == version, line
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 200_000), st.integers(1, 4096))
+def test_the_positions_a_message_allows_hold_the_tensor_that_asked(per_position, positions):
+    """A message prints the segment the allocator asked CUDA for (2 MiB up to 1 MiB, 20 MiB up to 10 MiB, else the
+    tensor rounded up to 2 MiB), to two decimals: from 10 MiB on, the positions solved from that figure include the
+    tensor's own, and the fewest and most print as the same figure; a snapshot's own bytes allow exactly one."""
+    from vram_planner.advise.candidates import (Candidate, positions_for, positions_range, printed_bytes,
+                                                rounding_bytes)
+
+    def torch_format(n: int) -> str:  # c10's format_size for what a segment can be (2 MiB and up)
+        return f"{n / MiB:.2f} MiB" if n <= GiB else f"{n / GiB:.2f} GiB"
+
+    candidate = Candidate("t", per_position * positions, "training", per_position=per_position, positions=positions)
+    size = per_position * positions
+    figure = read_log([f"CUDA out of memory. Tried to allocate {torch_format(printed_bytes(size))}. GPU 0 "
+                       "has a total capacity of 80.00 GiB of which 1.00 GiB is free."]).tried_to_allocate
+    low, high = positions_range(candidate, figure)
+    if size >= 10 * MiB:  # below, every tensor prints as 2 or 20 MiB: the figure says nothing of its positions
+        assert low <= positions <= high and low <= positions_for(candidate, figure) <= high
+    assert all(abs(printed_bytes(n * per_position) - figure) <= rounding_bytes(figure) for n in (low, high)
+               if low <= high)
+    assert positions_range(candidate, size, exact_request=True) == (positions, positions)
+
+
+def test_the_h200_runs_message_names_the_mlp_activation_at_the_positions_it_allows(capsys):
+    """The H200 run's "Tried to allocate 102.00 MiB" is its 105,873,408 B request rounded up to a 2 MiB segment: an
+    MLP activation of 32 sequences, exact for 1067-1088 positions (the snapshot says 1077)."""
+    from pathlib import Path
+
+    log = Path(__file__).parents[2] / "benchmarks" / "results" / "gpu" / "h200-runs" / "smollm2-oom" / "stderr.txt"
+    code, out, err = run(capsys, "advise", str(log), "--gpu", "8GiB", "--model", "SmolLM2-135M",
+                         "--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2",
+                         "--max-completion-length", "1024", "--trl-version", "1.16.0", "--json")
+    assert code == 0, err
+    found = json.loads(out)["attribution"]
+    assert "MLP activation" in found["culprit"] and found["exact"] and found["phase"] == "loss forward/backward"
+    assert "1067-1088 positions" in found["assumption"] and found["culprit_bytes"] == 32 * 1077 * 1536 * 2

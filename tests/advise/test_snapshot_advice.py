@@ -5,8 +5,10 @@ bytes are the model's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +21,7 @@ from vram_planner.advise.roles import planned_tensors
 from vram_planner.advise.snapshot import explain_snapshot
 from vram_planner.allocator import parse_allocator_conf
 from vram_planner.allocator.caching import OutOfMemory
+from vram_planner.allocator.sizes import round_size
 from vram_planner.allocator.snapshot import load_snapshot, parse_snapshot
 from vram_planner.allocator.snapshot_replay import replay_until
 
@@ -255,3 +258,78 @@ def test_a_real_h100_step_at_its_worst_moment(name):
     assert tensors["optimizer_states"] == planned_bytes(planned.optimizer_states)
     if "full" in name:
         assert tensors["gradients"] == planned_bytes(planned.gradients)
+
+
+def truncated(recorder: Recorder, kept: int) -> dict:
+    """The snapshot with only its last `kept` trace events, as torch's ring of max_entries keeps them."""
+    data = recorder.snapshot()
+    data["device_traces"][0] = data["device_traces"][0][-kept:]
+    return data
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_history_that_lost_its_start_still_counts_the_weights_made_before_it(fails):
+    """A ring that overflowed keeps no event of the weights' loading: the blocks the file lists alive with no alloc
+    event, and one the trace frees without allocating it (alive at the worst moment, before its free), are given the
+    plan's roles by size (weights first), added to the allocated bytes, and the report says the history is
+    truncated."""
+    verdict = engine.check("SmolLM2-135M", "t4", SMOL)
+    planned = planned_tensors(verdict.context.arch, verdict.train)
+    probe = Recorder()
+    loaded(probe, planned)
+    recorder = Recorder(probe.allocator.reserved_bytes + 40 * MiB if fails else None)
+    weights = loaded(recorder, planned)
+    buffer = recorder.malloc(3 * MiB + 5)  # made before the history too, freed within it
+    start = len(recorder.events)
+    recorder.malloc(16 * MiB)
+    worst = recorder.malloc(16 * MiB)
+    recorder.free(buffer)
+    recorder.free(worst)
+    with contextlib.suppress(OutOfMemory):
+        recorder.malloc(64 * MiB if fails else 8 * MiB)  # fails in 40 MiB over the weights; else not the worst
+    snapshot = parse_snapshot(truncated(recorder, len(recorder.events) - start))
+    advice = explain_snapshot(snapshot, 0, verdict.context, verdict.train)
+    assert advice.moment == ("out_of_memory" if fails else "worst") and advice.history_truncated
+    assert advice.by_role["weights"] == advice.before_history_by_role["weights"] == blocks(recorder, weights)
+    assert advice.requested_bytes_by_role["weights"] == planned_bytes(planned.weights)
+    made_before = len(weights) + (0 if fails else 1)  # the buffer is freed before the failure, after the worst
+    assert advice.before_history_blocks == made_before
+    # a block freed after the moment is known by the tensor's bytes only: its block is the request rounded
+    assert advice.requested_bytes_by_role["other"] == (0 if fails else 3 * MiB + 5)
+    assert advice.by_role["other"] == (0 if fails else round_size(3 * MiB + 5, recorder.conf.roundup_power2_divisions))
+    live = (blocks(recorder, recorder.live) if fails
+            else blocks(recorder, weights) + 32 * MiB + advice.by_role["other"])
+    assert sum(advice.by_role.values()) == advice.allocated_bytes == live
+    note = next(n for n in advice.diagnosis if "truncated" in n)
+    assert f"the last {len(snapshot.device_traces[0]):,} events" in note and f"{made_before} live block" in note
+    assert f"by the plan's sizes): weights {blocks(recorder, weights) / 2**30:.2f} GiB" in note
+
+
+H200_OOM = Path(__file__).parents[2] / "benchmarks" / "results" / "gpu" / "h200-runs" / "smollm2-oom"
+# The run's plan (its stderr.txt): SmolLM2-135M in float32 under bf16 autocast, planned for an 8 GiB card
+H200_OOM_KNOBS = ("--gpu", "8GiB", "--model", "SmolLM2-135M", "--per-device-train-batch-size", "32",
+                  "--gradient-accumulation-steps", "2", "--max-completion-length", "1024", "--trl-version", "1.16.0")
+
+
+@pytest.mark.slow
+def test_the_h200_out_of_memory_run_whose_ring_overflowed(capsys):
+    """The H200 run on an emulated 5.5 GiB card (benchmarks/device_session.sh): its 2,000,000-event ring lost the
+    weights' loading. advise reads the gzip file, finds the float32 weights among the blocks made before the history,
+    says the history is truncated, and names the 102 MiB request: an MLP activation of the micro-batch's 32
+    sequences of 1077 positions, recomputed in the second micro-batch's backward (no optimizer step yet)."""
+    code, out, err = run(capsys, "check", *H200_OOM_KNOBS, "--json")
+    float32_weights = json.loads(out)["params"] * 4
+    code, out, err = run(capsys, "advise", str(H200_OOM / "oom-snapshot.pickle.gz"), *H200_OOM_KNOBS, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["moment"] == "out_of_memory" and doc["requested_bytes"] == 32 * 1077 * 1536 * 2
+    assert doc["requested_bytes_by_role"]["weights"] == pytest.approx(float32_weights, rel=0.02)
+    assert doc["by_role"]["weights"] == doc["before_history_by_role"]["weights"]
+    assert doc["history_truncated"] and doc["events"] == 2_000_000
+    assert sum(doc["by_role"].values()) == doc["allocated_bytes"]
+    assert doc["phase"] == "training" and doc["by_role"]["optimizer_states"] == 0
+    assert doc["by_role"]["gradients"] >= float32_weights  # every gradient, and the next micro-batch's own
+    attribution = doc["attribution"]
+    assert "MLP activation" in attribution["culprit"] and "1077 positions" in attribution["culprit"]
+    assert attribution["culprit_bytes"] == doc["requested_bytes"] and "53-token prompt" in attribution["assumption"]
+    assert any("history is truncated: it holds the last 2,000,000 events" in note for note in doc["diagnosis"])

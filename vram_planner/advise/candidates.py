@@ -10,10 +10,12 @@ for the completion's logits with.
 
 from __future__ import annotations
 
-import math
+import bisect
 from dataclasses import dataclass, replace
 from typing import Any
 
+from vram_planner.allocator.conf import parse_allocator_conf
+from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, allocation_size, round_size
 from vram_planner.units import GiB, MiB
 
 # A candidate within this share of the request is accepted; beyond it the sizes disagree and it is no answer.
@@ -32,6 +34,7 @@ class Candidate:
     per_position: int = 0  # bytes per position of the sequence, for a tensor that spans positions (the logits)
     positions: int = 0  # positions per sequence it spans as planned
     fewer_than_logits: int = 0  # positions it spans fewer than the logits (a log_softmax row drops the last)
+    whole_sequence: bool = False  # it spans prompt + completion whatever the release (a decoder layer's activation)
     shape: str = ""  # its shape in words, "{n}" standing for its positions
 
     def described(self) -> str:
@@ -42,7 +45,7 @@ class Candidate:
 class Match:
     candidate: Candidate
     error: float  # size / request - 1
-    exact: bool  # the size rounds to the figure the message printed
+    exact: bool  # the size is the request: its segment rounds to the figure the message printed, or a snapshot's bytes
     assumption: str = ""  # what had to differ from the planned config for it to match ("" where nothing did)
     positions: int = 0  # the positions of prompt + completion the logits span for it to be exact, where they differ
 
@@ -53,13 +56,23 @@ def rounding_bytes(request: int) -> float:
     return 0.005 * unit
 
 
-def _judged(size: int, request: int) -> tuple[float, bool]:
-    return size / request - 1, abs(size - request) <= rounding_bytes(request)
+def printed_bytes(size: int) -> int:
+    """The bytes an out-of-memory message says it tried to allocate for a tensor of `size` bytes: the segment the
+    allocator asked CUDA for (CUDACachingAllocator.cpp formats alloc_size: 2 MiB up to 1 MiB, 20 MiB up to 10 MiB,
+    else the size rounded up to 2 MiB)."""
+    return allocation_size(round_size(size, parse_allocator_conf("").roundup_power2_divisions), K_LARGE_BUFFER)
 
 
-def best_match(candidates: list[Candidate], request: int) -> Match | None:
-    """The candidate nearest the request when it is within MATCH_TOLERANCE, exact ones first."""
-    judged = [(c, *_judged(c.size, request)) for c in candidates if c.size > 0]
+def _judged(size: int, request: int, exact_request: bool) -> tuple[float, bool]:
+    if exact_request:  # a snapshot's own bytes
+        return size / request - 1, size == request
+    return size / request - 1, abs(printed_bytes(size) - request) <= rounding_bytes(request)
+
+
+def best_match(candidates: list[Candidate], request: int, exact_request: bool = False) -> Match | None:
+    """The candidate nearest the request when it is within MATCH_TOLERANCE, exact ones first; `exact_request` where
+    the request is the tensor's own bytes (a snapshot's), not a message's rounded figure."""
+    judged = [(c, *_judged(c.size, request, exact_request)) for c in candidates if c.size > 0]
     near = [(c, err, exact) for c, err, exact in judged if abs(err) <= MATCH_TOLERANCE]
     if not near:
         return None
@@ -67,23 +80,29 @@ def best_match(candidates: list[Candidate], request: int) -> Match | None:
     return Match(c, err, exact)
 
 
-def positions_for(candidate: Candidate, request: int) -> int | None:
-    """The whole number of positions per sequence at which a per-position tensor is the request, to the message's
-    rounding (the one nearest the request where several are), or None."""
+def positions_for(candidate: Candidate, request: int, exact_request: bool = False) -> int | None:
+    """The whole number of positions per sequence at which a per-position tensor is the request (the middle of
+    those the message's figure allows), or None."""
+    if candidate.per_position <= 0:
+        return None
+    low, high = positions_range(candidate, request, exact_request)
+    return (low + high) // 2 if 1 <= low <= high else None
+
+
+def positions_range(candidate: Candidate, request: int, exact_request: bool = False) -> tuple[int, int]:
+    """The least and most positions at which the tensor is the request: exactly its bytes, or printed as the
+    message's figure (empty where low > high). A message solves only tensors of 10 MiB and more, whose figure grows
+    with them (2 MiB steps); below, every tensor prints as 2 or 20 MiB."""
     per = candidate.per_position
-    if per <= 0:
-        return None
+    if exact_request:
+        return (request // per, request // per) if request % per == 0 else (1, 0)
     half = rounding_bytes(request)
-    low, high = math.ceil((request - half) / per), math.floor((request + half) / per)
-    if low > high or high < 1:
-        return None
-    return min(range(max(low, 1), high + 1), key=lambda n: abs(n * per - request))
-
-
-def positions_range(candidate: Candidate, request: int) -> tuple[int, int]:
-    half = rounding_bytes(request)
-    return (math.ceil((request - half) / candidate.per_position),
-            math.floor((request + half) / candidate.per_position))
+    first = -(-K_MIN_LARGE_ALLOC // per)  # the fewest positions that make 10 MiB
+    most = max(int(request + half) // per + 1, first)
+    ns = range(first, most + 1)
+    low = first + bisect.bisect_left(ns, request - half, key=lambda n: printed_bytes(n * per))
+    high = first + bisect.bisect_right(ns, request + half, key=lambda n: printed_bytes(n * per)) - 1
+    return low, high
 
 
 def logits_candidates(arch: Any, train: Any, release: Any) -> list[Candidate]:
@@ -139,8 +158,7 @@ def other_candidates(arch: Any, train: Any, release: Any) -> list[Candidate]:
         Candidate("the KV cache of one layer for the generation batch",
                   train.local_generation_batch_size * train.sequence_length * arch.num_kv_heads * arch.head_dim * 2
                   * s.residual, "generation"),
-        Candidate("an MLP activation of one layer", b * train.sequence_length * arch.intermediate_size * s.compute,
-                  "training"),
+        _mlp_activation(arch, train, s.compute),
     ]
     if release.lm_head == "fused_chunked":
         out.insert(0, Candidate("a logits tile of the fused LM head",
@@ -151,20 +169,37 @@ def other_candidates(arch: Any, train: Any, release: Any) -> list[Candidate]:
     return out
 
 
-def explain_positions(candidate: Candidate, request: int, train: Any, release: Any) -> Match | None:
+def _mlp_activation(arch: Any, train: Any, compute: int) -> Candidate:
+    """One decoder layer's MLP-wide tensor for the micro-batch (the gate or up projection, or their product): made
+    in the training forward, and again in the backward where gradient checkpointing recomputes the layer."""
+    b, width = train.micro_batch_completions, arch.intermediate_size
+    when = "; gradient checkpointing makes it again in the backward" if train.gradient_checkpointing else ""
+    return Candidate(f"an MLP activation of one layer (its gate or up projection{when})",
+                     b * train.sequence_length * width * compute, "training", per_position=b * width * compute,
+                     positions=train.sequence_length, whole_sequence=True,
+                     shape=f"{b} sequence{'s' * (b != 1)} x {{n}} positions x {width} x {compute} B")
+
+
+def explain_positions(candidate: Candidate, request: int, train: Any, release: Any,
+                      exact_request: bool = False) -> Match | None:
     """A per-position candidate made exact by another number of positions: what that takes, in words."""
-    n = positions_for(candidate, request)
+    n = positions_for(candidate, request, exact_request)
     if n is None or n == candidate.positions:
         return None
     from vram_planner.model.transformers_releases import transformers_releases
     from vram_planner.model.trl_releases import version_tuple
 
-    low, high = positions_range(candidate, request)
+    low, high = positions_range(candidate, request, exact_request)
     c, p, length = train.max_completion_length, train.max_prompt_length, train.sequence_length
     total = n + candidate.fewer_than_logits  # the positions of prompt + completion the logits then span
     off = candidate.fewer_than_logits
     allowed = f"{low + off}-{high + off}" if low != high else str(low + off)
-    if total <= c + 1:
+    if candidate.whole_sequence:  # every position of prompt + completion passes the layers, whatever the release
+        what = (f"sequences of {n} positions: " + (f"a {n - c}-token prompt with {c}-token completions"
+                                                   if n > c else "completions that ended early")
+                + (f", or {p} + {n - p}" if n - p >= 1 and n - c != p else "")
+                + f" (the plan assumed {length} = {p} + {c})")
+    elif total <= c + 1:
         what = (f"completions of {total - 1} tokens, not {c} (every completion ended early), the logits over the "
                 "completion only")
         if not train.transformers.honours(release.logits_to_keep_argument):
@@ -185,6 +220,7 @@ def explain_positions(candidate: Candidate, request: int, train: Any, release: A
                 f"{release.logits_to_keep_argument} TRL {release.version} passes): a {prompt}-token prompt with "
                 f"{c}-token completions" + (f", or {p} + {total - p}" if prompt != p and total - p >= 1 else "")
                 + f" (the plan assumed {length} = {p} + {c})")
-    assumption = f"exact with {what}; the message's figure allows {allowed} positions"
+    figure = "the snapshot's request" if exact_request else "the message's figure"
+    assumption = f"exact with {what}; {figure} allows {allowed} positions"
     exact = replace(candidate, size=n * candidate.per_position, positions=n)
     return Match(exact, exact.size / request - 1, True, assumption, total)

@@ -36,7 +36,7 @@ class Attribution(BaseModel):
     culprit_bytes: int
     requested_bytes: int
     error: float  # culprit_bytes / requested_bytes - 1
-    exact: bool  # the tensor's size rounds to the figure the message printed
+    exact: bool  # the tensor is the request (its segment rounds to the message's figure, or a snapshot's bytes)
     assumption: str | None = None  # what had to differ from the config as given for it to be exact
     phase: str
     moment: str | None = None
@@ -111,14 +111,16 @@ def attribute(error: OomError, verdict: Any) -> Attribution | None:
     arch, train, release = verdict.context.arch, verdict.train, verdict.context.release
     logits = [] if _fused(train, release) else logits_candidates(arch, train, release)
     candidates = logits + other_candidates(arch, train, release)
-    match = best_match(candidates, request)
+    exact = error.tried_to_allocate_exact
+    match = best_match(candidates, request, exact)
     if match is None:  # none within MATCH_TOLERANCE: one made exact by another sequence length or release, the
         # one that asks least first (prompts no longer than the config's, then the nearest length)
-        solved = [m for m in (explain_positions(c, request, train, release) for c in logits) if m]
+        solved = [m for m in (explain_positions(c, request, train, release, exact) for c in candidates
+                              if c.per_position) if m]
         match = min(solved, key=lambda m: (m.positions > train.sequence_length,
                                            abs(m.positions - m.candidate.positions)), default=None)
     elif not match.exact and match.candidate.per_position:  # accepted, with what would make it exact
-        solved = explain_positions(match.candidate, request, train, release)
+        solved = explain_positions(match.candidate, request, train, release, exact)
         match = replace(match, assumption=solved.assumption) if solved else match
     if match is None:
         return None
@@ -141,7 +143,7 @@ def _attribution(match: Any, request: int, verdict: Any) -> Attribution:
     context, train, c = verdict.context, verdict.train, match.candidate
     if match.positions and match.positions > train.max_completion_length + 1:
         changes: dict[str, Any] = {"max_prompt_length": match.positions - train.max_completion_length}
-        if train.transformers.honours(context.release.logits_to_keep_argument):
+        if not c.whole_sequence and train.transformers.honours(context.release.logits_to_keep_argument):
             changes["transformers_version"] = _dropping_release(train, context.release)
         try:
             train = with_changes(train, **changes)

@@ -55,7 +55,8 @@ class OomError(BaseModel):
     kind: Literal["cuda_oom", "vllm_kv_cache", "vllm_gpu_memory_utilization", "cublas", "cudnn", "bitsandbytes"]
     message: str
     gpu_index: int | None = None
-    tried_to_allocate: int | None = None
+    tried_to_allocate: int | None = None  # as printed: the segment asked of CUDA, rounded to the figure's decimals
+    tried_to_allocate_exact: bool = False  # tried_to_allocate is the tensor's own bytes (a snapshot's oom event)
     total_capacity: int | None = None
     free: int | None = None
     process_in_use: int | None = None

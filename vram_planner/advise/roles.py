@@ -20,6 +20,8 @@ from typing import Any
 # A decoding step's events per layer (its projections, attention, MLP and the K/V concatenation, each an alloc and
 # frees): the K/V one position shorter were made within this many events per layer before the longer ones.
 KV_STEP_EVENTS = 200
+# An optimizer's own scalars (Adam's step count per parameter on the device, fused or capturable): a few bytes each
+OPTIMIZER_SCALAR_BYTES = 512
 ROLES = ("weights", "gradients", "optimizer_states", "activations", "logits", "kv_cache", "other")
 COUNTED = ("weights", "gradients", "optimizer_states")  # roles whose tensors the plan lists one by one
 # Frames that say what a block is, whatever its size: (a part of "file:line in function", role)
@@ -39,11 +41,15 @@ class PlannedTensors:
     kv_position_bytes: tuple  # one layer's K (or V) per position for the generation batch, in the dtypes it may have
     kv_positions: int  # the most positions a K or V tensor reaches
     num_layers: int
+    logit_positions: int = 0  # the most positions per sequence the logits span (0: any)
+    logit_batches: tuple = ()  # the sequences a logits tensor may hold rows for: one, a micro-batch, a generation batch
 
 
-def planned_tensors(arch: Any, train: Any) -> PlannedTensors:
-    """The plan's tensors for a single-GPU run (sharded runs' shards are not listed: their blocks count as other)."""
+def planned_tensors(arch: Any, train: Any, release: Any = None) -> PlannedTensors:
+    """The plan's tensors for a single-GPU run (sharded runs' shards are not listed: their blocks count as other);
+    with the TRL `release`, the positions its logits span."""
     from vram_planner.model.components import reference_weight_bytes, sizes
+    from vram_planner.model.lm_head import logit_positions
 
     s = sizes(train)
     base = _parameter_numels(arch)
@@ -66,7 +72,9 @@ def planned_tensors(arch: Any, train: Any) -> PlannedTensors:
     return PlannedTensors(weights, gradients, optimizer_states, arch.vocab_size,
                           frozenset(n * b for n in linear | {arch.vocab_size * arch.hidden_size} for b in (2, 4)),
                           tuple(sorted({per_position * s.compute, per_position * s.residual})),
-                          train.sequence_length, arch.num_layers)
+                          train.sequence_length, arch.num_layers,
+                          logit_positions(train, release) if release is not None else train.sequence_length,
+                          (1, train.micro_batch_completions, train.local_generation_batch_size))
 
 
 def _parameter_numels(arch: Any) -> list[tuple[int, bool]]:
@@ -105,14 +113,16 @@ class Tagged:
 
 
 def tag_blocks(events: list, stop: int, planned: PlannedTensors | None,
-               frames: dict[int, tuple[str, ...]]) -> Tagged:
+               frames: dict[int, tuple[str, ...]], before: dict[int, int] | None = None) -> Tagged:
     """Replay the trace's allocs and frees before event `stop`, giving each block a role as it is made (a freed
-    block gives its planned size back, so the next tensor of that size takes it)."""
+    block gives its planned size back, so the next tensor of that size takes it). The blocks made `before` the
+    recorded history (address -> requested bytes) are given theirs first."""
     from vram_planner.allocator.snapshot import free_action
 
     freed = free_action(events)
     remaining = {role: Counter(getattr(planned, role)) for role in COUNTED} if planned else {}
     tagged = Tagged({}, stepping=planned is None, last_role=None)
+    _tag_before_history(tagged, before or {}, planned, remaining)
     for index, (action, address, size, _) in enumerate(itertools.islice(events, stop)):
         if action == "alloc":
             if address in tagged.live:
@@ -126,7 +136,46 @@ def tag_blocks(events: list, stop: int, planned: PlannedTensors | None,
             _give_back(remaining, *tagged.live.pop(address))
     if planned is not None:
         _find_kv_cache(tagged, planned)
+        _find_accumulated_gradients(tagged, planned, events, stop)
     return tagged
+
+
+def _find_accumulated_gradients(tagged: Tagged, planned: PlannedTensors, events: list, stop: int) -> None:
+    """Blocks taken for optimizer states because every gradient was already live: a later micro-batch's gradient,
+    made apart and then added into .grad (gradient accumulation), when fewer than all the states are live and the
+    step went on making tensors no optimizer makes (neither a parameter's size nor a scalar like Adam's step) after
+    the first of them."""
+    states = [tagged.made_at[a] for a, (_, role) in tagged.live.items() if role == "optimizer_states"]
+    if not states or len(states) >= sum(planned.optimizer_states.values()):  # none, or a finished optimizer step's
+        return
+    sizes = set(planned.weights) | set(planned.gradients) | set(planned.optimizer_states)
+    if all(size in sizes or size <= OPTIMIZER_SCALAR_BYTES for action, _, size, _ in
+           itertools.islice(events, min(states) + 1, stop) if action == "alloc"):
+        return
+    for address, (size, role) in tagged.live.items():
+        if role == "optimizer_states":
+            tagged.live[address] = (size, "gradients")
+
+
+def _tag_before_history(tagged: Tagged, before: dict[int, int], planned: PlannedTensors | None,
+                        remaining: dict[str, Counter]) -> None:
+    """The blocks made before the history, in the order a run makes the plan's tensors whatever order they were
+    made in: the weights, then the gradients and the optimizer's states; a logits-sized block is logits, any other
+    is other (nothing says which activation or buffer it was)."""
+    roles: dict[int, str] = {}
+    for role in COUNTED if planned else ():
+        if role != "weights" and not tagged.stepping:
+            break  # a step's tensors only once every weight is loaded
+        for address, size in sorted(before.items()):
+            if address not in roles and remaining[role][size] > 0:
+                remaining[role][size] -= 1
+                roles[address] = role
+        tagged.stepping = tagged.stepping or not +remaining["weights"]
+    for address, size in before.items():
+        role = roles.get(address) or ("logits" if planned is not None and tagged.stepping
+                                      and _logits_sized(size, planned) else "other")
+        tagged.live[address] = (size, role)
+        tagged.made_at[address] = -1
 
 
 def _give_back(remaining: dict[str, Counter], size: int, role: str) -> None:
@@ -152,10 +201,22 @@ def _role(size: int, frames: tuple[str, ...] | None, planned: PlannedTensors | N
             remaining[role][size] -= 1
             tagged.stepping = tagged.stepping or (role == "weights" and not +remaining["weights"])
             return role
-    if size % planned.vocab_size == 0 and size >= 2 * planned.vocab_size and size not in planned.weight_casts:
+    if _logits_sized(size, planned):
         tagged.stepping = True
         return "logits"
     return "activations" if tagged.stepping else "other"
+
+
+def _logits_sized(size: int, planned: PlannedTensors) -> bool:
+    """A whole number of vocabulary rows (bf16 or float32), as many as sequences times positions the logits may span:
+    an MLP-wide activation can be a whole number of rows too (SmolLM2's vocabulary is 32 MLP widths), of positions
+    the logits never span."""
+    if size % planned.vocab_size or size < 2 * planned.vocab_size or size in planned.weight_casts:
+        return False
+    return not planned.logit_batches or any(
+        size % (planned.vocab_size * element) == 0 and any(
+            rows % batch == 0 and rows // batch <= planned.logit_positions for batch in planned.logit_batches)
+        for element in (2, 4) for rows in [size // (planned.vocab_size * element)])
 
 
 def _find_kv_cache(tagged: Tagged, planned: PlannedTensors) -> None:

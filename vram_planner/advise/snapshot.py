@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from vram_planner.advise.diagnosis import Fix
+from vram_planner.advise.diagnosis import Attribution, Fix
 from vram_planner.advise.roles import ROLES, Tagged, planned_tensors, tag_blocks
 from vram_planner.allocator.snapshot import Snapshot
 from vram_planner.units import GiB
@@ -42,8 +42,14 @@ class SnapshotAdvice(BaseModel):
     free_blocks: int
     fragmentation: float  # 1 - largest free block / reserved-but-unallocated: 0 is one block, near 1 is scattered
     fragmentation_decided: bool  # the request fit the cached bytes in all but no cached block
+    # the trace is not the run's whole history (torch keeps the last max_entries events, or recording began
+    # mid-run): the live blocks made before it, and their bytes by role (within by_role)
+    history_truncated: bool = False
+    before_history_blocks: int = 0
+    before_history_by_role: dict[str, int] = {}
     diagnosis: list[str] = []
     culprit: str | None = None
+    attribution: Attribution | None = None  # the failed request's tensor in the plan, and what makes it exact
     fixes: list[Fix] = []
     fitting_config: dict[str, Any] | None = None
 
@@ -57,13 +63,15 @@ def explain_snapshot(snapshot: Snapshot, device: int, context: Any = None, train
     moment = moment_of(snapshot, device)
     stop = moment.index
     frames = {index: stack for (d, index), stack in snapshot.frames.items() if d == device}
-    planned = planned_tensors(context.arch, train) if context is not None else None
-    tagged = tag_blocks(events, stop, planned, frames)
-    by_role, requested = dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0)
-    for address, n_bytes in moment.block_sizes.items():  # a block made before recording began is other
+    planned = planned_tensors(context.arch, train, context.release) if context is not None else None
+    tagged = tag_blocks(events, stop, planned, frames, moment.before_history)
+    by_role, requested, before = dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0), dict.fromkeys(ROLES, 0)
+    for address, n_bytes in moment.block_sizes.items():
         size, role = tagged.live.get(address, (n_bytes, "other"))
         by_role[role] += n_bytes
         requested[role] += size
+        if address in moment.before_history:
+            before[role] += n_bytes
     roles_from = ("plan and frames" if planned and tagged.by_frames else "plan" if planned
                   else "frames" if tagged.by_frames else "none")
     advice = SnapshotAdvice(
@@ -75,7 +83,9 @@ def explain_snapshot(snapshot: Snapshot, device: int, context: Any = None, train
         requested_bytes=moment.requested_bytes, device_free_bytes=moment.device_free_bytes,
         reserved_unallocated_bytes=moment.reserved_unallocated_bytes,
         largest_free_block_bytes=moment.largest_free_block_bytes, free_blocks=len(moment.free_block_sizes),
-        fragmentation=moment.fragmentation, fragmentation_decided=moment.fragmentation_decided)
+        fragmentation=moment.fragmentation, fragmentation_decided=moment.fragmentation_decided,
+        history_truncated=moment.history_truncated, before_history_blocks=len(moment.before_history),
+        before_history_by_role=before)
     _rank_fixes(advice, moment.conf.expandable_segments, context, train)
     return advice
 
@@ -118,6 +128,8 @@ def _rank_fixes(advice: SnapshotAdvice, expandable: bool, context: Any, train: A
           else "at its most")
     a.diagnosis.append(f"{_gib(a.allocated_bytes)} allocated {at}{f' ({a.phase})' if a.phase else ''}: {parts}; "
                        f"{_gib(a.reserved_bytes)} reserved")
+    if a.history_truncated:
+        a.diagnosis.append(_truncation_note(a))
     if a.roles_from == "none":
         a.diagnosis.append("give the run's --model, --gpu and knobs to tell its tensors apart by size")
     if a.reserved_unallocated_bytes:
@@ -128,7 +140,8 @@ def _rank_fixes(advice: SnapshotAdvice, expandable: bool, context: Any, train: A
         a.diagnosis.append("fragmentation decided this crash: the cached bytes would have held the request, no "
                            "cached block would")
     error = OomError(kind="cuda_oom", message=f"a memory snapshot's {a.moment.replace('_', ' ')} moment",
-                     gpu_index=a.device, tried_to_allocate=a.requested_bytes, free=a.device_free_bytes,
+                     gpu_index=a.device, tried_to_allocate=a.requested_bytes, tried_to_allocate_exact=True,
+                     free=a.device_free_bytes,
                      allocated_by_pytorch=a.allocated_bytes, reserved_unallocated=a.reserved_unallocated_bytes,
                      reserved_total=a.reserved_bytes, expandable_segments=expandable)
     found = advise_error(error, context, train,
@@ -140,8 +153,22 @@ def _rank_fixes(advice: SnapshotAdvice, expandable: bool, context: Any, train: A
                             saves_bytes=a.reserved_unallocated_bytes, cost="none",
                             why="the request fit the cached bytes but no cached block; segments that grow in place "
                                 "leave no such holes"))
-    a.fixes, a.fitting_config, a.culprit = fixes, found.fitting_config, found.culprit
+    a.fixes, a.fitting_config, a.culprit, a.attribution = fixes, found.fitting_config, found.culprit, found.attribution
     a.diagnosis.extend(note for note in found.diagnosis if not note.startswith("fragmentation:"))
+
+
+def _truncation_note(a: SnapshotAdvice) -> str:
+    """The history's start is missing: what the live blocks made before it were, by the plan's sizes."""
+    made = sum(a.before_history_by_role.values())
+    note = (f"the recorded history is truncated: it holds the last {a.events:,} events (torch keeps a ring of "
+            "max_entries, or recording began mid-run)")
+    if not a.before_history_blocks:
+        return note + "; every block alive at this moment was made within it"
+    parts = ", ".join(f"{role.replace('_', ' ')} {_gib(n)}" for role, n in
+                      sorted(a.before_history_by_role.items(), key=lambda kv: -kv[1]) if n)
+    how = "by the plan's sizes" if a.roles_from in ("plan", "plan and frames") else "unknown without the plan"
+    return (f"{note}; {a.before_history_blocks} live block(s), {_gib(made)}, were made before it ({how}): "
+            f"{parts}")
 
 
 def _gib(n: float) -> str:

@@ -45,7 +45,9 @@ class Segment:
     address: int
     total_size: int
     is_expandable: bool
-    blocks: tuple[tuple[int, int, bool], ...] = ()  # (address, size, allocated) where the file lists its blocks
+    # (address, size, allocated, requested size) where the file lists its blocks: the size is the allocator's block,
+    # the requested size the tensor's own bytes (the block's size where the file leaves it out)
+    blocks: tuple[tuple[int, int, bool, int], ...] = ()
 
 
 @dataclass
@@ -173,12 +175,17 @@ def _segment(segment: object, index: int) -> Segment:
     if not isinstance(segment, dict):
         raise SnapshotError(f"{where} is not a dict")
     raw_blocks = segment.get("blocks")
-    blocks = tuple((_int(b.get("address"), where, "address"), _int(b.get("size"), where, "size"),
-                    b.get("state") != "inactive") for b in raw_blocks if isinstance(b, dict)) \
-        if isinstance(raw_blocks, list) else ()
+    blocks = tuple(_block(b, where) for b in raw_blocks if isinstance(b, dict)) if isinstance(raw_blocks, list) else ()
     return Segment(_int(segment.get("device", 0), where, "device"), _int(segment.get("address"), where, "address"),
                    _int(segment.get("total_size"), where, "total_size"), segment.get("is_expandable") is True,
                    blocks)
+
+
+def _block(block: dict, where: str) -> tuple[int, int, bool, int]:
+    size = _int(block.get("size"), where, "size")
+    requested = block.get("requested_size", size)
+    return (_int(block.get("address"), where, "address"), size, block.get("state") != "inactive",
+            _int(requested, where, "size") if requested is not None else size)
 
 
 def _int(value: object, where: str, name: str) -> int:

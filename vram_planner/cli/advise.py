@@ -105,6 +105,9 @@ def _advise_snapshot(path: Path, device: int | None, json_output: bool, options:
     parts = [table, *(Text(f"• {note}") for note in advice.diagnosis)]
     if advice.culprit:
         parts.append(Text(f"Most likely {advice.culprit}.", style="bold"))
+    if advice.attribution is not None and advice.attribution.assumption:
+        assumption = advice.attribution.assumption
+        parts.append(Text(f"  {assumption[0].upper()}{assumption[1:]}."))
     terminal().print(Group(*parts, *fixes_lines(advice.fixes, advice.fitting_config)))
 
 

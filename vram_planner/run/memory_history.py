@@ -22,8 +22,14 @@ from vram_planner.errors import first_line
 from vram_planner.files import write_atomically
 
 OOM_SNAPSHOT_NAME = "oom-snapshot.pickle"
-# Trace events kept: ~100 bytes each without frames (a few KiB with them); a GRPO step of a 1B model makes ~500,000
-# (tests/fixtures/snapshots/h100: 1.1 million over two steps of Qwen2.5-0.5B), so the ring holds the failed step.
+# Trace events kept (a ring: the oldest go first). No ring holds a long generation's start: each decoding step makes
+# ~180 events per layer (the H200 run of SmolLM2-135M: 5,313 per token over 30 layers, so 1024-token completions
+# make 5.4 million), while a micro-batch's forward and backward make ~600 per layer (~18,000 there) and the failed
+# step's tensors are made within those. So the ring holds the last micro-batches and decoding steps, and advise
+# counts the blocks made before it by the plan's sizes (vram_planner/advise/roles.py: weights, gradients, states).
+# Host memory, torch 2.13 (c10/core/CachingDeviceAllocator.h): a TraceEntry is 136 bytes, 272 MB for the full ring
+# (frames add a few KiB per recorded stack); the out-of-memory snapshot turns the ring into Python dicts (~440 bytes
+# each, ~0.9 GB while it is pickled) and writes ~72 bytes per event (the H200 run's 2,000,000 made 144 MB).
 MAX_ENTRIES = 2_000_000
 MAX_ENTRIES_WITH_FRAMES = 500_000
 
