@@ -12,7 +12,7 @@ import weakref
 import pytest
 from snapshot_builder import Recorder
 
-from helpers import SMALL, run
+from helpers import FIXTURES, SMALL, run
 from vram_planner.allocator.caching import OutOfMemory
 from vram_planner.run.launch import RunOutOfMemory, RunSummary, closing_line, whole_sentences
 from vram_planner.run.step_memory import ReservedGrowth, StepMemory
@@ -55,8 +55,8 @@ def callbacks(monkeypatch, *kinds):
     return made
 
 
-def run_args(model, out, *extra):
-    return ["run", "--model", str(model), "--dataset", "math-sample", "--max-steps", "2", "--save-steps", "1",
+def run_args(model, out, *extra, steps=2):
+    return ["run", "--model", str(model), "--dataset", "math-sample", "--max-steps", str(steps), "--save-steps", "1",
             "--output-dir", str(out), *SMALL, *extra]
 
 
@@ -178,3 +178,28 @@ def test_off_cuda_the_log_has_both_predictions_and_no_measurement(tmp_path):
     line = json.loads((tmp_path / "log.jsonl").read_text())
     assert line["predicted_peak_bytes"] == 5e9 and line["predicted_peak_reserved_bytes"] == 4.4e9
     assert not [key for key in line if key.startswith("measured_peak")]
+
+
+@pytest.fixture(scope="module")
+def multimodal_folder_with_a_tokenizer(tmp_path_factory):
+    """tiny-gemma3-vision.json as a model folder with random weights and a tokenizer, and no image processor."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from helpers import math_sample_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3-vision")
+    config = AutoConfig.for_model(**json.loads((FIXTURES / "tiny-gemma3-vision.json").read_text()))
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    math_sample_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_a_multimodal_folder_with_only_a_tokenizer_trains_its_text(capsys, multimodal_folder_with_a_tokenizer,
+                                                                   tmp_path):
+    out = tmp_path / "run"
+    code, stdout, err = run(capsys, *run_args(multimodal_folder_with_a_tokenizer, out, steps=1))
+    assert code == 0, err
+    assert "has a tokenizer and no processor: the run trains on the text prompts" in " ".join(stdout.split())
+    assert (out / "final" / "config.json").is_file()
+    assert json.loads((out / "vram-plan-run.json").read_text())["outcome"]["steps"] == 1

@@ -203,17 +203,32 @@ def prepared_dataset(setup: RunSetup) -> Any:
     return dataset
 
 
+# What a model folder's processor is saved as, beside its tokenizer (transformers' image and video processors, and
+# the processor that holds them)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def tokenizer_only(model_id: str) -> bool:
+    """A local model folder with a tokenizer and no processor: GRPOTrainer's AutoProcessor would ask a multimodal
+    config's folder for the image processor it lacks, so the run trains its text with the tokenizer (for a text
+    model the tokenizer is what AutoProcessor gives anyway)."""
+    path = Path(model_id).expanduser()
+    return path.is_dir() and not any((path / name).is_file() for name in PROCESSOR_FILES)
+
+
 def load_processor(model_id: str, why: str) -> Any:
-    """The tokenizer (or processor) as GRPOTrainer loads it; offline, from the cache only, without retries."""
-    from transformers import AutoProcessor
+    """The tokenizer (or processor) as the run gives it to GRPOTrainer; offline, from the cache only, without
+    retries."""
+    from transformers import AutoProcessor, AutoTokenizer
 
     from vram_planner.hub import hub_unreachable_reason, quiet_hub_logs
 
     offline = None if Path(model_id).expanduser().exists() else hub_unreachable_reason()
+    kind = AutoTokenizer if tokenizer_only(model_id) else AutoProcessor
     try:
         with quiet_hub_logs():  # offline: the cache only, without half a minute of retries
-            return AutoProcessor.from_pretrained(model_id, truncation_side="left", padding_side="left",
-                                                 local_files_only=offline is not None)
+            return kind.from_pretrained(model_id, truncation_side="left", padding_side="left",
+                                        local_files_only=offline is not None)
     except Exception as exc:
         raise VramPlanError(f"cannot load the tokenizer of {model_id} ({offline or first_line(exc, limit=200)}); "
                             f"{why}") from exc
@@ -407,8 +422,23 @@ def prepare(setup: RunSetup) -> PreparedRun:
                             "run on the CPU)")
     resume_from = check_output_dir(setup)
     check_model_folder(setup.model_id)
+    note_tokenizer_only(setup)
     check_hub_model(setup)
     return PreparedRun(prepared_dataset(setup), resume_from)
+
+
+def note_tokenizer_only(setup: RunSetup) -> None:
+    """A multimodal model's folder with a tokenizer and no processor trains on text prompts: said, as a note."""
+    if not tokenizer_only(setup.model_id):
+        return
+    from vram_planner.profiles import read_json
+
+    config = read_json(Path(setup.model_id).expanduser() / "config.json")
+    towers = [key for key in ("vision_config", "audio_config") if isinstance(config, dict) and key in config]
+    if towers:
+        setup.notes.append(f"{setup.model_id} has a tokenizer and no processor: the run trains on the text prompts "
+                           f"with the tokenizer (its {' and '.join(k.partition('_')[0] for k in towers)} tower is "
+                           "loaded but sees no input)")
 
 
 def is_main_process() -> bool:
@@ -705,9 +735,11 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     from trl import GRPOTrainer
 
     try:
+        processing_class = (load_processor(setup.model_id, "GRPOTrainer tokenizes with it")
+                            if tokenizer_only(setup.model_id) else None)  # None: TRL's AutoProcessor
         trainer = GRPOTrainer(model=setup.model_id, reward_funcs=[load_reward(r) for r in setup.rewards],
                               args=args, train_dataset=dataset, peft_config=peft_config,
-                              callbacks=[callback, *EXTRA_CALLBACKS])
+                              processing_class=processing_class, callbacks=[callback, *EXTRA_CALLBACKS])
     except Exception as exc:
         if created and not history.written:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
