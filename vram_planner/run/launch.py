@@ -892,7 +892,9 @@ def _fallen_back(oom: RunOutOfMemory, auto_fallback: bool, say: Callable[[str], 
     from vram_planner.run.fallback import fallback_setup
 
     smaller, why = fallback_setup(oom.setup, oom.snapshot)
-    if smaller is not None:
+    if smaller is None:
+        say(f"no fallback: {why}")
+    else:
         say(f"{oom}\nfalling back: {changed(oom.setup.train, smaller.train)}, predicted peak "
             f"{smaller.predicted_peak_bytes / GiB:.2f} GiB ({why}); {then}")
     return smaller
