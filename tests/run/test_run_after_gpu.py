@@ -14,7 +14,8 @@ from snapshot_builder import Recorder
 
 from helpers import FIXTURES, SMALL, run
 from vram_planner.allocator.caching import OutOfMemory
-from vram_planner.run.launch import RunOutOfMemory, RunSummary, closing_line, whole_sentences
+from vram_planner.run.launch import RunSummary, closing_line
+from vram_planner.run.out_of_memory import RunOutOfMemory, whole_sentences
 from vram_planner.run.step_memory import ReservedGrowth, StepMemory
 
 pytest.importorskip("trl")

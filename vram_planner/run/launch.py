@@ -11,7 +11,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import shlex
 import shutil
 import time
@@ -29,6 +28,7 @@ from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig, knob_names
 from vram_planner.model.verdict import Verdict, judge
 from vram_planner.run.memory_history import OOM_SNAPSHOT_NAME, memory_history
+from vram_planner.run.out_of_memory import RunOutOfMemory
 from vram_planner.run.ranks import RankBytes, gathered
 from vram_planner.run.record import RECORD_NAME, record_outcome, run_record, write_record
 from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
@@ -517,50 +517,6 @@ class RunSummary:
     seconds: float
     measured_peak_reserved_bytes: int | None  # the allocator's, over the run (no CUDA context); None off CUDA
     reserved_growth: ReservedGrowth | None = None  # None off CUDA or before a step after the allocator settled
-
-
-class RunOutOfMemory(VramPlanError):
-    """Training ran out of GPU memory; what was trained is saved in `checkpoint`. Its text is several lines (torch's
-    words, the plan's peak, the checkpoint, the command that explains the snapshot): the command line prints them as
-    they are, so the advise command can be pasted."""
-
-    def __init__(self, setup: RunSetup, error: BaseException, checkpoint: Path | None,
-                 snapshot: Path | None = None) -> None:
-        estimate = setup.verdict.estimate
-        peak = estimate.peak_phase
-        parts = sorted(peak.components.items(), key=lambda kv: -kv[1])[:3]
-        biggest = ", ".join(f"{name.replace('_', ' ')} {size / GiB:.2f} GiB" for name, size in parts)
-        lines = [f"out of GPU memory: {whole_sentences(first_line(error, limit=2000), OOM_WORDS_LIMIT)}",
-                 f"The plan put the peak at {estimate.peak_bytes / GiB:.2f} GiB in {peak.name}: {biggest}."]
-        if checkpoint:
-            lines.append(f"Training so far is saved in {checkpoint}.")
-        if snapshot:
-            lines += ["What was on the card, read against the plan:", shlex.join(advise_command(setup, snapshot))]
-        super().__init__("\n".join(lines))
-        self.setup, self.checkpoint, self.snapshot = setup, checkpoint, snapshot
-
-
-# torch's out-of-memory text runs to ~600 characters; its first sentences say the request, the card and the process
-OOM_WORDS_LIMIT = 240
-
-
-def whole_sentences(text: str, limit: int) -> str:
-    """The sentences of `text` that fit in `limit` characters (at least the first), none cut in the middle."""
-    kept = ""
-    for sentence in re.split(r"(?<=\.)\s+", text.strip()):
-        if kept and len(kept) + 1 + len(sentence) > limit:
-            break
-        kept = f"{kept} {sentence}" if kept else sentence
-    return kept
-
-
-def advise_command(setup: RunSetup, snapshot: Path) -> list[str]:
-    """`vram-plan advise` of the snapshot with the run's card, model and knobs, so it is read against its plan."""
-    from vram_planner.model.spec import changed_settings, command_line_flags
-
-    knobs = shlex.split(command_line_flags(changed_settings(setup.train)))
-    return ["vram-plan", "advise", str(snapshot), "--gpu", setup.verdict.context.gpu.name, "--model",
-            setup.model_id, *knobs]
 
 
 # Extra TrainerCallbacks for every run (tests add a fake allocator cap here).
