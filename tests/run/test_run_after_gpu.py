@@ -146,6 +146,8 @@ def test_the_prediction_beside_the_allocators_peak_leaves_the_cuda_context_out(s
     peak = setup.verdict.estimate.peak_phase
     assert peak.components["cuda_context"] > 0
     assert setup.predicted_reserved_bytes == pytest.approx(peak.total_bytes - peak.components["cuda_context"])
+    assert f"; {setup.predicted_reserved_bytes / 2**30:.2f} GiB reserved by PyTorch, the rest the CUDA context" in (
+        setup.describe())
 
 
 def test_reserved_growth_counts_from_the_settled_step():

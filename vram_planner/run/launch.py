@@ -131,7 +131,8 @@ class RunSetup:
         """The exact configuration, for --dry-run and the run's first lines."""
         lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
                  f"predicted peak: {self.predicted_peak_bytes / GiB:.2f} GiB "
-                 f"(on {self.verdict.context.gpu.label})",
+                 f"(on {self.verdict.context.gpu.label}; {self.predicted_reserved_bytes / GiB:.2f} GiB reserved by "
+                 f"PyTorch, the rest the CUDA context, which the per-step lines leave out)",
                  f"GRPOConfig({call_args(self.grpo_kwargs(on_this_machine=False))})"]
         peft = lora_config_kwargs(self.train)
         if peft:
