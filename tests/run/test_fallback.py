@@ -8,22 +8,12 @@ import pickle
 import pytest
 from snapshot_builder import Recorder, fragmented_until_oom
 
-from vram_planner import engine
 from vram_planner.allocator.caching import OutOfMemory
 from vram_planner.model.search import micro_batch_variants, rungs
 from vram_planner.model.verdict import judge
 from vram_planner.run.fallback import fallback_setup
-from vram_planner.run.launch import RunSetup
 
 MiB = 2**20
-
-
-@pytest.fixture
-def setup(tmp_path):
-    verdict = engine.check("SmolLM2-135M", "t4", {"per_device_train_batch_size": 8, "num_generations": 8,
-                                                "max_completion_length": 512})
-    return RunSetup(verdict=verdict, model_id="SmolLM2-135M", dataset="math-sample", rewards=["format"],
-                    output_dir=tmp_path / "run")
 
 
 def snapshot_file(tmp_path, recorder: Recorder):

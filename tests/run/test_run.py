@@ -143,7 +143,7 @@ def test_out_of_memory_without_fallback_explains_and_keeps_the_checkpoint(capsys
     out = tmp_path / "run"
     code, _, err = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
                        "--max-steps", "2", "--save-steps", "1", "--output-dir", str(out), *SMALL)
-    assert code == 2 and "error: out of GPU memory" in err and "the plan put the peak at" in err
+    assert code == 2 and "error: out of GPU memory" in err and "\nThe plan put the peak at" in err
     assert (out / "checkpoint-1").is_dir()
 
 

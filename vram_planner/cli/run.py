@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from vram_planner.cli.options import CONTEXT, EXIT_FITS, KNOBS, resolve
+from vram_planner.cli.options import CONTEXT, EXIT_ERROR, EXIT_FITS, KNOBS, resolve
 
 
 def _output_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
@@ -50,8 +50,8 @@ def run(**options: Any) -> None:
 
     require_train_extra("vram-plan run")
     from vram_planner.model.search import best_plan
-    from vram_planner.run.launch import (RunInterrupted, RunSetup, clear_previous_run, interrupted_message,
-                                         is_main_process, library_output, prepare, train)
+    from vram_planner.run.launch import (RunInterrupted, RunOutOfMemory, RunSetup, clear_previous_run,
+                                         interrupted_message, is_main_process, library_output, prepare, train)
     from vram_planner.run.several import CONFIG_NAME, accelerate_config_yaml, launch, launch_command, needs_launcher
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite",
@@ -86,6 +86,9 @@ def run(**options: Any) -> None:
             except RunInterrupted as stop:  # Ctrl+C or SIGTERM: where the training is, and how to go on
                 echo(interrupted_message(stop, argv), err=True)
                 raise click.exceptions.Exit(stop.exit_code) from None
+            except RunOutOfMemory as oom:  # its lines as they are (the advise command is pasted); every rank's
+                click.echo(f"error: {oom}", err=True)
+                raise click.exceptions.Exit(EXIT_ERROR) from None
     raise click.exceptions.Exit(EXIT_FITS)
 
 

@@ -28,10 +28,12 @@ from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig, knob_names
 from vram_planner.model.verdict import Verdict, judge
 from vram_planner.run.memory_history import OOM_SNAPSHOT_NAME, memory_history
+from vram_planner.run.out_of_memory import RunOutOfMemory
 from vram_planner.run.ranks import RankBytes, gathered
 from vram_planner.run.record import RECORD_NAME, record_outcome, run_record, write_record
 from vram_planner.run.rewards import check_rewards, load_reward, sample_batch
 from vram_planner.run.several import CONFIG_NAME, gloo_ranks, launched_worker, missing_launcher
+from vram_planner.run.step_memory import ReservedGrowth, StepMemory, predicted_reserved_bytes
 from vram_planner.units import GiB
 
 LOG_NAME = "vram-plan-log.jsonl"
@@ -85,6 +87,12 @@ class RunSetup:
         return self.verdict.estimate.peak_bytes
 
     @property
+    def predicted_reserved_bytes(self) -> float:
+        """The plan's peak less the CUDA context it counts: what PyTorch's allocator is expected to reserve, the
+        figure set beside the measured peak reserved."""
+        return predicted_reserved_bytes(self.verdict.estimate)
+
+    @property
     def predicted_step_seconds(self) -> float | None:
         """The step-time model's seconds per optimizer step (None where the card has no speed figures)."""
         from vram_planner.model.ranking import timed
@@ -123,7 +131,8 @@ class RunSetup:
         """The exact configuration, for --dry-run and the run's first lines."""
         lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
                  f"predicted peak: {self.predicted_peak_bytes / GiB:.2f} GiB "
-                 f"(on {self.verdict.context.gpu.label})",
+                 f"(on {self.verdict.context.gpu.label}; {self.predicted_reserved_bytes / GiB:.2f} GiB reserved by "
+                 f"PyTorch, the rest the CUDA context, which the per-step lines leave out)",
                  f"GRPOConfig({call_args(self.grpo_kwargs(on_this_machine=False))})"]
         peft = lora_config_kwargs(self.train)
         if peft:
@@ -195,17 +204,32 @@ def prepared_dataset(setup: RunSetup) -> Any:
     return dataset
 
 
+# What a model folder's processor is saved as, beside its tokenizer (transformers' image and video processors, and
+# the processor that holds them)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def tokenizer_only(model_id: str) -> bool:
+    """A local model folder with a tokenizer and no processor: GRPOTrainer's AutoProcessor would ask a multimodal
+    config's folder for the image processor it lacks, so the run trains its text with the tokenizer (for a text
+    model the tokenizer is what AutoProcessor gives anyway)."""
+    path = Path(model_id).expanduser()
+    return path.is_dir() and not any((path / name).is_file() for name in PROCESSOR_FILES)
+
+
 def load_processor(model_id: str, why: str) -> Any:
-    """The tokenizer (or processor) as GRPOTrainer loads it; offline, from the cache only, without retries."""
-    from transformers import AutoProcessor
+    """The tokenizer (or processor) as the run gives it to GRPOTrainer; offline, from the cache only, without
+    retries."""
+    from transformers import AutoProcessor, AutoTokenizer
 
     from vram_planner.hub import hub_unreachable_reason, quiet_hub_logs
 
     offline = None if Path(model_id).expanduser().exists() else hub_unreachable_reason()
+    kind = AutoTokenizer if tokenizer_only(model_id) else AutoProcessor
     try:
         with quiet_hub_logs():  # offline: the cache only, without half a minute of retries
-            return AutoProcessor.from_pretrained(model_id, truncation_side="left", padding_side="left",
-                                                 local_files_only=offline is not None)
+            return kind.from_pretrained(model_id, truncation_side="left", padding_side="left",
+                                        local_files_only=offline is not None)
     except Exception as exc:
         raise VramPlanError(f"cannot load the tokenizer of {model_id} ({offline or first_line(exc, limit=200)}); "
                             f"{why}") from exc
@@ -315,12 +339,13 @@ def restartable(leftovers: list[Path]) -> bool:
     return bool(leftovers) and all(path.is_file() for path in leftovers)
 
 
-def clear_previous_run(setup: RunSetup) -> None:
+def clear_previous_run(setup: RunSetup, keep: list[Path] | None = None) -> None:
     """With --overwrite, remove what the earlier run left (nothing else in the folder), once, in the main process;
-    without it, only what a run stopped before its first checkpoint left."""
+    without it, only what a run stopped before its first checkpoint left. `keep`: what this run wrote already (the
+    snapshot of a smoke step it fell back from)."""
     if launched_worker() or setup.resume and last_checkpoint(setup.output_dir) is not None:
         return
-    leftovers = run_files(setup.output_dir)
+    leftovers = [path for path in run_files(setup.output_dir) if path not in (keep or [])]
     if not setup.overwrite and not restartable(leftovers):
         return
     for path in leftovers:
@@ -328,14 +353,17 @@ def clear_previous_run(setup: RunSetup) -> None:
 
 
 class JsonlLog:
-    """A TrainerCallback writing each logged step (with measured and predicted peak memory, and the measured
-    seconds per optimizer step since the last line beside the predicted ones) as one JSON line, from the main
-    process only."""
+    """A TrainerCallback writing each logged step (with the step's own measured peak memory beside the predicted,
+    and the measured seconds per optimizer step since the last line beside the predicted ones) as one JSON line,
+    from the main process only."""
 
     def __init__(self, path: Path, predicted_peak_bytes: float, resumed_at_step: int | None = None,
-                 predicted_step_seconds: float | None = None) -> None:
+                 predicted_step_seconds: float | None = None, predicted_reserved_bytes: float | None = None,
+                 memory: StepMemory | None = None) -> None:
         self.path, self.predicted = path, predicted_peak_bytes
+        self.predicted_reserved = predicted_peak_bytes if predicted_reserved_bytes is None else predicted_reserved_bytes
         self.predicted_step_seconds = predicted_step_seconds
+        self.memory = memory or StepMemory.start()
         self.started = time.perf_counter()
         self.last_logged: tuple[int, float] | None = None  # (step, time) of the last line
         if resumed_at_step is not None and path.is_file():
@@ -348,13 +376,12 @@ class JsonlLog:
         write_atomically(self.path, "".join(kept))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
-        import torch
-
         if not state.is_world_process_zero:
             return
         now = time.perf_counter()
         record = {"step": state.global_step, "seconds": round(now - self.started, 3),
-                  **(logs or {}), "predicted_peak_bytes": round(self.predicted)}
+                  **(logs or {}), "predicted_peak_bytes": round(self.predicted),
+                  "predicted_peak_reserved_bytes": round(self.predicted_reserved)}
         if self.last_logged is not None and state.global_step > self.last_logged[0]:
             # the first line's steps include the model's loading and the trainer's start: no step time there
             steps = state.global_step - self.last_logged[0]
@@ -362,9 +389,12 @@ class JsonlLog:
         if self.predicted_step_seconds is not None:
             record["predicted_step_seconds"] = round(self.predicted_step_seconds, 3)
         self.last_logged = (state.global_step, now)
-        if torch.cuda.is_available():
-            record["measured_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            record["measured_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        if "train_runtime" in (logs or {}):  # TRL's closing line: the run's maximum, not its last step's
+            peaks, prefix = self.memory.run_peaks(), "measured_run_peak"
+        else:
+            peaks, prefix = self.memory.step_peaks(state.global_step), "measured_peak"
+        if peaks is not None:
+            record[f"{prefix}_allocated_bytes"], record[f"{prefix}_reserved_bytes"] = peaks
         with self.path.open("a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
 
@@ -393,8 +423,23 @@ def prepare(setup: RunSetup) -> PreparedRun:
                             "run on the CPU)")
     resume_from = check_output_dir(setup)
     check_model_folder(setup.model_id)
+    note_tokenizer_only(setup)
     check_hub_model(setup)
     return PreparedRun(prepared_dataset(setup), resume_from)
+
+
+def note_tokenizer_only(setup: RunSetup) -> None:
+    """A multimodal model's folder with a tokenizer and no processor trains on text prompts: said, as a note."""
+    if not tokenizer_only(setup.model_id):
+        return
+    from vram_planner.profiles import read_json
+
+    config = read_json(Path(setup.model_id).expanduser() / "config.json")
+    towers = [key for key in ("vision_config", "audio_config") if isinstance(config, dict) and key in config]
+    if towers:
+        setup.notes.append(f"{setup.model_id} has a tokenizer and no processor: the run trains on the text prompts "
+                           f"with the tokenizer (its {' and '.join(k.partition('_')[0] for k in towers)} tower is "
+                           "loaded but sees no input)")
 
 
 def is_main_process() -> bool:
@@ -466,37 +511,13 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """How a run ended: its steps, its wall time and the most memory it reserved."""
+    """How a run ended: its steps, its wall time, the most memory it reserved and whether that crept up."""
 
     output_dir: Path
     steps: int
     seconds: float
-    measured_peak_bytes: int | None  # torch.cuda.max_memory_reserved() plus nothing else; None off CUDA
-
-
-class RunOutOfMemory(VramPlanError):
-    """Training ran out of GPU memory; what was trained is saved in `checkpoint`."""
-
-    def __init__(self, setup: RunSetup, error: BaseException, checkpoint: Path | None,
-                 snapshot: Path | None = None) -> None:
-        estimate = setup.verdict.estimate
-        peak = estimate.peak_phase
-        parts = sorted(peak.components.items(), key=lambda kv: -kv[1])[:3]
-        biggest = ", ".join(f"{name.replace('_', ' ')} {size / GiB:.2f} GiB" for name, size in parts)
-        saved = f"; training so far is saved in {checkpoint}" if checkpoint else ""
-        explained = f"\nwhat was on the card: {shlex.join(advise_command(setup, snapshot))}" if snapshot else ""
-        super().__init__(f"out of GPU memory ({first_line(error, limit=160)}); the plan put the peak at "
-                         f"{estimate.peak_bytes / GiB:.2f} GiB in {peak.name} ({biggest}){saved}{explained}")
-        self.setup, self.checkpoint, self.snapshot = setup, checkpoint, snapshot
-
-
-def advise_command(setup: RunSetup, snapshot: Path) -> list[str]:
-    """`vram-plan advise` of the snapshot with the run's card, model and knobs, so it is read against its plan."""
-    from vram_planner.model.spec import changed_settings, command_line_flags
-
-    knobs = shlex.split(command_line_flags(changed_settings(setup.train)))
-    return ["vram-plan", "advise", str(snapshot), "--gpu", setup.verdict.context.gpu.name, "--model",
-            setup.model_id, *knobs]
+    measured_peak_reserved_bytes: int | None  # the allocator's, over the run (no CUDA context); None off CUDA
+    reserved_growth: ReservedGrowth | None = None  # None off CUDA or before a step after the allocator settled
 
 
 # Extra TrainerCallbacks for every run (tests add a fake allocator cap here).
@@ -504,11 +525,14 @@ EXTRA_CALLBACKS: list[Any] = []
 
 
 class RichProgress:
-    """The run's progress on stderr, one line from the main process: step, reward, step time, and measured peak
-    memory against the plan's. A transient one (the smoke step's) leaves nothing behind."""
+    """The run's progress on stderr, one line from the main process: step, reward, step time, and the step's peak
+    reserved memory against the plan's (less the CUDA context, which PyTorch does not see). A transient one (the
+    smoke step's) leaves nothing behind."""
 
-    def __init__(self, predicted_peak_bytes: float, transient: bool = False) -> None:
-        self.predicted, self.transient = predicted_peak_bytes, transient
+    def __init__(self, predicted_reserved_bytes: float, transient: bool = False,
+                 memory: StepMemory | None = None) -> None:
+        self.predicted, self.transient = predicted_reserved_bytes, transient
+        self.memory = memory or StepMemory.start()
         self.progress: Any = None
         self.task: Any = None
         self.lines: Any = None  # the console that gets a line per step, off a terminal
@@ -529,13 +553,12 @@ class RichProgress:
         self.task = self.progress.add_task("", total=state.max_steps or None, completed=state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
-        import torch
-
         if (self.progress is None and self.lines is None) or not logs or "reward" not in logs:
             return
-        measured = (f"{torch.cuda.max_memory_reserved() / GiB:.2f}" if torch.cuda.is_available() else "-")
+        peaks = self.memory.step_peaks()
+        measured = "-" if peaks is None else f"{peaks[1] / GiB:.2f}"
         description = (f"reward {float(logs['reward']):.3f}  step {float(logs.get('step_time', 0)):.1f} s  "
-                       f"peak {measured} / predicted {self.predicted / GiB:.2f} GiB")
+                       f"reserved {measured} / predicted {self.predicted / GiB:.2f} GiB")
         if self.lines is not None:
             steps = f"{state.global_step}/{state.max_steps}" if state.max_steps else str(state.global_step)
             self.lines.file.write(f"GRPO step {steps}  {description}\n")
@@ -568,11 +591,27 @@ def smoke_step(setup: RunSetup, dataset: Any) -> None:
     rows = train.per_device_train_batch_size * train.steps_per_generation_resolved
     with tempfile.TemporaryDirectory(prefix="vram-plan-smoke-") as scratch:
         smoke = replace(setup, output_dir=Path(scratch), max_steps=1)
-        start_run(smoke, longest_first(dataset, rows), smoke=True,
-                  oom_snapshot=setup.output_dir / OOM_SNAPSHOT_NAME)
+        try:
+            start_run(smoke, longest_first(dataset, rows), smoke=True,
+                      oom_snapshot=setup.output_dir / OOM_SNAPSHOT_NAME)
+        except RunOutOfMemory as oom:
+            oom.setup = setup  # what falls back is the run, not the scratch folder's single step
+            raise
+    release_memory()
+
+
+def release_memory() -> None:
+    """Free what a finished or failed trainer left before the next one starts: its model and optimizer sit in
+    reference cycles (collected here), and the caching allocator keeps their blocks reserved until told (on CUDA),
+    so the next run would start on their fragments (issue 29: 4.457 GiB reserved after the smoke step, 4.225 GiB in
+    a fresh process, the same config)."""
     import gc
 
-    gc.collect()  # the smoke trainer's model and optimizer sit in reference cycles: free them before the run
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def full_length_completions(train: TrainingConfig) -> dict[str, int]:
@@ -613,8 +652,10 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     readme_kept = users_readme(setup.output_dir)
     setup.output_dir.mkdir(parents=True, exist_ok=True)
     resumed_at = int(resume_from.name.partition("-")[2]) if resume_from is not None else None
-    log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes, resumed_at, setup.predicted_step_seconds)
-    progress = RichProgress(setup.predicted_peak_bytes, transient=smoke)
+    memory = StepMemory.start()
+    log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes, resumed_at, setup.predicted_step_seconds,
+                   setup.predicted_reserved_bytes, memory)
+    progress = RichProgress(setup.predicted_reserved_bytes, transient=smoke, memory=memory)
 
     def on_log(*args: Any, **kwargs: Any) -> None:
         log.on_log(*args, **kwargs)
@@ -622,13 +663,14 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
 
     ranks = RankBytes()
     callback = type("VramPlanLog", (TrainerCallback,), {"on_log": staticmethod(on_log),
+                                                        "on_step_begin": staticmethod(memory.on_step_begin),
                                                         "on_train_begin": staticmethod(progress.on_train_begin),
                                                         "on_train_end": staticmethod(progress.on_train_end),
                                                         "on_optimizer_step": staticmethod(ranks.on_optimizer_step)})()
     snapshot_path = oom_snapshot or setup.output_dir / OOM_SNAPSHOT_NAME
     with memory_history(snapshot_path, setup.record_frames) as history:  # from the weights' loading on
         return _train_recorded(setup, args, peft_config, dataset, callback, progress, created, readme_kept,
-                               resume_from, smoke, history, ranks)
+                               resume_from, smoke, history, ranks, memory)
 
 
 def _use_allocator_conf(allocator_conf: str) -> None:
@@ -645,14 +687,16 @@ def _use_allocator_conf(allocator_conf: str) -> None:
 
 def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, callback: Any, progress: RichProgress,
                     created: bool, readme_kept: bool, resume_from: Path | None, smoke: bool,
-                    history: Any, ranks: RankBytes) -> RunSummary:
+                    history: Any, ranks: RankBytes, memory: StepMemory) -> RunSummary:
     import torch
     from trl import GRPOTrainer
 
     try:
+        processing_class = (load_processor(setup.model_id, "GRPOTrainer tokenizes with it")
+                            if tokenizer_only(setup.model_id) else None)  # None: TRL's AutoProcessor
         trainer = GRPOTrainer(model=setup.model_id, reward_funcs=[load_reward(r) for r in setup.rewards],
                               args=args, train_dataset=dataset, peft_config=peft_config,
-                              callbacks=[callback, *EXTRA_CALLBACKS])
+                              processing_class=processing_class, callbacks=[callback, *EXTRA_CALLBACKS])
     except Exception as exc:
         if created and not history.written:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
@@ -687,14 +731,18 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         raise stop from None
     if not smoke:
         trainer.save_model(str(setup.output_dir / "final"))
-    measured = int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
-    summary = RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started, measured)
+    peaks, growth = memory.run_peaks(), memory.reserved_growth()
+    summary = RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started,
+                         None if peaks is None else peaks[1], growth)
     per_rank = gathered(ranks.measured) if setup.train.num_gpus > 1 else None  # every rank takes part
     if not smoke and main:
         record_outcome(setup.output_dir, {"status": "finished", "steps": summary.steps,
                                           "seconds": round(summary.seconds, 1),
-                                          "measured_peak_reserved_bytes": measured,
+                                          "measured_peak_allocated_bytes": None if peaks is None else peaks[0],
+                                          "measured_peak_reserved_bytes": summary.measured_peak_reserved_bytes,
                                           "predicted_peak_bytes": round(setup.predicted_peak_bytes),
+                                          "predicted_peak_reserved_bytes": round(setup.predicted_reserved_bytes),
+                                          "measured_reserved_growth": growth.to_dict() if growth else None,
                                           **({"ranks": per_rank} if per_rank else {})})
     return summary
 
@@ -755,31 +803,74 @@ def _rescue(trainer: Any) -> Path | None:
 
 def train(setup: RunSetup, prepared: PreparedRun, auto_fallback: bool, say: Callable[[str], None]) -> None:
     """The smoke step, then the run (from the checkpoint to resume from); on out-of-memory with `auto_fallback`,
-    again one rung down the plan's ladder from the checkpoint it saved."""
-    say("smoke step: the longest prompts, full-length completions")
-    smoke_step(setup, prepared.dataset)
-    clear_previous_run(setup)  # only now: a smoke step that fails leaves the earlier run as it was
+    in either, again with the config the snapshot points to down the plan's ladder: the smoke step from the start,
+    the run from the checkpoint it saved."""
+    setup, snapshots = _smoke_passed(setup, prepared.dataset, auto_fallback, say)
+    clear_previous_run(setup, keep=snapshots)  # only now: a smoke step that fails leaves the earlier run as it was
     resume = prepared.resume_from
     while True:
         try:
             summary = start_run(setup, prepared.dataset, resume)
-            measured = ("-" if summary.measured_peak_bytes is None
-                        else f"{summary.measured_peak_bytes / GiB:.2f}")
-            say(f"done: {summary.steps} steps in {_duration(summary.seconds)}; peak reserved {measured} GiB, "
-                f"predicted {setup.predicted_peak_bytes / GiB:.2f} GiB; the model is in {setup.output_dir / 'final'}, "
-                f"the log in {setup.output_dir / LOG_NAME}")
+            say(closing_line(setup, summary))
             return
         except RunOutOfMemory as oom:
-            if not auto_fallback:
-                raise
-            from vram_planner.run.fallback import fallback_setup
-
-            smaller, why = fallback_setup(oom.setup, oom.snapshot)
+            smaller = _fallen_back(oom, auto_fallback, say, f"resuming from {oom.checkpoint}"
+                                   if oom.checkpoint else "starting again (no checkpoint was saved)")
             if smaller is None:
                 raise
-            say(f"{oom}\nfalling back: {changed(setup.train, smaller.train)}, predicted peak "
-                f"{smaller.predicted_peak_bytes / GiB:.2f} GiB ({why}); resuming from {oom.checkpoint}")
-            setup, resume = smaller, oom.checkpoint
+            resume = oom.checkpoint
+        release_memory()  # out of the handler: the failed trainer is no longer held by the error's frames
+        setup = smaller
+
+
+def _smoke_passed(setup: RunSetup, dataset: Any, auto_fallback: bool,
+                  say: Callable[[str], None]) -> tuple[RunSetup, list[Path]]:
+    """The setup whose smoke step passed (with `auto_fallback`, down the ladder from each out-of-memory error) and
+    the snapshots the failed ones wrote."""
+    snapshots: list[Path] = []
+    while True:
+        say("smoke step: the longest prompts, full-length completions")
+        try:
+            smoke_step(setup, dataset)
+            return setup, snapshots
+        except RunOutOfMemory as oom:
+            smaller = _fallen_back(oom, auto_fallback, say, "the smoke step again (nothing was trained to keep)")
+            if smaller is None:
+                raise
+            snapshots += [oom.snapshot] if oom.snapshot else []
+        release_memory()
+        setup = smaller
+
+
+def _fallen_back(oom: RunOutOfMemory, auto_fallback: bool, say: Callable[[str], None], then: str) -> RunSetup | None:
+    """The config to go on with after `oom` (chosen from its snapshot), said with what changed; None: stop."""
+    if not auto_fallback:
+        return None
+    from vram_planner.run.fallback import fallback_setup
+
+    smaller, why = fallback_setup(oom.setup, oom.snapshot)
+    if smaller is None:
+        say(f"no fallback: {why}")
+    else:
+        say(f"{oom}\nfalling back: {changed(oom.setup.train, smaller.train)}, predicted peak "
+            f"{smaller.predicted_peak_bytes / GiB:.2f} GiB ({why}); {then}")
+    return smaller
+
+
+def closing_line(setup: RunSetup, summary: RunSummary) -> str:
+    """Steps, time, the peak reserved against the plan's like for like, whether reserved crept, and where things
+    are."""
+    if summary.measured_peak_reserved_bytes is None:
+        measured = f"predicted peak {setup.predicted_peak_bytes / GiB:.2f} GiB (not measured without CUDA)"
+    else:
+        context = setup.predicted_peak_bytes - setup.predicted_reserved_bytes
+        measured = (f"peak reserved {summary.measured_peak_reserved_bytes / GiB:.2f} GiB, predicted "
+                    f"{setup.predicted_reserved_bytes / GiB:.2f} GiB (the plan's {setup.predicted_peak_bytes / GiB:.2f}"
+                    f" GiB less {context / GiB:.2f} GiB of CUDA context)")
+        if summary.reserved_growth is not None:
+            measured += f"; {summary.reserved_growth.describe()}"
+    return (f"done: {summary.steps} steps in {_duration(summary.seconds)}; {measured}; the model is in "
+            f"{setup.output_dir / 'final'}, the log in {setup.output_dir / LOG_NAME}")
 
 
 def _duration(seconds: float) -> str:
