@@ -42,6 +42,11 @@ MODEL_OPS_PER_FORWARD = 1 + 10 + 4 + NORM_OPS + NORM_CAST_OPS + 1
 # input's cast to the adapters' dtype and the result's cast back (_cast_input_dtype, result.to).
 LORA_OPS_PER_LINEAR = 4
 LORA_CAST_OPS_PER_LINEAR = 2
+# Under autocast (the loss forward; LoRA generates without it, components.as_generated) the adapters' matmuls run in
+# the compute dtype: autocast casts the float32 input back and each adapter weight (cached once per forward for a
+# leaf that requires grad; torch's autocast_mode.cpp, cached_cast), and the output's cast back is then a no-op:
+# two more kernels per adapted linear.
+LORA_AUTOCAST_OPS_PER_LINEAR = 2
 # bitsandbytes' 4-bit Linear dequantizes its weight before the matmul (bnb.matmul_4bit for batches over one token):
 # one more kernel per linear, reading the packed weight and writing a 16-bit copy that the matmul then reads.
 DEQUANT_OPS_PER_LINEAR = 1
@@ -99,6 +104,8 @@ def layer_ops(arch: ModelArchitecture, train: TrainingConfig) -> float:
         per_layer += REPEAT_KV_OPS
     if train.uses_lora:
         casts = LORA_CAST_OPS_PER_LINEAR if m.sizes(train).trainable != m.sizes(train).compute else 0
+        if casts and train.mixed_precision != "no":
+            casts += LORA_AUTOCAST_OPS_PER_LINEAR
         per_layer += (LORA_OPS_PER_LINEAR + casts) * len(arch.lora_linears(train.lora_targets))
     if train.load_in_4bit:
         per_layer += DEQUANT_OPS_PER_LINEAR * linears
