@@ -16,7 +16,8 @@ Inputs, all measured before the step-time model existed (none of its constants w
    seconds (generation, training, optimizer). Compared with the priors, then with the factors probe/step_fit.py fits
    to the other configs' times (leave-one-out: a config's own times never set the factors it is judged with). The
    factors fitted to the phases of call 4's runs, what a probe measures, are the H200's calibration
-   (profiles/calibrations/h200.json); call 1's whole steps, taken in the wake of other runs, check it.
+   (profiles/calibrations/h200.json); call 1's whole steps, taken in the wake of other runs, check it, and so do
+   two 32-step `vram-plan run`s on the same H200 (results/gpu/h200-runs/*/vram-plan-log.jsonl, their median step).
 4. A public decoding throughput: gpt-fast's README (github.com/pytorch-labs/gpt-fast, "Benchmarks"): Llama-3.1-8B
    in bf16, batch 1, on an A100-80GB power-limited to 330 W, 93.89 tokens/s, against the model's decoding in a
    CUDA-graph engine (its vLLM path; the priors' decode bandwidth efficiency cites gpt-fast's blog, so this row checks
@@ -169,6 +170,10 @@ def h200_tables(calibration: Path | None = None) -> list[str]:
     alone = h200_predictions(kept)
     lines += [f"The {len(kept)} runs of call 4 alone (phases kept, steady steps): before calibration "
               f"{summary(kept, alone['priors'])}; after, leave-one-out among them {summary(kept, alone['leave-one-out'])}"]
+    prompts = {r["model"]: r["config"].max_prompt_length for r in runs}
+    lines.append("")
+    for label, rows in h200_run_rows(prompts).items():
+        lines += table(f"32-step vram-plan runs on the same H200 (median step after the first), {label}", rows, " s")
     factors = predicted["all"][0]["factors"]
     if calibration is not None:
         write_atomically(calibration, h200_calibration(alone["all"][0]["factors"]))
@@ -177,6 +182,27 @@ def h200_tables(calibration: Path | None = None) -> list[str]:
                  + ", ".join(f"{k}={v:g}" for k, v in alone["all"][0]["factors"].items()) + "; priors: "
                  + ", ".join(f"{k}={getattr(Efficiency(), k):g}" for k in factors))
     return [*lines, ""]
+
+
+def h200_run_rows(prompts: dict[str, int]) -> dict[str, list[dict]]:
+    """The 32-step `vram-plan run`s: the median of their steps after the first (warm-up) against one step predicted
+    with the priors and with the H200's calibration, at the longest prompt of the data."""
+    gpu, rows = GpuProfile.from_name(H200), {"priors": [], "calibrated": []}
+    for folder in sorted((GPU_RESULTS / "h200-runs").glob("*/vram-plan-log.jsonl")):
+        logged = [json.loads(line) for line in folder.read_text().splitlines()]
+        steps = [r["step_time"] for r in logged[1:] if r.get("step_time")]
+        run = json.loads((folder.parent / "vram-plan-run.json").read_text())
+        model = Path(run["model"]).name
+        settings = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 128,
+                    "dtype": "bfloat16", "max_prompt_length": prompts[model],
+                    **({"lora_r": 16} if run.get("lora_config") else {})}
+        verdict = engine.check(model, H200, settings)
+        for label, eff in (("priors", Efficiency()), ("calibrated", efficiency_from(verdict.context.calibration
+                                                                                    .step_time))):
+            rows[label].append({"name": f"{folder.parent.name}, {len(steps)} steps",
+                         "measured": statistics.median(steps),
+                         "predicted": step_time(verdict.context.arch, verdict.train, gpu, eff).step_seconds})
+    return rows
 
 
 def public_rows() -> list[dict]:

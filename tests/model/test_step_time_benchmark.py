@@ -48,6 +48,9 @@ def test_every_h200_run_that_timed_its_steps_is_compared(bench):
     # a run without phases is fitted by its whole step, one with them by each phase
     assert [s.phase for s in bench.h200_samples(compared[0])] == ["step"]
     assert {s.phase for s in bench.h200_samples(compared[-1])} == {"decoding", "training", "optimizer"}
+    logged = bench.h200_run_rows({"Qwen2.5-0.5B": 58, "Llama-3.2-1B": 53})
+    assert [len(rows) for rows in logged.values()] == [2, 2]
+    assert all(r["measured"] > 1 and r["predicted"] > 1 for rows in logged.values() for r in rows)
 
 
 @pytest.mark.slow
