@@ -240,9 +240,8 @@ def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, car
         step = step + w.Work(bytes_moved=arch.params * 2 * (train.num_gpus - 1) / train.num_gpus)
     # generate() reads `unfinished_sequences.max() == 0` on the host every step, which waits for the device
     # (transformers' generation/utils.py, StopCheck), so the host never runs ahead into the next step; within a step
-    # the device runs each kernel as the host launches it, and the step lasts the longer of the two (the H200's
-    # decoding of 0.5-1.5B models at batches 4-32, all launch-bound, took the launches' time: the device's was not
-    # added to it; benchmarks/results/step_time.txt)
+    # the device runs each kernel as the host launches it (launches are asynchronous), and the step lasts the longer
+    # of the two
     device, bound = card.seconds(replace(step, ops=0), eff.decode_bandwidth, 0.0)
     launches = step.ops * eff.op_seconds
     return prefill + (c - 1) * max(device, launches), "launch" if launches > device else bound

@@ -94,7 +94,7 @@ def layer_ops(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Eager ops of one forward: every decoder layer's and the model's own around them."""
     family = arch.family
     linears = len(arch.layer_linears())
-    sixteen_bit = m.sizes(train).compute < 4
+    sixteen_bit = m.sizes(train).residual < 4  # float32 weights keep a float32 residual stream under autocast
     norms = family.norms_per_layer + (2 if family.qk_norm else 0)
     # a LayerNorm is one fused kernel (native_layer_norm)
     norm_ops = 1 if family.layer_norm_bias else NORM_OPS + (NORM_CAST_OPS if sixteen_bit else 0)

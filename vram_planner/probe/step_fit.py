@@ -3,12 +3,11 @@
 The probe times each phase of its points (CUDA-synchronized wall time): the loss forward and backward of a micro-batch
 (two when gradients accumulate), the no-grad scoring forwards of a micro-batch, the optimizer step, and generate()
 decoding a few tokens for real (its memory phase runs only the prefill and the last decoding step); a run that kept
-no phases gives whole optimizer steps (`step`). Each is the
-model's prediction for the same work under some factors (vram_planner/model/step_time.py); coordinate descent over a
-geometric grid finds the factors with the least squared log error, each sample's weighed by its seconds: a step's
-time is what is predicted, and a phase of milliseconds (the optimizer's) should not pull the factors that its
-seconds-long generation depends on. A factor no measured phase depends on keeps its
-prior and is not written.
+no phases gives whole optimizer steps (`step`). Each is the model's prediction for the same work under some factors
+(vram_planner/model/step_time.py); coordinate descent over a geometric grid finds the factors with the least squared
+log error, each sample's weighed by its seconds: a step's time is what is predicted, and a phase of milliseconds (the
+optimizer's) should not pull the factors that seconds of generation depend on. A factor that bounds no measured phase
+under the factors fitted keeps its prior and is not written.
 """
 
 from __future__ import annotations
@@ -116,11 +115,10 @@ def _along_valleys(eff: Efficiency, used: list[str], loss: Any) -> Efficiency:
     """Steps of one grid spacing in several factors at once, while one lowers the loss: coordinate descent stalls
     where two factors trade off (decoding's launches against its bytes), and these diagonal steps go on along the
     valley."""
-    step = STEP
     current = loss(eff)
     for _ in range(MAX_VALLEY_STEPS):
         moves = [dict(zip(used, signs)) for signs in product((-1, 0, 1), repeat=len(used)) if any(signs)]
-        candidates = [replace(eff, **{n: getattr(eff, n) * step ** d for n, d in move.items()}) for move in moves]
+        candidates = [replace(eff, **{n: getattr(eff, n) * STEP ** d for n, d in move.items()}) for move in moves]
         candidates = [c for c in candidates if all(_on_grid(c, n) for n in used)]
         best = min(candidates, key=loss)
         if loss(best) >= current:
