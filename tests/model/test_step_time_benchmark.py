@@ -1,4 +1,5 @@
-"""benchmarks/step_time.py: it compares every committed H100 timing, and its results file is the one committed."""
+"""benchmarks/step_time.py: it compares every committed H100 and H200 timing, and its results file and the H200's
+calibration are the ones committed."""
 
 from __future__ import annotations
 
@@ -37,6 +38,31 @@ def test_every_committed_run_that_trained_is_compared(bench):
     assert len(bench.probe_rows()) == len(record["points"])
 
 
+def test_every_h200_run_that_timed_its_steps_is_compared(bench):
+    import json
+
+    runs = json.loads((bench.GPU_RESULTS / "h200-step-times.json").read_text())["configs"]
+    compared = bench.h200_runs()
+    assert [r["name"] for r in compared] == [r["name"] for r in runs if r.get("step_seconds")]
+    assert len(compared) >= 10 and sum(bool(r["last_phases"]) for r in compared) == 5
+    # a run without phases is fitted by its whole step, one with them by each phase
+    assert [s.phase for s in bench.h200_samples(compared[0])] == ["step"]
+    assert {s.phase for s in bench.h200_samples(compared[-1])} == {"decoding", "training", "optimizer"}
+    logged = bench.h200_run_rows({"Qwen2.5-0.5B": 58, "Llama-3.2-1B": 53})
+    assert [len(rows) for rows in logged.values()] == [2, 2]
+    assert all(r["measured"] > 1 and r["predicted"] > 1 for rows in logged.values() for r in rows)
+
+
+@pytest.mark.slow
 def test_the_committed_results_are_what_the_script_prints(bench, capsys, tmp_path):
-    bench.main(tmp_path / "step_time.txt")
+    """The tables, and the H200's calibration the fit writes (the defaults' memory coefficients kept)."""
+    from vram_planner.model.calibration import calibration_for, default_calibration, load_calibration_file
+
+    bench.main(tmp_path / "step_time.txt", tmp_path / "h200.json")
     assert capsys.readouterr().out == bench.OUT.read_text() == (tmp_path / "step_time.txt").read_text()
+    written = load_calibration_file(tmp_path / "h200.json")
+    assert written == calibration_for("h200")
+    assert set(written.step_time) == {"op_seconds", "bandwidth"}
+    default = default_calibration()
+    assert written.allocator_reserve == default.allocator_reserve
+    assert written.backward_mlp_bytes == default.backward_mlp_bytes

@@ -65,6 +65,31 @@ def test_only_factors_the_samples_depend_on_are_fitted(llama_1b):
     assert fit_step_time([], H100) == {}
 
 
+def small_decodings(arch) -> list[TimedPhase]:
+    return [TimedPhase(arch, TrainingConfig(per_device_train_batch_size=b, num_generations=b,
+                                            max_completion_length=c), "decoding", 1.0, c) for b, c in ((4, 128), (8, 256))]
+
+
+def test_a_factor_that_binds_no_sample_is_not_pushed_to_the_grids_edge(llama_1b):
+    """Launch-bound decodings timed slower than any host time explains (the H200's case): the host's time per op
+    takes it all; the bandwidth and matmul shares, which bound nothing there, keep their priors."""
+    slow = [replace(s, seconds=1.3 * predicted_seconds(s, H100, Efficiency())) for s in small_decodings(llama_1b)]
+    fitted = fit_step_time(slow, H100)
+    assert set(fitted) == {"op_seconds"}
+    assert fitted["op_seconds"] == pytest.approx(1.3 * Efficiency().op_seconds, rel=STEP - 1)
+
+
+def test_the_longer_phase_weighs_more(llama_1b):
+    """A step's time is what is predicted: two decodings that disagree are fitted closer to the longer one."""
+    short, long_ = small_decodings(llama_1b)
+    short = replace(short, new_tokens=4)
+    samples = [replace(short, seconds=2 * predicted_seconds(short, H100, Efficiency())),
+               replace(long_, seconds=predicted_seconds(long_, H100, Efficiency()))]
+    assert predicted_seconds(samples[1], H100, Efficiency()) > 20 * samples[0].seconds
+    fitted = fit_step_time(samples, H100)
+    assert 1 <= fitted["op_seconds"] / Efficiency().op_seconds < 1.1
+
+
 def test_shares_of_a_peak_stay_at_most_one(llama_1b):
     """Times faster than the datasheet allows (a wrong card name, say) cannot fit an efficiency above 1."""
     fast = [replace(s, seconds=s.seconds / 10) for s in samples_under(Efficiency(matmul=0.5, bandwidth=0.5),
@@ -95,7 +120,8 @@ def test_records_give_their_timed_phases_and_older_records_none():
 
 def test_the_calibration_keeps_the_fitted_factors():
     cal = fit_calibration(record_of([timed_point(0.2, 0.5), timed_point(0.25, 0.6)]), "h100-80gb")
-    assert set(cal.step_time) >= {"bandwidth", "decode_bandwidth"}
+    # the probe's small decoding is launch-bound: it sets the host's time per op, not the decoding bandwidth
+    assert set(cal.step_time) >= {"bandwidth", "op_seconds"} and "decode_bandwidth" not in cal.step_time
     untimed = fit_calibration(record_of([timed_point(None, None)]), "h100-80gb")
     assert untimed.step_time == default_calibration().step_time == {}
 

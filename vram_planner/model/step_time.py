@@ -38,9 +38,13 @@ BANDWIDTH_EFFICIENCY = 0.8
 DECODE_BANDWIDTH_EFFICIENCY = 0.5
 # vLLM's decoding (CUTLASS/cuBLAS GEMMs and paged attention in CUDA graphs) sits at the upper end: 0.7.
 VLLM_BANDWIDTH_EFFICIENCY = 0.7
-# Host time per eager PyTorch op (Python, dispatcher, kernel launch): about 10 microseconds ("Making Deep Learning Go
-# Brrrr From First Principles", H. He, 2022, overhead section); a fast host does better: 8.
-EAGER_OP_SECONDS = 8e-6
+# Host time per eager op of a model's forward (Python, nn.Module calls, the dispatcher, the launch): gpt-fast's eager
+# starting point decodes Llama-2-7B at batch 1 on an A100 at 25.5 tokens/s, "heavily CPU overhead bound" (PyTorch
+# blog "Accelerating Generative AI with PyTorch II: GPT, Fast", 2023): 39.2 ms per token for 32 layers of about 51
+# kernels each (its model.py: two RMSNorms of 8, the fused qkv, rotary on q and k of 9 each, two cache index_puts,
+# two repeat_interleaves of 2, SDPA, the output's contiguous copy, wo, SwiGLU's 5, two residual adds) and about 25
+# around them: 24 microseconds per op.
+EAGER_OP_SECONDS = 24e-6
 # vLLM's host work per decoding step (scheduling, sampling, output processing) once CUDA graphs take the launches:
 # the v0.6.0 release post measured milliseconds per step before multi-step scheduling hid most of it (vLLM blog,
 # 2024-09-05): 2 ms.
@@ -235,10 +239,12 @@ def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, car
     if train.fsdp:  # FSDP2 gathers each layer for every forward, every decoding step's too (model/fsdp.py)
         step = step + w.Work(bytes_moved=arch.params * 2 * (train.num_gpus - 1) / train.num_gpus)
     # generate() reads `unfinished_sequences.max() == 0` on the host every step, which waits for the device
-    # (transformers' generation/utils.py, StopCheck): the host's launches and the device's work follow each other
+    # (transformers' generation/utils.py, StopCheck), so the host never runs ahead into the next step; within a step
+    # the device runs each kernel as the host launches it (launches are asynchronous), and the step lasts the longer
+    # of the two
     device, bound = card.seconds(replace(step, ops=0), eff.decode_bandwidth, 0.0)
     launches = step.ops * eff.op_seconds
-    return prefill + (c - 1) * (device + launches), "launch" if launches > device else bound
+    return prefill + (c - 1) * max(device, launches), "launch" if launches > device else bound
 
 
 def _as_vllm_holds_it(train: TrainingConfig) -> TrainingConfig:

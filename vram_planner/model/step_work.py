@@ -14,14 +14,39 @@ from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import Optimizer, TrainingConfig
 
-# Eager operations a decoder layer launches in one forward of transformers' Llama-style code: two RMSNorms (about
-# six elementwise ops each: pow, mean, add, rsqrt, two multiplies), q/k/v/o projections, rotary embedding on q and
-# k (slices, negation, concatenation, multiplies and adds: about ten), the cache update, SDPA, the SwiGLU MLP's
-# three projections, activation and product, and two residual adds (transformers' models/llama/modeling_llama.py).
-EAGER_OPS_PER_LAYER = 40
-# What PEFT's LoRA Linear adds around each adapted layer's forward: dropout (identity at 0), A, B, the scaling and the
-# add to the base layer's output (peft/tuners/lora/layer.py, Linear.forward).
-LORA_OPS_PER_LINEAR = 5
+# Eager operations (kernels launched) of a decoder layer's forward in transformers' Llama-style code
+# (models/llama/modeling_llama.py, which Qwen2/Qwen3/Mistral copy), besides its linears (one each):
+# - RMSNorm: pow, mean, add, rsqrt, multiply, multiply by the weight; and the float32 cast of a 16-bit residual
+#   stream there and back (LlamaRMSNorm.forward).
+NORM_OPS = 6
+NORM_CAST_OPS = 2
+# - rotary embedding on q and on k: q * cos, rotate_half's negation and concatenation, * sin, the sum
+#   (apply_rotary_pos_emb, rotate_half); the cache update's torch.cat of keys and of values (cache_utils.py,
+#   DynamicLayer.update); SDPA itself and the transpose(1, 2).contiguous() of its output; two residual adds.
+ROTARY_OPS = 2 * 5
+CACHE_UPDATE_OPS = 2
+ATTENTION_OPS = 2
+RESIDUAL_OPS = 2
+# - SDPA's integration repeats the key and value heads for grouped-query attention under a mask (repeat_kv: one copy
+#   each; integrations/sdpa_attention.py), which FlashAttention-2 does not.
+REPEAT_KV_OPS = 2
+# - the MLP's activation, and a gated MLP's product of gate and up.
+GATED_MLP_OPS = 2
+# Once per forward outside the layers: the embedding, the rotary embedding's cos and sin (expand, matmul,
+# concatenation, cos, sin, scaling and casts: about ten; LlamaRotaryEmbedding.forward), the attention mask
+# (masking_utils.py: a few), the final norm and the LM head.
+MODEL_OPS_PER_FORWARD = 1 + 10 + 4 + NORM_OPS + NORM_CAST_OPS + 1
+# What PEFT's LoRA Linear adds to each adapted layer's forward: A, B, the scaling and the add to the base layer's
+# output (peft/tuners/lora/layer.py, Linear.forward); with adapters in another dtype than the activations (PEFT
+# upcasts 16-bit adapters to float32, autocast_adapter_dtype=True, tuners_utils.cast_adapter_dtype) also the
+# input's cast to the adapters' dtype and the result's cast back (_cast_input_dtype, result.to).
+LORA_OPS_PER_LINEAR = 4
+LORA_CAST_OPS_PER_LINEAR = 2
+# Under autocast (the loss forward; LoRA generates without it, components.as_generated) the adapters' matmuls run in
+# the compute dtype: autocast casts the float32 input back and each adapter weight (cached once per forward for a
+# leaf that requires grad; torch's autocast_mode.cpp, cached_cast), and the output's cast back is then a no-op:
+# two more kernels per adapted linear.
+LORA_AUTOCAST_OPS_PER_LINEAR = 2
 # bitsandbytes' 4-bit Linear dequantizes its weight before the matmul (bnb.matmul_4bit for batches over one token):
 # one more kernel per linear, reading the packed weight and writing a 16-bit copy that the matmul then reads.
 DEQUANT_OPS_PER_LINEAR = 1
@@ -66,16 +91,27 @@ def attention_flops(arch: ModelArchitecture, tokens: int, context: float) -> flo
 
 
 def layer_ops(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Eager ops of one forward through every decoder layer."""
+    """Eager ops of one forward: every decoder layer's and the model's own around them."""
+    family = arch.family
     linears = len(arch.layer_linears())
-    per_layer = EAGER_OPS_PER_LAYER
+    sixteen_bit = m.sizes(train).residual < 4  # float32 weights keep a float32 residual stream under autocast
+    norms = family.norms_per_layer + (2 if family.qk_norm else 0)
+    # a LayerNorm is one fused kernel (native_layer_norm)
+    norm_ops = 1 if family.layer_norm_bias else NORM_OPS + (NORM_CAST_OPS if sixteen_bit else 0)
+    per_layer = (norms * norm_ops + linears + ROTARY_OPS
+                 + CACHE_UPDATE_OPS + ATTENTION_OPS + RESIDUAL_OPS + (GATED_MLP_OPS if family.gated_mlp else 1))
+    if arch.num_attention_heads > arch.num_kv_heads and train.attn_implementation != "flash_attention_2":
+        per_layer += REPEAT_KV_OPS
     if train.uses_lora:
-        per_layer += LORA_OPS_PER_LINEAR * len(arch.lora_linears(train.lora_targets))
+        casts = LORA_CAST_OPS_PER_LINEAR if m.sizes(train).trainable != m.sizes(train).compute else 0
+        if casts and train.mixed_precision != "no":
+            casts += LORA_AUTOCAST_OPS_PER_LINEAR
+        per_layer += (LORA_OPS_PER_LINEAR + casts) * len(arch.lora_linears(train.lora_targets))
     if train.load_in_4bit:
         per_layer += DEQUANT_OPS_PER_LINEAR * linears
     elif m.autocast_casts_weights(train):
         per_layer += CAST_OPS_PER_LINEAR * linears
-    return arch.num_layers * per_layer
+    return arch.num_layers * per_layer + MODEL_OPS_PER_FORWARD
 
 
 def weight_pass_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -2,10 +2,12 @@
 
 The probe times each phase of its points (CUDA-synchronized wall time): the loss forward and backward of a micro-batch
 (two when gradients accumulate), the no-grad scoring forwards of a micro-batch, the optimizer step, and generate()
-decoding a few tokens for real (its memory phase runs only the prefill and the last decoding step). Each is the
-model's prediction for the same work under some factors (vram_planner/model/step_time.py); coordinate descent over a
-geometric grid finds the factors with the least squared log error. A factor no measured phase depends on keeps its
-prior and is not written.
+decoding a few tokens for real (its memory phase runs only the prefill and the last decoding step); a run that kept
+no phases gives whole optimizer steps (`step`). Each is the model's prediction for the same work under some factors
+(vram_planner/model/step_time.py); coordinate descent over a geometric grid finds the factors with the least squared
+log error, each sample's weighed by its seconds: a step's time is what is predicted, and a phase of milliseconds (the
+optimizer's) should not pull the factors that seconds of generation depend on. A factor that bounds no measured phase
+under the factors fitted keeps its prior and is not written.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.step_time import (Card, Efficiency, generation_round_seconds, micro_batch_seconds,
-                                          optimizer_seconds, scoring_pass_seconds)
+                                          optimizer_seconds, scoring_pass_seconds, step_time)
 from vram_planner.profiles import GpuProfile
 
 FITTED_FACTORS = ("op_seconds", "matmul", "bandwidth", "decode_bandwidth")
@@ -27,14 +29,16 @@ FITTED_FACTORS = ("op_seconds", "matmul", "bandwidth", "decode_bandwidth")
 SHARES = ("matmul", "bandwidth", "decode_bandwidth")
 # Candidate values: the prior times 2^(k/16) from 1/16 to 16 times it (steps of 4.4%).
 GRID = tuple(2 ** (k / 16) for k in range(-64, 65))
+STEP = GRID[1] / GRID[0]
 MAX_VALLEY_STEPS = 60
 MAX_PASSES = 10  # coordinate descent sweeps, until none moves a factor (decoding's launches and bytes interact)
-TIMED_PHASES = ("training", "scoring", "optimizer", "decoding")
+TIMED_PHASES = ("training", "scoring", "optimizer", "decoding", "step")
 
 
 @dataclass(frozen=True)
 class TimedPhase:
-    """One phase a probe timed: `decoding` is generate() with `new_tokens` new tokens for the generation batch."""
+    """One phase a probe timed: `decoding` is generate() with `new_tokens` new tokens for the generation batch,
+    `step` a whole optimizer step."""
 
     arch: ModelArchitecture
     train: TrainingConfig
@@ -55,6 +59,8 @@ def predicted_seconds(sample: TimedPhase, gpu: GpuProfile, eff: Efficiency) -> f
         return optimizer_seconds(sample.arch, train, card)
     if sample.phase == "decoding":
         return generation_round_seconds(sample.arch, train, card, new_tokens=sample.new_tokens)[0]
+    if sample.phase == "step":
+        return step_time(sample.arch, train, gpu, eff).step_seconds
     raise ValueError(f"no prediction for a timed phase named {sample.phase!r}; known: {', '.join(TIMED_PHASES)}")
 
 
@@ -69,14 +75,22 @@ def fit_step_time(samples: list[TimedPhase], gpu: GpuProfile) -> dict[str, float
     if not samples:
         return {}
 
+    weights = [s.seconds for s in samples]
+
     def loss(e: Efficiency) -> float:
-        return sum(err * err for err in log_errors(samples, gpu, e))
+        return sum(weight * err * err for weight, err in zip(weights, log_errors(samples, gpu, e)))
+
+    def moves(e: Efficiency, name: str) -> bool:  # some sample's time moves with the factor's next grid step
+        return any(loss(replace(e, **{name: getattr(e, name) * g})) != loss(e) for g in (STEP, 1 / STEP))
 
     prior, eff = Efficiency(), Efficiency()
-    used = [name for name in FITTED_FACTORS  # those some sample's time moves with, anywhere on the grid
-            if any(loss(replace(prior, **{name: getattr(prior, name) * g})) != loss(prior) for g in (GRID[0], GRID[-1]))]
+    used: list[str] = []
     for _ in range(MAX_PASSES):
         before = eff
+        # a factor joins where a bound it sets binds a sample under the factors fitted so far: one bound nowhere
+        # near would otherwise go to the grid's edge to make up for what the model misses elsewhere (the H200's
+        # launch-bound training pulled matmul to 0.05 of the peak and decoding's bandwidth to 0.04)
+        used += [name for name in FITTED_FACTORS if name not in used and moves(eff, name)]
         for name in used:
             start = getattr(prior, name)
             values = [start * g for g in GRID if name not in SHARES or start * g <= 1.0]
@@ -88,7 +102,7 @@ def fit_step_time(samples: list[TimedPhase], gpu: GpuProfile) -> dict[str, float
         if eff == before:
             break
     eff = _along_valleys(eff, used, loss)
-    return {name: float(f"{getattr(eff, name):.4g}") for name in used}
+    return {name: float(f"{getattr(eff, name):.4g}") for name in FITTED_FACTORS if name in used}
 
 
 def _on_grid(eff: Efficiency, name: str) -> bool:
@@ -101,11 +115,10 @@ def _along_valleys(eff: Efficiency, used: list[str], loss: Any) -> Efficiency:
     """Steps of one grid spacing in several factors at once, while one lowers the loss: coordinate descent stalls
     where two factors trade off (decoding's launches against its bytes), and these diagonal steps go on along the
     valley."""
-    step = GRID[1] / GRID[0]
     current = loss(eff)
     for _ in range(MAX_VALLEY_STEPS):
         moves = [dict(zip(used, signs)) for signs in product((-1, 0, 1), repeat=len(used)) if any(signs)]
-        candidates = [replace(eff, **{n: getattr(eff, n) * step ** d for n, d in move.items()}) for move in moves]
+        candidates = [replace(eff, **{n: getattr(eff, n) * STEP ** d for n, d in move.items()}) for move in moves]
         candidates = [c for c in candidates if all(_on_grid(c, n) for n in used)]
         best = min(candidates, key=loss)
         if loss(best) >= current:
