@@ -106,11 +106,12 @@ def binding_phase(outcome) -> str | None:
     from vram_planner.allocator import parse_allocator_conf
     from vram_planner.allocator.replay import replay_events
     from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.tracing.events import with_workspaces
     from vram_planner.tracing.need import granule_bytes
 
     conf = parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf")
     capability = outcome.traced.context.gpu.compute_capability
-    stream = outcome.result.stream_with_workspaces(workspace_bytes(capability))
+    stream = with_workspaces(outcome.result.steady_stream(), workspace_bytes(capability))
     events = [(e.kind, e.block, e.size_bytes) for e in stream.events]
     below = replay_events(events, conf, outcome.need.capacity_bytes - granule_bytes(conf))
     return None if below.out_of_memory is None else stream.events[below.out_of_memory_event].phase

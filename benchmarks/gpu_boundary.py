@@ -86,10 +86,11 @@ def traced_peaks(point: dict) -> tuple[int, int]:
     from vram_planner.allocator.replay import replay_events
     from vram_planner.model.calibration import default_calibration
     from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.tracing.events import with_workspaces
 
     outcome = engine.check(point["model"], CARD, point["settings"], exact=True, calibration=default_calibration())
     capability = outcome.traced.context.gpu.compute_capability
-    stream = outcome.result.stream_with_workspaces(workspace_bytes(capability))
+    stream = with_workspaces(outcome.result.steady_stream(), workspace_bytes(capability))
     replay = replay_events([(e.kind, e.block, e.size_bytes) for e in stream.events],
                            parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf"))
     return replay.max_allocated_bytes, replay.max_reserved_bytes

@@ -226,6 +226,7 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     from vram_planner.allocator import parse_allocator_conf
     from vram_planner.model.cublas import workspace_bytes
     from vram_planner.model.phases import Estimate
+    from vram_planner.tracing.events import with_workspaces
     from vram_planner.tracing.need import least_capacity
     from vram_planner.tracing.reserve import reserved_memory
     from vram_planner.tracing.step import check_traceable, trace_step
@@ -238,7 +239,7 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     say("replaying the allocations through the caching allocator model")
     # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
     # calibration when it measured one, else from the GPU catalog).
-    stream = result.stream_with_workspaces(workspace_bytes(context.gpu.compute_capability))
+    stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
     card = max(int(context.capacity_bytes - context.cuda_context.bytes), 0)
     reserved = reserved_memory(stream, conf, card)
     say("bisecting the least memory the step runs in")

@@ -76,9 +76,10 @@ def test_a_card_below_the_need_does_not_fit_and_the_replay_runs_out_there(capsys
     # what the verdict rests on: the allocator model runs out of the memory the CUDA context leaves of this card
     context = doc["phases"][0]["components"]["cuda_context"]
     from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.tracing.events import with_workspaces
 
-    stream = exact_24gib.result.stream_with_workspaces(
-        workspace_bytes(exact_24gib.traced.context.gpu.compute_capability))
+    stream = with_workspaces(exact_24gib.result.steady_stream(),
+                             workspace_bytes(exact_24gib.traced.context.gpu.compute_capability))
     events = [(e.kind, e.block, e.size_bytes) for e in stream.events]
     assert replay_events(events, capacity_bytes=card - context).out_of_memory is not None
     assert replay_events(events, capacity_bytes=exact_24gib.need_bytes - context).out_of_memory is None

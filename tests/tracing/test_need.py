@@ -136,13 +136,14 @@ def test_an_empty_stream_needs_nothing():
 def traced_stream():
     pytest.importorskip("trl")
     from vram_planner.model.spec import TrainingConfig
+    from vram_planner.tracing.events import with_workspaces
     from vram_planner.tracing.step import trace_step
 
     # 8 x 1024-token completions: the KV cache grows by one concatenation per layer per token
     config = json.loads((FIXTURES / "tiny-llama-headdim.json").read_text())
     result = trace_step(config, TrainingConfig(per_device_train_batch_size=8, num_generations=8,
                                                max_prompt_length=16, max_completion_length=1024))
-    stream = result.stream_with_workspaces(4 * MiB)
+    stream = with_workspaces(result.steady_stream(), 4 * MiB)
     return [(e.kind, e.block, e.size_bytes) for e in stream.events]
 
 
@@ -158,4 +159,4 @@ def test_a_traced_step_runs_at_its_need_and_runs_out_one_granule_below(traced_st
 
 def test_a_traced_growing_kv_cache_makes_a_roomy_card_hold_more_than_the_step_needs(traced_stream):
     need = least_capacity(traced_stream, DEFAULT, 24 * 1024 * MiB)
-    assert need.held_bytes > 1.05 * need.capacity_bytes  # 6.6% here: each step's larger cache in a new block
+    assert need.held_bytes > 1.1 * need.capacity_bytes

@@ -146,12 +146,13 @@ class SimulatedMeasurer:
     def measure(self, point: ProbePoint) -> PointMeasurement:
         from vram_planner.allocator import parse_allocator_conf
         from vram_planner.model.cublas import workspace_bytes
+        from vram_planner.tracing.events import with_workspaces
         from vram_planner.tracing.reserve import reserved_memory
         from vram_planner.tracing.step import trace_step
 
         result = trace_step(_config_json(point.model), point.train)
         workspaces = workspace_bytes(compute_capability(self.gpu_name))
-        stream = result.stream_with_workspaces(workspaces)
+        stream = with_workspaces(result.steady_stream(), workspaces)
         reserved = reserved_memory(stream, parse_allocator_conf("", "the simulated device"))
         held = 2 * workspaces  # step 2 runs with both threads' workspaces
         phases = [PhaseMeasurement(name=p.name, allocated_bytes=p.peak_bytes + held,

@@ -22,8 +22,6 @@ from torch.utils._pytree import tree_flatten
 from vram_planner.tracing.events import ALLOC, FREE, LOADING, Event
 
 aten = torch.ops.aten
-# The products that run in cuBLAS on CUDA, out= forms included (TRL's fused LM head writes into a buffer)
-MATRIX_PRODUCTS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._addmm_activation})
 # The CUDA caching allocator rounds every block up to 512 bytes (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp);
 # torch.cuda.memory_allocated counts the rounded sizes.
 CUDA_BLOCK_BYTES = 512
@@ -115,9 +113,6 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         self._blocks = 0
         self._peak_check_pending = False
         self._sum: tuple[list[Any], set[int]] | None = None  # a gradient sum's output record and its operands
-        # the index of the event after which the backward ran its first matrix product: where CUDA gives autograd's
-        # thread its cuBLAS handle and workspace (tracing.events.with_workspaces)
-        self.backward_matmul_event: int | None = None
 
     def _event(self, kind: str, block: int, raw: int) -> None:
         if raw:  # the CUDA allocator never sees an empty storage (no block, a null pointer)
@@ -264,8 +259,6 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             self.track(out, self._live[id(args[0].untyped_storage())][2])  # autocast's cast of a weight
         for t in tree_flatten(out)[0]:
             self.track(t)
-        if self.in_backward and self.backward_matmul_event is None and func.overloadpacket in MATRIX_PRODUCTS:
-            self.backward_matmul_event = len(self.events)
         if self.in_backward and func is aten.add.Tensor and _same_layout_operands(args, kwargs):
             # Autograd sums the gradients that reach one input in place (InputBuffer::accumulate) when it holds the
             # last reference, but never for tensor subclasses like FakeTensor, which get `old + new` instead. Look

@@ -69,22 +69,16 @@ def steady_stream(events: Sequence[Event], gradients: Iterable[tuple[int, int]])
     return SteadyStream(stream, spans, start)
 
 
-def with_workspaces(stream: SteadyStream, size_bytes: int, backward_matmul_event: int | None = None) -> SteadyStream:
+def with_workspaces(stream: SteadyStream, size_bytes: int) -> SteadyStream:
     """The stream with the cuBLAS workspaces allocated where a real step allocates them (vram_planner.model.cublas):
-    one at step 1's first matrix product (its first phase after loading), another at the first matrix product of
-    its backward, on autograd's thread (`backward_matmul_event`: the index of the event after which the trace saw
-    it; else the training phase's first event), never freed. Where the second lands decides a segment: made at the
-    start of the training phase it splits a cached block the LM head's backward then asks for whole (TRL 1.16's
-    fused head: 64 MiB), made at the product it gets a segment of its own, as the H200 showed."""
+    one at step 1's first matrix product (its first phase after loading), another at its first backward (the
+    training phase, on autograd's thread), never freed."""
     block = 1 + max((e.block for e in stream.events), default=0)
     inserts = []
     for phase, moment in (("training", "cuBLAS workspaces of autograd's thread"),
                           (None, "cuBLAS workspaces of the Python thread")):
-        if phase and backward_matmul_event is not None and 0 < backward_matmul_event < stream.second_step:
-            index: int | None = backward_matmul_event
-        else:
-            index = next((i for i, e in enumerate(stream.events[:stream.second_step])
-                          if (e.phase == phase if phase else e.phase != LOADING)), None)
+        index = next((i for i, e in enumerate(stream.events[:stream.second_step])
+                      if (e.phase == phase if phase else e.phase != LOADING)), None)
         if index is not None:
             inserts.append((index, [Event(ALLOC, block, size_bytes, stream.events[index].phase, moment)]))
             block += 1

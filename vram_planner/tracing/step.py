@@ -38,7 +38,7 @@ from vram_planner.extras import TRAIN_EXTRA, library_log_warnings_hidden, requir
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
-from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream, with_workspaces
+from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream
 from vram_planner.tracing.support import check_kernels_importable, check_supported_pair, pair_for
 
 
@@ -69,15 +69,10 @@ class TraceResult:
     # Every allocation and free in order: the models' loading, then step 1's phases (vram_planner.tracing.events)
     events: list[Event] = field(default_factory=list, repr=False)
     gradient_blocks: tuple[tuple[int, int], ...] = ()  # (block, bytes) of the gradients zero_grad frees after it
-    backward_matmul_event: int | None = None  # the event after which step 1's backward ran its first product
 
     def steady_stream(self) -> SteadyStream:
         """The events of step 1 and step 2, for the allocator model (`vram_planner.tracing.events.steady_stream`)."""
         return steady_stream(self.events, self.gradient_blocks)
-
-    def stream_with_workspaces(self, workspace_bytes: int) -> SteadyStream:
-        """The steady stream with the cuBLAS workspaces where CUDA allocates them (`with_workspaces`)."""
-        return with_workspaces(self.steady_stream(), workspace_bytes, self.backward_matmul_event)
 
     def phase(self, name: str) -> TracePhase:
         for p in self.phases:
@@ -189,8 +184,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     events, session.tracker.events = session.tracker.events, []
     return TraceResult(phases=tuple(phases), params=params, trainable_params=trainable,
                        seconds=time.perf_counter() - start, notes=tuple(notes), events=events,
-                       gradient_blocks=tuple(session.tracker.live_blocks(GRADS)),
-                       backward_matmul_event=getattr(session.tracker, "backward_matmul_event", None))
+                       gradient_blocks=tuple(session.tracker.live_blocks(GRADS)))
 
 
 def _largest_per_phase(peaks: list[Any]) -> list[Any]:
