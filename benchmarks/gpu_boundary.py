@@ -6,6 +6,10 @@ run out of memory below the need and run above it.
     python benchmarks/gpu_steps.py --points benchmarks/results/gpu/boundary-points.json --jobs 8 --out DIR   # the GPU
     python benchmarks/gpu_boundary.py table DIR/gpu_steps.json   # no GPU: the outcome table
 
+The points file also holds two eager-attention points measured at two needs each (`placement`): with autograd's
+cuBLAS workspace made at the training phase's first event (shipped) and at the backward's first product (as the H100
+snapshots show; commit 347efbe): where the GPU runs and runs out says which placement the allocator model should use.
+
 The GPU runs TRL's own step (benchmarks/gpu_steps.py: `vram-plan run`'s path, every completion forced to full
 length) with every prompt the data's longest, so the step is the one traced here: the points' max_prompt_length is
 that prompt's token count under the same tokenizer. The need excludes the CUDA context (the allocator's limit is what

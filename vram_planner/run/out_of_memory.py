@@ -11,6 +11,7 @@ from typing import Any
 from vram_planner.errors import VramPlanError, first_line
 from vram_planner.units import GiB
 
+
 class RunOutOfMemory(VramPlanError):
     """Training ran out of GPU memory; what was trained is saved in `checkpoint`. Its text is several lines (torch's
     words, the plan's peak, the checkpoint, the command that explains the snapshot): the command line prints them as
