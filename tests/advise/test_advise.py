@@ -335,3 +335,9 @@ def test_the_h200_runs_message_names_the_mlp_activation_at_the_positions_it_allo
     found = json.loads(out)["attribution"]
     assert "MLP activation" in found["culprit"] and found["exact"] and found["phase"] == "loss forward/backward"
     assert "1067-1088 positions" in found["assumption"] and found["culprit_bytes"] == 32 * 1077 * 1536 * 2
+    # the text version: a later micro-batch of the first step has the earlier ones' gradients, no optimizer states
+    code, out, _ = run(capsys, "advise", str(log), "--gpu", "8GiB", "--model", "SmolLM2-135M",
+                       "--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2",
+                       "--max-completion-length", "1024", "--trl-version", "1.16.0")
+    when = next(line for line in out.splitlines() if "When:" in line)
+    assert "optimizer states exist" not in when and "from the second optimizer step on" in " ".join(out.split())

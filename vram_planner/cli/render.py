@@ -326,7 +326,8 @@ def attribution_lines(found, error) -> list[Text]:  # found: vram_planner.advise
     if found.assumption:
         lines.append(Text(f"  {found.assumption[0].upper()}{found.assumption[1:]}."))
     when = ("the first micro-batch of the first step, before any optimizer state exists" if found.first_micro_batch
-            else "a micro-batch after the first (gradients and optimizer states exist)")
+            else "a micro-batch after the first (the earlier micro-batches' gradients exist, and from the second "
+                 "optimizer step on its states)")
     moment = f" ({found.moment})" if found.moment else ""
     live = ""
     if found.live_bytes is not None:
