@@ -82,7 +82,7 @@ def prepare(out: Path) -> None:
                            "snapshot": model.endswith(".json")})
     earlier = json.loads(out.read_text()) if out.is_file() else {}
     kept = [point for point in earlier.get("points", []) if "placement" in point]  # needs of another commit's code
-    document = {"prompt_tokens": length, "card": CARD, "points": points + kept}
+    document = {"prompt_tokens": length, "card": CARD, "points": kept + points}  # the decisive runs first
     if "placement_note" in earlier:
         document["placement_note"] = earlier["placement_note"]
     out.write_text(json.dumps(document, indent=1) + "\n")
