@@ -72,6 +72,7 @@ def test_an_out_of_memory_error_writes_the_snapshot_of_the_card_before_anything_
         cuda.unwind()
     assert written.written == [target] and written.failed is None
     assert os.listdir(target.parent) == [target.name]  # whole, under its name: no temporary file left
+    assert target.read_bytes()[:2] == b"\x1f\x8b"  # gzip: a copy off the machine is a tenth of the pickle
     assert cuda.history[0] == {"enabled": "all", "context": None, "max_entries": memory_history.MAX_ENTRIES,
                                "clear_history": True}
     assert cuda.history[-1]["enabled"] is None  # recording stops with the run

@@ -23,7 +23,7 @@ from vram_planner.files import bounded_lines
 def advise_command(log: str, gpu: str | None, model: str | None, config_file: Path | None, trl_version: str | None,
                    device: int | None, json_output: bool, **knobs: Any) -> None:
     """Explain an out-of-memory error from a log (a file, or - for stdin), or a memory snapshot (the
-    oom-snapshot.pickle `run` writes, or any torch.cuda.memory._dump_snapshot() file), and rank the fixes."""
+    oom-snapshot.pickle.gz `run` writes, or any torch.cuda.memory._dump_snapshot() file), and rank the fixes."""
     from vram_planner.advise.diagnosis import advise
 
     if _is_snapshot(log):

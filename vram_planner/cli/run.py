@@ -35,7 +35,7 @@ def _run_options(function: Any) -> Any:
         click.option("--verbose", is_flag=True, help="Show the libraries' warnings, log lines and progress bars."),
         click.option("--record-frames", is_flag=True,
                      help="On CUDA, keep each allocation's Python frames in the allocator's history (for advise "
-                          "SNAPSHOT; slower, and a larger oom-snapshot.pickle)."),
+                          "SNAPSHOT; slower, and a larger oom-snapshot.pickle.gz)."),
     ]):
         function = option(function)
     return function

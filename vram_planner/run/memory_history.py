@@ -1,5 +1,6 @@
 """On CUDA, `run` records the caching allocator's history, and when memory runs out writes torch's snapshot of it to
-the run's folder before anything is freed: `vram-plan advise DIR/oom-snapshot.pickle` then says what was on the card.
+the run's folder before anything is freed: `vram-plan advise DIR/oom-snapshot.pickle.gz` then says what was on the
+card.
 
 torch 2.13's contract (torch/cuda/memory.py; torch/csrc/cuda/Module.cpp): `_record_memory_history(enabled="all",
 context=..., stacks=..., max_entries=N)` keeps the last N alloc/free/segment/oom events (a ring), with the Python
@@ -13,6 +14,7 @@ is attached per process and writes only while a run records.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from pathlib import Path
 from vram_planner.errors import first_line
 from vram_planner.files import write_atomically
 
-OOM_SNAPSHOT_NAME = "oom-snapshot.pickle"
+OOM_SNAPSHOT_NAME = "oom-snapshot.pickle.gz"
 # Trace events kept (a ring: the oldest go first). No ring holds a long generation's start: each decoding step makes
 # ~180 events per layer (the H200 run of SmolLM2-135M: 5,313 per token over 30 layers, so 1024-token completions
 # make 5.4 million), while a micro-batch's forward and backward make ~600 per layer (~18,000 there) and the failed
@@ -29,7 +31,8 @@ OOM_SNAPSHOT_NAME = "oom-snapshot.pickle"
 # counts the blocks made before it by the plan's sizes (vram_planner/advise/roles.py: weights, gradients, states).
 # Host memory, torch 2.13 (c10/core/CachingDeviceAllocator.h): a TraceEntry is 136 bytes, 272 MB for the full ring
 # (frames add a few KiB per recorded stack); the out-of-memory snapshot turns the ring into Python dicts (~440 bytes
-# each, ~0.9 GB while it is pickled) and writes ~72 bytes per event (the H200 run's 2,000,000 made 144 MB).
+# each, ~0.9 GB while it is pickled) and pickles ~72 bytes per event (the H200 run's 2,000,000 made 144 MB), which
+# gzip's fastest level writes in about a tenth of that: a file people copy off the machine (advise reads either form).
 MAX_ENTRIES = 2_000_000
 MAX_ENTRIES_WITH_FRAMES = 500_000
 
@@ -48,15 +51,15 @@ OBSERVER = OomSnapshots()  # one per process: torch keeps every observer attache
 
 
 def write_oom_snapshot(device: int, requested_bytes: int, device_total_bytes: int, device_free_bytes: int) -> None:
-    """The observer: torch's snapshot, pickled, written atomically to the recording run's folder. Called inside the
-    allocator while the error is being raised, so it never raises itself."""
+    """The observer: torch's snapshot, pickled and gzip-compressed, written atomically to the recording run's
+    folder. Called inside the allocator while the error is being raised, so it never raises itself."""
     import torch
 
     target = OBSERVER.target
     if target is None:
         return
     try:
-        data = pickle.dumps(torch.cuda.memory._snapshot())
+        data = gzip.compress(pickle.dumps(torch.cuda.memory._snapshot()), compresslevel=1)
         write_atomically(target, data)
         OBSERVER.written.append(target)
     except Exception as exc:  # noqa: BLE001 (a full disk must not hide the out-of-memory error being raised)
