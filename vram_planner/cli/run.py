@@ -52,7 +52,8 @@ def run(**options: Any) -> None:
     from vram_planner.model.search import best_plan
     from vram_planner.run.launch import (RunInterrupted, RunOutOfMemory, RunSetup, clear_previous_run,
                                          interrupted_message, is_main_process, library_output, prepare, train)
-    from vram_planner.run.several import CONFIG_NAME, accelerate_config_yaml, launch, launch_command, needs_launcher
+    from vram_planner.run.several import (CONFIG_NAME, accelerate_config_yaml, end_ranks, launch, launch_command,
+                                          needs_launcher)
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite",
                 "record_frames")
@@ -89,6 +90,8 @@ def run(**options: Any) -> None:
             except RunOutOfMemory as oom:  # its lines as they are (the advise command is pasted); every rank's
                 click.echo(f"error: {oom}", err=True)
                 raise click.exceptions.Exit(EXIT_ERROR) from None
+            finally:
+                end_ranks()
     raise click.exceptions.Exit(EXIT_FITS)
 
 

@@ -144,6 +144,18 @@ def launch(setup: Any, argv: list[str], verbose: bool = False) -> int:
     return 0
 
 
+def end_ranks() -> None:
+    """A launched rank leaves its process group before its process exits: left to the interpreter's exit, the
+    group's threads can be destroyed while joinable, and the rank dies with "terminate called without an active
+    exception" after a run that finished (seen on CPU ranks over gloo under load)."""
+    if not launched_worker():
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def gloo_ranks() -> None:
     """Let accelerate set up FSDP or DeepSpeed across processes on a machine without CUDA (tests), over gloo.
 
