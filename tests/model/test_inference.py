@@ -171,7 +171,7 @@ def test_gemma3_prefill_of_prompts_longer_than_the_window_matches_the_trace():
     from vram_planner.tracing.step import compare_with_estimate, trace_step
 
     config = json.loads((MODELS / "gemma-3-1b-it.json").read_text())
-    train = cfg(per_device_train_batch_size=4, num_generations=4, max_prompt_length=2048, max_completion_length=8,
+    train = cfg(per_device_train_batch_size=2, num_generations=2, max_prompt_length=2048, max_completion_length=8,
                 dtype="bfloat16", lora_r=8)
     traced = trace_step(config, train)
     analytic = estimate(ModelArchitecture.from_config(config), train, trl_release(), Calibration(), 80 * 2**30)
