@@ -95,14 +95,16 @@ def _advise_snapshot(path: Path, device: int | None, json_output: bool, options:
 
     from vram_planner.cli.render import fixes_lines, terminal
 
-    table = Table(title=f"{path.name}, device {advice.device}: {advice.moment.replace('_', ' ')} moment "
-                  f"(event {advice.event_index} of {advice.events})", title_justify="left", show_edge=False)
+    # the heading as a line of its own: a table's title wraps at the table's width, two narrow columns here
+    heading = Text(f"{path.name}, device {advice.device}: {advice.moment.replace('_', ' ')} moment "
+                   f"(event {advice.event_index} of {advice.events})", style="italic")
+    table = Table(show_edge=False)
     table.add_column("role")
     table.add_column("GiB", justify="right")
     for role, n_bytes in advice.by_role.items():
         table.add_row(role.replace("_", " "), f"{n_bytes / 2**30:.2f}")
     table.add_row("allocated", f"{advice.allocated_bytes / 2**30:.2f}", style="bold")
-    parts = [table, *(Text(f"• {note}") for note in advice.diagnosis)]
+    parts = [heading, table, *(Text(f"• {note}") for note in advice.diagnosis)]
     if advice.culprit:
         parts.append(Text(f"Most likely {advice.culprit}.", style="bold"))
     if advice.attribution is not None and advice.attribution.assumption:
