@@ -25,8 +25,7 @@ elapsed "installed"
 
 # the catalog models' folders (random bf16 weights, the test tokenizer), built at once on the CPU before any GPU work
 for model in SmolLM2-135M Qwen2.5-0.5B Qwen3-0.6B Llama-3.2-1B Qwen2.5-1.5B; do
-  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_steps import model_folder
-model_folder(sys.argv[1], Path(sys.argv[2]))" "$model" "$MODELS" &
+  python3 benchmarks/gpu_steps.py --out "$OUT" --models "$MODELS" --build-model "$model" &
 done
 wait
 elapsed "models built: $(ls "$MODELS" | tr '\n' ' ')"

@@ -207,20 +207,17 @@ def run_one(config: dict[str, Any], folder: Path, out: Path, meter: PhaseMeter |
                                                           AutoTokenizer.from_pretrained(folder))
     if config["allocator_conf"]:
         settings["allocator_conf"] = config["allocator_conf"]
-    limit = None
     if config.get("plan_on"):
         verdict = engine.maximize(config["model"], config["plan_on"], "per_device_train_batch_size", settings).plan.chosen
         if verdict is None:
             raise SystemExit(f"nothing fits {config['plan_on']}")
-        if cuda:
-            limit = (verdict.estimate.peak_bytes if config.get("limit") == "prediction"
-                     else verdict.context.capacity_bytes) - verdict.context.cuda_context.bytes
-            torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.mem_get_info()[1])
+        limit = (verdict.estimate.peak_bytes if config.get("limit") == "prediction"
+                 else verdict.context.capacity_bytes) - verdict.context.cuda_context.bytes
     else:
         verdict = engine.check(config["model"], CARD, settings)
-        if cuda and config.get("limit_bytes"):
-            limit = int(config["limit_bytes"])
-            torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.mem_get_info()[1])
+        limit = int(config["limit_bytes"]) if config.get("limit_bytes") else None
+    if cuda and limit is not None:
+        torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.mem_get_info()[1])
     scratch = Path(tempfile.mkdtemp(prefix="gpu-steps-"))
     steps = int(config.get("max_steps", 2))
     setup = RunSetup(verdict=verdict, model_id=str(folder), dataset="math-sample", rewards=["format", "correctness"],
@@ -356,9 +353,9 @@ def run_in_process(configs: list[dict[str, Any]], models: Path, out: Path, summa
 
 
 def save(summary: dict[str, Any], path: Path) -> None:
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(summary, indent=1))
-    partial.replace(path)
+    from vram_planner.files import write_atomically
+
+    write_atomically(path, json.dumps(summary, indent=1))
 
 
 def run_subprocess(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -386,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="configs run at once (memory only: times interfere)")
     parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
     parser.add_argument("--replay", action="store_true", help="replay each snapshot through the allocator model")
-    parser.add_argument("--build-models", action="store_true", help="build the configs' model folders and stop")
+    parser.add_argument("--build-model", metavar="MODEL", help="build one model's folder and stop (in parallel)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a config as JSON: run it in this process
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "vram-plan-gpu-models")
     args = parser.parse_args(argv)
@@ -396,15 +393,14 @@ def main(argv: list[str] | None = None) -> int:
         config = json.loads(args.one)
         print("RESULT " + json.dumps(run_one(config, model_folder(config["model"], args.models), args.out)))
         return 0
+    if args.build_model:
+        model_folder(args.build_model, args.models)
+        return 0
     if args.points:
         configs = json.loads(args.points.read_text())["points"]
     else:
         configs = QUICK if args.quick else TIMED if args.timing else CONFIGS + PLANNED
     configs = [c for c in configs if not args.only or c["name"] in args.only]
-    if args.build_models:
-        for model in dict.fromkeys(c["model"] for c in configs):
-            model_folder(model, args.models)
-        return 0
     summary_path = args.out / ("step_times.json" if args.timing else "gpu_steps.json")
     summary = {"device": device_info(), "configs": []}
     for model in dict.fromkeys(c["model"] for c in configs):
