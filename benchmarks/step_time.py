@@ -184,6 +184,11 @@ def h200_tables(calibration: Path | None = None) -> list[str]:
     return [*lines, ""]
 
 
+# The GRPOConfig keywords of a run's record that are the planner's knobs under the same names
+RUN_KNOBS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+             "max_completion_length", "beta", "optim", "gradient_checkpointing")
+
+
 def h200_run_rows(prompts: dict[str, int]) -> dict[str, list[dict]]:
     """The 32-step `vram-plan run`s: the median of their steps after the first (warm-up) against one step predicted
     with the priors and with the H200's calibration, at the longest prompt of the data."""
@@ -192,10 +197,10 @@ def h200_run_rows(prompts: dict[str, int]) -> dict[str, list[dict]]:
         logged = [json.loads(line) for line in folder.read_text().splitlines()]
         steps = [r["step_time"] for r in logged[1:] if r.get("step_time")]
         run = json.loads((folder.parent / "vram-plan-run.json").read_text())
-        model = Path(run["model"]).name
-        settings = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 128,
-                    "dtype": "bfloat16", "max_prompt_length": prompts[model],
-                    **({"lora_r": 16} if run.get("lora_config") else {})}
+        model, grpo = Path(run["model"]).name, run["grpo_config"]
+        settings = {**{k: grpo[k] for k in RUN_KNOBS}, "dtype": grpo["model_init_kwargs"]["dtype"],
+                    "max_prompt_length": prompts[model],
+                    **({"lora_r": run["lora_config"]["r"]} if run.get("lora_config") else {})}
         verdict = engine.check(model, H200, settings)
         for label, eff in (("priors", Efficiency()), ("calibrated", efficiency_from(verdict.context.calibration
                                                                                     .step_time))):

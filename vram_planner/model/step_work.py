@@ -94,7 +94,8 @@ def layer_ops(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Eager ops of one forward: every decoder layer's and the model's own around them."""
     family = arch.family
     linears = len(arch.layer_linears())
-    sixteen_bit = m.sizes(train).residual < 4  # float32 weights keep a float32 residual stream under autocast
+    s = m.sizes(train)
+    sixteen_bit = s.residual < 4  # float32 weights keep a float32 residual stream under autocast
     norms = family.norms_per_layer + (2 if family.qk_norm else 0)
     # a LayerNorm is one fused kernel (native_layer_norm)
     norm_ops = 1 if family.layer_norm_bias else NORM_OPS + (NORM_CAST_OPS if sixteen_bit else 0)
@@ -103,7 +104,7 @@ def layer_ops(arch: ModelArchitecture, train: TrainingConfig) -> float:
     if arch.num_attention_heads > arch.num_kv_heads and train.attn_implementation != "flash_attention_2":
         per_layer += REPEAT_KV_OPS
     if train.uses_lora:
-        casts = LORA_CAST_OPS_PER_LINEAR if m.sizes(train).trainable != m.sizes(train).compute else 0
+        casts = LORA_CAST_OPS_PER_LINEAR if s.trainable != s.compute else 0
         if casts and train.mixed_precision != "no":
             casts += LORA_AUTOCAST_OPS_PER_LINEAR
         per_layer += (LORA_OPS_PER_LINEAR + casts) * len(arch.lora_linears(train.lora_targets))

@@ -81,7 +81,8 @@ def fit_step_time(samples: list[TimedPhase], gpu: GpuProfile) -> dict[str, float
         return sum(weight * err * err for weight, err in zip(weights, log_errors(samples, gpu, e)))
 
     def moves(e: Efficiency, name: str) -> bool:  # some sample's time moves with the factor's next grid step
-        return any(loss(replace(e, **{name: getattr(e, name) * g})) != loss(e) for g in (STEP, 1 / STEP))
+        here = loss(e)
+        return any(loss(replace(e, **{name: getattr(e, name) * g})) != here for g in (STEP, 1 / STEP))
 
     prior, eff = Efficiency(), Efficiency()
     used: list[str] = []
