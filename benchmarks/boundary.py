@@ -119,8 +119,18 @@ def exact(model: str, settings: dict, cache: dict, label: str) -> dict:
 def binding_phase(outcome) -> str | None:
     """The phase where the allocator model runs out on one granule less than the need (None: nowhere, where the
     allocator is not monotone in the capacity)."""
-    from vram_planner.allocator import parse_allocator_conf
     from vram_planner.allocator.replay import replay_events
+
+    stream, conf, capacity = below_need(outcome)
+    events = [(e.kind, e.block, e.size_bytes) for e in stream.events]
+    below = replay_events(events, conf, capacity)
+    return None if below.out_of_memory is None else stream.events[below.out_of_memory_event].phase
+
+
+def below_need(outcome):
+    """The traced step's stream with its cuBLAS workspaces, the allocator's settings, and the capacity one granule
+    below the need: where the replay shows what decides the need."""
+    from vram_planner.allocator import parse_allocator_conf
     from vram_planner.model.cublas import workspace_bytes
     from vram_planner.tracing.events import with_workspaces
     from vram_planner.tracing.need import granule_bytes
@@ -128,9 +138,7 @@ def binding_phase(outcome) -> str | None:
     conf = parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf")
     capability = outcome.traced.context.gpu.compute_capability
     stream = with_workspaces(outcome.result.steady_stream(), workspace_bytes(capability))
-    events = [(e.kind, e.block, e.size_bytes) for e in stream.events]
-    below = replay_events(events, conf, outcome.need.capacity_bytes - granule_bytes(conf))
-    return None if below.out_of_memory is None else stream.events[below.out_of_memory_event].phase
+    return stream, conf, outcome.need.capacity_bytes - granule_bytes(conf)
 
 
 def row(label: str, model: str, settings: dict, traced: dict) -> dict:
