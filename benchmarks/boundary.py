@@ -3,6 +3,7 @@
     python benchmarks/boundary.py              # the whole grid (traces are cached; the first run takes a while)
     python benchmarks/boundary.py --quick      # the fixture architectures and the smallest catalog configs
     python benchmarks/boundary.py --models Qwen3-0.6B phi-2
+    python benchmarks/boundary.py --from-needs   # the analytic side only, against the committed needs
 
 For every point the step is traced and its need bisected with the caching allocator model (`check --exact`: the
 least card capacity, CUDA context and cuBLAS workspaces included, on which the step runs), and printed beside the
@@ -14,6 +15,10 @@ against a GPU); median |analytic - need| under 2%.
 Needs are cached in benchmarks/results/boundary-needs.json, keyed by the point and the versions of torch,
 transformers, TRL and PEFT and the tracing and allocator code; the analytic side is recomputed on every run. Writes
 boundary.txt (the table and the summary) and boundary.json next to the cache when the whole grid ran.
+
+--from-needs traces nothing: it takes the committed needs as they are, whatever code they came from (the table's
+last line names it), and recomputes the analytic side, so that a change to the analytic model alone is judged in
+seconds. A point without a committed need is left out and said.
 """
 
 from __future__ import annotations
@@ -85,6 +90,17 @@ def need_key() -> str:
     return f"{trace_key()} / allocator {digest.hexdigest()[:12]} / needs without the context, phases"
 
 
+def committed_needs(from_needs: bool) -> tuple[dict, str]:
+    """The cached needs and the key they were made under: those of the current code, or with `from_needs` the
+    committed ones whatever code made them."""
+    path = RESULTS / "boundary-needs.json"
+    if not from_needs:
+        key = need_key()
+        return load_cache(path, key), key
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return data.get("points", {}), data.get("key", "no committed needs")
+
+
 def exact(model: str, settings: dict, cache: dict, label: str) -> dict:
     """What the allocator model needs and holds for the traced step, the CUDA context aside; each phase's traced
     tensor peak, and the phase where the step runs out on the capacity just below its need (the phase whose
@@ -103,8 +119,18 @@ def exact(model: str, settings: dict, cache: dict, label: str) -> dict:
 def binding_phase(outcome) -> str | None:
     """The phase where the allocator model runs out on one granule less than the need (None: nowhere, where the
     allocator is not monotone in the capacity)."""
-    from vram_planner.allocator import parse_allocator_conf
     from vram_planner.allocator.replay import replay_events
+
+    stream, conf, capacity = below_need(outcome)
+    events = [(e.kind, e.block, e.size_bytes) for e in stream.events]
+    below = replay_events(events, conf, capacity)
+    return None if below.out_of_memory is None else stream.events[below.out_of_memory_event].phase
+
+
+def below_need(outcome):
+    """The traced step's stream with its cuBLAS workspaces, the allocator's settings, and the capacity one granule
+    below the need: where the replay shows what decides the need."""
+    from vram_planner.allocator import parse_allocator_conf
     from vram_planner.model.cublas import workspace_bytes
     from vram_planner.tracing.events import with_workspaces
     from vram_planner.tracing.need import granule_bytes
@@ -112,9 +138,7 @@ def binding_phase(outcome) -> str | None:
     conf = parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf")
     capability = outcome.traced.context.gpu.compute_capability
     stream = with_workspaces(outcome.result.steady_stream(), workspace_bytes(capability))
-    events = [(e.kind, e.block, e.size_bytes) for e in stream.events]
-    below = replay_events(events, conf, outcome.need.capacity_bytes - granule_bytes(conf))
-    return None if below.out_of_memory is None else stream.events[below.out_of_memory_event].phase
+    return stream, conf, outcome.need.capacity_bytes - granule_bytes(conf)
 
 
 def row(label: str, model: str, settings: dict, traced: dict) -> dict:
@@ -162,13 +186,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--quick", action="store_true", help="fixtures and one config per catalog model")
+    parser.add_argument("--from-needs", action="store_true",
+                        help="trace nothing: the committed needs, whatever code made them")
     args = parser.parse_args()
     cache_path = RESULTS / "boundary-needs.json"
-    key = need_key()
-    cache = load_cache(cache_path, key)
+    cache, key = committed_needs(args.from_needs)
     rows = []
     grid = points(args.models, args.quick)
     for n, (label, model, settings) in enumerate(grid, 1):
+        if args.from_needs and label not in cache:
+            print(f"[{n}/{len(grid)}] {label}: no committed need", file=sys.stderr, flush=True)
+            continue
         fresh = label not in cache
         try:
             rows.append(row(label, model, settings, exact(model, settings, cache, label)))

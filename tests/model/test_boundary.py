@@ -20,6 +20,9 @@ CONFIGS = {
 }
 # Cards around the need, none within the 2 MiB the bisection resolves
 SHARES = (0.8, 0.9, 0.97, 1.03, 1.1, 1.25)
+# The most a need may lie above the estimate where the issue's target holds (the 5% margin is for the allocator
+# model's own error against a GPU)
+UNDER_TARGET = 0.01
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -33,6 +36,7 @@ def test_no_verdict_is_wrong_without_saying_it_is_near_the_boundary(fixture, con
     need, peak = outcome.need_bytes, outcome.analytic.estimate.peak_bytes
     above = need_above_estimate(outcome.analytic.train.attn_implementation)
     assert peak * (1 - NEED_BELOW_ESTIMATE) <= need <= peak * (1 + above), (need / peak - 1)
+    assert need <= peak * (1 + UNDER_TARGET), (need / peak - 1)
     for share in SHARES:
         verdict = engine.check(str(fixture), f"{need * share / GiB:.6f}GiB", settings)
         if not verdict.near_boundary:
@@ -55,3 +59,35 @@ def test_the_measured_band_covers_every_point_of_the_committed_boundary_table():
     assert need_above_estimate("sdpa") - max(above["other"]) < 0.02
     assert need_above_estimate("eager") - max(above["eager"] + above["other"]) < 0.02
     assert NEED_BELOW_ESTIMATE - max(-min(r for rs in above.values() for r in rs), 0) < 0.02
+
+
+# The points the README names as still more than 1% under their needs
+KNOWN_UNDER = {"Phi-3-mini-4k-instruct lora p512 c2048 G16 S2 beta", "Qwen2.5-0.5B fp32 lora c1024 eager",
+               "Llama-3.2-1B fp32 full adamw_8bit"}
+
+
+@pytest.mark.slow  # the estimate of every point of the grid: a few seconds
+def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_meet_the_targets():
+    """benchmarks/boundary.py --from-needs: the analytic side recomputed against the committed needs is the committed
+    table, with no window, a median |estimate - need| under 2%, and no point more than 1% under its need but those
+    the README names (20 before the later micro-batch's and the layer gradients' patterns)."""
+    import importlib
+    import json
+    import statistics
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).parents[2] / "benchmarks"
+    sys.path.insert(0, str(benchmarks))
+    try:
+        boundary = importlib.import_module("boundary")
+    finally:
+        sys.path.remove(str(benchmarks))
+    needs = json.loads((benchmarks / "results" / "boundary-needs.json").read_text())["points"]
+    rows = [boundary.row(label, model, settings, needs[label])
+            for label, model, settings in boundary.points(list(boundary.MODELS), quick=False) if label in needs]
+    committed = json.loads((benchmarks / "results" / "boundary.json").read_text())
+    assert [(r["point"], r["analytic_bytes"]) for r in rows] == [(r["point"], r["analytic_bytes"]) for r in committed]
+    assert not [r["point"] for r in rows if r["window"]]
+    assert statistics.median(abs(r["error"]) for r in rows) < 0.02
+    assert {r["point"] for r in rows if r["error"] < -UNDER_TARGET} == KNOWN_UNDER

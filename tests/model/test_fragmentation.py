@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from vram_planner.allocator import CachingAllocator
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.fragmentation import (EAGER_SCORES, LATE_GRADIENT, PINNED_LAYER_INPUTS, SOFTCAPPED_SCORES,
-                                              late_gradient_bytes, pinned_layer_input_bytes, reserve_patterns,
-                                              stranded_by_kept_inputs)
+from vram_planner.model.fragmentation import (EAGER_SCORES, LATE_GRADIENT, LATER_MICRO_BATCH, LAYER_GRADIENTS,
+                                              PINNED_LAYER_INPUTS, SOFTCAPPED_SCORES, late_gradient_bytes,
+                                              largest_request_bytes, pinned_layer_input_bytes, reserve_patterns,
+                                              stranded_by_gradients, stranded_by_kept_inputs)
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import model_config
 from vram_planner.units import MiB
@@ -30,13 +31,18 @@ def checkpointed_forward(layers: int, input_bytes: int, projection_bytes: int) -
     return allocator
 
 
+def sharing_blocks(kept_bytes: int, ratio: float, least_granules: int) -> tuple[int, int]:
+    """A block `ratio` times `kept_bytes` in the allocator's 2 MiB granules, and how many kept tensors share one."""
+    block_bytes = max(int(kept_bytes * ratio) // (2 * MiB), least_granules) * 2 * MiB
+    return block_bytes, block_bytes // kept_bytes
+
+
 @settings(max_examples=60, deadline=None)
 @given(input_blocks=st.integers(2049, 800_000), ratio=st.floats(1.0, 8.0), segments=st.integers(1, 6))
 def test_kept_inputs_strand_what_the_allocator_strands(input_blocks, ratio, segments):
     # sizes in the allocator's granules: inputs in 512-byte blocks above the small pool, projections in 2 MiB
     input_bytes = input_blocks * 512
-    projection_bytes = max(int(input_bytes * ratio) // (2 * MiB), 5) * 2 * MiB
-    sharing = projection_bytes // input_bytes
+    projection_bytes, sharing = sharing_blocks(input_bytes, ratio, least_granules=5)
     layers = sharing * segments  # every segment filled: the per-layer share is then exact
     allocator = checkpointed_forward(layers, input_bytes, projection_bytes)
     # beyond the inputs' bytes: a block the allocator does not split (a rest of 1 MiB or less) strands its rest too
@@ -66,6 +72,53 @@ def test_inputs_larger_than_the_projection_or_in_the_small_pool_strand_nothing()
     assert stranded_by_kept_inputs(20, MiB // 2, 3 * MiB) == 0
 
 
+def backward_with_gradients(layers: int, gradient_bytes: int, intermediate_bytes: int) -> CachingAllocator:
+    """Full fine-tuning's backward as the allocator sees it: each layer's intermediate made and freed, then its
+    weight gradient made and kept until the optimizer step; the cache then emptied."""
+    allocator = CachingAllocator()
+    for _ in range(layers):
+        allocator.free(allocator.malloc(intermediate_bytes))
+        allocator.malloc(gradient_bytes)
+    allocator.empty_cache()
+    return allocator
+
+
+@settings(max_examples=60, deadline=None)
+@given(gradient_mib=st.integers(11, 400), ratio=st.floats(0.3, 6.0), blocks=st.integers(1, 6))
+def test_kept_gradients_strand_at_most_a_gradient_a_layer(gradient_mib, ratio, blocks):
+    # above the 10 MiB from which a request gets a segment of its own size
+    gradient_bytes = gradient_mib * 2 * MiB
+    intermediate_bytes, sharing = sharing_blocks(gradient_bytes, ratio, least_granules=6)
+    layers = max(sharing, 1) * blocks  # every block filled (one a layer where none fits)
+    allocator = backward_with_gradients(layers, gradient_bytes, intermediate_bytes)
+    stranded = allocator.reserved_bytes - layers * gradient_bytes
+    if intermediate_bytes < gradient_bytes:
+        assert stranded == 0 == stranded_by_gradients(layers, gradient_bytes, intermediate_bytes)
+    else:  # the sawtooth the kept inputs make too, under its bound of a gradient a layer
+        assert stranded == stranded_by_kept_inputs(layers, gradient_bytes, intermediate_bytes)
+        assert stranded_by_gradients(layers, gradient_bytes, intermediate_bytes) >= stranded
+
+
+def test_the_gradients_bound_is_reached_with_one_gradient_a_block():
+    # Llama-3.2-1B in float32 at the boundary grid's tokens: 64 MiB gradients in 96 MiB blocks, 32 MiB left each;
+    # as the block nears two gradients, what is left nears a gradient
+    for intermediate_mib, left_mib in ((96, 32), (126, 62)):
+        allocator = backward_with_gradients(16, 64 * MiB, intermediate_mib * MiB)
+        assert allocator.reserved_bytes - 16 * 64 * MiB == 16 * left_mib * MiB
+    assert stranded_by_gradients(16, 64 * MiB, 126 * MiB) - 16 * 62 * MiB == 16 * 2 * MiB
+
+
+@settings(max_examples=200, deadline=None)
+@given(layers=st.integers(1, 80), hidden=st.integers(64, 8192), intermediate=st.integers(64, 30000),
+       tokens=st.integers(1, 2**20), more=st.integers(1, 2**16), trainable=st.sampled_from([2, 4]))
+def test_what_the_gradients_strand_never_falls_as_the_tokens_grow(layers, hidden, intermediate, tokens, more,
+                                                                  trainable):
+    def stranded(n: int) -> float:
+        return stranded_by_gradients(layers, hidden * intermediate * trainable, n * intermediate * 2)
+
+    assert stranded(tokens + more) >= stranded(tokens)
+
+
 def _arch(name: str) -> ModelArchitecture:
     return ModelArchitecture.from_config(model_config(name)[0])
 
@@ -82,6 +135,22 @@ def test_the_patterns_follow_the_knobs():
     assert reserve_patterns(arch, replace(lora, allocator_conf="expandable_segments:True"),
                             "training") == {}
     assert set(reserve_patterns(arch, lora, "training")) >= {PINNED_LAYER_INPUTS, LATE_GRADIENT}
+
+
+def test_a_later_micro_batch_and_full_fine_tunings_gradients_have_patterns_of_their_own():
+    arch = _arch("Llama-3.2-1B")
+    lora = TrainingConfig(dtype="bfloat16", lora_r=16, per_device_train_batch_size=8, num_generations=16,
+                          max_prompt_length=512, max_completion_length=2048)
+    assert reserve_patterns(arch, lora, "training")[LATER_MICRO_BATCH] == 0
+    two = replace(lora, gradient_accumulation_steps=2)
+    # LoRA on the MLP's output projection: its float32 input, 20480 tokens x 8192, is the block cut (640 MiB)
+    assert reserve_patterns(arch, two, "training")[LATER_MICRO_BATCH] == largest_request_bytes(arch, two) == 640 * MiB
+    assert reserve_patterns(arch, two, "training")[LAYER_GRADIENTS] == 0  # adapters' gradients are small
+    full = TrainingConfig(max_completion_length=256)  # float32: 64 MiB gradients of the MLP, 16 layers
+    assert reserve_patterns(arch, full, "training")[LAYER_GRADIENTS] == 16 * 64 * MiB
+    short = replace(full, per_device_train_batch_size=1, num_generations=2, max_prompt_length=64,
+                    max_completion_length=64)  # 128 tokens: a 2 MiB intermediate holds no gradient
+    assert reserve_patterns(arch, short, "training")[LAYER_GRADIENTS] == 0
 
 
 def test_whole_multiples_strand_nothing():

@@ -1,0 +1,78 @@
+"""What the allocator model holds where a boundary point runs out one granule below its need: the request it could
+not meet, the cached blocks too short for it, and the live tensors by where the step made them. The patterns of
+vram_planner/model/fragmentation.py were read off this.
+
+    python benchmarks/held_below_need.py "Llama-3.2-1B fp32 full adamw_8bit" "Mistral-7B-v0.3 full c1024 B8"
+
+Points are named as in benchmarks/results/boundary.txt; each is traced (seconds to a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from boundary import CARD, MODELS, below_need, points
+
+from vram_planner import engine
+from vram_planner.allocator import CachingAllocator
+from vram_planner.allocator.caching import OutOfMemory
+from vram_planner.model.calibration import default_calibration
+from vram_planner.units import MiB
+
+SHOWN = 12  # the largest groups of each kind
+
+
+def held(model: str, settings: dict) -> list[str]:
+    outcome = engine.check(model, CARD, settings, exact=True, calibration=default_calibration())
+    stream, conf, capacity = below_need(outcome)
+    allocator = CachingAllocator(conf, capacity)
+    made: dict[int, tuple[int, object]] = {}  # block -> (address, its event)
+    for index, event in enumerate(stream.events):
+        if event.kind != "alloc":
+            allocator.free(made.pop(event.block)[0])
+            continue
+        try:
+            made[event.block] = (allocator.malloc(event.size_bytes), event)
+        except OutOfMemory as failed:
+            return _described(allocator, made, failed, event, index, outcome.need.capacity_bytes)
+    return [f"runs {capacity / MiB:.0f} MiB: the allocator is not monotone in the capacity here"]
+
+
+def _described(allocator: CachingAllocator, made: dict, failed: OutOfMemory, event, index: int,
+               need: int) -> list[str]:
+    cached = sorted((size for _, size in allocator.free_blocks()), reverse=True)
+    live = Counter()
+    count = Counter()
+    for address, made_by in made.values():
+        key = (made_by.phase, made_by.moment, made_by.size_bytes)
+        live[key] += allocator.block_size(address)
+        count[key] += 1
+    lines = [f"need {need / MiB:.0f} MiB; one granule below it, event {index} ({event.phase}, {event.moment}) asks "
+             f"for {failed.requested_bytes / MiB:.1f} MiB with {failed.reserved_bytes / MiB:.0f} MiB reserved, "
+             f"{failed.allocated_bytes / MiB:.0f} MiB of it allocated",
+             f"  cached {sum(cached) / MiB:.0f} MiB in {len(cached)} blocks, the largest (MiB): "
+             + ", ".join(f"{size / MiB:.1f}" for size in cached[:SHOWN])]
+    for (phase, moment, size), n_bytes in live.most_common(SHOWN):
+        lines.append(f"  live {n_bytes / MiB:9.0f} MiB: {count[phase, moment, size]:4} x {size / MiB:8.1f} MiB "
+                     f"made in {phase}, {moment}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt")
+    args = parser.parse_args()
+    grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
+    unknown = [label for label in args.points if label not in grid]
+    if unknown:
+        print(f"no boundary point {unknown[0]!r} (see benchmarks/results/boundary.txt)", file=sys.stderr)
+        return 2
+    for label in args.points:
+        print("\n".join([f"== {label}", *held(*grid[label])]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
