@@ -147,6 +147,39 @@ def test_out_of_memory_without_fallback_explains_and_keeps_the_checkpoint(capsys
     assert (out / "checkpoint-1").is_dir()
 
 
+@pytest.mark.slow
+def test_the_smoke_steps_completions_are_full_length_though_the_model_ends_them_at_once(capsys, monkeypatch,
+                                                                                      tiny_model_folder, tmp_path):
+    """TRL cuts each completion at its first EOS before the loss passes, so a smoke step must never sample EOS: a
+    model that always ends its answer at once gets full-length completions in the smoke step, one token in the run."""
+    import torch
+    from transformers import LlamaForCausalLM, TrainerCallback
+
+    from vram_planner.run import launch
+
+    eos = json.loads((tiny_model_folder / "config.json").read_text())["eos_token_id"]
+    forward = LlamaForCausalLM.forward
+
+    def ends_at_once(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if out.logits is not None and not torch.is_grad_enabled():
+            out.logits[..., eos] += 1e4
+        return out
+
+    lengths = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "completions/mean_length" in logs:
+            lengths.append(logs["completions/mean_length"])
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", ends_at_once)
+    monkeypatch.setattr(launch, "EXTRA_CALLBACKS", [type("Lengths", (TrainerCallback,), {"on_log": on_log})()])
+    code, _, err = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--max-steps",
+                       "1", "--output-dir", str(tmp_path / "run"), *SMALL)
+    assert code == 0, err
+    assert lengths == [8, 1]  # SMALL's --max-completion-length 8: the smoke step's, then the run's
+
+
 def test_the_smoke_step_takes_the_longest_prompts_first():
     from datasets import Dataset
 

@@ -375,9 +375,11 @@ class JsonlLog:
                 if (logged := _logged_step(line)) is None or logged <= step]
         write_atomically(self.path, "".join(kept))
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **_: Any) -> dict[str, Any] | None:
+        """Write the step's line; return it (None off the main process)."""
         if not state.is_world_process_zero:
-            return
+            return None
         now = time.perf_counter()
         record = {"step": state.global_step, "seconds": round(now - self.started, 3),
                   **(logs or {}), "predicted_peak_bytes": round(self.predicted),
@@ -397,6 +399,7 @@ class JsonlLog:
             record[f"{prefix}_allocated_bytes"], record[f"{prefix}_reserved_bytes"] = peaks
         with self.path.open("a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
+        return record
 
 
 def _logged_step(line: str) -> int | None:
@@ -552,12 +555,17 @@ class RichProgress:
         self.progress.start()
         self.task = self.progress.add_task("", total=state.max_steps or None, completed=state.global_step)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               step_seconds: float | None = None, **_: Any) -> None:
+        """`step_seconds`: the step's time as the log measured it, for TRL releases that log no step_time (before
+        0.26); None for the first step, which includes loading the model."""
         if (self.progress is None and self.lines is None) or not logs or "reward" not in logs:
             return
         peaks = self.memory.step_peaks()
         measured = "-" if peaks is None else f"{peaks[1] / GiB:.2f}"
-        description = (f"reward {float(logs['reward']):.3f}  step {float(logs.get('step_time', 0)):.1f} s  "
+        seconds = logs.get("step_time", step_seconds)
+        step_time = "-" if seconds is None else f"{float(seconds):.1f}"
+        description = (f"reward {float(logs['reward']):.3f}  step {step_time} s  "
                        f"reserved {measured} / predicted {self.predicted / GiB:.2f} GiB")
         if self.lines is not None:
             steps = f"{state.global_step}/{state.max_steps}" if state.max_steps else str(state.global_step)
@@ -615,10 +623,30 @@ def release_memory() -> None:
 
 
 def full_length_completions(train: TrainingConfig) -> dict[str, int]:
-    """GRPOConfig.generation_kwargs that force every completion to max_completion_length: vLLM's SamplingParams
-    name it min_tokens (its start-up budget is the GRPOConfig's vllm_gpu_memory_utilization, as planned),
-    transformers' GenerationConfig min_new_tokens."""
+    """GRPOConfig.generation_kwargs that force every completion to max_completion_length: EOS is never sampled, so
+    TRL's completion mask (which cuts each completion at its first EOS before the loss passes) keeps it whole. vLLM's
+    SamplingParams name it min_tokens (its start-up budget is the GRPOConfig's vllm_gpu_memory_utilization, as
+    planned), transformers' GenerationConfig min_new_tokens. Its logits processor holds one more float32 [sequences,
+    vocabulary] copy of the scores than sampling alone at each decoding step: the smoke step's generation can be that
+    much heavier than the run's."""
     return {"min_tokens" if train.use_vllm else "min_new_tokens": train.max_completion_length}
+
+
+def generation_kwargs_field() -> bool:
+    """Whether the installed TRL's GRPOConfig takes generation_kwargs (0.19 on)."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    return any(field.name == "generation_kwargs" for field in fields(GRPOConfig))
+
+
+def force_full_length(trainer: Any, train: TrainingConfig) -> None:
+    """What full_length_completions asks, set on the trainer of a TRL release without GRPOConfig.generation_kwargs
+    (0.14-0.18 build `generation_config`, or vLLM's `sampling_params`, in their trainer)."""
+    for name, value in full_length_completions(train).items():
+        target = getattr(trainer, "sampling_params" if train.use_vllm else "generation_config")
+        setattr(target, name, value)
 
 
 def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, smoke: bool = False,
@@ -634,7 +662,9 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
 
     kwargs = {**setup.grpo_kwargs(), "disable_tqdm": True}  # the rich progress line replaces TRL's bar
     if smoke:
-        kwargs.update(save_strategy="no", generation_kwargs=full_length_completions(setup.train))
+        kwargs.update(save_strategy="no")
+        if generation_kwargs_field():
+            kwargs.update(generation_kwargs=full_length_completions(setup.train))
     args = GRPOConfig(**kwargs)
     peft = lora_config_kwargs(setup.train)
     peft_config = None
@@ -658,8 +688,8 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     progress = RichProgress(setup.predicted_reserved_bytes, transient=smoke, memory=memory)
 
     def on_log(*args: Any, **kwargs: Any) -> None:
-        log.on_log(*args, **kwargs)
-        progress.on_log(*args, **kwargs)
+        record = log.on_log(*args, **kwargs)
+        progress.on_log(*args, **kwargs, step_seconds=(record or {}).get("measured_step_seconds"))
 
     ranks = RankBytes()
     callback = type("VramPlanLog", (TrainerCallback,), {"on_log": staticmethod(on_log),
@@ -701,6 +731,8 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         if created and not history.written:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
+    if smoke and not generation_kwargs_field():
+        force_full_length(trainer, setup.train)
     main = is_main_process()  # of several ranks, rank 0 alone writes the record and places the card
     if not smoke and main:
         place_model_card(trainer, setup.output_dir, setup.model_id, aside=readme_kept)
@@ -869,7 +901,8 @@ def closing_line(setup: RunSetup, summary: RunSummary) -> str:
                     f" GiB less {context / GiB:.2f} GiB of CUDA context)")
         if summary.reserved_growth is not None:
             measured += f"; {summary.reserved_growth.describe()}"
-    return (f"done: {summary.steps} steps in {_duration(summary.seconds)}; {measured}; the model is in "
+    steps = "1 step" if summary.steps == 1 else f"{summary.steps} steps"
+    return (f"done: {steps} in {_duration(summary.seconds)}; {measured}; the model is in "
             f"{setup.output_dir / 'final'}, the log in {setup.output_dir / LOG_NAME}")
 
 
