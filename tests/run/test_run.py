@@ -183,7 +183,7 @@ def test_the_smoke_steps_completions_are_full_length_though_the_model_ends_them_
 def test_the_smoke_step_takes_the_longest_prompts_first():
     from datasets import Dataset
 
-    from vram_planner.run.launch import longest_first
+    from vram_planner.run.smoke import longest_first
 
     data = Dataset.from_list([{"prompt": "x" * n, "answer": str(n)} for n in (3, 10, 1, 7)])
     assert longest_first(data, 2)["answer"] == ["10", "7"]
@@ -245,7 +245,7 @@ def test_an_empty_output_dir_is_refused_not_taken_as_this_folder(capsys, tiny_mo
 
 
 def test_trls_own_card_is_replaced_a_users_readme_is_not(tmp_path):
-    from vram_planner.run.launch import TRL_CARD_LINE, users_readme
+    from vram_planner.run.model_card import TRL_CARD_LINE, users_readme
 
     assert not users_readme(tmp_path)
     (tmp_path / "README.md").write_text(f"---\ntags: [trl]\n---\n# Model Card for run\n{TRL_CARD_LINE}\n")
@@ -303,7 +303,8 @@ def test_sigterm_saves_the_steps_done_and_the_printed_command_continues_without_
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_without_overwrite(tmp_path):
-    from vram_planner.run.launch import RunInterrupted, interrupted_message, restartable, run_files
+    from vram_planner.run.checks import restartable, run_files
+    from vram_planner.run.interrupts import RunInterrupted, interrupted_message
 
     (tmp_path / "vram-plan-log.jsonl").write_text('{"step": 0}\n')
     assert restartable(run_files(tmp_path))
