@@ -248,11 +248,28 @@ def prepare(setup: RunSetup) -> PreparedRun:
     if setup.on_cpu and setup.train.use_vllm:
         raise VramPlanError("--use-vllm needs a CUDA device: vLLM generates on the GPU (drop --use-vllm to try the "
                             "run on the CPU)")
+    check_trl_runs_here(setup)
     resume_from = check_output_dir(setup)
     check_model_folder(setup.model_id)
     note_tokenizer_only(setup)
     check_hub_model(setup)
     return PreparedRun(prepared_dataset(setup), resume_from)
+
+
+def check_trl_runs_here(setup: RunSetup) -> None:
+    """TRL 1.15 scores log-probabilities only with its Triton kernel (trl/kernels/chunked_logprob.py, called from the
+    fused LM head in trl/trainer/utils.py), which needs CUDA; 1.14 computes full logits with torch off CUDA, and 1.16
+    chooses torch ops where Triton does not run. A run on a machine without CUDA would fail in its first step."""
+    from vram_planner.model.trl_releases import installed_trl_version, parse_version
+
+    parsed = parse_version(installed_trl_version() or "")
+    if not setup.on_cpu or parsed is None or parsed[0][:2] != (1, 15):
+        return
+    problem = (f"TRL {parsed[1]} scores log-probabilities only with a Triton kernel, which needs a CUDA device: on "
+               "this machine install TRL 1.16 or later (pip install 'trl>=1.16'), or run on a GPU")
+    if not setup.dry_run:
+        raise VramPlanError(problem)
+    setup.notes.append(problem)
 
 
 def note_tokenizer_only(setup: RunSetup) -> None:
