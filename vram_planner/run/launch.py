@@ -13,14 +13,15 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from vram_planner.errors import VramPlanError, first_line
 from vram_planner.extras import library_log_warnings_hidden
 from vram_planner.model.grpo_config import lora_config_kwargs, quantization_config_kwargs
 from vram_planner.model.spec import TrainingConfig, knob_names
 from vram_planner.run.checks import PreparedRun, clear_previous_run, last_checkpoint, load_processor, tokenizer_only
-from vram_planner.run.interrupts import RunInterrupted, Terminated, terminate_as_interrupt
+from vram_planner.run.interrupts import (RunInterrupted, StopAtStepEnd, Terminated, signals_held,
+                                         terminate_as_interrupt)
 from vram_planner.run.memory_history import OOM_SNAPSHOT_NAME, memory_history
 from vram_planner.run.model_card import place_model_card, users_readme
 from vram_planner.run.out_of_memory import RunOutOfMemory
@@ -147,15 +148,15 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
         progress.on_log(*args, **kwargs, step_seconds=(record or {}).get("measured_step_seconds"))
 
     ranks = RankBytes()
-    callback = type("VramPlanLog", (TrainerCallback,), {"on_log": staticmethod(on_log),
-                                                        "on_step_begin": staticmethod(memory.on_step_begin),
-                                                        "on_train_begin": staticmethod(progress.on_train_begin),
-                                                        "on_train_end": staticmethod(progress.on_train_end),
-                                                        "on_optimizer_step": staticmethod(ranks.on_optimizer_step)})()
+    stop = StopAtStepEnd(save=not smoke) if launched_worker() else None
+    hooks = {"on_log": on_log, "on_step_begin": memory.on_step_begin, "on_train_begin": progress.on_train_begin,
+             "on_train_end": progress.on_train_end, "on_optimizer_step": ranks.on_optimizer_step,
+             **({"on_step_end": stop.on_step_end} if stop else {})}
+    callback = type("VramPlanLog", (TrainerCallback,), {name: staticmethod(hook) for name, hook in hooks.items()})()
     snapshot_path = oom_snapshot or setup.output_dir / OOM_SNAPSHOT_NAME
     with memory_history(snapshot_path, setup.record_frames) as history:  # from the weights' loading on
         return _train_recorded(setup, args, peft_config, dataset, callback, progress, created, readme_kept,
-                               resume_from, smoke, history, ranks, memory)
+                               resume_from, smoke, history, ranks, memory, stop)
 
 
 def _use_allocator_conf(allocator_conf: str) -> None:
@@ -172,7 +173,8 @@ def _use_allocator_conf(allocator_conf: str) -> None:
 
 def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, callback: Any, progress: RichProgress,
                     created: bool, readme_kept: bool, resume_from: Path | None, smoke: bool,
-                    history: Any, ranks: RankBytes, memory: StepMemory) -> RunSummary:
+                    history: Any, ranks: RankBytes, memory: StepMemory,
+                    stop_at_step_end: StopAtStepEnd | None = None) -> RunSummary:
     import torch
     from trl import GRPOTrainer
 
@@ -197,7 +199,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     trainer.remove_callback(PrinterCallback)  # with TRL's bar off it prints every log dict; the line shows them
     started = time.perf_counter()
     try:
-        with terminate_as_interrupt():
+        with stop_at_step_end.handling() if stop_at_step_end else terminate_as_interrupt():
             trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except torch.cuda.OutOfMemoryError as exc:
         snapshot = history.written[-1] if history.written else None
@@ -212,10 +214,13 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         terminated = isinstance(exc, Terminated)
         stop = RunInterrupted(143 if terminated else 130, "SIGTERM" if terminated else "Ctrl+C",
                               trainer.state.global_step, None if smoke else _rescue(trainer))
-        if not smoke and main:
-            record_outcome(setup.output_dir, {"status": "interrupted", "signal": stop.signal_name,
-                                              "step": stop.step, "checkpoint": stop.checkpoint})
-        raise stop from None
+        _interrupted(setup, stop, record=not smoke and main)
+    if stop_at_step_end is not None and stop_at_step_end.stopped_at is not None:  # the ranks saved it together
+        progress.stop()
+        _interrupted(setup, RunInterrupted(stop_at_step_end.exit_code, stop_at_step_end.signal_name or "SIGTERM",
+                                           trainer.state.global_step,
+                                           None if smoke else last_checkpoint(setup.output_dir)),
+                     record=not smoke and main)
     if not smoke:
         trainer.save_model(str(setup.output_dir / "final"))
     peaks, growth = memory.run_peaks(), memory.reserved_growth()
@@ -234,6 +239,13 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     return summary
 
 
+def _interrupted(setup: RunSetup, stop: RunInterrupted, record: bool) -> NoReturn:
+    if record:
+        record_outcome(setup.output_dir, {"status": "interrupted", "signal": stop.signal_name, "step": stop.step,
+                                          "checkpoint": stop.checkpoint})
+    raise stop from None
+
+
 def _rescue(trainer: Any) -> Path | None:
     """Save a checkpoint of the steps done so far (an OOM leaves the weights and optimizer states intact); before
     the first step there is nothing to save."""
@@ -244,7 +256,8 @@ def _rescue(trainer: Any) -> Path | None:
 
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     try:
-        trainer._save_checkpoint(trainer.model, trial=None)
+        with signals_held():
+            trainer._save_checkpoint(trainer.model, trial=None)
     except Exception:  # the OOM may recur while saving: the last scheduled checkpoint is then what there is
         pass
     return last_checkpoint(Path(trainer.args.output_dir))
