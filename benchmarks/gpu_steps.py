@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +189,11 @@ def run_one(config: dict[str, Any], folder: Path, out: Path, meter: PhaseMeter |
     from vram_planner.model.spec import changed_settings
     from vram_planner.probe.cuda import _nvidia_smi
     from vram_planner.run import launch
-    from vram_planner.run.launch import RunSetup, longest_first, prepared_dataset, start_run
+    from vram_planner.run.checks import prepared_dataset
+    from vram_planner.run.launch import start_run
+    from vram_planner.run.out_of_memory import RunOutOfMemory
+    from vram_planner.run.setup import RunSetup
+    from vram_planner.run.smoke import longest_first
     from vram_planner.run.train_data import load_prompts, longest_prompt_tokens
 
     cuda = torch.cuda.is_available()
@@ -235,7 +238,7 @@ def run_one(config: dict[str, Any], folder: Path, out: Path, meter: PhaseMeter |
     try:
         start_run(setup, dataset, smoke=True)  # smoke: full-length completions, nothing saved
         ran = True
-    except launch.RunOutOfMemory as exc:
+    except RunOutOfMemory as exc:
         ran = False
         oom_note = str(exc)[:400]
     seconds = time.perf_counter() - start

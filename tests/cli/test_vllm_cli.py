@@ -203,7 +203,8 @@ def test_the_run_passes_the_planned_share_to_trl_which_starts_vllm_with_it(tmp_p
     from trl import GRPOConfig
 
     from vram_planner import engine
-    from vram_planner.run.launch import RunSetup, full_length_completions
+    from vram_planner.run.setup import RunSetup
+    from vram_planner.run.smoke import full_length_completions
 
     plan = engine.plan("Llama-3.1-8B", "h100-80gb", {"lora_r": 16, "dtype": "bfloat16", "use_vllm": True,
                                                   "vllm_gpu_memory_utilization": 0.1})

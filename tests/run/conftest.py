@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vram_planner import engine
-from vram_planner.run.launch import RunSetup
+from vram_planner.run.setup import RunSetup
 
 
 @pytest.fixture

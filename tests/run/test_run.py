@@ -147,10 +147,62 @@ def test_out_of_memory_without_fallback_explains_and_keeps_the_checkpoint(capsys
     assert (out / "checkpoint-1").is_dir()
 
 
+def test_trl_1_15_is_refused_on_a_machine_without_cuda_its_triton_kernel_needs_one(capsys, monkeypatch,
+                                                                                 tiny_model_folder, tmp_path):
+    import torch
+
+    from vram_planner.model import trl_releases
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    monkeypatch.setattr(trl_releases, "installed_trl_version", lambda: "1.15.0")
+    out = tmp_path / "run"
+    err = one_line_error(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                         "--output-dir", str(out), *SMALL)
+    assert "TRL 1.15.0 scores log-probabilities only with a Triton kernel" in err and "'trl>=1.16'" in err
+    assert not out.exists()
+    code, stdout, _ = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                          "--output-dir", str(out), "--dry-run", *SMALL)
+    assert code == 0 and "note: TRL 1.15.0 scores log-probabilities only with a Triton kernel" in stdout
+
+
+@pytest.mark.slow
+def test_the_smoke_steps_completions_are_full_length_though_the_model_ends_them_at_once(capsys, monkeypatch,
+                                                                                      tiny_model_folder, tmp_path):
+    """TRL cuts each completion at its first EOS before the loss passes, so a smoke step must never sample EOS: a
+    model that always ends its answer at once gets full-length completions in the smoke step, one token in the run."""
+    import torch
+    from transformers import LlamaForCausalLM, TrainerCallback
+
+    from vram_planner.run import launch
+
+    eos = json.loads((tiny_model_folder / "config.json").read_text())["eos_token_id"]
+    forward = LlamaForCausalLM.forward
+
+    def ends_at_once(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if out.logits is not None and not torch.is_grad_enabled():
+            out.logits[..., eos] += 1e4
+        return out
+
+    lengths = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "completions/mean_length" in logs:
+            lengths.append(logs["completions/mean_length"])
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", ends_at_once)
+    monkeypatch.setattr(launch, "EXTRA_CALLBACKS", [type("Lengths", (TrainerCallback,), {"on_log": on_log})()])
+    code, _, err = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--max-steps",
+                       "1", "--output-dir", str(tmp_path / "run"), *SMALL)
+    assert code == 0, err
+    assert lengths == [8, 1]  # SMALL's --max-completion-length 8: the smoke step's, then the run's
+
+
 def test_the_smoke_step_takes_the_longest_prompts_first():
     from datasets import Dataset
 
-    from vram_planner.run.launch import longest_first
+    from vram_planner.run.smoke import longest_first
 
     data = Dataset.from_list([{"prompt": "x" * n, "answer": str(n)} for n in (3, 10, 1, 7)])
     assert longest_first(data, 2)["answer"] == ["10", "7"]
@@ -212,7 +264,7 @@ def test_an_empty_output_dir_is_refused_not_taken_as_this_folder(capsys, tiny_mo
 
 
 def test_trls_own_card_is_replaced_a_users_readme_is_not(tmp_path):
-    from vram_planner.run.launch import TRL_CARD_LINE, users_readme
+    from vram_planner.run.model_card import TRL_CARD_LINE, users_readme
 
     assert not users_readme(tmp_path)
     (tmp_path / "README.md").write_text(f"---\ntags: [trl]\n---\n# Model Card for run\n{TRL_CARD_LINE}\n")
@@ -270,7 +322,8 @@ def test_sigterm_saves_the_steps_done_and_the_printed_command_continues_without_
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_without_overwrite(tmp_path):
-    from vram_planner.run.launch import RunInterrupted, interrupted_message, restartable, run_files
+    from vram_planner.run.checks import restartable, run_files
+    from vram_planner.run.interrupts import RunInterrupted, interrupted_message
 
     (tmp_path / "vram-plan-log.jsonl").write_text('{"step": 0}\n')
     assert restartable(run_files(tmp_path))

@@ -174,7 +174,7 @@ def test_the_closing_line_sets_like_beside_like(setup):
 def test_off_cuda_the_log_has_both_predictions_and_no_measurement(tmp_path):
     from transformers import TrainerControl, TrainerState
 
-    from vram_planner.run.launch import JsonlLog
+    from vram_planner.run.progress import JsonlLog
 
     log = JsonlLog(tmp_path / "log.jsonl", 5e9, predicted_reserved_bytes=4.4e9)
     log.on_log(None, TrainerState(global_step=1, is_world_process_zero=True), TrainerControl(), logs={"reward": 1})

@@ -393,7 +393,7 @@ def test_only_the_main_process_prints(capsys, monkeypatch, tmp_path):
 def test_the_progress_line_and_the_log_come_from_the_main_process_only(capsys, tmp_path):
     from transformers import TrainerControl, TrainerState
 
-    from vram_planner.run.launch import JsonlLog, RichProgress
+    from vram_planner.run.progress import JsonlLog, RichProgress
 
     logs = {"reward": 0.5, "step_time": 1.0}
     for main_process in (False, True):
@@ -413,11 +413,11 @@ def test_the_log_has_the_measured_step_time_beside_the_predicted(tmp_path, monke
 
     from transformers import TrainerControl, TrainerState
 
-    from vram_planner.run import launch
+    from vram_planner.run import progress
 
     clock = iter([100.0, 130.0, 150.0, 190.0])  # start, then the time of each logged line
-    monkeypatch.setattr(launch.time, "perf_counter", lambda: next(clock))
-    log = launch.JsonlLog(tmp_path / "log.jsonl", 1e9, predicted_step_seconds=9.5)
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    log = progress.JsonlLog(tmp_path / "log.jsonl", 1e9, predicted_step_seconds=9.5)
     for step in (1, 3, 5):
         log.on_log(None, TrainerState(global_step=step, is_world_process_zero=True), TrainerControl(), logs={})
     lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
@@ -427,7 +427,7 @@ def test_the_log_has_the_measured_step_time_beside_the_predicted(tmp_path, monke
 
 def test_a_run_predicts_its_step_time_on_a_catalog_card(llama_1b_file, tmp_path):
     from vram_planner import engine
-    from vram_planner.run.launch import RunSetup
+    from vram_planner.run.setup import RunSetup
 
     setup = RunSetup(verdict=engine.check(str(llama_1b_file), "h100-80gb"), model_id=str(llama_1b_file),
                      dataset="math-sample", rewards=["format"], output_dir=tmp_path / "run")

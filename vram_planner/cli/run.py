@@ -50,8 +50,11 @@ def run(**options: Any) -> None:
 
     require_train_extra("vram-plan run")
     from vram_planner.model.search import best_plan
-    from vram_planner.run.launch import (RunInterrupted, RunOutOfMemory, RunSetup, clear_previous_run,
-                                         interrupted_message, is_main_process, library_output, prepare, train)
+    from vram_planner.run.checks import clear_previous_run, prepare
+    from vram_planner.run.interrupts import RunInterrupted, interrupted_message
+    from vram_planner.run.launch import is_main_process, library_output, train
+    from vram_planner.run.out_of_memory import RunOutOfMemory
+    from vram_planner.run.setup import RunSetup
     from vram_planner.run.several import (CONFIG_NAME, accelerate_config_yaml, end_ranks, launch, launch_command,
                                           needs_launcher)
 

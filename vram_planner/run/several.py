@@ -99,6 +99,12 @@ def _strategy_spelled_out(train: TrainingConfig, argv: list[str]) -> list[str]:
 CPU_RANKS_ENV = {"ACCELERATE_TORCH_DEVICE": "cpu", "DS_ACCELERATOR": "cpu"}
 
 
+# torch's launcher gives the ranks this long to finish after it passes on Ctrl+C or SIGTERM before it kills them
+# (its default, 30 s, can cut a large model's checkpoint short; torch reads it since pytorch#172596, March 2026;
+# older releases keep 30 s)
+LAUNCHER_ENV = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600"}
+
+
 # The exit codes of a rank that said why it stopped, in its own line above: refused (2), Ctrl+C (130), SIGTERM (143)
 RANK_SAID_WHY = (2, 130, 143)
 
@@ -111,21 +117,29 @@ def launch(setup: Any, argv: list[str], verbose: bool = False) -> int:
     warnings and the failure report with its traceback): the ranks' lines say it."""
     import logging
 
+    import torch.distributed.run  # noqa: F401  (the launcher's loggers exist before their levels are set below)
     from accelerate.commands.launch import launch_command as accelerate_launch
     from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup))
     args = launch_command_parser().parse_args(launch_command(setup, argv)[2:])
-    logger = logging.getLogger("torch.distributed")
-    level = logger.level
+    # torch's elastic modules each set their logger's own level, so the parent's alone does not quiet them
+    loggers = [logging.getLogger(name) for name in ["torch.distributed", *logging.root.manager.loggerDict]
+               if name.startswith("torch.distributed")]
+    levels = {logger: logger.level for logger in loggers}
     if not verbose:
-        logger.setLevel(logging.CRITICAL)
-    saved = {name: os.environ.get(name) for name in CPU_RANKS_ENV}
-    if setup.on_cpu:
-        os.environ.update(CPU_RANKS_ENV)
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+    environment = {**(CPU_RANKS_ENV if setup.on_cpu else {}), **LAUNCHER_ENV}
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update({name: value for name, value in environment.items() if name in CPU_RANKS_ENV
+                       or os.environ.get(name) is None})  # a user's own shutdown timeout stands
     try:
         accelerate_launch(args)
+    except SignalException as stop:  # Ctrl+C or SIGTERM reached the launcher, which passed it to every rank
+        return 128 + stop.sigval  # the ranks saved their checkpoint and rank 0 said where, and how to resume
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         if failure.exitcode in RANK_SAID_WHY:
@@ -135,7 +149,8 @@ def launch(setup: Any, argv: list[str], verbose: bool = False) -> int:
         raise VramPlanError(f"rank {rank} of {setup.train.num_gpus} {how} (out of host memory, or killed); "
                             "--verbose shows the launcher's report") from None
     finally:
-        logger.setLevel(level)
+        for logger, level in levels.items():
+            logger.setLevel(level)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
