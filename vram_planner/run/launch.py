@@ -178,6 +178,9 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     import torch
     from trl import GRPOTrainer
 
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
     try:
         processing_class = (load_processor(setup.model_id, "GRPOTrainer tokenizes with it")
                             if tokenizer_only(setup.model_id) else None)  # None: TRL's AutoProcessor
@@ -188,6 +191,9 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
         if created and not history.written:  # nothing trained yet: leave no half-made folder behind
             shutil.rmtree(setup.output_dir, ignore_errors=True)
         raise VramPlanError(f"GRPOTrainer could not start: {first_line(exc)}") from exc
+    # Trainer sets a rank other than the first to log warnings (TrainingArguments.log_level_replica): the run's own
+    # setting stands (quiet without --verbose)
+    transformers_logging.set_verbosity(verbosity)
     if smoke and not generation_kwargs_field():
         force_full_length(trainer, setup.train)
     main = is_main_process()  # of several ranks, rank 0 alone writes the record and places the card
