@@ -54,8 +54,12 @@ def check_hub_model(setup: RunSetup) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"  # and so do the processes accelerate launches
         setup.notes.append(f"the hub cannot be reached ({reason}): {setup.model_id} is read from the local cache")
         return
-    problem = (f"{setup.model_id} is a hub model, and the hub cannot be reached ({reason}) nor is the model in the "
-               "local cache: check the network, or pass a local model folder")
+    refuse(setup, f"{setup.model_id} is a hub model, and the hub cannot be reached ({reason}) nor is the model in "
+                  "the local cache: check the network, or pass a local model folder")
+
+
+def refuse(setup: RunSetup, problem: str) -> None:
+    """Stop the run for `problem`; a dry run, which only prints the config, notes it instead."""
     if not setup.dry_run:
         raise VramPlanError(problem)
     setup.notes.append(problem)
@@ -265,11 +269,8 @@ def check_trl_runs_here(setup: RunSetup) -> None:
     parsed = parse_version(installed_trl_version() or "")
     if not setup.on_cpu or parsed is None or parsed[0][:2] != (1, 15):
         return
-    problem = (f"TRL {parsed[1]} scores log-probabilities only with a Triton kernel, which needs a CUDA device: on "
-               "this machine install TRL 1.16 or later (pip install 'trl>=1.16'), or run on a GPU")
-    if not setup.dry_run:
-        raise VramPlanError(problem)
-    setup.notes.append(problem)
+    refuse(setup, f"TRL {parsed[1]} scores log-probabilities only with a Triton kernel, which needs a CUDA device: "
+                  "on this machine install TRL 1.16 or later (pip install 'trl>=1.16'), or run on a GPU")
 
 
 def note_tokenizer_only(setup: RunSetup) -> None:
