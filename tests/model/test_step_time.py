@@ -68,7 +68,8 @@ def test_decoding_is_bandwidth_bound_and_a_faster_memory_decodes_faster(llama_1b
     h100, h200 = step_time(llama_1b, train, H100), step_time(llama_1b, train, H200)
     assert h100.bounds["generation"] == "memory" and h100.bounds["training"] == "compute"
     assert h200.seconds["generation"] < h100.seconds["generation"]
-    assert h100.seconds["training"] / 1.05 < h200.seconds["training"] < h100.seconds["training"]
+    bandwidths = H100.memory_bandwidth_gb_s / H200.memory_bandwidth_gb_s
+    assert h100.seconds["training"] * bandwidths < h200.seconds["training"] < h100.seconds["training"]
 
 
 def test_small_batches_in_eager_transformers_are_launch_bound(llama_1b):
@@ -176,6 +177,22 @@ def test_four_bit_weights_move_their_dequantized_copy(llama_1b):
     assert qlora > lora  # QLoRA saves memory, not time: every pass dequantizes
 
 
+def test_the_loss_passes_move_their_activations(llama_1b):
+    """Norms, rotary, the MLP's product and PEFT's casts read and write the activations: bytes per token that grow
+    with the model's widths, more with float32 adapters than with the 16-bit ones TRL keeps over a 4-bit base, and
+    twice over in the backward."""
+    lora, qlora = cfg(lora_r=16, dtype="bfloat16"), cfg(lora_r=16, dtype="bfloat16", load_in_4bit=True)
+    full = cfg(dtype="bfloat16")
+    assert w.elementwise_bytes_per_token(llama_1b, lora) > w.elementwise_bytes_per_token(llama_1b, qlora) > \
+        w.elementwise_bytes_per_token(llama_1b, full) > llama_1b.num_layers * 10 * llama_1b.hidden_size
+    one, eight = (w.training_passes(llama_1b, full, b, 128, 256) for b in (1, 8))
+    head_one, head_eight = (w.fused_head_work(llama_1b, full, b * 256) for b in (1, 8))
+    per_sequence = 384 * w.elementwise_bytes_per_token(llama_1b, full)
+    for passes, times in ((0, 1), (1, 3)):  # the backward's twice the forward's, and checkpointing's forward again
+        head = head_eight[passes].bytes_moved - head_one[passes].bytes_moved
+        assert eight[passes].bytes_moved - one[passes].bytes_moved - head == pytest.approx(times * 7 * per_sequence)
+
+
 def test_four_bit_weights_are_dequantized_at_every_use(llama_1b):
     """Forward, checkpointing's second forward and the backward each dequantize every 4-bit linear again, with
     double quantization's absmax first (three kernels a use, one without it)."""
@@ -201,8 +218,8 @@ def test_efficiency_factors_scale_their_phase(llama_1b):
     base = step_time(llama_1b, train, H100)
     assert base.bounds["training"] == "compute"
     half = step_time(llama_1b, train, H100, Efficiency(matmul=Efficiency().matmul / 2))
-    # the matmuls take twice as long; the launches beside them do not
-    assert 1.8 < half.seconds["training"] / base.seconds["training"] < 2
+    # the matmuls take twice as long; the bytes beside them do not
+    assert 1.5 < half.seconds["training"] / base.seconds["training"] < 2
 
 
 def test_a_calibration_names_only_known_positive_factors():

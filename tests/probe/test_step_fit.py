@@ -45,10 +45,10 @@ def test_the_fit_recovers_the_factors_that_made_the_times(llama_1b):
     truth = Efficiency(matmul=prior.matmul * STEP ** -6, bandwidth=prior.bandwidth * STEP ** -4,
                        decode_bandwidth=prior.decode_bandwidth * STEP ** -3, op_seconds=prior.op_seconds * STEP ** -40,
                        train_op_seconds=prior.train_op_seconds * STEP ** -20, tensor_seconds=prior.tensor_seconds
-                       * STEP ** -12)
+                       * STEP ** -12, optimizer_bandwidth=prior.optimizer_bandwidth * STEP ** -8)
     fitted = fit_step_time(samples_under(truth, llama_1b), H100)
     assert set(fitted) == {"matmul", "bandwidth", "decode_bandwidth", "op_seconds", "train_op_seconds",
-                           "tensor_seconds"}
+                           "tensor_seconds", "optimizer_bandwidth"}
     for name, value in fitted.items():
         assert value == pytest.approx(getattr(truth, name), rel=STEP - 1), name
     assert max(abs(e) for e in log_errors(samples_under(truth, llama_1b), H100, efficiency_from(fitted))) < 0.05
@@ -65,9 +65,9 @@ def test_a_factor_no_sample_reaches_keeps_its_prior(llama_1b):
 
 def test_only_factors_the_samples_depend_on_are_fitted(llama_1b):
     """optimizer.step() is its bytes (full fine-tuning) or its Python loop over LoRA's many small tensors."""
-    truth = Efficiency(bandwidth=0.5, tensor_seconds=3e-6)
+    truth = Efficiency(optimizer_bandwidth=0.5, tensor_seconds=3e-6)
     optimizer_only = [s for s in samples_under(truth, llama_1b) if s.phase == "optimizer"]
-    assert set(fit_step_time(optimizer_only, H100)) == {"bandwidth", "tensor_seconds"}
+    assert set(fit_step_time(optimizer_only, H100)) == {"optimizer_bandwidth", "tensor_seconds"}
     assert fit_step_time([], H100) == {}
 
 
@@ -135,8 +135,9 @@ def test_records_give_their_timed_phases_and_older_records_none():
 
 def test_the_calibration_keeps_the_fitted_factors():
     cal = fit_calibration(record_of([timed_point(0.2, 0.5), timed_point(0.25, 0.6)]), "h100-80gb")
-    # the probe's small decoding is launch-bound: it sets the host's time per op, not the decoding bandwidth
-    assert set(cal.step_time) >= {"bandwidth", "op_seconds"} and "decode_bandwidth" not in cal.step_time
+    # the probe's small decoding is launch-bound: it sets the host's time per op, not the decoding bandwidth; its
+    # optimizer step streams full fine-tuning's states
+    assert set(cal.step_time) >= {"optimizer_bandwidth", "op_seconds"} and "decode_bandwidth" not in cal.step_time
     untimed = fit_calibration(record_of([timed_point(None, None)]), "h100-80gb")
     assert untimed.step_time == default_calibration().step_time == {}
 

@@ -33,6 +33,10 @@ MATMUL_EFFICIENCY = 0.4
 # BabelStream's and NVIDIA's bandwidthTest copies on A100/H100 HBM; the lower end, as PyTorch's kernels are no
 # hand-tuned copy.
 BANDWIDTH_EFFICIENCY = 0.8
+# Share of the bandwidth that the optimizer's multi-tensor kernels reach (torch's _fused_adamw_ and foreach kernels:
+# four to seven streams per element in chunks of 65536, bitsandbytes' blockwise 8-bit kernels): the same prior as the
+# other streaming kernels, fitted apart as its phase is timed apart.
+OPTIMIZER_BANDWIDTH_EFFICIENCY = BANDWIDTH_EFFICIENCY
 # Share of the bandwidth that eager decoding in transformers reaches (GEMV-shaped matmuls, cache concatenation):
 # gpt-fast reaches about 60-70% of an A100's bandwidth only once torch.compile fuses the step (PyTorch blog
 # "Accelerating Generative AI with PyTorch II: GPT, Fast", 2023); eager transformers sits at or below that: 0.5.
@@ -76,6 +80,7 @@ class Efficiency:
 
     matmul: float = MATMUL_EFFICIENCY
     bandwidth: float = BANDWIDTH_EFFICIENCY
+    optimizer_bandwidth: float = OPTIMIZER_BANDWIDTH_EFFICIENCY
     decode_bandwidth: float = DECODE_BANDWIDTH_EFFICIENCY
     vllm_bandwidth: float = VLLM_BANDWIDTH_EFFICIENCY
     op_seconds: float = EAGER_OP_SECONDS
@@ -243,7 +248,7 @@ def optimizer_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card
 
 
 def _streamed(card: Card, n_bytes: float, launches: float) -> float:
-    return max(n_bytes / (card.bytes_per_s * card.eff.bandwidth), launches * card.eff.op_seconds)
+    return max(n_bytes / (card.bytes_per_s * card.eff.optimizer_bandwidth), launches * card.eff.op_seconds)
 
 
 def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card,
@@ -283,7 +288,7 @@ def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, car
 def _optimizer_bound(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> str:
     """`memory` where the step's bytes take longer than its host loop and launches, else `host`."""
     work = o.optimizer_work(arch, train)
-    streaming = work.step_bytes / (card.bytes_per_s * card.eff.bandwidth)
+    streaming = work.step_bytes / (card.bytes_per_s * card.eff.optimizer_bandwidth)
     host = work.step_visits * card.eff.tensor_seconds + work.step_launches * card.eff.op_seconds
     return "memory" if streaming >= host else "host"
 

@@ -120,6 +120,16 @@ FUSED_HEAD_BACKWARD_OPS = 10
 # reads and rewrites it, and each addmm reads it.
 FUSED_HEAD_FORWARD_ACCESSES = 2
 FUSED_HEAD_BACKWARD_ACCESSES = 4
+# Bytes the elementwise kernels of a layer's forward move per token and element of the tensor they work on (the
+# matmuls' own reads and writes go with their FLOPs): RMSNorm's pow, mean, the product with the normalizer and the
+# weight's in float32 (4 + 4, 4, 4 + 4, 4 + 4), and with a 16-bit residual stream its casts there and back (2 + 4,
+# 4 + 2) with the weight's product in 16 bits (2 + 2); rotary's five ops on q and k, each reading and writing them
+# (the sum two reads): about six passes of two bytes each way.
+NORM_BYTES_PER_ELEMENT = {"float32": 28, "16-bit": 36}
+ROTARY_PASSES = 6
+# An elementwise op's backward reads the incoming gradient and a saved input and writes the input's gradient: about
+# twice the forward's bytes.
+ELEMENTWISE_BACKWARD_PER_FORWARD = 2
 # The backward of a matmul computes the input's gradient and the weight's: twice the forward's FLOPs; with frozen
 # weights (LoRA's base) only the input's (Kaplan et al. 2020, section 2.1: ~6N FLOPs per token for training).
 BACKWARD_FLOPS_PER_FORWARD = 2
@@ -284,6 +294,29 @@ def fused_head_work(arch: ModelArchitecture, train: TrainingConfig, tokens: int)
     return forward, backward
 
 
+def elementwise_bytes_per_token(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Bytes per token the elementwise kernels of one forward's decoder layers move, summed over the layers: the
+    norms, rotary, SDPA's inputs and output (and repeat_kv's copies), the residual adds, the MLP's activation and
+    product, and PEFT's casts, scaling and sum per adapted linear."""
+    family, sz = arch.family, m.sizes(train)
+    h, i, c = arch.hidden_size, arch.intermediate_size, sz.compute
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    norm = 2 * sz.residual if family.layer_norm_bias else NORM_BYTES_PER_ELEMENT[
+        "16-bit" if sz.residual < 4 else "float32"]
+    per_layer = family.norms_per_layer * norm * h + (norm * (q + kv) if family.qk_norm else 0)
+    per_layer += ROTARY_PASSES * 2 * c * (q + kv)
+    per_layer += c * (2 * q + 2 * kv) + 2 * c * q  # SDPA reads q, k, v and writes its output; the contiguous copy
+    if arch.num_attention_heads > arch.num_kv_heads and train.attn_implementation != "flash_attention_2":
+        per_layer += 2 * c * (kv + q)  # repeat_kv: keys and values read, written at every query head
+    per_layer += 2 * 3 * sz.residual * h  # two residual adds: two reads, one write
+    per_layer += (5 if family.gated_mlp else 2) * c * i  # the activation (read, write), the product (two reads, write)
+    if train.uses_lora:
+        cast = (2 * c + 2 * sz.trainable) if _lora_casts(train) else 0  # to the adapters' dtype and back to c
+        per_layer += sum(cast * lin.in_features + 5 * c * lin.out_features  # the scaling's mul, the sum
+                         for lin in arch.lora_linears(train.lora_targets))
+    return arch.num_layers * per_layer
+
+
 def training_passes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, prompt: int,
                     completion: int) -> tuple[Work, Work]:
     """The loss forward of one micro-batch (the backbone, the LM head over the completions and TRL's loss), and its
@@ -292,12 +325,16 @@ def training_passes(arch: ModelArchitecture, train: TrainingConfig, sequences: i
     length = prompt + completion
     fused = train.release.lm_head == "fused_chunked"
     backbone = forward_work(arch, train, sequences, length, length / 2, 0 if fused else completion)
-    backbone = replace(backbone, ops=layer_ops(arch, train, cache=False))
+    activations = sequences * length * elementwise_bytes_per_token(arch, train)
+    backbone = replace(backbone, ops=layer_ops(arch, train, cache=False),
+                       bytes_moved=backbone.bytes_moved + activations)
     frozen = train.uses_lora
     multiplier = FROZEN_BACKWARD_FLOPS_PER_FORWARD if frozen else BACKWARD_FLOPS_PER_FORWARD
     # the backward reads each weight again and writes (full fine-tuning) a gradient of the trainable dtype
     grads = m.trainable_params(arch, train) * m.sizes(train).trainable
-    backward = Work(multiplier * backbone.flops, backbone.bytes_moved + grads, backward_ops(arch, train))
+    backward = Work(multiplier * backbone.flops,
+                    backbone.bytes_moved + (ELEMENTWISE_BACKWARD_PER_FORWARD - 1) * activations + grads,
+                    backward_ops(arch, train))
     if train.gradient_checkpointing:  # each layer's forward again, not the model's ops around them nor the head
         head_flops = 0 if fused else sequences * completion * 2 * arch.hidden_size * arch.vocab_size
         backward = backward + Work(backbone.flops - head_flops, backbone.bytes_moved,

@@ -25,9 +25,10 @@ from vram_planner.model.step_time import (Card, Efficiency, generation_round_sec
                                           optimizer_step_seconds, scoring_pass_seconds, step_time)
 from vram_planner.profiles import GpuProfile
 
-FITTED_FACTORS = ("op_seconds", "matmul", "bandwidth", "decode_bandwidth", "train_op_seconds", "tensor_seconds")
+FITTED_FACTORS = ("op_seconds", "matmul", "bandwidth", "decode_bandwidth", "train_op_seconds", "tensor_seconds",
+                  "optimizer_bandwidth")
 # Shares of a peak cannot pass 1; the host time per op has no such bound.
-SHARES = ("matmul", "bandwidth", "decode_bandwidth")
+SHARES = ("matmul", "bandwidth", "decode_bandwidth", "optimizer_bandwidth")
 # Candidate values: the prior times 2^(k/16) from 1/16 to 16 times it (steps of 4.4%).
 GRID = tuple(2 ** (k / 16) for k in range(-64, 65))
 STEP = GRID[1] / GRID[0]
