@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -109,13 +110,19 @@ def h200_runs() -> list[dict]:
 
 def h200_samples(run: dict) -> list[TimedPhase]:
     """What a probe-style fit reads from a run: its last step's phases where it kept them, else the whole step."""
-    arch, train, phases = run["arch"], run["config"], run["last_phases"]
+    phases = run["last_phases"]
     if not phases:
-        return [TimedPhase(arch, train, "step", run["step_seconds"][-1])]
-    # the generation phase is the whole round: the prefill and every completion token
-    return [TimedPhase(arch, train, "decoding" if name == "generation" else name, seconds,
-                       train.max_completion_length if name == "generation" else 0)
-            for name, seconds in phases.items() if name in H200_PHASES]
+        return [TimedPhase(run["arch"], run["config"], "step", run["step_seconds"][-1])]
+    return [replace(sample, seconds=phases[name]) for name, sample in zip(H200_PHASES, phase_samples(run))
+            if name in phases]
+
+
+def phase_samples(run: dict) -> list[TimedPhase]:
+    """The run's phases as a probe times them, in the order of H200_PHASES, at one second each: the generation phase
+    is the whole round, the prefill and every completion token."""
+    arch, train = run["arch"], run["config"]
+    return [TimedPhase(arch, train, "decoding", 1.0, train.max_completion_length),
+            TimedPhase(arch, train, "training", 1.0), TimedPhase(arch, train, "optimizer", 1.0)]
 
 
 def h200_predictions(runs: list[dict]) -> dict[str, list[dict]]:
@@ -127,8 +134,13 @@ def h200_predictions(runs: list[dict]) -> dict[str, list[dict]]:
     for run in runs:
         others = [s for r in runs if r["name"] != run["name"] for s in h200_samples(r)]
         for key, factors in (("priors", {}), ("leave-one-out", fit_step_time(others, gpu)), ("all", fitted_all)):
-            time = step_time(run["arch"], run["config"], gpu, efficiency_from(factors))
-            predicted[key].append({"step": time.step_seconds, **time.seconds, "factors": factors})
+            eff = efficiency_from(factors)
+            time = step_time(run["arch"], run["config"], gpu, eff)
+            # each phase as the probe's fit predicts what was timed (the optimizer phase is optimizer.step() alone:
+            # the clip and zero_grad ran outside it)
+            phases = {name: predicted_seconds(sample, gpu, eff) for name, sample in zip(
+                H200_PHASES, phase_samples(run))}
+            predicted[key].append({"step": time.step_seconds, **phases, "factors": factors})
     return predicted
 
 

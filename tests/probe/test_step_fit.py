@@ -41,9 +41,14 @@ def samples_under(eff: Efficiency, arch) -> list[TimedPhase]:
 
 
 def test_the_fit_recovers_the_factors_that_made_the_times(llama_1b):
-    truth = Efficiency(matmul=0.31, bandwidth=0.66, decode_bandwidth=0.42, op_seconds=4e-6)
+    prior = Efficiency()
+    truth = Efficiency(matmul=prior.matmul * STEP ** -6, bandwidth=prior.bandwidth * STEP ** -4,
+                       decode_bandwidth=prior.decode_bandwidth * STEP ** -3, op_seconds=prior.op_seconds * STEP ** -40,
+                       train_op_seconds=prior.train_op_seconds * STEP ** -20, tensor_seconds=prior.tensor_seconds
+                       * STEP ** -12, optimizer_bandwidth=prior.optimizer_bandwidth * STEP ** -8)
     fitted = fit_step_time(samples_under(truth, llama_1b), H100)
-    assert set(fitted) == {"matmul", "bandwidth", "decode_bandwidth", "op_seconds"}
+    assert set(fitted) == {"matmul", "bandwidth", "decode_bandwidth", "op_seconds", "train_op_seconds",
+                           "tensor_seconds", "optimizer_bandwidth"}
     for name, value in fitted.items():
         assert value == pytest.approx(getattr(truth, name), rel=STEP - 1), name
     assert max(abs(e) for e in log_errors(samples_under(truth, llama_1b), H100, efficiency_from(fitted))) < 0.05
@@ -59,10 +64,20 @@ def test_a_factor_no_sample_reaches_keeps_its_prior(llama_1b):
 
 
 def test_only_factors_the_samples_depend_on_are_fitted(llama_1b):
-    truth = Efficiency(bandwidth=0.5)
+    """optimizer.step() is its bytes (full fine-tuning) or its Python loop over LoRA's many small tensors."""
+    truth = Efficiency(optimizer_bandwidth=0.5, tensor_seconds=3e-6)
     optimizer_only = [s for s in samples_under(truth, llama_1b) if s.phase == "optimizer"]
-    assert set(fit_step_time(optimizer_only, H100)) == {"bandwidth"}
+    assert set(fit_step_time(optimizer_only, H100)) == {"optimizer_bandwidth", "tensor_seconds"}
     assert fit_step_time([], H100) == {}
+
+
+def test_phases_where_timed_fit_and_whole_steps_do_not_move_them(llama_1b):
+    """A whole step cannot say which phase is off: with phases timed, a step timed slower moves no factor."""
+    phases = samples_under(Efficiency(), llama_1b)
+    step = TimedPhase(llama_1b, next(grid_configs()), "step", 1.0)
+    slow_step = replace(step, seconds=3 * predicted_seconds(step, H100, Efficiency()))
+    assert fit_step_time([*phases, slow_step], H100) == fit_step_time(phases, H100)
+    assert fit_step_time([slow_step], H100)  # alone, it fits
 
 
 def small_decodings(arch) -> list[TimedPhase]:
@@ -120,8 +135,9 @@ def test_records_give_their_timed_phases_and_older_records_none():
 
 def test_the_calibration_keeps_the_fitted_factors():
     cal = fit_calibration(record_of([timed_point(0.2, 0.5), timed_point(0.25, 0.6)]), "h100-80gb")
-    # the probe's small decoding is launch-bound: it sets the host's time per op, not the decoding bandwidth
-    assert set(cal.step_time) >= {"bandwidth", "op_seconds"} and "decode_bandwidth" not in cal.step_time
+    # the probe's small decoding is launch-bound: it sets the host's time per op, not the decoding bandwidth; its
+    # optimizer step streams full fine-tuning's states
+    assert set(cal.step_time) >= {"optimizer_bandwidth", "op_seconds"} and "decode_bandwidth" not in cal.step_time
     untimed = fit_calibration(record_of([timed_point(None, None)]), "h100-80gb")
     assert untimed.step_time == default_calibration().step_time == {}
 

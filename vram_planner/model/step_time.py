@@ -1,8 +1,8 @@
 """Seconds per optimizer step, phase by phase: a roofline over the work of each pass (vram_planner/model/step_work.py).
 
-Each pass takes the longest of its matmuls' FLOPs at the card's dense tensor throughput for the compute dtype, the
-bytes its kernels move at the card's memory bandwidth, and the host's time to launch its eager operations, each
-peak scaled by an efficiency factor. Decoding a token moves every weight and the whole KV cache for a few FLOPs per
+Each pass takes the longer of the host's time to launch its eager operations and the device's work: its matmuls'
+FLOPs at the card's dense tensor throughput for the compute dtype plus the bytes its kernels move at the card's memory
+bandwidth, each peak scaled by an efficiency factor. Decoding a token moves every weight and the whole KV cache for a few FLOPs per
 byte, so generation is bandwidth- (or, for small models in eager PyTorch, launch-) bound; prefill, the log-prob passes
 and the loss are compute-bound; the optimizer step streams its states. vLLM decodes from CUDA graphs (no per-op
 launches) with paged-attention kernels, and TRL copies the policy's weights into it every round.
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from vram_planner.errors import ProfileError
 from vram_planner.model import components as m
+from vram_planner.model import optimizer_work as o
 from vram_planner.model import step_work as w
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig
@@ -32,6 +33,10 @@ MATMUL_EFFICIENCY = 0.4
 # BabelStream's and NVIDIA's bandwidthTest copies on A100/H100 HBM; the lower end, as PyTorch's kernels are no
 # hand-tuned copy.
 BANDWIDTH_EFFICIENCY = 0.8
+# Share of the bandwidth that the optimizer's multi-tensor kernels reach (torch's _fused_adamw_ and foreach kernels:
+# four to seven streams per element in chunks of 65536, bitsandbytes' blockwise 8-bit kernels): the same prior as the
+# other streaming kernels, fitted apart as its phase is timed apart.
+OPTIMIZER_BANDWIDTH_EFFICIENCY = BANDWIDTH_EFFICIENCY
 # Share of the bandwidth that eager decoding in transformers reaches (GEMV-shaped matmuls, cache concatenation):
 # gpt-fast reaches about 60-70% of an A100's bandwidth only once torch.compile fuses the step (PyTorch blog
 # "Accelerating Generative AI with PyTorch II: GPT, Fast", 2023); eager transformers sits at or below that: 0.5.
@@ -45,6 +50,15 @@ VLLM_BANDWIDTH_EFFICIENCY = 0.7
 # two repeat_interleaves of 2, SDPA, the output's contiguous copy, wo, SwiGLU's 5, two residual adds) and about 25
 # around them: 24 microseconds per op.
 EAGER_OP_SECONDS = 24e-6
+# Host time per kernel of the training passes: the same Python and dispatcher path as EAGER_OP_SECONDS's in the
+# forward, with autograd recording a node per op and autocast's dispatch on top, and autograd's C++ engine launching
+# the backward's; no source splits them, so the prior is EAGER_OP_SECONDS and probes fit it apart from decoding's.
+TRAIN_OP_SECONDS = EAGER_OP_SECONDS
+# Host time per tensor that torch.optim's per-parameter Python loops spend (AdamW.step's _init_group: reading the
+# grad and the state of each parameter and appending five lists, about twenty CPython statements of which three
+# cross into C++; the clip's and zero_grad's loops are shorter), an estimate from that count at a few hundred
+# nanoseconds per statement: 5 microseconds (a prior for probes to fit: LoRA's optimizer step is made of it).
+TENSOR_SECONDS = 5e-6
 # vLLM's host work per decoding step (scheduling, sampling, output processing) once CUDA graphs take the launches:
 # the v0.6.0 release post measured milliseconds per step before multi-step scheduling hid most of it (vLLM blog,
 # 2024-09-05): 2 ms.
@@ -66,9 +80,12 @@ class Efficiency:
 
     matmul: float = MATMUL_EFFICIENCY
     bandwidth: float = BANDWIDTH_EFFICIENCY
+    optimizer_bandwidth: float = OPTIMIZER_BANDWIDTH_EFFICIENCY
     decode_bandwidth: float = DECODE_BANDWIDTH_EFFICIENCY
     vllm_bandwidth: float = VLLM_BANDWIDTH_EFFICIENCY
     op_seconds: float = EAGER_OP_SECONDS
+    train_op_seconds: float = TRAIN_OP_SECONDS
+    tensor_seconds: float = TENSOR_SECONDS
     vllm_step_seconds: float = VLLM_STEP_SECONDS
     interconnect: float = INTERCONNECT_EFFICIENCY
     round_overhead_seconds: float = ROUND_OVERHEAD_SECONDS
@@ -146,12 +163,15 @@ class Card:
         return cls(card_tflops(gpu, train) * 1e12, gpu.memory_bandwidth_gb_s * 1e9, link, eff)
 
     def seconds(self, work: w.Work, bandwidth_eff: float, op_seconds: float) -> tuple[float, str]:
-        """The roofline of one pass: its slowest bound, and which it is."""
-        times = {"compute": work.flops / (self.flops_per_s * self.eff.matmul),
-                 "memory": work.bytes_moved / (self.bytes_per_s * bandwidth_eff),
-                 "launch": work.ops * op_seconds}
-        bound = max(times, key=times.__getitem__)
-        return times[bound], bound
+        """The roofline of one pass between two waits for the device: the longer of the host's launches and the
+        device's work, which is its matmuls' time and its other kernels' bytes (different kernels, one after the
+        other on the stream); the host launches ahead asynchronously, so the shorter hides under the longer."""
+        compute = work.flops / (self.flops_per_s * self.eff.matmul)
+        memory = work.bytes_moved / (self.bytes_per_s * bandwidth_eff)
+        launches = work.ops * op_seconds
+        if launches >= compute + memory:
+            return launches, "launch"
+        return compute + memory, "compute" if compute >= memory else "memory"
 
 
 def step_time(arch: ModelArchitecture, train: TrainingConfig, gpu: GpuProfile, eff: Efficiency = Efficiency(),
@@ -176,7 +196,8 @@ def step_time(arch: ModelArchitecture, train: TrainingConfig, gpu: GpuProfile, e
         seconds["scoring"] = rounds * s * passes * one
     micro, bounds["training"] = micro_batch_seconds(arch, train, card)
     seconds["training"] = train.gradient_accumulation_steps * micro
-    seconds["optimizer"], bounds["optimizer"] = optimizer_seconds(arch, train, card), "memory"
+    seconds["optimizer"] = optimizer_seconds(arch, train, card)
+    bounds["optimizer"] = _optimizer_bound(arch, train, card)
     notes = []
     if train.num_gpus > 1:
         if card.link_bytes_per_s is None:
@@ -203,14 +224,31 @@ def scoring_pass_seconds(arch: ModelArchitecture, train: TrainingConfig, card: C
 
 
 def micro_batch_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> tuple[float, str]:
-    """The loss forward and backward of one micro-batch."""
-    work = w.training_work(arch, train, train.micro_batch_completions, train.max_prompt_length,
-                           train.max_completion_length)
-    return card.seconds(work, card.eff.bandwidth, card.eff.op_seconds)
+    """The loss forward and backward of one micro-batch: each the longer of the host's launches and the device's
+    work, as the host waits for the device between them (the LM head's mask and the loss's metrics synchronize),
+    and what bounds the longer."""
+    passes = w.training_passes(arch, train, train.micro_batch_completions, train.max_prompt_length,
+                               train.max_completion_length)
+    timed = [card.seconds(work, card.eff.bandwidth, card.eff.train_op_seconds) for work in passes]
+    return sum(seconds for seconds, _ in timed), max(timed)[1]
+
+
+def optimizer_step_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> float:
+    """optimizer.step() alone (what a probe times): its Python loop over the tensors, then its kernels' bytes or
+    their launches, whichever is longer."""
+    work = o.optimizer_work(arch, train)
+    return work.step_visits * card.eff.tensor_seconds + _streamed(card, work.step_bytes, work.step_launches)
 
 
 def optimizer_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> float:
-    return w.optimizer_bytes(arch, train) / (card.bytes_per_s * card.eff.bandwidth)
+    """The whole optimizer phase of a step: the gradient clipping, optimizer.step() and zero_grad."""
+    work = o.optimizer_work(arch, train)
+    clip = work.clip_visits * card.eff.tensor_seconds + _streamed(card, work.clip_bytes, work.clip_launches)
+    return optimizer_step_seconds(arch, train, card) + clip
+
+
+def _streamed(card: Card, n_bytes: float, launches: float) -> float:
+    return max(n_bytes / (card.bytes_per_s * card.eff.optimizer_bandwidth), launches * card.eff.op_seconds)
 
 
 def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, card: Card,
@@ -245,6 +283,14 @@ def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, car
     device, bound = card.seconds(replace(step, ops=0), eff.decode_bandwidth, 0.0)
     launches = step.ops * eff.op_seconds
     return prefill + (c - 1) * max(device, launches), "launch" if launches > device else bound
+
+
+def _optimizer_bound(arch: ModelArchitecture, train: TrainingConfig, card: Card) -> str:
+    """`memory` where the step's bytes take longer than its host loop and launches, else `host`."""
+    work = o.optimizer_work(arch, train)
+    streaming = work.step_bytes / (card.bytes_per_s * card.eff.optimizer_bandwidth)
+    host = work.step_visits * card.eff.tensor_seconds + work.step_launches * card.eff.op_seconds
+    return "memory" if streaming >= host else "host"
 
 
 def _as_vllm_holds_it(train: TrainingConfig) -> TrainingConfig:

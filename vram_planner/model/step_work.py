@@ -8,11 +8,12 @@ N the decoder's linear parameters, h hidden size, V vocabulary, L tokens of a se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.spec import Optimizer, TrainingConfig
+from vram_planner.model.spec import TrainingConfig
 
 # Eager operations (kernels launched) of a decoder layer's forward in transformers' Llama-style code
 # (models/llama/modeling_llama.py, which Qwen2/Qwen3/Mistral copy), besides its linears (one each):
@@ -47,9 +48,13 @@ LORA_CAST_OPS_PER_LINEAR = 2
 # leaf that requires grad; torch's autocast_mode.cpp, cached_cast), and the output's cast back is then a no-op:
 # two more kernels per adapted linear.
 LORA_AUTOCAST_OPS_PER_LINEAR = 2
-# bitsandbytes' 4-bit Linear dequantizes its weight before the matmul (bnb.matmul_4bit for batches over one token):
-# one more kernel per linear, reading the packed weight and writing a 16-bit copy that the matmul then reads.
+# bitsandbytes' 4-bit Linear dequantizes its weight before the matmul at every use (bnb.matmul_4bit: MatMul4Bit
+# for more than one token, generate()'s batched decoding included; only a single token of a single sequence without
+# grad takes the fused gemv_4bit): one kernel reading the packed weight and writing a 16-bit copy that the matmul then
+# reads; with double quantization (bnb_4bit_use_double_quant, vram-plan's default) F.dequantize_4bit first
+# dequantizes the absmax and adds its offset (bitsandbytes/functional.py): two more.
 DEQUANT_OPS_PER_LINEAR = 1
+DOUBLE_QUANT_OPS_PER_LINEAR = 2
 DEQUANT_BYTES_PER_PARAM = 2 + 2  # the 16-bit copy written, then read by the matmul (besides the 4-bit read)
 # Autocast casts each float32 weight to the compute dtype at every use: one more kernel per linear (torch's
 # autocast, cached_cast), besides the bytes `weight_pass_bytes` counts.
@@ -57,9 +62,74 @@ CAST_OPS_PER_LINEAR = 1
 # Per decoding step, generate() samples (logits processors, softmax, multinomial), updates the attention mask and
 # the cache positions and checks its stopping criteria (transformers' generation/utils.py, _sample).
 GENERATE_OPS_PER_TOKEN = 30
-# A backward launches about twice a forward's kernels (each op's input gradient, and its weight gradient where the
-# op has weights), as autograd records one backward node per forward op.
-BACKWARD_OPS_PER_FORWARD_OP = 2
+# The backward's kernels per forward op, from autograd's derivative formulas (torch's tools/autograd/derivatives.yaml)
+# of the ops listed above; autograd's engine launches them, and a checkpointed layer's forward runs again inside it:
+# - RMSNorm: pow's backward (pow, mul, mul), mean's (one division of the expanded gradient), rsqrt's (-0.5 * grad *
+#   result.pow(3): three), the product with the normalizer (a mul for each side and the broadcast side's sum), the
+#   weight's product (the same three; one where the weight is frozen), the sum of the input's two gradients (it feeds
+#   pow and the product), and a cast back for each float32 cast; a LayerNorm is one fused backward kernel.
+NORM_BACKWARD_OPS = 3 + 1 + 3 + 3 + 3 + 1
+NORM_FROZEN_WEIGHT_SAVING = 2
+# - a linear: the input's gradient (one mm) and, where it trains, the weight's (another; its bias a sum).
+LINEAR_BACKWARD_OPS = 1
+WEIGHT_GRAD_OPS = 1
+# - rotary on q and on k: the gradients through `* cos` and `* sin`, the negation's, the two slices' of rotate_half
+#   (slice_backward: zeros and a copy each) and the sum of the three gradients of q (or k).
+ROTARY_BACKWARD_OPS = 2 * (3 + 2 * 2 + 2)
+# - SDPA's backward kernel and the contiguous copy of the gradient of its transposed output; repeat_kv's sum over
+#   each group of query heads (key and value); at each of the residual stream's two forks, the sum of its gradients.
+ATTENTION_BACKWARD_OPS = 2
+REPEAT_KV_BACKWARD_OPS = 2
+RESIDUAL_BACKWARD_OPS = 2
+# - the gated MLP: the activation's backward and the product's two sides; a plain MLP the activation's only.
+GATED_MLP_BACKWARD_OPS = 3
+# - PEFT's LoRA per adapted linear: A's and B's input and weight gradients (four mms), the scaling's mul and the sum of
+#   the base's and the adapter's input gradients; every cast's backward is a cast again (ToCopyBackward0).
+LORA_BACKWARD_OPS_PER_LINEAR = 4 + 1 + 1
+# - bitsandbytes' MatMul4Bit.backward dequantizes the weight again for the input's gradient
+#   (bitsandbytes/autograd/_functions.py: torch.matmul(grad_output, F.dequantize_4bit(B, ctx.state).t())): the
+#   dequantization's kernels again (`dequant_ops`), its bytes as the forward's.
+# - around the layers: the final norm's backward, the embedding's (embedding_dense_backward: a sort, a count and a
+#   scatter; trained weights only).
+EMBEDDING_BACKWARD_OPS = 3
+# TRL's training forward turns the cache off (trl/trainer/utils.py, add_fused_lm_head: kwargs["use_cache"] = False):
+# no cache concatenation there.
+# TRL 1.16's loss (GRPOTrainer._compute_loss): the prompt and completion concatenations, the ratio (sub, exp), the
+# clipped objective (clamp, two products, min, neg), the masked means (mul, two sums, clamp, div, mean, the
+# accumulation's division): about 20 kernels, and the metrics it logs each micro-batch: the entropy's and three clip
+# ratios' global masked means (mul, sum, sum, cast, stack, gather, div, clamp: 8 each), the clip masks (seven
+# comparisons and logical ops), two per-sequence clip means with their min and max: about 60; each metric ends in
+# .item(), which waits for the device.
+LOSS_OPS = 20 + 60
+LOSS_BACKWARD_OPS = 20
+# TRL's fused LM head (TRL >= 1.15; trl/kernels/chunked_logprob.py, ChunkedLogProbFunction) projects the scored
+# tokens in tiles of TOKEN_CHUNK_SIZE tokens by _CHUNKED_LOGPROB_CHUNK_SIZE vocabulary entries (trl/trainer/utils.py).
+# Forward per tile: torch.mm into the tile and the Triton kernel folding it into running statistics; backward per tile:
+# the same mm again (the logits are never kept), the backward fold writing the logits' gradient into the tile, and an
+# fp32 addmm into the hidden states' gradient, and another into the weight's where the head trains.
+FUSED_HEAD_TOKENS = 4096
+FUSED_HEAD_VOCAB = 32768
+FUSED_HEAD_FORWARD_OPS_PER_TILE = 2
+FUSED_HEAD_BACKWARD_OPS_PER_TILE = 3
+# Around the tiles: the labels' shift and mask, `hidden_states[mask]` and `labels[mask]` (nonzero and index: a wait
+# for the device), seven statistics filled, log_z, the log-probs and the entropy, two masked_scatters back; in the
+# backward the zeroed fp32 gradients, the incoming gradients' casts, the casts back and the mask's index backward.
+FUSED_HEAD_FORWARD_OPS = 25
+FUSED_HEAD_BACKWARD_OPS = 10
+# Bytes per logit of a tile: the forward's mm writes it and the fold reads it; the backward's mm writes it, the fold
+# reads and rewrites it, and each addmm reads it.
+FUSED_HEAD_FORWARD_ACCESSES = 2
+FUSED_HEAD_BACKWARD_ACCESSES = 4
+# Bytes the elementwise kernels of a layer's forward move per token and element of the tensor they work on (the
+# matmuls' own reads and writes go with their FLOPs): RMSNorm's pow, mean, the product with the normalizer and the
+# weight's in float32 (4 + 4, 4, 4 + 4, 4 + 4), and with a 16-bit residual stream its casts there and back (2 + 4,
+# 4 + 2) with the weight's product in 16 bits (2 + 2); rotary's five ops on q and k, each reading and writing them
+# (the sum two reads): about six passes of two bytes each way.
+NORM_BYTES_PER_ELEMENT = {"float32": 28, "16-bit": 36}
+ROTARY_PASSES = 6
+# An elementwise op's backward reads the incoming gradient and a saved input and writes the input's gradient: about
+# twice the forward's bytes.
+ELEMENTWISE_BACKWARD_PER_FORWARD = 2
 # The backward of a matmul computes the input's gradient and the weight's: twice the forward's FLOPs; with frozen
 # weights (LoRA's base) only the input's (Kaplan et al. 2020, section 2.1: ~6N FLOPs per token for training).
 BACKWARD_FLOPS_PER_FORWARD = 2
@@ -90,29 +160,49 @@ def attention_flops(arch: ModelArchitecture, tokens: int, context: float) -> flo
     return 4 * tokens * width * (full * context + arch.sliding_layers * window)
 
 
-def layer_ops(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Eager ops of one forward: every decoder layer's and the model's own around them."""
+def _norms(arch: ModelArchitecture) -> int:
+    return arch.family.norms_per_layer + (2 if arch.family.qk_norm else 0)
+
+
+def _norm_casts(train: TrainingConfig) -> int:
+    """RMSNorm's float32 casts there and back: float32 weights keep a float32 residual stream under autocast."""
+    return NORM_CAST_OPS if m.sizes(train).residual < 4 else 0
+
+
+def layer_ops(arch: ModelArchitecture, train: TrainingConfig, cache: bool = True) -> float:
+    """Eager ops of one forward: every decoder layer's and the model's own around them (`cache`: the forward
+    concatenates each layer's keys and values to a cache, as generate() does)."""
     family = arch.family
     linears = len(arch.layer_linears())
-    s = m.sizes(train)
-    sixteen_bit = s.residual < 4  # float32 weights keep a float32 residual stream under autocast
-    norms = family.norms_per_layer + (2 if family.qk_norm else 0)
     # a LayerNorm is one fused kernel (native_layer_norm)
-    norm_ops = 1 if family.layer_norm_bias else NORM_OPS + (NORM_CAST_OPS if sixteen_bit else 0)
-    per_layer = (norms * norm_ops + linears + ROTARY_OPS
-                 + CACHE_UPDATE_OPS + ATTENTION_OPS + RESIDUAL_OPS + (GATED_MLP_OPS if family.gated_mlp else 1))
-    if arch.num_attention_heads > arch.num_kv_heads and train.attn_implementation != "flash_attention_2":
-        per_layer += REPEAT_KV_OPS
-    if train.uses_lora:
-        casts = LORA_CAST_OPS_PER_LINEAR if s.trainable != s.compute else 0
-        if casts and train.mixed_precision != "no":
-            casts += LORA_AUTOCAST_OPS_PER_LINEAR
-        per_layer += (LORA_OPS_PER_LINEAR + casts) * len(arch.lora_linears(train.lora_targets))
-    if train.load_in_4bit:
-        per_layer += DEQUANT_OPS_PER_LINEAR * linears
-    elif m.autocast_casts_weights(train):
-        per_layer += CAST_OPS_PER_LINEAR * linears
+    norm_ops = 1 if family.layer_norm_bias else NORM_OPS + _norm_casts(train)
+    per_layer = (_norms(arch) * norm_ops + linears + ROTARY_OPS + (CACHE_UPDATE_OPS if cache else 0)
+                 + ATTENTION_OPS + RESIDUAL_OPS + (GATED_MLP_OPS if family.gated_mlp else 1))
+    per_layer += _layer_extras(arch, train, REPEAT_KV_OPS, LORA_OPS_PER_LINEAR)
     return arch.num_layers * per_layer + MODEL_OPS_PER_FORWARD
+
+
+def _layer_extras(arch: ModelArchitecture, train: TrainingConfig, repeat_kv: int, lora_per_linear: int) -> float:
+    """A layer's kernels for SDPA's repeat_kv, PEFT's adapters and the weights' dequantization or autocast casts: a
+    forward's or, with the backward's counts for the first two, its backward's (a cast's backward is a cast, and
+    bitsandbytes' backward dequantizes again)."""
+    linears = len(arch.layer_linears())
+    extras = 0
+    if arch.num_attention_heads > arch.num_kv_heads and train.attn_implementation != "flash_attention_2":
+        extras += repeat_kv
+    if train.uses_lora:
+        extras += (lora_per_linear + _lora_casts(train)) * len(arch.lora_linears(train.lora_targets))
+    if train.load_in_4bit:
+        extras += dequant_ops(train) * linears
+    elif m.autocast_casts_weights(train):
+        extras += CAST_OPS_PER_LINEAR * linears
+    return extras
+
+
+def dequant_ops(train: TrainingConfig) -> int:
+    """Kernels of one use of a 4-bit weight's dequantization."""
+    return DEQUANT_OPS_PER_LINEAR + (DOUBLE_QUANT_OPS_PER_LINEAR if train.bnb_4bit_use_double_quant is not False
+                                     else 0)
 
 
 def weight_pass_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -135,8 +225,9 @@ def forward_work(arch: ModelArchitecture, train: TrainingConfig, sequences: int,
     with logits for `logit_tokens` of each sequence's positions (TRL's logits_to_keep; generate() keeps one)."""
     lora = m.trainable_params(arch, train) if train.uses_lora else 0
     per_token = 2 * (arch.linear_params + lora)
-    flops = sequences * (tokens * per_token + attention_flops(arch, tokens, context)
-                         + logit_tokens * 2 * arch.hidden_size * arch.vocab_size)
+    head = logit_tokens * 2 * arch.hidden_size * arch.vocab_size
+    attention = attention_flops(arch, tokens, context)
+    flops = sequences * (tokens * per_token + attention + head)
     return Work(flops=flops, bytes_moved=weight_pass_bytes(arch, train), ops=layer_ops(arch, train))
 
 
@@ -157,54 +248,107 @@ def eager_kv_passes(arch: ModelArchitecture, train: TrainingConfig) -> int:
     return 2 + 1 + 2 * groups
 
 
+def backward_ops(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Kernels autograd's engine launches for the backward of one forward's decoder layers and the model around them
+    (the LM head's and the loss's are counted with them, in `training_passes`)."""
+    family = arch.family
+    linears = len(arch.layer_linears())
+    frozen = train.uses_lora
+    if family.layer_norm_bias:
+        norm = 1
+    else:
+        norm = NORM_BACKWARD_OPS + _norm_casts(train) - (NORM_FROZEN_WEIGHT_SAVING if frozen else 0)
+    per_layer = (_norms(arch) * norm + linears * (LINEAR_BACKWARD_OPS + (0 if frozen else WEIGHT_GRAD_OPS))
+                 + ROTARY_BACKWARD_OPS + ATTENTION_BACKWARD_OPS + RESIDUAL_BACKWARD_OPS
+                 + (GATED_MLP_BACKWARD_OPS if family.gated_mlp else 1))
+    per_layer += _layer_extras(arch, train, REPEAT_KV_BACKWARD_OPS, LORA_BACKWARD_OPS_PER_LINEAR)
+    final_norm = 1 if family.layer_norm_bias else NORM_BACKWARD_OPS + _norm_casts(train)
+    return arch.num_layers * per_layer + final_norm + (0 if frozen else EMBEDDING_BACKWARD_OPS)
+
+
+def _lora_casts(train: TrainingConfig) -> int:
+    """PEFT's casts per adapted linear and forward: the input to the adapters' dtype and the result back, and under
+    autocast the adapters' weights and input to the compute dtype."""
+    s = m.sizes(train)
+    if s.trainable == s.compute:
+        return 0
+    return LORA_CAST_OPS_PER_LINEAR + (LORA_AUTOCAST_OPS_PER_LINEAR if train.mixed_precision != "no" else 0)
+
+
+def fused_head_work(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> tuple[Work, Work]:
+    """Forward and backward of TRL's fused LM head over `tokens` scored tokens: the logits' FLOPs once forward, and
+    again backward (recomputed) with the hidden states' gradient and, where the head trains, the weight's."""
+    tiles = math.ceil(tokens / FUSED_HEAD_TOKENS) * math.ceil(arch.vocab_size / FUSED_HEAD_VOCAB)
+    logits_flops = 2 * tokens * arch.hidden_size * arch.vocab_size
+    logits_bytes = tokens * arch.vocab_size * m.sizes(train).compute
+    trains_head = not train.uses_lora
+    # the vocabulary slice's cast to the compute dtype, where the head's weight is stored wider (autocast)
+    cast = 1 if m.autocast_casts_weights(train) else 0
+    head_bytes = arch.vocab_size * arch.hidden_size * m.sizes(train).weight
+    forward = Work(logits_flops, FUSED_HEAD_FORWARD_ACCESSES * logits_bytes + head_bytes,
+                   tiles * (FUSED_HEAD_FORWARD_OPS_PER_TILE + cast) + FUSED_HEAD_FORWARD_OPS)
+    grads = 3 if trains_head else 2  # the recomputed logits, the hidden states' gradient, the weight's
+    backward = Work(grads * logits_flops,
+                    (FUSED_HEAD_BACKWARD_ACCESSES + int(trains_head)) * logits_bytes + 2 * head_bytes,
+                    tiles * (FUSED_HEAD_BACKWARD_OPS_PER_TILE + int(trains_head) + cast) + FUSED_HEAD_BACKWARD_OPS)
+    return forward, backward
+
+
+def elementwise_bytes_per_token(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Bytes per token the elementwise kernels of one forward's decoder layers move, summed over the layers: the
+    norms, rotary, SDPA's inputs and output (and repeat_kv's copies), the residual adds, the MLP's activation and
+    product, and PEFT's casts, scaling and sum per adapted linear."""
+    family, sz = arch.family, m.sizes(train)
+    h, i, c = arch.hidden_size, arch.intermediate_size, sz.compute
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    norm = 2 * sz.residual if family.layer_norm_bias else NORM_BYTES_PER_ELEMENT[
+        "16-bit" if sz.residual < 4 else "float32"]
+    per_layer = family.norms_per_layer * norm * h + (norm * (q + kv) if family.qk_norm else 0)
+    per_layer += ROTARY_PASSES * 2 * c * (q + kv)
+    per_layer += c * (2 * q + 2 * kv) + 2 * c * q  # SDPA reads q, k, v and writes its output; the contiguous copy
+    if arch.num_attention_heads > arch.num_kv_heads and train.attn_implementation != "flash_attention_2":
+        per_layer += 2 * c * (kv + q)  # repeat_kv: keys and values read, written at every query head
+    per_layer += 2 * 3 * sz.residual * h  # two residual adds: two reads, one write
+    per_layer += (5 if family.gated_mlp else 2) * c * i  # the activation (read, write), the product (two reads, write)
+    if train.uses_lora:
+        cast = (2 * c + 2 * sz.trainable) if _lora_casts(train) else 0  # to the adapters' dtype and back to c
+        per_layer += sum(cast * lin.in_features + 5 * c * lin.out_features  # the scaling's mul, the sum
+                         for lin in arch.lora_linears(train.lora_targets))
+    return arch.num_layers * per_layer
+
+
+def training_passes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, prompt: int,
+                    completion: int) -> tuple[Work, Work]:
+    """The loss forward of one micro-batch (the backbone, the LM head over the completions and TRL's loss), and its
+    backward (checkpointing's second forward of each layer included). They are apart because the host waits for the
+    device between them: the LM head's boolean mask and the loss's metrics (`.item()`) synchronize."""
+    length = prompt + completion
+    fused = train.release.lm_head == "fused_chunked"
+    backbone = forward_work(arch, train, sequences, length, length / 2, 0 if fused else completion)
+    activations = sequences * length * elementwise_bytes_per_token(arch, train)
+    backbone = replace(backbone, ops=layer_ops(arch, train, cache=False),
+                       bytes_moved=backbone.bytes_moved + activations)
+    frozen = train.uses_lora
+    multiplier = FROZEN_BACKWARD_FLOPS_PER_FORWARD if frozen else BACKWARD_FLOPS_PER_FORWARD
+    # the backward reads each weight again and writes (full fine-tuning) a gradient of the trainable dtype
+    grads = m.trainable_params(arch, train) * m.sizes(train).trainable
+    backward = Work(multiplier * backbone.flops,
+                    backbone.bytes_moved + (ELEMENTWISE_BACKWARD_PER_FORWARD - 1) * activations + grads,
+                    backward_ops(arch, train))
+    if train.gradient_checkpointing:  # each layer's forward again, not the model's ops around them nor the head
+        head_flops = 0 if fused else sequences * completion * 2 * arch.hidden_size * arch.vocab_size
+        backward = backward + Work(backbone.flops - head_flops, backbone.bytes_moved,
+                                   backbone.ops - MODEL_OPS_PER_FORWARD)
+    forward = backbone + Work(ops=LOSS_OPS)
+    backward = backward + Work(ops=LOSS_BACKWARD_OPS)
+    if fused:
+        head_forward, head_backward = fused_head_work(arch, train, sequences * completion)
+        forward, backward = forward + head_forward, backward + head_backward
+    return forward, backward
+
+
 def training_work(arch: ModelArchitecture, train: TrainingConfig, sequences: int, prompt: int,
                   completion: int) -> Work:
     """Forward and backward of one micro-batch, with checkpointing's second forward of each layer."""
-    length = prompt + completion
-    forward = forward_work(arch, train, sequences, length, length / 2, completion)
-    frozen = train.uses_lora
-    backward_flops = (FROZEN_BACKWARD_FLOPS_PER_FORWARD if frozen else BACKWARD_FLOPS_PER_FORWARD) * forward.flops
-    # the backward reads each weight again and writes (full fine-tuning) a gradient of the trainable dtype
-    grads = m.trainable_params(arch, train) * m.sizes(train).trainable
-    backward = Work(backward_flops, forward.bytes_moved + grads, BACKWARD_OPS_PER_FORWARD_OP * forward.ops)
-    recompute = forward if train.gradient_checkpointing else Work()
-    return forward + backward + recompute
-
-
-# Bytes an optimizer moves per trainable parameter per step, by the passes its implementation makes over parameter,
-# gradient and states (4-byte states; 16-bit trainables scale by their width, in `optimizer_bytes`):
-# - torch's fused AdamW (one kernel, _fused_adamw): reads param, grad, exp_avg, exp_avg_sq; writes param and the
-#   two states: 7 accesses.
-# - torch's foreach AdamW (adamw_torch): lerp of exp_avg, mul and addcmul of exp_avg_sq, the bias corrections, a
-#   sqrt/div/add building the denominator, weight decay and addcdiv each read and write whole lists: about 20.
-# - bitsandbytes' 8-bit AdamW (one kernel, blockwise): param and grad at 4 bytes, both states at 1 byte, read and
-#   written (the states' absmax per 256 values is negligible): 4 + 4 + 4 + 2 + 2 = 16 bytes at 4-byte params.
-# - SGD without momentum (transformers' default): read param and grad, write param.
-OPTIMIZER_ACCESSES = {"fused": 7, "foreach": 20, "sgd": 3, "one_state": 5, "adafactor": 10}
-BNB_8BIT_BYTES_PER_PARAM = {"two_states": 16, "one_state": 14}
-# transformers' Trainer clips gradients (max_grad_norm=1.0): a norm over every gradient (one read), then a scale
-# (one read, one write).
-CLIP_GRAD_ACCESSES = 3
-
-
-def optimizer_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Bytes one optimizer step moves on one GPU, gradient clipping included (ZeRO and FSDP step their shard)."""
-    trainable = m.trainable_params(arch, train)
-    width = m.sizes(train).trainable
-    opt = train.optim
-    if opt.is_8bit:
-        per_param = BNB_8BIT_BYTES_PER_PARAM["one_state" if "lion" in opt.value else "two_states"]
-    elif opt is Optimizer.adamw_torch_fused:
-        per_param = OPTIMIZER_ACCESSES["fused"] * width
-    elif opt is Optimizer.sgd:
-        per_param = OPTIMIZER_ACCESSES["sgd"] * width
-    elif opt is Optimizer.adafactor:
-        per_param = OPTIMIZER_ACCESSES["adafactor"] * width
-    elif opt in (Optimizer.rmsprop, Optimizer.adagrad, Optimizer.lion_32bit):
-        per_param = OPTIMIZER_ACCESSES["one_state"] * 4
-    else:  # adamw_torch and the paged 32-bit AdamW (bitsandbytes' kernel makes the fused passes)
-        fused = opt is Optimizer.paged_adamw_32bit
-        per_param = OPTIMIZER_ACCESSES["fused" if fused else "foreach"] * (4 if fused else width)
-    step = m.shard_bytes(train, trainable * per_param, 1)
-    clip = m.shard_bytes(train, trainable * width * CLIP_GRAD_ACCESSES, 2)
-    return step + clip
+    forward, backward = training_passes(arch, train, sequences, prompt, completion)
+    return forward + backward

@@ -6,7 +6,8 @@ decoding a few tokens for real (its memory phase runs only the prefill and the l
 no phases gives whole optimizer steps (`step`). Each is the model's prediction for the same work under some factors
 (vram_planner/model/step_time.py); coordinate descent over a geometric grid finds the factors with the least squared
 log error, each sample's weighed by its seconds: a step's time is what is predicted, and a phase of milliseconds (the
-optimizer's) should not pull the factors that seconds of generation depend on. A factor that bounds no measured phase
+optimizer's) should not pull the factors that seconds of generation depend on. Whole steps fit only where no phase
+was timed: they cannot say which phase is off. A factor that bounds no measured phase
 under the factors fitted keeps its prior and is not written.
 """
 
@@ -21,12 +22,13 @@ from typing import Any
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.step_time import (Card, Efficiency, generation_round_seconds, micro_batch_seconds,
-                                          optimizer_seconds, scoring_pass_seconds, step_time)
+                                          optimizer_step_seconds, scoring_pass_seconds, step_time)
 from vram_planner.profiles import GpuProfile
 
-FITTED_FACTORS = ("op_seconds", "matmul", "bandwidth", "decode_bandwidth")
+FITTED_FACTORS = ("op_seconds", "matmul", "bandwidth", "decode_bandwidth", "train_op_seconds", "tensor_seconds",
+                  "optimizer_bandwidth")
 # Shares of a peak cannot pass 1; the host time per op has no such bound.
-SHARES = ("matmul", "bandwidth", "decode_bandwidth")
+SHARES = ("matmul", "bandwidth", "decode_bandwidth", "optimizer_bandwidth")
 # Candidate values: the prior times 2^(k/16) from 1/16 to 16 times it (steps of 4.4%).
 GRID = tuple(2 ** (k / 16) for k in range(-64, 65))
 STEP = GRID[1] / GRID[0]
@@ -56,7 +58,7 @@ def predicted_seconds(sample: TimedPhase, gpu: GpuProfile, eff: Efficiency) -> f
         passes = int(train.computes_old_logps) + int(train.computes_ref_logps)
         return passes * scoring_pass_seconds(sample.arch, train, card)[0]
     if sample.phase == "optimizer":
-        return optimizer_seconds(sample.arch, train, card)
+        return optimizer_step_seconds(sample.arch, train, card)
     if sample.phase == "decoding":
         return generation_round_seconds(sample.arch, train, card, new_tokens=sample.new_tokens)[0]
     if sample.phase == "step":
@@ -72,6 +74,10 @@ def log_errors(samples: Iterable[TimedPhase], gpu: GpuProfile, eff: Efficiency) 
 def fit_step_time(samples: list[TimedPhase], gpu: GpuProfile) -> dict[str, float]:
     """The factors that best predict the samples' times on `gpu`; only those some sample depends on."""
     samples = [s for s in samples if s.seconds > 0 and s.phase in TIMED_PHASES]
+    # a whole step mixes every phase, and its seconds of generation outweigh the milliseconds of the optimizer whose
+    # factors it would move to make up for generation's error: where phases were timed, they alone fit
+    phased = [s for s in samples if s.phase != "step"]
+    samples = phased or samples
     if not samples:
         return {}
 
