@@ -1,10 +1,11 @@
 """What several test modules share: model configs, running the CLI in-process or in a process of its own, paths
-nothing can be written at, an out-of-memory message, a time limit, models built as TRL builds them, and a tokenizer
-trained here (benchmarks/gpu_steps.py uses it too). Fixtures live in conftest.py."""
+nothing can be written at, an out-of-memory message, a time limit, models built as TRL builds them, a tokenizer
+trained here (benchmarks/gpu_steps.py uses it too), and the H100 recordings read once. Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import signal
 import subprocess
@@ -12,9 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vram_planner.allocator.snapshot import Snapshot, load_snapshot
 from vram_planner.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures"
+H100_SNAPSHOTS = FIXTURES / "snapshots" / "h100"
 
 # Llama-3.2-1B's config.json facts (meta-llama/Llama-3.2-1B), independent of the shipped catalog.
 LLAMA_1B = {
@@ -22,6 +25,13 @@ LLAMA_1B = {
     "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
     "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
 }
+
+
+@functools.cache
+def h100_snapshot(name: str) -> Snapshot:
+    """A recording in tests/fixtures/snapshots/h100 as load_snapshot reads it, read once for the session: three test
+    modules replay the same few, a few seconds each. Shared, so a test must not change it."""
+    return load_snapshot(H100_SNAPSHOTS / name)
 
 
 def family_fixture_files() -> list[Path]:

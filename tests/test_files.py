@@ -142,7 +142,9 @@ def test_a_pipe_is_read_up_to_the_cap(tmp_path):
     """A FIFO (`<(cmd)`) says nothing of its size: one byte past the cap is what refuses it."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    writer = subprocess.Popen(["sh", "-c", f"head -c 2000 /dev/zero > {fifo}"])
+    # exec: the writer killed below is head itself; a head forked by sh outlived it, and the reader below could open
+    # the FIFO against its write end and read an empty end of file (this failed so once, under load)
+    writer = subprocess.Popen(["sh", "-c", f"exec head -c 2000 /dev/zero > {fifo}"])
     try:
         with pytest.raises(ProfileError, match="holds more than"):
             read_bytes(fifo, 1000)

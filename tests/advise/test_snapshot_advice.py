@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from snapshot_builder import Recorder, expand, fragmented_until_oom
 
-from helpers import FIXTURES, one_line_error, run
+from helpers import h100_snapshot, one_line_error, run
 from vram_planner import engine
 from vram_planner.advise.roles import planned_tensors
 from vram_planner.advise.snapshot import explain_snapshot
 from vram_planner.allocator import parse_allocator_conf
 from vram_planner.allocator.caching import OutOfMemory
 from vram_planner.allocator.sizes import round_size
-from vram_planner.allocator.snapshot import load_snapshot, parse_snapshot
+from vram_planner.allocator.snapshot import parse_snapshot
 from vram_planner.allocator.snapshot_replay import replay_until
 
 MiB = 2**20
@@ -226,7 +226,6 @@ def test_a_snapshot_over_the_size_bound_is_refused_unread(capsys, tmp_path, monk
     assert "holds more than 1 MiB, the most vram-plan reads" in one_line_error(capsys, "advise", str(path))
 
 
-H100 = FIXTURES / "snapshots" / "h100"
 # The knobs each recording trained with (benchmarks/results/gpu/h100-trl-steps.json)
 H100_RUNS = {"Qwen2.5-0.5B-full": ("Qwen2.5-0.5B", {"max_prompt_length": 58}),
              "Qwen2.5-0.5B-lora16": ("Qwen2.5-0.5B", {"max_prompt_length": 58, "lora_r": 16}),
@@ -247,7 +246,7 @@ def test_a_real_h100_step_at_its_worst_moment(name):
                                         "gradient_accumulation_steps": 1, "max_completion_length": 128,
                                         "gradient_checkpointing": True, **knobs})
     planned = planned_tensors(verdict.context.arch, verdict.train)
-    snapshot = load_snapshot(H100 / f"{name}.pkl.gz")
+    snapshot = h100_snapshot(f"{name}.pkl.gz")
     advice = explain_snapshot(snapshot, 0, verdict.context, verdict.train)
     at, _ = replay_until(snapshot, 0, parse_allocator_conf(snapshot.allocator_conf_text or ""),
                          advice.event_index - 1)

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import FIXTURES
+from helpers import H100_SNAPSHOTS, h100_snapshot
 from vram_planner.allocator import parse_allocator_conf
-from vram_planner.allocator.snapshot import load_snapshot
 from vram_planner.allocator.snapshot_replay import pick_device, replay_snapshot
 
 MiB = 1024**2
-H100 = FIXTURES / "snapshots" / "h100"
 # file: (segments recorded, reserved peak in bytes): what the H100 did, read from each file's trace and segments.
 RECORDED = {
     "Llama-3.2-1B-full.pkl.gz": (225, 21_118_320_640),
@@ -27,7 +25,7 @@ RECORDED = {
 
 
 def test_every_recording_is_listed():
-    assert sorted(path.name for path in H100.glob("*.pkl.gz")) == sorted(RECORDED)
+    assert sorted(path.name for path in H100_SNAPSHOTS.glob("*.pkl.gz")) == sorted(RECORDED)
 
 
 @pytest.mark.slow
@@ -36,7 +34,7 @@ def test_a_real_h100_trace_replays_to_the_recorded_segments_and_peak(name):
     """The replay reads PYTORCH_CUDA_ALLOC_CONF from the snapshot's allocator_settings (expandable_segments:True for
     the runs named so, torch's defaults for the others) and predicts every recorded segment_alloc or segment_map
     size in order and the reserved peak, to the byte."""
-    snapshot = load_snapshot(H100 / name)
+    snapshot = h100_snapshot(name)
     assert snapshot.allocator_conf_text == ("expandable_segments:True" if "expandable" in name else "")
     conf = parse_allocator_conf(snapshot.allocator_conf_text)
     result = replay_snapshot(snapshot, pick_device(snapshot, None), conf)

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from helpers import h100_snapshot
 from vram_planner import engine
-from vram_planner.allocator.snapshot import load_snapshot
 from vram_planner.model.cublas import cublas_workspace_bytes, workspace_bytes
 from vram_planner.tracing.events import ALLOC, LOADING, Event, SteadyStream, with_workspaces
 
 MiB = 2**20
-H100_SNAPSHOTS = Path(__file__).parents[1] / "fixtures" / "snapshots" / "h100"
 
 
 def test_sizes_follow_parse_chosen_workspace_size():
@@ -24,7 +21,7 @@ def test_sizes_follow_parse_chosen_workspace_size():
 
 @pytest.mark.parametrize("snapshot", ["Qwen2.5-0.5B-lora16.pkl.gz", "Llama-3.2-1B-lora16.pkl.gz"])
 def test_a_real_h100_step_holds_two_sets_of_workspaces_that_are_never_freed(snapshot):
-    events = load_snapshot(H100_SNAPSHOTS / snapshot).device_traces[0]
+    events = h100_snapshot(snapshot).device_traces[0]
     allocs = [(i, address, size) for i, (action, address, size, _) in enumerate(events) if action == "alloc"]
     freed_after = {}
     for i, (action, address, _, _) in enumerate(events):

@@ -7,6 +7,7 @@ does not. The shims they rely on are tested without those environments in test_s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -44,6 +45,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@functools.cache  # two tests read the same pair's trace: one subprocess for both (a skip is not cached)
 def traced_in(trl: str, transformers: str) -> dict:
     python = VENVS / f"trl-{trl}-transformers-{transformers}" / "bin" / "python"
     if not python.exists():

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,18 @@ def test_gradient_checkpointing_keeps_less_for_backward():
     on, off = (trace_step(TINY, TrainingConfig(**{**SHORT, "max_completion_length": 256}, gradient_checkpointing=g))
                for g in (True, False))
     assert on.phase("training").peak_bytes < off.phase("training").peak_bytes
+
+
+def test_the_allocators_settings_do_not_change_the_traced_tensors(full):
+    # they act in the replay of the trace's events (vram_planner.tracing.reserve), not in the trace itself, so runs
+    # that differ only in them can share one trace (tests/model/test_h100_measurements.py does)
+    # (the frees at the end of a generation come in an order that differs from one trace to the next: compared as
+    # a multiset)
+    expandable = trace_step(TINY, TrainingConfig(**SHORT, allocator_conf="expandable_segments:True"))
+    events = [Counter((e.kind, e.size_bytes, e.phase, e.moment) for e in r.events) for r in (full, expandable)]
+    assert events[0] == events[1] and expandable.gradient_blocks == full.gradient_blocks
+    assert [(p.name, p.components, p.moment) for p in expandable.phases] == [
+        (p.name, p.components, p.moment) for p in full.phases]
 
 
 def test_notes_say_what_fake_tensors_could_not_tell(full):
