@@ -77,3 +77,17 @@ def immutable_file(tmp_path):
         pytest.skip("chattr +i is not available here")
     yield path
     subprocess.run([CHATTR, "-i", str(path)], check=True)
+
+
+@pytest.fixture
+def installed_trl(monkeypatch):
+    """Pretends another TRL is installed: its version, and so the release resolved from it, which `trl_release`
+    caches for the process (a test that resolved the real one earlier would otherwise leave its answer behind)."""
+    from vram_planner.model import trl_releases
+
+    def pretend(version: str) -> None:
+        monkeypatch.setattr(trl_releases, "installed_trl_version", lambda: version)
+        trl_releases.trl_release.cache_clear()
+
+    yield pretend
+    trl_releases.trl_release.cache_clear()

@@ -253,26 +253,18 @@ def test_trl_versions_outside_the_range_are_refused_in_one_line(given, problem):
 
 
 @pytest.mark.parametrize("installed", ["1.17.2", "3.0.0", "0.12.0", "not-a-version"])
-def test_an_installed_trl_outside_the_range_is_planned_as_the_newest_known_with_a_note(monkeypatch, installed):
-    monkeypatch.setattr(trl_releases, "installed_trl_version", lambda: installed)
-    trl_releases.trl_release.cache_clear()
-    try:
-        verdict = engine.check("Llama-3.2-1B", CARD)
-    finally:
-        trl_releases.trl_release.cache_clear()
+def test_an_installed_trl_outside_the_range_is_planned_as_the_newest_known_with_a_note(installed_trl, installed):
+    installed_trl(installed)
+    verdict = engine.check("Llama-3.2-1B", CARD)
     assert verdict.context.release.version == trl_releases.NEWEST_KNOWN
     assert verdict.context.release.lm_head == "fused_chunked"
     assert any(f"the installed TRL {installed} is outside the releases vram-plan knows" in note
                and "--trl-version" in note for note in verdict.estimate.notes)
 
 
-def test_an_installed_trl_inside_the_range_is_planned_as_itself_without_a_note(monkeypatch):
-    monkeypatch.setattr(trl_releases, "installed_trl_version", lambda: "1.14.1")
-    trl_releases.trl_release.cache_clear()
-    try:
-        verdict = engine.check("Llama-3.2-1B", CARD)
-    finally:
-        trl_releases.trl_release.cache_clear()
+def test_an_installed_trl_inside_the_range_is_planned_as_itself_without_a_note(installed_trl):
+    installed_trl("1.14.1")
+    verdict = engine.check("Llama-3.2-1B", CARD)
     assert verdict.context.release.version == "1.14.1" and verdict.context.release.lm_head == "full_logits"
     assert not any("installed TRL" in note for note in verdict.estimate.notes)
 

@@ -147,15 +147,13 @@ def test_out_of_memory_without_fallback_explains_and_keeps_the_checkpoint(capsys
     assert (out / "checkpoint-1").is_dir()
 
 
-def test_trl_1_15_is_refused_on_a_machine_without_cuda_its_triton_kernel_needs_one(capsys, monkeypatch,
+def test_trl_1_15_is_refused_on_a_machine_without_cuda_its_triton_kernel_needs_one(capsys, installed_trl,
                                                                                  tiny_model_folder, tmp_path):
     import torch
 
-    from vram_planner.model import trl_releases
-
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
-    monkeypatch.setattr(trl_releases, "installed_trl_version", lambda: "1.15.0")
+    installed_trl("1.15.0")
     out = tmp_path / "run"
     err = one_line_error(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
                          "--output-dir", str(out), *SMALL)
