@@ -36,7 +36,8 @@ def test_run_trains_two_steps_and_logs_memory_per_step(tiny_model_folder, tmp_pa
     assert (out / "README.md").read_text() == "# my notes on this run\n"
     card = (out / "MODEL_CARD.md").read_text()
     assert "trained using [TRL]" in card and f"fine-tuned version of `{tiny_model_folder}`" in card
-    assert "[None]" not in card
+    assert "[None]" not in card and 'model="None"' not in card
+    assert f'pipeline("text-generation", model="{out / "final"}"' in card  # its quick start loads what was trained
     assert not [p for p in out.iterdir() if p.name.startswith(".model-card-")]
     # the folder says how it was made, what the plan expected and how it ended
     record = json.loads((out / "vram-plan-run.json").read_text())

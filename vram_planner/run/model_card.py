@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ def users_readme(folder: Path) -> bool:
 def place_model_card(trainer: Any, folder: Path, model_id: str, aside: bool) -> None:
     """GRPOTrainer writes its model card to output_dir/README.md at every checkpoint; where the user keeps a
     README.md there (`aside`), the card is written beside it as MODEL_CARD.md instead. A local model folder has no
-    hub id, which the card would call "[None]": it names the folder."""
+    hub id, which the card would call "[None]": it names the folder. The run pushes nothing to the hub, so the card's
+    quick start, which loads `hub_model_id` (None), loads the model the run saves in `folder`/final."""
     original = trainer.create_model_card
     target = folder / (MODEL_CARD_ASIDE if aside else "README.md")
 
@@ -41,7 +43,8 @@ def place_model_card(trainer: Any, folder: Path, model_id: str, aside: bool) -> 
                 trainer.args.output_dir = output_dir
             card = Path(scratch) / "README.md"
             if card.is_file():
-                text = card.read_text().replace("[None](https://huggingface.co/None)", f"`{model_id}`")
+                text = (card.read_text().replace("[None](https://huggingface.co/None)", f"`{model_id}`")
+                        .replace('model="None"', f"model={json.dumps(str(folder / 'final'))}"))
                 write_atomically(target, text)
 
     trainer.create_model_card = create_model_card
