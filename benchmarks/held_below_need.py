@@ -3,8 +3,11 @@ not meet, the cached blocks too short for it, and the live tensors by where the 
 vram_planner/model/fragmentation.py were read off this.
 
     python benchmarks/held_below_need.py "Llama-3.2-1B fp32 full adamw_8bit" "Mistral-7B-v0.3 full c1024 B8"
+    python benchmarks/held_below_need.py --segments "Phi-3-mini-4k-instruct lora p512 c2048 G16 S2 beta"
 
-Points are named as in benchmarks/results/boundary.txt; each is traced (seconds to a minute).
+Points are named as in benchmarks/results/boundary.txt; each is traced (seconds to a minute). `--segments` adds the
+segments that hold the cached memory: each one's size, the request that made it (a cudaMalloc, in which phase), and
+the live blocks that keep it from being released, the largest first.
 """
 
 from __future__ import annotations
@@ -24,20 +27,48 @@ from vram_planner.units import MiB
 SHOWN = 12  # the largest groups of each kind
 
 
-def held(model: str, settings: dict) -> list[str]:
+def held(model: str, settings: dict, segments: bool = False) -> list[str]:
     outcome = engine.check(model, CARD, settings, exact=True, calibration=default_calibration())
     stream, conf, capacity = below_need(outcome)
     allocator = CachingAllocator(conf, capacity)
     made: dict[int, tuple[int, object]] = {}  # block -> (address, its event)
+    made_segment: dict[int, object] = {}  # a segment's address -> the event whose request cudaMalloc'd it
     for index, event in enumerate(stream.events):
         if event.kind != "alloc":
             allocator.free(made.pop(event.block)[0])
             continue
+        logged = len(allocator.segment_log)
         try:
             made[event.block] = (allocator.malloc(event.size_bytes), event)
         except OutOfMemory as failed:
-            return _described(allocator, made, failed, event, index, outcome.need.capacity_bytes)
+            lines = _described(allocator, made, failed, event, index, outcome.need.capacity_bytes)
+            return lines + (_segments_described(allocator, made, made_segment) if segments else [])
+        made_segment.update({address: event for action, address, _ in allocator.segment_log[logged:]
+                             if action == "segment_alloc"})
     return [f"runs {capacity / MiB:.0f} MiB: the allocator is not monotone in the capacity here"]
+
+
+def _segments_described(allocator: CachingAllocator, made: dict, made_segment: dict) -> list[str]:
+    """The segments with cached memory, grouped by (size, what made them, what lives in them), most cached first."""
+    live_event = {address: event for address, event in made.values()}
+    groups: Counter = Counter()
+    count: Counter = Counter()
+    for segment in allocator.segment_blocks():
+        cached = sum(size for _, size, allocated in segment if not allocated)
+        if not cached:
+            continue
+        maker = made_segment.get(segment[0][0])
+        live = Counter(f"{live_event[address].phase}, {live_event[address].moment} {size / MiB:.1f}"
+                       for address, size, allocated in segment if allocated and address in live_event)
+        key = (sum(size for _, size, _ in segment), f"{maker.phase}, {maker.moment}" if maker else "before the stream",
+               "; ".join(f"{n} x {what}" for what, n in sorted(live.items())) or "nothing")
+        groups[key] += cached
+        count[key] += 1
+    lines = ["  segments holding cached memory (MiB):"]
+    for (size, maker, live), cached in groups.most_common(SHOWN):
+        lines.append(f"    {count[size, maker, live]:3} x {size / MiB:7.1f} made in {maker}: {cached / MiB:7.1f} "
+                     f"cached beside {live}")
+    return lines
 
 
 def _described(allocator: CachingAllocator, made: dict, failed: OutOfMemory, event, index: int,
@@ -63,6 +94,7 @@ def _described(allocator: CachingAllocator, made: dict, failed: OutOfMemory, eve
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt")
+    parser.add_argument("--segments", action="store_true", help="also the segments that hold the cached memory")
     args = parser.parse_args()
     grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
     unknown = [label for label in args.points if label not in grid]
@@ -70,7 +102,7 @@ def main() -> int:
         print(f"no boundary point {unknown[0]!r} (see benchmarks/results/boundary.txt)", file=sys.stderr)
         return 2
     for label in args.points:
-        print("\n".join([f"== {label}", *held(*grid[label])]), flush=True)
+        print("\n".join([f"== {label}", *held(*grid[label], segments=args.segments)]), flush=True)
     return 0
 
 

@@ -76,6 +76,21 @@ def test_a_5_mib_request_makes_a_20_mib_segment_that_later_ones_share():
     assert a.segment_sizes == [20 * MiB, 20 * MiB]
 
 
+def test_a_segment_cut_by_a_later_request_strands_the_rest_beside_it():
+    """segment_blocks: a freed 640 MiB segment (an activation of the loss phase, say) serves the next 193 MiB
+    request (a layer's KV cache while decoding); the 447 MiB left stays cached in that segment, which its live block
+    keeps from being released: the request that does not fit there needs a segment of its own."""
+    a = allocator()
+    activation = a.malloc(640 * MiB)
+    a.free(activation)
+    cache = a.malloc(193 * MiB)
+    assert a.segment_blocks() == [[(activation, 193 * MiB, True), (activation + 193 * MiB, 447 * MiB, False)]]
+    other = a.malloc(450 * MiB)
+    segments = sorted(a.segment_blocks())
+    assert len(segments) == 2 and segments[0][0] == (cache, 193 * MiB, True)
+    assert (other, 450 * MiB, True) in segments[1] and a.reserved_bytes == 640 * MiB + 450 * MiB
+
+
 @pytest.mark.parametrize("request_bytes,segment,block", [
     (30 * MiB, 30 * MiB, 30 * MiB),
     (30 * MiB + 1, 32 * MiB, 30 * MiB + 512),  # 2 MiB - 512 left over: more than 1 MiB, split off

@@ -137,6 +137,24 @@ class CachingAllocator(ExpandableSegments):
         be cut from."""
         return [(b.ptr, b.size) for pool in (self._small, self._large) for b in pool.in_order() if b.mapped]
 
+    def segment_blocks(self) -> list[list[tuple[int, int, bool]]]:
+        """Every cudaMalloc'd segment's blocks in address order, as (address, bytes, allocated): where a cached
+        block lies beside live ones, which keep its segment from being released."""
+        blocks = [*self._active.values(), *(b for pool in (self._small, self._large) for b in pool.in_order())]
+        firsts = {}
+        for block in blocks:
+            while block.prev is not None:
+                block = block.prev
+            firsts[block.ptr] = block
+        segments = []
+        for block in firsts.values():
+            segment = []
+            while block is not None:
+                segment.append((block.ptr, block.size, block.allocated))
+                block = block.next
+            segments.append(segment)
+        return segments
+
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache (release_cached_blocks): give back every cached block that is a whole segment,
         and every whole free page of the expandable segments."""
