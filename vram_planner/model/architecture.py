@@ -14,6 +14,7 @@ small, so those are refused, with the supported model_types in the message. Ever
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from vram_planner.errors import ProfileError, json_kind
@@ -151,6 +152,12 @@ class ModelArchitecture:
 
     def layer_linears(self) -> list[Linear]:
         """The linear layers of one decoder layer, named as in the modeling code (LoRA targets)."""
+        return list(self._layer_linears)
+
+    # The sizes below are read millions of times by the step-time fit and by plan's search: computed once per
+    # architecture (a frozen dataclass: its fields never change, so neither do they)
+    @cached_property
+    def _layer_linears(self) -> tuple[Linear, ...]:
         f, h, d = self.family, self.hidden_size, self.head_dim
         q_out, kv_out = self.num_attention_heads * d, self.num_kv_heads * d
         qkv_bias = bool(f.qkv_bias)
@@ -169,16 +176,16 @@ class ModelArchitecture:
         else:
             mlp = [Linear(f.mlp_names[0], h, i, mlp_bias), Linear(f.mlp_names[1], h, i, mlp_bias),
                    Linear(f.mlp_names[2], i, h, mlp_bias)]
-        return attention + mlp
+        return (*attention, *mlp)
 
     @property
     def norm_params(self) -> int:
         return self.hidden_size * (2 if self.family.layer_norm_bias else 1)
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         qk_norm = 2 * self.head_dim if self.family.qk_norm else 0
-        return (sum(lin.params for lin in self.layer_linears())
+        return (sum(lin.params for lin in self._layer_linears)
                 + self.family.norms_per_layer * self.norm_params + qk_norm)
 
     @property
@@ -191,12 +198,12 @@ class ModelArchitecture:
         bias = self.vocab_size if self.family.lm_head_bias else 0
         return bias + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
-    @property
+    @cached_property
     def linear_params(self) -> int:
         """Parameters inside the decoder layers' linear layers (what 4-bit quantisation replaces)."""
-        return self.num_layers * sum(lin.in_features * lin.out_features for lin in self.layer_linears())
+        return self.num_layers * sum(lin.in_features * lin.out_features for lin in self._layer_linears)
 
-    @property
+    @cached_property
     def params(self) -> int:
         """Total unique parameters, tied weights counted once (as `model.parameters()` does)."""
         return (self.embedding_params + self.num_layers * self.layer_params + self.norm_params
