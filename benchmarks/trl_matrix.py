@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's model, wherever another one is installed (a pair's venv has this one)
 RESULTS = ROOT / "benchmarks" / "results" / "trl_matrix.json"
 TABLE = ROOT / "benchmarks" / "results" / "trl_matrix.txt"
 FIXTURES = ROOT / "tests" / "fixtures"

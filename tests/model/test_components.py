@@ -11,6 +11,12 @@ from vram_planner.model.trl_releases import trl_release
 
 P = 1_235_814_400
 V, H, N_LAYERS, KV_WIDTH, I = 128256, 2048, 16, 8 * 64, 8192
+# Every tensor of Llama-3.2-1B is whole 512-byte blocks; what blocks add: the rotary embedding's inv_freq and (from
+# transformers 5.0, which the default plan follows) its original_inv_freq clone, one block each, and fused AdamW's
+# float32 `step` scalar per parameter tensor (16 layers x 9, the embedding and the final norm), one block each
+BLOCK = 512
+ROTARY = 2 * BLOCK
+STEPS = (N_LAYERS * 9 + 2) * BLOCK
 
 
 def cfg(**kw):
@@ -19,16 +25,16 @@ def cfg(**kw):
 
 def test_full_fine_tuning_in_float32_is_16_bytes_per_param(llama_1b):
     train = cfg()  # TRL's default: float32 weights, AdamW
-    assert m.weight_bytes(llama_1b, train) == 4 * P
+    assert m.weight_bytes(llama_1b, train) == 4 * P + ROTARY
     assert m.gradient_bytes(llama_1b, train) == 4 * P
-    assert m.optimizer_state_bytes(llama_1b, train) == 8 * P
+    assert m.optimizer_state_bytes(llama_1b, train) == 8 * P + STEPS
     assert m.optimizer_step_temporary_bytes(llama_1b, train) == 0  # fused AdamW needs no scratch
 
 
 def test_bf16_weights_halve_weights_grads_and_states(llama_1b):
     train = cfg(dtype="bfloat16")
     assert (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train),
-            m.optimizer_state_bytes(llama_1b, train)) == (2 * P, 2 * P, 4 * P)
+            m.optimizer_state_bytes(llama_1b, train)) == (2 * P + ROTARY, 2 * P, 4 * P + STEPS)
 
 
 def test_foreach_adamw_needs_a_param_sized_scratch(llama_1b):
@@ -56,9 +62,10 @@ def test_lora_adapters_are_fp32_with_their_own_grads_and_states(llama_1b):
     train = cfg(lora_r=16, dtype="bfloat16")
     t = llama_1b.lora_params(16, None)
     assert m.trainable_params(llama_1b, train) == t
-    assert m.weight_bytes(llama_1b, train) == 2 * P + 4 * t
+    assert m.weight_bytes(llama_1b, train) == 2 * P + 4 * t + ROTARY
     assert m.gradient_bytes(llama_1b, train) == 4 * t
-    assert m.optimizer_state_bytes(llama_1b, train) == 8 * t
+    # lora_A and lora_B of the 7 linears of 16 layers, a step scalar each
+    assert m.optimizer_state_bytes(llama_1b, train) == 8 * t + N_LAYERS * 7 * 2 * BLOCK
 
 
 def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):
@@ -76,7 +83,7 @@ def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):
 
 def test_reference_model_only_with_beta_and_without_peft(llama_1b):
     assert m.reference_weight_bytes(llama_1b, cfg()) == 0  # beta 0: no reference model
-    assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04)) == 4 * P
+    assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04)) == 4 * P + ROTARY
     assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04, lora_r=8)) == 0  # adapter disabled instead
 
 

@@ -203,8 +203,9 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
     run = m.as_generated(train)
     # The last decoding step feeds the last sampled token with p + c - 1 tokens cached.
     kv = m.kv_cache_bytes(arch, train, sequences, train.sequence_length - 1)
-    # DynamicCache grows by concatenation: one layer's keys and values exist twice for a moment.
-    kv_growth = kv / max(arch.num_layers, 1)
+    # DynamicCache grows by concatenation, the keys then the values (cache_utils.py DynamicLayer.update: self.keys =
+    # torch.cat(...), then self.values): one layer's keys, or values, exist twice for a moment
+    kv_growth = kv / max(arch.num_layers, 1) * m.kv_larger_half(train)
     # Autocast casts every weight once per forward; the casts of trainable weights stay cached to its end.
     casts = m.layer_weight_cast_bytes(arch, run) + m.adapter_cast_bytes(arch, run)
     with_casts = {**base, "weights": base["weights"] + casts}
@@ -230,6 +231,10 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         *first_gather,
         Phase("generation", {**decoding, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
         Phase("generation", {**decoding, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
+        Phase("generation", {**decoding, "kv_cache": kv,
+                             "activations": inference.decoding_repeated_kv_bytes(
+                                 arch, run, kv, train.sequence_length - 1)},
+              "last decoding step: attention"),
         Phase("generation", {**decoding, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
               "last decoding step: LM head"),
     ]
