@@ -156,19 +156,28 @@ def test_fused_lm_head_casts_two_vocabulary_chunks_of_fp32_weights_in_backward(l
                                               + scored * H * 2 + scored * 4)
 
 
-@pytest.mark.parametrize(("version", "forward", "saved", "backward"), [
-    ("0.15.0", 6, 4, 12),  # bf16 logits + accelerate's fp32 copy; the per-sequence logsumexp keeps the copy
-    ("1.13.0", 8, 4, 12),  # then `logits / temperature`: a second fp32 copy, the one kept
-    ("1.5.0", 6, 4, 12),  # `logits.div_(temperature)` in place (1.0-1.9): no second copy
-    ("1.14.0", 6, 4, 4),  # the Triton kernel keeps the fp32 logits and makes one gradient
+# Logits of 4 sequences of 1,000 completion tokens: the model's output covers c + 1 = 1,001 positions, the log-probs
+# read the completion's 1,000; the entropies (TRL 0.23-1.13) take 128 of those rows at a time
+OUT, SCORED, CHUNK = 4 * 1001 * V, 4 * 1000 * V, 128 * V
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    # bf16 logits + accelerate's fp32 copy; the per-sequence logsumexp keeps the copy
+    ("0.15.0", (6 * OUT, 4 * OUT, 12 * OUT)),
+    # `logits / temperature` of the completion's positions: a second fp32 copy, the one kept (the loop keeps the
+    # model's output too); the entropies' log_softmax, exp and product of a chunk beside both
+    ("1.13.0", (4 * OUT + 4 * SCORED + 3 * 4 * CHUNK, 4 * SCORED, 12 * SCORED)),
+    # `logits.div_(temperature)` in place (1.0-1.9): no second copy, but the entropies reshape a view of the output,
+    # which copies the completion's rows first
+    ("1.5.0", (4 * OUT + 4 * SCORED + 3 * 4 * CHUNK, 4 * OUT, 12 * OUT)),
+    ("1.14.0", (6 * OUT, 4 * OUT, 4 * OUT)),  # the Triton kernel keeps the fp32 logits and makes one gradient
 ])
-def test_old_trl_materialises_full_logits(llama_1b, version, forward, saved, backward):
-    # bytes per logit as the trace counts them on Llama-3.2-1B (benchmarks/results/trl_matrix.json)
+def test_old_trl_materialises_full_logits(llama_1b, version, expected):
+    # bytes as the trace counts them (benchmarks/results/trl_matrix.json)
     train = cfg(dtype="bfloat16", max_completion_length=1000, mixed_precision="bf16")
     head = lm_head_memory(llama_1b, train, trl_release(version), sequences=4, with_grad=True)
-    logits = 4 * 1001 * V
-    assert (head.forward_transient, head.saved, head.backward_transient) == (
-        forward * logits, saved * logits, backward * logits)
+    logits = OUT
+    assert (head.forward_transient, head.saved, head.backward_transient) == expected
     # the seeds' OOM: 1.90 GiB for one fp32 copy of ~1000 tokens x 4 sequences of Llama's vocabulary
     assert logits * 4 / 2**30 == pytest.approx(1.91, abs=0.01)
 

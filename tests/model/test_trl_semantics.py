@@ -237,8 +237,11 @@ def test_advise_names_the_0_14_logits_and_no_fix_saves_negative_memory(capsys, l
     assert advice["culprit"].endswith(f"4 completions x 994 positions x {V} vocabulary entries x 4 B")
     assert ("most likely had bf16=True" in advice["culprit"]) is not mixed_precision
     assert advice["fixes"] and all(fix["saves_bytes"] is None or fix["saves_bytes"] > 0 for fix in advice["fixes"])
-    # over the whole sequence the logits cost more than the fused head of the newer TRL in any case
-    assert any(fix["change"].startswith("pip install 'trl>=") for fix in advice["fixes"])
+    # with autocast, the float32 copy over the whole sequence costs more than the fused head of the newer TRL; with
+    # bfloat16 logits the two peaks are within a megabyte (SDPA keeps 0.14's k and v grouped under transformers 4.56),
+    # and an upgrade that saves nothing is no fix
+    upgrades = [fix for fix in advice["fixes"] if fix["change"].startswith("pip install 'trl>=")]
+    assert bool(upgrades) is bool(mixed_precision)
     code, out, _ = run(capsys, "advise", str(log), "--gpu", "rtx3080-mobile", "--model", str(llama_1b_file),
                        *SEEDS_FLAGS, *mixed_precision, "--trl-version", "0.14.0", "--transformers-version", "4.48.2",
                        "--json")

@@ -312,13 +312,6 @@ def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: in
     return sequences * arch.kv_layers_tokens(tokens, keep_all) * per_token_layer
 
 
-def kv_larger_half(train: TrainingConfig) -> float:
-    """The share of a layer's cache that its keys or its values, the larger, take (`kv_cache_bytes`'s dtypes)."""
-    key_bytes = sizes(train).residual
-    value_bytes = key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(as_generated(train)).compute
-    return max(key_bytes, value_bytes) / (key_bytes + value_bytes)
-
-
 def backward_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:
     """Gradient buffers alive inside one layer's backward (the incoming hidden-state gradient and the MLP's)."""
     s = sizes(train)

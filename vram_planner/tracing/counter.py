@@ -225,6 +225,20 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         out[4] = freed[4]
         return True
 
+    def forget(self, tensors: list[Any]) -> int:
+        """Stop counting the storages behind `tensors`, as if they had never been on the device (their allocations
+        leave the events too); returns their counted bytes."""
+        dropped = 0
+        for key in {id(st) for st in map(_storage, tensors) if st is not None}:
+            record = self._live.pop(key, None)
+            if record is None:
+                continue
+            self.by_tag[record[2]] -= record[1]
+            self.total -= record[1]
+            dropped += record[1]
+            self.events = [e for e in self.events if e.block != record[4]]
+        return dropped
+
     def bytes_of(self, tensors: list[Any]) -> int:
         """Counted bytes of the distinct storages behind `tensors`."""
         keys = {id(st) for st in map(_storage, tensors) if st is not None}
