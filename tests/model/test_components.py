@@ -162,14 +162,15 @@ OUT, SCORED, CHUNK = 4 * 1001 * V, 4 * 1000 * V, 128 * V
 
 
 @pytest.mark.parametrize(("version", "expected"), [
-    # bf16 logits + accelerate's fp32 copy; the per-sequence logsumexp keeps the copy
-    ("0.15.0", (6 * OUT, 4 * OUT, 12 * OUT)),
+    # bf16 logits + accelerate's fp32 copy; the per-sequence logsumexp keeps the copy; backward's three gradients
+    # are of the completion's positions, the view the log-probs read
+    ("0.15.0", (6 * OUT, 4 * OUT, 12 * SCORED)),
     # `logits / temperature` of the completion's positions: a second fp32 copy, the one kept (the loop keeps the
     # model's output too); the entropies' log_softmax, exp and product of a chunk beside both
     ("1.13.0", (4 * OUT + 4 * SCORED + 3 * 4 * CHUNK, 4 * SCORED, 12 * SCORED)),
     # `logits.div_(temperature)` in place (1.0-1.9): no second copy, but the entropies reshape a view of the output,
     # which copies the completion's rows first
-    ("1.5.0", (4 * OUT + 4 * SCORED + 3 * 4 * CHUNK, 4 * OUT, 12 * OUT)),
+    ("1.5.0", (4 * OUT + 4 * SCORED + 3 * 4 * CHUNK, 4 * OUT, 12 * SCORED)),
     ("1.14.0", (6 * OUT, 4 * OUT, 4 * OUT)),  # the Triton kernel keeps the fp32 logits and makes one gradient
 ])
 def test_old_trl_materialises_full_logits(llama_1b, version, expected):

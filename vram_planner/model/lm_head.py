@@ -154,10 +154,15 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
         # accelerate copies the output to float32 outside autocast (convert_outputs_to_fp32 wraps the autocast
         # forward), so the projection meets the casts and the copy does not
         projecting = inside - (FP32_BYTES if train.mixed_precision != "no" else 0)
+        backward_bytes = logits * backward
         if with_grad:  # in place ("scaled_in_place"), the log-probs and the entropies read a view of the output
             forward = max(forward, saved + _entropy_bytes(arch, train, release, sequences, viewed=True) / logits)
+            if release.full_logits_log_probs != "kernel":
+                # the logsumexp rows' and the gather's gradients are the completion's c positions (the view's), not
+                # the output's: the slice's backward makes the full-size gradient only after them
+                backward_bytes = sequences * train.max_completion_length * vocab * backward
         return LmHeadMemory(forward_transient=logits * forward, saved=logits * saved if with_grad else 0,
-                            backward_transient=logits * backward if with_grad else 0, in_forward=logits * inside,
+                            backward_transient=backward_bytes if with_grad else 0, in_forward=logits * inside,
                             projecting=logits * projecting)
     chunk = release.lm_head_vocab_chunk
     tile_tokens = min(scored, release.lm_head_token_chunk)

@@ -269,13 +269,14 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     # work after it do not
     head_cast = m.lm_head_cast_bytes(arch, train) if head.projecting is not None else 0
     projecting = {name: value + head_cast for name, value in casts.items()}
+    gathered = casts if train.fsdp and not train.load_in_4bit else {}  # FSDP2's gathers are no casts: they stay
     moments = [Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps + layers},
                      "decoder forward"),
                Phase("scoring", {**persistent, **projecting, **cache, "activations": kept_logps,
                                  "lm_head_buffers": head.at_projection}, "LM head of a chunk, projecting"),
-               Phase("scoring", {**persistent, **cache, "activations": kept_logps,
+               Phase("scoring", {**persistent, **gathered, **cache, "activations": kept_logps,
                                  "lm_head_buffers": head.inside_forward}, "LM head of a chunk, in its forward"),
-               Phase("scoring", {**persistent, "activations": kept_logps,
+               Phase("scoring", {**persistent, **gathered, "activations": kept_logps,
                                  "lm_head_buffers": head.forward_transient}, "LM head of a chunk")]
     return _heaviest(moments, cal, train)
 
