@@ -10,9 +10,10 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 # Phases still more than 1% from their trace, each on a fixture of a few MiB (README, "The analytic model follows
-# what the table found"): TRL 0.14's merged step (under transformers 4.48 the float32 fixture's policy forward keeps
-# more than the model counts), 0.15's reference scoring of the float32 fixture, and the LoRA fixture under TRL 1.14,
-# whose tensor-heaviest moment (the LM head's backward, -0.1%) is not the one its reserve makes the heaviest
+# what the table found"): TRL 0.14's merged step (the float32 fixture's policy graph and its reference's decoder
+# forward keep some 100 KB more than the model counts), 0.15's reference scoring of the float32 fixture, and the LoRA
+# fixture under TRL 1.14, whose tensor-heaviest moment (the LM head's backward, -0.1%) is not the one its reserve
+# makes the heaviest
 KNOWN_OUTSIDE = {
     "0.14.0/4.48.2 tiny-llama/full-fp32 generation", "0.14.0/4.52.4 tiny-llama/full-fp32 generation",
     "0.14.0/4.48.2 tiny-llama/full-fp32 training", "0.14.0/4.48.2 tiny-qwen2/lora-bf16 training",
@@ -47,3 +48,17 @@ def test_every_traced_phase_of_every_release_pair_is_within_1_percent_of_the_ana
     assert {key for key, error in errors.items() if abs(error) > 0.01} == KNOWN_OUTSIDE
     # the two Llama-3.2-1B steps (the seeds' crash and a LoRA step with a reference) within 0.3% in every pair
     assert max(abs(e) for key, e in errors.items() if " Llama-3.2-1B" in key) < 0.003
+
+
+def test_under_trl_0_14_the_reference_forward_runs_beside_the_policys_graph():
+    # TRL 0.14's compute_loss scores the reference inside the loss step, after the policy's forward: with
+    # transformers 4.48 the float32 fixture's trace peaks inside that forward (not at an LM head), its KV cache
+    # filling next to the policy's graph and log-softmax rows, and the analytic model's heaviest moment is the same
+    matrix = _matrix()
+    point = json.loads(matrix.RESULTS.read_text())["pairs"]["0.14.0/4.48.2"]["points"]["tiny-llama/full-fp32"]
+    traced = point["phases"]["training"]
+    assert traced["moment"] == "forward, micro-batch 2"
+    model, settings = next((m, s) for name, m, s in matrix.GRID if name == "tiny-llama/full-fp32")
+    analytic = matrix.analytic_phases(model, settings, "0.14.0", "4.48.2")["training"]
+    assert analytic.moment == "reference forward while the policy's graph is alive"
+    assert analytic.components["kv_cache"] == traced["components"]["kv_cache"][0] > 0

@@ -474,10 +474,17 @@ def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, rel
     # once its logits are copied to float32; its rows' log_softmax, one at a time, meets that copy alone
     cache = (m.kv_cache_bytes(arch, train, sequences, train.sequence_length, forward=train)
              if release.log_prob_forward_cache == "model_default" and not train.gradient_checkpointing else 0)
+    # Before its logits, the reference's decoder forward: its widest layer (no grad, adapters disabled) beside the
+    # policy's graph and rows, with its KV cache filled to the full sequence
+    decoder = (inference.scoring_bytes(arch, train, sequences, train.sequence_length, adapters=False,
+                                       cached=bool(cache)) if inference.counted(arch, train) else 0)
     return [
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": converting}, POLICY_LOGITS_MOMENT),
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": logits * logit + rows},
               "policy log-probs: the logits and every row's log_softmax"),
+        Phase("training", {**persistent, **reference, "kv_cache": cache,
+                           "activations": reference["activations"] + decoder, "lm_head_buffers": rows},
+              "reference forward while the policy's graph is alive"),
         Phase("training", {**persistent, **reference, "kv_cache": cache, "lm_head_buffers": rows + converting},
               "reference log-probs while the policy's graph is alive"),
         Phase("training", {**persistent, **reference, "lm_head_buffers": rows + logits * logit + one_row},
