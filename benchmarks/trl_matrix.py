@@ -117,8 +117,8 @@ def phase_figures(trace_bytes: int, moment: str, components: dict, analytic) -> 
 
 def measure_installed() -> dict:
     """Trace the grid under the installed pair; the analytic model under the same releases."""
-    from vram_planner.errors import VramPlanError
     from vram_planner import engine
+    from vram_planner.errors import VramPlanError
     from vram_planner.profiles import model_config
     from vram_planner.tracing.step import engine_versions, trace_step
 
