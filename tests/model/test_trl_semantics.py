@@ -92,7 +92,8 @@ def test_without_autocast_the_logits_keep_the_weights_dtype(llama_1b_file):
     verdict = check(llama_1b_file, {**SEEDS, "transformers_version": "4.48"}, "0.14.0")
     training = verdict.estimate.phases[1]
     rows, logits, one_row = 4 * 786 * V * 2, 4 * 787 * V * 2, 786 * V * 2
-    assert training.components["lm_head_buffers"] == rows + logits + one_row
+    # the loop's variable keeps the previous row's log_softmax while the next one is made
+    assert training.components["lm_head_buffers"] == rows + logits + 2 * one_row
 
 
 @pytest.mark.parametrize("version,knobs,accepted", [
@@ -237,19 +238,16 @@ def test_advise_names_the_0_14_logits_and_no_fix_saves_negative_memory(capsys, l
     assert advice["culprit"].endswith(f"4 completions x 994 positions x {V} vocabulary entries x 4 B")
     assert ("most likely had bf16=True" in advice["culprit"]) is not mixed_precision
     assert advice["fixes"] and all(fix["saves_bytes"] is None or fix["saves_bytes"] > 0 for fix in advice["fixes"])
-    # with autocast, the float32 copy over the whole sequence costs more than the fused head of the newer TRL; with
-    # bfloat16 logits the two peaks are within a megabyte (SDPA keeps 0.14's k and v grouped under transformers 4.56),
-    # and an upgrade that saves nothing is no fix
-    upgrades = [fix for fix in advice["fixes"] if fix["change"].startswith("pip install 'trl>=")]
-    assert bool(upgrades) is bool(mixed_precision)
+    # over the whole sequence the logits cost more than the fused head of the newer TRL in any case
+    assert any(fix["change"].startswith("pip install 'trl>=") for fix in advice["fixes"])
     code, out, _ = run(capsys, "advise", str(log), "--gpu", "rtx3080-mobile", "--model", str(llama_1b_file),
                        *SEEDS_FLAGS, *mixed_precision, "--trl-version", "0.14.0", "--transformers-version", "4.48.2",
                        "--json")
     upgrade = [fix for fix in json.loads(out)["fixes"] if fix["change"].startswith("pip install 'trl>=")]
     # over the completion only (4.48 honours num_logits_to_keep): with autocast the newer TRL's fused head saves the
-    # float32 logits; without it, its float32 head gradients cost about what bfloat16 logits do, and an upgrade that
-    # saves nothing is not offered
-    assert bool(upgrade) is bool(mixed_precision)
+    # float32 logits; without it, its float32 head gradients cost less than the bfloat16 logits and the two rows
+    # 0.14's reference loop holds at once (its variable keeps the previous row's log_softmax)
+    assert upgrade and all(fix["saves_bytes"] > 0 for fix in upgrade)
 
 
 def test_trace_refuses_another_release_in_one_line(capsys, llama_1b_file):

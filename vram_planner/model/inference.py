@@ -209,4 +209,24 @@ def _attention_moment(arch: ModelArchitecture, train: TrainingConfig, length: in
         return held + a * length * (masked + upcast + FP32_BYTES)
     casts = 2 * c * q_width if train.mixed_precision != "no" and r != c else 0
     per_layer_mask = train.attn_implementation == "sdpa" and train.transformers.attention_mask == "per_layer"
-    return held + casts + (c * length if per_layer_mask else 0) + c * q_width + FP32_BYTES * a
+    copies, output_copy = _contiguous_inputs_bytes(arch, train)
+    # inside the kernel its casts and log-sum-exp; once it returns (they are gone) the output's copy
+    return (held + (c * length if per_layer_mask else 0) + c * q_width + copies
+            + max(casts + FP32_BYTES * a, output_copy))
+
+
+def _contiguous_inputs_bytes(arch: ModelArchitecture, train: TrainingConfig) -> tuple[float, float]:
+    """Per token: the copies SDPA's inputs get where transformers makes them contiguous first (before 4.56,
+    integrations/sdpa_attention.py `query.contiguous()`, and key and value), and the copy of its output after it.
+    Rotary leaves q head-major but strided, so it is copied, and with one key/value head repeat_kv's views of k and v
+    become query-wide copies; the output of a contiguous query comes back head-major, so `transpose(1, 2).contiguous()`
+    copies it as the kernel returns. Phi's partial rotary concatenates q into a contiguous tensor: neither is copied."""
+    if train.attn_implementation != "sdpa" or not train.transformers.sdpa_contiguous_inputs:
+        return 0, 0
+    s = sizes(train)
+    q_width, kv_width = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    strided = not arch.family.partial_rotary
+    inputs = s.residual * q_width if strided else 0
+    if arch.num_kv_heads == 1 and q_width != kv_width:
+        inputs += (s.residual + s.compute) * q_width
+    return inputs, s.compute * q_width if strided else 0

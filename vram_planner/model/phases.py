@@ -487,7 +487,9 @@ def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, rel
               "reference forward while the policy's graph is alive"),
         Phase("training", {**persistent, **reference, "kv_cache": cache, "lm_head_buffers": rows + converting},
               "reference log-probs while the policy's graph is alive"),
-        Phase("training", {**persistent, **reference, "lm_head_buffers": rows + logits * logit + one_row},
+        # the loop's `log_probs` still holds the previous row's log_softmax while the next is made (no graph keeps
+        # the reference's)
+        Phase("training", {**persistent, **reference, "lm_head_buffers": rows + logits * logit + 2 * one_row},
               "reference log-probs: a row's log_softmax while the policy's graph is alive"),
         Phase("training", {**persistent, **policy_graph, "weights": backward_weights,
                            "lm_head_buffers": 2 * rows + one_row}, "log-prob backward: every row's gradient, stacked"),
