@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "transformers_releases.json"
 DEFAULT_WHEELS = Path.home() / ".cache" / "vram-plan" / "transformers-wheels"
 RELEASES = ("4.44.0", "4.45.0", "4.46.0", "4.48.2", "4.49.0", "4.50.0", "4.51.0", "4.52.0", "4.53.0", "4.54.0",
-            "4.55.0", "4.56.0", "5.0.0", "5.20.0", "5.21.0", "5.24.0")
+            "4.55.0", "4.56.0", "4.57.6", "5.0.0", "5.20.0", "5.21.0", "5.22.0", "5.23.0", "5.24.0")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3")
 NAMES = ("num_logits_to_keep", "logits_to_keep")
 
@@ -89,6 +89,19 @@ def contiguous_inputs(source: str) -> bool:
                and getattr(n.func.value, "id", None) in ("query", "query_states") for n in ast.walk(ast.parse(source)))
 
 
+def rotary_buffers(source: str) -> int:
+    """Float buffers each rotary embedding registers: inv_freq, and original_inv_freq where it is a buffer of its own
+    (`register_buffer("original_inv_freq", ...)` or `nn.Buffer(...)`, 5.0 on) rather than an alias of inv_freq."""
+    tree = ast.parse(source)
+    registered = any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "register_buffer" and n.args
+                     and getattr(n.args[0], "value", None) == "original_inv_freq" for n in ast.walk(tree))
+    assigned = any(isinstance(n, ast.Assign) and any(getattr(t, "attr", None) == "original_inv_freq"
+                                                     for t in n.targets)
+                   and isinstance(n.value, ast.Call) and getattr(n.value.func, "attr", None) == "Buffer"
+                   for n in ast.walk(tree))
+    return 2 if registered or assigned else 1
+
+
 SDPA_INTEGRATION = "transformers/integrations/sdpa_attention.py"  # shared by the models from 4.48
 
 
@@ -109,7 +122,11 @@ def release_facts(path: Path) -> dict[str, dict[str, Any]]:
                                          "attention_mask": attention_mask(source),
                                          "sdpa_contiguous_inputs": contiguous_inputs(sdpa),
                                          # use_gqa_in_sdpa: k and v unrepeated where no mask is given (4.54 on)
-                                         "sdpa_gqa_without_mask": shared and "use_gqa_in_sdpa(" in sdpa}
+                                         "sdpa_gqa_without_mask": shared and "use_gqa_in_sdpa(" in sdpa,
+                                         # pack_gqa: a decoding step's single query on the key/value heads (5.23 on)
+                                         "sdpa_decoding_gqa": shared and "pack_gqa(" in sdpa}
+                    if model_type == "llama":
+                        facts[model_type]["rotary_buffers"] = rotary_buffers(source)
         return facts
 
 
@@ -127,7 +144,8 @@ def disagreements(facts: dict[str, Any]) -> list[str]:
         row = transformers_release(version, int(version.split(".")[0]))
         table = {"logits_to_keep_names": sorted(row.logits_to_keep_names, key=NAMES.index),
                  "attention_mask": row.attention_mask, "sdpa_contiguous_inputs": row.sdpa_contiguous_inputs,
-                 "sdpa_gqa_without_mask": row.sdpa_gqa_without_mask}
+                 "sdpa_gqa_without_mask": row.sdpa_gqa_without_mask, "sdpa_decoding_gqa": row.sdpa_decoding_gqa,
+                 "rotary_buffers": row.rotary_buffers}
         for model_type, read in types.items():
             said = {**table, "supports_sdpa": row.supports_sdpa(model_type)}
             lines += [f"transformers {version} {model_type}: {column} table {said[column]}, wheel {value}"

@@ -2,6 +2,7 @@
 
     python benchmarks/trl_matrix.py [--venvs DIR] [--build] [--pair 0.14.0/4.52.4 ...]   # all pairs: the table
     python benchmarks/trl_matrix.py --measure                                             # the installed pair only
+    python benchmarks/trl_matrix.py --analytic                                            # re-judge the committed traces
 
 Each pair runs in a virtual environment of its own (DIR/trl-X-transformers-Y; `--build` makes the missing ones with
 pip: the pinned CPU torch, the pair, the accelerate and PEFT releases of its time, this checkout with --no-deps). In
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's model, wherever another one is installed (a pair's venv has this one)
 RESULTS = ROOT / "benchmarks" / "results" / "trl_matrix.json"
 TABLE = ROOT / "benchmarks" / "results" / "trl_matrix.txt"
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -88,19 +90,42 @@ def seeds_batch(trl: str) -> dict:
     return {"per_device_train_batch_size": 1 if trl.startswith("0.14.") else 4}
 
 
+def point_settings(name: str, settings: dict, trl: str) -> dict:
+    """A grid point's knobs under a TRL release (the seeds' micro-batch depends on it)."""
+    return {**settings, **seeds_batch(trl)} if name.startswith("Llama-") else settings
+
+
+def analytic_phases(model: str, settings: dict, trl: str, transformers: str) -> dict:
+    """The analytic model's phases under the pair's releases (pure Python: runs in any environment)."""
+    from vram_planner import engine
+
+    context = engine.make_context(model, "rtx3080-mobile", trl_version=trl)
+    train = engine.make_training(context, {**settings, "transformers_version": transformers})
+    return {p.name: p for p in engine.judge(context, train).estimate.phases}
+
+
+def phase_figures(trace_bytes: int, moment: str, components: dict, analytic) -> dict:
+    """One phase's row of the results: the trace's figures beside the analytic model's (None: no such phase)."""
+    from vram_planner.model.phases import TENSOR_COMPONENTS
+
+    return {"trace": trace_bytes, "moment": moment,
+            "analytic": round(analytic.tensor_bytes) if analytic is not None else None,
+            "components": {c: [components.get(c, 0),
+                               round(analytic.components.get(c, 0)) if analytic is not None else None]
+                           for c in TENSOR_COMPONENTS}}
+
+
 def measure_installed() -> dict:
     """Trace the grid under the installed pair; the analytic model under the same releases."""
     from vram_planner import engine
     from vram_planner.errors import VramPlanError
-    from vram_planner.model.phases import TENSOR_COMPONENTS
     from vram_planner.profiles import model_config
     from vram_planner.tracing.step import engine_versions, trace_step
 
     versions = engine_versions()
     points = {}
     for name, model, settings in GRID:
-        if name.startswith("Llama-"):
-            settings = {**settings, **seeds_batch(versions["trl"])}
+        settings = point_settings(name, settings, versions["trl"])
         print(f"  tracing {name}", file=sys.stderr, flush=True)
         try:
             context = engine.make_context(model, "rtx3080-mobile", trl_version=versions["trl"])
@@ -109,7 +134,7 @@ def measure_installed() -> dict:
             start = time.perf_counter()
             traced = trace_step(config, train, context.release)
             seconds = time.perf_counter() - start
-            analytic = {p.name: p for p in engine.judge(context, train).estimate.phases}
+            analytic = analytic_phases(model, settings, versions["trl"], versions["transformers"])
         except VramPlanError as error:
             points[name] = {"error": str(error)}
             continue
@@ -117,13 +142,27 @@ def measure_installed() -> dict:
         points[name] = {
             "seconds": round(seconds, 1),
             "largest_request": {"bytes": largest.size_bytes, "phase": largest.phase, "moment": largest.moment},
-            "phases": {p.name: {"trace": p.peak_bytes, "moment": p.moment,
-                                "analytic": round(analytic[p.name].tensor_bytes) if p.name in analytic else None,
-                                "components": {c: [p.components.get(c, 0),
-                                                   round(analytic[p.name].components.get(c, 0))
-                                                   if p.name in analytic else None] for c in TENSOR_COMPONENTS}}
+            "phases": {p.name: phase_figures(p.peak_bytes, p.moment, p.components, analytic.get(p.name))
                        for p in traced.phases}}
     return {"versions": versions, "points": points}
+
+
+def reanalyse(results: dict) -> dict:
+    """The committed traces with the analytic column recomputed by this checkout's model under each pair's
+    releases."""
+    grid = {name: (model, settings) for name, model, settings in GRID}
+    for key, result in results.items():
+        trl, transformers = key.split("/")
+        for name, point in result.get("points", {}).items():
+            if "error" in point:
+                continue
+            model, settings = grid[name]
+            analytic = analytic_phases(model, point_settings(name, settings, trl), trl, transformers)
+            point["phases"] = {
+                phase: phase_figures(f["trace"], f["moment"], {c: v[0] for c, v in f["components"].items()},
+                                     analytic.get(phase))
+                for phase, f in point["phases"].items()}
+    return results
 
 
 # What a TRL release imports without requiring it: TRL 1.15's fused LM head imports triton unconditionally (its import
@@ -198,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair", action="append", default=[], metavar="TRL/TRANSFORMERS",
                         help="only these pairs (repeatable); the results file keeps the others")
     parser.add_argument("--table", action="store_true", help="print the committed results' table (no tracing)")
+    parser.add_argument("--analytic", action="store_true",
+                        help="recompute the analytic column of the committed traces here (no tracing, no venvs)")
     args = parser.parse_args(argv)
     if args.table:
         print(table(json.loads(RESULTS.read_text())["pairs"]))
@@ -207,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     chosen = [p for p in PAIRS if not args.pair or f"{p[0]}/{p[1]}" in args.pair]
     results = json.loads(RESULTS.read_text())["pairs"] if RESULTS.exists() else {}
-    for pair in chosen:
+    if args.analytic:
+        results = reanalyse(results)
+    for pair in chosen if not args.analytic else ():
         print(f"TRL {pair[0]} with transformers {pair[1]}", file=sys.stderr, flush=True)
         results[f"{pair[0]}/{pair[1]}"] = run_pair(args.venvs, pair, args.build)
     ordered = {f"{p[0]}/{p[1]}": results[f"{p[0]}/{p[1]}"] for p in PAIRS if f"{p[0]}/{p[1]}" in results}

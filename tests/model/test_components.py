@@ -11,6 +11,12 @@ from vram_planner.model.trl_releases import trl_release
 
 P = 1_235_814_400
 V, H, N_LAYERS, KV_WIDTH, I = 128256, 2048, 16, 8 * 64, 8192
+# Every tensor of Llama-3.2-1B is whole 512-byte blocks; what blocks add: the rotary embedding's inv_freq and (from
+# transformers 5.0, which the default plan follows) its original_inv_freq clone, one block each, and fused AdamW's
+# float32 `step` scalar per parameter tensor (16 layers x 9, the embedding and the final norm), one block each
+BLOCK = 512
+ROTARY = 2 * BLOCK
+STEPS = (N_LAYERS * 9 + 2) * BLOCK
 
 
 def cfg(**kw):
@@ -19,16 +25,16 @@ def cfg(**kw):
 
 def test_full_fine_tuning_in_float32_is_16_bytes_per_param(llama_1b):
     train = cfg()  # TRL's default: float32 weights, AdamW
-    assert m.weight_bytes(llama_1b, train) == 4 * P
+    assert m.weight_bytes(llama_1b, train) == 4 * P + ROTARY
     assert m.gradient_bytes(llama_1b, train) == 4 * P
-    assert m.optimizer_state_bytes(llama_1b, train) == 8 * P
+    assert m.optimizer_state_bytes(llama_1b, train) == 8 * P + STEPS
     assert m.optimizer_step_temporary_bytes(llama_1b, train) == 0  # fused AdamW needs no scratch
 
 
 def test_bf16_weights_halve_weights_grads_and_states(llama_1b):
     train = cfg(dtype="bfloat16")
     assert (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train),
-            m.optimizer_state_bytes(llama_1b, train)) == (2 * P, 2 * P, 4 * P)
+            m.optimizer_state_bytes(llama_1b, train)) == (2 * P + ROTARY, 2 * P, 4 * P + STEPS)
 
 
 def test_foreach_adamw_needs_a_param_sized_scratch(llama_1b):
@@ -56,9 +62,10 @@ def test_lora_adapters_are_fp32_with_their_own_grads_and_states(llama_1b):
     train = cfg(lora_r=16, dtype="bfloat16")
     t = llama_1b.lora_params(16, None)
     assert m.trainable_params(llama_1b, train) == t
-    assert m.weight_bytes(llama_1b, train) == 2 * P + 4 * t
+    assert m.weight_bytes(llama_1b, train) == 2 * P + 4 * t + ROTARY
     assert m.gradient_bytes(llama_1b, train) == 4 * t
-    assert m.optimizer_state_bytes(llama_1b, train) == 8 * t
+    # lora_A and lora_B of the 7 linears of 16 layers, a step scalar each
+    assert m.optimizer_state_bytes(llama_1b, train) == 8 * t + N_LAYERS * 7 * 2 * BLOCK
 
 
 def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):
@@ -76,7 +83,7 @@ def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):
 
 def test_reference_model_only_with_beta_and_without_peft(llama_1b):
     assert m.reference_weight_bytes(llama_1b, cfg()) == 0  # beta 0: no reference model
-    assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04)) == 4 * P
+    assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04)) == 4 * P + ROTARY
     assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04, lora_r=8)) == 0  # adapter disabled instead
 
 
@@ -149,19 +156,29 @@ def test_fused_lm_head_casts_two_vocabulary_chunks_of_fp32_weights_in_backward(l
                                               + scored * H * 2 + scored * 4)
 
 
-@pytest.mark.parametrize(("version", "forward", "saved", "backward"), [
-    ("0.15.0", 6, 4, 12),  # bf16 logits + accelerate's fp32 copy; the per-sequence logsumexp keeps the copy
-    ("1.13.0", 8, 4, 12),  # then `logits / temperature`: a second fp32 copy, the one kept
-    ("1.5.0", 6, 4, 12),  # `logits.div_(temperature)` in place (1.0-1.9): no second copy
-    ("1.14.0", 6, 4, 4),  # the Triton kernel keeps the fp32 logits and makes one gradient
+# Logits of 4 sequences of 1,000 completion tokens: the model's output covers c + 1 = 1,001 positions, the log-probs
+# read the completion's 1,000; the entropies (TRL 0.23-1.13) take 128 of those rows at a time
+OUT, SCORED, CHUNK = 4 * 1001 * V, 4 * 1000 * V, 128 * V
+
+
+@pytest.mark.parametrize(("version", "expected"), [
+    # bf16 logits + accelerate's fp32 copy; the per-sequence logsumexp keeps the copy; backward's three gradients
+    # are of the completion's positions, the view the log-probs read
+    ("0.15.0", (6 * OUT, 4 * OUT, 12 * SCORED)),
+    # `logits / temperature` of the completion's positions: a second fp32 copy, the one kept (the loop keeps the
+    # model's output too); the entropies' log_softmax, exp and product of a chunk beside both
+    ("1.13.0", (4 * OUT + 4 * SCORED + 3 * 4 * CHUNK, 4 * SCORED, 12 * SCORED)),
+    # `logits.div_(temperature)` in place (1.0-1.9): no second copy, but the entropies reshape a view of the output,
+    # which copies the completion's rows first
+    ("1.5.0", (4 * OUT + 4 * SCORED + 3 * 4 * CHUNK, 4 * OUT, 12 * SCORED)),
+    ("1.14.0", (6 * OUT, 4 * OUT, 4 * OUT)),  # the Triton kernel keeps the fp32 logits and makes one gradient
 ])
-def test_old_trl_materialises_full_logits(llama_1b, version, forward, saved, backward):
-    # bytes per logit as the trace counts them on Llama-3.2-1B (benchmarks/results/trl_matrix.json)
+def test_old_trl_materialises_full_logits(llama_1b, version, expected):
+    # bytes as the trace counts them (benchmarks/results/trl_matrix.json)
     train = cfg(dtype="bfloat16", max_completion_length=1000, mixed_precision="bf16")
     head = lm_head_memory(llama_1b, train, trl_release(version), sequences=4, with_grad=True)
-    logits = 4 * 1001 * V
-    assert (head.forward_transient, head.saved, head.backward_transient) == (
-        forward * logits, saved * logits, backward * logits)
+    logits = OUT
+    assert (head.forward_transient, head.saved, head.backward_transient) == expected
     # the seeds' OOM: 1.90 GiB for one fp32 copy of ~1000 tokens x 4 sequences of Llama's vocabulary
     assert logits * 4 / 2**30 == pytest.approx(1.91, abs=0.01)
 

@@ -14,6 +14,10 @@ from vram_planner.model.trl_releases import trl_release
 from vram_planner.units import GiB
 
 CAPACITY = 16 * GiB
+# Beside Llama-3.2-1B's parameters (all whole 512-byte blocks): the rotary embedding's inv_freq and, from
+# transformers 5.0, its original_inv_freq clone, a block each; fused AdamW's step scalar per tensor, a block each
+ROTARY = 2 * 512
+STEPS = (16 * 9 + 2) * 512
 
 
 def run(arch, **kw):
@@ -105,7 +109,8 @@ def test_generation_phase_by_hand(llama_1b):
     assert gen.moment == "last decoding step: LM head"
     assert gen.components["kv_cache"] == kv
     # autocast's cached bf16 copies of every decoder linear and of the output projection
-    assert gen.components["weights"] == 4 * llama_1b.params + 2 * llama_1b.linear_params + 2 * 128256 * 2048
+    assert gen.components["weights"] == (4 * llama_1b.params + ROTARY + 2 * llama_1b.linear_params
+                                         + 2 * 128256 * 2048)
     assert gen.components["lm_head_buffers"] == 8 * 128256 * (2 + 4 + 4)  # logits, fp32 copy, probabilities
     assert gen.components["gradients"] == 0 and gen.components["activations"] == 0
 
@@ -126,7 +131,7 @@ def test_scoring_phase_by_hand(llama_1b):
                   + 4096 * 32768 * 2  # one bf16 logits tile
                   + 32768 * 2048 * 2  # a bf16 cast of one vocabulary chunk of the fp32 head
                   + 4096 * 2048 * 2)  # a bf16 cast of one token chunk of hidden states
-    assert scoring.tensor_bytes - scoring.components["reference_weights"] - 4 * llama_1b.params - 8 * llama_1b.params \
-        == kept_ref_logps + max(decoder, fused_head)
+    assert scoring.tensor_bytes - scoring.components["reference_weights"] - (4 * llama_1b.params + ROTARY) \
+        - (8 * llama_1b.params + STEPS) == kept_ref_logps + max(decoder, fused_head)
     # the reference's weights require grad, so autocast caches their casts as the policy's
-    assert scoring.components["reference_weights"] == 4 * llama_1b.params + 2 * llama_1b.linear_params
+    assert scoring.components["reference_weights"] == 4 * llama_1b.params + ROTARY + 2 * llama_1b.linear_params

@@ -134,6 +134,10 @@ def test_the_rows_agree_with_every_wheel_read():
     assert read("4.55.0", "llama", "sdpa_contiguous_inputs") and not read("4.56.0", "llama", "sdpa_contiguous_inputs")
     # use_gqa_in_sdpa (k and v unrepeated when no mask is given) from 4.54
     assert not read("4.53.0", "llama", "sdpa_gqa_without_mask") and read("4.54.0", "llama", "sdpa_gqa_without_mask")
+    # pack_gqa (a decoding step's single query on the key/value heads, no repeat_kv) from 5.23
+    assert not read("5.22.0", "llama", "sdpa_decoding_gqa") and read("5.23.0", "llama", "sdpa_decoding_gqa")
+    # self.original_inv_freq = self.inv_freq up to 4.57; register_buffer("original_inv_freq", inv_freq.clone()) in 5.0
+    assert read("4.57.6", "llama", "rotary_buffers") == 1 and read("5.0.0", "llama", "rotary_buffers") == 2
     assert all(set(types) >= {"llama", "qwen2", "mistral", "gemma2", "phi3"} for types in releases.values())
     # a disagreement is reported, one line per column
     broken = {"releases": {"4.52.0": {"llama": {"logits_to_keep_names": ["num_logits_to_keep", "logits_to_keep"],
@@ -193,3 +197,24 @@ def test_sdpa_inputs_made_contiguous_before_4_56_keep_copies(model, copies):
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     training = [{p.name: p for p in r.estimate.phases}["training"].components["activations"] for r in (before, after)]
     assert training[0] - training[1] == arch.num_layers * 4 * 512 * 2 * copies(q, kv)
+
+
+def test_a_masked_decoding_step_copies_a_layer_of_the_cache_to_every_query_head_until_pack_gqa():
+    # A padded batch passes generate()'s mask, so SDPA's use_gqa_in_sdpa is False and repeat_kv copies the layer's
+    # whole cached k and v to Llama-3.2-1B's 32 query heads (8 key/value heads); from 5.23 a single query is packed
+    # onto the key/value heads instead (integrations/sdpa_attention.py pack_gqa), and no copy is made.
+    knobs = {"per_device_train_batch_size": 4, "num_generations": 4, "max_prompt_length": 208,
+             "max_completion_length": 786, "dtype": "bfloat16", "mixed_precision": "bf16", "attn_implementation": "sdpa"}
+    before, after = ({p.name: p for p in engine.check("Llama-3.2-1B-Instruct", "a100-80gb",
+                                                      {**knobs, "transformers_version": v}).estimate.phases}
+                     for v in ("5.22.0", "5.23.0"))
+    layer = 4 * 993 * 8 * 64 * 2 * 2  # 4 sequences x 993 cached tokens x 8 heads x 64 x bf16 keys and values
+    assert before["generation"].moment == "last decoding step: attention"
+    assert before["generation"].components["activations"] == 32 // 8 * layer
+    assert before["generation"].components["kv_cache"] == 16 * layer
+    assert after["generation"].moment != "last decoding step: attention"
+    assert after["generation"].components["activations"] == 0
+    # FlashAttention-2 reads the cache as it is, in every release
+    flash = engine.check("Llama-3.2-1B-Instruct", "a100-80gb", {**knobs, "transformers_version": "5.22.0",
+                                                                "attn_implementation": "flash_attention_2"})
+    assert {p.name: p for p in flash.estimate.phases}["generation"].components["activations"] == 0

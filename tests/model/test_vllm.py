@@ -131,9 +131,10 @@ def test_too_small_a_share_cannot_start_and_the_reason_names_the_smallest_that_w
 
 
 def test_vllm_refuses_more_than_the_memory_free_when_it_starts():
-    # the trainer's float32 weights (27 GiB) and its CUDA context are on the card before vLLM starts
+    # the trainer's float32 weights (27 GiB; and the rotary embedding's two frequency buffers, a 512-byte block
+    # each) and its CUDA context are on the card before vLLM starts
     b = colocated(DENSE, dtype="float32", vllm_gpu_memory_utilization=0.9)
-    assert b.free_at_start_bytes == CAPACITY - CONTEXT - 4 * 6_738_415_616
+    assert b.free_at_start_bytes == CAPACITY - CONTEXT - 4 * 6_738_415_616 - 2 * 512
     assert b.problem.startswith("vLLM refuses to start: --vllm-gpu-memory-utilization 0.9 asks for")
     assert b.recommended_gpu_memory_utilization is not None  # a smaller share still works
 

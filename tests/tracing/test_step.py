@@ -76,6 +76,21 @@ def test_fused_adamw_keeps_two_fp32_moments_and_a_step_per_parameter(full):
     assert full.phase("optimizer").components["gradients"] == sum(rounded(p.numel() * 4) for p in params)
 
 
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+@pytest.mark.parametrize("lora_r", [None, 8])
+def test_the_analytic_model_counts_what_persists_to_the_block(optim, lora_r):
+    """Weights, gradients and optimizer states as the trace counts them, byte for byte: every tensor in whole
+    512-byte blocks (the norms' 256 bytes take a block each), the rotary embedding's inv_freq buffers, and the
+    float32 `step` scalar per parameter that fused AdamW keeps on the device; foreach AdamW keeps its steps on the
+    host (torch/optim/adam.py _init_group), where neither counts them."""
+    train = TrainingConfig(**SHORT, optim=optim, lora_r=lora_r)
+    traced = trace_step(TINY, train).phase("optimizer").components
+    analytic = {p.name: p for p in estimate(ModelArchitecture.from_config(TINY), train, trl_release(), Calibration(),
+                                            80 * GiB).phases}["optimizer"].components
+    assert {c: analytic[c] for c in ("weights", "gradients", "optimizer_states")} == {
+        c: traced[c] for c in ("weights", "gradients", "optimizer_states")}
+
+
 def test_optimizer_states_are_carried_by_every_phase_at_steady_state(full):
     states = full.phase("optimizer").components["optimizer_states"]
     assert all(p.components["optimizer_states"] == states for p in full.phases)

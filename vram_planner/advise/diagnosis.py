@@ -264,6 +264,8 @@ def _transformers_fix(context: Any, train: Any, verdict: Any) -> Fix | None:
     row = max(honouring, key=lambda r: version_tuple(r.min_version))
     pinned = with_changes(train, transformers_version=row.min_version)
     saved = verdict.estimate.peak_bytes - judge(context, pinned).estimate.peak_bytes
+    if saved <= 0:  # the older release's attention keeps more (repeated k and v) than its shorter logits save
+        return None
     return Fix(change=f"pip install 'transformers<{row.below_version}'", saves_bytes=round(saved),
                cost="none (same training, an older transformers)", removes_culprit=True,
                why=f"transformers {row.min_version} up to {row.below_version} honours the "

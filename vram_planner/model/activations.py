@@ -201,12 +201,15 @@ def _repeated_kv_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> 
     """
     c, k = sizes(train).compute, arch.num_kv_heads
     q_width, kv_width = arch.num_attention_heads * arch.head_dim, k * arch.head_dim
-    unrepeated = train.transformers.sdpa_gqa_without_mask and not masked_log_prob_forward(train)
-    if k > 1 and q_width != kv_width and not (unrepeated and train.attn_implementation == "sdpa"):
+    # SDPA with enable_gqa: k and v reach the kernel grouped, never repeated (nor expanded, so a cast of k is kv wide)
+    grouped = (train.transformers.sdpa_gqa_without_mask and not masked_log_prob_forward(train)
+               and train.attn_implementation == "sdpa")
+    if k > 1 and q_width != kv_width and not grouped:
         return 2 * c * q_width
     # phi3's v is a slice of the fused qkv_proj output: keeping it keeps the q and k columns of that tensor too
     fused = c * (q_width + kv_width) if arch.family.fused_qkv else 0
-    return _key_saved_bytes(arch, train) + c * kv_width + fused
+    key = c * kv_width if grouped else _key_saved_bytes(arch, train)
+    return key + c * kv_width + fused
 
 
 def _contiguous_inputs_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from vram_planner.model import fsdp, zero
+from vram_planner.model import blocks, fsdp, zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.spec import DTYPE_BYTES, Optimizer, TrainingConfig
@@ -93,6 +93,26 @@ def trainable_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
     return arch.params
 
 
+def per_parameter_storages(train: TrainingConfig) -> bool:
+    """Whether each parameter (and its gradient and states) is a storage of its own, in whole 512-byte blocks; DeepSpeed
+    and FSDP keep flat buffers and shards instead."""
+    return train.zero_stage is None and not train.fsdp
+
+
+def _plain_weight_rounding(arch: ModelArchitecture, train: TrainingConfig, per_param: float) -> float:
+    """Whole blocks of every parameter tensor, and the rotary embeddings' frequency buffers."""
+    if not per_parameter_storages(train) or train.load_in_4bit:
+        return 0
+    return blocks.rounding_bytes(blocks.parameter_tensors(arch), per_param) + blocks.rotary_buffer_bytes(arch, train)
+
+
+def _trainable_rounding(arch: ModelArchitecture, train: TrainingConfig, per_param: float) -> float:
+    """Whole blocks of every trainable tensor (a weight, a gradient, an optimizer state) of `per_param` bytes."""
+    if not per_parameter_storages(train):
+        return 0
+    return blocks.rounding_bytes(blocks.trainable_tensors(arch, train), per_param)
+
+
 def shard_bytes(train: TrainingConfig, n_bytes: float, from_stage: int) -> float:
     """Split n_bytes across GPUs when the ZeRO stage (FSDP counts as 3) shards this kind of state."""
     stage = 3 if train.fsdp else (train.zero_stage or 0)
@@ -113,8 +133,10 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     elif train.zero_stage is not None:
         base = arch.params * 2  # DeepSpeed's bf16 engine casts the module to bf16
     else:
-        base = arch.params * s.weight
-    adapters = trainable_params(arch, train) * s.trainable if train.uses_lora else 0
+        base = arch.params * s.weight + _plain_weight_rounding(arch, train, s.weight)
+    adapters = 0.0
+    if train.uses_lora:
+        adapters = trainable_params(arch, train) * s.trainable + _trainable_rounding(arch, train, s.trainable)
     return shard_bytes(train, base, 3) + shard_bytes(train, adapters, 3) + _zero3_gathered_bytes(arch, train)
 
 
@@ -167,7 +189,7 @@ def reference_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
     per_param = 2 if train.zero_stage is not None else sizes(train).weight
     if train.fsdp:  # frozen: sharded as loaded, not upcast
         per_param = DTYPE_BYTES[train.dtype]
-    return shard_bytes(train, arch.params * per_param, 3)
+    return shard_bytes(train, arch.params * per_param, 3) + _plain_weight_rounding(arch, train, per_param)
 
 
 def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -189,7 +211,7 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
         # the partition lives on the host when the optimizer does (zero/stage3.py:333 and :791)
         partition = 0 if train.optimizer_offloaded else shard_bytes(train, grads, 2)
         return partition + largest * zero.GATHERED_GRADIENT_BYTES
-    return shard_bytes(train, grads, 2)
+    return shard_bytes(train, grads, 2) + _trainable_rounding(arch, train, sizes(train).trainable)
 
 
 def fp32_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -223,7 +245,9 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     elif opt in (Optimizer.rmsprop, Optimizer.adagrad):
         total = trainable * state_dtype
     else:
-        total = 2 * trainable * state_dtype
+        # exp_avg and exp_avg_sq of every tensor in whole blocks, and fused AdamW's step scalars
+        total = 2 * (trainable * state_dtype + _trainable_rounding(arch, train, state_dtype))
+        total += blocks.optimizer_step_scalars_bytes(arch, train) if per_parameter_storages(train) else 0
     if train.zero_stage is not None:
         total += trainable * MASTER_WEIGHT_BYTES
     return shard_bytes(train, total, 1)

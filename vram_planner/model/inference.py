@@ -32,6 +32,7 @@ matters: a layer's tensors are freed as its forward moves on.
 from __future__ import annotations
 
 from vram_planner.model.architecture import Linear, ModelArchitecture
+from vram_planner.model.blocks import ROTARY_EMBEDDINGS
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.components import FP32_BYTES, sizes
 from vram_planner.model.spec import TrainingConfig
@@ -47,9 +48,6 @@ INT64_BYTES = 8
 # generate()'s int64 tensors per prompt token in the prefill: the prompt ids and attention mask, the position ids it
 # derives from the mask, and the ids' copy prepare_inputs_for_generation makes
 GENERATE_INPUTS = 4
-# Rotary embeddings a model's forward runs, each making its own cos and sin: gemma 3 one per kind of layer (global
-# and sliding, with their own base frequencies)
-ROTARY_EMBEDDINGS = {"gemma3_text": 2, "gemma3": 2}
 
 
 def counted(arch: ModelArchitecture, train: TrainingConfig) -> bool:
@@ -82,6 +80,27 @@ def scoring_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int
     rotary = _rotary_tables(arch) * length * arch.head_dim * sizes(train).residual  # cos and sin per position
     return (sequences * length * _widest_moment(arch, train, length, adapters and train.uses_lora, counts, cached)
             + _mask_bytes(arch, train, sequences, length) + rotary)
+
+
+def decoding_repeated_kv_bytes(arch: ModelArchitecture, run: TrainingConfig, kv_bytes: float, tokens: int) -> float:
+    """A masked decoding step's k and v of one layer repeated to every query head (`kv_bytes`: the whole cache of
+    `tokens` tokens per sequence).
+
+    A padded batch passes generate()'s mask, so SDPA cannot take grouped k and v (use_gqa_in_sdpa wants no mask) and
+    repeat_kv copies the layer's whole cached k and v, as eager attention always does; from transformers 5.23 SDPA
+    runs a single query on the key/value heads instead (pack_gqa, profiles/transformers.toml sdpa_decoding_gqa).
+    With one key/value head the repeat is a view, copied only where SDPA makes its inputs contiguous (before 4.56).
+    FlashAttention-2 reads the cache as it is.
+    """
+    groups = arch.num_attention_heads // arch.num_kv_heads
+    sdpa = run.attn_implementation == "sdpa"
+    if run.attn_implementation == "flash_attention_2" or groups == 1 or (sdpa and run.transformers.sdpa_decoding_gqa):
+        return 0
+    if arch.num_kv_heads == 1 and not (sdpa and run.transformers.sdpa_contiguous_inputs):
+        return 0
+    # the widest layer's cache, a full-attention one's (a sliding window's where every layer slides)
+    widest = tokens if arch.sliding_layers < arch.num_layers else min(tokens, arch.sliding_window or tokens)
+    return groups * kv_bytes * widest / arch.kv_layers_tokens(tokens)
 
 
 def batch_ids_bytes(sequences: int, length: int) -> float:
@@ -190,4 +209,24 @@ def _attention_moment(arch: ModelArchitecture, train: TrainingConfig, length: in
         return held + a * length * (masked + upcast + FP32_BYTES)
     casts = 2 * c * q_width if train.mixed_precision != "no" and r != c else 0
     per_layer_mask = train.attn_implementation == "sdpa" and train.transformers.attention_mask == "per_layer"
-    return held + casts + (c * length if per_layer_mask else 0) + c * q_width + FP32_BYTES * a
+    copies, output_copy = _contiguous_inputs_bytes(arch, train)
+    # inside the kernel its casts and log-sum-exp; once it returns (they are gone) the output's copy
+    return (held + (c * length if per_layer_mask else 0) + c * q_width + copies
+            + max(casts + FP32_BYTES * a, output_copy))
+
+
+def _contiguous_inputs_bytes(arch: ModelArchitecture, train: TrainingConfig) -> tuple[float, float]:
+    """Per token: the copies SDPA's inputs get where transformers makes them contiguous first (before 4.56,
+    integrations/sdpa_attention.py `query.contiguous()`, and key and value), and the copy of its output after it.
+    Rotary leaves q head-major but strided, so it is copied, and with one key/value head repeat_kv's views of k and v
+    become query-wide copies; the output of a contiguous query comes back head-major, so `transpose(1, 2).contiguous()`
+    copies it as the kernel returns. Phi's partial rotary concatenates q into a contiguous tensor: neither is copied."""
+    if train.attn_implementation != "sdpa" or not train.transformers.sdpa_contiguous_inputs:
+        return 0, 0
+    s = sizes(train)
+    q_width, kv_width = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    strided = not arch.family.partial_rotary
+    inputs = s.residual * q_width if strided else 0
+    if arch.num_kv_heads == 1 and q_width != kv_width:
+        inputs += (s.residual + s.compute) * q_width
+    return inputs, s.compute * q_width if strided else 0

@@ -22,6 +22,8 @@ FUSED_FORWARD_STATS_PER_TOKEN = 7 * FP32_BYTES
 # Kept for backward per scored token: int64 target, fp32 log-normaliser and entropy, and the (N, 2) int64 positions
 # `hidden_states[mask]` keeps for its index backward.
 FUSED_SAVED_PER_TOKEN = 8 + 2 * FP32_BYTES + 2 * 8
+# Rows of the flattened logits entropy_from_logits takes at a time (its chunk_size default, TRL 0.23-1.13)
+ENTROPY_ROWS = 128
 
 
 def _logit_bytes(train: TrainingConfig) -> tuple[float, float]:
@@ -53,6 +55,38 @@ def full_logits_bytes(train: TrainingConfig, release: TrlRelease) -> tuple[float
     return converting, logit, 3 * logit  # "rows", "scaled_in_place": no copy before the per-sequence log-softmax
 
 
+def _entropy_bytes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, sequences: int,
+                   viewed: bool) -> float:
+    """What the loss pass's entropy_from_logits adds at its widest (profiles/trl.toml training_entropy): a chunk's
+    log_softmax, its exp and their product, in the logits' dtype; by flat rows, first the reshape's copy of logits
+    that are a view of the model's output (`viewed`: the slice [:, :-1][:, -c:] of more than one sequence)."""
+    logit = _logit_bytes(train)[0]
+    c, vocab = train.max_completion_length, arch.vocab_size
+    if release.training_entropy == "per_sequence":
+        return 3 * c * vocab * logit
+    if release.training_entropy == "flat_rows":
+        rows = sequences * c
+        copy = rows * vocab * logit if viewed and sequences > 1 else 0
+        return copy + 3 * min(ENTROPY_ROWS, rows) * vocab * logit
+    return 0
+
+
+def _scaled_copy_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, sequences: int,
+                        logits: float, inside: float) -> LmHeadMemory:
+    """The loss pass of "scaled_copy" releases: `logits[:, :-1][:, -c:] / temperature` is a copy of the completion's
+    c positions only (the model's c + 1, or all, are freed once it is made, but for 1.10-1.13, whose loop keeps the
+    model's output): the logsumexp rows keep it, and backward holds three gradients of its size (the gather's, the
+    rows', their sum). The entropies (0.20 on) are computed beside it."""
+    logit = _logit_bytes(train)[0]
+    scored = sequences * train.max_completion_length * arch.vocab_size
+    beside = logits * logit if release.full_logits_log_probs == "scaled_copy_beside_output" else 0
+    scaling = logits * logit + scored * logit  # the float32 output and its scaled copy
+    entropy = beside + scored * logit + _entropy_bytes(arch, train, release, sequences, viewed=False)
+    return LmHeadMemory(forward_transient=max(logits * inside, scaling, entropy), saved=scored * logit,
+                        backward_transient=3 * scored * logit, in_forward=logits * inside,
+                        projecting=logits * (inside - (FP32_BYTES if train.mixed_precision != "no" else 0)))
+
+
 @dataclass(frozen=True)
 class LmHeadMemory:
     """Bytes of the LM head during one micro-batch."""
@@ -63,6 +97,13 @@ class LmHeadMemory:
     # the part of forward_transient made before the model's forward returns (its output, accelerate's copy): what
     # meets the forward's own tensors, such as a KV cache its output holds (None: all of it)
     in_forward: float | None = None
+    # what exists while the head projects, inside autocast (whose cached weight casts are alive until it exits):
+    # the logits in the compute dtype, before accelerate's float32 copy (None: `inside_forward`)
+    projecting: float | None = None
+
+    @property
+    def at_projection(self) -> float:
+        return self.inside_forward if self.projecting is None else self.projecting
 
     @property
     def inside_forward(self) -> float:
@@ -101,6 +142,8 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
         logits = sequences * logit_positions(train, release) * vocab
         forward, saved, backward = full_logits_bytes(train, release)
         inside = _logit_bytes(train)[1]  # the model's logits and accelerate's copy, made before its forward returns
+        if with_grad and release.full_logits_log_probs in ("scaled_copy", "scaled_copy_beside_output"):
+            return _scaled_copy_memory(arch, train, release, sequences, logits, inside)
         if not with_grad and train.local_generation_batch_size > sequences:
             # A scoring pass over several chunks (TRL 0.17 on) keeps the previous chunk's logits in its loop variable
             # until the next chunk's forward returns: they meet that chunk's logits and accelerate's copy of them
@@ -108,8 +151,19 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
             kept = 2 * saved if release.full_logits_log_probs == "scaled_copy_beside_output" else saved
             inside = kept + _logit_bytes(train)[1]
             forward = max(forward, inside)
+        # accelerate copies the output to float32 outside autocast (convert_outputs_to_fp32 wraps the autocast
+        # forward), so the projection meets the casts and the copy does not
+        projecting = inside - (FP32_BYTES if train.mixed_precision != "no" else 0)
+        backward_bytes = logits * backward
+        if with_grad:  # in place ("scaled_in_place"), the log-probs and the entropies read a view of the output
+            forward = max(forward, saved + _entropy_bytes(arch, train, release, sequences, viewed=True) / logits)
+            if release.full_logits_log_probs != "kernel":
+                # the logsumexp rows' and the gather's gradients are the completion's c positions (the view's), not
+                # the output's: the slice's backward makes the full-size gradient only after them
+                backward_bytes = sequences * train.max_completion_length * vocab * backward
         return LmHeadMemory(forward_transient=logits * forward, saved=logits * saved if with_grad else 0,
-                            backward_transient=logits * backward if with_grad else 0, in_forward=logits * inside)
+                            backward_transient=backward_bytes if with_grad else 0, in_forward=logits * inside,
+                            projecting=logits * projecting)
     chunk = release.lm_head_vocab_chunk
     tile_tokens = min(scored, release.lm_head_token_chunk)
     tile = tile_tokens * chunk * s.compute  # the tile buffer is a whole vocabulary chunk wide, whatever V is

@@ -203,7 +203,10 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
     run = m.as_generated(train)
     # The last decoding step feeds the last sampled token with p + c - 1 tokens cached.
     kv = m.kv_cache_bytes(arch, train, sequences, train.sequence_length - 1)
-    # DynamicCache grows by concatenation: one layer's keys and values exist twice for a moment.
+    # DynamicCache grows by concatenation: one layer's keys and values exist twice for a moment. (The keys, then the
+    # values, cache_utils.py DynamicLayer.update: the tensors alone hold half of that at once, but the caching
+    # allocator cannot reuse a step's blocks for the next step's longer ones, and the boundary's needs, measured
+    # through it, lie above the half: benchmarks/results/boundary.txt, Phi-3-mini's LoRA with 2,048-token completions)
     kv_growth = kv / max(arch.num_layers, 1)
     # Autocast casts every weight once per forward; the casts of trainable weights stay cached to its end.
     casts = m.layer_weight_cast_bytes(arch, run) + m.adapter_cast_bytes(arch, run)
@@ -230,6 +233,10 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         *first_gather,
         Phase("generation", {**decoding, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
         Phase("generation", {**decoding, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
+        Phase("generation", {**decoding, "kv_cache": kv,
+                             "activations": inference.decoding_repeated_kv_bytes(
+                                 arch, run, kv, train.sequence_length - 1)},
+              "last decoding step: attention"),
         Phase("generation", {**decoding, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
               "last decoding step: LM head"),
     ]
@@ -256,11 +263,20 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     # chunk's keys and values of every layer stay in a cache its output holds until the forward returns, which
     # the logits and accelerate's copy of them meet, not the log-softmax work after it (a temperature-scaled copy)
     cache = {"kv_cache": m.kv_cache_bytes(arch, train, b, length, forward=train)} if cached else {}
+    # Autocast's cached casts live until its context exits, before accelerate copies the output to float32
+    # (convert_outputs_to_fp32 wraps the autocast forward): the projection meets them, with the output weight's own
+    # cast (TRL's fused head casts its own vocabulary chunks, counted in its forward); the copy and the log-softmax
+    # work after it do not
+    head_cast = m.lm_head_cast_bytes(arch, train) if head.projecting is not None else 0
+    projecting = {name: value + head_cast for name, value in casts.items()}
+    gathered = casts if train.fsdp and not train.load_in_4bit else {}  # FSDP2's gathers are no casts: they stay
     moments = [Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps + layers},
                      "decoder forward"),
-               Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps,
+               Phase("scoring", {**persistent, **projecting, **cache, "activations": kept_logps,
+                                 "lm_head_buffers": head.at_projection}, "LM head of a chunk, projecting"),
+               Phase("scoring", {**persistent, **gathered, **cache, "activations": kept_logps,
                                  "lm_head_buffers": head.inside_forward}, "LM head of a chunk, in its forward"),
-               Phase("scoring", {**persistent, **casts, "activations": kept_logps,
+               Phase("scoring", {**persistent, **gathered, "activations": kept_logps,
                                  "lm_head_buffers": head.forward_transient}, "LM head of a chunk")]
     return _heaviest(moments, cal, train)
 
@@ -335,10 +351,17 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         head_moments = _merged_log_prob_moments(arch, train, release, persistent, policy_graph,
                                                 weights + backward_casts)
     else:
+        # Autocast's cache empties when the forward returns, before accelerate's float32 copy and TRL's log-prob
+        # work; the casts the linears keep for backward stay, the output projection's among them (it is never
+        # checkpointed; TRL's fused head casts its own chunks instead, counted in its memory)
+        head_cast = m.lm_head_cast_bytes(arch, train) if head.projecting is not None else 0
+        after_forward = {**policy_graph, "weights": weights + backward_casts + head_cast}
         head_moments = [
-            Phase("training", {**persistent, **policy_graph, "lm_head_buffers": head.forward_transient},
+            Phase("training", {**persistent, **policy_graph, "weights": weights + forward_casts + head_cast,
+                               "lm_head_buffers": head.at_projection}, "forward: LM head, projecting"),
+            Phase("training", {**persistent, **after_forward, "lm_head_buffers": head.forward_transient},
                   "forward: LM head"),
-            Phase("training", {**persistent, **policy_graph, "weights": weights + backward_casts,
+            Phase("training", {**persistent, **after_forward,
                                "lm_head_buffers": head.saved + head.backward_transient}, "LM head backward"),
         ]
     if train.fsdp:
@@ -451,13 +474,22 @@ def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, rel
     # once its logits are copied to float32; its rows' log_softmax, one at a time, meets that copy alone
     cache = (m.kv_cache_bytes(arch, train, sequences, train.sequence_length, forward=train)
              if release.log_prob_forward_cache == "model_default" and not train.gradient_checkpointing else 0)
+    # Before its logits, the reference's decoder forward: its widest layer (no grad, adapters disabled) beside the
+    # policy's graph and rows, with its KV cache filled to the full sequence
+    decoder = (inference.scoring_bytes(arch, train, sequences, train.sequence_length, adapters=False,
+                                       cached=bool(cache)) if inference.counted(arch, train) else 0)
     return [
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": converting}, POLICY_LOGITS_MOMENT),
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": logits * logit + rows},
               "policy log-probs: the logits and every row's log_softmax"),
+        Phase("training", {**persistent, **reference, "kv_cache": cache,
+                           "activations": reference["activations"] + decoder, "lm_head_buffers": rows},
+              "reference forward while the policy's graph is alive"),
         Phase("training", {**persistent, **reference, "kv_cache": cache, "lm_head_buffers": rows + converting},
               "reference log-probs while the policy's graph is alive"),
-        Phase("training", {**persistent, **reference, "lm_head_buffers": rows + logits * logit + one_row},
+        # the loop's `log_probs` still holds the previous row's log_softmax while the next is made (no graph keeps
+        # the reference's)
+        Phase("training", {**persistent, **reference, "lm_head_buffers": rows + logits * logit + 2 * one_row},
               "reference log-probs: a row's log_softmax while the policy's graph is alive"),
         Phase("training", {**persistent, **policy_graph, "weights": backward_weights,
                            "lm_head_buffers": 2 * rows + one_row}, "log-prob backward: every row's gradient, stacked"),

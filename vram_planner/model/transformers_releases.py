@@ -37,6 +37,10 @@ class TransformersRelease:
     attention_mask: Literal["shared", "per_layer"]
     sdpa_contiguous_inputs: bool  # SDPA's query, key and value made contiguous first (before 4.56)
     sdpa_gqa_without_mask: bool  # no mask: k and v reach SDPA unrepeated, with enable_gqa (4.54 on)
+    # a decoding step's single query runs on the key/value heads (pack_gqa, 5.23 on) even with a mask; before, SDPA's
+    # repeat_kv copies the layer's whole cache to every query head at each step
+    sdpa_decoding_gqa: bool
+    rotary_buffers: int  # float32 frequency buffers per rotary embedding: inv_freq, and from 5.0 a clone of it
     # what a sliding-window layer's cache holds once the prefill has run: "window" tokens, or the whole "prompt"
     # (4.56 on: DynamicSlidingWindowLayer keeps a view of the prompt's concatenated keys and values until the first
     # decoding step replaces it)

@@ -66,6 +66,10 @@ class TrlRelease:
     liger: Literal["fused_loss", "chunked_logprobs", "layer_kernels"]
     log_prob_forward_cache: Literal["model_default", "off"] = "off"
     log_prob_attention_mask: Literal["passed", "none"] = "passed"
+    # how the loss pass computes the completion's entropies beside its log-probs (full logits, under no_grad):
+    # "per_sequence" (entropy_from_logits over the batch in chunks of 1), "flat_rows" (over the logits reshaped to
+    # rows, 128 at a time), "none" (not computed, or inside the log-prob kernel or the fused head)
+    training_entropy: Literal["none", "per_sequence", "flat_rows"] = "none"
     version: str = ""  # the release asked for, filled in by `trl_release`
     note: str = ""  # why this row was chosen when it is not the installed TRL's own (for the verdict's notes)
 

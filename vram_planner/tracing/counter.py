@@ -225,6 +225,21 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         out[4] = freed[4]
         return True
 
+    def forget(self, tensors: list[Any]) -> int:
+        """Stop counting the storages behind `tensors`, as if they had never been on the device (their allocations
+        leave the events too); returns their counted bytes."""
+        dropped, blocks = 0, set()
+        for key in {id(st) for st in map(_storage, tensors) if st is not None}:
+            record = self._live.pop(key, None)
+            if record is None:
+                continue
+            self.by_tag[record[2]] -= record[1]
+            self.total -= record[1]
+            dropped += record[1]
+            blocks.add(record[4])
+        self.events = [e for e in self.events if e.block not in blocks]
+        return dropped
+
     def bytes_of(self, tensors: list[Any]) -> int:
         """Counted bytes of the distinct storages behind `tensors`."""
         keys = {id(st) for st in map(_storage, tensors) if st is not None}

@@ -208,6 +208,15 @@ def optimizer_recipe(train: TrainingConfig) -> tuple[type, dict[str, Any]]:
     return cls, kwargs
 
 
+def _host_step_scalars(optimizer: Any) -> list[Any]:
+    """The `step` scalars a CUDA run keeps on the host: every group that is neither fused nor capturable (the trace
+    runs on the CPU, where they are made beside the parameters)."""
+    return [state["step"] for group in optimizer.param_groups
+            if not group.get("fused") and not group.get("capturable")
+            for p in group["params"] for state in [optimizer.state.get(p, {})]
+            if "step" in state and getattr(state["step"], "dim", lambda: 1)() == 0]
+
+
 def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> PhasePeak:
     """The first optimizer step, which creates the states (their bytes go to `session.state_bytes`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -223,7 +232,15 @@ def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> Phas
     with tracker.tagged(STEP):
         optimizer.step()
     tracker.assumed_number = 0
-    state_tensors = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    host = _host_step_scalars(optimizer)
+    if host:
+        # torch hosts a per-parameter `step` on the CPU unless the optimizer is fused or capturable
+        # (torch/optim/adam.py _init_group); made as the step starts, they were in its peak
+        on_host = tracker.forget(host)
+        tracker.peak -= on_host
+        tracker.peak_split[STEP] = tracker.peak_split.get(STEP, 0) - on_host
+    state_tensors = [t for state in optimizer.state.values() for t in state.values()
+                     if isinstance(t, torch.Tensor) and not any(t is h for h in host)]
     for t in state_tensors:
         tracker.track(t, STATES)
     session.state_bytes = states = tracker.bytes_of(state_tensors)

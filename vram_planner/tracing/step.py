@@ -12,10 +12,10 @@ allocation and free in order (`TraceResult.events`), which `vram_planner.tracing
 allocator model for the reserve. Fake tensors cannot sit on a
 fake "cuda" device in a CPU-only torch (autograd aborts), so CPU kernels run; where that changes allocations,
 `tracing.patches.cuda_like_behaviour` takes the CUDA path (TRL's compact fused LM head, its in-place Triton kernels,
-cuBLAS fp32-output addmm; foreach optimizers), and autograd's in-place gradient sums are restored (`LiveBytes`).
-Left as the CPU does it: SDPA runs the CPU flash kernel where CUDA runs the memory-efficient one (both keep the
-output and a float32 log-sum-exp; CUDA pads it to 32 queries), CPU autocast does not upcast exp/log/softmax as CUDA's
-does (no decoder forward feeds them bf16), and foreach optimizers' `step` scalars are counted on the device.
+cuBLAS fp32-output addmm; foreach optimizers, whose `step` scalars CUDA keeps on the host), and autograd's in-place
+gradient sums are restored (`LiveBytes`). Left as the CPU does it: SDPA runs the CPU flash kernel where CUDA runs the
+memory-efficient one (both keep the output and a float32 log-sum-exp; CUDA pads it to 32 queries), and CPU autocast
+does not upcast exp/log/softmax as CUDA's does (no decoder forward feeds them bf16).
 Generation runs the prefill and the last decoding step only (the KV cache only grows), with the cache grown in
 between as the decoding steps grow it; values fake tensors lack (padding checks, EOS stops) are assumed and listed
 in the result's notes.
