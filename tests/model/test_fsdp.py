@@ -3,6 +3,7 @@ trace."""
 
 from __future__ import annotations
 
+from vram_planner.model import blocks
 from vram_planner.model import components as m
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.phases import estimate
@@ -27,8 +28,11 @@ def test_bf16_weights_still_train_on_float32_master_shards(llama_1b):
     # accelerate upcasts trainable parameters to float32 before fully_shard under mixed precision
     for gpus in (2, 8):
         train = fsdp(gpus)
-        assert (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train),
-                m.optimizer_state_bytes(llama_1b, train)) == (4 * P / gpus, 4 * P / gpus, 8 * P / gpus)
+        assert (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train)) == (4 * P / gpus, 4 * P / gpus)
+        # each shard's exp_avg and exp_avg_sq a storage of its own, in whole 512-byte blocks, and fused AdamW's
+        # step scalar per parameter, not sharded
+        tensors = len(blocks.trainable_tensors(llama_1b, train))
+        assert 8 * P / gpus + tensors * 512 <= m.optimizer_state_bytes(llama_1b, train) < 8 * P / gpus + tensors * 1536
 
 
 def test_generation_gathers_the_tail_and_a_layer_on_every_rank_not_the_model(llama_1b):

@@ -248,9 +248,20 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
         # exp_avg and exp_avg_sq of every tensor in whole blocks, and fused AdamW's step scalars
         total = 2 * (trainable * state_dtype + _trainable_rounding(arch, train, state_dtype))
         total += blocks.optimizer_step_scalars_bytes(arch, train) if per_parameter_storages(train) else 0
+        if train.fsdp:
+            return shard_bytes(train, total, 1) + _fsdp_adam_state_rounding(arch, train, state_dtype)
     if train.zero_stage is not None:
         total += trainable * MASTER_WEIGHT_BYTES
     return shard_bytes(train, total, 1)
+
+
+def _fsdp_adam_state_rounding(arch: ModelArchitecture, train: TrainingConfig, per_param: float) -> float:
+    """FSDP2 shards each parameter on its own (dim 0, the first ranks' shards rounded up), so the optimizer's
+    exp_avg and exp_avg_sq of a shard are storages of their own, in whole blocks, and fused AdamW's `step` scalars
+    stay on the GPU beside them (one per parameter, not sharded)."""
+    shards = [-(-n // train.num_gpus) for n in blocks.trainable_tensors(arch, train)]
+    rounding = 2 * sum(blocks.blocks(n * per_param) - n * per_param for n in shards)
+    return rounding + blocks.optimizer_step_scalars_bytes(arch, train)
 
 
 def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

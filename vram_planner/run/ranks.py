@@ -3,8 +3,8 @@
 The plan counts one rank's share of the weights, gradients and optimizer states (FSDP2's shards, DeepSpeed's
 partitions); these are the same three read from the tensors the rank holds when its optimizer has stepped: a
 DTensor's local shard under FSDP2, a ZeRO-3 parameter's `ds_tensor` partition, the innermost torch optimizer's state
-and ZeRO's fp32 master partitions (DeepSpeed wraps the torch optimizer, and accelerate wraps that). numel x element
-size, no allocator rounding. Rank 0 gathers every rank's figures into the run's record, so the processes never write
+and ZeRO's fp32 master partitions (DeepSpeed wraps the torch optimizer, and accelerate wraps that). Each tensor in
+the caching allocator's 512-byte blocks, as torch.cuda.memory_allocated and the plan count it. Rank 0 gathers every rank's figures into the run's record, so the processes never write
 the same file.
 """
 
@@ -21,8 +21,20 @@ def _local(tensor: Any) -> Any:
 
 
 def _bytes(tensor: Any) -> int:
+    from vram_planner.model.blocks import blocks
+
     local = _local(tensor)
-    return int(local.numel() * local.element_size())
+    return int(blocks(local.numel() * local.element_size()))
+
+
+def _device_states(optimizer: Any) -> list[Any]:
+    """The optimizer's state tensors a CUDA run keeps on the GPU: the moments, and the `step` scalars of fused or
+    capturable groups (torch/optim/adam.py _init_group; the others keep their steps on the host)."""
+    import torch
+
+    return [value for group in optimizer.param_groups for p in group["params"]
+            for value in optimizer.state.get(p, {}).values()
+            if isinstance(value, torch.Tensor) and (value.dim() > 0 or group.get("fused") or group.get("capturable"))]
 
 
 # DeepSpeed's fp32 master partitions, by the attribute of its ZeRO optimizer that holds them
@@ -41,12 +53,10 @@ def _optimizers(optimizer: Any) -> list[Any]:
 
 def rank_bytes(model: Any, optimizer: Any) -> dict[str, int]:
     """This rank's weights, gradients and optimizer states, in bytes."""
-    import torch
 
     parameters = list({id(p): p for p in model.parameters()}.values())
     chain = _optimizers(optimizer)
-    states = [value for state in chain[-1].state.values() for value in state.values()
-              if isinstance(value, torch.Tensor) and value.dim() > 0]  # the moments, not the step counters
+    states = _device_states(chain[-1])
     # what the optimizer steps that is not the model's own parameters: ZeRO's fp32 master partitions, which the
     # plan counts with the optimizer states
     stepped = [p for group in chain[-1].param_groups for p in group["params"]]
