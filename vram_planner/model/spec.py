@@ -157,6 +157,8 @@ class TrainingConfig:
     num_gpus: Annotated[int, COUNT] = 1
     zero_stage: Annotated[int | None, Rules(ge=0, le=3)] = None
     fsdp: bool = False
+    # ZeRO-3 generation gathers the whole model (TRL's default) or lets each layer gather itself (False)
+    ds3_gather_for_generation: bool = True
     # ZeRO-Offload (DeepSpeed's offload_optimizer / offload_param devices) and FSDP2's CPUOffloadPolicy (--offload-param
     # under --fsdp): which model states live in the host's RAM (vram_planner/model/offload.py)
     offload_optimizer: Literal["none", "cpu"] = "none"

@@ -51,6 +51,13 @@ def run_generation(session: Session) -> PhasePeak:
     generate() resumed from the prefill's cache, grown in between as the decoding steps grow it (`_grow_cache`):
     the allocator model sees the concatenations that fragment its cache.
     """
+    from vram_planner.tracing.zero import generating
+
+    with generating(session):
+        return _generate(session)
+
+
+def _generate(session: Session) -> PhasePeak:
     train, tracker, model = session.train, session.tracker, session.model
     sequences, p, c = train.local_generation_batch_size, train.max_prompt_length, train.max_completion_length
     config = _generation_config(session.base_model, 1)
@@ -212,6 +219,10 @@ def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> Phas
     """The first optimizer step, which creates the states (their bytes go to `session.state_bytes`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    if session.engine is not None:  # DeepSpeed's engine steps its own optimizer (vram_planner.tracing.zero)
+        from vram_planner.tracing.zero import run_step
+
+        return run_step(session)
     tracker = session.tracker
     cls, kwargs = recipe
     # Built outside the fake world: bitsandbytes' 8-bit optimizers make their quantization maps from Python lists
