@@ -33,9 +33,11 @@ Shimmed, each the smallest piece that cannot run here, none of them memory on a 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -52,9 +54,10 @@ from vram_planner.tracing.session import Session
 MAX_GRAD_NORM = 1.0
 # What ZeRO-1/2 and ZeRO-3 optimizers run while backward reduces gradients (zero/stage_1_and_2.py and stage3.py):
 # everything they allocate there is a bucket or a gradient partition.
+# ZeRO-3 makes the fp32 gradient partition of each sub-group in its own method (stage3.py:2683-2693).
 REDUCING_METHODS = ("process_gradients", "reduce_ready_partitions_and_remove_grads", "reduce_gradients",
                     "independent_gradient_partition_epilogue", "overlapping_partition_gradients_reduce_epilogue",
-                    "update_hook_state_and_maybe_run_epilogue")
+                    "update_hook_state_and_maybe_run_epilogue", "_prepare_fp32_grad_for_sub_group")
 
 
 def deepspeed_config(session: Session) -> dict[str, Any]:
@@ -155,12 +158,17 @@ def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", rank=0, world_size=num_gpus, store=FakeStore())
+        # DeepSpeed keeps the process groups it makes in module globals, which die with this process group
+        groups = importlib.import_module("deepspeed.utils.groups")
+        kept = {name: copy.copy(value) for name, value in vars(groups).items() if re.fullmatch(r"_[A-Z_]+", name)}
         try:
             deepspeed.init_distributed(dist_backend="fake")
             yield deepspeed
         finally:
             dist.destroy_process_group()
             importlib.import_module("deepspeed.comm.comm").cdb = None  # the next trace initializes its own
+            for name, value in kept.items():
+                setattr(groups, name, value)
     finally:
         for owner, name, _, original in patched:
             setattr(owner, name, original)
