@@ -38,9 +38,10 @@ GATHERED_GRADIENT_BYTES = 2
 # The gradient reduction bucket ("ipg" bucket): DeepSpeed's default reduce_bucket_size is 5e8 elements
 # (zero/config.py:113). TRL's accelerate configs set none, and accelerate (accelerator.py, `hidden_size_based_keys`)
 # and transformers fill it from the hidden size only where a DeepSpeed config file says "auto", so the default holds.
-# ZeRO-1/2 allocate it at a micro-batch's first gradient and keep it until the next one's
-# (zero/stage_1_and_2.py:3259-3270; one buffer, as overlap_comm is off below stage 3, zero/config.py:384-387), in the
-# 16-bit gradients' dtype (:1253-1254 and :397-404; no separate accumulation dtype by default, engine.py:1806-1807);
+# ZeRO-1/2 allocate it at a micro-batch's first gradient (zero/stage_1_and_2.py:3259-3270; one buffer, as overlap_comm
+# is off below stage 3, zero/config.py:384-387) and release it when that backward ends (`_release_ipg_buffers`,
+# :924-931, from the epilogue at :1061; the sharded trace sees it only in the loss phase), in the 16-bit gradients'
+# dtype (:1253-1254 and :397-404; no separate accumulation dtype by default, engine.py:1806-1807);
 # ZeRO-3 allocates it at start-up and keeps it (zero/stage3.py:780-784), in the 16-bit communication dtype. Its size
 # does not depend on the model's.
 REDUCE_BUCKET_ELEMENTS = 500_000_000
