@@ -100,3 +100,27 @@ def test_zero3_generation_gathers_the_whole_model_or_layer_by_layer(traced):
     # stage3_max_reuse_distance, 1e9 by default: in this small model every one)
     layered = traced["3-layer-by-layer"]
     assert _component(layered, "generation", "weights") > _component(layered, "optimizer", "weights") + PARAMS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage):
+    # benchmarks/deepspeed_cpu.py ran DeepSpeed 0.19.8 for real on 2 gloo CPU ranks, a 28M-parameter model, each rank's
+    # tensors counted by PyTorch's MemTracker (benchmarks/results/deepspeed_cpu.json): the fake-tensor rank's peak is
+    # that run's to a few kilobytes (the 512-byte rounding of each block), kept states too
+    import importlib.util
+
+    from vram_planner.model.spec import training_config
+    from vram_planner.tracing.step import trace_step
+
+    root = FIXTURES.parent.parent
+    spec = importlib.util.spec_from_file_location("deepspeed_cpu", root / "benchmarks" / "deepspeed_cpu.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+
+    measured = {r["stage"]: r for r in json.loads((root / "benchmarks/results/deepspeed_cpu.json").read_text())}
+    train = training_config({"num_gpus": 2, "zero_stage": stage, "dtype": "float32", "per_device_train_batch_size": 2,
+                             "num_generations": 2, "max_prompt_length": 16, "max_completion_length": 16})
+    traced = trace_step(benchmark.CONFIG, train)
+    assert traced.phase("training").peak_bytes == pytest.approx(max(measured[stage]["step_peak_bytes"]), abs=2**16)
+    assert traced.phase("generation").peak_bytes - measured[stage]["kept_bytes"] < 2**20  # the KV cache and logits
