@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import build_on_meta, family_fixture_files
+from helpers import build_on_meta, family_fixture_files, one_line_error
 from vram_planner.model import zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
@@ -112,3 +112,9 @@ def test_deepspeeds_own_estimator_when_it_is_installed(gpus, llama_1b):
     assert zero.deepspeed_estimate_bytes(p, gpus, 3, largest) == zero3
     assert _optimizer_model_states(llama_1b, 2, gpus) >= zero2
     assert _optimizer_model_states(llama_1b, 3, gpus) >= zero3
+
+
+def test_layer_by_layer_generation_without_zero3_is_one_line(capsys):
+    err = one_line_error(capsys, "check", "--gpu", "h100-80gb", "--model", "Llama-3.2-1B", "--zero-stage", "2",
+                         "--num-gpus", "2", "--no-ds3-gather-for-generation")
+    assert "ds3-gather-for-generation off needs --zero-stage 3" in err

@@ -124,3 +124,4 @@ def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage):
     traced = trace_step(benchmark.CONFIG, train)
     assert traced.phase("training").peak_bytes == pytest.approx(max(measured[stage]["step_peak_bytes"]), abs=2**16)
     assert traced.phase("generation").peak_bytes - measured[stage]["kept_bytes"] < 2**20  # the KV cache and logits
+
