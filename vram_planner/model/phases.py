@@ -365,6 +365,14 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
                            "activations": first_layer}, "backward through the first layer"),
     ]
     layer_backwards = moments[-2:]
+    if train.zero_stage in (2, 3) and not train.optimizer_offloaded:
+        # ZeRO-2/3 reducing a full bucket (model/zero.py); ZeRO-3 beside its gradient partition and the layer it
+        # differentiates, gathered
+        reducing = zero.reducing_bucket_gradient_bytes(arch, m.trainable_params(arch, train), tied and not accumulating)
+        gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 else 0
+        moments.append(Phase("training", {**persistent, "weights": first_layer_weights + layer_backward_casts + gathered,
+                                          "gradients": max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
+                                          + reducing, "activations": first_layer}, "reducing a gradient bucket"))
     recomputing = act.recomputed_forward_bytes(arch, train, tokens)
     if recomputing:
         # The checkpointed layer's forward run again, at its MLP's output projection: the gradient reaching the
