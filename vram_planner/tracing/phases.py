@@ -234,6 +234,13 @@ def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> Phas
     with tracker.tagged(STEP):
         optimizer.step()
     tracker.assumed_number = 0
+    return step_peak(session, optimizer)
+
+
+def step_peak(session: Session, optimizer: Any) -> PhasePeak:
+    """The optimizer phase's peak once `optimizer` has stepped under the STEP tag: its states counted as such (their
+    bytes to `session.state_bytes`), the rest the step allocated as temporaries."""
+    tracker = session.tracker
     state_tensors = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     for t in state_tensors:
         tracker.track(t, STATES)

@@ -43,10 +43,9 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from vram_planner.errors import VramPlanError
-from vram_planner.tracing.counter import ACTS, GRADS, STATES, STEP, WEIGHTS, PhasePeak
+from vram_planner.tracing.counter import GRADS, STATES, STEP, WEIGHTS, PhasePeak
+from vram_planner.tracing.phases import step_peak
 from vram_planner.tracing.session import Session
 
 # GRPOConfig's max_grad_norm (transformers' TrainingArguments default), which trainer_config_process copies into
@@ -278,12 +277,4 @@ def run_step(session: Session) -> PhasePeak:
             session.engine.step()
     finally:
         del client.step
-    state_tensors = [t for state in client.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    for t in state_tensors:
-        tracker.track(t, STATES)
-    session.state_bytes = states = tracker.bytes_of(state_tensors)
-    split = dict(tracker.peak_split)
-    in_step = split.pop(STEP, 0)
-    split[STATES] = split.get(STATES, 0) + min(states, in_step)
-    split[ACTS] = split.get(ACTS, 0) + max(in_step - states, 0)
-    return PhasePeak("optimizer", tracker.peak, split, tracker.peak_moment)
+    return step_peak(session, client)
