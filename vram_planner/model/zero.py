@@ -91,9 +91,9 @@ def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied
     reached from `reduce_ipg_grads` :2229 through `average_tensor` :1708 with use_multi_rank_bucket_allreduce, on by
     default, config.py:119; ZeRO-3: `reduce_scatter_coalesced`, runtime/comm/coalesced_collectives.py:122, from
     `__avg_scatter_grads`, zero/stage3.py:1931), as many elements as the bucket holds; and, when a reduction comes
-    before the backward reaches the
-    embedding (more trainable parameters than a bucket holds), a tied output projection's gradient waiting in
-    autograd for the embedding's. Seen so by the sharded trace (benchmarks/results/sharded.zero.txt)."""
+    before the backward reaches the embedding (more trainable parameters than a bucket holds), a tied output
+    projection's gradient waiting in autograd for the embedding's. Seen so by the sharded trace
+    (benchmarks/results/sharded.zero.txt)."""
     flat = min(trainable, REDUCE_BUCKET_ELEMENTS) * REDUCE_BUCKET_ELEMENT_BYTES
     waiting = arch.vocab_size * arch.hidden_size * REDUCE_BUCKET_ELEMENT_BYTES
     return flat + (waiting if tied_head_waits and trainable > REDUCE_BUCKET_ELEMENTS else 0)
