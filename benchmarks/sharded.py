@@ -1,6 +1,6 @@
 """One rank of FSDP2: the sharded trace beside the analytic per-rank model, phase by phase and component by component.
 
-    python benchmarks/sharded.py [--quick]
+    python benchmarks/sharded.py [--quick | --zero]
 
 The trace runs PyTorch's own `fully_shard` (as accelerate prepares a model for TRL's fsdp2 config) on torch's fake
 process group over fake tensors, rank 0 of N (vram_planner/tracing/sharded.py); the analytic model is what `check
@@ -12,6 +12,9 @@ short sequences (the sharded terms are the point; the activations are the one-GP
 elsewhere), and TRL's default batch and lengths on Llama-3.2-1B and Qwen2.5-7B. Results:
 benchmarks/results/sharded.json and sharded.txt.
 `--quick` runs the fixture only.
+`--zero` (an interpreter with DeepSpeed: the `deepspeed` extra) runs DeepSpeed's own engine instead, one rank of N
+(vram_planner/tracing/zero.py), for Qwen2.5-0.5B and Llama-3.2-1B x N in (2, 8) x ZeRO-1/2/3 with short sequences,
+and sets DeepSpeed's estimator of the model states beside: benchmarks/results/sharded.zero.json and sharded.zero.txt.
 """
 
 from __future__ import annotations

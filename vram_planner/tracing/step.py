@@ -116,11 +116,12 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     Returns:
         Per phase ("generation", "scoring" when old or reference log-probs are computed, "training", "optimizer")
         the peak live tensor bytes and their split by component; under --fsdp, those of rank 0 of num_gpus, the
-        largest shard (vram_planner.tracing.sharded).
+        largest shard (vram_planner.tracing.sharded); under --zero-stage, those of rank 0 of num_gpus under
+        DeepSpeed's own engine (vram_planner.tracing.zero).
 
     Raises:
-        VramPlanError: for what the trace cannot run on the CPU (4-bit weights, vLLM, DDP or DeepSpeed over several
-            GPUs, Liger kernels, FlashAttention-2, paged optimizers), a TRL release other than the installed one's behaviour, or
+        VramPlanError: for what the trace cannot run on the CPU (4-bit weights, vLLM, DDP over several GPUs, ZeRO
+            stage 0 or offload or without DeepSpeed, Liger kernels, FlashAttention-2, paged optimizers), a TRL release other than the installed one's behaviour, or
             sequences longer than the model's max_position_embeddings; before the model is built.
     """
     from vram_planner.model.architecture import ModelArchitecture
