@@ -1,6 +1,6 @@
 """One rank of FSDP2: the sharded trace beside the analytic per-rank model, phase by phase and component by component.
 
-    python benchmarks/sharded.py [--quick]
+    python benchmarks/sharded.py [--quick | --zero]
 
 The trace runs PyTorch's own `fully_shard` (as accelerate prepares a model for TRL's fsdp2 config) on torch's fake
 process group over fake tensors, rank 0 of N (vram_planner/tracing/sharded.py); the analytic model is what `check
@@ -12,6 +12,9 @@ short sequences (the sharded terms are the point; the activations are the one-GP
 elsewhere), and TRL's default batch and lengths on Llama-3.2-1B and Qwen2.5-7B. Results:
 benchmarks/results/sharded.json and sharded.txt.
 `--quick` runs the fixture only.
+`--zero` (an interpreter with DeepSpeed: the `deepspeed` extra) runs DeepSpeed's own engine instead, one rank of N
+(vram_planner/tracing/zero.py), for Qwen2.5-0.5B and Llama-3.2-1B x N in (2, 8) x ZeRO-1/2/3 with short sequences,
+and sets DeepSpeed's estimator of the model states beside: benchmarks/results/sharded.zero.json and sharded.zero.txt.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vram_planner import engine  # noqa: E402
+from vram_planner.model import zero  # noqa: E402
 from vram_planner.model.phases import TENSOR_COMPONENTS, estimate  # noqa: E402
 from vram_planner.tracing.step import trace_step  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
@@ -55,11 +59,20 @@ GRID = [
     (str(MODELS / "Qwen2.5-7B.json"), DEFAULT_LENGTHS),
 ]
 GPUS = (2, 4, 8)
+# --zero: DeepSpeed's engine, one rank of N (vram_planner/tracing/zero.py), per stage; DeepSpeed's own estimator of the
+# model states beside (vram_planner/model/zero.py deepspeed_estimate_bytes, held to DeepSpeed's functions in
+# tests/model/test_zero.py)
+ZERO_GRID = [(str(MODELS / "Qwen2.5-0.5B.json"), {}), (str(MODELS / "Llama-3.2-1B.json"), {})]
+ZERO_GPUS = (2, 8)
+ZERO_STAGES = (1, 2, 3)
+ZERO_RESULTS = ROOT / "benchmarks" / "results" / "sharded.zero.json"
+ZERO_TABLE = ROOT / "benchmarks" / "results" / "sharded.zero.txt"
 
 
-def measure(model: str, knobs: dict, gpus: int) -> dict:
+def measure(model: str, knobs: dict, gpus: int, stage: int | None = None) -> dict:
     context = engine.make_context(model, "h100-80gb")
-    train = engine.make_training(context, {**SHORT, **knobs, "num_gpus": gpus})
+    strategy = {"fsdp": False, "zero_stage": stage} if stage is not None else {}
+    train = engine.make_training(context, {**SHORT, **knobs, "num_gpus": gpus, **strategy})
     config = json.loads(Path(model).read_text())
     start = time.perf_counter()
     traced = trace_step(config, train, context.release)
@@ -74,8 +87,36 @@ def measure(model: str, knobs: dict, gpus: int) -> dict:
                        "trace_moment": phase.moment, "analytic_moment": other.moment,
                        "components": {c: [phase.components.get(c, 0), round(other.components.get(c, 0.0))]
                                       for c in TENSOR_COMPONENTS}})
-    return {"model": Path(model).stem, "knobs": knobs, "num_gpus": gpus, "seconds": round(seconds, 1),
-            "phases": phases}
+    row = {"model": Path(model).stem, "knobs": knobs, "num_gpus": gpus, "seconds": round(seconds, 1),
+           "phases": phases}
+    if stage is not None:
+        arch = context.arch
+        row["zero_stage"] = stage
+        row["deepspeed_estimate_bytes"] = zero.deepspeed_estimate_bytes(arch.params, gpus, 3 if stage == 3 else 2,
+                                                                        zero.largest_layer_params(arch))
+    return row
+
+
+def zero_table(rows: list[dict]) -> str:
+    """Per model x N x stage and phase: the traced peak, the analytic one, the error; the model states (weights,
+    gradients, optimizer states) of the optimizer phase beside DeepSpeed's estimator (ZeRO-1 is estimated as ZeRO-2,
+    as DeepSpeed has no ZeRO-1 estimator)."""
+    lines = [f"{'model':<14} {'N':>2} {'stage':>5} {'phase':<10} {'trace GiB':>10} {'analytic':>10} {'error':>8}  "
+             "model states trace / analytic / DeepSpeed's estimate (GiB)"]
+    worst = 0.0
+    for row in rows:
+        for p in row["phases"]:
+            error = (p["analytic_bytes"] - p["trace_bytes"]) / p["trace_bytes"]
+            worst = max(worst, abs(error))
+            states = ""
+            if p["phase"] == "optimizer":
+                t, a = (sum(p["components"][c][i] for c in ("weights", "gradients", "optimizer_states"))
+                        for i in (0, 1))
+                states = f"{t / GiB:.3f} / {a / GiB:.3f} / {row['deepspeed_estimate_bytes'] / GiB:.3f}"
+            lines.append(f"{row['model']:<14} {row['num_gpus']:>2} {row['zero_stage']:>5} {p['phase']:<10} "
+                         f"{p['trace_bytes'] / GiB:>10.4f} {p['analytic_bytes'] / GiB:>10.4f} {error:>+8.2%}  {states}")
+    lines.append(f"worst |error| over {len(rows)} configs: {worst:.2%}")
+    return "\n".join(lines)
 
 
 def fixture(row: dict) -> bool:
@@ -109,7 +150,15 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the fixture model only")
+    parser.add_argument("--zero", action="store_true", help="DeepSpeed ZeRO-1/2/3 instead of FSDP2 (needs deepspeed)")
     args = parser.parse_args()
+    if args.zero:
+        rows = [measure(m, k, n, stage) for m, k in ZERO_GRID for n in ZERO_GPUS for stage in ZERO_STAGES]
+        text = zero_table(rows)
+        print(text)
+        ZERO_RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
+        ZERO_TABLE.write_text(text + "\n")
+        return
     grid = [(m, k) for m, k in GRID if not args.quick or m == str(FIXTURE)]
     rows = []
     for model, knobs in grid:

@@ -69,6 +69,7 @@ class Request:
     num_gpus: int | str | None = None  # a count, or "auto": the fewest that fit, with the strategy
     zero_stage: int | None = None
     fsdp: bool | None = None
+    ds3_gather_for_generation: bool | None = None  # ZeRO-3: gather the whole model to generate (TRL's default)
     offload_optimizer: str | None = None  # cpu: ZeRO-Offload's optimizer on the host (zero_stage 2 or 3)
     offload_param: str | None = None  # cpu: ZeRO-3's parameters on the host, or FSDP2's CPU offload
     host_memory: str | None = None  # RAM of one node for offloaded states, like "512GiB" (default: this machine's)

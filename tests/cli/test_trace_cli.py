@@ -63,7 +63,8 @@ def test_a_trace_that_does_not_fit_exits_1(capsys):
 
 
 @pytest.mark.parametrize("flags", [["--use-vllm"], ["--load-in-4bit", "--lora-r", "8"], ["--optim", "paged_adamw_8bit"],
-                                   ["--num-gpus", "2", "--zero-stage", "3"]])
+                                   ["--num-gpus", "2", "--zero-stage", "0"], ["--num-gpus", "2", "--zero-stage", "2",
+                                    "--offload-optimizer", "cpu"]])
 def test_what_the_cpu_cannot_trace_is_one_line(capsys, flags):
     err = one_line_error(capsys, "trace", "--gpu", "24GiB", "--model", "Llama-3.2-1B", *flags)
     assert "cannot" in err and "vram-plan check" in err

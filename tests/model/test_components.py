@@ -219,7 +219,10 @@ def test_zero_stages_shard_as_the_zero_paper_says(llama_1b):
         assert m.fp32_gradient_bytes(llama_1b, train) == 4 * P / 4
     assert m.fp32_gradient_bytes(llama_1b, cfg(num_gpus=4, fsdp=True, per_device_train_batch_size=2)) == 0
     gathered = m.generation_weight_bytes(llama_1b, cfg(num_gpus=4, zero_stage=3, per_device_train_batch_size=2))
-    assert gathered == 2 * P  # ds3_gather_for_generation
+    assert gathered == 2 * P + 2 * P / 4  # ds3_gather_for_generation: the whole model beside the partitions
+    layered = m.generation_weight_bytes(llama_1b, cfg(num_gpus=4, zero_stage=3, per_device_train_batch_size=2,
+                                                      ds3_gather_for_generation=False))
+    assert layered == m.weight_bytes(llama_1b, cfg(num_gpus=4, zero_stage=3, per_device_train_batch_size=2))
 
 
 def test_fsdp_shards_everything(llama_1b):

@@ -119,7 +119,11 @@ def test_zero2_offload_keeps_the_16_bit_weights_and_a_staging_buffer_on_the_gpu(
     assert step["optimizer_states"] == 0
     assert step["weights"] == 2 * llama_1b.params
     staging = zero.largest_layer_params(llama_1b) * 2
-    assert step["gradients"] == staging + zero.REDUCE_BUCKET_ELEMENTS * zero.REDUCE_BUCKET_ELEMENT_BYTES
+    # the reduction bucket went with the backward (_release_ipg_buffers, stage_1_and_2.py:924-931; offload makes the
+    # gradients contiguous, :300)
+    assert step["gradients"] == staging
+    training = estimate(llama_1b, train, trl_release(), Calibration(), 80 * GiB).phases[-2].components
+    assert training["gradients"] >= zero.REDUCE_BUCKET_ELEMENTS * zero.REDUCE_BUCKET_ELEMENT_BYTES
 
 
 @pytest.mark.parametrize(("knobs", "flag"), [({"offload_optimizer": "cpu"}, "--offload-optimizer cpu needs"),

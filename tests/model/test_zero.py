@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import build_on_meta, family_fixture_files
+from helpers import build_on_meta, family_fixture_files, one_line_error
 from vram_planner.model import zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
@@ -50,10 +50,10 @@ def test_model_states_are_never_below_deepspeeds_estimate(entry, gpus):
         zero3 = _optimizer_model_states(arch, 3, gpus, optim=optim)
         assert zero2 >= zero.deepspeed_estimate_bytes(arch.params, gpus, 2)
         assert zero3 >= zero.deepspeed_estimate_bytes(arch.params, gpus, 3, largest)
-        # ZeRO-2 is DeepSpeed's count to the byte, and the gradient bucket; ZeRO-3 adds the 16-bit parameter partition
-        # its estimator leaves out
+        # ZeRO-2 is DeepSpeed's count to the byte (its bucket is gone by the step); ZeRO-3 adds the bucket it keeps
+        # and the 16-bit parameter partition its estimator leaves out
         bucket = zero.REDUCE_BUCKET_ELEMENTS * 2
-        assert zero2 - bucket == pytest.approx(zero.deepspeed_estimate_bytes(arch.params, gpus, 2), abs=1)
+        assert zero2 == pytest.approx(zero.deepspeed_estimate_bytes(arch.params, gpus, 2), abs=1)
         assert zero3 - bucket - zero.deepspeed_estimate_bytes(arch.params, gpus, 3, largest) == pytest.approx(
             2 * arch.params / gpus, abs=1)
 
@@ -62,24 +62,34 @@ def test_the_fp32_gradients_exist_only_in_the_optimizer_step(llama_1b):
     train = training_config({"num_gpus": 4, "zero_stage": 2, "dtype": "bfloat16", "per_device_train_batch_size": 2})
     phases = {p.name: p for p in estimate(llama_1b, train, trl_release(), Calibration(), 80 * GiB).phases}
     partition, bucket = 2 * llama_1b.params / 4, 10**9  # 5e8 16-bit elements
-    assert phases["optimizer"].components["gradients"] == pytest.approx(partition + 4 * llama_1b.params / 4 + bucket)
-    assert phases["generation"].components["gradients"] == bucket  # kept from the last backward
+    # the step converts the 16-bit partition (stage_1_and_2.py:3117-3118); the bucket went with the backward
+    assert phases["optimizer"].components["gradients"] == pytest.approx(partition + 4 * llama_1b.params / 4)
+    assert phases["training"].components["gradients"] >= bucket
+    assert phases["generation"].components["gradients"] == 0  # freed in the step (:3127-3131)
 
 
-@pytest.mark.parametrize(("stage", "first_generation"), [(1, 0), (2, 0), (3, 10**9)])
-def test_the_reduction_bucket_is_there_from_start_up_under_zero3_and_from_the_first_backward_below(llama_1b, stage,
-                                                                                                  first_generation):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_reduction_bucket_lives_from_start_up_under_zero3_and_within_each_backward_below(llama_1b, stage):
     train = training_config({"num_gpus": 2, "zero_stage": stage, "dtype": "bfloat16",
                              "per_device_train_batch_size": 4})
     args = (llama_1b, train, trl_release(), Calibration(), 80 * GiB)
-    steady = {p.name: p.components["gradients"] for p in estimate(*args).phases}
-    first = {p.name: p.components["gradients"] for p in estimate(*args, first_micro_batch=True).phases}
+    for first_micro_batch in (False, True):
+        gradients = {p.name: p.components["gradients"] for p in estimate(*args, first_micro_batch=first_micro_batch).phases}
+        # ZeRO-3: the bucket (stage3.py:780-784) and the 16-bit gradient partition (:786-793) from start-up
+        kept = 10**9 + 2 * llama_1b.params / 2 if stage == 3 else 0
+        assert gradients["generation"] == pytest.approx(kept)
+        assert gradients["training"] >= 10**9
     unsharded = {p.name: p.components["gradients"] for p in estimate(
         llama_1b, training_config({"num_gpus": 2, "zero_stage": 0, "dtype": "bfloat16",
                                    "per_device_train_batch_size": 4}), trl_release(), Calibration(), 80 * GiB).phases}
-    assert steady["generation"] == 10**9 and first["generation"] == first_generation
     assert unsharded["generation"] == 0  # stage 0: no bucket
-    assert first["training"] >= 10**9
+
+
+def test_zero1_steps_from_the_gradient_partition(llama_1b):
+    train = training_config({"num_gpus": 4, "zero_stage": 1, "dtype": "bfloat16", "per_device_train_batch_size": 2})
+    step = estimate(llama_1b, train, trl_release(), Calibration(), 80 * GiB).phases[-1]
+    # the epilogue keeps the rank's partition and clears every .grad (stage_1_and_2.py:1046-1067)
+    assert step.components["gradients"] == pytest.approx((2 + 4) * llama_1b.params / 4)
 
 
 @pytest.mark.parametrize("path", family_fixture_files(), ids=lambda p: p.stem)
@@ -102,3 +112,9 @@ def test_deepspeeds_own_estimator_when_it_is_installed(gpus, llama_1b):
     assert zero.deepspeed_estimate_bytes(p, gpus, 3, largest) == zero3
     assert _optimizer_model_states(llama_1b, 2, gpus) >= zero2
     assert _optimizer_model_states(llama_1b, 3, gpus) >= zero3
+
+
+def test_layer_by_layer_generation_without_zero3_is_one_line(capsys):
+    err = one_line_error(capsys, "check", "--gpu", "h100-80gb", "--model", "Llama-3.2-1B", "--zero-stage", "2",
+                         "--num-gpus", "2", "--no-ds3-gather-for-generation")
+    assert "ds3-gather-for-generation off needs --zero-stage 3" in err

@@ -116,9 +116,11 @@ def test_micro_batches_before_the_last_keep_whole_unreduced_gradients(ranks):
     assert ranks[4].phase("training").components["gradients"] < whole_bf16
 
 
-def test_the_trace_covers_fsdp_and_refuses_zero_ddp_and_offload():
+def test_the_trace_covers_fsdp_and_refuses_zero0_ddp_and_offload():
     check_traceable(fsdp(4))
-    for config, why in ((TrainingConfig(num_gpus=2, zero_stage=2), "not DeepSpeed ZeRO"),
+    for config, why in ((TrainingConfig(num_gpus=2, zero_stage=0), "not stage 0"),
+                        (TrainingConfig(num_gpus=2, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
+                         "without ZeRO-Offload"),
                         (TrainingConfig(num_gpus=2), "not DDP"),
                         (TrainingConfig(num_gpus=2, fsdp=True, offload_param="cpu"), "without its CPU offload")):
         with pytest.raises(VramPlanError, match=why):

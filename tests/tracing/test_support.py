@@ -108,3 +108,15 @@ def test_a_trainer_whose_import_needs_an_uninstalled_module_is_refused_in_one_li
 
     with pytest.raises(RuntimeError):  # anything else is the trace's own error to explain, as before
         require_grpo_trainer("1.16.0", broken)
+
+
+def test_the_zero_trace_without_deepspeed_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from vram_planner.model.spec import TrainingConfig
+    from vram_planner.tracing.support import zero_problems
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else found(name, *a))
+    assert zero_problems(TrainingConfig(num_gpus=2, zero_stage=2)) == [
+        "the ZeRO trace runs DeepSpeed's own engine, which is not installed (pip install 'vram-plan[deepspeed]')"]

@@ -62,6 +62,8 @@ KNOBS = [
                  help="GPUs of the card, or auto: the fewest that fit, with the strategy (up to one node of 8)."),
     click.option("--zero-stage", type=int),
     click.option("--fsdp/--no-fsdp", default=None),
+    click.option("--ds3-gather-for-generation/--no-ds3-gather-for-generation", default=None,
+                 help="ZeRO-3: gather the whole model to generate (TRL's default), or layer by layer."),
     click.option("--offload-optimizer", help="cpu: ZeRO-Offload's optimizer on the host (--zero-stage 2 or 3)."),
     click.option("--offload-param", help="cpu: ZeRO-3's parameters on the host, or FSDP2's CPU offload (--fsdp)."),
     click.option("--host-memory", metavar="SIZE", help="RAM of one node for offloaded states, like 512GiB "

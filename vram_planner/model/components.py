@@ -148,13 +148,20 @@ def _zero3_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
 
 
 def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Weights during generation: ZeRO-3 gathers the whole model (ds3_gather_for_generation); FSDP2 gathers one
-    layer at a time (model/fsdp.py)."""
+    """Weights during generation: ZeRO-3 gathers the whole model beside its partitions (ds3_gather_for_generation,
+    TRL's default) or, without it, one layer at a time as in training; FSDP2 gathers one layer at a time
+    (model/fsdp.py)."""
     if train.fsdp and not train.load_in_4bit:
         return weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train, trainable_params(arch, train))
-    if train.zero_stage == 3 or train.fsdp:
+    if train.zero_stage == 3 and train.ds3_gather_for_generation:
+        # GatheredParameters all-gathers every parameter into a new full tensor while its ds_tensor partition stays
+        # (deepspeed/runtime/zero/partition_parameters.py); the sharded trace counts both (vram_planner/tracing/zero.py)
         unsharded = replace(train, num_gpus=1, offload_param="none")
-        return weight_bytes(arch, unsharded) - _zero3_gathered_bytes(arch, unsharded)
+        partitions = weight_bytes(arch, train) - _zero3_gathered_bytes(arch, train)
+        return partitions + weight_bytes(arch, unsharded) - _zero3_gathered_bytes(arch, unsharded)
+    if train.fsdp:  # FSDP with 4-bit weights: gathered whole, as it was (not traced)
+        unsharded = replace(train, num_gpus=1, offload_param="none")
+        return weight_bytes(arch, unsharded)
     return weight_bytes(arch, train)
 
 
@@ -212,6 +219,23 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
         partition = 0 if train.optimizer_offloaded else shard_bytes(train, grads, 2)
         return partition + largest * zero.GATHERED_GRADIENT_BYTES
     return shard_bytes(train, grads, 2) + _trainable_rounding(arch, train, sizes(train).trainable)
+
+
+def step_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The 16-bit gradients the optimizer step starts from: under ZeRO-1 the rank's partition only, which the
+    backward's epilogue keeps (`get_flat_partition`, deepspeed/runtime/zero/stage_1_and_2.py:1046-1053) before it
+    clears every parameter's .grad (:1067); otherwise the gradients as the backward leaves them."""
+    if train.zero_stage == 1 and not train.optimizer_offloaded:
+        return trainable_params(arch, train) * sizes(train).trainable / train.num_gpus
+    return gradient_bytes(arch, train)
+
+
+def zero3_gradient_partition_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """ZeRO-3's 16-bit gradient partition, a flat buffer it allocates at start-up and keeps
+    (`grad_partitions_flat_buffer`, deepspeed/runtime/zero/stage3.py:786-793); on the host with the optimizer."""
+    if train.zero_stage != 3 or train.optimizer_offloaded:
+        return 0
+    return shard_bytes(train, trainable_params(arch, train) * sizes(train).trainable, 2)
 
 
 def fp32_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -118,9 +118,10 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch))
     if not first_micro_batch:
         # DeepSpeed's fp32 copy of the gradient partition exists only inside its step (model/zero.py)
-        raw.append(Phase("optimizer", {**persistent, "gradients": all_grads + m.fp32_gradient_bytes(arch, train),
+        step_grads = m.step_gradient_bytes(arch, train) + m.fp32_gradient_bytes(arch, train)
+        raw.append(Phase("optimizer", {**persistent, "gradients": step_grads,
                                        "activations": m.optimizer_step_temporary_bytes(arch, train)}))
-    raw = [_with_reduce_bucket(p, train, first_micro_batch) for p in raw]
+    raw = [_with_zero_buffers(p, arch, train) for p in raw]
     workspaces = cublas_workspace_bytes(compute_capability)
     phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
@@ -136,13 +137,16 @@ def _reservation(colocated: VllmBudget | None, phase: Phase) -> float:
     return phase.components.get("vllm_reservation", colocated.reservation_in(phase.name))
 
 
-def _with_reduce_bucket(phase: Phase, train: TrainingConfig, first_micro_batch: bool) -> Phase:
+def _with_zero_buffers(phase: Phase, arch: ModelArchitecture, train: TrainingConfig) -> Phase:
     """DeepSpeed's gradient reduction bucket (model/zero.py), as gradients: ZeRO-3 holds it from start-up, ZeRO-1/2
-    from the first backward on (in the first micro-batch, only there)."""
-    bucket = zero.reduce_bucket_bytes(train.zero_stage)
-    if not bucket or (first_micro_batch and train.zero_stage != 3 and phase.name != "training"):
+    within each backward only; and ZeRO-3's gradient partition, kept from start-up, in the phases before the loss
+    (the loss and the step count it in their gradients)."""
+    stage_3 = train.zero_stage == 3
+    bucket = zero.reduce_bucket_bytes(train.zero_stage) if stage_3 or phase.name == "training" else 0
+    partition = m.zero3_gradient_partition_bytes(arch, train) if phase.name in ("generation", "scoring") else 0
+    if not bucket + partition:
         return phase
-    gradients = phase.components.get("gradients", 0.0) + bucket
+    gradients = phase.components.get("gradients", 0.0) + bucket + partition
     return Phase(phase.name, {**phase.components, "gradients": gradients}, phase.moment)
 
 
@@ -384,6 +388,14 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
                            "activations": first_layer}, "backward through the first layer"),
     ]
     layer_backwards = moments[-2:]
+    if train.zero_stage in (2, 3) and not train.optimizer_offloaded:
+        # ZeRO-2/3 reducing a full bucket (model/zero.py); ZeRO-3 beside its gradient partition and the layer it
+        # differentiates, gathered
+        reducing = zero.reducing_bucket_gradient_bytes(arch, m.trainable_params(arch, train), tied and not accumulating)
+        gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 else 0
+        moments.append(Phase("training", {**persistent, "weights": first_layer_weights + layer_backward_casts + gathered,
+                                          "gradients": max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
+                                          + reducing, "activations": first_layer}, "reducing a gradient bucket"))
     recomputing = act.recomputed_forward_bytes(arch, train, tokens)
     if recomputing:
         # The checkpointed layer's forward run again, at its MLP's output projection: the gradient reaching the

@@ -157,6 +157,8 @@ class TrainingConfig:
     num_gpus: Annotated[int, COUNT] = 1
     zero_stage: Annotated[int | None, Rules(ge=0, le=3)] = None
     fsdp: bool = False
+    # ZeRO-3 generation gathers the whole model (TRL's default) or lets each layer gather itself (False)
+    ds3_gather_for_generation: bool = True
     # ZeRO-Offload (DeepSpeed's offload_optimizer / offload_param devices) and FSDP2's CPUOffloadPolicy (--offload-param
     # under --fsdp): which model states live in the host's RAM (vram_planner/model/offload.py)
     offload_optimizer: Literal["none", "cpu"] = "none"
@@ -302,6 +304,9 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
                         f"{field_name('lora_dropout')} need {field_name('lora_r')}")
     if c.zero_stage is not None and c.fsdp:
         problems.append(f"choose one of {field_name('zero_stage')} and {field_name('fsdp')}")
+    if not c.ds3_gather_for_generation and c.zero_stage != 3:
+        problems.append(f"{field_name('ds3_gather_for_generation')} off needs {field_name('zero_stage')} 3 (only "
+                        "ZeRO-3 gathers for generation)")
     problems.extend(offload_problems(c))
     if c.dtype == "float16" and c.mixed_precision == "fp16" and not c.uses_lora:
         problems.append("full fine-tuning of float16 weights with fp16 mixed precision fails in the grad scaler "

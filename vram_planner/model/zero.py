@@ -38,9 +38,10 @@ GATHERED_GRADIENT_BYTES = 2
 # The gradient reduction bucket ("ipg" bucket): DeepSpeed's default reduce_bucket_size is 5e8 elements
 # (zero/config.py:113). TRL's accelerate configs set none, and accelerate (accelerator.py, `hidden_size_based_keys`)
 # and transformers fill it from the hidden size only where a DeepSpeed config file says "auto", so the default holds.
-# ZeRO-1/2 allocate it at a micro-batch's first gradient and keep it until the next one's
-# (zero/stage_1_and_2.py:3259-3270; one buffer, as overlap_comm is off below stage 3, zero/config.py:384-387), in the
-# 16-bit gradients' dtype (:1253-1254 and :397-404; no separate accumulation dtype by default, engine.py:1806-1807);
+# ZeRO-1/2 allocate it at a micro-batch's first gradient (zero/stage_1_and_2.py:3259-3270; one buffer, as overlap_comm
+# is off below stage 3, zero/config.py:384-387) and release it when that backward ends (`_release_ipg_buffers`,
+# :924-931, from the epilogue at :1061; the sharded trace sees it only in the loss phase), in the 16-bit gradients'
+# dtype (:1253-1254 and :397-404; no separate accumulation dtype by default, engine.py:1806-1807);
 # ZeRO-3 allocates it at start-up and keeps it (zero/stage3.py:780-784), in the 16-bit communication dtype. Its size
 # does not depend on the model's.
 REDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -82,3 +83,17 @@ def deepspeed_estimate_bytes(total_params: int, num_gpus: int, stage: int, large
     if stage == 3:
         return (GATHERED_PARAM_BYTES + GATHERED_GRADIENT_BYTES) * largest_layer + partitioned
     return ESTIMATE_PARAM_BYTES * total_params + partitioned
+
+
+def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied_head_waits: bool) -> int:
+    """ZeRO-2/3's 16-bit gradients, besides the bucket, while they reduce a full bucket: the bucket's gradients
+    flattened into one new tensor for the collective (ZeRO-2: `allreduce_bucket`, zero/stage_1_and_2.py:2360-2367,
+    reached from `reduce_ipg_grads` :2229 through `average_tensor` :1708 with use_multi_rank_bucket_allreduce, on by
+    default, config.py:119; ZeRO-3: `reduce_scatter_coalesced`, runtime/comm/coalesced_collectives.py:122, from
+    `__avg_scatter_grads`, zero/stage3.py:1931), as many elements as the bucket holds; and, when a reduction comes
+    before the backward reaches the embedding (more trainable parameters than a bucket holds), a tied output
+    projection's gradient waiting in autograd for the embedding's. Seen so by the sharded trace
+    (benchmarks/results/sharded.zero.txt)."""
+    flat = min(trainable, REDUCE_BUCKET_ELEMENTS) * REDUCE_BUCKET_ELEMENT_BYTES
+    waiting = arch.vocab_size * arch.hidden_size * REDUCE_BUCKET_ELEMENT_BYTES
+    return flat + (waiting if tied_head_waits and trainable > REDUCE_BUCKET_ELEMENTS else 0)

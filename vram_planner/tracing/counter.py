@@ -34,8 +34,8 @@ _TRACING_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _storage(t: Any) -> Any:
     """The untyped storage behind a strided tensor (a DTensor's: its local shard's), or None."""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-        return None
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+        return None  # a meta tensor holds no memory on any device (DeepSpeed's ZeRO-1/2 keep one per parameter)
     t = getattr(t, "_local_tensor", t)  # FSDP2's sharded parameters, gradients and optimizer states are DTensors
     try:
         return t.untyped_storage()

@@ -51,6 +51,13 @@ def run_generation(session: Session) -> PhasePeak:
     generate() resumed from the prefill's cache, grown in between as the decoding steps grow it (`_grow_cache`):
     the allocator model sees the concatenations that fragment its cache.
     """
+    from vram_planner.tracing.zero import generating
+
+    with generating(session):
+        return _generate(session)
+
+
+def _generate(session: Session) -> PhasePeak:
     train, tracker, model = session.train, session.tracker, session.model
     sequences, p, c = train.local_generation_batch_size, train.max_prompt_length, train.max_completion_length
     config = _generation_config(session.base_model, 1)
@@ -221,6 +228,10 @@ def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> Phas
     """The first optimizer step, which creates the states (their bytes go to `session.state_bytes`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    if session.engine is not None:  # DeepSpeed's engine steps its own optimizer (vram_planner.tracing.zero)
+        from vram_planner.tracing.zero import run_step
+
+        return run_step(session)
     tracker = session.tracker
     cls, kwargs = recipe
     # Built outside the fake world: bitsandbytes' 8-bit optimizers make their quantization maps from Python lists
@@ -232,6 +243,13 @@ def run_optimizer(session: Session, recipe: tuple[type, dict[str, Any]]) -> Phas
     with tracker.tagged(STEP):
         optimizer.step()
     tracker.assumed_number = 0
+    return step_peak(session, optimizer)
+
+
+def step_peak(session: Session, optimizer: Any) -> PhasePeak:
+    """The optimizer phase's peak once `optimizer` has stepped under the STEP tag: its states counted as such (their
+    bytes to `session.state_bytes`), the rest the step allocated as temporaries."""
+    tracker = session.tracker
     host = _host_step_scalars(optimizer)
     if host:
         # torch hosts a per-parameter `step` on the CPU unless the optimizer is fused or capturable

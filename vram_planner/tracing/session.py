@@ -25,6 +25,7 @@ class Session:
     state_bytes: int = 0  # the optimizer states the first step leaves behind
     optimizer: Any = None  # kept after the first step, so a real device carries its states into the next
     trainer: Any = None  # the installed GRPOTrainer whose scoring and loss run (vram_planner.tracing.trainer)
+    engine: Any = None  # DeepSpeed's engine around `model` under ZeRO (vram_planner.tracing.zero)
 
     device_type: str = "cpu"  # "cuda" when the probe runs the phases on a real device
 

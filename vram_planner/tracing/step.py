@@ -39,7 +39,7 @@ from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
 from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream
-from vram_planner.tracing.support import check_kernels_importable, check_supported_pair, pair_for
+from vram_planner.tracing.support import check_kernels_importable, check_supported_pair, pair_for, zero_problems
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,12 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     Returns:
         Per phase ("generation", "scoring" when old or reference log-probs are computed, "training", "optimizer")
         the peak live tensor bytes and their split by component; under --fsdp, those of rank 0 of num_gpus, the
-        largest shard (vram_planner.tracing.sharded).
+        largest shard (vram_planner.tracing.sharded); under --zero-stage, those of rank 0 of num_gpus under
+        DeepSpeed's own engine (vram_planner.tracing.zero).
 
     Raises:
-        VramPlanError: for what the trace cannot run on the CPU (4-bit weights, vLLM, DDP or DeepSpeed over several
-            GPUs, Liger kernels, FlashAttention-2, paged optimizers), a TRL release other than the installed one's behaviour, or
+        VramPlanError: for what the trace cannot run on the CPU (4-bit weights, vLLM, DDP over several GPUs, ZeRO
+            stage 0 or offload or without DeepSpeed, Liger kernels, FlashAttention-2, paged optimizers), a TRL release other than the installed one's behaviour, or
             sequences longer than the model's max_position_embeddings; before the model is built.
     """
     from vram_planner.model.architecture import ModelArchitecture
@@ -135,14 +136,16 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
     from vram_planner.tracing.session import build_session
     from vram_planner.tracing.sharded import sharded_rank
+    from vram_planner.tracing.zero import zero_rank
 
     from vram_planner.tracing import trainer as own
 
     # The scoring passes and the loss are the installed GRPOTrainer's own methods (tracing.trainer)
+    recipe = tp.optimizer_recipe(train)
     runs = [("generation", "generation", tp.run_generation),
             ("scoring", "old/reference log-probs", own.run_scoring),
             ("training", "loss forward and backward", own.run_training),
-            (OPTIMIZER, "the optimizer step", functools.partial(tp.run_optimizer, recipe=tp.optimizer_recipe(train)))]
+            (OPTIMIZER, "the optimizer step", functools.partial(tp.run_optimizer, recipe=recipe))]
     if not (train.computes_old_logps or train.computes_ref_logps) or train.release.step_structure == "loss_merged":
         del runs[1]  # TRL 0.14 scores inside compute_loss
     again = 0
@@ -160,8 +163,9 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
             # the installed GRPOTrainer whose own loss runs, made outside the fake-tensor world
             session.trainer = own.build_trainer(session)
         # Under --fsdp, sharded_rank shards the models and replaces the counter (tracing.sharded): entered first.
-        with sharded_rank(session), session.fake_mode, session.tracker, cuda_like_behaviour(session), \
-                head_tagging(session):
+        # Under --zero-stage, zero_rank builds DeepSpeed's engine around the model, counted (tracing.zero).
+        with sharded_rank(session), session.fake_mode, session.tracker, zero_rank(session, recipe), \
+                cuda_like_behaviour(session), head_tagging(session):
             peaks = []
             for i, (phase, label, run) in enumerate(runs):
                 say(f"tracing {label}")
@@ -216,7 +220,7 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
     if train.use_vllm:
         problems.append(f"vLLM generation ({field_name('use_vllm')}) runs outside torch")
     if train.zero_stage is not None:
-        problems.append(f"the trace covers one GPU, or one rank of FSDP2 ({field_name('fsdp')}), not DeepSpeed ZeRO")
+        problems += zero_problems(train)
     elif train.num_gpus > 1 and not train.fsdp:
         problems.append(f"the trace covers one GPU, or one rank of FSDP2 ({field_name('fsdp')}), not DDP over "
                         "several GPUs")

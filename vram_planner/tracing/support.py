@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vram_planner.errors import VramPlanError
+from vram_planner.errors import VramPlanError, field_name
+from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import parse_version, version_tuple
 
 
@@ -90,3 +91,21 @@ def check_kernels_importable(trl: str, kernels: Path | None = None) -> None:
         raise VramPlanError(f"the trace cannot run TRL {trl} (installed): its fused LM head imports triton, which "
                             "is not installed (`pip install triton`, whose import needs no GPU; TRL 1.16 or later "
                             "runs without it) (`vram-plan check` gives the analytic estimate)")
+
+
+def zero_problems(train: TrainingConfig) -> list[str]:
+    """What the ZeRO trace (vram_planner.tracing.zero: DeepSpeed's own engine, one rank of N) cannot run."""
+    problems = []
+    if train.zero_stage not in (1, 2, 3):
+        problems.append(f"the ZeRO trace runs {field_name('zero_stage')} 1, 2 or 3, not stage {train.zero_stage} "
+                        "(DeepSpeed's data parallelism without partitioning)")
+    if train.offloaded:
+        problems.append(f"the ZeRO trace runs without ZeRO-Offload ({field_name('offload_optimizer')}, "
+                        f"{field_name('offload_param')}): check plans it")
+    if train.computes_ref_logps and not train.uses_lora:
+        problems.append(f"the ZeRO trace runs no reference model ({field_name('beta')} > 0 without LoRA): check "
+                        "plans it")
+    if importlib.util.find_spec("deepspeed") is None:
+        problems.append("the ZeRO trace runs DeepSpeed's own engine, which is not installed (pip install "
+                        "'vram-plan[deepspeed]')")
+    return problems

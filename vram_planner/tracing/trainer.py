@@ -237,13 +237,15 @@ def _generation_traced_apart(session: Session) -> Iterator[None]:
 
 def run_training(session: Session) -> PhasePeak:
     """The release's own compute_loss and its backward on one micro-batch (two when gradients accumulate)."""
+    from vram_planner.tracing import zero
     from vram_planner.tracing.phases import loss_phase
 
     train, tracker, model, trainer = session.train, session.tracker, session.model, session.trainer
     merged = train.release.step_structure == "loss_merged"
     with loss_phase(session):
         with accelerate_prepared(session), _generation_traced_apart(session) if merged else contextlib.nullcontext():
-            for micro_batch in range(1, 3 if train.gradient_accumulation_steps > 1 else 2):
+            last = 2 if train.gradient_accumulation_steps > 1 else 1
+            for micro_batch in range(1, last + 1):
                 # The first micro-batch runs before any gradient exists (a run can die there, before its first
                 # optimizer step); from the second on, every gradient exists before the forward starts.
                 with tracker.tagged(ACTS, "forward" if micro_batch == 1 else f"forward, micro-batch {micro_batch}"):
@@ -254,6 +256,9 @@ def run_training(session: Session) -> PhasePeak:
                     loss = trainer.compute_loss(model, inputs)
                     del inputs
                 with tracker.backward("LM head backward"):
-                    loss.backward()
+                    if session.engine is not None:  # DeepSpeed's engine reduces the gradients it makes
+                        zero.backward(session, loss, last=micro_batch == last)
+                    else:
+                        loss.backward()
                     del loss
     return PhasePeak("training", tracker.peak, tracker.peak_split, tracker.peak_moment)

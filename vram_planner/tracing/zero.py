@@ -1,0 +1,280 @@
+"""One rank of N under DeepSpeed ZeRO-1/2/3, counted on fake tensors by running DeepSpeed's own engine on the CPU.
+
+TRL's zero1/2/3 accelerate configs (trl/accelerate_configs/zero{1,2,3}.yaml: the stage, bf16, no offload) become a
+DeepSpeed config in accelerate's `DeepSpeedPlugin` (accelerate/utils/dataclasses.py, `__post_init__` and
+`set_mixed_precision`); transformers' Trainer fills its "auto" values from the training arguments
+(integrations/deepspeed.py `trainer_config_process`) and, as the config names no optimizer, hands DeepSpeed its own
+(`deepspeed_optim_sched`: `zero_allow_untested_optimizer`). `deepspeed.initialize` then builds DeepSpeed's engine and
+ZeRO optimizer around the session's fake-tensor model: this process is rank 0 of `num_gpus` on torch's fake process
+group (as `vram_planner.tracing.sharded` runs FSDP2), every collective "completes" at once and writes nothing.
+
+The phases run as TRL and accelerate run them: generation inside TRL's own `unwrap_model_for_generation` (under
+ZeRO-3 it gathers every parameter when `ds3_gather_for_generation` is on, and lets each layer's hooks gather it
+otherwise), the loss's backward through `engine.backward` with accelerate's accumulation boundary
+(`DeepSpeedEngineWrapper.backward`), the optimizer phase as `engine.step()`. What DeepSpeed allocates is tagged by
+where it lives: the 16-bit parameters (ZeRO-3: their partitions and its gathers) as weights, the fp32 master partition
+and Adam's moments as optimizer states, the reduction buckets, gradient partitions and the fp32 gradient partition of
+the step as gradients.
+
+Shimmed, each the smallest piece that cannot run here, none of them memory on a GPU:
+- DeepSpeed's CPU accelerator stands in for CUDA's (`deepspeed.accelerator.set_accelerator`): its device is "cpu",
+  where the fake tensors live;
+- the CPU accelerator's shared-memory all-reduce op (`deepspeed/comm/torch.py` `build_shm_op`) is a C++ extension
+  DeepSpeed compiles on first use for CPU ranks of one node; a CUDA run reduces through NCCL instead, so it is not
+  built;
+- ZeRO's cross-rank consistency checks (`deepspeed/runtime/zero/utils.py` `assert_ints_same_as_other_ranks`) compare
+  the ranks' lists through an all-gather, which a fake process group does not write: they are skipped;
+- the engine's `module.to(device)` (runtime/engine.py:2093-2094) swaps every parameter for itself, which a fake
+  parameter refuses (torch keeps a weak reference to it): the fake parameters are on the CPU device already;
+- the model is built whole and partitioned by `deepspeed.initialize`, not under `deepspeed.zero.Init` (TRL's zero3
+  config sets `zero3_init_flag`): the same partitions from the first phase on, a different peak while loading only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+from vram_planner.errors import VramPlanError
+from vram_planner.tracing.counter import GRADS, STATES, STEP, WEIGHTS, PhasePeak
+from vram_planner.tracing.phases import step_peak
+from vram_planner.tracing.session import Session
+
+# GRPOConfig's max_grad_norm (transformers' TrainingArguments default), which trainer_config_process copies into
+# "gradient_clipping" (transformers/integrations/deepspeed.py:161)
+MAX_GRAD_NORM = 1.0
+# What ZeRO-1/2 and ZeRO-3 optimizers run while backward reduces gradients (zero/stage_1_and_2.py and stage3.py):
+# everything they allocate there is a bucket or a gradient partition.
+# ZeRO-3 makes the fp32 gradient partition of each sub-group in its own method (stage3.py:2683-2693).
+REDUCING_METHODS = ("process_gradients", "reduce_ready_partitions_and_remove_grads", "reduce_gradients",
+                    "independent_gradient_partition_epilogue", "overlapping_partition_gradients_reduce_epilogue",
+                    "update_hook_state_and_maybe_run_epilogue", "_prepare_fp32_grad_for_sub_group")
+
+
+def deepspeed_config(session: Session) -> dict[str, Any]:
+    """The DeepSpeed config a TRL run under `accelerate launch --config_file zero{S}.yaml` hands `deepspeed.initialize`.
+
+    accelerate's own DeepSpeedPlugin builds it from the yaml's fields; the "auto" values are filled as transformers'
+    `trainer_config_process` fills them (integrations/deepspeed.py:143-161), with the world size of the run.
+    """
+    from accelerate.utils import DeepSpeedPlugin
+
+    train = session.train
+    stage = train.zero_stage
+    # zero3_init_flag is left off: on, the plugin registers a process-wide HfDeepSpeedConfig that makes transformers
+    # build every later model under zero.Init (see the module's docstring)
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=train.gradient_accumulation_steps,
+                             offload_optimizer_device="none", offload_param_device="none", zero3_init_flag=False,
+                             zero3_save_16bit_model=stage == 3)
+    plugin.set_mixed_precision(train.mixed_precision)
+    config = dict(plugin.deepspeed_config)
+    micro = train.per_device_train_batch_size
+    config.update(train_micro_batch_size_per_gpu=micro,
+                  train_batch_size=micro * train.gradient_accumulation_steps * train.num_gpus,
+                  gradient_clipping=MAX_GRAD_NORM,
+                  zero_allow_untested_optimizer=True)  # transformers/integrations/deepspeed.py:589
+    return config
+
+
+@contextlib.contextmanager
+def zero_rank(session: Session, optimizer_recipe: tuple[type, dict[str, Any]]) -> Iterator[None]:
+    """For a ZeRO config: a fake process group of `num_gpus` ranks and DeepSpeed's engine around the session's model,
+    built with the Trainer's optimizer (`optimizer_recipe`); nothing for other configs.
+
+    Enter it inside the session's fake mode and counter: the engine's own allocations are counted as it makes them.
+    """
+    if session.train.zero_stage is None:
+        yield
+        return
+    config = deepspeed_config(session)
+    with _deepspeed_on_cpu(session.train.num_gpus) as deepspeed:
+        _initialize(session, deepspeed, config, optimizer_recipe)
+        try:
+            with _zero_counted(session):
+                yield
+        finally:
+            session.engine = None
+
+
+def _initialize(session: Session, deepspeed: Any, config: dict[str, Any], recipe: tuple[type, dict[str, Any]]) -> None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    tracker, model = session.tracker, session.model
+    cls, kwargs = recipe
+    with unset_fake_temporarily():  # as run_optimizer builds it: outside the fake world, over the fake parameters
+        optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    model.to = lambda *args, **kwargs: model  # engine.py:2093-2094 (the module's docstring)
+    try:
+        # What the engine keeps besides the parameters and the master partition: buckets and gradient partitions
+        with tracker.tagged(GRADS, "deepspeed.initialize"):
+            engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    finally:
+        del model.to
+    for p in [*model.parameters(), *model.buffers()]:
+        tracker.track(p, WEIGHTS)
+        if getattr(p, "ds_tensor", None) is not None:  # ZeRO-3: the parameter's partition, the parameter empty
+            tracker.track(p.ds_tensor, WEIGHTS)
+    # The fp32 master partitions the client optimizer steps: its parameters under ZeRO-1/2; ZeRO-3 hands it one
+    # sub-group at a time (stage3.py `_optimizer_step`) and keeps them in `fp32_partitioned_groups_flat`
+    masters = [p for group in zero_optimizer.optimizer.param_groups for p in group["params"]]
+    for p in [*masters, *getattr(zero_optimizer, "fp32_partitioned_groups_flat", [])]:
+        tracker.track(p, STATES)
+    session.engine, session.optimizer = engine, zero_optimizer
+
+
+@contextlib.contextmanager
+def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
+    """DeepSpeed imported on its CPU accelerator, rank 0 of a fake process group of `num_gpus`, with the shims of the
+    module's docstring; everything restored on exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise VramPlanError("the ZeRO trace runs its own fake process group, and this process already has one")
+    saved_env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    # DeepSpeed's engine asserts a launcher set LOCAL_RANK (runtime/engine.py:1972)
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(num_gpus))
+    patched: list[tuple[Any, str, Any]] = []
+    try:
+        deepspeed = _import_on_cpu()
+        comm_torch = importlib.import_module("deepspeed.comm.torch")
+        patched.append((comm_torch, "build_shm_op", lambda: None))
+        importlib.import_module("deepspeed.runtime.zero.stage3")
+        importlib.import_module("deepspeed.runtime.zero.partitioned_param_coordinator")
+        for name, module in list(sys.modules.items()):
+            if name.startswith("deepspeed.runtime.zero") and hasattr(module, "assert_ints_same_as_other_ranks"):
+                patched.append((module, "assert_ints_same_as_other_ranks", lambda ints: None))
+        patched = [(owner, name, value, getattr(owner, name)) for owner, name, value in patched]
+        for owner, name, value, _ in patched:
+            setattr(owner, name, value)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=0, world_size=num_gpus, store=FakeStore())
+        # DeepSpeed keeps the process groups it makes in module globals, which die with this process group
+        groups = importlib.import_module("deepspeed.utils.groups")
+        kept = {name: copy.copy(value) for name, value in vars(groups).items() if re.fullmatch(r"_[A-Z_]+", name)}
+        try:
+            deepspeed.init_distributed(dist_backend="fake")
+            yield deepspeed
+        finally:
+            dist.destroy_process_group()
+            importlib.import_module("deepspeed.comm.comm").cdb = None  # the next trace initializes its own
+            for name, value in kept.items():
+                setattr(groups, name, value)
+    finally:
+        for owner, name, _, original in patched:
+            setattr(owner, name, original)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _import_on_cpu() -> Any:
+    try:
+        # DeepSpeed's logger writes to the sys.stdout of its first import, where --json prints the report
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.accelerator import set_accelerator
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+            set_accelerator(CPU_Accelerator())
+            import deepspeed
+    except ImportError as exc:
+        raise VramPlanError(f"the ZeRO trace runs DeepSpeed's own engine, which cannot be imported ({exc}): "
+                            "pip install 'vram-plan[deepspeed]'") from exc
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return deepspeed
+
+
+@contextlib.contextmanager
+def _zero_counted(session: Session) -> Iterator[None]:
+    """ZeRO's reductions tagged as gradients and ZeRO-3's gathers as weights, per instance where DeepSpeed calls its
+    own methods through `self`; the coordinator's and GatheredParameters' on their classes, undone on exit."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    tracker, optimizer = session.tracker, session.optimizer
+
+    def tagged(method: Any, tag: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with tracker.tagged(tag):
+                return method(*args, **kwargs)
+        return run
+
+    for name in REDUCING_METHODS:
+        if hasattr(optimizer, name):
+            setattr(optimizer, name, tagged(getattr(optimizer, name), GRADS))
+    classes = [(PartitionedParameterCoordinator, "fetch_sub_module"), (GatheredParameters, "__enter__")]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in classes]
+    try:
+        for owner, name, method in saved:
+            setattr(owner, name, tagged(method, WEIGHTS))
+        yield
+    finally:
+        for owner, name, method in saved:
+            setattr(owner, name, method)
+
+
+@contextlib.contextmanager
+def generating(session: Session) -> Iterator[None]:
+    """Generation as TRL runs it: inside `unwrap_model_for_generation`, which under ZeRO-3 gathers the whole model
+    when `ds3_gather_for_generation` is on (trl/models/utils.py `_unwrap_model_for_generation`)."""
+    if session.engine is None:
+        yield
+        return
+    from trl.models.utils import unwrap_model_for_generation
+
+    engine = session.engine
+    accelerator = SimpleNamespace(unwrap_model=lambda model, **kwargs: engine.module,
+                                  state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
+                                      zero_stage=session.train.zero_stage), fsdp_plugin=None))
+    with unwrap_model_for_generation(engine, accelerator,
+                                     gather_deepspeed3_params=session.train.ds3_gather_for_generation):
+        yield
+
+
+def backward(session: Session, loss: Any, last: bool) -> None:
+    """accelerate's `DeepSpeedEngineWrapper.backward` (accelerate/utils/deepspeed.py): the accumulation boundary set
+    on the last micro-batch, then the engine's backward (its step is the optimizer phase)."""
+    session.engine.set_gradient_accumulation_boundary(is_boundary=last)
+    session.engine.backward(loss)
+
+
+def run_step(session: Session) -> PhasePeak:
+    """`engine.step()`: ZeRO's fp32 gradient partition, the client optimizer's update of the fp32 master partition,
+    the 16-bit parameters refreshed from it; the first step creates Adam's moments (`session.state_bytes`)."""
+    tracker = session.tracker
+    client = session.optimizer.optimizer
+    step = client.step
+
+    def counted_step(*args: Any, **kwargs: Any) -> Any:
+        # ZeRO sets the fp32 gradient partition as the master partition's .grad just before (stage_1_and_2.py:3118
+        # and :3126, stage3.py `_prepare_fp32_grad_for_sub_group`)
+        for group in client.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    tracker.track(p.grad, GRADS)
+        tracker.assumed_number = 1  # the step count, read for bias corrections
+        try:
+            return step(*args, **kwargs)
+        finally:
+            tracker.assumed_number = 0
+
+    client.step = counted_step
+    # Before it, ZeRO reads its overflow flag on the host: 0 (no overflow; bf16 has no loss scale to skip for)
+    tracker.moment, tracker.assumed_number = "optimizer step", 0
+    tracker.reset_peak()
+    try:
+        with tracker.tagged(STEP):
+            session.engine.step()
+    finally:
+        del client.step
+    return step_peak(session, client)
