@@ -81,9 +81,12 @@ def test_rank_bytes_reads_weights_gradients_and_optimizer_states():
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(3, 8)).sum().backward()
     optimizer.step()
-    params = 8 * 4 + 4 + 4 * 2
-    assert rank_bytes(model, optimizer) == {"weights": 4 * params, "gradients": 4 * params,
-                                            "optimizer_states": 8 * params}  # two fp32 moments, no step counters
+    tensors = 3  # two weights and a bias, each under 512 bytes: one 512-byte block each, as CUDA allocates them
+    assert rank_bytes(model, optimizer) == {"weights": tensors * 512, "gradients": tensors * 512,
+                                            "optimizer_states": 2 * tensors * 512}  # the moments; steps on the host
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    fused.step()
+    assert rank_bytes(model, fused)["optimizer_states"] == 3 * tensors * 512  # fused AdamW's steps on the device
     optimizer.zero_grad()
     assert rank_bytes(model, optimizer)["gradients"] == 0
     assert gathered({"weights": 1}) == [{"rank": 0, "weights": 1}]  # no process group: this process alone

@@ -65,7 +65,11 @@ def test_zero12_keep_the_16bit_model_and_partition_the_optimizer(traced, stage):
 
 @pytest.mark.slow
 def test_zero3_partitions_the_16bit_parameters_too(traced):
+    import torch
+
     doc = traced["3"]
+    # its engine swapped in its own F.linear while it ran; the traces after it run torch's
+    assert torch.nn.functional.linear is torch._C._nn.linear
     assert _component(doc, "optimizer", "weights") == pytest.approx(2 * PARAMS / GPUS, rel=0.02)
     assert _component(doc, "generation", "optimizer_states") == pytest.approx(12 * PARAMS / GPUS, rel=0.01)
 

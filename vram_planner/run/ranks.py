@@ -32,9 +32,13 @@ def _device_states(optimizer: Any) -> list[Any]:
     capturable groups (torch/optim/adam.py _init_group; the others keep their steps on the host)."""
     import torch
 
-    return [value for group in optimizer.param_groups for p in group["params"]
-            for value in optimizer.state.get(p, {}).values()
-            if isinstance(value, torch.Tensor) and (value.dim() > 0 or group.get("fused") or group.get("capturable"))]
+    def steps_on_device(options: Any) -> bool:
+        return bool(options.get("fused") or options.get("capturable"))
+
+    grouped = {id(p): steps_on_device(group) for group in optimizer.param_groups for p in group["params"]}
+    ungrouped = steps_on_device(optimizer.defaults)  # ZeRO-3 takes its partitions out of the groups after a step
+    return [value for p, state in optimizer.state.items() for value in state.values()
+            if isinstance(value, torch.Tensor) and (value.dim() > 0 or grouped.get(id(p), ungrouped))]
 
 
 # DeepSpeed's fp32 master partitions, by the attribute of its ZeRO optimizer that holds them

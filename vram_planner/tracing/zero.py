@@ -134,11 +134,15 @@ def _initialize(session: Session, deepspeed: Any, config: dict[str, Any], recipe
 def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
     """DeepSpeed imported on its CPU accelerator, rank 0 of a fake process group of `num_gpus`, with the shims of the
     module's docstring; everything restored on exit."""
+    import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         raise VramPlanError("the ZeRO trace runs its own fake process group, and this process already has one")
     saved_env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    # ZeRO-3 swaps torch's F.linear for its own, "until manually reset" (runtime/zero/partition_parameters.py:412-419):
+    # a later trace in this process would run it too (its generation held 9% less on the tiny fixture)
+    linear = torch.nn.functional.linear
     # DeepSpeed's engine asserts a launcher set LOCAL_RANK (runtime/engine.py:1972)
     os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(num_gpus))
     patched: list[tuple[Any, str, Any]] = []
@@ -169,6 +173,7 @@ def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
             for name, value in kept.items():
                 setattr(groups, name, value)
     finally:
+        torch.nn.functional.linear = linear
         for owner, name, _, original in patched:
             setattr(owner, name, original)
         for key, value in saved_env.items():
