@@ -45,7 +45,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.tracing.counter import GRADS, STATES, STEP, WEIGHTS, PhasePeak
-from vram_planner.tracing.phases import step_peak
+from vram_planner.tracing.optimizer_peak import step_peak
 from vram_planner.tracing.session import Session
 
 # GRPOConfig's max_grad_norm (transformers' TrainingArguments default), which trainer_config_process copies into
