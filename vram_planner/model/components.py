@@ -284,8 +284,7 @@ def _fsdp_adam_state_rounding(arch: ModelArchitecture, train: TrainingConfig, pe
     exp_avg and exp_avg_sq of a shard are storages of their own, in whole blocks, and fused AdamW's `step` scalars
     stay on the GPU beside them (one per parameter, not sharded)."""
     shards = [-(-n // train.num_gpus) for n in blocks.trainable_tensors(arch, train)]
-    rounding = 2 * sum(blocks.blocks(n * per_param) - n * per_param for n in shards)
-    return rounding + blocks.optimizer_step_scalars_bytes(arch, train)
+    return 2 * blocks.rounding_bytes(shards, per_param) + blocks.optimizer_step_scalars_bytes(arch, train)
 
 
 def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

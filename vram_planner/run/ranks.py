@@ -4,13 +4,15 @@ The plan counts one rank's share of the weights, gradients and optimizer states 
 partitions); these are the same three read from the tensors the rank holds when its optimizer has stepped: a
 DTensor's local shard under FSDP2, a ZeRO-3 parameter's `ds_tensor` partition, the innermost torch optimizer's state
 and ZeRO's fp32 master partitions (DeepSpeed wraps the torch optimizer, and accelerate wraps that). Each tensor in
-the caching allocator's 512-byte blocks, as torch.cuda.memory_allocated and the plan count it. Rank 0 gathers every rank's figures into the run's record, so the processes never write
-the same file.
+the caching allocator's 512-byte blocks, as torch.cuda.memory_allocated and the plan count it. Rank 0 gathers every
+rank's figures into the run's record, so the processes never write the same file.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from vram_planner.model.blocks import blocks
 
 
 def _local(tensor: Any) -> Any:
@@ -21,24 +23,19 @@ def _local(tensor: Any) -> Any:
 
 
 def _bytes(tensor: Any) -> int:
-    from vram_planner.model.blocks import blocks
-
     local = _local(tensor)
     return int(blocks(local.numel() * local.element_size()))
 
 
 def _device_states(optimizer: Any) -> list[Any]:
-    """The optimizer's state tensors a CUDA run keeps on the GPU: the moments, and the `step` scalars of fused or
-    capturable groups (torch/optim/adam.py _init_group; the others keep their steps on the host)."""
+    """The optimizer's state tensors a CUDA run keeps on the GPU: all but the `step` scalars torch hosts."""
     import torch
 
-    def steps_on_device(options: Any) -> bool:
-        return bool(options.get("fused") or options.get("capturable"))
+    from vram_planner.tracing.optimizer_peak import host_step_scalars
 
-    grouped = {id(p): steps_on_device(group) for group in optimizer.param_groups for p in group["params"]}
-    ungrouped = steps_on_device(optimizer.defaults)  # ZeRO-3 takes its partitions out of the groups after a step
-    return [value for p, state in optimizer.state.items() for value in state.values()
-            if isinstance(value, torch.Tensor) and (value.dim() > 0 or grouped.get(id(p), ungrouped))]
+    host = host_step_scalars(optimizer)
+    return [value for state in optimizer.state.values() for value in state.values()
+            if isinstance(value, torch.Tensor) and not any(value is h for h in host)]
 
 
 # DeepSpeed's fp32 master partitions, by the attribute of its ZeRO optimizer that holds them
@@ -57,7 +54,6 @@ def _optimizers(optimizer: Any) -> list[Any]:
 
 def rank_bytes(model: Any, optimizer: Any) -> dict[str, int]:
     """This rank's weights, gradients and optimizer states, in bytes."""
-
     parameters = list({id(p): p for p in model.parameters()}.values())
     chain = _optimizers(optimizer)
     states = _device_states(chain[-1])

@@ -11,20 +11,26 @@ from vram_planner.tracing.counter import ACTS, STATES, STEP, PhasePeak
 from vram_planner.tracing.session import Session
 
 
-def _host_step_scalars(optimizer: Any) -> list[Any]:
-    """The `step` scalars a CUDA run keeps on the host: every group that is neither fused nor capturable (the trace
-    runs on the CPU, where they are made beside the parameters)."""
-    return [state["step"] for group in optimizer.param_groups
-            if not group.get("fused") and not group.get("capturable")
-            for p in group["params"] for state in [optimizer.state.get(p, {})]
-            if "step" in state and getattr(state["step"], "dim", lambda: 1)() == 0]
+def host_step_scalars(optimizer: Any) -> list[Any]:
+    """The `step` scalars a CUDA run keeps on the host: those of every group that is neither fused nor capturable
+    (torch/optim/adam.py _init_group). A parameter no group holds any more (ZeRO-3 takes its partitions out of the
+    groups after a step) follows the optimizer's defaults. On the CPU, where the trace and the test ranks run, they
+    are made beside the parameters."""
+    def on_device(options: Any) -> bool:
+        return bool(options.get("fused") or options.get("capturable"))
+
+    grouped = {id(p): on_device(group) for group in optimizer.param_groups for p in group["params"]}
+    ungrouped = on_device(optimizer.defaults)
+    return [state["step"] for p, state in optimizer.state.items()
+            if "step" in state and getattr(state["step"], "dim", lambda: 1)() == 0
+            and not grouped.get(id(p), ungrouped)]
 
 
 def step_peak(session: Session, optimizer: Any) -> PhasePeak:
     """The optimizer phase's peak once `optimizer` has stepped under the STEP tag: its states counted as such (their
     bytes to `session.state_bytes`), the rest the step allocated as temporaries."""
     tracker = session.tracker
-    host = _host_step_scalars(optimizer)
+    host = host_step_scalars(optimizer)
     if host:
         # torch hosts a per-parameter `step` on the CPU unless the optimizer is fused or capturable
         # (torch/optim/adam.py _init_group); made as the step starts, they were in its peak
