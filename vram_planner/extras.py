@@ -12,6 +12,10 @@ from vram_planner.errors import VramPlanError
 TRAIN_EXTRA = "pip install 'vram-plan[train]'"
 TRAIN_PACKAGES = ("torch", "transformers", "peft", "trl")
 VLLM_EXTRA = "pip install 'vram-plan[vllm]'"
+# Libraries whose logger prints through a handler of its own: DeepSpeed's writes to stdout and does not propagate
+# (deepspeed/utils/logging.py, LoggerFactory.create_logger). accelerate and transformers import it wherever it is
+# installed, and on a machine without CUDA it warns "Setting accelerator to CPU" in the middle of a run's output.
+OWN_HANDLER_LOGGERS = ("DeepSpeed",)
 # The vLLM releases TRL 1.16 accepts (trl-1.16.0 METADATA: Requires-Dist vllm<=0.31.0,>=0.22.0; extra == "vllm"), as
 # pyproject.toml's `vllm` extra pins them; vram_planner/model/vllm.py models their start-up budget.
 VLLM_RANGE = ">=0.22.0,<=0.31.0"
@@ -32,18 +36,28 @@ def library_log_warnings_hidden() -> Iterator[None]:
 
     Their records reach stderr through logging's last-resort handler, which prints warnings: bitsandbytes 0.50,
     which PEFT imports, warns on every CPU with AVX512-BF16 that the optional `kernels` package is missing. Such a
-    line is not the command's; `run --verbose` shows it.
+    line is not the command's; `run --verbose` shows it. A filter on the logger, not a level, holds back those with
+    a handler of their own (OWN_HANDLER_LOGGERS), since such a library sets its logger's level when it is imported,
+    which may happen inside the block.
     """
     handler = logging.lastResort
-    if handler is None:  # the application turned the last resort off: nothing reaches stderr that way
-        yield
-        return
-    level = handler.level
-    handler.setLevel(max(level, logging.ERROR))
+    level = handler.level if handler is not None else None  # None: the application turned the last resort off
+    if handler is not None:
+        handler.setLevel(max(handler.level, logging.ERROR))
+    own_handlers = [logging.getLogger(name) for name in OWN_HANDLER_LOGGERS]
+    for logger in own_handlers:
+        logger.addFilter(_errors_only)
     try:
         yield
     finally:
-        handler.setLevel(level)
+        for logger in own_handlers:
+            logger.removeFilter(_errors_only)
+        if handler is not None:
+            handler.setLevel(level)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
 
 def require_bitsandbytes(why: str) -> None:

@@ -25,6 +25,7 @@ def test_run_trains_two_steps_and_logs_memory_per_step(tiny_model_folder, tmp_pa
     stdout, err = done.stdout, done.stderr
     assert done.returncode == 0, err
     assert "GRPOConfig(" in stdout and "predicted peak" in stdout
+    assert "WARNING" not in stdout, stdout  # DeepSpeed's logger prints to stdout where it is installed
     # off a terminal: the smoke step's line, a line per step, the closing summary; no library warnings or progress
     # bars without --verbose
     lines = err.splitlines()

@@ -480,3 +480,25 @@ def test_warnings_of_libraries_that_never_set_logging_up_show_only_with_verbose(
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == ["an error, verbose=False", "kernels missing, verbose=True",
                                         "an error, verbose=True", "after the run"]
+
+
+def test_warnings_of_a_logger_with_its_own_handler_show_only_with_verbose():
+    # DeepSpeed's logger (stdout, no propagation, its level set when deepspeed is imported, which accelerate does
+    # inside the run where DeepSpeed is installed) warns "Setting accelerator to CPU" on a machine without CUDA
+    code = ("import logging, sys\nfrom vram_planner.run.launch import library_output\n"
+            "def imported():\n"
+            "    logger = logging.getLogger('DeepSpeed')\n"
+            "    logger.setLevel(logging.WARNING)\n"
+            "    logger.propagate = False\n"
+            "    logger.handlers = [logging.StreamHandler(sys.stdout)]\n"
+            "    return logger\n"
+            "for verbose in (False, True):\n"
+            "    with library_output(verbose):\n"
+            "        logger = imported()\n"
+            "        logger.warning('accelerator, verbose=%s', verbose)\n"
+            "        logger.error('an error, verbose=%s', verbose)\n"
+            "logger.warning('after the run')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["an error, verbose=False", "accelerator, verbose=True", "an error, verbose=True",
+                                        "after the run"]
