@@ -54,6 +54,40 @@ def test_unknown_gpu_suggests_close_names():
     assert "rtx3080-mobile" in str(info.value)
 
 
+@pytest.mark.parametrize("card", sorted({g.name for g in profiles.gpus()}))
+def test_every_card_resolves_however_users_spell_it(card):
+    gpu = GpuProfile.from_name(card)
+    for spelled in [card.upper().replace("-", " "), f"NVIDIA GeForce {card.replace('-', ' ')} GPU",
+                    *[alias.replace("-", " ").title() for alias in gpu.aliases]]:
+        assert GpuProfile.from_name(spelled) == gpu, spelled
+    if gpu.cuda_name:  # nvidia-smi's name: a card of that name (an alias picks one of several memory sizes)
+        assert GpuProfile.from_name(gpu.cuda_name).cuda_name == gpu.cuda_name
+
+
+@pytest.mark.parametrize(("spelled", "card"), [("rtx-4060-laptop", "rtx4060-mobile-8gb"), ("RTX 4090", "rtx4090"),
+                                               ("NVIDIA GeForce RTX 4060 Laptop GPU", "rtx4060-mobile-8gb"),
+                                               ("Tesla T4", "t4"), ("A100 80GB", "a100-80gb")])
+def test_the_names_users_paste(spelled, card):
+    assert GpuProfile.from_name(spelled).name == card
+
+
+def test_a_cuda_name_of_two_memory_sizes_that_no_alias_settles_is_refused_naming_both(tmp_path, monkeypatch):
+    (tmp_path / "gpus.toml").write_text(
+        '[[gpu]]\nname = "x1-8gb"\ncuda_name = "NVIDIA X1"\ntotal_memory_gib = 7.6\n'
+        '[[gpu]]\nname = "x1-16gb"\ncuda_name = "NVIDIA X1"\ntotal_memory_gib = 15.6\n')
+    monkeypatch.setenv(profiles.PROFILES_ENV, str(tmp_path))
+    profiles.gpu_catalog.cache_clear()
+    with pytest.raises(ProfileError, match="names 2 catalog cards of different memory: x1-8gb, x1-16gb; name one"):
+        GpuProfile.from_name("NVIDIA X1")
+    assert GpuProfile.from_name("nvidia x1 16gb").name == "x1-16gb"
+
+
+def test_a_misspelt_laptop_card_suggests_the_laptop_card():
+    with pytest.raises(UnknownNameError) as info:
+        GpuProfile.from_name("rtx4060-labtop")
+    assert info.value.suggestions[0] == "rtx4060-mobile-8gb"
+
+
 def test_sizes_work_for_any_card():
     assert GpuProfile.from_name("24GiB").capacity_bytes == 24 * GiB
     assert GpuProfile.from_name("16GB").capacity_bytes == 16 * 10**9

@@ -41,10 +41,11 @@ class VramPlanError(Exception):
 class UnknownNameError(VramPlanError):
     """A catalog name that matches nothing; carries the closest known names."""
 
-    def __init__(self, kind: str, name: str, known: Iterable[str], hint: str = "") -> None:
+    def __init__(self, kind: str, name: str, known: Iterable[str], hint: str = "",
+                 suggestions: list[str] | None = None) -> None:
         self.kind = kind
         self.name = name
-        self.suggestions = closest_names(name, known)
+        self.suggestions = closest_names(name, known) if suggestions is None else suggestions
         shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:76] + "...'"
         text = f"unknown {kind} {shown}"
         if self.suggestions:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -15,7 +16,7 @@ from typing import Any, Literal
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from vram_planner.errors import ProfileError, UnknownNameError, field_name, json_kind, short_repr
+from vram_planner.errors import ProfileError, UnknownNameError, closest_names, field_name, json_kind, short_repr
 from vram_planner.profile_cache import cached
 from vram_planner.units import GiB, MiB, looks_like_size, parse_size_bytes
 from vram_planner.validation import Rules, error_message, validate
@@ -80,8 +81,18 @@ class GpuProfile:
         catalog = gpu_catalog()
         if key in catalog:
             return catalog[key]
-        raise UnknownNameError("GPU", name, sorted({g.name for g in catalog.values()}),
-                               hint="(`vram-plan gpus` lists them; a size like 24GiB works for any card)")
+        spelled = gpu_spellings()
+        cards = spelled.get(card_spelling(name), [])
+        if len(cards) == 1:
+            return cards[0]
+        hint = "(`vram-plan gpus` lists them; a size like 24GiB works for any card)"
+        if cards:  # nvidia-smi's name of a card sold with several memory sizes
+            raise ProfileError(f"{short_repr(name.strip(), 60)} names {len(cards)} catalog cards of different memory: "
+                               f"{', '.join(g.name for g in cards)}; name one {hint}")
+        suggestions = [g.name for spelling in closest_names(card_spelling(name), spelled, limit=6)
+                       for g in spelled[spelling]]
+        raise UnknownNameError("GPU", name, sorted({g.name for g in catalog.values()}), hint=hint,
+                               suggestions=list(dict.fromkeys(suggestions))[:3])
 
 
 def local_gpu_profile() -> GpuProfile:
@@ -185,6 +196,32 @@ def gpu_catalog() -> dict[str, GpuProfile]:
             for key in [gpu.name, *gpu.aliases]:
                 by_key[key.lower()] = gpu
     return by_key
+
+
+def card_spelling(name: str) -> str:
+    """A card's name as any of its spellings reduces to: case, spaces and dashes, the 'NVIDIA'/'GeForce' prefixes and
+    the 'GPU' suffix left out. Users paste nvidia-smi's 'NVIDIA GeForce RTX 4060 Laptop GPU' or type 'rtx-4060-laptop'
+    and 'RTX 4090'."""
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    for prefix in ("nvidia", "geforce"):
+        key = key.removeprefix(prefix)
+    return key.removesuffix("gpu")
+
+
+def gpu_spellings() -> dict[str, list[GpuProfile]]:
+    """The catalog cards by the spelling (card_spelling) of each name and alias, then of each CUDA name no name or
+    alias spells: the catalog's aliases choose the card a short name means ('rtx3080' the 10 GB one), and a CUDA name
+    two cards share (a laptop chip sold with 8 and 16 GB) leads to both. Made on a miss of the exact names only, so
+    not cached."""
+    by_spelling: dict[str, dict[str, GpuProfile]] = {}
+    for gpu in gpus():
+        for spelled in {card_spelling(k) for k in [gpu.name, *gpu.aliases]}:
+            by_spelling.setdefault(spelled, {})[gpu.name] = gpu
+    by_cuda_name: dict[str, dict[str, GpuProfile]] = {}
+    for gpu in gpus():
+        if gpu.cuda_name and card_spelling(gpu.cuda_name) not in by_spelling:
+            by_cuda_name.setdefault(card_spelling(gpu.cuda_name), {})[gpu.name] = gpu
+    return {spelled: list(cards.values()) for spelled, cards in {**by_spelling, **by_cuda_name}.items()}
 
 
 def _catalog_gpus(path: Path) -> list[GpuProfile]:
