@@ -644,6 +644,19 @@ def model_dtype(src: WheelSource, trainer: ast.ClassDef) -> str:
     return "unset"
 
 
+def training_entropy(src: WheelSource, trainer: ast.ClassDef) -> str:
+    """How the loss pass turns full logits into the completion's entropies, in profiles/trl.toml's words: "none" where
+    the trainer never calls `entropy_from_logits` (before 0.20; 1.14's kernel and 1.15's fused head compute them
+    inside), "flat_rows" where that function reshapes the logits to rows of the vocabulary and takes them a chunk
+    at a time (0.23 on), "per_sequence" where it splits the batch (0.20-0.22)."""
+    if not calls(trainer, "entropy_from_logits"):
+        return "none"
+    found = resolve(src, TRAINER[0], "entropy_from_logits", ast.FunctionDef)
+    if found is None:
+        return "unknown"
+    return "flat_rows" if calls(found[1], "reshape") else "per_sequence"
+
+
 def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
     """The markers of grpo_trainer.py that decide memory."""
     compute_loss = method(trainer, "compute_loss")
@@ -666,6 +679,7 @@ def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
         "old_logps_when": old_logps, "old_logps_if": old_logps_if,
         "reference_when": reference_when(trainer),
         "model_dtype_passed": model_dtype(src, trainer),
+        "training_entropy": training_entropy(src, trainer),
     }
 
 
@@ -785,6 +799,7 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "logits_to_keep_argument": lambda f: f["behaviour"]["logits_to_keep_argument"] or SKIP,
     "log_prob_forward_cache": lambda f: f["behaviour"]["log_prob_forward_cache"],
     "log_prob_attention_mask": lambda f: f["behaviour"]["log_prob_attention_mask"],
+    "training_entropy": lambda f: f["behaviour"]["training_entropy"],
 }
 
 

@@ -67,6 +67,11 @@ def test_facts_cover_every_release_pypi_listed():
     # attention_mask=attention_mask, ...)
     ("0.14.0", "log_prob_attention_mask", "none"), ("0.15.0", "log_prob_attention_mask", "passed"),
     ("1.16.0", "log_prob_attention_mask", "passed"),
+    # utils.py entropy_from_logits: `for logits_chunk in logits.split(chunk_size, dim=0)` (0.20), `flat_logits =
+    # logits.reshape(-1, num_classes)` (0.23); the trainer calls it no more once 1.14's kernel computes entropies
+    ("0.19.1", "training_entropy", "none"), ("0.20.0", "training_entropy", "per_sequence"),
+    ("0.22.2", "training_entropy", "per_sequence"), ("0.23.0", "training_entropy", "flat_rows"),
+    ("1.13.0", "training_entropy", "flat_rows"), ("1.14.0", "training_entropy", "none"),
 ])
 def test_extracted_facts_hold_what_the_source_says(version, column, value):
     facts = next(r for r in FACTS["releases"] if r["version"] == version)
