@@ -88,6 +88,13 @@ def test_a_misspelt_laptop_card_suggests_the_laptop_card():
     assert info.value.suggestions[0] == "rtx4060-mobile-8gb"
 
 
+@pytest.mark.parametrize("name", ["---", "NVIDIA", "GeForce GPU"])
+def test_a_name_that_spells_no_card_suggests_none_at_random(name):
+    with pytest.raises(UnknownNameError) as info:
+        GpuProfile.from_name(name)
+    assert info.value.suggestions == []
+
+
 def test_sizes_work_for_any_card():
     assert GpuProfile.from_name("24GiB").capacity_bytes == 24 * GiB
     assert GpuProfile.from_name("16GB").capacity_bytes == 16 * 10**9

@@ -79,6 +79,8 @@ def closest_names(name: str, known: Iterable[str], limit: int = 3) -> list[str]:
     import difflib  # only a refusal suggests names: not at every start
 
     query = name.lower()
+    if not query.strip():  # every name holds the empty string: no name is closer than another
+        return []
     matches = difflib.get_close_matches(query, list(by_lower), n=limit, cutoff=0.5)
     if not matches:
         matches = [k for k in by_lower if query in k or k in query][:limit]

@@ -92,7 +92,7 @@ class GpuProfile:
         suggestions = [g.name for spelling in closest_names(card_spelling(name), spelled, limit=6)
                        for g in spelled[spelling]]
         raise UnknownNameError("GPU", name, sorted({g.name for g in catalog.values()}), hint=hint,
-                               suggestions=list(dict.fromkeys(suggestions))[:3])
+                               suggestions=list(dict.fromkeys(suggestions))[:3] if card_spelling(name) else None)
 
 
 def local_gpu_profile() -> GpuProfile:
