@@ -80,13 +80,14 @@ def test_zero3_partitions_the_16bit_parameters_too(traced):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["1", "2"])
-def test_the_step_is_a_steady_one_with_the_moments_alive_beside_the_fp32_gradient_partition(traced, stage):
-    # stage_1_and_2.py:3114-3118: the 16-bit gradients, a flat copy and its fp32 copy (2 + 2 + 4 bytes per parameter
-    # of the partition at least) while Adam's moments of the earlier steps are alive; the first step makes the
-    # moments after them, 8 bytes less at that moment, which is all a trace of the first step would see
+def test_the_step_is_a_steady_one_with_the_moments_alive_beside_the_gradients_copies(traced, stage):
+    # The step's peak comes before the update, while Adam's moments of the earlier steps are alive: the 16-bit
+    # gradients the partition touches beside the norm's fp64 copy of one (stage_1_and_2.py:2684, here the peak) or a
+    # flat copy and its fp32 copy (:3114-3118), 8 bytes per parameter of the partition at least; the first step makes
+    # the moments after them, 8 bytes less at that moment, which is all a trace of the first step would see
     doc = traced[stage]
     step = next(p for p in doc["phases"] if p["name"] == "optimizer")
-    assert step["peak_moment"] == "optimizer step: the fp32 gradient partition"
+    assert step["peak_moment"] == "optimizer step: the gradient norm"
     assert _component(doc, "optimizer", "optimizer_states") == _component(doc, "generation", "optimizer_states")
     assert _component(doc, "optimizer", "gradients") - _component(doc, "generation", "gradients") >= 8 * PARAMS / GPUS
     assert step["analytic_relative_error"] == pytest.approx(0, abs=0.01)

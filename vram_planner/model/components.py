@@ -44,10 +44,10 @@ def sizes(train: TrainingConfig) -> Sizes:
     # unquantised.
     weight = 2 if train.zero_stage is not None else DTYPE_BYTES[train.dtype]
     compute = weight if train.mixed_precision == "no" else 2
-    # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL keeps them in bf16 under ZeRO-3 and casts them
-    # to bf16 over a 4-bit base.
+    # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); DeepSpeed's bf16 engine casts them with the module
+    # (the sharded trace holds them in 2 bytes under ZeRO-2 and 3), TRL casts them to bf16 over a 4-bit base.
     if train.uses_lora:
-        trainable = 2 if (train.load_in_4bit or train.zero_stage == 3) else FP32_BYTES
+        trainable = 2 if (train.load_in_4bit or train.zero_stage is not None) else FP32_BYTES
     else:
         trainable = weight
     if train.fsdp and train.mixed_precision != "no":

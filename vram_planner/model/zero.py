@@ -23,7 +23,7 @@ Adam's moments alive (the sharded trace runs that step, vram_planner/tracing/zer
 sub-group, stage3.py:2686-2687), or the fp64 copy the gradient norm makes of each gradient first (zero/utils.py:59-63,
 stage_1_and_2.py:2684, stage3.py:2455). ZeRO-3 has released every gathered layer by then (`_partition_all_parameters`,
 stage3.py:2878). So ZeRO-1/2 hold at least 2 P + 20 P / N there, more than their estimator's 2 P + 18 P / N (which
-leaves out the flat copy and the moments alive beside it), and ZeRO-3 22 P / N and its bucket.
+leaves out the flat copy and the gradients kept whole), and ZeRO-3 22 P / N and its bucket.
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ group (as `vram_planner.tracing.sharded` runs FSDP2), every collective "complete
 The phases run as TRL and accelerate run them: generation inside TRL's own `unwrap_model_for_generation` (under
 ZeRO-3 it gathers every parameter when `ds3_gather_for_generation` is on, and lets each layer's hooks gather it
 otherwise), the loss's backward through `engine.backward` with accelerate's accumulation boundary
-(`DeepSpeedEngineWrapper.backward`), the optimizer phase as `engine.step()`. What DeepSpeed allocates is tagged by
-where it lives: the 16-bit parameters (ZeRO-3: their partitions and its gathers) as weights, the fp32 master partition
-and Adam's moments as optimizer states, the reduction buckets, gradient partitions and the fp32 gradient partition of
-the step as gradients.
+(`DeepSpeedEngineWrapper.backward`), the optimizer phase as `engine.step()` runs from the second step on, with Adam's
+moments made by an earlier step (`_states_of_earlier_steps`). What DeepSpeed allocates is tagged by where it lives:
+the 16-bit parameters (ZeRO-3: their partitions and its gathers) as weights, the fp32 master partition and Adam's
+moments as optimizer states, the reduction buckets, gradient partitions and what the step makes of them (the flat,
+fp32 and the norm's fp64 copies) as gradients, the client optimizer's own temporaries as the step's.
 
 Shimmed, each the smallest piece that cannot run here, none of them memory on a GPU:
 - DeepSpeed's CPU accelerator stands in for CUDA's (`deepspeed.accelerator.set_accelerator`): its device is "cpu",
@@ -56,6 +57,8 @@ MAX_GRAD_NORM = 1.0
 REDUCING_METHODS = ("process_gradients", "reduce_ready_partitions_and_remove_grads", "reduce_gradients",
                     "independent_gradient_partition_epilogue", "overlapping_partition_gradients_reduce_epilogue",
                     "update_hook_state_and_maybe_run_epilogue")
+# Where ZeRO-1/2 and ZeRO-3 take the gradients' norm in their step (stage_1_and_2.py:2943, stage3.py:2573)
+NORM_METHODS = ("scaled_global_norm", "_get_norm_groups")
 
 
 def deepspeed_config(session: Session) -> dict[str, Any]:
@@ -218,6 +221,9 @@ def _zero_counted(session: Session) -> Iterator[None]:
             setattr(optimizer, name, tagged(getattr(optimizer, name), GRADS))
     if hasattr(optimizer, "_post_step"):  # ZeRO-3 gathers its persistent parameters again (stage3.py:2840-2841)
         optimizer._post_step = tagged(optimizer._post_step, WEIGHTS, "optimizer step: persistent parameters gathered")
+    for name in NORM_METHODS:  # the step's fp64 copies of the gradients, one at a time
+        if hasattr(optimizer, name):
+            setattr(optimizer, name, tagged(getattr(optimizer, name), GRADS, "optimizer step: the gradient norm"))
     classes = [(PartitionedParameterCoordinator, "fetch_sub_module"), (GatheredParameters, "__enter__")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name in classes]
     try:
