@@ -67,6 +67,9 @@ def test_lora_adapters_are_fp32_with_their_own_grads_and_states(llama_1b):
     assert m.gradient_bytes(llama_1b, train) == 4 * t
     # lora_A and lora_B of the 7 linears of 16 layers, a step scalar each
     assert m.optimizer_state_bytes(llama_1b, train) == 8 * t + N_LAYERS * 7 * 2 * BLOCK
+    for stage in (1, 2, 3):  # DeepSpeed's bf16 engine casts the adapters with the module (benchmarks/sharded.py --zero)
+        zero = cfg(lora_r=16, dtype="bfloat16", num_gpus=8, zero_stage=stage, per_device_train_batch_size=2)
+        assert m.sizes(zero).trainable == 2
 
 
 def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):

@@ -142,8 +142,8 @@ def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_analytic_model_is_held_to_the_trace(stage):
-    # benchmarks/sharded.py --zero over more models and N: every phase within 2% of the trace; here the rank's
-    # partition lies inside the embedding, whose whole gradient the step keeps beside the norm's fp64 copy of it
+    # benchmarks/sharded.py --zero over more models and N: every phase within 2% of the trace; here ZeRO-1/2's
+    # partition lies inside the embedding, whose whole gradient their step keeps beside the norm's fp64 copy of it
     from vram_planner import engine
     from vram_planner.model.phases import estimate
     from vram_planner.tracing.step import trace_step
