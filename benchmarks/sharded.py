@@ -14,7 +14,9 @@ benchmarks/results/sharded.json and sharded.txt.
 `--quick` runs the fixture only.
 `--zero` (an interpreter with DeepSpeed: the `deepspeed` extra) runs DeepSpeed's own engine instead, one rank of N
 (vram_planner/tracing/zero.py), for Qwen2.5-0.5B and Llama-3.2-1B x N in (2, 8) x ZeRO-1/2/3 with short sequences,
-and sets DeepSpeed's estimator of the model states beside: benchmarks/results/sharded.zero.json and sharded.zero.txt.
+and Llama-3.2-1B with LoRA and with gradient accumulation under ZeRO-2/3 on 8, and sets DeepSpeed's estimator of the
+model states beside the optimizer step's, with why they differ: benchmarks/results/sharded.zero.json and
+sharded.zero.txt.
 """
 
 from __future__ import annotations
@@ -65,6 +67,26 @@ GPUS = (2, 4, 8)
 ZERO_GRID = [(str(MODELS / "Qwen2.5-0.5B.json"), {}), (str(MODELS / "Llama-3.2-1B.json"), {})]
 ZERO_GPUS = (2, 8)
 ZERO_STAGES = (1, 2, 3)
+# LoRA (its adapters are the optimizer's only parameters) and gradient accumulation (ZeRO's non-boundary backward)
+ZERO_MORE = [(str(MODELS / "Llama-3.2-1B.json"), {"lora_r": 16}), (str(MODELS / "Llama-3.2-1B.json"),
+                                                                    {"gradient_accumulation_steps": 2})]
+ZERO_MORE_GPUS, ZERO_MORE_STAGES = (8,), (2, 3)
+# Why the optimizer step's model states differ from DeepSpeed's estimate, by the moment of the traced peak
+# (vram_planner/model/zero.py has the source lines)
+WHY = {
+    (2, "optimizer step: the gradient norm"):
+        "the 16-bit gradients the partition touches, kept whole, beside the norm's fp64 copy of the largest slice "
+        "(8 B an element); the estimate counts 2 + 4 B per parameter of the partition",
+    (2, "optimizer step: the fp32 gradient partition"):
+        "the 16-bit gradients the partition touches, kept whole, their flat copy and its fp32 copy (2 + 2 + 4 B) "
+        "with Adam's moments alive; the estimate counts 2 + 4 B",
+    (3, "optimizer step: the fp32 gradient partition"):
+        "a sub-group's flat and fp32 copies (2 + 4 B) beside the 16-bit gradient partition (2 B) and the 1 GB bucket "
+        "the estimate leaves out; every gathered layer released, the estimate's 4 x largest layer not held",
+    (3, "optimizer step: persistent parameters gathered"):
+        "the persistent parameters (each under 1e5 elements) gathered again after the update, beside the gradient "
+        "partition and the 1 GB bucket; every other gathered layer released",
+}
 ZERO_RESULTS = ROOT / "benchmarks" / "results" / "sharded.zero.json"
 ZERO_TABLE = ROOT / "benchmarks" / "results" / "sharded.zero.txt"
 
@@ -92,30 +114,38 @@ def measure(model: str, knobs: dict, gpus: int, stage: int | None = None) -> dic
     if stage is not None:
         arch = context.arch
         row["zero_stage"] = stage
-        row["deepspeed_estimate_bytes"] = zero.deepspeed_estimate_bytes(arch.params, gpus, 3 if stage == 3 else 2,
-                                                                        zero.largest_layer_params(arch))
+        # DeepSpeed's estimators know full fine-tuning only
+        row["deepspeed_estimate_bytes"] = None if train.uses_lora else zero.deepspeed_estimate_bytes(
+            arch.params, gpus, 3 if stage == 3 else 2, zero.largest_layer_params(arch))
     return row
 
 
-def zero_table(rows: list[dict]) -> str:
-    """Per model x N x stage and phase: the traced peak, the analytic one, the error; the model states (weights,
-    gradients, optimizer states) of the optimizer phase beside DeepSpeed's estimator (ZeRO-1 is estimated as ZeRO-2,
-    as DeepSpeed has no ZeRO-1 estimator)."""
-    lines = [f"{'model':<14} {'N':>2} {'stage':>5} {'phase':<10} {'trace GiB':>10} {'analytic':>10} {'error':>8}  "
-             "model states trace / analytic / DeepSpeed's estimate (GiB)"]
-    worst = 0.0
+def zero_table(rows: list[dict], seconds: float) -> str:
+    """Per model x N x stage and phase: the traced peak, the analytic one, the error; for the optimizer step its model
+    states (weights, gradients, optimizer states) traced, analytic and as DeepSpeed's estimator counts them (ZeRO-1
+    estimated as ZeRO-2, as DeepSpeed has no ZeRO-1 estimator; none for LoRA), and why the trace and the estimate
+    differ."""
+    lines = [f"{'config':<44} {'N':>2} {'stage':>5} {'phase':<10} {'trace GiB':>10} {'analytic':>10} {'error':>8}  "
+             "step's model states trace / analytic / DeepSpeed's estimate (GiB): why they differ"]
+    worst: dict[str, float] = {}
     for row in rows:
+        name = f"{row['model']}{''.join(f' {k}={v}' for k, v in row['knobs'].items())}"
         for p in row["phases"]:
             error = (p["analytic_bytes"] - p["trace_bytes"]) / p["trace_bytes"]
-            worst = max(worst, abs(error))
+            worst[p["phase"]] = max(worst.get(p["phase"], 0.0), abs(error))
             states = ""
             if p["phase"] == "optimizer":
                 t, a = (sum(p["components"][c][i] for c in ("weights", "gradients", "optimizer_states"))
                         for i in (0, 1))
-                states = f"{t / GiB:.3f} / {a / GiB:.3f} / {row['deepspeed_estimate_bytes'] / GiB:.3f}"
-            lines.append(f"{row['model']:<14} {row['num_gpus']:>2} {row['zero_stage']:>5} {p['phase']:<10} "
+                estimate = row["deepspeed_estimate_bytes"]
+                why = WHY.get((3 if row["zero_stage"] == 3 else 2, p["trace_moment"]), p["trace_moment"])
+                states = (f"{t / GiB:.3f} / {a / GiB:.3f} / "
+                          f"{'n/a' if estimate is None else f'{estimate / GiB:.3f}'}: {why}")
+            lines.append(f"{name:<44} {row['num_gpus']:>2} {row['zero_stage']:>5} {p['phase']:<10} "
                          f"{p['trace_bytes'] / GiB:>10.4f} {p['analytic_bytes'] / GiB:>10.4f} {error:>+8.2%}  {states}")
-    lines.append(f"worst |error| over {len(rows)} configs: {worst:.2%}")
+    lines.append(f"worst |error| over {len(rows)} configs, per phase: "
+                 + ", ".join(f"{phase} {value:.2%}" for phase, value in worst.items()))
+    lines.append(f"run time: {seconds / 60:.1f} min (one process, this machine's CPU)")
     return "\n".join(lines)
 
 
@@ -153,8 +183,10 @@ def main() -> None:
     parser.add_argument("--zero", action="store_true", help="DeepSpeed ZeRO-1/2/3 instead of FSDP2 (needs deepspeed)")
     args = parser.parse_args()
     if args.zero:
+        start = time.perf_counter()
         rows = [measure(m, k, n, stage) for m, k in ZERO_GRID for n in ZERO_GPUS for stage in ZERO_STAGES]
-        text = zero_table(rows)
+        rows += [measure(m, k, n, stage) for m, k in ZERO_MORE for n in ZERO_MORE_GPUS for stage in ZERO_MORE_STAGES]
+        text = zero_table(rows, time.perf_counter() - start)
         print(text)
         ZERO_RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
         ZERO_TABLE.write_text(text + "\n")

@@ -4,11 +4,10 @@
 
 For catalog models x N in (2, 4, 8) x ZeRO-2 and ZeRO-3, full fine-tuning with AdamW in bf16 at TRL 1.16's defaults:
 DeepSpeed 0.19.8's estimate of the model states without offload (estimate_zero2/3_model_states_mem_needs, copied in
-vram_planner/model/zero.py with their source lines), the planner's model states in the optimizer step (weights,
-gradients and optimizer states: the estimator's terms, the 16-bit partition ZeRO-3's estimator leaves out, and the
-gradient reduction bucket), their difference, and the step's peak per GPU. Where DeepSpeed is importable, its own
-functions' numbers are checked against the copy. No sharded trace of DeepSpeed runs yet: these are model states from
-DeepSpeed's source, not a measurement. Results: benchmarks/results/zero_states.txt.
+vram_planner/model/zero.py with their source lines), the planner's model states at the optimizer step's peak (weights,
+gradients and optimizer states as model/zero.py counts them, held to DeepSpeed's own step traced on fake tensors by
+benchmarks/sharded.py --zero), their difference, and the step's peak per GPU. Where DeepSpeed is importable, its own
+functions' numbers are checked against the copy. Results: benchmarks/results/zero_states.txt.
 """
 
 from __future__ import annotations

@@ -67,6 +67,9 @@ def test_lora_adapters_are_fp32_with_their_own_grads_and_states(llama_1b):
     assert m.gradient_bytes(llama_1b, train) == 4 * t
     # lora_A and lora_B of the 7 linears of 16 layers, a step scalar each
     assert m.optimizer_state_bytes(llama_1b, train) == 8 * t + N_LAYERS * 7 * 2 * BLOCK
+    for stage in (1, 2, 3):  # DeepSpeed's bf16 engine casts the adapters with the module (benchmarks/sharded.py --zero)
+        zero = cfg(lora_r=16, dtype="bfloat16", num_gpus=8, zero_stage=stage, per_device_train_batch_size=2)
+        assert m.sizes(zero).trainable == 2
 
 
 def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):
@@ -214,9 +217,17 @@ def test_zero_stages_shard_as_the_zero_paper_says(llama_1b):
     assert per_gpu(2) == (2 * P, 2 * P / 4, 12 * P / 4)
     # ZeRO-3 holds its largest layer (the embedding) gathered, and that layer's full gradient (model/zero.py)
     assert per_gpu(3) == (2 * P / 4 + 2 * V * H, 2 * P / 4 + 2 * V * H, 12 * P / 4)
-    for stage in (1, 2, 3):  # DeepSpeed's fp32 copy of the gradient partition, made in its step
+    for stage in (1, 2, 3):  # DeepSpeed's fp32 copy of the gradient partition, made in its step (model/zero.py)
         train = cfg(num_gpus=4, zero_stage=stage, per_device_train_batch_size=2)
-        assert m.fp32_gradient_bytes(llama_1b, train) == 4 * P / 4
+        assert m.fp32_gradient_bytes(llama_1b, train) == 0
+        # beside the 16-bit gradients and their flat copy; ZeRO-3 flattens its partition (one sub-group) out of its
+        # kept gradient partition, its gathered layers released
+        assert m.step_gradient_bytes(llama_1b, train) >= (2 + 2 + 4) * P / 4 * 0.999
+    train = cfg(num_gpus=4, zero_stage=3, per_device_train_batch_size=2)
+    assert m.step_gradient_bytes(llama_1b, train) == pytest.approx((2 + 2 + 4) * P / 4, rel=1e-3)
+    assert m.step_weight_bytes(llama_1b, train) == 2 * P / 4
+    # stage 0's BF16_Optimizer keeps an fp32 gradient of every parameter
+    assert m.fp32_gradient_bytes(llama_1b, cfg(num_gpus=4, zero_stage=0, per_device_train_batch_size=2)) == 4 * P
     assert m.fp32_gradient_bytes(llama_1b, cfg(num_gpus=4, fsdp=True, per_device_train_batch_size=2)) == 0
     gathered = m.generation_weight_bytes(llama_1b, cfg(num_gpus=4, zero_stage=3, per_device_train_batch_size=2))
     assert gathered == 2 * P + 2 * P / 4  # ds3_gather_for_generation: the whole model beside the partitions

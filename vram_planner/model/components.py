@@ -44,10 +44,10 @@ def sizes(train: TrainingConfig) -> Sizes:
     # unquantised.
     weight = 2 if train.zero_stage is not None else DTYPE_BYTES[train.dtype]
     compute = weight if train.mixed_precision == "no" else 2
-    # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL keeps them in bf16 under ZeRO-3 and casts them
-    # to bf16 over a 4-bit base.
+    # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); DeepSpeed's bf16 engine casts them with the module
+    # (the sharded trace holds them in 2 bytes under ZeRO-2 and 3), TRL casts them to bf16 over a 4-bit base.
     if train.uses_lora:
-        trainable = 2 if (train.load_in_4bit or train.zero_stage == 3) else FP32_BYTES
+        trainable = 2 if (train.load_in_4bit or train.zero_stage is not None) else FP32_BYTES
     else:
         trainable = weight
     if train.fsdp and train.mixed_precision != "no":
@@ -222,12 +222,22 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
 
 
 def step_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """The 16-bit gradients the optimizer step starts from: under ZeRO-1 the rank's partition only, which the
-    backward's epilogue keeps (`get_flat_partition`, deepspeed/runtime/zero/stage_1_and_2.py:1046-1053) before it
-    clears every parameter's .grad (:1067); otherwise the gradients as the backward leaves them."""
-    if train.zero_stage == 1 and not train.optimizer_offloaded:
-        return trainable_params(arch, train) * sizes(train).trainable / train.num_gpus
-    return gradient_bytes(arch, train)
+    """The gradients at the optimizer step's peak: under ZeRO-1/2/3 without offload what DeepSpeed's step holds
+    (model/zero.py: the 16-bit gradients, their flat and fp32 copies or the norm's fp64 one; ZeRO-3's partition
+    beside, its bucket added in model/phases.py); otherwise the gradients as the backward leaves them and the fp32
+    ones made in the step (`fp32_gradient_bytes`)."""
+    if train.zero_stage in (1, 2, 3) and not train.optimizer_offloaded:
+        groups = zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets)
+        return (zero.step_gradient_bytes(groups, train.num_gpus, train.zero_stage)
+                + zero3_gradient_partition_bytes(arch, train))
+    return gradient_bytes(arch, train) + fp32_gradient_bytes(arch, train)
+
+
+def step_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Policy weights in the optimizer step: ZeRO-3 releases every gathered layer as its step begins
+    (`_partition_all_parameters`, deepspeed/runtime/zero/stage3.py:2878), its partitions stay (the sharded trace sees
+    it so)."""
+    return weight_bytes(arch, train) - _zero3_gathered_bytes(arch, train)
 
 
 def zero3_gradient_partition_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -239,11 +249,12 @@ def zero3_gradient_partition_bytes(arch: ModelArchitecture, train: TrainingConfi
 
 
 def fp32_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """DeepSpeed's fp32 copy of the gradient partition, made inside the optimizer step (model/zero.py); none
-    without DeepSpeed."""
-    if train.zero_stage is None or train.optimizer_offloaded:  # offloaded: on the host (model/offload.py)
+    """DeepSpeed's fp32 copy of the gradients: stage 0's BF16_Optimizer buffer of every parameter (model/zero.py);
+    ZeRO-1/2/3 make theirs inside the step (`step_gradient_bytes`); none without DeepSpeed or offloaded (on the
+    host, model/offload.py)."""
+    if train.zero_stage != 0 or train.optimizer_offloaded:
         return 0
-    return shard_bytes(train, trainable_params(arch, train) * zero.FP32_GRADIENT_BYTES, 1)
+    return trainable_params(arch, train) * zero.FP32_GRADIENT_BYTES
 
 
 def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

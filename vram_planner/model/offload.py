@@ -36,9 +36,6 @@ FP32_BYTES = 4
 BIT16_BYTES = 2
 # DeepSpeedCPUAdam's exp_avg and exp_avg_sq, float32 (deepspeed/ops/adam/cpu_adam.py:158-164)
 CPU_ADAM_STATE_BYTES = 8
-# ZeRO-3 steps its partition in sub-groups of at most this many elements, each with a pinned fp32 gradient buffer
-# (deepspeed/runtime/zero/config.py:182, `sub_group_size: int = Field(pp_int(1e9))`; zero/stage3.py:1337-1342)
-SUB_GROUP_ELEMENTS = 1_000_000_000
 # ZeRO-3 keeps its gradient partitions in one flat buffer of gradient_accumulation_dtype (zero/stage3.py:791-795), on
 # the CPU when the optimizer is offloaded (zero/stage3.py:333); the engine passes the model's dtype, bf16, unless the
 # config sets data_types.grad_accum_dtype (runtime/engine.py:1799-1810), which TRL's configs do not
@@ -116,51 +113,21 @@ def _flat(name: str, parts: list[int], element_bytes: int) -> HostBuffer:
 
 
 def _optimizer_groups(arch: ModelArchitecture, train: TrainingConfig) -> list[list[int]]:
-    """The trainable parameters' numels in the model's order, in the Trainer's optimizer groups, which ZeRO
-    partitions apart: a LoRA run's adapters, else the base model's (`_base_groups`)."""
-    if train.uses_lora:
-        r = train.lora_r or 0
-        adapters = [r * dim for lin in arch.lora_linears(train.lora_targets) for dim in (lin.in_features,
-                                                                                         lin.out_features)]
-        return [adapters * arch.num_layers]
-    return _base_groups(arch)
-
-
-def _base_groups(arch: ModelArchitecture) -> list[list[int]]:
-    """The model's parameters' numels in its order, in the Trainer's two groups (weight decay: the matrices; none:
-    norms and biases, transformers' get_decay_parameter_names); what the model has besides (q/k norms, a vision
-    tower) joins the second."""
-    layers, h = arch.num_layers, arch.hidden_size
-    norms = [h] * (arch.family.norms_per_layer * (2 if arch.family.layer_norm_bias else 1))
-    linears = [lin.in_features * lin.out_features for lin in arch.layer_linears()]
-    biases = [lin.out_features for lin in arch.layer_linears() if lin.bias]
-    head = [] if arch.tie_word_embeddings else [arch.embedding_params]
-    decay = [arch.embedding_params, *linears * layers, *head]
-    no_decay = [*(biases + norms) * layers, h]
-    rest = arch.params - sum(decay) - sum(no_decay)
-    return [decay, no_decay + ([rest] if rest > 0 else [])]
+    return zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets)
 
 
 def _touching(numels: list[int], ranks: int) -> list[int]:
     """The parameters (numels, in order) with a piece in the rank's partition of their flat group that has the most
     elements of them, each whole."""
-    part = -(-sum(numels) // ranks)
-    worst: list[int] = []
-    for rank in range(ranks):
-        start, end, offset, touching = rank * part, (rank + 1) * part, 0, []
-        for numel in numels:
-            if offset < end and offset + numel > start:
-                touching.append(numel)
-            offset += numel
-        worst = max(worst, touching, key=sum)
-    return worst
+    return max((zero.partition_pieces(numels, ranks, rank)[1] for rank in range(ranks)), key=sum)
 
 
 def _zero3_buffers(arch: ModelArchitecture, train: TrainingConfig, part: int) -> list[HostBuffer]:
     parts = [math.ceil(sum(group) / train.num_gpus) for group in _optimizer_groups(arch, train)]
-    # each optimizer group's partition steps in sub-groups of at most SUB_GROUP_ELEMENTS, a pinned gradient each
-    sub_groups = [size for p in parts for size in [SUB_GROUP_ELEMENTS] * (p // SUB_GROUP_ELEMENTS)
-                  + [p % SUB_GROUP_ELEMENTS] if size]
+    # each optimizer group's partition steps in sub-groups of at most zero.SUB_GROUP_ELEMENTS (zero/config.py:182),
+    # a pinned fp32 gradient each (zero/stage3.py:1337-1342)
+    sub_groups = [size for p in parts for size in [zero.SUB_GROUP_ELEMENTS] * (p // zero.SUB_GROUP_ELEMENTS)
+                  + [p % zero.SUB_GROUP_ELEMENTS] if size]
     buffers = [
         _buffer("fp32 master partition", part * FP32_BYTES, False),  # zero/stage3.py:1157-1159, unpinned
         _flat("fp32 gradient of each sub-group", sub_groups, FP32_BYTES),  # zero/stage3.py:1337-1342
@@ -181,7 +148,7 @@ def _fsdp_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBu
     with a non-blocking copy); the optimizer's states are made beside the shards, unpinned."""
     n, master = train.num_gpus, fsdp.master_bytes(train)
     shards = [math.ceil(numel / n) for group in _optimizer_groups(arch, train) for numel in group]
-    frozen = [math.ceil(numel / n) for group in _base_groups(arch) for numel in group] if train.uses_lora else []
+    frozen = [math.ceil(numel / n) for group in zero.base_groups(arch) for numel in group] if train.uses_lora else []
     on_device = _on_device(train)
     return [_per_parameter("parameter shards", shards, master),
             _per_parameter("frozen parameter shards", frozen, DTYPE_BYTES[train.dtype]),

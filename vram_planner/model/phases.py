@@ -118,10 +118,12 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch))
     if not first_micro_batch:
         # DeepSpeed's fp32 copy of the gradient partition exists only inside its step (model/zero.py)
-        step_grads = m.step_gradient_bytes(arch, train) + m.fp32_gradient_bytes(arch, train)
-        raw.append(Phase("optimizer", {**persistent, "gradients": step_grads,
+        raw.append(Phase("optimizer", {**persistent, "weights": m.step_weight_bytes(arch, train),
+                                       "gradients": m.step_gradient_bytes(arch, train),
                                        "activations": m.optimizer_step_temporary_bytes(arch, train)}))
     raw = [_with_zero_buffers(p, arch, train) for p in raw]
+    if not first_micro_batch:
+        raw[-1] = _at_least_deepspeeds_estimate(raw[-1], arch, train)
     workspaces = cublas_workspace_bytes(compute_capability)
     phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
@@ -148,6 +150,26 @@ def _with_zero_buffers(phase: Phase, arch: ModelArchitecture, train: TrainingCon
         return phase
     gradients = phase.components.get("gradients", 0.0) + bucket + partition
     return Phase(phase.name, {**phase.components, "gradients": gradients}, phase.moment)
+
+
+def _at_least_deepspeeds_estimate(phase: Phase, arch: ModelArchitecture, train: TrainingConfig) -> Phase:
+    """The optimizer step's model states on the GPU never below DeepSpeed's own estimate of them (issue 27), which
+    knows full fine-tuning only. ZeRO-1/2 hold more than it (model/zero.py); ZeRO-3 holds less where its partition
+    steps in several sub-groups, as its estimator counts the fp32 gradient of the whole partition, or where its
+    largest layer, gathered in the loss but not in the step, outweighs it: the rest counts as gradients."""
+    if train.zero_stage not in (1, 2, 3) or train.uses_lora:
+        return phase
+    if train.offloaded:
+        floor = (offload.deepspeed_estimate(arch, train) or (0, 0))[1]
+    else:
+        stage = 3 if train.zero_stage == 3 else 2  # DeepSpeed has no ZeRO-1 estimator
+        floor = zero.deepspeed_estimate_bytes(arch.params, train.num_gpus, stage, zero.largest_layer_params(arch))
+    held = sum(phase.components.get(c, 0.0) for c in ("weights", "reference_weights", "gradients",
+                                                       "optimizer_states"))
+    if held >= floor:
+        return phase
+    return Phase(phase.name, {**phase.components, "gradients": phase.components["gradients"] + floor - held},
+                 phase.moment)
 
 
 def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,

@@ -11,13 +11,19 @@ DeepSpeed's own estimator of the model states per GPU without offload
   8_optimizer_states_32bit", zero/stage_1_and_2.py:4029-4031);
 - ZeRO-3: 18 P / N + 4 x the largest layer's parameters (zero/stage3.py:4027 and 4046).
 
-The planner counts the same bytes, each where it lives: the 16-bit parameters as weights, the 16-bit gradient
-partition as gradients, the fp32 master partition and Adam's two moments as optimizer states, and the fp32 gradient
-partition, which DeepSpeed builds only inside the optimizer step, as gradients of the optimizer phase. Under ZeRO-3
-the largest layer's gathered 16-bit parameters (2 bytes per parameter) count as weights and its full 16-bit gradient
-before the reduce-scatter (2 bytes) as gradients, in every phase, as DeepSpeed's estimator counts them among the
-model states: so the optimizer phase's model states are never below DeepSpeed's estimate. Beyond the estimator, the
-gradient reduction bucket (5e8 16-bit elements, below) counts as gradients wherever it exists.
+The planner counts the bytes each where it lives: the 16-bit parameters as weights, the 16-bit gradient partition as
+gradients, the fp32 master partition and Adam's two moments as optimizer states. Under ZeRO-3 the largest layer's
+gathered 16-bit parameters (2 bytes per parameter) count as weights and its full 16-bit gradient before the
+reduce-scatter (2 bytes) as gradients in generation and the loss, as DeepSpeed's estimator counts them; the gradient
+reduction bucket (5e8 16-bit elements, below) counts as gradients wherever it exists.
+
+The optimizer step (`step_gradient_bytes`) holds what DeepSpeed's step holds at its peak from the second step on, with
+Adam's moments alive (the sharded trace runs that step, vram_planner/tracing/zero.py): the 16-bit gradients, a flat
+16-bit copy of them and its fp32 copy (ZeRO-1/2: the rank's partition, stage_1_and_2.py:3114-3118; ZeRO-3: one
+sub-group, stage3.py:2686-2687), or the fp64 copy the gradient norm makes of each gradient first (zero/utils.py:59-63,
+stage_1_and_2.py:2684, stage3.py:2455). ZeRO-3 has released every gathered layer by then (`_partition_all_parameters`,
+stage3.py:2878). So ZeRO-1/2 hold at least 2 P + 20 P / N there, more than their estimator's 2 P + 18 P / N (which
+leaves out the flat copy and the gradients kept whole), and ZeRO-3 22 P / N and its bucket.
 """
 
 from __future__ import annotations
@@ -35,6 +41,17 @@ FP32_GRADIENT_BYTES = 4
 # its 16-bit parameters and their 16-bit gradient before the reduce-scatter.
 GATHERED_PARAM_BYTES = 2
 GATHERED_GRADIENT_BYTES = 2
+# ZeRO-3 steps its partition in sub-groups: one closes at the first parameter whose partition brings it to
+# sub_group_size elements (`_create_fp16_sub_groups`, zero/stage3.py:1210-1233; `sub_group_size: int =
+# Field(pp_int(1e9))`, zero/config.py:182; TRL's accelerate configs set none)
+SUB_GROUP_ELEMENTS = 1_000_000_000
+# What DeepSpeed's step makes of the 16-bit gradients (2 bytes an element): a flat copy (`flatten`, torch's
+# _flatten_dense_tensors, a view where the partition is one tensor: stage_1_and_2.py:3114-3117, stage3.py:2686) and
+# its fp32 copy (:3118, :2687), both alive at once; before them the gradient norm's copy of one gradient at a time in
+# fp64, as every accelerator with fp64 (CUDA's, the CPU's) computes it (`get_norm_dtype`, zero/utils.py:59-63;
+# stage_1_and_2.py:2684, stage3.py:2455)
+FLAT_GRADIENT_BYTES = 2
+NORM_COPY_BYTES = 8
 # The gradient reduction bucket ("ipg" bucket): DeepSpeed's default reduce_bucket_size is 5e8 elements
 # (zero/config.py:113). TRL's accelerate configs set none, and accelerate (accelerator.py, `hidden_size_based_keys`)
 # and transformers fill it from the hidden size only where a DeepSpeed config file says "auto", so the default holds.
@@ -97,3 +114,87 @@ def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied
     flat = min(trainable, REDUCE_BUCKET_ELEMENTS) * REDUCE_BUCKET_ELEMENT_BYTES
     waiting = arch.vocab_size * arch.hidden_size * REDUCE_BUCKET_ELEMENT_BYTES
     return flat + (waiting if tied_head_waits and trainable > REDUCE_BUCKET_ELEMENTS else 0)
+
+
+def optimizer_groups(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> list[list[int]]:
+    """The trainable parameters' numels in the model's order, in the Trainer's optimizer groups, which ZeRO partitions
+    apart: a LoRA run's adapters, else the base model's (`base_groups`)."""
+    if lora_r:
+        adapters = [lora_r * dim for lin in arch.lora_linears(lora_targets) for dim in (lin.in_features,
+                                                                                         lin.out_features)]
+        return [adapters * arch.num_layers]
+    return base_groups(arch)
+
+
+def base_groups(arch: ModelArchitecture) -> list[list[int]]:
+    """The model's parameters' numels in its order, in the Trainer's two groups (weight decay: the matrices; none:
+    norms and biases, transformers' get_decay_parameter_names); what the model has besides (q/k norms, a vision
+    tower) joins the second."""
+    layers, h = arch.num_layers, arch.hidden_size
+    norms = [h] * (arch.family.norms_per_layer * (2 if arch.family.layer_norm_bias else 1))
+    linears = [lin.in_features * lin.out_features for lin in arch.layer_linears()]
+    biases = [lin.out_features for lin in arch.layer_linears() if lin.bias]
+    head = [] if arch.tie_word_embeddings else [arch.embedding_params]
+    decay = [arch.embedding_params, *linears * layers, *head]
+    no_decay = [*(biases + norms) * layers, h]
+    rest = arch.params - sum(decay) - sum(no_decay)
+    return [decay, no_decay + ([rest] if rest > 0 else [])]
+
+
+def partition_pieces(numels: list[int], ranks: int, rank: int) -> tuple[list[int], list[int]]:
+    """The rank's partition of a flat group of parameters (numels, in order; ZeRO-1/2 split the group into equal
+    parts, the last padded): the elements of each parameter inside it, and those parameters whole."""
+    part = -(-sum(numels) // ranks)
+    start, end, offset = rank * part, (rank + 1) * part, 0
+    pieces, whole = [], []
+    for numel in numels:
+        if offset < end and offset + numel > start:
+            pieces.append(min(end, offset + numel) - max(start, offset))
+            whole.append(numel)
+        offset += numel
+    return pieces, whole
+
+
+def step_gradient_bytes(groups: list[list[int]], ranks: int, stage: int) -> int:
+    """The gradients DeepSpeed's optimizer step holds at its peak, without offload, on the rank that holds the most
+    (`groups`: `optimizer_groups`); ZeRO-3's 16-bit gradient partition and its bucket, kept throughout, not included.
+
+    ZeRO-1/2 keep each gradient their partition touches whole until its fp32 copy is made: the backward's epilogue
+    lists them, a slice (`narrow`) of one that the partition shares keeping its whole storage (`averaged_gradients`,
+    stage_1_and_2.py:1046-1053 and :2880-2886; ZeRO-2 copies them whole into its contiguous buffer, :2184-2199),
+    freed at :3127-3131. Beside them the norm's fp64 copy of the largest piece, or a group's flat copy and fp32 copy
+    (groups in order, the earlier ones freed). ZeRO-3 flattens one sub-group at a time out of its gradient partition.
+    """
+    if stage == 3:
+        subs = [sub for group in groups for sub in _sub_groups([-(-n // ranks) for n in group])]
+        pieces = [-(-n // ranks) for group in groups for n in group]
+        return max(max(subs, default=0) * (FLAT_GRADIENT_BYTES + FP32_GRADIENT_BYTES),
+                   max(pieces, default=0) * NORM_COPY_BYTES)
+    return max(_zero12_step_bytes(groups, ranks, rank) for rank in range(ranks))
+
+
+def _zero12_step_bytes(groups: list[list[int]], ranks: int, rank: int) -> int:
+    split = [partition_pieces(group, ranks, rank) for group in groups]
+    shares = [-(-sum(group) // ranks) for group in groups]
+    # the last rank's partition ends in a tensor of zeros, one more in the list (stage_1_and_2.py:2890-2891)
+    kept = [(sum(whole) + share - sum(pieces)) * REDUCE_BUCKET_ELEMENT_BYTES
+            for (pieces, whole), share in zip(split, shares)]
+    peak = sum(kept) + max((p for pieces, _ in split for p in pieces), default=0) * NORM_COPY_BYTES
+    for i, ((pieces, _), share) in enumerate(zip(split, shares)):
+        tensors = len(pieces) + (sum(pieces) < share)
+        flat = share * FLAT_GRADIENT_BYTES if tensors > 1 else 0
+        peak = max(peak, sum(kept[i:]) + flat + share * FP32_GRADIENT_BYTES)
+    return peak
+
+
+def _sub_groups(partitions: list[int]) -> list[int]:
+    """ZeRO-3's sub-groups of a group's parameter partitions (`_create_fp16_sub_groups`, zero/stage3.py:1210-1233)."""
+    if sum(partitions) <= SUB_GROUP_ELEMENTS:
+        return [sum(partitions)]
+    subs, size = [], 0
+    for n in partitions:
+        size += n
+        if size >= SUB_GROUP_ELEMENTS:
+            subs.append(size)
+            size = 0
+    return subs + ([size] if size else [])

@@ -240,10 +240,10 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         self.events = [e for e in self.events if e.block not in blocks]
         return dropped
 
-    def bytes_of(self, tensors: list[Any]) -> int:
-        """Counted bytes of the distinct storages behind `tensors`."""
+    def bytes_of(self, tensors: list[Any], tag: str | None = None) -> int:
+        """Counted bytes of the distinct storages behind `tensors` (those counted under `tag` only, when given)."""
         keys = {id(st) for st in map(_storage, tensors) if st is not None}
-        return sum(self._live[k][1] for k in keys if k in self._live)
+        return sum(self._live[k][1] for k in keys if k in self._live and tag in (None, self._live[k][2]))
 
     def reset_peak(self) -> None:
         self.peak, self.peak_split, self.peak_moment = self.total, dict(self.by_tag), self.moment

@@ -28,7 +28,8 @@ def host_step_scalars(optimizer: Any) -> list[Any]:
 
 def step_peak(session: Session, optimizer: Any) -> PhasePeak:
     """The optimizer phase's peak once `optimizer` has stepped under the STEP tag: its states counted as such (their
-    bytes to `session.state_bytes`), the rest the step allocated as temporaries."""
+    bytes to `session.state_bytes`), whether this step made them or an earlier one, the rest the step allocated as
+    temporaries."""
     tracker = session.tracker
     host = host_step_scalars(optimizer)
     if host:
@@ -39,13 +40,14 @@ def step_peak(session: Session, optimizer: Any) -> PhasePeak:
         tracker.peak_split[STEP] = tracker.peak_split.get(STEP, 0) - on_host
     state_tensors = [t for state in optimizer.state.values() for t in state.values()
                      if isinstance(t, torch.Tensor) and not any(t is h for h in host)]
+    made_here = tracker.bytes_of(state_tensors, STEP)  # none where an earlier step made them (tracing.zero)
     for t in state_tensors:
         tracker.track(t, STATES)
-    session.state_bytes = states = tracker.bytes_of(state_tensors)
+    session.state_bytes = tracker.bytes_of(state_tensors)
     # At the step's peak the states exist already (created before the update); the rest it allocated are
     # temporaries (foreach intermediates), which vram_planner.model.phases counts as activations.
     split = dict(tracker.peak_split)
     in_step = split.pop(STEP, 0)
-    split[STATES] = split.get(STATES, 0) + min(states, in_step)
-    split[ACTS] = split.get(ACTS, 0) + max(in_step - states, 0)
+    split[STATES] = split.get(STATES, 0) + min(made_here, in_step)
+    split[ACTS] = split.get(ACTS, 0) + max(in_step - made_here, 0)
     return PhasePeak("optimizer", tracker.peak, split, tracker.peak_moment)

@@ -11,10 +11,11 @@ group (as `vram_planner.tracing.sharded` runs FSDP2), every collective "complete
 The phases run as TRL and accelerate run them: generation inside TRL's own `unwrap_model_for_generation` (under
 ZeRO-3 it gathers every parameter when `ds3_gather_for_generation` is on, and lets each layer's hooks gather it
 otherwise), the loss's backward through `engine.backward` with accelerate's accumulation boundary
-(`DeepSpeedEngineWrapper.backward`), the optimizer phase as `engine.step()`. What DeepSpeed allocates is tagged by
-where it lives: the 16-bit parameters (ZeRO-3: their partitions and its gathers) as weights, the fp32 master partition
-and Adam's moments as optimizer states, the reduction buckets, gradient partitions and the fp32 gradient partition of
-the step as gradients.
+(`DeepSpeedEngineWrapper.backward`), the optimizer phase as `engine.step()` runs from the second step on, with Adam's
+moments made by an earlier step (`_states_of_earlier_steps`). What DeepSpeed allocates is tagged by where it lives:
+the 16-bit parameters (ZeRO-3: their partitions and its gathers) as weights, the fp32 master partition and Adam's
+moments as optimizer states, the reduction buckets, gradient partitions and what the step makes of them (the flat,
+fp32 and the norm's fp64 copies) as gradients, the client optimizer's own temporaries as the step's.
 
 Shimmed, each the smallest piece that cannot run here, none of them memory on a GPU:
 - DeepSpeed's CPU accelerator stands in for CUDA's (`deepspeed.accelerator.set_accelerator`): its device is "cpu",
@@ -45,7 +46,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.tracing.counter import GRADS, STATES, STEP, WEIGHTS, PhasePeak
-from vram_planner.tracing.optimizer_peak import step_peak
+from vram_planner.tracing.optimizer_peak import host_step_scalars, step_peak
 from vram_planner.tracing.session import Session
 
 # GRPOConfig's max_grad_norm (transformers' TrainingArguments default), which trainer_config_process copies into
@@ -53,10 +54,11 @@ from vram_planner.tracing.session import Session
 MAX_GRAD_NORM = 1.0
 # What ZeRO-1/2 and ZeRO-3 optimizers run while backward reduces gradients (zero/stage_1_and_2.py and stage3.py):
 # everything they allocate there is a bucket or a gradient partition.
-# ZeRO-3 makes the fp32 gradient partition of each sub-group in its own method (stage3.py:2683-2693).
 REDUCING_METHODS = ("process_gradients", "reduce_ready_partitions_and_remove_grads", "reduce_gradients",
                     "independent_gradient_partition_epilogue", "overlapping_partition_gradients_reduce_epilogue",
-                    "update_hook_state_and_maybe_run_epilogue", "_prepare_fp32_grad_for_sub_group")
+                    "update_hook_state_and_maybe_run_epilogue")
+# Where ZeRO-1/2 and ZeRO-3 take the gradients' norm in their step (stage_1_and_2.py:2943, stage3.py:2573)
+NORM_METHODS = ("scaled_global_norm", "_get_norm_groups")
 
 
 def deepspeed_config(session: Session) -> dict[str, Any]:
@@ -208,15 +210,20 @@ def _zero_counted(session: Session) -> Iterator[None]:
 
     tracker, optimizer = session.tracker, session.optimizer
 
-    def tagged(method: Any, tag: str) -> Any:
+    def tagged(method: Any, tag: str, moment: str | None = None) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
-            with tracker.tagged(tag):
+            with tracker.tagged(tag, moment):
                 return method(*args, **kwargs)
         return run
 
     for name in REDUCING_METHODS:
         if hasattr(optimizer, name):
             setattr(optimizer, name, tagged(getattr(optimizer, name), GRADS))
+    if hasattr(optimizer, "_post_step"):  # ZeRO-3 gathers its persistent parameters again (stage3.py:2840-2841)
+        optimizer._post_step = tagged(optimizer._post_step, WEIGHTS, "optimizer step: persistent parameters gathered")
+    for name in NORM_METHODS:  # the step's fp64 copies of the gradients, one at a time
+        if hasattr(optimizer, name):
+            setattr(optimizer, name, tagged(getattr(optimizer, name), GRADS, "optimizer step: the gradient norm"))
     classes = [(PartitionedParameterCoordinator, "fetch_sub_module"), (GatheredParameters, "__enter__")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name in classes]
     try:
@@ -254,8 +261,10 @@ def backward(session: Session, loss: Any, last: bool) -> None:
 
 
 def run_step(session: Session) -> PhasePeak:
-    """`engine.step()`: ZeRO's fp32 gradient partition, the client optimizer's update of the fp32 master partition,
-    the 16-bit parameters refreshed from it; the first step creates Adam's moments (`session.state_bytes`)."""
+    """`engine.step()` as every step after the first runs it, Adam's moments alive from its start (their bytes to
+    `session.state_bytes`): ZeRO's fp32 gradient partition, the client optimizer's update of the fp32 master
+    partition, the 16-bit parameters refreshed from it."""
+    _states_of_earlier_steps(session)
     tracker = session.tracker
     client = session.optimizer.optimizer
     step = client.step
@@ -269,17 +278,45 @@ def run_step(session: Session) -> PhasePeak:
                     tracker.track(p.grad, GRADS)
         tracker.assumed_number = 1  # the step count, read for bias corrections
         try:
-            return step(*args, **kwargs)
+            with tracker.tagged(STEP, "optimizer step: the update of the fp32 partition"):
+                return step(*args, **kwargs)
         finally:
             tracker.assumed_number = 0
 
     client.step = counted_step
     # Before it, ZeRO reads its overflow flag on the host: 0 (no overflow; bf16 has no loss scale to skip for)
-    tracker.moment, tracker.assumed_number = "optimizer step", 0
+    tracker.moment, tracker.assumed_number = "optimizer step: the fp32 gradient partition", 0
     tracker.reset_peak()
     try:
-        with tracker.tagged(STEP):
+        # What ZeRO allocates in its step besides the update: the 16-bit gradients flattened and their fp32 copy
+        # (stage_1_and_2.py:3114-3118, stage3.py:2686-2687), the norms' scalars
+        with tracker.tagged(GRADS):
             session.engine.step()
     finally:
         del client.step
     return step_peak(session, client)
+
+
+def _states_of_earlier_steps(session: Session) -> None:
+    """The client optimizer's states as an earlier step left them, made by DeepSpeed's own `_optimizer_step` of each
+    group (ZeRO-1/2, zero/stage_1_and_2.py:2967) or sub-group (ZeRO-3, zero/stage3.py:1235) over a zero fp32 gradient.
+
+    The first step makes Adam's moments lazily, in the client's step, after ZeRO has built the fp32 gradient
+    partition from the 16-bit one (stage_1_and_2.py:3114-3118, stage3.py:2686-2687); every later step builds it with
+    the moments alive, 8 bytes per parameter of the partition more at that moment than the first step holds. The
+    real 2-rank CPU run (benchmarks/deepspeed_cpu.py) cannot show it: its 1 GB reduce bucket in the backward is
+    every step's peak.
+    """
+    import torch
+
+    tracker, optimizer = session.tracker, session.optimizer
+    masters = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
+    tracker.moment, tracker.assumed_number = "an earlier optimizer step", 1
+    with tracker.tagged(STATES):
+        for i, master in enumerate(masters):
+            master.grad = torch.zeros_like(master)
+            optimizer._optimizer_step(i)
+            master.grad = None
+    # torch keeps a non-fused optimizer's step scalars on the host (tracing.optimizer_peak)
+    tracker.forget(host_step_scalars(optimizer.optimizer))
+    tracker.assumed_number = 0
