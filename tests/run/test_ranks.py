@@ -32,11 +32,16 @@ def _close(measured: float, planned: float, within: float = 0.01) -> bool:
     pytest.param(["--zero-stage", "2"], marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
     pytest.param(["--zero-stage", "3"], marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
 ], ids=["ddp", "fsdp2", "zero2", "zero3"])
-def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, tiny_model_folder, tmp_path, flags):
+def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, monkeypatch, tiny_model_folder, tmp_path,
+                                                                flags):
     out = tmp_path / "run"
+    # where torch would build DeepSpeed's shared-memory all-reduce, which the CPU ranks' training never calls
+    extensions = tmp_path / "torch-extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     code, stdout, _ = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
                           "--max-steps", "1", "--output-dir", str(out), *SMALL, "--num-gpus", "2", *flags)
     assert code == 0, stdout
+    assert not extensions.exists()  # nothing compiled: a minute per session on two cores
     config = (out / "accelerate_config.yaml").read_text()
     assert "num_processes: 2" in config and "mixed_precision: 'no'" in config  # float32 ranks on the CPU
     expected = {0: "distributed_type: MULTI_GPU", 1: "fsdp_version: 2"}.get(len(flags)) or f"zero_stage: {flags[1]}"

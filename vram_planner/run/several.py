@@ -197,3 +197,16 @@ def gloo_ranks() -> None:
 
     prepare_backend.gloo_ranks = True  # type: ignore[attr-defined]
     PartialState._prepare_backend = prepare_backend
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        _no_shared_memory_all_reduce()
+
+
+def _no_shared_memory_all_reduce() -> None:
+    """DeepSpeed's CPU backend compiles a shared-memory all-reduce when it starts (deepspeed/comm/torch.py
+    `build_shm_op`: a C++ extension, about a minute on two cores) for tensor-parallel inference's all-reduce alone
+    (`inference_all_reduce`); ZeRO's training reduces through the process group, gloo here. Marked incompatible, as
+    DeepSpeed marks it off Linux, it is not built. CUDA's accelerator has no such op: a GPU run is as it was."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
