@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+# Imported before any model exists: on its first import bitsandbytes (which TRL's utilities import through PEFT) logs
+# an exception it caught, and a logging handler that keeps its records (pytest's, a notebook's) keeps that exception's
+# traceback, whose frames would hold the first point's model, on the card through every later point.
+import trl.trainer.utils  # noqa: F401
 from vram_planner.allocator.conf import environment_conf
 from vram_planner.errors import VramPlanError
 from vram_planner.probe.fit import PhaseMeasurement, PointMeasurement, ProbePoint, _config_json, _settings
@@ -44,7 +48,9 @@ class CudaMeter(PhaseState):
     def track(self, tensor: Any, tag: str | None = None) -> None:
         """The allocator sees every tensor by itself."""
 
-    def bytes_of(self, tensors: list[Any]) -> int:
+    def bytes_of(self, tensors: list[Any], tag: str | None = None) -> int:
+        """The bytes of `tensors`' storages. CUDA keeps no tags, so `tag` selects nothing: the probe's optimizer step
+        is the run's first, which makes every state it counts (tracing.optimizer_peak.step_peak asks by tag)."""
         return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
 
 
