@@ -131,6 +131,22 @@ def test_zero3s_later_micro_batches_hold_max_live_parameters_gathered(llama_1b):
     assert zero.prefetched_params(10**6) == 10**6  # a small model whole
 
 
+def test_before_trl_1_5_every_later_steps_loss_holds_max_live_parameters(llama_1b):
+    # TRL 1.4's add_hooks puts DeepSpeed's hooks back after the gathered generation and leaves the coordinator's
+    # trace complete (1.5 on invalidates it: profiles/trl.toml zero3_trace_kept_across_generation), so every step
+    # after the first prefetches in its loss, accumulating or not; its first micro-batch records the trace
+    partitions = 2 * llama_1b.params / 8
+    train = training_config({"num_gpus": 8, "zero_stage": 3, "dtype": "bfloat16", "per_device_train_batch_size": 2})
+    for version, kept in (("1.4.0", True), ("1.5.0", False), ("0.20.0", True)):
+        release = trl_release(version)
+        assert release.zero3_trace_kept_across_generation is kept
+        weights = next(p for p in estimate(llama_1b, train, release, Calibration(), 80 * GiB).phases
+                       if p.name == "training").components["weights"]
+        assert (weights == pytest.approx(partitions + 2 * 1.05e9, rel=1e-3)) is kept
+        first = estimate(llama_1b, train, release, Calibration(), 80 * GiB, first_micro_batch=True).phases
+        assert next(p for p in first if p.name == "training").components["weights"] < partitions + 2 * 0.5e9
+
+
 def test_zero2_keeps_the_whole_gradients_its_partition_touches_between_micro_batches():
     # grads_in_partition (stage_1_and_2.py:2184-2203): rank 0 of 2 touches the first parameter (100), rank 1 all three
     assert zero.accumulated_gradient_bytes([[100, 20, 20]], 2) == 2 * 140

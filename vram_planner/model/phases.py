@@ -347,7 +347,8 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     if accumulating and train.fsdp:  # kept whole and unreduced under no_sync (model/fsdp.py)
         all_grads = fsdp.accumulated_gradient_bytes(arch, train, m.trainable_params(arch, train))
     grads_before = all_grads if accumulating else 0.0
-    prefetched = m.zero3_prefetched_weight_bytes(arch, train) if accumulating else 0.0
+    prefetched = 0.0 if first else m.zero3_prefetched_weight_bytes(
+        arch, train, release.zero3_trace_kept_across_generation)
     if accumulating and train.zero_stage == 3:
         # earlier micro-batches leave ZeRO-3's gradient partition; a layer's whole gradient lives in its own backward
         grads_before = m.zero3_gradient_partition_bytes(arch, train)
