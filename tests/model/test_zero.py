@@ -108,6 +108,51 @@ def test_the_reduction_bucket_lives_from_start_up_under_zero3_and_within_each_ba
     assert unsharded["generation"] == 0  # stage 0: no bucket
 
 
+def _training_phase(arch: ModelArchitecture, **knobs) -> dict[str, float]:
+    train = training_config({"num_gpus": 8, "zero_stage": 3, "dtype": "bfloat16", "per_device_train_batch_size": 2,
+                             "num_generations": 2, **knobs})
+    return next(p for p in estimate(arch, train, trl_release(), Calibration(), 80 * GiB).phases
+                if p.name == "training").components
+
+
+def test_zero3s_later_micro_batches_hold_max_live_parameters_gathered(llama_1b):
+    # Each step's first micro-batch records the coordinator's trace again (TRL's gathered generation invalidates it)
+    # and gathers one layer at a time; the later ones prefetch up to stage3_max_live_parameters (1e9) and a prefetch
+    # bucket (5e7), of Llama-3.2-1B's 1.24e9 (model/zero.py; the sharded trace holds 1.026e9)
+    partitions = 2 * llama_1b.params / 8
+    layer_by_layer = partitions + 2 * zero.largest_layer_params(llama_1b)
+    # at most the largest layer and the decoder layer whose gradients reduce (the heaviest moment's)
+    assert _training_phase(llama_1b)["weights"] <= layer_by_layer + 2 * llama_1b.layer_params
+    assert _training_phase(llama_1b, gradient_accumulation_steps=2)["weights"] == pytest.approx(
+        partitions + 2 * 1.05e9, rel=1e-3)
+    # without the gather, the generation's forwards record the trace and the loss's backward invalidates it
+    assert _training_phase(llama_1b, gradient_accumulation_steps=2, ds3_gather_for_generation=False)[
+        "weights"] == pytest.approx(layer_by_layer, rel=1e-3)
+    assert zero.prefetched_params(10**6) == 10**6  # a small model whole
+
+
+def test_before_trl_1_5_every_later_steps_loss_holds_max_live_parameters(llama_1b):
+    # TRL 1.4's add_hooks puts DeepSpeed's hooks back after the gathered generation and leaves the coordinator's
+    # trace complete (1.5 on invalidates it: profiles/trl.toml zero3_trace_kept_across_generation), so every step
+    # after the first prefetches in its loss, accumulating or not; its first micro-batch records the trace
+    partitions = 2 * llama_1b.params / 8
+    train = training_config({"num_gpus": 8, "zero_stage": 3, "dtype": "bfloat16", "per_device_train_batch_size": 2})
+    for version, kept in (("1.4.0", True), ("1.5.0", False), ("0.20.0", True)):
+        release = trl_release(version)
+        assert release.zero3_trace_kept_across_generation is kept
+        weights = next(p for p in estimate(llama_1b, train, release, Calibration(), 80 * GiB).phases
+                       if p.name == "training").components["weights"]
+        assert (weights == pytest.approx(partitions + 2 * 1.05e9, rel=1e-3)) is kept
+        first = estimate(llama_1b, train, release, Calibration(), 80 * GiB, first_micro_batch=True).phases
+        assert next(p for p in first if p.name == "training").components["weights"] < partitions + 2 * 0.5e9
+
+
+def test_zero2_keeps_the_whole_gradients_its_partition_touches_between_micro_batches():
+    # grads_in_partition (stage_1_and_2.py:2184-2203): rank 0 of 2 touches the first parameter (100), rank 1 all three
+    assert zero.accumulated_gradient_bytes([[100, 20, 20]], 2) == 2 * 140
+    assert zero.accumulated_gradient_bytes([[100, 20, 20], [10]], 2) == 2 * 150
+
+
 @pytest.mark.parametrize("path", family_fixture_files(), ids=lambda p: p.stem)
 def test_the_largest_layer_is_the_one_deepspeed_counts(path):
     config = json.loads(path.read_text())

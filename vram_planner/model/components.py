@@ -147,6 +147,19 @@ def _zero3_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     return zero.largest_layer_params(arch) * zero.GATHERED_PARAM_BYTES
 
 
+def zero3_prefetched_weight_bytes(arch: ModelArchitecture, train: TrainingConfig, trace_kept: bool) -> float:
+    """What ZeRO-3 holds gathered beyond the largest layer in a loss micro-batch of a step after the first whose
+    coordinator has a complete trace and prefetches up to max_live_parameters (model/zero.py): when TRL's generation
+    gathers the model (without it the generation's forwards record a trace that the loss's backward invalidates), in
+    every micro-batch where TRL keeps the trace across it (`trace_kept`, before 1.5), else from the second on."""
+    if train.zero_stage != 3 or not train.ds3_gather_for_generation:
+        return 0
+    if train.gradient_accumulation_steps == 1 and not trace_kept:
+        return 0
+    params = arch.params + (trainable_params(arch, train) if train.uses_lora else 0)
+    return zero.prefetched_params(params) * zero.GATHERED_PARAM_BYTES - _zero3_gathered_bytes(arch, train)
+
+
 def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Weights during generation: ZeRO-3 gathers the whole model beside its partitions (ds3_gather_for_generation,
     TRL's default) or, without it, one layer at a time as in training; FSDP2 gathers one layer at a time

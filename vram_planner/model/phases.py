@@ -347,8 +347,17 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     if accumulating and train.fsdp:  # kept whole and unreduced under no_sync (model/fsdp.py)
         all_grads = fsdp.accumulated_gradient_bytes(arch, train, m.trainable_params(arch, train))
     grads_before = all_grads if accumulating else 0.0
+    prefetched = 0.0 if first else m.zero3_prefetched_weight_bytes(
+        arch, train, release.zero3_trace_kept_across_generation)
+    if accumulating and train.zero_stage == 3:
+        # earlier micro-batches leave ZeRO-3's gradient partition; a layer's whole gradient lives in its own backward
+        grads_before = m.zero3_gradient_partition_bytes(arch, train)
+    elif accumulating and train.zero_stage == 2 and not train.optimizer_offloaded:
+        # ZeRO-2 keeps every gradient its partition touches whole from the first micro-batch's reduction on
+        grads_before = zero.accumulated_gradient_bytes(
+            zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets), train.num_gpus)
     forward_casts, backward_casts = _training_casts(arch, train)
-    weights = persistent["weights"]
+    weights = persistent["weights"] + prefetched
     if train.fsdp:  # the tail and a layer gathered beside the shards
         weights += fsdp.training_gathered_bytes(arch, train, m.trainable_params(arch, train))
     one_layer = act.one_layer_saved_bytes(arch, train, cal, tokens)
@@ -360,7 +369,8 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     # earlier micro-batches left.
     tied = arch.tie_word_embeddings and not train.uses_lora
     held = _head_gradient_bytes(arch, train) if tied and accumulating else 0.0
-    head_grads = all_grads if accumulating else _head_gradient_bytes(arch, train)
+    head_grads = (grads_before if train.zero_stage == 3 else all_grads) if accumulating else _head_gradient_bytes(
+        arch, train)
     layer_backward_casts = layer_casts + m.adapter_cast_bytes(arch, train) / max(arch.num_layers, 1)
     if train.gradient_checkpointing:
         # the recomputed layer's first norm keeps the checkpointed input itself when it is float32
@@ -414,7 +424,7 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         # ZeRO-2/3 reducing a full bucket (model/zero.py); ZeRO-3 beside its gradient partition and the layer it
         # differentiates, gathered
         reducing = zero.reducing_bucket_gradient_bytes(arch, m.trainable_params(arch, train), tied and not accumulating)
-        gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 else 0
+        gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 and not prefetched else 0
         moments.append(Phase("training", {**persistent, "weights": first_layer_weights + layer_backward_casts + gathered,
                                           "gradients": max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
                                           + reducing, "activations": first_layer}, "reducing a gradient bucket"))

@@ -70,6 +70,9 @@ class TrlRelease:
     # "per_sequence" (entropy_from_logits over the batch in chunks of 1), "flat_rows" (over the logits reshaped to
     # rows, 128 at a time), "none" (not computed, or inside the log-prob kernel or the fused head)
     training_entropy: Literal["none", "per_sequence", "flat_rows"] = "none"
+    # whether ZeRO-3's parameter coordinator keeps its module trace across TRL's gathered generation (before 1.5): then
+    # every step's loss after the first prefetches up to stage3_max_live_parameters (model/zero.py)
+    zero3_trace_kept_across_generation: bool = False
     version: str = ""  # the release asked for, filled in by `trl_release`
     note: str = ""  # why this row was chosen when it is not the installed TRL's own (for the verdict's notes)
 

@@ -15,7 +15,10 @@ The planner counts the bytes each where it lives: the 16-bit parameters as weigh
 gradients, the fp32 master partition and Adam's two moments as optimizer states. Under ZeRO-3 the largest layer's
 gathered 16-bit parameters (2 bytes per parameter) count as weights and its full 16-bit gradient before the
 reduce-scatter (2 bytes) as gradients in generation and the loss, as DeepSpeed's estimator counts them; the gradient
-reduction bucket (5e8 16-bit elements, below) counts as gradients wherever it exists.
+reduction bucket (5e8 16-bit elements, below) counts as gradients wherever it exists. Under gradient accumulation
+ZeRO-3's later micro-batches hold what its coordinator prefetches instead (`prefetched_params`: up to
+stage3_max_live_parameters, 1e9) and ZeRO-2's every gradient its partition touches, whole
+(`accumulated_gradient_bytes`).
 
 The optimizer step (`step_gradient_bytes`) holds what DeepSpeed's step holds at its peak from the second step on, with
 Adam's moments alive (the sharded trace runs that step, vram_planner/tracing/zero.py): the 16-bit gradients, a flat
@@ -63,6 +66,20 @@ NORM_COPY_BYTES = 8
 # does not depend on the model's.
 REDUCE_BUCKET_ELEMENTS = 500_000_000
 REDUCE_BUCKET_ELEMENT_BYTES = 2
+# ZeRO-3's parameter coordinator, once it holds a complete trace of the modules' order (recorded in a micro-batch's
+# forward and backward, complete at the next forward's `reset_step`, partitioned_param_coordinator.py:251-280),
+# prefetches ahead of each module's fetch until `stage3_max_live_parameters` are gathered
+# (`max_params_to_prefetch = min(max_n_available - n_available, prefetch_bucket_sz)`, :452-484), and keeps a gathered
+# parameter whose later use the prefetch has reached or that is used again within `stage3_max_reuse_distance`
+# (`__params_to_release`, :634-666). TRL's accelerate configs set none of them and name no DeepSpeed config file, so
+# nothing "auto" is filled from the hidden size (accelerate/accelerator.py:2296-2326) and DeepSpeed's defaults hold:
+# max_live_parameters and max_reuse_distance 1e9, prefetch_bucket_size 5e7 (zero/config.py:222, :245, :251). TRL 1.5
+# on invalidates the trace when its gathered generation puts the hooks back (trl/models/utils.py `add_hooks`), so
+# each step's first micro-batch records it again and gathers layer by layer; its later micro-batches hold up to
+# max_live_parameters, planned with one prefetch bucket more (a prefetch round ends past the limit by up to a
+# parameter, and the sharded trace holds 1.026e9 of Llama-3.2-1B's 1.236e9 there, 1e7 above the coordinator's count).
+MAX_LIVE_PARAMETERS = 1_000_000_000
+PREFETCH_BUCKET_ELEMENTS = 50_000_000
 # The estimator's other multipliers (zero/stage_1_and_2.py:4029-4031): 16-bit parameters, and per parameter of the
 # partition 2 (16-bit gradients) + 4 (fp32 gradients) + 4 (fp32 parameters) + 8 (Adam's momentum and variance).
 ESTIMATE_PARAM_BYTES = 2
@@ -84,6 +101,12 @@ def largest_trainable_layer_params(arch: ModelArchitecture, lora_r: int | None,
     if not lora_r:
         return largest_layer_params(arch)
     return max((lora_r * max(lin.in_features, lin.out_features) for lin in arch.lora_linears(lora_targets)), default=0)
+
+
+def prefetched_params(params: int) -> int:
+    """The parameters ZeRO-3 holds gathered in a micro-batch whose coordinator has a complete trace: up to
+    max_live_parameters and a prefetch bucket, at most the whole model."""
+    return min(params, MAX_LIVE_PARAMETERS + PREFETCH_BUCKET_ELEMENTS)
 
 
 def reduce_bucket_bytes(zero_stage: int | None) -> int:
@@ -171,6 +194,14 @@ def step_gradient_bytes(groups: list[list[int]], ranks: int, stage: int) -> int:
         return max(max(subs, default=0) * (FLAT_GRADIENT_BYTES + FP32_GRADIENT_BYTES),
                    max(pieces, default=0) * NORM_COPY_BYTES)
     return max(_zero12_step_bytes(groups, ranks, rank) for rank in range(ranks))
+
+
+def accumulated_gradient_bytes(groups: list[list[int]], ranks: int) -> int:
+    """ZeRO-2's 16-bit gradients that a micro-batch leaves to the next, on the rank that holds the most: every
+    gradient its partition touches, whole (`grads_in_partition`, allocated at the first reduction with the numel of
+    `params_in_partition` and kept to the step, zero/stage_1_and_2.py:2184-2203)."""
+    return max(sum(sum(partition_pieces(group, ranks, rank)[1]) for group in groups)
+               for rank in range(ranks)) * REDUCE_BUCKET_ELEMENT_BYTES
 
 
 def _zero12_step_bytes(groups: list[list[int]], ranks: int, rank: int) -> int:

@@ -144,6 +144,19 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             dropped = {e.block for e in window if e.kind == ALLOC} | {block for block, _ in replaced}
             self.events[start:] = [e for e in window if e.block not in dropped]
 
+    @contextlib.contextmanager
+    def transients_unrecorded(self) -> Iterator[None]:
+        """Count what runs inside without the events of the blocks it both makes and frees; what it leaves alive
+        keeps its allocation (for what an earlier step ran, which the events' step starts after)."""
+        start = len(self.events)
+        try:
+            yield
+        finally:
+            window = self.events[start:]
+            made = {e.block for e in window if e.kind == ALLOC}
+            gone = made & {e.block for e in window if e.kind == FREE}
+            self.events[start:] = [e for e in window if e.block not in gone]
+
     def record_growth(self, tensors: list[Any], before: list[tuple[int, int]],
                       steps: list[list[tuple[int, ...]]]) -> None:
         """Events of storages that a real run makes anew at every step (a KV cache growing by concatenation) where

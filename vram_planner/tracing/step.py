@@ -137,7 +137,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
     from vram_planner.tracing.session import build_session
     from vram_planner.tracing.sharded import sharded_rank
-    from vram_planner.tracing.zero import zero_rank
+    from vram_planner.tracing.zero import earlier_loss, runs_earlier_loss, zero_rank
 
     from vram_planner.tracing import trainer as own
 
@@ -167,6 +167,10 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
         # Under --zero-stage, zero_rank builds DeepSpeed's engine around the model, counted (tracing.zero).
         with sharded_rank(session), session.fake_mode, session.tracker, zero_rank(session, recipe), \
                 cuda_like_behaviour(session), head_tagging(session):
+            if runs_earlier_loss(train):  # ZeRO-3's coordinator as every later step finds it (tracing.zero)
+                say("tracing an earlier step's loss")
+                with _explained("tracing an earlier step's loss"):
+                    earlier_loss(session)
             peaks = []
             for i, (phase, label, run) in enumerate(runs):
                 say(f"tracing {label}")

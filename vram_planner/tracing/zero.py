@@ -11,7 +11,8 @@ group (as `vram_planner.tracing.sharded` runs FSDP2), every collective "complete
 The phases run as TRL and accelerate run them: generation inside TRL's own `unwrap_model_for_generation` (under
 ZeRO-3 it gathers every parameter when `ds3_gather_for_generation` is on, and lets each layer's hooks gather it
 otherwise), the loss's backward through `engine.backward` with accelerate's accumulation boundary
-(`DeepSpeedEngineWrapper.backward`), the optimizer phase as `engine.step()` runs from the second step on, with Adam's
+(`DeepSpeedEngineWrapper.backward`), after an earlier step's loss under ZeRO-3 (`earlier_loss`: its parameter
+coordinator as a later step finds it), the optimizer phase as `engine.step()` runs from the second step on, with Adam's
 moments made by an earlier step (`_states_of_earlier_steps`). What DeepSpeed allocates is tagged by where it lives:
 the 16-bit parameters (ZeRO-3: their partitions and its gathers) as weights, the fp32 master partition and Adam's
 moments as optimizer states, the reduction buckets, gradient partitions and what the step makes of them (the flat,
@@ -45,6 +46,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vram_planner.errors import VramPlanError
+from vram_planner.model.spec import TrainingConfig
 from vram_planner.tracing.counter import GRADS, STATES, STEP, WEIGHTS, PhasePeak
 from vram_planner.tracing.optimizer_peak import host_step_scalars, step_peak
 from vram_planner.tracing.session import Session
@@ -251,6 +253,37 @@ def generating(session: Session) -> Iterator[None]:
     with unwrap_model_for_generation(engine, accelerator,
                                      gather_deepspeed3_params=session.train.ds3_gather_for_generation):
         yield
+
+
+def runs_earlier_loss(train: TrainingConfig) -> bool:
+    """Whether the trace runs an earlier step's loss first (`earlier_loss`)."""
+    return train.zero_stage == 3 and train.ds3_gather_for_generation
+
+
+def earlier_loss(session: Session) -> None:
+    """ZeRO-3 with `ds3_gather_for_generation`: the loss forward and backward of an earlier step, run uncounted
+    before the step's phases, so that the step's loss finds DeepSpeed's parameter coordinator as every step after the
+    first does.
+
+    The coordinator records the order of the modules' gathers in the first forward and backward it sees
+    (partitioned_param_coordinator.py:251-280: `reset_step`, at each forward's start, parameter_offload.py:303-306,
+    turns INVALID into RECORD, RECORD into COMPLETE); with the trace COMPLETE it prefetches ahead until
+    `stage3_max_live_parameters` are gathered (:452-484) and keeps a parameter whose later use the prefetch reached or
+    that is used again within `stage3_max_reuse_distance` (:634-666). TRL's gathered generation removes the modules'
+    hooks but not that forward pre-hook, and from TRL 1.5 on invalidates the trace when it puts them back
+    (trl/models/utils.py:83-100, :147-150): the step's first micro-batch records again, as the first step's did, and
+    this changes nothing there; before 1.5 every step's loss finds the trace complete. Without the gather the
+    generation's own forwards record a forward-only trace that the loss's backward invalidates (:202-219), at every
+    step alike: nothing to run then. The optimizer step that ends the earlier step releases every gathered parameter
+    and zeroes the gradients (stage3.py:2878, :2370-2374)."""
+    from vram_planner.tracing.trainer import run_training
+
+    tracker = session.tracker
+    with tracker.transients_unrecorded():
+        run_training(session)
+        session.optimizer._partition_all_parameters()
+        session.optimizer.zero_grad()
+    tracker.reset_peak()
 
 
 def backward(session: Session, loss: Any, last: bool) -> None:
