@@ -170,7 +170,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
             if runs_earlier_loss(train):  # ZeRO-3's coordinator as every later step finds it (tracing.zero)
                 say("tracing an earlier step's loss")
                 with _explained("tracing an earlier step's loss"):
-                    earlier_loss(session)
+                    earlier_loss(session, own.run_training)
             peaks = []
             for i, (phase, label, run) in enumerate(runs):
                 say(f"tracing {label}")

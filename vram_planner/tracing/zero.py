@@ -41,7 +41,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -260,10 +260,11 @@ def runs_earlier_loss(train: TrainingConfig) -> bool:
     return train.zero_stage == 3 and train.ds3_gather_for_generation
 
 
-def earlier_loss(session: Session) -> None:
+def earlier_loss(session: Session, run_training: Callable[[Session], Any]) -> None:
     """ZeRO-3 with `ds3_gather_for_generation`: the loss forward and backward of an earlier step, run uncounted
     before the step's phases, so that the step's loss finds DeepSpeed's parameter coordinator as every step after the
-    first does.
+    first does. `run_training` is the trace's loss phase (tracing.trainer.run_training), passed in because that
+    module imports this one.
 
     The coordinator records the order of the modules' gathers in the first forward and backward it sees
     (partitioned_param_coordinator.py:251-280: `reset_step`, at each forward's start, parameter_offload.py:303-306,
@@ -276,8 +277,6 @@ def earlier_loss(session: Session) -> None:
     generation's own forwards record a forward-only trace that the loss's backward invalidates (:202-219), at every
     step alike: nothing to run then. The optimizer step that ends the earlier step releases every gathered parameter
     and zeroes the gradients (stage3.py:2878, :2370-2374)."""
-    from vram_planner.tracing.trainer import run_training
-
     tracker = session.tracker
     with tracker.transients_unrecorded():
         run_training(session)
