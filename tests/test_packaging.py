@@ -44,7 +44,10 @@ def test_the_readme_and_ci_install_the_tested_set():
     readme = (ROOT / "README.md").read_text()
     command = next(line for line in readme.splitlines() if line.startswith("python3 -m venv .venv"))
     assert '.venv/bin/pip install -e ".[test]" -c constraints.txt' in command
-    assert '-e ".[test]" -c constraints.txt' in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '-e ".[test]" -c constraints.txt' in ci
+    tests = command[command.index(".venv/bin/python -m pytest"):]  # CI runs the suite as the README says
+    assert ci.rstrip().endswith(tests) and "-n auto" in tests
 
 
 def test_the_tested_set_pins_the_training_stack_within_the_packages_own_ranges():
