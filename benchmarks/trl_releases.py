@@ -657,6 +657,14 @@ def training_entropy(src: WheelSource, trainer: ast.ClassDef) -> str:
     return "flat_rows" if calls(found[1], "reshape") else "per_sequence"
 
 
+def zero3_trace_kept_across_generation(src: WheelSource) -> bool:
+    """Whether TRL's gathered generation under ZeRO-3 leaves DeepSpeed's parameter coordinator trace as it was: its
+    `add_hooks` (trl/models/utils.py, which puts the modules' hooks back after generating) calls no
+    `_invalidate_trace` (before 1.5)."""
+    found = resolve(src, "trl.models.utils", "add_hooks", ast.FunctionDef)
+    return found is not None and not calls(found[1], "_invalidate_trace")
+
+
 def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
     """The markers of grpo_trainer.py that decide memory."""
     compute_loss = method(trainer, "compute_loss")
@@ -680,6 +688,7 @@ def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
         "reference_when": reference_when(trainer),
         "model_dtype_passed": model_dtype(src, trainer),
         "training_entropy": training_entropy(src, trainer),
+        "zero3_trace_kept_across_generation": zero3_trace_kept_across_generation(src),
     }
 
 
@@ -800,6 +809,7 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "log_prob_forward_cache": lambda f: f["behaviour"]["log_prob_forward_cache"],
     "log_prob_attention_mask": lambda f: f["behaviour"]["log_prob_attention_mask"],
     "training_entropy": lambda f: f["behaviour"]["training_entropy"],
+    "zero3_trace_kept_across_generation": lambda f: f["behaviour"]["zero3_trace_kept_across_generation"],
 }
 
 

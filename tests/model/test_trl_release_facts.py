@@ -72,6 +72,9 @@ def test_facts_cover_every_release_pypi_listed():
     ("0.19.1", "training_entropy", "none"), ("0.20.0", "training_entropy", "per_sequence"),
     ("0.22.2", "training_entropy", "per_sequence"), ("0.23.0", "training_entropy", "flat_rows"),
     ("1.13.0", "training_entropy", "flat_rows"), ("1.14.0", "training_entropy", "none"),
+    # trl/models/utils.py add_hooks: `coordinator._invalidate_trace()` from 1.5.0; 0.14.0 has add_hooks without it
+    ("0.14.0", "zero3_trace_kept_across_generation", True), ("1.4.0", "zero3_trace_kept_across_generation", True),
+    ("1.5.0", "zero3_trace_kept_across_generation", False), ("1.16.0", "zero3_trace_kept_across_generation", False),
 ])
 def test_extracted_facts_hold_what_the_source_says(version, column, value):
     facts = next(r for r in FACTS["releases"] if r["version"] == version)
