@@ -140,8 +140,9 @@ def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_analytic_model_is_held_to_the_trace(stage):
+@pytest.mark.parametrize(("stage", "gather"), [(1, True), (2, True), (3, True), (3, False)],
+                         ids=["1", "2", "3", "3-layer-by-layer"])
+def test_the_analytic_model_is_held_to_the_trace(stage, gather):
     # benchmarks/sharded.py --zero over more models and N: every phase within 2% of the trace; here ZeRO-1/2's
     # partition lies inside the embedding, whose whole gradient their step keeps beside the norm's fp64 copy of it
     from vram_planner import engine
@@ -152,7 +153,8 @@ def test_the_analytic_model_is_held_to_the_trace(stage):
     context = engine.make_context(str(model), "h100-80gb")
     train = engine.make_training(context, {"per_device_train_batch_size": 2, "num_generations": 2,
                                            "max_prompt_length": 32, "max_completion_length": 32, "dtype": "bfloat16",
-                                           "num_gpus": 8, "zero_stage": stage})
+                                           "num_gpus": 8, "zero_stage": stage,
+                                           **({} if gather else {"ds3_gather_for_generation": False})})
     traced = trace_step(json.loads(model.read_text()), train)
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}

@@ -156,14 +156,21 @@ def zero3_prefetched_weight_bytes(arch: ModelArchitecture, train: TrainingConfig
         return 0
     if train.gradient_accumulation_steps == 1 and not trace_kept:
         return 0
+    return _zero3_prefetched_bytes(arch, train)
+
+
+def _zero3_prefetched_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """ZeRO-3's prefetch up to max_live_parameters gathered in 16 bits (model/zero.py), beyond the largest layer."""
     params = arch.params + (trainable_params(arch, train) if train.uses_lora else 0)
     return zero.prefetched_params(params) * zero.GATHERED_PARAM_BYTES - _zero3_gathered_bytes(arch, train)
 
 
 def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Weights during generation: ZeRO-3 gathers the whole model beside its partitions (ds3_gather_for_generation,
-    TRL's default) or, without it, one layer at a time as in training; FSDP2 gathers one layer at a time
-    (model/fsdp.py)."""
+    TRL's default) or, without it, the layers its coordinator prefetches: the first decoding step's forward records
+    the modules' order, complete at the next forward's reset_step, and from then on each forward prefetches up to
+    max_live_parameters (partitioned_param_coordinator.py:251-280, :452-484; model/zero.py), the whole of a model of
+    up to a billion parameters; FSDP2 gathers one layer at a time (model/fsdp.py)."""
     if train.fsdp and not train.load_in_4bit:
         return weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train, trainable_params(arch, train))
     if train.zero_stage == 3 and train.ds3_gather_for_generation:
@@ -175,6 +182,11 @@ def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> f
     if train.fsdp:  # FSDP with 4-bit weights: gathered whole, as it was (not traced)
         unsharded = replace(train, num_gpus=1, offload_param="none")
         return weight_bytes(arch, unsharded)
+    if train.zero_stage == 3:
+        # beside the gathered layers the sharded trace holds one prefetch bucket of 16-bit elements more (97 MiB in
+        # Qwen2.5-0.5B, whose whole model is gathered; 5e7 x 2 B is 95 MiB): the all-gather of the next bucket
+        in_flight = zero.PREFETCH_BUCKET_ELEMENTS * zero.GATHERED_PARAM_BYTES
+        return weight_bytes(arch, train) + _zero3_prefetched_bytes(arch, train) + in_flight
     return weight_bytes(arch, train)
 
 
