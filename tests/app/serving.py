@@ -49,6 +49,11 @@ def running_server(command: list[str], log: Path, env: dict[str, str] | None = N
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(timeout=15)
+    # what the command started stops with it (`vram-plan app` serves from a process of its own)
+    deadline = time.monotonic() + 15
+    while get(url + "/api/check")[0] is not None:
+        assert time.monotonic() < deadline, f"{url} still answers after its command stopped"
+        time.sleep(0.2)
 
 
 def get(url: str) -> tuple[int | None, str]:

@@ -118,6 +118,7 @@ def web_app(host: str, port: int, allow_local_files: bool | None) -> None:
     """A local web page for plan and check, with an HTTP API beside it: GET /api/check and /api/plan take the
     knobs as query parameters and return the --json documents, /api/gpus and /api/models the catalogs,
     /api/openapi.json describes them (needs the app extra: Gradio)."""
+    import signal
     import subprocess
 
     # A process of its own: the command line and the web app are two skins that never import each other
@@ -125,11 +126,16 @@ def web_app(host: str, port: int, allow_local_files: bool | None) -> None:
     if allow_local_files is not None:
         command.append("--allow-local-files" if allow_local_files else "--no-allow-local-files")
     with subprocess.Popen(command) as server:
+        # SIGTERM (systemd, docker stop, kill) reaches this process only: passed on, or the server outlives it
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: server.terminate())
         try:
             code = server.wait()
         except KeyboardInterrupt:  # the server has the same Ctrl+C and stops on it
             code = server.wait()
-    raise click.exceptions.Exit(0 if code in (0, -2, 130) else code)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    code = 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + its number
+    raise click.exceptions.Exit(0 if code == 130 else code)
 
 
 @app.command("probe")
