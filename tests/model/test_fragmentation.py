@@ -180,7 +180,8 @@ def test_the_kv_caches_last_blocks_strand_the_rest_of_the_losss_segments():
     # Phi-3-mini's LoRA with 16 sequences of 512 + 2,048 tokens, 8 a micro-batch: every layer keeps a 2,047-token
     # window, keys and values in bfloat16, 32 heads of 96: blocks of 16 x 32 x 96 x 2,047 x 2 bytes (192 MiB). The
     # loss's largest block is the float32 input of the MLP's adapted output projection, 8 x 2,560 x 8,192 x 4 bytes
-    # (640 MiB): three blocks share one and leave 640 MiB - 3 blocks, a third of that per block, 64 blocks.
+    # (640 MiB) a micro-batch: three blocks share one and leave 640 MiB - 3 blocks, a third of that per block, 64
+    # blocks; counted for both micro-batches at once (1,280 MiB, six blocks) the same
     arch = _arch("Phi-3-mini-4k-instruct")
     train = TrainingConfig(dtype="bfloat16", lora_r=16, num_generations=16, per_device_train_batch_size=8,
                            gradient_accumulation_steps=2, max_prompt_length=512, max_completion_length=2048)
@@ -189,15 +190,19 @@ def test_the_kv_caches_last_blocks_strand_the_rest_of_the_losss_segments():
     expected = 64 * (segment - 3 * block) / 3
     assert reserve_patterns(arch, train, "generation")[CACHE_IN_LOSS_SEGMENTS] == pytest.approx(expected)
     assert 1300 * MiB < expected < 1400 * MiB
-    # without the window the blocks hold all 2,559 tokens: two share a segment
+    # the same blocks whatever the micro-batch: the reserve neither rises as it falls nor falls as it grows
+    for micro_batch in (1, 2, 4, 16):
+        same = replace(train, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=16 // micro_batch)
+        assert cache_in_loss_segment_bytes(arch, same) == pytest.approx(expected)
+    # without the window the blocks hold all 2,559 tokens: five share the 1,280 MiB of both micro-batches
     whole = replace(arch, sliding_window=None, sliding_layers=0)
     block = 16 * 32 * 96 * 2559 * 2
-    assert cache_in_loss_segment_bytes(whole, train) == pytest.approx(64 * (segment - 2 * block) / 2)
+    assert cache_in_loss_segment_bytes(whole, train) == pytest.approx(64 * (2 * segment - 5 * block) / 5)
     # vLLM keeps its cache in its own reservation; expandable segments map pages to fit
     assert cache_in_loss_segment_bytes(arch, replace(train, use_vllm=True)) == 0
     assert reserve_patterns(arch, replace(train, allocator_conf="expandable_segments:True"), "generation") == {}
-    # blocks that fill the segment exactly strand nothing: Qwen3-0.6B's 8 heads of 128 at 2,559 tokens, three to a
-    # 3,072-wide float32 block of 20,480 tokens, within 0.1 MiB
+    # blocks that fill the segment strand next to nothing: Qwen3-0.6B's 8 heads of 128 at 2,559 tokens (80 MiB),
+    # six to its 3,072-wide float32 block of 40,960 tokens (480 MiB), 0.2 MiB beside them
     assert cache_in_loss_segment_bytes(_arch("Qwen3-0.6B"), train) < 2 * MiB
 
 
