@@ -26,7 +26,8 @@ not), so a linear function of the patterns is short at some points whatever its 
 it stands between the issue's two targets on the boundary grid (no point more than 1% under its need, median
 |error| under 2%). With the patterns of 2026-11-26 the grid's count of points more than 1% under and its median were
 15 and 1.34% at 4, 5 and 1.62% at 15, 3 and 1.92% at 30, 1 and 2.12% at 40 (the one left in the generation phase,
-which allocator_fit.py fits); 30 keeps the median under 2%.
+which allocator_fit.py fits); with generation's pattern of 2026-11-28, 2 and 1.92% at 30, none but 2.11% (and 17.2%
+over, against 16.6%) at 40; 30 keeps the median under 2%.
 
 Generation has one pattern (fragmentation.GENERATION_PATTERNS: the KV cache's growing blocks cut from the segments
 the previous step's loss left), weighed on top of the per-phase shares allocator_fit.py fits. Its coefficient is
