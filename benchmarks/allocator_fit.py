@@ -38,6 +38,7 @@ from accuracy import trace_key as tracing_key  # noqa: E402
 from vram_planner.allocator import CachingAllocator, OutOfMemory, parse_allocator_conf  # noqa: E402
 from vram_planner.model.architecture import ModelArchitecture  # noqa: E402
 from vram_planner.model.calibration import default_calibration  # noqa: E402
+from vram_planner.model.fragmentation import GENERATION_PATTERNS  # noqa: E402
 from vram_planner.probe.fit import ProbePoint  # noqa: E402
 from vram_planner.model.phases import TENSOR_COMPONENTS, estimate  # noqa: E402
 from vram_planner.model.spec import TrainingConfig  # noqa: E402
@@ -248,8 +249,12 @@ def main() -> None:
     save_atomically(args.out / "allocator_fit.json", json.dumps(document, indent=1))
     if args.write:
         calibration = json.loads(CALIBRATION.read_text())
-        # the loss phase under torch's defaults is fitted on whole steps' needs (benchmarks/reserve_fit.py)
-        coefficients["default"]["training"] = calibration["allocator_reserve"]["default"]["training"]
+        # the loss phase under torch's defaults, and generation's patterns, are fitted on whole steps' needs
+        # (benchmarks/reserve_fit.py)
+        shipped = calibration["allocator_reserve"]["default"]
+        coefficients["default"]["training"] = shipped["training"]
+        coefficients["default"]["generation"].update(
+            {name: value for name, value in shipped["generation"].items() if name in GENERATION_PATTERNS})
         calibration["allocator_reserve"] = coefficients
         save_atomically(CALIBRATION, json.dumps(calibration, indent=2) + "\n")
 

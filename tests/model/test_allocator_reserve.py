@@ -12,7 +12,7 @@ from vram_planner import engine
 from vram_planner.errors import ConfigError
 from vram_planner.model.calibration import (UNFITTED_RESERVE_FRACTION, Calibration, allocator_reserve_bytes,
                                             default_calibration)
-from vram_planner.model.fragmentation import PATTERNS
+from vram_planner.model.fragmentation import GENERATION_PATTERNS, PATTERNS
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import TENSOR_COMPONENTS
 from vram_planner.model.search import with_expandable_segments
@@ -57,7 +57,7 @@ def test_the_shipped_fit_covers_every_phase_of_both_settings_with_non_negative_c
     for setting in ("default", "expandable_segments"):
         assert {"generation", "training", "optimizer"} <= set(reserve[setting])
         for coefficients in reserve[setting].values():
-            assert set(coefficients) <= set(TENSOR_COMPONENTS) | set(PATTERNS)
+            assert set(coefficients) <= set(TENSOR_COMPONENTS) | set(PATTERNS) | set(GENERATION_PATTERNS)
             assert all(0 <= c < 2 for c in coefficients.values())
 
 
@@ -149,15 +149,19 @@ def test_expandable_segments_are_the_plans_first_rung_when_they_make_the_config_
 
 def test_the_shipped_coefficients_are_the_committed_fits():
     """profiles/calibrations/default.json holds what benchmarks/allocator_fit.py fitted (results/allocator_fit.json),
-    the loss phase under torch's defaults what benchmarks/reserve_fit.py fitted on whole steps (reserve_fit.json)."""
+    the loss phase under torch's defaults and generation's patterns what benchmarks/reserve_fit.py fitted on whole
+    steps (reserve_fit.json)."""
     import json
     from pathlib import Path
 
     results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     per_phase = json.loads((results / "allocator_fit.json").read_text())["coefficients"]
-    whole_steps = json.loads((results / "reserve_fit.json").read_text())["coefficients"]
+    fitted = json.loads((results / "reserve_fit.json").read_text())
+    whole_steps, generating = fitted["coefficients"], fitted["generation_coefficients"]
     shipped = default_calibration().allocator_reserve
     assert shipped["default"]["training"] == whole_steps
     assert set(whole_steps) & set(PATTERNS)
+    assert set(generating) == set(GENERATION_PATTERNS)
     per_phase["default"]["training"] = whole_steps
+    per_phase["default"]["generation"].update(generating)
     assert shipped == per_phase

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vram_planner.allocator import CachingAllocator
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.fragmentation import (EAGER_SCORES, LATE_GRADIENT, LATER_MICRO_BATCH, LAYER_GRADIENTS,
-                                              PINNED_LAYER_INPUTS, SOFTCAPPED_SCORES, late_gradient_bytes,
+from vram_planner.model.fragmentation import (CACHE_IN_LOSS_SEGMENTS, EAGER_SCORES, LATE_GRADIENT,
+                                              LATER_MICRO_BATCH, LAYER_GRADIENTS, PINNED_LAYER_INPUTS,
+                                              SOFTCAPPED_SCORES, cache_in_loss_segment_bytes, late_gradient_bytes,
                                               largest_request_bytes, pinned_layer_input_bytes, reserve_patterns,
                                               stranded_by_gradients, stranded_by_kept_inputs)
 from vram_planner.model.spec import TrainingConfig
@@ -131,7 +133,8 @@ def test_the_patterns_follow_the_knobs():
     assert pinned_layer_input_bytes(arch, replace(lora, gradient_checkpointing=False)) == 0
     full = TrainingConfig(dtype="bfloat16")
     assert late_gradient_bytes(arch, full) == arch.vocab_size * arch.hidden_size * 2
-    assert reserve_patterns(arch, lora, "generation") == {}
+    assert set(reserve_patterns(arch, lora, "generation")) == {CACHE_IN_LOSS_SEGMENTS}
+    assert reserve_patterns(arch, lora, "scoring") == reserve_patterns(arch, lora, "optimizer") == {}
     assert reserve_patterns(arch, replace(lora, allocator_conf="expandable_segments:True"),
                             "training") == {}
     assert set(reserve_patterns(arch, lora, "training")) >= {PINNED_LAYER_INPUTS, LATE_GRADIENT}
@@ -171,3 +174,45 @@ def test_eager_attention_adds_its_score_blocks_and_softcapping_more_of_them():
         patterns = reserve_patterns(arch, eager, "training")
         assert patterns[EAGER_SCORES] == scores
         assert patterns[SOFTCAPPED_SCORES] == (scores if name == "gemma-2-2b" else 0)
+
+
+def test_the_kv_caches_last_blocks_strand_the_rest_of_the_losss_segments():
+    # Phi-3-mini's LoRA with 16 sequences of 512 + 2,048 tokens, 8 a micro-batch: every layer keeps a 2,047-token
+    # window, keys and values in bfloat16, 32 heads of 96: blocks of 16 x 32 x 96 x 2,047 x 2 bytes (192 MiB). The
+    # loss's largest block is the float32 input of the MLP's adapted output projection, 8 x 2,560 x 8,192 x 4 bytes
+    # (640 MiB) a micro-batch: three blocks share one and leave 640 MiB - 3 blocks, a third of that per block, 64
+    # blocks; counted for both micro-batches at once (1,280 MiB, six blocks) the same
+    arch = _arch("Phi-3-mini-4k-instruct")
+    train = TrainingConfig(dtype="bfloat16", lora_r=16, num_generations=16, per_device_train_batch_size=8,
+                           gradient_accumulation_steps=2, max_prompt_length=512, max_completion_length=2048)
+    block, segment = 16 * 32 * 96 * 2047 * 2, 8 * 2560 * 8192 * 4
+    assert largest_request_bytes(arch, train) == segment
+    expected = 64 * (segment - 3 * block) / 3
+    assert reserve_patterns(arch, train, "generation")[CACHE_IN_LOSS_SEGMENTS] == pytest.approx(expected)
+    assert 1300 * MiB < expected < 1400 * MiB
+    # the same blocks whatever the micro-batch: the reserve neither rises as it falls nor falls as it grows
+    for micro_batch in (1, 2, 4, 16):
+        same = replace(train, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=16 // micro_batch)
+        assert cache_in_loss_segment_bytes(arch, same) == pytest.approx(expected)
+    # without the window the blocks hold all 2,559 tokens: five share the 1,280 MiB of both micro-batches
+    whole = replace(arch, sliding_window=None, sliding_layers=0)
+    block = 16 * 32 * 96 * 2559 * 2
+    assert cache_in_loss_segment_bytes(whole, train) == pytest.approx(64 * (2 * segment - 5 * block) / 5)
+    # vLLM keeps its cache in its own reservation; expandable segments map pages to fit
+    assert cache_in_loss_segment_bytes(arch, replace(train, use_vllm=True)) == 0
+    assert reserve_patterns(arch, replace(train, allocator_conf="expandable_segments:True"), "generation") == {}
+    # blocks that fill the segment strand next to nothing: Qwen3-0.6B's 8 heads of 128 at 2,559 tokens (80 MiB),
+    # six to its 3,072-wide float32 block of 40,960 tokens (480 MiB), 0.2 MiB beside them
+    assert cache_in_loss_segment_bytes(_arch("Qwen3-0.6B"), train) < 2 * MiB
+
+
+def test_the_caches_blocks_cut_from_cached_segments_strand_what_the_allocator_strands():
+    # the previous step's loss leaves its segments cached; the cache's blocks are cut from them by best fit
+    segment, block, segments = 640 * MiB, 16 * 32 * 96 * 2047 * 2, 7
+    allocator = CachingAllocator()
+    for address in [allocator.malloc(segment) for _ in range(segments)]:
+        allocator.free(address)
+    blocks = [allocator.malloc(block) for _ in range(3 * segments)]
+    assert allocator.reserved_bytes == segments * segment  # no segment of their own
+    stranded = allocator.reserved_bytes - len(blocks) * block
+    assert stranded == pytest.approx(stranded_by_kept_inputs(len(blocks), block, segment))

@@ -34,8 +34,8 @@ class Calibration:
     # The caching allocator's reserve beyond the tensors, per allocator setting ("default", "expandable_segments")
     # and phase: bytes of reserve per byte of each tensor component (each its own allocation pattern) and of each
     # pattern that strands cached memory (vram_planner.model.fragmentation), fitted over replays of traced steps
-    # through the allocator model (benchmarks/allocator_fit.py per phase; the loss phase's under torch's defaults
-    # on whole steps' needs, benchmarks/reserve_fit.py).
+    # through the allocator model (benchmarks/allocator_fit.py per phase; the loss phase's under torch's defaults,
+    # and generation's patterns, on whole steps' needs, benchmarks/reserve_fit.py).
     allocator_reserve: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     # A flat reserve, as a fraction of the tensors, in place of the fitted function (None: the fitted one). Probes
     # wrote it before they scaled the fitted function to their measurements; a hand-made calibration may set it.

@@ -374,12 +374,16 @@ def kv_cache_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: in
     each layer's storage from an empty tensor of the keys' dtype (4.56 to 5.23), concatenation promotes the values
     to it: with float32 weights under autocast both are float32 (profiles/transformers.toml).
     """
-    key_bytes = sizes(train).residual
-    computing = forward or as_generated(train)
-    value_bytes = key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(computing).compute
-    per_token_layer = arch.num_kv_heads * arch.head_dim * (key_bytes + value_bytes)
+    per_token_layer = arch.num_kv_heads * arch.head_dim * sum(kv_element_bytes(train, forward))
     keep_all = prefill and train.transformers.sliding_prefill_storage == "prompt"
     return sequences * arch.kv_layers_tokens(tokens, keep_all) * per_token_layer
+
+
+def kv_element_bytes(train: TrainingConfig, forward: TrainingConfig | None = None) -> tuple[int, int]:
+    """Bytes per element of the cached keys and of the values, as kv_cache_bytes says."""
+    key_bytes = sizes(train).residual
+    computing = forward or as_generated(train)
+    return key_bytes, key_bytes if train.transformers.kv_values_dtype == "keys" else sizes(computing).compute
 
 
 def backward_working_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:

@@ -22,14 +22,22 @@ SOFTCAPPED_SCORES = "softcapped_scores"
 SMALL_SEGMENTS = "small_segments"
 LATER_MICRO_BATCH = "later_micro_batch"
 LAYER_GRADIENTS = "layer_gradients"
+CACHE_IN_LOSS_SEGMENTS = "cache_in_loss_segments"
+# The loss forward/backward's patterns (benchmarks/reserve_fit.py fits them on the steps that run out there)
 PATTERNS = (PINNED_LAYER_INPUTS, LATE_GRADIENT, LARGEST_REQUEST, EAGER_SCORES, SOFTCAPPED_SCORES, SMALL_SEGMENTS,
             LATER_MICRO_BATCH, LAYER_GRADIENTS)
+GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS,)
 
 
 def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str) -> dict[str, float]:
-    """The patterns alive at a phase's peak, in bytes. Only the loss forward/backward has them: the other phases'
-    reserve is a share of their tensors. Expandable segments map pages to fit each request, so nothing is stranded."""
-    if phase != "training" or train.expandable_segments:
+    """The patterns alive at a phase's peak, in bytes: the loss forward/backward's, and generation's KV cache in the
+    segments the previous step's loss left; the other phases' reserve is a share of their tensors. Expandable
+    segments map pages to fit each request, so nothing is stranded."""
+    if train.expandable_segments:
+        return {}
+    if phase == "generation":
+        return {CACHE_IN_LOSS_SEGMENTS: cache_in_loss_segment_bytes(arch, train)}
+    if phase != "training":
         return {}
     scores = eager_scores_bytes(arch, train)
     return {PINNED_LAYER_INPUTS: pinned_layer_input_bytes(arch, train),
@@ -91,12 +99,15 @@ def largest_request_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     LoRA adapter on the MLP's output projection is float32 and PEFT casts its input to it; a float32 model computes
     its backward there), else in the compute dtype. The segments earlier layers' requests of that size left are cut
     by smaller tensors by then, so it takes a segment of its own beside them."""
+    return float(train.micro_batch_completions * train.sequence_length * _largest_request_token_bytes(arch, train))
+
+
+def _largest_request_token_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
     s = m.sizes(train)
     reads_intermediate = arch.layer_linears()[-1].name  # the MLP's output projection
     adapted = train.uses_lora and reads_intermediate in arch.resolve_lora_targets(train.lora_targets)
     in_float32 = adapted or s.residual == m.FP32_BYTES
-    tokens = train.micro_batch_completions * train.sequence_length
-    return float(tokens * arch.intermediate_size * (m.FP32_BYTES if in_float32 else s.compute))
+    return arch.intermediate_size * (m.FP32_BYTES if in_float32 else s.compute)
 
 
 def later_micro_batch_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -143,3 +154,33 @@ def eager_scores_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
         return 0.0
     b, length = train.micro_batch_completions, train.sequence_length
     return float(b * arch.num_attention_heads * length * length * m.FP32_BYTES)
+
+
+def cache_in_loss_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What the KV cache's last blocks strand in the segments the previous step's loss left cached, generating in
+    this process.
+
+    Each decoding step's concatenation makes every layer's keys and values anew, one token longer, so the block a
+    layer frees is too short for the next one's request; best fit cuts the growing blocks from the largest cached
+    blocks, the segments of the loss's largest requests (largest_request_bytes, cached since the previous step), and a
+    block that lives in one keeps the allocator from releasing the segment when it runs short. k = segment // block
+    of the last step's blocks share such a segment, and what they leave of it is too short for another:
+    stranded_by_kept_inputs, per kind of block (keys, values; full and sliding-window layers). At the need of
+    Phi-3-mini LoRA (16 sequences of 2,560 tokens, 2,047-token windows) 27 of the 64 blocks of 193 MiB lay three to
+    a 640 MiB segment of the loss beside 60 MiB that none could use, and others one to a 360 or 320 MiB segment of
+    the loss or the scoring beside 167 or 127 MiB: 1.6 GiB beside the cache where generation ran out.
+
+    The segment is counted for the whole generation batch in one micro-batch, as the blocks are: k micro-batches'
+    segments hold k times the blocks beside k times the rest, the same per block where the rest is short of a block
+    (Phi-3-mini's 640 MiB segments for 8 sequences, 1,280 for 16: 21 MiB a block). A micro-batch's own segment would
+    make the reserve a sawtooth in the micro-batch, rising as it falls (Phi-3-mini's 4 sequences: 320 MiB segments,
+    one block each beside 128 MiB), and the plan's bisection relies on memory that grows with it."""
+    if train.use_vllm:  # vLLM's cache is its own reservation
+        return 0.0
+    segment = train.local_generation_batch_size * train.sequence_length * _largest_request_token_bytes(arch, train)
+    last = train.sequence_length - 1  # the tokens cached at the last decoding step
+    window = min(last, arch.sliding_window or last)
+    row = train.local_generation_batch_size * arch.num_kv_heads * arch.head_dim  # elements of one token, one layer
+    layers = ((arch.num_layers - arch.sliding_layers, last), (arch.sliding_layers, window))
+    return sum(stranded_by_kept_inputs(count, row * tokens * element, segment)
+               for count, tokens in layers if count for element in m.kv_element_bytes(train))
