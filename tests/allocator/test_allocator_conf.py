@@ -1,6 +1,6 @@
 """PYTORCH_CUDA_ALLOC_CONF read as torch 2.13 reads it: ConfigTokenizer (c10/core/AllocatorConfig.h),
 AcceleratorAllocatorConfig::parseArgs (c10/core/AllocatorConfig.cpp) and CUDAAllocatorConfig::parseArgs
-(c10/cuda/CUDAAllocatorConfig.cpp), with torch's own limits."""
+(c10/cuda/CUDAAllocatorConfig.cpp), with torch's own limits; and the keys torch 2.15 added."""
 
 from __future__ import annotations
 
@@ -62,6 +62,44 @@ def test_keys_that_leave_device_memory_alone_are_accepted_and_named():
     assert any("ignored" in note for note in conf.notes())
 
 
+@pytest.mark.parametrize("text,fraction,reserve_bytes", [
+    ("expandable_segments_reserve:0.5", 0.5, 0),
+    ("expandable_segments_reserve:+.25", 0.25, 0),
+    ("expandable_segments_reserve:2.5e-1", 0.25, 0),
+    ("expandable_segments_reserve:40G", 0.0, 40 * 1024**3),
+    ("expandable_segments_reserve:0.5g", 0.0, 512 * MiB),
+    ("expandable_segments_reserve:1e20G", 0.0, SIZE_MAX),
+])
+def test_torch_215_reserve_is_a_fraction_of_the_device_or_gib(text, fraction, reserve_bytes):
+    """parseReserveSpec: a trailing G (or g) means GiB, else a fraction of the device's memory; resolveBytes
+    saturates at SIZE_MAX; clamp_reserve_bytes caps the reserve at the historical 9/8 of the device."""
+    conf = parse_allocator_conf("expandable_segments:True," + text)
+    assert (conf.expandable_segments_reserve_fraction, conf.expandable_segments_reserve_bytes) == (
+        fraction, reserve_bytes)
+    device = 80 * 1024**3
+    expected = int(fraction * device) if fraction else reserve_bytes
+    assert conf.expandable_segment_address_bytes(device) == min(expected, device + device // 8)
+    assert any("torch 2.15 and later" in note for note in conf.notes())
+
+
+def test_without_a_reserve_a_segment_reserves_nine_eighths_of_the_device():
+    conf = parse_allocator_conf("expandable_segments:True")
+    assert conf.expandable_segment_address_bytes(16 * 1024**3) == 18 * 1024**3
+    assert parse_allocator_conf("expandable_segments_reserve:0.5").notes()[0].endswith(
+        "it acts only with expandable_segments:True")
+
+
+def test_reserves_by_class_are_checked_and_ignored():
+    """Only streams tagged with setExpandableSegmentReserveClassForStream take a class's reserve; a TRL step's
+    streams carry no tag."""
+    conf = parse_allocator_conf("expandable_segments:True,expandable_segments_reserve_by_class:[serving:0.25,"
+                                "ads_sparse:8G]")
+    assert conf.ignored_keys == ("expandable_segments_reserve_by_class",)
+    assert conf.expandable_segment_address_bytes(1024**3) == 1024**3 + 1024**3 // 8
+    assert any("tags none" in note for note in conf.notes())
+    assert not any("do not change device memory" in note for note in conf.notes())
+
+
 @pytest.mark.parametrize("text,message", [
     ("max_split_size_mb:19", "max_split_size_mb must be at least 20 MiB"),
     ("max_split_size_mb:-5", "max_split_size_mb takes a whole number of MiB, got '-5'"),
@@ -85,6 +123,17 @@ def test_keys_that_leave_device_memory_alone_are_accepted_and_named():
     ("expandable_segments:True:False", "is not a list of key:value pairs"),
     ("roundup_power2_divisions:[256:1", "is not a list of key:value pairs"),
     ("max_split_size_mb:[1:2]", "max_split_size_mb takes a single value"),
+    ("expandable_segments_reserve:0", "expandable_segments_reserve takes a positive fraction"),
+    ("expandable_segments_reserve:-1", "expandable_segments_reserve takes a positive fraction"),
+    ("expandable_segments_reserve:G", "got 'G'"),
+    ("expandable_segments_reserve:inf", "got 'inf'"),
+    ("expandable_segments_reserve:nan", "got 'nan'"),
+    ("expandable_segments_reserve:1e400", "got '1e400'"),
+    ("expandable_segments_reserve:0.5GiB", "got '0.5GiB'"),
+    ("expandable_segments_reserve:[a:0.5]", "expandable_segments_reserve takes a single value"),
+    ("expandable_segments_reserve_by_class:0.5", "takes a list like [name:0.5,other:40G]"),
+    ("expandable_segments_reserve_by_class:[serving:0]", "expandable_segments_reserve_by_class serving takes a"),
+    ("expandable_segments_reserv:0.5", "did you mean expandable_segments_reserve"),
 ])
 def test_bad_text_is_one_line_naming_the_key_and_what_is_allowed(text, message):
     """torch refuses each of these (or, for -5 and 1.5e3, reads them by accident); the error names the source."""
@@ -96,7 +145,8 @@ def test_bad_text_is_one_line_naming_the_key_and_what_is_allowed(text, message):
 
 def test_every_key_torch_213_knows_is_known():
     """The keys of AcceleratorAllocatorConfig::getMutableKeys (read from torch 2.13's libc10) and
-    CUDAAllocatorConfig::getKeys (its installed header)."""
+    CUDAAllocatorConfig::getKeys (its installed header), and the two torch 2.15 added (its libc10_cuda; torch 2.14.1
+    has none new)."""
     accelerator = {"large_segment_size_mb", "max_split_size_mb", "max_non_split_rounding_mb",
                    "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments",
                    "pinned_use_background_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"}
@@ -104,7 +154,8 @@ def test_every_key_torch_213_knows_is_known():
             "pinned_use_hip_host_register", "graph_capture_record_stream_reuse", "pinned_reserve_segment_size_mb",
             "pinned_num_register_threads", "per_process_memory_fraction", "pinned_free_catch_all",
             "throw_on_cudamalloc_oom"}
-    assert set(KNOWN_KEYS) == accelerator | cuda
+    torch_215 = {"expandable_segments_reserve", "expandable_segments_reserve_by_class"}
+    assert set(KNOWN_KEYS) == accelerator | cuda | torch_215
 
 
 @pytest.mark.parametrize("text", [

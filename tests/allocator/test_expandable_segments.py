@@ -121,3 +121,21 @@ def test_kv_cache_growth_under_a_capacity_releases_the_cached_segments():
         previous = current
     assert a.max_reserved_bytes == 60 * MiB and a.num_alloc_retries == 1
     assert [size // MiB for action, _, size in a.segment_log if action == "segment_free"] == [12, 14, 16]
+
+
+def test_no_request_can_be_larger_than_torch_215s_reserve():
+    """expandable_segments_reserve (torch 2.15): each segment reserves that much address space, whole 20 MiB pages
+    of it (numSegments), and a request cannot span two segments: a quarter of a 1 GiB device is 13 pages, 260 MiB,
+    so 260 MiB is met and 262 MiB is out of memory with the device nearly empty, where the default 9/8 reserve meets
+    it. A second 200 MiB tensor needs a second segment."""
+    device = 1024 * MiB
+    reserved = CachingAllocator(parse_allocator_conf("expandable_segments:True,expandable_segments_reserve:0.25"),
+                                capacity_bytes=device)
+    reserved.free(reserved.malloc(260 * MiB))
+    with pytest.raises(OutOfMemory):
+        reserved.malloc(262 * MiB)
+    CachingAllocator(EXPANDABLE, capacity_bytes=device).malloc(262 * MiB)
+    two = CachingAllocator(parse_allocator_conf("expandable_segments:True,expandable_segments_reserve:0.25"),
+                           capacity_bytes=device)
+    first, second = two.malloc(200 * MiB), two.malloc(200 * MiB)
+    assert second - first >= 260 * MiB and two.reserved_bytes == 400 * MiB

@@ -180,3 +180,21 @@ def test_a_gzip_that_unzips_past_the_cap_is_refused(tmp_path, monkeypatch):
 def test_a_device_is_refused_at_once(device):
     with pytest.raises(SnapshotError, match=f"cannot read the snapshot {device}: it is a device, not a file"):
         load_snapshot(device)
+
+
+def test_a_torch_215_snapshot_with_annotations_and_host_memory_replays_the_same():
+    """torch 2.15 records `annotate` trace entries (metadata put on a live allocation after the fact, addr its
+    base) and adds the host allocator's `host_segments` and `host_traces`; none of them is device memory."""
+    base = 0x7F00_4000_0000
+    events = [_event("segment_alloc", base, 12 * MiB), _event("alloc", base, 12 * MiB),
+              _event("free_requested", base, 12 * MiB), _event("free_completed", base, 12 * MiB),
+              _event("alloc", base, 8 * MiB)]
+    annotated = events[:2] + [{"action": "annotate", "addr": base, "size": 0, "stream": 0,
+                               "user_metadata": "the KV cache"}] + events[2:]
+    plain = replay_snapshot(parse_snapshot({"device_traces": [events]}), 0, parse_allocator_conf(""))
+    newer = replay_snapshot(parse_snapshot({"device_traces": [annotated], "host_segments": [],
+                                            "host_traces": [[{"action": "alloc", "addr": 1, "size": 4096}]]}),
+                            0, parse_allocator_conf(""))
+    assert (newer.allocs, newer.frees, newer.predicted_segment_sizes, newer.predicted_max_reserved_bytes) == (
+        plain.allocs, plain.frees, plain.predicted_segment_sizes, plain.predicted_max_reserved_bytes) == (
+        2, 1, [12 * MiB], 12 * MiB)

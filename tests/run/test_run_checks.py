@@ -336,6 +336,21 @@ def test_bitsandbytes_is_checked_before_anything_is_written(capsys, monkeypatch,
     assert "bitsandbytes" in err and INSTALL_HINT in err and not out.exists()
 
 
+@pytest.mark.parametrize("key", ["expandable_segments_reserve:0.5", "expandable_segments_reserve_by_class:[a:8G]"])
+def test_a_key_the_installed_torch_refuses_is_refused_before_anything_is_written(capsys, tmp_path, key):
+    """torch 2.14 and earlier refuse torch 2.15's keys only at the run's first CUDA allocation, after the model has
+    loaded; the CPU wheel the suite runs is 2.13."""
+    import torch
+
+    out = tmp_path / "run"
+    err = one_line_error(capsys, "run", "--gpu", "24GiB", "--model", "Llama-3.2-1B", "--dataset", "math-sample",
+                         "--output-dir", str(out), "--allocator-conf", "expandable_segments:True," + key)
+    assert err.strip() == (f"error: --allocator-conf: {key.partition(':')[0]} needs torch 2.15 or later, and torch "
+                           f"{torch.__version__} is installed, which refuses it: pip install 'torch>=2.15', or leave "
+                           "it out")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("package", ["torch", "transformers", "trl", "peft"])
 @pytest.mark.parametrize("command", [
     ["run", "--gpu", "24GiB", "--model", "Llama-3.2-1B", "--dataset", "math-sample", "--dry-run"],

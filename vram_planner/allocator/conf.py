@@ -1,10 +1,15 @@
-"""PYTORCH_CUDA_ALLOC_CONF, read the way torch 2.13 reads it.
+"""PYTORCH_CUDA_ALLOC_CONF, read the way torch 2.13 reads it, with the keys torch 2.15 added.
 
 torch splits the text into tokens at `,` `:` `[` `]`, drops whitespace (ConfigTokenizer, c10/core/AllocatorConfig.h),
 and hands it to two parsers: AcceleratorAllocatorConfig::parseArgs (c10/core/AllocatorConfig.cpp: the device
 allocator's keys) and CUDAAllocatorConfig::parseArgs (c10/cuda/CUDAAllocatorConfig.cpp: backend, pinned-memory and
 locking keys); a key neither knows is refused. The limits below are torch's own checks. Where torch is lenient by
 accident (std::stoull reads "-5" or "25.9" as a number) this parser asks for a plain whole number instead.
+
+torch 2.15 added `expandable_segments_reserve` and `expandable_segments_reserve_by_class` (the address space each
+expandable segment reserves: c10/cuda/CUDAAllocatorConfig.h of torch 2.15, ExpandableSegmentReserveSpec and
+clamp_reserve_bytes; the key names from its libc10_cuda). torch 2.14 and earlier refuse them; torch 2.15 ignores a
+malformed reserve with a warning, which this parser refuses instead, so that the plan is made for the setting meant.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ ENV_VARS = (ENV_VAR, "PYTORCH_ALLOC_CONF")
 # Keys that change what the device allocator reserves: modeled.
 MODELED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb",
                 "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments",
-                "per_process_memory_fraction", "backend")
+                "per_process_memory_fraction", "backend", "expandable_segments_reserve")
 # Keys torch accepts that leave device memory as it is (pinned host memory, locking, CUDA-graph capture, when an
 # out-of-memory error is raised): checked like torch checks them, then ignored.
 IGNORED_KEYS = ("pinned_use_background_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
                 "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
                 "pinned_use_hip_host_register", "graph_capture_record_stream_reuse", "pinned_reserve_segment_size_mb",
-                "pinned_num_register_threads", "pinned_free_catch_all", "throw_on_cudamalloc_oom")
+                "pinned_num_register_threads", "pinned_free_catch_all", "throw_on_cudamalloc_oom",
+                "expandable_segments_reserve_by_class")
+# Read by torch 2.15 and later only.
+TORCH_215_KEYS = ("expandable_segments_reserve", "expandable_segments_reserve_by_class")
 KNOWN_KEYS = MODELED_KEYS + IGNORED_KEYS
 _BOOL_KEYS = {"expandable_segments", "pinned_use_background_threads", "release_lock_on_cudamalloc",
               "release_lock_on_hipmalloc", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
@@ -39,6 +47,8 @@ _BOOL_KEYS = {"expandable_segments", "pinned_use_background_threads", "release_l
 _EXAMPLE = "e.g. expandable_segments:True,max_split_size_mb:128"
 _PUNCTUATION = (",", ":", "[", "]")
 _FIELDS = {"max_split_size_mb": "max_split_size_bytes", "max_non_split_rounding_mb": "max_non_split_rounding_bytes"}
+# parseReserveSpec: a positive, finite fraction of the device's memory (0.5), or GiB with a G suffix (40G)
+_RESERVE = re.compile(r"[+]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?([gG]?)")
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,9 @@ class AllocatorConf:
     roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_INTERVALS  # per interval 1 MiB..64 GiB; 0 = off
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
+    # torch 2.15's expandable_segments_reserve, a fraction of the device's memory or bytes (0: the whole 9/8)
+    expandable_segments_reserve_fraction: float = 0.0
+    expandable_segments_reserve_bytes: int = 0
     per_process_memory_fraction: float = 1.0
     text: str = ""  # the text it was read from
     ignored_keys: tuple[str, ...] = field(default=())
@@ -62,9 +75,33 @@ class AllocatorConf:
             notes.append("garbage_collection_threshold acts only under a per-process memory fraction below 1 "
                          "(per_process_memory_fraction or torch.cuda.set_per_process_memory_fraction); "
                          "without one torch never runs it")
-        if self.ignored_keys:
-            notes.append(f"{', '.join(self.ignored_keys)} do not change device memory and are ignored")
+        if self.expandable_segments_reserve_fraction or self.expandable_segments_reserve_bytes:
+            notes.append("expandable_segments_reserve is read by torch 2.15 and later (earlier releases refuse the "
+                         "key); no single tensor can be larger than the address space it gives each segment" +
+                         ("" if self.expandable_segments else ", and it acts only with expandable_segments:True"))
+        if "expandable_segments_reserve_by_class" in self.ignored_keys:
+            notes.append("expandable_segments_reserve_by_class (torch 2.15 and later) sizes the segments of CUDA "
+                         "streams that code tags with a class; a TRL step tags none, so it is ignored")
+        other = [key for key in self.ignored_keys if key != "expandable_segments_reserve_by_class"]
+        if other:
+            notes.append(f"{', '.join(other)} do not change device memory and are ignored")
         return notes
+
+    def torch_215_keys(self) -> tuple[str, ...]:
+        """The keys of this setting that torch 2.14 and earlier refuse."""
+        reserve = bool(self.expandable_segments_reserve_fraction or self.expandable_segments_reserve_bytes)
+        return tuple(key for key, present in zip(TORCH_215_KEYS, (reserve, TORCH_215_KEYS[1] in self.ignored_keys))
+                     if present)
+
+    def expandable_segment_address_bytes(self, device_bytes: int) -> int:
+        """The address space one expandable segment reserves (before rounding to its pages): 9/8 of the device's
+        memory, or torch 2.15's expandable_segments_reserve where it is less (clamp_reserve_bytes)."""
+        full = device_bytes + device_bytes // 8
+        if self.expandable_segments_reserve_fraction:
+            return min(int(self.expandable_segments_reserve_fraction * device_bytes), full)
+        if self.expandable_segments_reserve_bytes:
+            return min(self.expandable_segments_reserve_bytes, full)
+        return full
 
 
 def environment_conf() -> tuple[str, str | None]:
@@ -163,8 +200,15 @@ def _shape_error(text: str, source: str) -> ConfigError:
 
 def _read_key(key: str, value, large_segment: int, values: dict, problems: list[str]) -> None:
     """Check one key's value as torch does and keep what the model uses."""
-    if isinstance(value, list) and key != "roundup_power2_divisions":
+    if isinstance(value, list) and key not in ("roundup_power2_divisions", "expandable_segments_reserve_by_class"):
         problems.append(f"{key} takes a single value, not a [...] list")
+    elif key == "expandable_segments_reserve":
+        values.update(_reserve(key, value, problems))
+    elif key == "expandable_segments_reserve_by_class":
+        if not isinstance(value, list):
+            problems.append(f"{key} takes a list like [name:0.5,other:40G], got {short_repr(value)}")
+        for name, reserve in value if isinstance(value, list) else ():
+            _reserve(f"{key} {name}", reserve, problems)
     elif key in _BOOL_KEYS:
         if value not in ("True", "False"):
             problems.append(f"{key} takes True or False (capitalised: torch refuses anything else), got "
@@ -205,6 +249,21 @@ def _whole(key: str, value, problems: list[str], at_least: int = 0, above: int |
         problems.append(f"{key} must be at least {at_least}{' MiB' if key.endswith('_mb') else ''} {why}".rstrip()
                         + f", as torch requires; got {number}")
     return number
+
+
+def _reserve(key: str, value: str, problems: list[str]) -> dict[str, float | int]:
+    """parseReserveSpec: a fraction of the device's memory, or GiB with a trailing G; positive and finite. The
+    AllocatorConf fields it sets."""
+    match = _RESERVE.fullmatch(value)
+    number = float(match.group(1) + (match.group(2) or "")) if match else 0.0
+    if not 0 < number < math.inf:
+        problems.append(f"{key} takes a positive fraction of the GPU's memory (0.5) or GiB with a G (40G), as "
+                        f"torch 2.15 requires; got {short_repr(value)}")
+        return {}
+    if match.group(3):  # resolveBytes saturates where the double reaches size_t's largest
+        reserve = number * (1 << 30)
+        return {"expandable_segments_reserve_bytes": SIZE_MAX if reserve >= float(SIZE_MAX) else int(reserve)}
+    return {"expandable_segments_reserve_fraction": number}
 
 
 def _fraction(key: str, value, problems: list[str], open_interval: bool) -> float:

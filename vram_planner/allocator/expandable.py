@@ -1,8 +1,9 @@
 """expandable_segments:True: one segment per pool and stream that grows page by page (Note [Expandable Segments] in
 CUDACachingAllocator.cpp).
 
-A segment reserves address space for 1 1/8 of the device's memory and maps physical pages into it as requests need
-them: 2 MiB pages for the small pool, kLargeBuffer (20 MiB, torch 2.13's large_segment_size) for the large pool
+A segment reserves address space for 1 1/8 of the device's memory (less under torch 2.15's
+expandable_segments_reserve, and then no request larger than that can be met) and maps physical pages into it as
+requests need them: 2 MiB pages for the small pool, kLargeBuffer (20 MiB, torch 2.13's large_segment_size) for the large pool
 (find_expandable_block: `pool->is_small ? kSmallBuffer : kLargeBuffer`). Freed pages stay mapped until cached memory
 is released (an out-of-memory retry or empty_cache), which unmaps every whole free page.
 """
@@ -20,11 +21,10 @@ class ExpandableSegment:
 
     __slots__ = ("base", "page", "size")
 
-    def __init__(self, base: int, page: int, device_bytes: int) -> None:
+    def __init__(self, base: int, page: int, address_bytes: int) -> None:
         self.base = base
         self.page = page
-        # max_handles_ = numSegments(totalGlobalMem + totalGlobalMem / 8)
-        self.size = -(-(device_bytes + device_bytes // 8) // page) * page
+        self.size = pages_for(address_bytes, page) * page  # max_handles_ = numSegments(reserve)
 
     def pages_to_map(self, ptr: int, size: int) -> tuple[int, int]:
         """ExpandableSegment::map's range: whole pages from the one holding `ptr` through the end of the range."""
@@ -37,6 +37,11 @@ class ExpandableSegment:
         begin = -(-(ptr - self.base) // self.page)
         end = (ptr + size - self.base) // self.page
         return self.base + begin * self.page, max(end - begin, 0) * self.page
+
+
+def pages_for(size: int, page: int) -> int:
+    """ExpandableSegment::numSegments: whole pages covering size."""
+    return -(-size // page)
 
 
 def allocatable(block: Block | None) -> bool:
@@ -55,17 +60,20 @@ def has_address_space(block: Block | None, size: int) -> bool:
 class ExpandableSegments:
     """The expandable-segment half of CachingAllocator (it mixes this in)."""
 
-    def _find_expandable_block(self, pool: BlockPool, stream: int, size: int) -> Block:
+    def _find_expandable_block(self, pool: BlockPool, stream: int, size: int) -> Block | None:
         """find_expandable_block: the lowest address of any segment of this pool and stream with room for `size` in
-        free and unmapped blocks; else a new segment."""
+        free and unmapped blocks; else a new segment; None where even a new segment's address space is too small
+        (a reserve set below the request: a request cannot span two segments)."""
         for candidate in pool.unmapped_of(stream):
             if allocatable(candidate.prev):
                 candidate = candidate.prev
             if has_address_space(candidate, size):
                 return candidate
         page = K_SMALL_BUFFER if pool.is_small else self.conf.large_segment_size_bytes
-        segment = ExpandableSegment(self._addresses.new_range(0, page), page,
-                                    self._device_bytes or DEFAULT_DEVICE_BYTES)
+        address_bytes = self.conf.expandable_segment_address_bytes(self._device_bytes or DEFAULT_DEVICE_BYTES)
+        if pages_for(address_bytes, page) * page < size:
+            return None
+        segment = ExpandableSegment(self._addresses.new_range(0, page), page, address_bytes)
         self._addresses.new_range(segment.size, page)
         block = Block(segment.base, segment.size, stream, pool, segment, mapped=False)
         pool.insert_unmapped(block)
@@ -94,6 +102,8 @@ class ExpandableSegments:
                                        ) -> Block | None:
         """try_allocate_expandable_block: map pages until a free block of `size` exists at the lowest address."""
         candidate = self._find_expandable_block(pool, stream, size)
+        if candidate is None:
+            return None
         if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
             return None
         while candidate.size < size:

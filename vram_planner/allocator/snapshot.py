@@ -4,7 +4,9 @@ The format (torch/cuda/memory.py, _snapshot's docstring, and _memory_viz.py of t
 (the allocator's segments when the snapshot was taken: device, address, total_size, stream, segment_type,
 is_expandable, blocks) and "device_traces" (per device, the TraceEntry dicts recorded since
 _record_memory_history: action in alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map,
-segment_unmap, snapshot, oom; addr, size, stream, frames), plus "allocator_settings" in recent releases. A snapshot
+segment_unmap, snapshot, oom; addr, size, stream, frames), plus "allocator_settings" in recent releases; torch 2.15
+adds `annotate` entries (metadata put on a live allocation) and the host allocator's "host_segments" and
+"host_traces", none of them device memory, so the replay passes them by. A snapshot
 is a file from somewhere else: it is unpickled with every class refused, so it can hold only dicts, lists, tuples,
 strings, numbers, booleans and None, and nothing in it can run.
 """
