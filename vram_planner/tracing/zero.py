@@ -336,8 +336,8 @@ def _states_of_earlier_steps(session: Session) -> None:
     The first step makes Adam's moments lazily, in the client's step, after ZeRO has built the fp32 gradient
     partition from the 16-bit one (stage_1_and_2.py:3114-3118, stage3.py:2686-2687); every later step builds it with
     the moments alive, 8 bytes per parameter of the partition more at that moment than the first step holds. The
-    real 2-rank CPU run (benchmarks/deepspeed_cpu.py) cannot show it: its 1 GB reduce bucket in the backward is
-    every step's peak.
+    real 2-rank CPU run (benchmarks/deepspeed_cpu.py) measures its second step apart: ZeRO-3's is this one's to a few
+    kilobytes.
     """
     import torch
 
