@@ -206,10 +206,15 @@ def test_the_loss_finds_zero3s_coordinator_as_an_earlier_step_left_it(monkeypatc
 
 
 @pytest.mark.slow
-def test_zero3s_later_micro_batches_hold_what_its_coordinator_prefetches():
-    # Under accumulation the second micro-batch's forward finds the trace the first recorded complete: the
+@pytest.mark.parametrize("stage", [2, 3])
+def test_later_micro_batches_are_held_to_the_trace(stage):
+    # Under accumulation the second micro-batch's forward finds ZeRO-3's trace the first recorded complete: the
     # coordinator prefetches until max_live_parameters (1e9) are gathered, in Qwen2.5-0.5B the whole model, which the
-    # analytic loss phase holds too (model/zero.py prefetched_params), no more than 1% below the trace
+    # analytic loss phase holds too (model/zero.py prefetched_params); its one bucket reduction comes after the
+    # backward, when the coordinator has released them (model/phases.py `_reducing_moment`; the analytic model had
+    # reduced it beside them, 4.5% above the trace). ZeRO-2 keeps the gradients its partition touches, whole, from the
+    # first micro-batch on, and allocates its bucket at the first gradient, not in the LM head's backward
+    # (`_with_zero12_bucket`). Within 2% of the trace, never below it (ZeRO-2: on the rank the trace runs)
     from vram_planner import engine
     from vram_planner.model.phases import estimate
     from vram_planner.tracing.step import trace_step
@@ -217,11 +222,18 @@ def test_zero3s_later_micro_batches_hold_what_its_coordinator_prefetches():
     model = FIXTURES.parent.parent / "profiles" / "models" / "Qwen2.5-0.5B.json"
     context = engine.make_context(str(model), "h100-80gb")
     knobs = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
-             "max_completion_length": 32, "dtype": "bfloat16", "num_gpus": 8, "zero_stage": 3}
+             "max_completion_length": 32, "dtype": "bfloat16", "num_gpus": 8, "zero_stage": stage}
     train = engine.make_training(context, {**knobs, "gradient_accumulation_steps": 2})
     traced = trace_step(json.loads(model.read_text()), train).phase("training")
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}["training"]
-    assert traced.components["weights"] >= 2 * context.arch.params
-    # above it by 4.5% here: the moment the analytic model reduces a full bucket holds more than the traced one
-    assert traced.peak_bytes * 0.99 <= analytic.tensor_bytes <= traced.peak_bytes * 1.05
+    planned = analytic.tensor_bytes
+    if stage == 3:
+        assert traced.components["weights"] >= 2 * context.arch.params
+    else:
+        # the analytic model plans the rank whose partition touches the most gradients, the trace runs rank 0
+        groups = zero.optimizer_groups(context.arch, None, None)
+        rank_0 = sum(sum(zero.partition_pieces(group, 8, 0)[1]) for group in groups) * 2
+        planned -= zero.accumulated_gradient_bytes(groups, 8) - rank_0
+    # the trace rounds each block to 512 bytes, the analytic model does not
+    assert traced.peak_bytes - 2**16 <= planned <= traced.peak_bytes * 1.02
