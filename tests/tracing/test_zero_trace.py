@@ -154,8 +154,10 @@ def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage, optim):
 @pytest.mark.parametrize(("stage", "gather"), [(1, True), (2, True), (3, True), (3, False)],
                          ids=["1", "2", "3", "3-layer-by-layer"])
 def test_the_analytic_model_is_held_to_the_trace(stage, gather):
-    # benchmarks/sharded.py --zero over more models and N: every phase within 2% of the trace; here ZeRO-1/2's
-    # partition lies inside the embedding, whose whole gradient their step keeps beside the norm's fp64 copy of it
+    # benchmarks/sharded.py --zero over more models and N, layer by layer under ZeRO-3 too: every phase within 2%
+    # above the trace; here ZeRO-1/2's partition lies inside the embedding, whose whole gradient their step keeps
+    # beside the norm's fp64 copy of it; layer by layer, the coordinator's prefetch of the whole model and the round
+    # in flight (model/zero.py IN_FLIGHT_ELEMENTS)
     from vram_planner import engine
     from vram_planner.model.phases import estimate
     from vram_planner.tracing.step import trace_step
@@ -170,7 +172,9 @@ def test_the_analytic_model_is_held_to_the_trace(stage, gather):
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}
     for phase in ("generation", "training", "optimizer"):
-        assert analytic[phase].tensor_bytes == pytest.approx(traced.phase(phase).peak_bytes, rel=0.02)
+        # never below the trace but for its 512-byte rounding of each block, within 2% above it
+        assert traced.phase(phase).peak_bytes - 2**18 <= analytic[phase].tensor_bytes
+        assert analytic[phase].tensor_bytes <= traced.phase(phase).peak_bytes * 1.02
 
 
 def _add_hooks_keeping_the_trace(add_hooks):
@@ -237,3 +241,4 @@ def test_later_micro_batches_are_held_to_the_trace(stage):
         planned -= zero.accumulated_gradient_bytes(groups, 8) - rank_0
     # the trace rounds each block to 512 bytes, the analytic model does not
     assert traced.peak_bytes - 2**16 <= planned <= traced.peak_bytes * 1.02
+

@@ -139,34 +139,42 @@ def _reservation(colocated: VllmBudget | None, phase: Phase) -> float:
     return phase.components.get("vllm_reservation", colocated.reservation_in(phase.name))
 
 
-def _reducing_moment(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
-                     layer_weights: float, layer_activations: float, grads_before: float, accumulating: bool,
-                     prefetched: float) -> Phase:
+def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
+                      layer_weights: float, layer_activations: tuple[float, float], grads_before: float,
+                      accumulating: bool, prefetched: float) -> list[Phase]:
     """ZeRO-2/3 reducing a full bucket (model/zero.py: its gradients flattened for the collective) beside what the
-    earlier micro-batches left (`grads_before`) or ZeRO-3's gradient partition. A reduction comes inside the backward,
-    the first layer's weights and activations alive (`layer_weights`, `layer_activations`), only where the trainable
-    parameters outgrow one bucket (`bucket.elements + numel > reduce_bucket_size`, zero/stage_1_and_2.py:1422,
-    zero/stage3.py:1583), with a tied output projection's gradient waiting in autograd for the embedding's;
-    otherwise the bucket is reduced once, in the epilogue after the backward (`independent_gradient_partition_epilogue`,
-    stage_1_and_2.py:1016-1018, stage3.py:1407-1410), when the backward's tensors
-    are gone and ZeRO-3's coordinator has released every gathered layer but the largest (the sharded trace sees it so:
-    Qwen2.5-0.5B, 4.9e8 trainable parameters under 5e8, holds 377 MiB of weights on 8 ranks there, not the 1060 MiB
-    prefetched in a later micro-batch)."""
+    earlier micro-batches left (`grads_before`) or ZeRO-3's gradient partition. A reduction comes inside the
+    backward, a layer's weights (`layer_weights`) and the first layer's backward activations alive
+    (`layer_activations`: the first and the last layer's), only where the trainable parameters outgrow one bucket
+    (`bucket.elements + numel > reduce_bucket_size`, zero/stage_1_and_2.py:1422, zero/stage3.py:1583), with a tied
+    output projection's gradient waiting in autograd for the embedding's; otherwise the bucket is reduced once, in
+    the epilogue after the backward (`independent_gradient_partition_epilogue`, stage_1_and_2.py:1016-1018,
+    stage3.py:1407-1410), when the backward's tensors are gone and ZeRO-3's coordinator has released every gathered
+    layer but the largest (the sharded trace sees it so: Qwen2.5-0.5B, 4.9e8 trainable parameters under 5e8, holds
+    377 MiB of weights on 8 ranks there, not the 1060 MiB prefetched in a later micro-batch)."""
     trainable = m.trainable_params(arch, train)
     tied = arch.tie_word_embeddings and not train.uses_lora
     # ZeRO-2's partition buffer, from a micro-batch's first reduction on, unless the earlier ones left it
     kept = 0 if accumulating or train.zero_stage != 2 else zero.accumulated_gradient_bytes(
         zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets), train.num_gpus)
-    reducing = zero.reducing_bucket_gradient_bytes(arch, trainable, tied and not (accumulating and train.zero_stage == 3),
-                                                   train.uses_lora, kept)
-    gradients = max(grads_before, m.zero3_gradient_partition_bytes(arch, train)) + reducing
-    if trainable <= zero.REDUCE_BUCKET_ELEMENTS:
-        return Phase("training", {**persistent, "gradients": gradients},
-                     "reducing the gradient bucket after the backward")
+    # ZeRO-3 under accumulation counted without the waiting head gradient, as it was: its sharded trace peaks in the
+    # LM head's backward there (Llama-3.2-1B on 8), above this moment
+    waits = tied and not (accumulating and train.zero_stage == 3)
+    reducing = zero.reducing_bucket_gradient_bytes(arch, trainable, waits, train.uses_lora, kept)
+    kept_before = max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
     # ZeRO-3 gathers the layer it differentiates, unless its coordinator holds every one already (`prefetched`)
     gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 and not prefetched else 0
-    return Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": gradients,
-                              "activations": layer_activations}, "reducing a gradient bucket")
+    if trainable > zero.REDUCE_BUCKET_ELEMENTS:
+        return [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before
+                                   + reducing, "activations": layer_activations[0]}, "reducing a gradient bucket")]
+    moments = [Phase("training", {**persistent, "gradients": kept_before + reducing},
+                     "reducing the gradient bucket after the backward")]
+    if gathered:
+        # with no reduction inside it, the backward's own peak: a layer gathered while it is differentiated, the
+        # activations of the last one's backward (the sharded trace: Llama-3.2-1B with LoRA on 8)
+        moments.append(Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before,
+                                          "activations": max(layer_activations)}, "backward through a layer, gathered"))
+    return moments
 
 
 def _with_zero_buffers(phase: Phase, arch: ModelArchitecture, train: TrainingConfig) -> Phase:
@@ -466,8 +474,8 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     ]
     layer_backwards = moments[-2:]
     if train.zero_stage in (2, 3) and not train.optimizer_offloaded:
-        moments.append(_reducing_moment(arch, train, persistent, first_layer_weights + layer_backward_casts,
-                                        first_layer, grads_before, accumulating, prefetched))
+        moments += _reducing_moments(arch, train, persistent, first_layer_weights + layer_backward_casts,
+                                     (first_layer, last_layer), grads_before, accumulating, prefetched)
     recomputing = act.recomputed_forward_bytes(arch, train, tokens)
     if recomputing:
         # The checkpointed layer's forward run again, at its MLP's output projection: the gradient reaching the

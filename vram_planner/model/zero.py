@@ -76,10 +76,19 @@ REDUCE_BUCKET_ELEMENT_BYTES = 2
 # max_live_parameters and max_reuse_distance 1e9, prefetch_bucket_size 5e7 (zero/config.py:222, :245, :251). TRL 1.5
 # on invalidates the trace when its gathered generation puts the hooks back (trl/models/utils.py `add_hooks`), so
 # each step's first micro-batch records it again and gathers layer by layer; its later micro-batches hold up to
-# max_live_parameters, planned with one prefetch bucket more (a prefetch round ends past the limit by up to a
-# parameter, and the sharded trace holds 1.026e9 of Llama-3.2-1B's 1.236e9 there, 1e7 above the coordinator's count).
+# max_live_parameters, planned with one prefetch bucket more: the limit bounds what a round may start with
+# (`__n_available_params`, counted as each all-gather is submitted, partitioned_param_coordinator.py:593), a round
+# ends only at the first parameter that takes it past its count (`while ... numel_prefetching <
+# max_params_to_prefetch`, :457-476), and the module being fetched gathers what it needs beyond the limit (:381); the
+# sharded trace holds 1.026e9 of Llama-3.2-1B's 1.236e9 there, 1e7 above the coordinator's count.
+# Each prefetch round is one coalesced all-gather into one flat buffer of the round's parameters
+# (`_all_gather_dtype`, partition_parameters.py:1343-1346), which lives until the handle's wait has copied every one
+# of them out into a tensor of its own (`AllGatherCoalescedHandle.wait`, partition_parameters.py:795, reached from
+# the coordinator's wait of an in-flight parameter, partitioned_param_coordinator.py:406): while a round is waited
+# for, its parameters exist twice, one bucket more in flight (`IN_FLIGHT_ELEMENTS`).
 MAX_LIVE_PARAMETERS = 1_000_000_000
 PREFETCH_BUCKET_ELEMENTS = 50_000_000
+IN_FLIGHT_ELEMENTS = PREFETCH_BUCKET_ELEMENTS
 # The estimator's other multipliers (zero/stage_1_and_2.py:4029-4031): 16-bit parameters, and per parameter of the
 # partition 2 (16-bit gradients) + 4 (fp32 gradients) + 4 (fp32 parameters) + 8 (Adam's momentum and variance).
 ESTIMATE_PARAM_BYTES = 2
