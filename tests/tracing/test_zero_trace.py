@@ -242,3 +242,29 @@ def test_later_micro_batches_are_held_to_the_trace(stage):
     # the trace rounds each block to 512 bytes, the analytic model does not
     assert traced.peak_bytes - 2**16 <= planned <= traced.peak_bytes * 1.02
 
+
+def test_the_trace_turns_deepspeeds_shared_memory_all_reduce_off_and_back(monkeypatch):
+    # DeepSpeed's CPU backend compiles its shared-memory all-reduce as it starts unless DeepSpeed's own switch marks it
+    # incompatible (deepspeed/comm/torch.py build_shm_op); the trace marks it off while it runs and puts the entry
+    # back, as it found it, for the long-lived process it runs in (the app, a notebook)
+    import importlib
+
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    comm_torch = importlib.import_module("deepspeed.comm.torch")  # deepspeed.comm's `torch` is torch itself
+    seen = []
+    build = comm_torch.build_shm_op
+
+    def spy():
+        seen.append(deepspeed.ops.__compatible_ops__.get(ShareMemCommBuilder.NAME))
+        return build()
+
+    monkeypatch.setattr(comm_torch, "build_shm_op", spy)
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, ShareMemCommBuilder.NAME, "as found")
+    _trace("--zero-stage", "1")
+    assert seen == [False]
+    assert deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] == "as found"
+    monkeypatch.delitem(deepspeed.ops.__compatible_ops__, ShareMemCommBuilder.NAME)
+    _trace("--zero-stage", "1")
+    assert ShareMemCommBuilder.NAME not in deepspeed.ops.__compatible_ops__
