@@ -167,7 +167,12 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
     if trainable > zero.REDUCE_BUCKET_ELEMENTS:
         return [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before
                                    + reducing, "activations": layer_activations[0]}, "reducing a gradient bucket")]
-    moments = [Phase("training", {**persistent, "gradients": kept_before + reducing},
+    # an untied output projection, gathered as the backward starts, is still held beside the embedding (the
+    # largest layer, in `persistent`) there: the sharded trace of benchmarks/deepspeed_cpu.py's untied model
+    head = (min(arch.embedding_params, arch.lm_head_params) * zero.GATHERED_PARAM_BYTES
+            if train.zero_stage == 3 and not arch.tie_word_embeddings else 0)
+    moments = [Phase("training", {**persistent, "weights": persistent["weights"] + head,
+                                  "gradients": kept_before + reducing},
                      "reducing the gradient bucket after the backward")]
     if gathered:
         # with no reduction inside it, the backward's own peak: a layer gathered while it is differentiated, the
@@ -509,6 +514,12 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         dense = _head_gradient_bytes(arch, train)
         moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
                                            "activations": layer_input}, "embedding backward"))
+    elif train.zero_stage == 1:
+        # ZeRO-1 reduces once every gradient is made, the bucket beside them (`_with_zero12_bucket`): the engine's
+        # allreduce_gradients after the backward (stage_1_and_2.py:958 reduce_gradients); the real 2-rank run's peak
+        # (benchmarks/deepspeed_cpu.py, untied)
+        moments.append(Phase("training", {**persistent, "gradients": all_grads, "activations": layer_input},
+                             "every gradient made"))
     return moments
 
 
