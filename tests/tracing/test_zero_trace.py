@@ -217,7 +217,7 @@ def test_later_micro_batches_are_held_to_the_trace(stage):
     # Under accumulation the second micro-batch's forward finds ZeRO-3's trace the first recorded complete: the
     # coordinator prefetches until max_live_parameters (1e9) are gathered, in Qwen2.5-0.5B the whole model, which the
     # analytic loss phase holds too (model/zero.py prefetched_params); its one bucket reduction comes after the
-    # backward, when the coordinator has released them (model/phases.py `_reducing_moment`; the analytic model had
+    # backward, when the coordinator has released them (model/phases.py `_reducing_moments`; the analytic model had
     # reduced it beside them, 4.5% above the trace). ZeRO-2 keeps the gradients its partition touches, whole, from the
     # first micro-batch on, and allocates its bucket at the first gradient, not in the LM head's backward
     # (`_with_zero12_bucket`). Within 2% of the trace, never below it (ZeRO-2: on the rank the trace runs)
