@@ -14,9 +14,9 @@ benchmarks/results/sharded.json and sharded.txt.
 `--quick` runs the fixture only.
 `--zero` (an interpreter with DeepSpeed: the `deepspeed` extra) runs DeepSpeed's own engine instead, one rank of N
 (vram_planner/tracing/zero.py), for Qwen2.5-0.5B and Llama-3.2-1B x N in (2, 8) x ZeRO-1/2/3 with short sequences,
-and Llama-3.2-1B with LoRA and with gradient accumulation under ZeRO-2/3 on 8, and sets DeepSpeed's estimator of the
-model states beside the optimizer step's, with why they differ: benchmarks/results/sharded.zero.json and
-sharded.zero.txt.
+and Llama-3.2-1B with LoRA and with gradient accumulation under ZeRO-2/3 on 8, both models generating layer by layer
+under ZeRO-3 (ds3_gather_for_generation=False) on 2 and 8, and sets DeepSpeed's estimator of the model states beside
+the optimizer step's, with why they differ: benchmarks/results/sharded.zero.json and sharded.zero.txt.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ ZERO_STAGES = (1, 2, 3)
 ZERO_MORE = [(str(MODELS / "Llama-3.2-1B.json"), {"lora_r": 16}), (str(MODELS / "Llama-3.2-1B.json"),
                                                                     {"gradient_accumulation_steps": 2})]
 ZERO_MORE_GPUS, ZERO_MORE_STAGES = (8,), (2, 3)
+# ZeRO-3 generating layer by layer (`--no-ds3-gather-for-generation`): the coordinator's prefetch and the round in
+# flight (vram_planner/model/zero.py), stage 3 only
+ZERO_LAYERED = [(m, {"ds3_gather_for_generation": False}) for m, _ in ZERO_GRID]
 # Why the optimizer step's model states differ from DeepSpeed's estimate, by the moment of the traced peak
 # (vram_planner/model/zero.py has the source lines)
 WHY = {
@@ -186,6 +189,7 @@ def main() -> None:
         start = time.perf_counter()
         rows = [measure(m, k, n, stage) for m, k in ZERO_GRID for n in ZERO_GPUS for stage in ZERO_STAGES]
         rows += [measure(m, k, n, stage) for m, k in ZERO_MORE for n in ZERO_MORE_GPUS for stage in ZERO_MORE_STAGES]
+        rows += [measure(m, k, n, 3) for m, k in ZERO_LAYERED for n in ZERO_GPUS]
         text = zero_table(rows, time.perf_counter() - start)
         print(text)
         ZERO_RESULTS.write_text(json.dumps(rows, indent=1) + "\n")

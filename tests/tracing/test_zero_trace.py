@@ -115,11 +115,14 @@ def test_zero3_generation_gathers_the_whole_model_or_layer_by_layer(traced):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
-def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage):
+@pytest.mark.parametrize(("stage", "optim"), [(1, "adamw_torch_fused"), (2, "adamw_torch_fused"),
+                                              (3, "adamw_torch_fused"), (3, "adamw_torch")])
+def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage, optim):
     # benchmarks/deepspeed_cpu.py ran DeepSpeed 0.19.8 for real on 2 gloo CPU ranks, a 28M-parameter model, each rank's
-    # tensors counted by PyTorch's MemTracker (benchmarks/results/deepspeed_cpu.json): the fake-tensor rank's peak is
-    # that run's to a few kilobytes (the 512-byte rounding of each block), kept states too
+    # tensors counted by PyTorch's MemTracker (benchmarks/results/deepspeed_cpu.json), the loss and the optimizer step
+    # apart, with the optimizer the Trainer hands DeepSpeed: the fake-tensor rank's step is that run's to a few
+    # kilobytes (the 512-byte rounding of each block), its loss too less what the run holds on gloo only (ZeRO-3's
+    # reduce-scatter copies its input there, NCCL does not: `gloo_only_bytes`), and never below it
     import importlib.util
 
     from vram_planner.model.spec import training_config
@@ -130,21 +133,33 @@ def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage):
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
 
-    measured = {r["stage"]: r for r in json.loads((root / "benchmarks/results/deepspeed_cpu.json").read_text())}
+    rows = json.loads((root / "benchmarks/results/deepspeed_cpu.json").read_text())
+    measured = next(r for r in rows if (r["stage"], r["optim"]) == (stage, optim))
     train = training_config({"num_gpus": 2, "zero_stage": stage, "dtype": "float32", "per_device_train_batch_size": 2,
-                             "num_generations": 2, "max_prompt_length": 16, "max_completion_length": 16})
+                             "num_generations": 2, "max_prompt_length": 16, "max_completion_length": 16,
+                             "optim": optim})
     traced = trace_step(benchmark.CONFIG, train)
-    assert traced.phase("training").peak_bytes == pytest.approx(max(measured[stage]["step_peak_bytes"]), abs=2**16)
-    assert traced.phase("generation").peak_bytes - measured[stage]["kept_bytes"] < 2**20  # the KV cache and logits
-
+    assert traced.phase("optimizer").peak_bytes == pytest.approx(measured["optimizer_step_peak_bytes"][-1], abs=2**16)
+    loss = max(measured["loss_peak_bytes"]) - benchmark.gloo_only_bytes(stage, measured["planned"]["params"])
+    # ZeRO-3: the trace's peak comes as the backward has gathered the embedding beside the untied head (16 MB), the
+    # real run's at its reduce-scatter with one of them
+    assert loss - 2**16 <= traced.phase("training").peak_bytes <= loss * (1.02 if stage == 3 else 1) + 2**16
+    # the analytic model, computed there for the run's config, never below the trace
+    assert measured["planned"]["loss_phase_bytes"] >= traced.phase("training").peak_bytes - 2**16
+    # beside what the run keeps, the KV cache and logits; under ZeRO-3 every parameter gathered in 16 bits (TRL's
+    # ds3_gather_for_generation)
+    gathered = 2 * measured["planned"]["params"] if stage == 3 else 0
+    assert 0 <= traced.phase("generation").peak_bytes - measured["kept_bytes"] - gathered < 2**20
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "gather"), [(1, True), (2, True), (3, True), (3, False)],
                          ids=["1", "2", "3", "3-layer-by-layer"])
 def test_the_analytic_model_is_held_to_the_trace(stage, gather):
-    # benchmarks/sharded.py --zero over more models and N: every phase within 2% of the trace; here ZeRO-1/2's
-    # partition lies inside the embedding, whose whole gradient their step keeps beside the norm's fp64 copy of it
+    # benchmarks/sharded.py --zero over more models and N, layer by layer under ZeRO-3 too: every phase within 2%
+    # above the trace; here ZeRO-1/2's partition lies inside the embedding, whose whole gradient their step keeps
+    # beside the norm's fp64 copy of it; layer by layer, the coordinator's prefetch of the whole model and the round
+    # in flight (model/zero.py IN_FLIGHT_ELEMENTS)
     from vram_planner import engine
     from vram_planner.model.phases import estimate
     from vram_planner.tracing.step import trace_step
@@ -159,7 +174,9 @@ def test_the_analytic_model_is_held_to_the_trace(stage, gather):
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}
     for phase in ("generation", "training", "optimizer"):
-        assert analytic[phase].tensor_bytes == pytest.approx(traced.phase(phase).peak_bytes, rel=0.02)
+        # never below the trace but for its 512-byte rounding of each block, within 2% above it
+        assert traced.phase(phase).peak_bytes - 2**18 <= analytic[phase].tensor_bytes
+        assert analytic[phase].tensor_bytes <= traced.phase(phase).peak_bytes * 1.02
 
 
 def _add_hooks_keeping_the_trace(add_hooks):
@@ -195,10 +212,15 @@ def test_the_loss_finds_zero3s_coordinator_as_an_earlier_step_left_it(monkeypatc
 
 
 @pytest.mark.slow
-def test_zero3s_later_micro_batches_hold_what_its_coordinator_prefetches():
-    # Under accumulation the second micro-batch's forward finds the trace the first recorded complete: the
+@pytest.mark.parametrize("stage", [2, 3])
+def test_later_micro_batches_are_held_to_the_trace(stage):
+    # Under accumulation the second micro-batch's forward finds ZeRO-3's trace the first recorded complete: the
     # coordinator prefetches until max_live_parameters (1e9) are gathered, in Qwen2.5-0.5B the whole model, which the
-    # analytic loss phase holds too (model/zero.py prefetched_params), no more than 1% below the trace
+    # analytic loss phase holds too (model/zero.py prefetched_params); its one bucket reduction comes after the
+    # backward, when the coordinator has released them (model/phases.py `_reducing_moments`; the analytic model had
+    # reduced it beside them, 4.5% above the trace). ZeRO-2 keeps the gradients its partition touches, whole, from the
+    # first micro-batch on, and allocates its bucket at the first gradient, not in the LM head's backward
+    # (`_with_zero12_bucket`). Within 2% of the trace, never below it (ZeRO-2: on the rank the trace runs)
     from vram_planner import engine
     from vram_planner.model.phases import estimate
     from vram_planner.tracing.step import trace_step
@@ -206,11 +228,45 @@ def test_zero3s_later_micro_batches_hold_what_its_coordinator_prefetches():
     model = FIXTURES.parent.parent / "profiles" / "models" / "Qwen2.5-0.5B.json"
     context = engine.make_context(str(model), "h100-80gb")
     knobs = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
-             "max_completion_length": 32, "dtype": "bfloat16", "num_gpus": 8, "zero_stage": 3}
+             "max_completion_length": 32, "dtype": "bfloat16", "num_gpus": 8, "zero_stage": stage}
     train = engine.make_training(context, {**knobs, "gradient_accumulation_steps": 2})
     traced = trace_step(json.loads(model.read_text()), train).phase("training")
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}["training"]
-    assert traced.components["weights"] >= 2 * context.arch.params
-    # above it by 4.5% here: the moment the analytic model reduces a full bucket holds more than the traced one
-    assert traced.peak_bytes * 0.99 <= analytic.tensor_bytes <= traced.peak_bytes * 1.05
+    planned = analytic.tensor_bytes
+    if stage == 3:
+        assert traced.components["weights"] >= 2 * context.arch.params
+    else:
+        # the analytic model plans the rank whose partition touches the most gradients, the trace runs rank 0
+        groups = zero.optimizer_groups(context.arch, None, None)
+        rank_0 = sum(sum(zero.partition_pieces(group, 8, 0)[1]) for group in groups) * 2
+        planned -= zero.accumulated_gradient_bytes(groups, 8) - rank_0
+    # the trace rounds each block to 512 bytes, the analytic model does not
+    assert traced.peak_bytes - 2**16 <= planned <= traced.peak_bytes * 1.02
+
+
+def test_the_trace_turns_deepspeeds_shared_memory_all_reduce_off_and_back(monkeypatch):
+    # DeepSpeed's CPU backend compiles its shared-memory all-reduce as it starts unless DeepSpeed's own switch marks it
+    # incompatible (deepspeed/comm/torch.py build_shm_op); the trace marks it off while it runs and puts the entry
+    # back, as it found it, for the long-lived process it runs in (the app, a notebook)
+    import importlib
+
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    comm_torch = importlib.import_module("deepspeed.comm.torch")  # deepspeed.comm's `torch` is torch itself
+    seen = []
+    build = comm_torch.build_shm_op
+
+    def spy():
+        seen.append(deepspeed.ops.__compatible_ops__.get(ShareMemCommBuilder.NAME))
+        return build()
+
+    monkeypatch.setattr(comm_torch, "build_shm_op", spy)
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, ShareMemCommBuilder.NAME, "as found")
+    _trace("--zero-stage", "1")
+    assert seen == [False]
+    assert deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] == "as found"
+    monkeypatch.delitem(deepspeed.ops.__compatible_ops__, ShareMemCommBuilder.NAME)
+    _trace("--zero-stage", "1")
+    assert ShareMemCommBuilder.NAME not in deepspeed.ops.__compatible_ops__

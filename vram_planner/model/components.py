@@ -183,9 +183,10 @@ def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> f
         unsharded = replace(train, num_gpus=1, offload_param="none")
         return weight_bytes(arch, unsharded)
     if train.zero_stage == 3:
-        # beside the gathered layers the sharded trace holds one prefetch bucket of 16-bit elements more (97 MiB in
-        # Qwen2.5-0.5B, whose whole model is gathered; 5e7 x 2 B is 95 MiB): the all-gather of the next bucket
-        in_flight = zero.PREFETCH_BUCKET_ELEMENTS * zero.GATHERED_PARAM_BYTES
+        # beside the gathered layers, a prefetch round's flat all-gather buffer while its wait copies the parameters
+        # out of it (model/zero.py IN_FLIGHT_ELEMENTS): the sharded trace holds 97 MiB more in Qwen2.5-0.5B, whose
+        # whole model is gathered (5e7 x 2 B is 95 MiB)
+        in_flight = zero.IN_FLIGHT_ELEMENTS * zero.GATHERED_PARAM_BYTES
         return weight_bytes(arch, train) + _zero3_prefetched_bytes(arch, train) + in_flight
     return weight_bytes(arch, train)
 

@@ -139,12 +139,54 @@ def _reservation(colocated: VllmBudget | None, phase: Phase) -> float:
     return phase.components.get("vllm_reservation", colocated.reservation_in(phase.name))
 
 
+def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
+                      layer_weights: float, layer_activations: tuple[float, float], grads_before: float,
+                      accumulating: bool, prefetched: float) -> list[Phase]:
+    """ZeRO-2/3 reducing a full bucket (model/zero.py: its gradients flattened for the collective) beside what the
+    earlier micro-batches left (`grads_before`) or ZeRO-3's gradient partition. A reduction comes inside the
+    backward, a layer's weights (`layer_weights`) and the first layer's backward activations alive
+    (`layer_activations`: the first and the last layer's), only where the trainable parameters outgrow one bucket
+    (`bucket.elements + numel > reduce_bucket_size`, zero/stage_1_and_2.py:1422, zero/stage3.py:1583), with a tied
+    output projection's gradient waiting in autograd for the embedding's; otherwise the bucket is reduced once, in
+    the epilogue after the backward (`independent_gradient_partition_epilogue`, stage_1_and_2.py:1016-1018,
+    stage3.py:1407-1410), when the backward's tensors are gone and ZeRO-3's coordinator has released every gathered
+    layer but the largest (the sharded trace sees it so: Qwen2.5-0.5B, 4.9e8 trainable parameters under 5e8, holds
+    377 MiB of weights on 8 ranks there, not the 1060 MiB prefetched in a later micro-batch)."""
+    trainable = m.trainable_params(arch, train)
+    tied = arch.tie_word_embeddings and not train.uses_lora
+    # ZeRO-2's partition buffer, from a micro-batch's first reduction on, unless the earlier ones left it
+    kept = 0 if accumulating or train.zero_stage != 2 else zero.accumulated_gradient_bytes(
+        zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets), train.num_gpus)
+    # ZeRO-3 under accumulation counted without the waiting head gradient, as it was: its sharded trace peaks in the
+    # LM head's backward there (Llama-3.2-1B on 8), above this moment
+    waits = tied and not (accumulating and train.zero_stage == 3)
+    reducing = zero.reducing_bucket_gradient_bytes(arch, trainable, waits, train.uses_lora, kept)
+    kept_before = max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
+    # ZeRO-3 gathers the layer it differentiates, unless its coordinator holds every one already (`prefetched`)
+    gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 and not prefetched else 0
+    if trainable > zero.REDUCE_BUCKET_ELEMENTS:
+        return [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before
+                                   + reducing, "activations": layer_activations[0]}, "reducing a gradient bucket")]
+    # an untied output projection, gathered as the backward starts, is still held beside the embedding (the
+    # largest layer, in `persistent`) there: the sharded trace of benchmarks/deepspeed_cpu.py's untied model
+    head = (min(arch.embedding_params, arch.lm_head_params) * zero.GATHERED_PARAM_BYTES
+            if train.zero_stage == 3 and not arch.tie_word_embeddings else 0)
+    moments = [Phase("training", {**persistent, "weights": persistent["weights"] + head,
+                                  "gradients": kept_before + reducing},
+                     "reducing the gradient bucket after the backward")]
+    if gathered:
+        # with no reduction inside it, the backward's own peak: a layer gathered while it is differentiated, the
+        # activations of the last one's backward (the sharded trace: Llama-3.2-1B with LoRA on 8)
+        moments.append(Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before,
+                                          "activations": max(layer_activations)}, "backward through a layer, gathered"))
+    return moments
+
+
 def _with_zero_buffers(phase: Phase, arch: ModelArchitecture, train: TrainingConfig) -> Phase:
-    """DeepSpeed's gradient reduction bucket (model/zero.py), as gradients: ZeRO-3 holds it from start-up, ZeRO-1/2
-    within each backward only; and ZeRO-3's gradient partition, kept from start-up, in the phases before the loss
-    (the loss and the step count it in their gradients)."""
-    stage_3 = train.zero_stage == 3
-    bucket = zero.reduce_bucket_bytes(train.zero_stage) if stage_3 or phase.name == "training" else 0
+    """DeepSpeed's gradient reduction bucket (model/zero.py), as gradients: ZeRO-3 holds it from start-up (ZeRO-1/2
+    within each backward only, `_with_zero12_bucket`); and ZeRO-3's gradient partition, kept from start-up, in the
+    phases before the loss (the loss and the step count it in their gradients)."""
+    bucket = zero.reduce_bucket_bytes(train.zero_stage) if train.zero_stage == 3 else 0
     partition = m.zero3_gradient_partition_bytes(arch, train) if phase.name in ("generation", "scoring") else 0
     if not bucket + partition:
         return phase
@@ -328,7 +370,23 @@ def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, 
 def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
               persistent: dict[str, float], all_grads: float, first: bool = False) -> Phase:
     """The largest moment of one micro-batch's forward and backward (`first`: the first micro-batch of the run)."""
-    return _heaviest(training_moments(arch, train, release, cal, persistent, all_grads, first), cal, train)
+    moments = training_moments(arch, train, release, cal, persistent, all_grads, first)
+    return _heaviest([_with_zero12_bucket(p, arch, train) for p in moments], cal, train)
+
+
+def _with_zero12_bucket(moment: Phase, arch: ModelArchitecture, train: TrainingConfig) -> Phase:
+    """ZeRO-1/2's gradient reduction bucket (model/zero.py) in a moment of the loss from its first parameter gradient
+    on: the first gradient hook allocates it (`setup_buckets`, zero/stage_1_and_2.py:3266, from `process_gradients`
+    :2287), none exists in the forward, nor in the LM head's backward when the head has no gradient of its own then
+    (tied, it waits for the embedding's; frozen under LoRA). The sharded trace's LM head backward holds none
+    (Llama-3.2-1B on 8 under ZeRO-2, where the analytic model had counted it there, 2.2% above the trace)."""
+    if train.zero_stage not in (1, 2):
+        return moment
+    head_waits = arch.tie_word_embeddings or train.uses_lora
+    if moment.moment.startswith("forward") or (moment.moment == "LM head backward" and head_waits):
+        return moment
+    gradients = moment.components.get("gradients", 0.0) + zero.reduce_bucket_bytes(train.zero_stage)
+    return Phase(moment.name, {**moment.components, "gradients": gradients}, moment.moment)
 
 
 def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
@@ -421,13 +479,8 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     ]
     layer_backwards = moments[-2:]
     if train.zero_stage in (2, 3) and not train.optimizer_offloaded:
-        # ZeRO-2/3 reducing a full bucket (model/zero.py); ZeRO-3 beside its gradient partition and the layer it
-        # differentiates, gathered
-        reducing = zero.reducing_bucket_gradient_bytes(arch, m.trainable_params(arch, train), tied and not accumulating)
-        gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 and not prefetched else 0
-        moments.append(Phase("training", {**persistent, "weights": first_layer_weights + layer_backward_casts + gathered,
-                                          "gradients": max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
-                                          + reducing, "activations": first_layer}, "reducing a gradient bucket"))
+        moments += _reducing_moments(arch, train, persistent, first_layer_weights + layer_backward_casts,
+                                     (first_layer, last_layer), grads_before, accumulating, prefetched)
     recomputing = act.recomputed_forward_bytes(arch, train, tokens)
     if recomputing:
         # The checkpointed layer's forward run again, at its MLP's output projection: the gradient reaching the
@@ -461,6 +514,12 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         dense = _head_gradient_bytes(arch, train)
         moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
                                            "activations": layer_input}, "embedding backward"))
+    elif train.zero_stage == 1:
+        # ZeRO-1 reduces once every gradient is made, the bucket beside them (`_with_zero12_bucket`): the engine's
+        # allreduce_gradients after the backward (stage_1_and_2.py:958 reduce_gradients); the real 2-rank run's peak
+        # (benchmarks/deepspeed_cpu.py, untied)
+        moments.append(Phase("training", {**persistent, "gradients": all_grads, "activations": layer_input},
+                             "every gradient made"))
     return moments
 
 

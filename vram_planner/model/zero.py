@@ -76,10 +76,19 @@ REDUCE_BUCKET_ELEMENT_BYTES = 2
 # max_live_parameters and max_reuse_distance 1e9, prefetch_bucket_size 5e7 (zero/config.py:222, :245, :251). TRL 1.5
 # on invalidates the trace when its gathered generation puts the hooks back (trl/models/utils.py `add_hooks`), so
 # each step's first micro-batch records it again and gathers layer by layer; its later micro-batches hold up to
-# max_live_parameters, planned with one prefetch bucket more (a prefetch round ends past the limit by up to a
-# parameter, and the sharded trace holds 1.026e9 of Llama-3.2-1B's 1.236e9 there, 1e7 above the coordinator's count).
+# max_live_parameters, planned with one prefetch bucket more: the limit bounds what a round may start with
+# (`__n_available_params`, counted as each all-gather is submitted, partitioned_param_coordinator.py:593), a round
+# ends only at the first parameter that takes it past its count (`while ... numel_prefetching <
+# max_params_to_prefetch`, :457-476), and the module being fetched gathers what it needs beyond the limit (:381); the
+# sharded trace holds 1.026e9 of Llama-3.2-1B's 1.236e9 there, 1e7 above the coordinator's count.
+# Each prefetch round is one coalesced all-gather into one flat buffer of the round's parameters
+# (`_all_gather_dtype`, partition_parameters.py:1343-1346), which lives until the handle's wait has copied every one
+# of them out into a tensor of its own (`AllGatherCoalescedHandle.wait`, partition_parameters.py:795, reached from
+# the coordinator's wait of an in-flight parameter, partitioned_param_coordinator.py:406): while a round is waited
+# for, its parameters exist twice, one bucket more in flight (`IN_FLIGHT_ELEMENTS`).
 MAX_LIVE_PARAMETERS = 1_000_000_000
 PREFETCH_BUCKET_ELEMENTS = 50_000_000
+IN_FLIGHT_ELEMENTS = PREFETCH_BUCKET_ELEMENTS
 # The estimator's other multipliers (zero/stage_1_and_2.py:4029-4031): 16-bit parameters, and per parameter of the
 # partition 2 (16-bit gradients) + 4 (fp32 gradients) + 4 (fp32 parameters) + 8 (Adam's momentum and variance).
 ESTIMATE_PARAM_BYTES = 2
@@ -125,18 +134,58 @@ def deepspeed_estimate_bytes(total_params: int, num_gpus: int, stage: int, large
     return ESTIMATE_PARAM_BYTES * total_params + partitioned
 
 
-def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied_head_waits: bool) -> int:
+def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied_head_waits: bool,
+                                   lora: bool = False, partition_buffer: int = 0) -> int:
     """ZeRO-2/3's 16-bit gradients, besides the bucket, while they reduce a full bucket: the bucket's gradients
     flattened into one new tensor for the collective (ZeRO-2: `allreduce_bucket`, zero/stage_1_and_2.py:2360-2367,
     reached from `reduce_ipg_grads` :2229 through `average_tensor` :1708 with use_multi_rank_bucket_allreduce, on by
     default, config.py:119; ZeRO-3: `reduce_scatter_coalesced`, runtime/comm/coalesced_collectives.py:122, from
-    `__avg_scatter_grads`, zero/stage3.py:1931), as many elements as the bucket holds; and, when a reduction comes
-    before the backward reaches the embedding (more trainable parameters than a bucket holds), a tied output
-    projection's gradient waiting in autograd for the embedding's. Seen so by the sharded trace
-    (benchmarks/results/sharded.zero.txt)."""
-    flat = min(trainable, REDUCE_BUCKET_ELEMENTS) * REDUCE_BUCKET_ELEMENT_BYTES
-    waiting = arch.vocab_size * arch.hidden_size * REDUCE_BUCKET_ELEMENT_BYTES
-    return flat + (waiting if tied_head_waits and trainable > REDUCE_BUCKET_ELEMENTS else 0)
+    `__avg_scatter_grads`, zero/stage3.py:1931). Where the trainable parameters outgrow a bucket (full fine-tuning)
+    a reduction comes inside the backward, from the hook of the gradient that would overflow the bucket, alive beside
+    it (`bucket_reductions`), and a tied output projection's gradient waits in autograd for the embedding's; otherwise
+    the one reduction, after the backward, flattens every trainable parameter's gradient. ZeRO-2 copies the reduced
+    gradients of its partition into a buffer that the first reduction allocates (`grads_in_partition`,
+    `accumulated_gradient_bytes`), which a later reduction's arrival meets instead of the flat copy
+    (`partition_buffer`, bytes; none where the caller counts it already). Seen so by the sharded trace
+    (benchmarks/results/sharded.zero.txt: Llama-3.2-1B on 8 flattens 8 layers and the final norm, 486574080
+    elements, beside an MLP matrix's 32 MiB gradient; on 2, the embedding's gradient arrives beside the 1.2 GB
+    buffer)."""
+    if trainable <= REDUCE_BUCKET_ELEMENTS or lora:
+        return min(trainable, REDUCE_BUCKET_ELEMENTS) * REDUCE_BUCKET_ELEMENT_BYTES
+    order = backward_order(arch)
+    waiting = arch.vocab_size * arch.hidden_size if tied_head_waits else 0
+    # the embedding's gradient, which comes last, is the waiting one summed into it
+    (flat, arriving, i), *later = bucket_reductions(order)
+    first = flat + arriving + (0 if i == len(order) - 1 else waiting)
+    after = max((arriving + (0 if i == len(order) - 1 else waiting) for _, arriving, i in later), default=0)
+    return max(first * REDUCE_BUCKET_ELEMENT_BYTES, partition_buffer + after * REDUCE_BUCKET_ELEMENT_BYTES)
+
+
+def backward_order(arch: ModelArchitecture) -> list[int]:
+    """The base model's parameters' numels in the order its backward makes their gradients: an untied output
+    projection, the final norm, each decoder layer from the last (its linears from the last, their biases, its
+    norms), the embedding."""
+    layer = [n for lin in reversed(arch.layer_linears())
+             for n in ((lin.out_features,) if lin.bias else ()) + (lin.in_features * lin.out_features,)]
+    layer += [arch.norm_params] * arch.family.norms_per_layer
+    rest = arch.layer_params - sum(layer)  # q/k norms
+    head = [] if arch.tie_word_embeddings else [arch.lm_head_params]
+    return [*head, arch.norm_params, *([*layer, *([rest] if rest > 0 else [])] * arch.num_layers),
+            arch.embedding_params]
+
+
+def bucket_reductions(numels: list[int]) -> list[tuple[int, int, int]]:
+    """Each reduction of a full bucket as the gradients `numels` reach it in turn: (the elements it flattens, those of
+    the gradient whose arrival set it off, that gradient's index). ZeRO-2 reduces when `bucket.elements +
+    param.numel() > reduce_bucket_size` (zero/stage_1_and_2.py:1422), ZeRO-3 the same for a bucket holding any
+    (zero/stage3.py:1583)."""
+    reductions, filled = [], 0
+    for i, numel in enumerate(numels):
+        if filled and filled + numel > REDUCE_BUCKET_ELEMENTS:
+            reductions.append((filled, numel, i))
+            filled = 0
+        filled += numel
+    return reductions or [(0, 0, 0)]
 
 
 def optimizer_groups(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> list[list[int]]:

@@ -202,11 +202,9 @@ def gloo_ranks() -> None:
 
 
 def _no_shared_memory_all_reduce() -> None:
-    """DeepSpeed's CPU backend compiles a shared-memory all-reduce when it starts (deepspeed/comm/torch.py
-    `build_shm_op`: a C++ extension, about a minute on two cores) for tensor-parallel inference's all-reduce alone
-    (`inference_all_reduce`); ZeRO's training reduces through the process group, gloo here. Marked incompatible, as
-    DeepSpeed marks it off Linux, it is not built. CUDA's accelerator has no such op: a GPU run is as it was."""
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+    """DeepSpeed's CPU backend would compile its shared-memory all-reduce as it starts, for tensor-parallel
+    inference alone (vram_planner/tracing/zero.py `shared_memory_all_reduce_off`): marked off for this rank's
+    process, whose whole life is the run. A GPU run is as it was."""
+    from vram_planner.tracing.zero import shared_memory_all_reduce_off
 
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    shared_memory_all_reduce_off()

@@ -23,7 +23,8 @@ Shimmed, each the smallest piece that cannot run here, none of them memory on a 
   where the fake tensors live;
 - the CPU accelerator's shared-memory all-reduce op (`deepspeed/comm/torch.py` `build_shm_op`) is a C++ extension
   DeepSpeed compiles on first use for CPU ranks of one node; a CUDA run reduces through NCCL instead, so it is not
-  built;
+  built: marked incompatible with DeepSpeed's own switch, as the CPU ranks of `vram-plan run` mark it
+  (`shared_memory_all_reduce_off`), and marked back on exit;
 - ZeRO's cross-rank consistency checks (`deepspeed/runtime/zero/utils.py` `assert_ints_same_as_other_ranks`) compare
   the ranks' lists through an all-gather, which a fake process group does not write: they are skipped;
 - the engine's `module.to(device)` (runtime/engine.py:2093-2094) swaps every parameter for itself, which a fake
@@ -150,10 +151,10 @@ def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
     # DeepSpeed's engine asserts a launcher set LOCAL_RANK (runtime/engine.py:1972)
     os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(num_gpus))
     patched: list[tuple[Any, str, Any]] = []
+    restore_shared_memory: Callable[[], None] = lambda: None
     try:
         deepspeed = _import_on_cpu()
-        comm_torch = importlib.import_module("deepspeed.comm.torch")
-        patched.append((comm_torch, "build_shm_op", lambda: None))
+        restore_shared_memory = shared_memory_all_reduce_off()
         importlib.import_module("deepspeed.runtime.zero.stage3")
         importlib.import_module("deepspeed.runtime.zero.partitioned_param_coordinator")
         for name, module in list(sys.modules.items()):
@@ -178,6 +179,7 @@ def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
                 setattr(groups, name, value)
     finally:
         torch.nn.functional.linear = linear
+        restore_shared_memory()
         for owner, name, _, original in patched:
             setattr(owner, name, original)
         for key, value in saved_env.items():
@@ -185,6 +187,27 @@ def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def shared_memory_all_reduce_off() -> Callable[[], None]:
+    """DeepSpeed's shared-memory all-reduce for CPU ranks marked incompatible, so that its backend does not compile it
+    when it starts (deepspeed/comm/torch.py `build_shm_op`: a C++ extension, about a minute on two cores, for
+    tensor-parallel inference's all-reduce alone; ZeRO reduces through the process group). DeepSpeed's own switch, as
+    it marks the op off Linux (`deepspeed.ops.__compatible_ops__`); CUDA's accelerator has no such op. Returns what
+    puts the entry back as it was."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    ops, name = deepspeed.ops.__compatible_ops__, ShareMemCommBuilder.NAME
+    had, before = name in ops, ops.get(name)
+    ops[name] = False
+
+    def restore() -> None:
+        if had:
+            ops[name] = before
+        else:
+            ops.pop(name, None)
+    return restore
 
 
 def _import_on_cpu() -> Any:
@@ -336,8 +359,8 @@ def _states_of_earlier_steps(session: Session) -> None:
     The first step makes Adam's moments lazily, in the client's step, after ZeRO has built the fp32 gradient
     partition from the 16-bit one (stage_1_and_2.py:3114-3118, stage3.py:2686-2687); every later step builds it with
     the moments alive, 8 bytes per parameter of the partition more at that moment than the first step holds. The
-    real 2-rank CPU run (benchmarks/deepspeed_cpu.py) cannot show it: its 1 GB reduce bucket in the backward is
-    every step's peak.
+    real 2-rank CPU run (benchmarks/deepspeed_cpu.py) measures its second step apart: ZeRO-3's is this one's to a few
+    kilobytes.
     """
     import torch
 
