@@ -82,22 +82,6 @@ def require_vllm(why: str) -> None:
                             f"{VLLM_EXTRA}")
 
 
-def require_torch_reading(allocator_conf: str, why: str) -> None:
-    """The installed torch reads every key of `allocator_conf`: torch 2.14 and earlier refuse the keys torch 2.15
-    added, at the run's first CUDA allocation, after the model has loaded."""
-    from packaging.version import Version
-
-    from vram_planner.allocator import parse_allocator_conf
-
-    newer = parse_allocator_conf(allocator_conf, why).torch_215_keys()
-    version = _installed_version("torch", f"{why} needs torch, which is not installed: {TRAIN_EXTRA}") if newer else None
-    if version is not None and Version(version).release < (2, 15):
-        raise VramPlanError(f"{why}: {' and '.join(newer)} {'need' if len(newer) > 1 else 'needs'} torch 2.15 or "
-                            f"later, and torch {version} is installed, which refuses "
-                            f"{'them' if len(newer) > 1 else 'it'}: pip install 'torch>=2.15', or leave "
-                            f"{'them' if len(newer) > 1 else 'it'} out")
-
-
 def _installed_version(package: str, missing: str) -> str | None:
     """The installed version of `package`; VramPlanError(`missing`) when it cannot be imported, None when it can but
     has no metadata (a source checkout: trusted)."""

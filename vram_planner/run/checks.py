@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
-from vram_planner.extras import require_bitsandbytes, require_torch_reading, require_vllm
+from vram_planner.allocator import parse_allocator_conf
+from vram_planner.extras import require_bitsandbytes, require_vllm
 from vram_planner.files import check_writable
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.run.memory_history import OOM_SNAPSHOT_NAME
@@ -173,14 +174,29 @@ def check_dependencies(train: TrainingConfig, dry_run: bool = False, notes: list
         require_bitsandbytes("--load-in-4bit")
     if train.use_vllm:
         require_vllm("--use-vllm")
-    if train.allocator_conf:
-        try:
-            require_torch_reading(train.allocator_conf, "--allocator-conf")
-        except VramPlanError as problem:
-            if not dry_run:
-                raise
-            if notes is not None:
-                notes.append(str(problem))
+    problem = torch_refusal(train.allocator_conf, "--allocator-conf")
+    if problem is not None:
+        if not dry_run:
+            raise VramPlanError(problem)
+        if notes is not None:
+            notes.append(problem)
+
+
+def torch_refusal(allocator_conf: str, why: str) -> str | None:
+    """Why the installed torch would refuse `allocator_conf`: torch 2.14 and earlier refuse the keys torch 2.15
+    added, at the run's first CUDA allocation, after the model has loaded. None when it reads them all."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    newer = parse_allocator_conf(allocator_conf, why).torch_215_keys() if allocator_conf else ()
+    version = importlib.metadata.version("torch") if newer else None
+    if version is None or Version(version).release >= (2, 15):
+        return None
+    one = len(newer) == 1
+    return (f"{why}: {' and '.join(newer)} {'needs' if one else 'need'} torch 2.15 or later, and torch {version} is "
+            f"installed, which refuses {'it' if one else 'them'}: pip install 'torch>=2.15', or leave "
+            f"{'it' if one else 'them'} out")
 
 
 def run_files(folder: Path) -> list[Path]:
