@@ -9,16 +9,6 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-# Phases still more than 1% from their trace, each on a fixture of a few MiB (README, "The analytic model follows
-# what the table found"): TRL 0.14's merged step on the LoRA fixture (+1.1% to +1.3%: the model counts a few tens of
-# KB more than its policy graph keeps), and the LoRA fixture under TRL 1.14, whose tensor-heaviest moment (the LM
-# head's backward, -0.1%) is not the one its reserve makes the heaviest
-KNOWN_OUTSIDE = {
-    "0.14.0/4.48.2 tiny-qwen2/lora-bf16 training",
-    "0.14.0/4.52.4 tiny-qwen2/lora-bf16 training",
-    "0.14.0/4.57.3 tiny-qwen2/lora-bf16 training",
-    "1.14.2/5.19.0 tiny-qwen2/lora-bf16 training",
-}
 
 
 def _matrix():
@@ -42,9 +32,10 @@ def test_every_traced_phase_of_every_release_pair_is_within_1_percent_of_the_ana
     assert recomputed == committed  # the committed table's analytic column is this model's
     errors = _errors(recomputed)
     assert len({key.split()[0] for key in errors}) >= 22  # every pair the trace runs
-    assert {key for key, error in errors.items() if abs(error) > 0.01} == KNOWN_OUTSIDE
-    # the two Llama-3.2-1B steps (the seeds' crash and a LoRA step with a reference) within 0.3% in every pair
-    assert max(abs(e) for key, e in errors.items() if " Llama-3.2-1B" in key) < 0.003
+    # every phase within 1%, the fixtures of a few MiB too (where a rotary table or one layer norm is a few tenths)
+    assert {key: f"{error:+.2%}" for key, error in errors.items() if abs(error) > 0.01} == {}
+    # the two Llama-3.2-1B steps (the seeds' crash and a LoRA step with a reference) within 0.2% in every pair
+    assert max(abs(e) for key, e in errors.items() if " Llama-3.2-1B" in key) < 0.002
 
 
 def test_under_trl_0_14_the_reference_forward_runs_beside_the_policys_graph():
