@@ -50,3 +50,14 @@ def test_under_trl_0_14_the_reference_forward_runs_beside_the_policys_graph():
     analytic = matrix.analytic_phases(model, settings, "0.14.0", "4.48.2")["training"]
     assert analytic.moment == "reference forward while the policy's graph is alive"
     assert analytic.components["kv_cache"] == traced["components"]["kv_cache"][0] > 0
+
+
+def test_trl_0_28_traces_with_weave_installed_and_its_rows_say_why():
+    # TRL 0.28.0's GRPOTrainer imports weave under transformers 5.3 on without requiring it (a run fails the same
+    # way, and the trace refuses it in one line): its environment installs weave, and the table names it
+    matrix = _matrix()
+    result = json.loads(matrix.RESULTS.read_text())["pairs"]["0.28.0/5.3.0"]
+    assert "weave" in result["installed_unrequired"]
+    assert all("phases" in point for point in result["points"].values())
+    rows = [line for line in matrix.table({"0.28.0/5.3.0": result}).splitlines() if line.startswith("0.28.0")]
+    assert rows[0].startswith("0.28.0   5.3.0        weave installed, which TRL 0.28.0 does not require")

@@ -8,7 +8,10 @@ Counted from the autograd graph that transformers 5.x builds for a Llama-style l
 - A linear keeps its input in the compute dtype for the weight gradient. Autocast casts a float32 input separately
   for each linear that reads it; a frozen linear keeps no input at all. Under PEFT, `lora_A` reads a copy cast to the
   adapter's dtype and autocast casts that again, so every adapted linear keeps its own compute-dtype copy.
-- Rotary embeddings keep nothing large (cos and sin are shared). SDPA keeps q, k and v repeated to every query head
+  With LoRA and no checkpointing the first layer's input needs no gradient: its input norm keeps nothing and the
+  linears reading it keep no weight cast (`first_layer_input_without_grad`).
+- Rotary embeddings keep nothing large (one cos and one sin of the sequence, shared by the batch and every layer:
+  `rotary_saved_bytes`). SDPA keeps q, k and v repeated to every query head
   (transformers repeats k/v whenever an attention mask is passed, and GRPO batches are padded; with one key/value
   head the repeat is a view), its output and a
   float32 log-sum-exp per head, plus a [B, 1, L, L] float mask in the compute dtype that each layer converts from the
