@@ -330,8 +330,8 @@ def decoder_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Cal
     elif train.use_liger_kernel:
         layers = arch.num_layers * liger_layer_saved_bytes(arch, train, cal, tokens)
     else:
-        layers = arch.num_layers * layer_saved_bytes(arch, train, tokens) - first_layer_unkept_bytes(arch, train,
-                                                                                                     tokens)
+        layers = (arch.num_layers * layer_saved_bytes(arch, train, tokens)
+                  - first_layer_unkept_bytes(arch, train, tokens))
     return layers + final_norm_saved_bytes(arch, train, tokens) + rotary_saved_bytes(arch, train)
 
 

@@ -385,7 +385,8 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     policy_graph = {"weights": weights + forward_casts, "gradients": grads_before, "activations": saved + mask}
     if release.step_structure == "loss_merged":
         # every moment counted here comes after the policy's forward, whose autocast cache is gone with it
-        returned = {**policy_graph, "weights": weights + forward_casts - act.first_layer_unkept_cast_bytes(arch, train)}
+        unkept = act.first_layer_unkept_cast_bytes(arch, train)
+        returned = {**policy_graph, "weights": weights + forward_casts - unkept}
         head_moments = _merged_log_prob_moments(arch, train, release, persistent, returned, weights + backward_casts)
     else:
         # Autocast's cache empties when the forward returns, before accelerate's float32 copy and TRL's log-prob
