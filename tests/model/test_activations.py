@@ -180,7 +180,11 @@ def test_phi3_layer_activations_match_the_trace():
     analytic = estimate(ModelArchitecture.from_config(config), train, trl_release(), Calibration(), 80 * 2**30)
     training = next(r for r in compare_with_estimate(trace_step(config, train), analytic) if r.name == "training")
     traced, modelled = training.components["activations"]
-    assert abs(modelled - traced) / traced < 0.005, (traced, modelled)
+    # The trace peaks in TRL's fused LM head, which reads the final norm's float32 output: made in the decoder, the
+    # trace tags it activations, the model counts it among the head's buffers. The first layer keeps no input norm
+    # (its input needs no gradient), which the model once counted, a norm as large as that output.
+    final_norm_output = 2 * 128 * 3072 * 4
+    assert abs(modelled + final_norm_output - traced) / traced < 0.0002, (traced, modelled)
 
 
 # Eager attention, Gemma 2's softcapping, phi's parallel layer, Gemma's two masks (issue 25, item 4)
