@@ -165,9 +165,14 @@ def reanalyse(results: dict) -> dict:
     return results
 
 
-# What a TRL release imports without requiring it: TRL 1.15's fused LM head imports triton unconditionally (its import
-# needs no GPU; without it the trace refuses the release in one line, as a real run fails)
-IMPORTED_UNREQUIRED = {"1.15.0": ["triton"]}
+# What a TRL release imports without requiring it, installed in its environment so that the trace runs (without it
+# the trace refuses the release in one line, as a real run fails), and why; the table says so in the pair's rows
+IMPORTED_UNREQUIRED = {
+    "1.15.0": {"triton": "its fused LM head imports triton unconditionally (its import needs no GPU)"},
+    "0.28.0": {"weave": "it asks transformers whether weave is installed, and from transformers 5.3 the answer is a "
+                        "tuple, true without weave, so its callbacks import it (a run without weave fails the same "
+                        "way: vram_planner/tracing/step.py UNREQUIRED_IMPORTS)"},
+}
 
 
 def venv_of(venvs: Path, trl: str, transformers: str) -> Path:
@@ -182,7 +187,7 @@ def build(venv: Path, trl: str, transformers: str, accelerate: str, peft: str) -
     # requests: TRL 1.0 imports it without requiring it
     subprocess.run([*pip, f"trl=={trl}", f"transformers=={transformers}", f"accelerate=={accelerate}",
                     f"peft=={peft}", "requests", "pydantic", "rich", "click", "pyyaml", "packaging",
-                    *IMPORTED_UNREQUIRED.get(trl, [])], check=True)
+                    *IMPORTED_UNREQUIRED.get(trl, {})], check=True)
     subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
 
 
@@ -201,7 +206,8 @@ def run_pair(venvs: Path, pair: tuple[str, str, str, str], make: bool) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-    return json.loads(done.stdout)
+    return {**json.loads(done.stdout), **({"installed_unrequired": IMPORTED_UNREQUIRED[trl]}
+                                          if trl in IMPORTED_UNREQUIRED else {})}
 
 
 def table(results: dict) -> str:
@@ -215,6 +221,8 @@ def table(results: dict) -> str:
         if "error" in result:
             lines.append(f"{trl:8} {transformers:12} error: {result['error']}")
             continue
+        for package, why in result.get("installed_unrequired", {}).items():
+            lines.append(f"{trl:8} {transformers:12} {package} installed, which TRL {trl} does not require: {why}")
         for name, point in result["points"].items():
             if "error" in point:
                 lines.append(f"{trl:8} {transformers:12} {name:28} error: {point['error']}")

@@ -101,6 +101,17 @@ def test_a_trainer_whose_import_needs_an_uninstalled_module_is_refused_in_one_li
         require_grpo_trainer("0.28.0", load)
     message = str(caught.value)
     assert "\n" not in message and "TRL 0.28.0 (installed)" in message and "`pip install weave`" in message
+    # TRL's bug, which users hit too: it asks transformers whether weave is installed, and transformers 5.3 on answer
+    # with a tuple; what works instead is named
+    assert "from transformers 5.3 on the answer is a tuple" in message and "a run fails the same way" in message
+    assert "transformers 5.0 to 5.2, or TRL 0.29 or later" in message
+
+    def load_other():
+        raise ImportError("No module named 'somepackage.sub'")
+
+    with pytest.raises(VramPlanError, match=r"needs somepackage, which is not installed \(`pip install somepackage`, "
+                                            r"or another TRL release;"):
+        require_grpo_trainer("1.16.0", load_other)
     require_grpo_trainer("1.16.0", lambda: object)  # an importable trainer passes
 
     def broken():

@@ -8,7 +8,10 @@ Counted from the autograd graph that transformers 5.x builds for a Llama-style l
 - A linear keeps its input in the compute dtype for the weight gradient. Autocast casts a float32 input separately
   for each linear that reads it; a frozen linear keeps no input at all. Under PEFT, `lora_A` reads a copy cast to the
   adapter's dtype and autocast casts that again, so every adapted linear keeps its own compute-dtype copy.
-- Rotary embeddings keep nothing large (cos and sin are shared). SDPA keeps q, k and v repeated to every query head
+  With LoRA and no checkpointing the first layer's input needs no gradient: its input norm keeps nothing and the
+  linears reading it keep no weight cast (`first_layer_input_without_grad`).
+- Rotary embeddings keep nothing large (one cos and one sin of the sequence, shared by the batch and every layer:
+  `rotary_saved_bytes`). SDPA keeps q, k and v repeated to every query head
   (transformers repeats k/v whenever an attention mask is passed, and GRPO batches are padded; with one key/value
   head the repeat is a view), its output and a
   float32 log-sum-exp per head, plus a [B, 1, L, L] float mask in the compute dtype that each layer converts from the
@@ -38,9 +41,11 @@ Symbols as in `vram_planner.model.components`. Liger's kernels keep less; their 
 
 from __future__ import annotations
 
+from vram_planner.model import inference
 from vram_planner.model.architecture import Linear, ModelArchitecture
+from vram_planner.model.blocks import blocks
 from vram_planner.model.calibration import Calibration
-from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.components import FP32_BYTES, adapter_cast_bytes, autocast_casts_weights, sizes
 from vram_planner.model.spec import TrainingConfig
 
 BOOL_BYTES = 1
@@ -325,8 +330,56 @@ def decoder_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Cal
     elif train.use_liger_kernel:
         layers = arch.num_layers * liger_layer_saved_bytes(arch, train, cal, tokens)
     else:
-        layers = arch.num_layers * layer_saved_bytes(arch, train, tokens)
-    return layers + final_norm_saved_bytes(arch, train, tokens)
+        layers = (arch.num_layers * layer_saved_bytes(arch, train, tokens)
+                  - first_layer_unkept_bytes(arch, train, tokens))
+    return layers + final_norm_saved_bytes(arch, train, tokens) + rotary_saved_bytes(arch, train)
+
+
+def rotary_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The loss forward's rotary cos and sin, kept for backward by every layer's `q * cos + rotate_half(q) * sin`
+    (under checkpointing by the arguments each layer's recomputation runs with), each a storage in whole blocks."""
+    return inference.rotary_tables(arch) * blocks(inference.rotary_table_bytes(arch, train, train.sequence_length))
+
+
+def first_layer_input_without_grad(train: TrainingConfig) -> bool:
+    """Whether the first decoder layer's input needs no gradient: LoRA freezes the embedding, and TRL makes its output
+    require grad only under gradient checkpointing (`enable_input_require_grads`: trl 0.16.0
+    trainer/grpo_trainer.py:581, 0.22.0 models/utils.py:492, 1.16.0 trainer/grpo_trainer.py:530; 0.14.0
+    trainer/grpo_trainer.py:197-198 only wraps the model with get_peft_model). Autograd then records nothing of the
+    first layer until a trainable weight joins (checked against the trace of TRL 0.14's LoRA step)."""
+    return train.uses_lora and not train.gradient_checkpointing
+
+
+def _first_norm_readers(arch: ModelArchitecture) -> list[Linear]:
+    """The linears that read the first norm's output: the attention's inputs (phi: the MLP's too)."""
+    linears = arch.layer_linears()
+    names = ("qkv_proj", "q_proj", "k_proj", "v_proj") + (arch.family.mlp_names[:-1]
+                                                           if arch.family.norms_per_layer == 1 else ())
+    return [lin for lin in linears if lin.name in names] or linears[:1]
+
+
+def first_layer_unkept_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
+    """What the first layer keeps less than the others where its input needs no gradient
+    (`first_layer_input_without_grad`): its input norm, frozen on a frozen input, keeps nothing for backward."""
+    if not first_layer_input_without_grad(train):
+        return 0
+    return tokens * norm_saved_bytes(arch, arch.hidden_size, sizes(train).residual, trainable=False)
+
+
+def first_layer_unkept_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """Weight casts of the first layer that no backward keeps where its input needs no gradient
+    (`first_layer_input_without_grad`): a matmul keeps its weight only for its input's gradient, so the linears that
+    read the first norm's output (frozen bases and their adapters' lora_A) keep their casts only in autocast's cache,
+    which empties when the forward returns. lora_B reads lora_A's output, which does need a gradient."""
+    if not first_layer_input_without_grad(train):
+        return 0
+    s = sizes(train)
+    readers = _first_norm_readers(arch)
+    base = sum(lin.in_features * lin.out_features for lin in readers) if autocast_casts_weights(train) else 0
+    targets = _lora_targets(arch, train)
+    adapters = (sum((train.lora_r or 0) * lin.in_features for lin in readers if lin.name in targets)
+                if adapter_cast_bytes(arch, train) else 0)
+    return (base + adapters) * s.compute
 
 
 def final_norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:

@@ -64,7 +64,7 @@ def prefill_bytes(arch: ModelArchitecture, run: TrainingConfig, cal: Calibration
     counted `STREAM_TENSORS` and `MLP_TENSORS`); rotary's cos and sin are per token, and the prompts' keys and values
     are the cache's."""
     tokens = sequences * length
-    rotary = _rotary_tables(arch) * arch.head_dim * sizes(run).residual
+    rotary = rotary_tables(arch) * arch.head_dim * sizes(run).residual
     counts = (cal.inference_hidden_bytes / 2, cal.inference_mlp_bytes / 2)
     return (tokens * (_widest_moment(arch, run, length, run.uses_lora, counts, cached=True) + rotary
                       + GENERATE_INPUTS * INT64_BYTES)
@@ -77,7 +77,7 @@ def scoring_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int
     (`adapters`: the policy's old log-probs) or off (the reference's, the adapters disabled), filling a KV cache
     (`cached`, counted apart) or not."""
     counts = (STREAM_TENSORS, MLP_TENSORS)
-    rotary = _rotary_tables(arch) * length * arch.head_dim * sizes(train).residual  # cos and sin per position
+    rotary = rotary_tables(arch) * rotary_table_bytes(arch, train, length)
     return (sequences * length * _widest_moment(arch, train, length, adapters and train.uses_lora, counts, cached)
             + _mask_bytes(arch, train, sequences, length) + rotary)
 
@@ -108,7 +108,13 @@ def batch_ids_bytes(sequences: int, length: int) -> float:
     return 2 * INT64_BYTES * sequences * length
 
 
-def _rotary_tables(arch: ModelArchitecture) -> int:
+def rotary_table_bytes(arch: ModelArchitecture, train: TrainingConfig, length: int) -> float:
+    """One rotary table (cos or sin) over `length` positions, in the residual stream's dtype: one row for the whole
+    batch, as a forward given no position ids computes it (TRL's scoring and loss passes give none)."""
+    return length * arch.head_dim * sizes(train).residual
+
+
+def rotary_tables(arch: ModelArchitecture) -> int:
     """cos and sin of every rotary embedding the forward runs."""
     return 2 * ROTARY_EMBEDDINGS.get(arch.model_type, 1)
 

@@ -442,8 +442,10 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         last_layer_casts = backward_casts
     policy_graph = {"weights": weights + forward_casts, "gradients": grads_before, "activations": saved + mask}
     if release.step_structure == "loss_merged":
-        head_moments = _merged_log_prob_moments(arch, train, release, persistent, policy_graph,
-                                                weights + backward_casts)
+        # every moment counted here comes after the policy's forward, whose autocast cache is gone with it
+        unkept = act.first_layer_unkept_cast_bytes(arch, train)
+        returned = {**policy_graph, "weights": weights + forward_casts - unkept}
+        head_moments = _merged_log_prob_moments(arch, train, release, persistent, returned, weights + backward_casts)
     else:
         # Autocast's cache empties when the forward returns, before accelerate's float32 copy and TRL's log-prob
         # work; the casts the linears keep for backward stay, the output projection's among them (it is never
@@ -605,8 +607,9 @@ def _training_casts(arch: ModelArchitecture, train: TrainingConfig) -> tuple[flo
     adapters = m.adapter_cast_bytes(arch, train)
     if train.gradient_checkpointing:  # nothing is kept; the cache empties when the forward's autocast exits
         return (0 if train.uses_lora else layers) + adapters, 0
-    # frozen weights are cast per use, not cached, but their linears keep the casts for backward
-    return layers + adapters, layers + adapters
+    # frozen weights are cast per use, not cached, but their linears keep the casts for backward (but those that read
+    # a first layer's input that needs no gradient)
+    return layers + adapters, layers + adapters - act.first_layer_unkept_cast_bytes(arch, train)
 
 
 def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, all_grads: float) -> float:

@@ -359,10 +359,22 @@ def _import_engine() -> None:
     require_grpo_trainer(installed_trl_version() or trl.__version__, load)
 
 
+# Why a TRL release's GRPOTrainer import needs a module the release does not require, and what works instead (a run
+# on that release fails the same way). weave: TRL 0.27.2 and 0.28.0 ask transformers' private `_is_package_available`
+# (trl/import_utils.py:24 and :96), which from transformers 5.3 answers `(False, None)` for a missing package
+# (transformers/utils/import_utils.py:78; 5.2's :77 answered False), a true tuple, so trl/trainer/callbacks.py:53-54
+# imports weave; TRL 0.29 asks its own copy of the function.
+UNREQUIRED_IMPORTS = {
+    "weave": ("TRL 0.27.2 and 0.28.0 ask transformers whether weave is installed, and from transformers 5.3 on the "
+              "answer is a tuple, true even when it is not, so TRL's callbacks import it (a run fails the same way)",
+              "`pip install weave`, transformers 5.0 to 5.2, or TRL 0.29 or later"),
+}
+
+
 def require_grpo_trainer(version: str, load: Callable[[], Any]) -> None:
     """The installed GRPOTrainer, or one line naming the module its import needs: a release may import a package it
-    does not require (TRL 0.28.0's callbacks import weave whenever `is_weave_available()` returns its tuple, which
-    is always true), and a run on that release fails the same way."""
+    does not require (`UNREQUIRED_IMPORTS` says why where it is known), and a run on that release fails the same
+    way."""
     try:
         load()
     except (ImportError, RuntimeError) as exc:
@@ -370,8 +382,9 @@ def require_grpo_trainer(version: str, load: Callable[[], Any]) -> None:
         if found is None:
             raise
         module = found.group(1).split(".")[0]
+        why, instead = UNREQUIRED_IMPORTS.get(module, ("", f"`pip install {module}`, or another TRL release"))
         raise VramPlanError(f"the trace cannot run TRL {version} (installed): importing its GRPOTrainer needs "
-                            f"{module}, which is not installed (`pip install {module}`, or another TRL release; "
+                            f"{module}, which is not installed{': ' + why if why else ''} ({instead}; "
                             "`vram-plan check` gives the analytic estimate)") from exc
 
 
