@@ -1,10 +1,12 @@
 """The trace under every (TRL, transformers) pair people run, beside the analytic model of the same pair.
 
     python benchmarks/trl_matrix.py [--venvs DIR] [--build] [--pair 0.14.0/4.52.4 ...]   # all pairs: the table
+    python benchmarks/trl_matrix.py --build-only --pair 0.14.0/4.52.4 ...                 # only the environments
     python benchmarks/trl_matrix.py --measure                                             # the installed pair only
     python benchmarks/trl_matrix.py --analytic                                            # re-judge the committed traces
 
-Each pair runs in a virtual environment of its own (DIR/trl-X-transformers-Y; `--build` makes the missing ones with
+Each pair runs in a virtual environment of its own (DIR/trl-X-transformers-Y, DIR .release-venvs of this checkout by
+default; `--build` makes the missing ones with
 pip: the pinned CPU torch, the pair, the accelerate and PEFT releases of its time, this checkout with --no-deps). In
 each, `--measure` traces the grid (fixture configs, and the seeds' Llama-3.2-1B-Instruct step) under the installed
 libraries and computes the analytic model under the same --trl-version and --transformers-version; this script
@@ -28,7 +30,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's model, wherever another one is 
 RESULTS = ROOT / "benchmarks" / "results" / "trl_matrix.json"
 TABLE = ROOT / "benchmarks" / "results" / "trl_matrix.txt"
 FIXTURES = ROOT / "tests" / "fixtures"
-DEFAULT_VENVS = Path("/tmp")
+DEFAULT_VENVS = ROOT / ".release-venvs"  # the README's test set-up builds the two pairs the suite traces here
 TORCH = "torch==2.13.0"  # the CPU wheel the project pins (constraints.txt)
 # (TRL, transformers, accelerate, PEFT): each TRL row of profiles/trl.toml with the transformers of its time (the
 # newest before the TRL wheel, benchmarks/results/trl_releases.json), and TRL 0.14 with the transformers that
@@ -242,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true", help="trace the grid under the installed pair (JSON)")
     parser.add_argument("--venvs", type=Path, default=DEFAULT_VENVS, help="where the per-pair environments live")
     parser.add_argument("--build", action="store_true", help="make the missing environments with pip")
+    parser.add_argument("--build-only", action="store_true",
+                        help="make the missing environments of the chosen pairs and stop (no tracing, no results)")
     parser.add_argument("--pair", action="append", default=[], metavar="TRL/TRANSFORMERS",
                         help="only these pairs (repeatable); the results file keeps the others")
     parser.add_argument("--table", action="store_true", help="print the committed results' table (no tracing)")
@@ -255,6 +259,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_installed()))
         return 0
     chosen = [p for p in PAIRS if not args.pair or f"{p[0]}/{p[1]}" in args.pair]
+    unknown = sorted(set(args.pair) - {f"{p[0]}/{p[1]}" for p in PAIRS})
+    if unknown:
+        parser.error(f"no pair {', '.join(unknown)} in the matrix (TRL/transformers, as --table lists them)")
+    if args.build_only:
+        for pair in chosen:
+            if not (venv_of(args.venvs, *pair[:2]) / "bin" / "python").exists():
+                print(f"building TRL {pair[0]} with transformers {pair[1]} in {args.venvs}", file=sys.stderr, flush=True)
+                build(venv_of(args.venvs, *pair[:2]), *pair)
+        return 0
     results = json.loads(RESULTS.read_text())["pairs"] if RESULTS.exists() else {}
     if args.analytic:
         results = reanalyse(results)

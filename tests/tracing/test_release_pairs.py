@@ -1,8 +1,9 @@
 """Older (TRL, transformers) pairs traced end to end, each in the virtual environment benchmarks/trl_matrix.py builds.
 
-CI installs one pair (constraints.txt); these run where the other pair's environment exists (VRAM_PLAN_RELEASE_VENVS,
-default /tmp: trl-X-transformers-Y, `python benchmarks/trl_matrix.py --build`) and are skipped, saying so, where it
-does not. The shims they rely on are tested without those environments in test_shims.py.
+The suite's own environment holds one pair (constraints.txt); these run in the two TRL 0.14 pairs' environments, which
+the README's test set-up and CI build (`python benchmarks/trl_matrix.py --build-only --pair ...`, in .release-venvs
+of this checkout, or VRAM_PLAN_RELEASE_VENVS), and are skipped, saying how to build them, where they are missing. The
+shims they rely on are tested without those environments in test_shims.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-VENVS = Path(os.environ.get("VRAM_PLAN_RELEASE_VENVS", "/tmp"))
+VENVS = Path(os.environ.get("VRAM_PLAN_RELEASE_VENVS", ROOT / ".release-venvs"))
 # The seeds' crash (issue 26): Llama-3.2-1B-Instruct, TRL 0.14, bf16 weights and autocast, 1 prompt x 4 generations,
 # 4 accumulation steps, 208-token prompts, 786-token completions, no checkpointing. SDPA stands in for
 # FlashAttention-2, which has no CPU kernel; the logits do not depend on it.
@@ -50,7 +51,7 @@ def traced_in(trl: str, transformers: str) -> dict:
     python = VENVS / f"trl-{trl}-transformers-{transformers}" / "bin" / "python"
     if not python.exists():
         pytest.skip(f"no environment with TRL {trl} and transformers {transformers} at {python.parent.parent} "
-                    "(python benchmarks/trl_matrix.py --build makes it)")
+                    f"(python benchmarks/trl_matrix.py --build-only --pair {trl}/{transformers} makes it)")
     done = subprocess.run([str(python), "-c", SCRIPT, json.dumps(SEEDS)], capture_output=True, text=True, cwd=ROOT,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
