@@ -145,3 +145,35 @@ def test_the_log_prob_kernels_stand_in_allocates_what_the_kernel_does():
         logprobs.sum().backward()
         assert logits.grad.shape == logits.shape and logits.grad.dtype == torch.float32
         assert tracker.bytes_of([logits.grad]) == 512 * -(-rows * vocab * 4 // 512)  # the one gradient it makes
+
+
+def test_token_type_ids_go_with_a_multimodal_models_prompts_as_trl_passes_them(monkeypatch):
+    """Gemma 3's processor returns token_type_ids (zeros for text), and TRL hands them to generate, to the log-prob
+    passes and, extended over the completion, to the loss; transformers 5.3 and 5.4 refuse Gemma 3's forward in training
+    mode without them. The trace passes them to every forward of the step, a text-only model gets none."""
+    import functools
+    import json
+
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3Model
+
+    from helpers import FIXTURES
+    from vram_planner.model.spec import TrainingConfig
+    from vram_planner.tracing.shims import passes_token_type_ids
+    from vram_planner.tracing.step import trace_step
+
+    seen = []
+    forward = Gemma3Model.forward  # under the LM head TRL 1.15 and later fuse into the forward
+
+    @functools.wraps(forward)  # generate() checks its keywords against the forward's signature
+    def spying(self, *args, token_type_ids=None, **kwargs):
+        seen.append(None if token_type_ids is None else tuple(token_type_ids.shape))
+        return forward(self, *args, token_type_ids=token_type_ids, **kwargs)
+
+    monkeypatch.setattr(Gemma3Model, "forward", spying)
+    config = json.loads((FIXTURES / "tiny-gemma3-vision.json").read_text())
+    trace_step(config, TrainingConfig(per_device_train_batch_size=2, num_generations=2, max_prompt_length=8,
+                                      max_completion_length=6, beta=0.04))
+    assert seen and None not in seen
+    assert {(2, 8), (2, 14)} <= set(seen)  # the prompts generated from, and prompt and completion scored
+    text_only = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=None))
+    assert not passes_token_type_ids(text_only)

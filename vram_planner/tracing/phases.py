@@ -24,6 +24,13 @@ def _prompt(session: Session, sequences: int, length: int) -> tuple[Any, Any]:
     return ids, mask
 
 
+def _processor_outputs(session: Session, ids: Any) -> dict[str, Any]:
+    """What a multimodal model's processor adds to the prompts TRL generates from (shims.passes_token_type_ids)."""
+    from vram_planner.tracing.shims import passes_token_type_ids
+
+    return {"token_type_ids": torch.zeros_like(ids)} if passes_token_type_ids(session.base_model) else {}
+
+
 def _generation_config(model: Any, max_new_tokens: int, returns_cache: bool = False) -> Any:
     """GRPOTrainer's generation settings (TRL 1.16 defaults), for `max_new_tokens` steps; with `returns_cache`,
     generate() returns its KV cache."""
@@ -67,7 +74,7 @@ def _generate(session: Session) -> PhasePeak:
         ids, mask = _prompt(session, sequences, p)
         cache_argument = train.transformers.cache_argument  # the installed transformers' (check_traceable)
         cache = as_cache(getattr(model.generate(input_ids=ids, attention_mask=mask, generation_config=_generation_config(
-            session.base_model, 1, returns_cache=True)), cache_argument))
+            session.base_model, 1, returns_cache=True), **_processor_outputs(session, ids)), cache_argument))
         del ids, mask
     prefill = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     if c < 2:
@@ -80,7 +87,8 @@ def _generate(session: Session) -> PhasePeak:
         # head_tagging tags lm_head_buffers from the decoder's output to the next forward.
         tracker.tag, tracker.moment = HEAD, "last decoding step"
         with session.generation_autocast():
-            model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **{cache_argument: cache})
+            model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **{cache_argument: cache},
+                           **_processor_outputs(session, ids))
         del cache
     last = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     return max(prefill, last, key=lambda phase: phase.peak_bytes)

@@ -81,12 +81,15 @@ def one_step_generation(gen_utils: Any) -> tuple[Any, str, Callable[..., Any]]:
 
 
 def per_token_logps(trainer: Any, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int,
-                    batch_size: int) -> Any:
+                    batch_size: int, token_type_ids: Any = None) -> Any:
     """The installed GRPOTrainer's own per-token log-probs of the completions: `_get_per_token_logps_and_entropies`
-    (TRL 0.20 and later) or `_get_per_token_logps` (0.15 to 0.19); `batch_size` (chunks of the scoring pass) where the
-    release takes it (0.17 and later)."""
+    (TRL 0.20 and later) or `_get_per_token_logps` (0.15 to 0.19); `batch_size` (chunks of the scoring pass) and
+    `token_type_ids` (multimodal processors' output) where the release takes them."""
     method = getattr(trainer, "_get_per_token_logps_and_entropies", None) or trainer._get_per_token_logps
-    kwargs = {"batch_size": batch_size} if "batch_size" in inspect.signature(method).parameters else {}
+    accepted = inspect.signature(method).parameters
+    kwargs = {"batch_size": batch_size} if "batch_size" in accepted else {}
+    if token_type_ids is not None and "token_type_ids" in accepted:
+        kwargs["token_type_ids"] = token_type_ids
     out = method(model, input_ids, attention_mask, logits_to_keep, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
@@ -103,3 +106,12 @@ class Metrics(defaultdict):  # type: ignore[type-arg]
 
     def extend(self, values: Any) -> None:
         pass
+
+
+def passes_token_type_ids(model: Any) -> bool:
+    """TRL passes the processor's token_type_ids (zeros for text) with the prompts: a multimodal model whose forward
+    takes them (Gemma 3's processor marks image tokens there, and TRL hands them to generate and, extended by zeros
+    over the completion, to the log-prob passes; transformers 5.3 and 5.4 refuse a Gemma 3 forward in training mode
+    without them, 5.16 no longer)."""
+    return getattr(model.config, "vision_config", None) is not None and (  # the class's: accelerate wraps the instance's
+        "token_type_ids" in inspect.signature(type(model).forward).parameters)

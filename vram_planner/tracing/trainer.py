@@ -26,7 +26,7 @@ import torch
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.tracing.counter import ACTS, PhasePeak
 from vram_planner.tracing.session import Session
-from vram_planner.tracing.shims import Metrics, per_token_logps
+from vram_planner.tracing.shims import Metrics, passes_token_type_ids, per_token_logps
 
 
 class OneProcessAccelerator:
@@ -171,13 +171,14 @@ def run_scoring(session: Session) -> PhasePeak:
     with torch.no_grad(), tracker.tagged(ACTS, "scoring forward"), accelerate_prepared(session):
         kept = []  # every pass's log-probs stay until the whole batch is scored
         ids, mask = _prompt(session, sequences, train.sequence_length)
+        types = torch.zeros_like(ids) if passes_token_type_ids(session.base_model) else None
         _completions_selected(session, train.micro_batch_completions)
         for needed, model in _scoring_models(session):
             if needed:
                 with model() as scorer:
                     kept.append(per_token_logps(trainer, scorer, ids, mask, train.max_completion_length,
-                                                train.micro_batch_completions))
-        del kept, ids, mask
+                                                train.micro_batch_completions, types))
+        del kept, ids, mask, types
     return PhasePeak("scoring", tracker.peak, tracker.peak_split, tracker.peak_moment)
 
 
@@ -195,6 +196,9 @@ def _loss_inputs(session: Session) -> dict[str, Any]:
               "advantages": torch.zeros(b, device=session.device_type),
               "num_items_in_batch": torch.tensor(float(b * c), device=session.device_type)}
     # None where the release skips the pass (it then reads the policy's own detached log-probs, or no KL term)
+    if passes_token_type_ids(session.base_model):  # the processor's, which TRL extends over the completion
+        inputs["token_type_ids"] = torch.zeros((b, train.sequence_length), dtype=torch.long,
+                                               device=session.device_type)
     for key, computed in (("old_per_token_logps", train.computes_old_logps),
                           ("ref_per_token_logps", train.computes_ref_logps)):
         inputs[key] = torch.zeros((b, c), device=session.device_type) if computed else None
