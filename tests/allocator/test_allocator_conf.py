@@ -97,7 +97,19 @@ def test_reserves_by_class_are_checked_and_ignored():
     assert conf.ignored_keys == ("expandable_segments_reserve_by_class",)
     assert conf.expandable_segment_address_bytes(1024**3) == 1024**3 + 1024**3 // 8
     assert any("tags none" in note for note in conf.notes())
-    assert not any("do not change device memory" in note for note in conf.notes())
+    assert not any("change device memory" in note for note in conf.notes())
+
+
+def test_check_passes_the_settings_notes_on():
+    """A plan pasted with torch 2.15's keys fails under an older torch: `check` says so beside its verdict, and names
+    the keys it ignores (one key: "does")."""
+    from vram_planner import engine
+
+    notes = engine.check("Qwen2.5-0.5B", "rtx4090", {"allocator_conf": "expandable_segments:True,"
+                         "expandable_segments_reserve:0.25,pinned_use_background_threads:True"}).estimate.notes
+    assert any(n.startswith("allocator: expandable_segments_reserve is read by torch 2.15") for n in notes)
+    assert "allocator: pinned_use_background_threads does not change device memory and is ignored" in notes
+    assert not any(n.startswith("allocator:") for n in engine.check("Qwen2.5-0.5B", "rtx4090", {}).estimate.notes)
 
 
 @pytest.mark.parametrize("text,message", [

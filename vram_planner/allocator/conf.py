@@ -84,7 +84,9 @@ class AllocatorConf:
                          "streams that code tags with a class; a TRL step tags none, so it is ignored")
         other = [key for key in self.ignored_keys if key != "expandable_segments_reserve_by_class"]
         if other:
-            notes.append(f"{', '.join(other)} do not change device memory and are ignored")
+            one = len(other) == 1
+            notes.append(f"{', '.join(other)} {'does' if one else 'do'} not change device memory and "
+                         f"{'is' if one else 'are'} ignored")
         return notes
 
     def torch_215_keys(self) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.cuda_context import context_bytes as resolved_context_bytes
 from vram_planner.model.fragmentation import reserve_patterns
 from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, logit_positions
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig, allocator_conf_notes
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
 
@@ -660,4 +660,6 @@ def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) 
     if arch.max_position_embeddings and train.sequence_length > arch.max_position_embeddings:
         notes.append(f"prompt + completion ({train.sequence_length} tokens) exceeds the model's "
                      f"max_position_embeddings ({arch.max_position_embeddings})")
+    if train.allocator_conf:
+        notes += [f"allocator: {note}" for note in allocator_conf_notes(train.allocator_conf)]
     return tuple(notes)

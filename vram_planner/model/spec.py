@@ -536,6 +536,14 @@ def changed_settings(train: TrainingConfig) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=64)
+def allocator_conf_notes(allocator_conf: str) -> tuple[str, ...]:
+    """What a reader of these allocator settings should know about how they act (AllocatorConf.notes)."""
+    from vram_planner.allocator import parse_allocator_conf
+
+    return tuple(parse_allocator_conf(allocator_conf).notes())
+
+
+@lru_cache(maxsize=64)
 def _expandable(allocator_conf: str) -> bool:
     from vram_planner.allocator import parse_allocator_conf
 
