@@ -264,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no pair {', '.join(unknown)} in the matrix (TRL/transformers, as --table lists them)")
     if args.build_only:
         for pair in chosen:
-            if not (venv_of(args.venvs, *pair[:2]) / "bin" / "python").exists():
+            venv = venv_of(args.venvs, *pair[:2])
+            if not (venv / "bin" / "python").exists():
                 print(f"building TRL {pair[0]} with transformers {pair[1]} in {args.venvs}", file=sys.stderr, flush=True)
-                build(venv_of(args.venvs, *pair[:2]), *pair)
+                build(venv, *pair)
         return 0
     results = json.loads(RESULTS.read_text())["pairs"] if RESULTS.exists() else {}
     if args.analytic:

@@ -75,7 +75,7 @@ class AllocatorConf:
             notes.append("garbage_collection_threshold acts only under a per-process memory fraction below 1 "
                          "(per_process_memory_fraction or torch.cuda.set_per_process_memory_fraction); "
                          "without one torch never runs it")
-        if self.expandable_segments_reserve_fraction or self.expandable_segments_reserve_bytes:
+        if self.has_expandable_segments_reserve:
             notes.append("expandable_segments_reserve is read by torch 2.15 and later (earlier releases refuse the "
                          "key); no single tensor can be larger than the address space it gives each segment" +
                          ("" if self.expandable_segments else ", and it acts only with expandable_segments:True"))
@@ -89,11 +89,15 @@ class AllocatorConf:
                          f"{'is' if one else 'are'} ignored")
         return notes
 
+    @property
+    def has_expandable_segments_reserve(self) -> bool:
+        return bool(self.expandable_segments_reserve_fraction or self.expandable_segments_reserve_bytes)
+
     def torch_215_keys(self) -> tuple[str, ...]:
         """The keys of this setting that torch 2.14 and earlier refuse."""
-        reserve = bool(self.expandable_segments_reserve_fraction or self.expandable_segments_reserve_bytes)
-        return tuple(key for key, present in zip(TORCH_215_KEYS, (reserve, TORCH_215_KEYS[1] in self.ignored_keys))
-                     if present)
+        given = {"expandable_segments_reserve": self.has_expandable_segments_reserve,
+                 "expandable_segments_reserve_by_class": "expandable_segments_reserve_by_class" in self.ignored_keys}
+        return tuple(key for key in TORCH_215_KEYS if given[key])
 
     def expandable_segment_address_bytes(self, device_bytes: int) -> int:
         """The address space one expandable segment reserves (before rounding to its pages): 9/8 of the device's

@@ -247,14 +247,23 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     return shard_bytes(train, grads, 2) + _trainable_rounding(arch, train, sizes(train).trainable)
 
 
+def zero_optimizer_groups(arch: ModelArchitecture, train: TrainingConfig) -> list[list[int]]:
+    """The trainable parameters' numels per optimizer group, as DeepSpeed flattens them (model/zero.py)."""
+    return zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets)
+
+
+def zero2_accumulated_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """ZeRO-2's partition buffer of whole gradients, from a micro-batch's first reduction on (model/zero.py)."""
+    return zero.accumulated_gradient_bytes(zero_optimizer_groups(arch, train), train.num_gpus)
+
+
 def step_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """The gradients at the optimizer step's peak: under ZeRO-1/2/3 without offload what DeepSpeed's step holds
     (model/zero.py: the 16-bit gradients, their flat and fp32 copies or the norm's fp64 one; ZeRO-3's partition
     beside, its bucket added in model/phases.py); otherwise the gradients as the backward leaves them and the fp32
     ones made in the step (`fp32_gradient_bytes`)."""
     if train.zero_stage in (1, 2, 3) and not train.optimizer_offloaded:
-        groups = zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets)
-        return (zero.step_gradient_bytes(groups, train.num_gpus, train.zero_stage)
+        return (zero.step_gradient_bytes(zero_optimizer_groups(arch, train), train.num_gpus, train.zero_stage)
                 + zero3_gradient_partition_bytes(arch, train))
     return gradient_bytes(arch, train) + fp32_gradient_bytes(arch, train)
 

@@ -88,7 +88,7 @@ def host_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBuf
     if train.zero_stage == 3:
         return _zero3_buffers(arch, train, part)
     # one flat partition per optimizer group, each pinned on its own
-    parts = [math.ceil(sum(group) / train.num_gpus) for group in _optimizer_groups(arch, train)]
+    parts = [math.ceil(sum(group) / train.num_gpus) for group in m.zero_optimizer_groups(arch, train)]
     buffers = [
         _flat("fp32 master partition", parts, FP32_BYTES),  # zero/stage_1_and_2.py:560-565
         _flat("16-bit copy of the partition for the upload", parts, BIT16_BYTES),  # :566-573
@@ -102,7 +102,7 @@ def host_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBuf
         # gradients accumulated across micro-batches, one pinned tensor per parameter in the parameters' dtype
         # (zero/stage_1_and_2.py:1822-1825, used from the second micro-batch or before the boundary, :2166-2167):
         # every parameter with a piece in the partition, whole, so the ones it shares with its neighbours come in full
-        touching = [numel for group in _optimizer_groups(arch, train) for numel in _touching(group, train.num_gpus)]
+        touching = [numel for group in m.zero_optimizer_groups(arch, train) for numel in _touching(group, train.num_gpus)]
         buffers.append(_per_parameter("gradients accumulated on the host", touching, BIT16_BYTES))
     return buffers
 
@@ -112,10 +112,6 @@ def _flat(name: str, parts: list[int], element_bytes: int) -> HostBuffer:
     return HostBuffer(name, sum(parts) * element_bytes, sum(pinned_bytes(p * element_bytes) for p in parts), True)
 
 
-def _optimizer_groups(arch: ModelArchitecture, train: TrainingConfig) -> list[list[int]]:
-    return zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets)
-
-
 def _touching(numels: list[int], ranks: int) -> list[int]:
     """The parameters (numels, in order) with a piece in the rank's partition of their flat group that has the most
     elements of them, each whole."""
@@ -123,7 +119,7 @@ def _touching(numels: list[int], ranks: int) -> list[int]:
 
 
 def _zero3_buffers(arch: ModelArchitecture, train: TrainingConfig, part: int) -> list[HostBuffer]:
-    parts = [math.ceil(sum(group) / train.num_gpus) for group in _optimizer_groups(arch, train)]
+    parts = [math.ceil(sum(group) / train.num_gpus) for group in m.zero_optimizer_groups(arch, train)]
     # each optimizer group's partition steps in sub-groups of at most zero.SUB_GROUP_ELEMENTS (zero/config.py:182),
     # a pinned fp32 gradient each (zero/stage3.py:1337-1342)
     sub_groups = [size for p in parts for size in [zero.SUB_GROUP_ELEMENTS] * (p // zero.SUB_GROUP_ELEMENTS)
@@ -147,7 +143,7 @@ def _fsdp_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBu
     312-315) and copies each reduced gradient shard to the host (_fsdp_collectives.py:711-743, into pinned memory
     with a non-blocking copy); the optimizer's states are made beside the shards, unpinned."""
     n, master = train.num_gpus, fsdp.master_bytes(train)
-    shards = [math.ceil(numel / n) for group in _optimizer_groups(arch, train) for numel in group]
+    shards = [math.ceil(numel / n) for group in m.zero_optimizer_groups(arch, train) for numel in group]
     frozen = [math.ceil(numel / n) for group in zero.base_groups(arch) for numel in group] if train.uses_lora else []
     on_device = _on_device(train)
     return [_per_parameter("parameter shards", shards, master),

@@ -155,8 +155,7 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
     trainable = m.trainable_params(arch, train)
     tied = arch.tie_word_embeddings and not train.uses_lora
     # ZeRO-2's partition buffer, from a micro-batch's first reduction on, unless the earlier ones left it
-    kept = 0 if accumulating or train.zero_stage != 2 else zero.accumulated_gradient_bytes(
-        zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets), train.num_gpus)
+    kept = 0 if accumulating or train.zero_stage != 2 else m.zero2_accumulated_gradient_bytes(arch, train)
     # ZeRO-3 under accumulation counted without the waiting head gradient, as it was: its sharded trace peaks in the
     # LM head's backward there (Llama-3.2-1B on 8), above this moment
     waits = tied and not (accumulating and train.zero_stage == 3)
@@ -412,8 +411,7 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         grads_before = m.zero3_gradient_partition_bytes(arch, train)
     elif accumulating and train.zero_stage == 2 and not train.optimizer_offloaded:
         # ZeRO-2 keeps every gradient its partition touches whole from the first micro-batch's reduction on
-        grads_before = zero.accumulated_gradient_bytes(
-            zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets), train.num_gpus)
+        grads_before = m.zero2_accumulated_gradient_bytes(arch, train)
     forward_casts, backward_casts = _training_casts(arch, train)
     weights = persistent["weights"] + prefetched
     if train.fsdp:  # the tail and a layer gathered beside the shards

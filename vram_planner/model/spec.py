@@ -536,15 +536,16 @@ def changed_settings(train: TrainingConfig) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=64)
-def allocator_conf_notes(allocator_conf: str) -> tuple[str, ...]:
+def _parsed_allocator_conf(allocator_conf: str) -> Any:
+    from vram_planner.allocator import parse_allocator_conf
+
+    return parse_allocator_conf(allocator_conf)
+
+
+def allocator_conf_notes(allocator_conf: str) -> list[str]:
     """What a reader of these allocator settings should know about how they act (AllocatorConf.notes)."""
-    from vram_planner.allocator import parse_allocator_conf
-
-    return tuple(parse_allocator_conf(allocator_conf).notes())
+    return _parsed_allocator_conf(allocator_conf).notes()
 
 
-@lru_cache(maxsize=64)
 def _expandable(allocator_conf: str) -> bool:
-    from vram_planner.allocator import parse_allocator_conf
-
-    return parse_allocator_conf(allocator_conf).expandable_segments
+    return _parsed_allocator_conf(allocator_conf).expandable_segments

@@ -164,14 +164,14 @@ def run_scoring(session: Session) -> PhasePeak:
     """The no-grad log-prob passes over the generation batch, through the release's own `_get_per_token_logps` in
     chunks of B sequences, as `_generate_and_score_completions` runs them (old log-probs, then the reference's)."""
     train, tracker, trainer = session.train, session.tracker, session.trainer
-    from vram_planner.tracing.phases import _prompt, _scoring_models
+    from vram_planner.tracing.phases import _processor_outputs, _prompt, _scoring_models
 
     sequences = train.local_generation_batch_size
     tracker.reset_peak()
     with torch.no_grad(), tracker.tagged(ACTS, "scoring forward"), accelerate_prepared(session):
         kept = []  # every pass's log-probs stay until the whole batch is scored
         ids, mask = _prompt(session, sequences, train.sequence_length)
-        types = torch.zeros_like(ids) if passes_token_type_ids(session.base_model) else None
+        types = _processor_outputs(session, ids).get("token_type_ids")
         _completions_selected(session, train.micro_batch_completions)
         for needed, model in _scoring_models(session):
             if needed:
