@@ -14,12 +14,12 @@ from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.plot import COMPONENT_COLOURS
 from vram_planner.report.words import first_micro_batch_line, footer_lines, near_boundary_reason, saving
 from vram_planner.model.accelerate_config import SCRIPT_FILE
-from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
+from vram_planner.model.phases import COMPONENTS, PHASE_TITLES, component_label
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
 
 FREE = "free"  # what is left of the card on top of a phase's bar
-COMPONENT_LABELS = {c: c.replace("_", " ") for c in COMPONENTS}  # as the table and --plot name them
+COMPONENT_LABELS = {c: component_label(c) for c in COMPONENTS}  # as the table and --plot name them
 BAR_COLOURS = {COMPONENT_LABELS[c]: COMPONENT_COLOURS[c] for c in COMPONENTS} | {FREE: "#ececec"}
 # Gradio's bar plot stacks the parts in the reverse order of their first rows, with no channel to set it, and fixes
 # its colours to the parts of the first data it draws: every phase has a row for every part, zeros included, free

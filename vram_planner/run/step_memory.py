@@ -19,9 +19,10 @@ SETTLING_STEPS = 2
 
 
 def predicted_reserved_bytes(estimate: Any) -> float:
-    """What the plan expects the caching allocator to reserve at the peak: its peak less the CUDA context, which the
-    allocator never sees."""
-    return estimate.peak_bytes - estimate.peak_phase.components.get("cuda_context", 0.0)
+    """What the plan expects the caching allocator to reserve at the peak: its peak less the CUDA context and NCCL's
+    buffers, which the allocator never sees."""
+    outside = ("cuda_context", "nccl_buffers")
+    return estimate.peak_bytes - sum(estimate.peak_phase.components.get(c, 0.0) for c in outside)
 
 
 @dataclass(frozen=True)
