@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,9 @@ def test_every_catalog_interconnect_has_a_row_and_every_row_says_how():
     rows = {r["interconnect"] for r in raw["link"]}
     assert {g.interconnect for g in gpus()} <= rows
     assert all(r["how"] and r["bandwidth"] > 0 for r in raw["link"])
+
+
+def test_the_readme_says_what_is_counted_and_from_where():
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("### NCCL's own memory"):]
+    assert "profiles/nccl.toml" in section and "2.30.7" in section and "NVLS" in section
