@@ -73,8 +73,9 @@ def exact_markdown(report: Report) -> str:
     mark = "✔ Fits exactly" if report.fits else "✘ Does not fit exactly"
     return (f"**{mark}:** the traced step needs {gib(exact.need_bytes)} GiB of the card's "
             f"{gib(report.capacity_bytes)} GiB (no safety margin; estimated {gib(report.peak_bytes)} GiB); the "
-            f"allocator will hold {gib(exact.reserved_peak_bytes)} GiB besides the CUDA context, as it keeps freed "
-            f"blocks cached until the card runs out. Traced in {exact.seconds:.1f} s.")
+            f"allocator will hold {gib(exact.reserved_peak_bytes)} GiB besides the CUDA context (and NCCL's "
+            f"buffers on several GPUs), as it keeps freed blocks cached until the card runs out. Traced in "
+            f"{exact.seconds:.1f} s.")
 
 
 def _verdict(report: Report) -> str:

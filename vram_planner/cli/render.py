@@ -106,11 +106,12 @@ def exact_headline(report: Report, title: Text) -> Text:
 def held_line(report: Report) -> str:
     """What the run needs against what the allocator holds on this card, the figure nvidia-smi shows."""
     exact = report.exact
-    outside = ("cuda_context", "nccl_buffers")  # device memory outside the caching allocator
-    context = sum(report.phases[0].components.get(c, 0) for c in outside) if report.phases else 0
-    held = exact.reserved_peak_bytes + context
+    components = report.phases[0].components if report.phases else {}
+    # device memory outside the caching allocator: the CUDA context and, on several GPUs, NCCL's buffers
+    held = exact.reserved_peak_bytes + components.get("cuda_context", 0) + components.get("nccl_buffers", 0)
+    outside = "the CUDA context, NCCL's buffers" if components.get("nccl_buffers") else "the CUDA context"
     needs = (f"It needs {_g(exact.need_bytes)} GiB (tensors and cuBLAS workspaces peak at "
-             f"{_g(exact.tensor_peak_bytes)} GiB, the CUDA context and the allocator's segments make the rest)")
+             f"{_g(exact.tensor_peak_bytes)} GiB, {outside} and the allocator's segments make the rest)")
     if not report.fits:
         return (f"{needs}; on a card with room the allocator would hold {_g(held)} GiB, "
                 f"{_g(held - exact.need_bytes)} GiB of them {WHY_HELD}.")

@@ -122,7 +122,8 @@ def gpu_count_report(fewest: Any) -> GpuCountReport:  # fewest: vram_planner.mod
 class ExactReport:
     """`--exact` and `trace`: the step traced and replayed through the caching allocator model."""
 
-    need_bytes: int  # the least card on which the step runs: CUDA context and cuBLAS workspaces included
+    need_bytes: int  # the least card on which the step runs: CUDA context, NCCL buffers and cuBLAS workspaces
+    # included
     tensor_peak_bytes: int  # the step's tensors and cuBLAS workspaces at their peak, in 512-byte blocks
     # the most the allocator holds at once on this card (where the step runs out there: on a card with room), the
     # CUDA context left out (nvidia-smi shows the two together)
@@ -338,7 +339,8 @@ TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as t
                 "reserves for the step's allocations and frees: the most during the phase at steady state, as "
                 "torch.cuda.max_memory_reserved reports it after reset_peak_memory_stats at the phase's start. "
                 "Component allocator_overhead is reserved_bytes - tensor_bytes, cuda_context comes from the "
-                "calibration or the GPU catalog (see cuda_context_source); total_bytes and peak_bytes add them. fits "
+                "calibration or the GPU catalog (see cuda_context_source), nccl_buffers from NCCL's defaults (see "
+                "assumptions.nccl_buffers); total_bytes and peak_bytes add them. fits "
                 "is exact.need_bytes <= capacity_bytes: the least card on which the allocator model replays the step "
                 "without running out, found by bisection")
 

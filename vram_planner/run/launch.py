@@ -233,6 +233,9 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     summary = RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started,
                          None if peaks is None else peaks[1], growth)
     per_rank = gathered(ranks.measured) if setup.train.num_gpus > 1 else None  # every rank takes part
+    # each rank's bytes, and (what a CUDA rank measured outside the allocator stands beside) the plan's context and NCCL
+    several = ({"ranks": per_rank, "predicted_outside_allocator_bytes": setup.predicted_outside_allocator_bytes}
+               if per_rank else {})
     if not smoke and main:
         record_outcome(setup.output_dir, {"status": "finished", "steps": summary.steps,
                                           "seconds": round(summary.seconds, 1),
@@ -241,7 +244,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
                                           "predicted_peak_bytes": round(setup.predicted_peak_bytes),
                                           "predicted_peak_reserved_bytes": round(setup.predicted_reserved_bytes),
                                           "measured_reserved_growth": growth.to_dict() if growth else None,
-                                          **({"ranks": per_rank} if per_rank else {})})
+                                          **several})
     return summary
 
 

@@ -68,6 +68,13 @@ class RunSetup:
         return predicted_reserved_bytes(self.verdict.estimate)
 
     @property
+    def predicted_outside_allocator_bytes(self) -> dict[str, int]:
+        """The plan's CUDA context and NCCL buffers on each rank, beside which a CUDA run records what its cards held
+        outside the allocator."""
+        components = self.verdict.estimate.peak_phase.components
+        return {c: round(components.get(c, 0.0)) for c in ("cuda_context", "nccl_buffers")}
+
+    @property
     def predicted_step_seconds(self) -> float | None:
         """The step-time model's seconds per optimizer step (None where the card has no speed figures)."""
         from vram_planner.model.ranking import timed
