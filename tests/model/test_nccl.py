@@ -124,3 +124,23 @@ def test_the_readme_says_what_is_counted_and_from_where():
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text[text.index("### NCCL's own memory"):]
     assert "profiles/nccl.toml" in section and "2.30.7" in section and "NVLS" in section
+
+
+def test_the_two_gpu_measurement_script_sets_the_plans_figure_beside_and_refuses_without_cuda(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        from nccl_memory import planned
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    h100 = GpuProfile.from_name("h100-80gb")
+    assert planned("h100-80gb", 8, 2)["bytes"] == nccl_figure(h100, 8, "zero3").bytes
+    assert planned("h100-80gb", 2, 1)["parts"] == nccl_figure(h100, 2, "ddp").parts
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "nccl_memory.py"), "--gpu", "h100-80gb",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and done.stderr.strip() == "needs CUDA GPUs and torchrun --nproc-per-node N (N >= 2)"
