@@ -172,7 +172,9 @@ def nccl_figure(gpu: GpuProfile, num_gpus: int, strategy: Strategy) -> NcclFigur
     parts = {k: v * comms for k, v in one.items()}
     total = sum(parts.values())
     channels = coll_channels(row.bandwidth, gpu.compute_capability, table)
-    where = "buffers in host memory (shm: no P2P between GeForce cards)" if transport == "shm" else "P2P buffers"
+    where = ("buffers in host memory (shm: no P2P between GeForce cards)" if transport == "shm" else
+             "P2P buffers" + (" (cards under one PCIe switch; across CPU sockets NCCL takes shm, less on the card)"
+                              if interconnect.startswith("pcie") else ""))
     card = interconnect if gpu.interconnect else f"card not in the catalog, taken as {interconnect}"
     source = (f"NCCL {table.release} defaults for {card} ({row.how}): {channels} channels, {where}"
               + (", NVLS" if "nvls" in parts else "") + f", {comms} communicator{'s' * (comms > 1)} "

@@ -35,11 +35,6 @@ COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "
               "lm_head_buffers", "vllm_reservation", "cuda_context", "nccl_buffers", "cublas_workspaces",
               "allocator_overhead")
 TENSOR_COMPONENTS = COMPONENTS[:7]
-
-
-def component_label(component: str) -> str:
-    """How the table, the plot and the web page name a component."""
-    return "NCCL buffers" if component == "nccl_buffers" else component.replace("_", " ")
 # TRL 0.14's policy forward as its logits leave the model: under mixed precision accelerate's float32 copy of them
 # (convert_outputs_to_fp32) is made while the model's own are alive
 POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy"
@@ -48,6 +43,11 @@ POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy
 FIRST_MICRO_BATCH_PHASES = ("generation", "scoring", "training")
 PHASE_TITLES = {"generation": "generation", "scoring": "old/ref log-probs", "training": "loss forward/backward",
                 "optimizer": "optimizer step"}
+
+
+def component_label(component: str) -> str:
+    """How the table, the plot and the web page name a component."""
+    return "NCCL buffers" if component == "nccl_buffers" else component.replace("_", " ")
 
 
 @dataclass(frozen=True)
