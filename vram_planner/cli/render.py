@@ -14,7 +14,7 @@ from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.words import (first_micro_batch_line, footer_lines, near_boundary_reason, saving,
                                        small_amount)
 from vram_planner.model.grpo_config import python_snippet
-from vram_planner.model.phases import COMPONENTS, PHASE_TITLES, component_label
+from vram_planner.model.phases import COMPONENTS, OUTSIDE_ALLOCATOR, PHASE_TITLES, component_label
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB, KiB, MiB
@@ -107,8 +107,7 @@ def held_line(report: Report) -> str:
     """What the run needs against what the allocator holds on this card, the figure nvidia-smi shows."""
     exact = report.exact
     components = report.phases[0].components if report.phases else {}
-    # device memory outside the caching allocator: the CUDA context and, on several GPUs, NCCL's buffers
-    held = exact.reserved_peak_bytes + components.get("cuda_context", 0) + components.get("nccl_buffers", 0)
+    held = exact.reserved_peak_bytes + sum(components.get(c, 0) for c in OUTSIDE_ALLOCATOR)
     outside = "the CUDA context, NCCL's buffers" if components.get("nccl_buffers") else "the CUDA context"
     needs = (f"It needs {_g(exact.need_bytes)} GiB (tensors and cuBLAS workspaces peak at "
              f"{_g(exact.tensor_peak_bytes)} GiB, {outside} and the allocator's segments make the rest)")

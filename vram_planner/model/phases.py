@@ -35,6 +35,8 @@ COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "
               "lm_head_buffers", "vllm_reservation", "cuda_context", "nccl_buffers", "cublas_workspaces",
               "allocator_overhead")
 TENSOR_COMPONENTS = COMPONENTS[:7]
+# Device memory outside PyTorch's caching allocator: what it never reserves, beside what it does
+OUTSIDE_ALLOCATOR = ("cuda_context", "nccl_buffers")
 # TRL 0.14's policy forward as its logits leave the model: under mixed precision accelerate's float32 copy of them
 # (convert_outputs_to_fp32) is made while the model's own are alive
 POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy"

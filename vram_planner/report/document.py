@@ -122,11 +122,10 @@ def gpu_count_report(fewest: Any) -> GpuCountReport:  # fewest: vram_planner.mod
 class ExactReport:
     """`--exact` and `trace`: the step traced and replayed through the caching allocator model."""
 
-    need_bytes: int  # the least card on which the step runs: CUDA context, NCCL buffers and cuBLAS workspaces
-    # included
+    need_bytes: int  # the least card the step runs on: CUDA context, NCCL buffers, cuBLAS workspaces included
     tensor_peak_bytes: int  # the step's tensors and cuBLAS workspaces at their peak, in 512-byte blocks
     # the most the allocator holds at once on this card (where the step runs out there: on a card with room), the
-    # CUDA context left out (nvidia-smi shows the two together)
+    # CUDA context and NCCL's buffers left out (nvidia-smi shows them together)
     reserved_peak_bytes: int
     seconds: float  # the trace, the replay on this card and the need's bisection
 

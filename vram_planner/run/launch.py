@@ -233,7 +233,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     summary = RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started,
                          None if peaks is None else peaks[1], growth)
     per_rank = gathered(ranks.measured) if setup.train.num_gpus > 1 else None  # every rank takes part
-    # each rank's bytes, and (what a CUDA rank measured outside the allocator stands beside) the plan's context and NCCL
+    # each rank's bytes, and the plan's CUDA context and NCCL buffers beside what CUDA ranks held outside the allocator
     several = ({"ranks": per_rank, "predicted_outside_allocator_bytes": setup.predicted_outside_allocator_bytes}
                if per_rank else {})
     if not smoke and main:

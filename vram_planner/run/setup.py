@@ -9,6 +9,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
+from vram_planner.model.phases import OUTSIDE_ALLOCATOR
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.verdict import Verdict, judge
@@ -72,7 +73,7 @@ class RunSetup:
         """The plan's CUDA context and NCCL buffers on each rank, beside which a CUDA run records what its cards held
         outside the allocator."""
         components = self.verdict.estimate.peak_phase.components
-        return {c: round(components.get(c, 0.0)) for c in ("cuda_context", "nccl_buffers")}
+        return {c: round(components.get(c, 0.0)) for c in OUTSIDE_ALLOCATOR}
 
     @property
     def predicted_step_seconds(self) -> float | None:
