@@ -337,7 +337,7 @@ def closing_line(setup: RunSetup, summary: RunSummary) -> str:
         context = setup.predicted_peak_bytes - setup.predicted_reserved_bytes
         measured = (f"peak reserved {summary.measured_peak_reserved_bytes / GiB:.2f} GiB, predicted "
                     f"{setup.predicted_reserved_bytes / GiB:.2f} GiB (the plan's {setup.predicted_peak_bytes / GiB:.2f}"
-                    f" GiB less {context / GiB:.2f} GiB of CUDA context)")
+                    f" GiB less {context / GiB:.2f} GiB of {setup.outside_allocator_words})")
         if summary.reserved_growth is not None:
             measured += f"; {summary.reserved_growth.describe()}"
     steps = "1 step" if summary.steps == 1 else f"{summary.steps} steps"
