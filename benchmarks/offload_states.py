@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vram_planner import api  # noqa: E402
+from vram_planner import engine  # noqa: E402
 from vram_planner.model import offload, zero  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
 

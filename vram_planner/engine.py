@@ -176,13 +176,19 @@ class TraceOutcome:
     def need_bytes(self) -> int:
         """The least card on which the step runs: the CUDA context, and what cudaMalloc must be able to hand out
         for the traced tensors, the cuBLAS workspaces and the allocator's rounding and fragmentation."""
-        return self.need.capacity_bytes + round(self.traced.context.cuda_context.bytes)
+        return self.need.capacity_bytes + self._outside_allocator_bytes
 
     @property
     def held_bytes(self) -> int:
         """The most the allocator reserves at once on this card (or, where the step runs out there, on a card with
         room), with the CUDA context: what nvidia-smi shows."""
-        return self.need.held_bytes + round(self.traced.context.cuda_context.bytes)
+        return self.need.held_bytes + self._outside_allocator_bytes
+
+    @property
+    def _outside_allocator_bytes(self) -> int:
+        """The CUDA context and NCCL's buffers (multi-GPU): device memory cudaMalloc cannot hand out."""
+        context = self.traced.context
+        return round(context.cuda_context.bytes) + context.nccl(self.traced.train).bytes
 
     @property
     def seconds(self) -> float:
@@ -240,7 +246,7 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
     # calibration when it measured one, else from the GPU catalog).
     stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
-    card = max(int(context.capacity_bytes - context.cuda_context.bytes), 0)
+    card = max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0)
     reserved = reserved_memory(stream, conf, card)
     say("bisecting the least memory the step runs in")
     need = least_capacity([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, card)
@@ -331,7 +337,7 @@ def _traced_phase(traced: Any, reserved_by_phase: dict[str, int], context: Conte
 
     workspaces = cublas_workspace_bytes(context.gpu.compute_capability)
     phase = with_overheads(Phase(traced.name, dict(traced.components), traced.moment), context.calibration, 0.0,
-                           train, context.cuda_context.bytes, workspaces)
+                           train, context.cuda_context.bytes, workspaces, nccl_bytes=context.nccl(train).bytes)
     reserve = reserved_by_phase.get(traced.name, traced.peak_bytes) - traced.peak_bytes - workspaces
     return Phase(phase.name, {**phase.components, "allocator_overhead": float(max(reserve, 0))}, phase.moment)
 

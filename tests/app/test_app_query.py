@@ -155,7 +155,7 @@ def test_the_bars_stack_each_phase_up_to_the_card_with_the_weights_at_the_bottom
     for phase in report.phases:
         parts = {r["part"]: r["GiB"] for r in rows if r["phase"] == views.PHASE_TITLES[phase.name]}
         assert sum(parts.values()) == pytest.approx(report.capacity_bytes / GiB, abs=0.01)
-        assert parts == pytest.approx({c.replace("_", " "): phase.components[c] / GiB for c in COMPONENTS}
+        assert parts == pytest.approx({views.COMPONENT_LABELS[c]: phase.components[c] / GiB for c in COMPONENTS}
                                       | {views.FREE: (report.capacity_bytes - phase.total_bytes) / GiB}, abs=0.001)
     # the plot stacks the parts in the reverse order of their first rows, and colours those of its first data only
     first_rows = list(dict.fromkeys(r["part"] for r in rows))

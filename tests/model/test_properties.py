@@ -18,8 +18,10 @@ from helpers import FIXTURES, within_seconds
 from vram_planner import engine
 from vram_planner.errors import ConfigError, VramPlanError
 from vram_planner.model import activations as act
+from vram_planner.model.phases import estimate as analytic_estimate
 from vram_planner.model.calibration import UNFITTED_RESERVE_FRACTION
 from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.nccl import nccl_figure
 from vram_planner.model.search import (Plan, best_plan, ladder_runs, micro_batch_variants, smallest_micro_batch,
                                       with_micro_batch)
 from vram_planner.model.spec import Optimizer, TrainingConfig, knob_names, knob_types, with_changes
@@ -373,6 +375,27 @@ def test_the_first_micro_batch_is_judged_on_its_own_and_never_needs_more_than_th
         assert phase.components["optimizer_states"] == 0
         assert phase.total_bytes <= steady[phase.name].total_bytes * (1 + FLOAT_NOISE), phase.name
     assert verdict.first_micro_batch_fits or not verdict.fits
+
+
+@settings(QUICK, max_examples=60)
+@given(**VALID)
+def test_every_phase_of_every_rank_carries_nccls_buffers(model, card, trl_version, knobs):
+    verdict = judge(*_valid(model, card, trl_version, knobs))
+    context, train = verdict.context, verdict.train
+    figure = nccl_figure(context.gpu, train.num_gpus, train.distributed)
+    assert (figure.bytes == 0) == (train.num_gpus == 1)
+    for estimate in (verdict.estimate, verdict.first_micro_batch):
+        assert {p.components["nccl_buffers"] for p in estimate.phases} == {figure.bytes}
+    # outside the caching allocator: every phase grows by exactly the figure, the allocator's reserve stays
+    gpu = context.gpu
+    without = analytic_estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes,
+                                context.cuda_context.bytes, gpu.label, gpu.bf16, gpu.compute_capability)
+    for counted, bare in zip(verdict.estimate.phases, without.phases, strict=True):
+        assert counted.total_bytes - bare.total_bytes == pytest.approx(figure.bytes, rel=FLOAT_NOISE, abs=1)
+        assert counted.components["allocator_overhead"] == bare.components["allocator_overhead"]
+    assert sum("NCCL buffers" in note for note in verdict.estimate.notes) == (train.num_gpus > 1)
+    # one more GPU never needs fewer NCCL bytes (more peers: the tree's pair from 3 on, NVLS's heads)
+    assert nccl_figure(context.gpu, train.num_gpus + 1, train.distributed).bytes >= figure.bytes
 
 
 @settings(QUICK, max_examples=60)

@@ -53,6 +53,11 @@ def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, monkeypat
     assert [line["step"] for line in lines if "reward" in line] == [1]
     ranks = record["outcome"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
+    # beside what a CUDA rank measures outside the allocator (a CPU rank has no card): the plan's context and NCCL
+    outside = record["outcome"]["predicted_outside_allocator_bytes"]
+    peak = max(record["phases"], key=lambda p: p["peak_bytes"])["components"]
+    assert outside == {c: round(peak[c]) for c in ("cuda_context", "nccl_buffers")} and outside["nccl_buffers"] > 0
+    assert not any("outside_allocator_bytes" in r for r in ranks)
     plan = _planned(record)
     for rank in ranks:
         # DeepSpeed's fp32 master partition with the moments, FSDP2's fp32 shard of both: what the plan counts
@@ -91,6 +96,25 @@ def test_rank_bytes_reads_weights_gradients_and_optimizer_states():
     optimizer.zero_grad()
     assert rank_bytes(model, optimizer)["gradients"] == 0
     assert gathered({"weights": 1}) == [{"rank": 0, "weights": 1}]  # no process group: this process alone
+
+
+def test_a_cuda_rank_records_what_its_card_holds_outside_the_allocator(monkeypatch):
+    import torch
+
+    from vram_planner.run.ranks import RankBytes
+
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    # a card of 80 GiB with 60 free, 15 of the used 20 reserved by the caching allocator
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (60 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 15 * 2**30)
+    ranks = RankBytes()
+    ranks.on_optimizer_step(None, None, None, model=model, optimizer=optimizer)
+    assert ranks.measured["outside_allocator_bytes"] == 5 * 2**30
+    assert ranks.measured["weights"] == 2 * 512
 
 
 @pytest.mark.parametrize(("missing", "flags", "install"), [

@@ -13,9 +13,11 @@ import pytest
 from snapshot_builder import Recorder
 
 from helpers import FIXTURES, SMALL, run
+from vram_planner import engine
 from vram_planner.allocator.caching import OutOfMemory
 from vram_planner.run.launch import RunSummary, closing_line
 from vram_planner.run.out_of_memory import RunOutOfMemory, whole_sentences
+from vram_planner.run.setup import RunSetup
 from vram_planner.run.step_memory import ReservedGrowth, StepMemory
 
 pytest.importorskip("trl")
@@ -148,6 +150,22 @@ def test_the_prediction_beside_the_allocators_peak_leaves_the_cuda_context_out(s
     assert setup.predicted_reserved_bytes == pytest.approx(peak.total_bytes - peak.components["cuda_context"])
     assert f"; {setup.predicted_reserved_bytes / 2**30:.2f} GiB reserved by PyTorch, the rest the CUDA context" in (
         setup.describe())
+
+
+def test_on_several_gpus_the_prediction_leaves_nccls_buffers_out_too(tmp_path):
+    verdict = engine.check("SmolLM2-135M", "h100-80gb", {"num_gpus": 2, "fsdp": True})
+    several = RunSetup(verdict=verdict, model_id="SmolLM2-135M", dataset="math-sample", rewards=["format"],
+                       output_dir=tmp_path / "run")
+    peak = verdict.estimate.peak_phase
+    assert peak.components["nccl_buffers"] > 0
+    assert several.predicted_outside_allocator_bytes == {"cuda_context": round(peak.components["cuda_context"]),
+                                                         "nccl_buffers": round(peak.components["nccl_buffers"])}
+    assert several.predicted_reserved_bytes == pytest.approx(
+        peak.total_bytes - peak.components["cuda_context"] - peak.components["nccl_buffers"])
+    assert "the rest the CUDA context and NCCL buffers, which" in several.describe()
+    line = closing_line(several, RunSummary(several.output_dir, 4, 9.0, round(several.predicted_reserved_bytes)))
+    outside = several.predicted_peak_bytes - several.predicted_reserved_bytes
+    assert f"less {outside / 2**30:.2f} GiB of CUDA context and NCCL buffers)" in line
 
 
 def test_reserved_growth_counts_from_the_settled_step():

@@ -166,3 +166,17 @@ def test_every_fixture_architecture_traces_one_fsdp2_rank_as_check_counts_it(fix
                                              context.capacity_bytes).phases}
     for phase in traced.phases:
         assert abs(analytic[phase.name].tensor_bytes - phase.peak_bytes) < 0.05 * phase.peak_bytes, phase.name
+
+
+def test_one_ranks_exact_need_holds_nccls_buffers_outside_the_allocator():
+    from vram_planner.model.nccl import nccl_figure
+
+    outcome = engine.trace(str(FIXTURE), "h100-80gb", {**SHORT, "num_gpus": 2, "fsdp": True})
+    context = outcome.traced.context
+    figure = nccl_figure(context.gpu, 2, "fsdp").bytes
+    assert figure > 0
+    assert {p.components["nccl_buffers"] for p in outcome.traced.estimate.phases} == {figure}
+    assert {p.components["nccl_buffers"] for p in outcome.analytic.estimate.phases} == {figure}
+    # the least card: what cudaMalloc must hand out, plus the CUDA context and NCCL's buffers beside it
+    assert outcome.need_bytes == outcome.need.capacity_bytes + round(context.cuda_context.bytes) + figure
+    assert outcome.held_bytes == outcome.need.held_bytes + round(context.cuda_context.bytes) + figure

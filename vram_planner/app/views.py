@@ -14,12 +14,12 @@ from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.plot import COMPONENT_COLOURS
 from vram_planner.report.words import first_micro_batch_line, footer_lines, near_boundary_reason, saving
 from vram_planner.model.accelerate_config import SCRIPT_FILE
-from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
+from vram_planner.model.phases import COMPONENTS, PHASE_TITLES, component_label
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
 
 FREE = "free"  # what is left of the card on top of a phase's bar
-COMPONENT_LABELS = {c: c.replace("_", " ") for c in COMPONENTS}  # as the table and --plot name them
+COMPONENT_LABELS = {c: component_label(c) for c in COMPONENTS}  # as the table and --plot name them
 BAR_COLOURS = {COMPONENT_LABELS[c]: COMPONENT_COLOURS[c] for c in COMPONENTS} | {FREE: "#ececec"}
 # Gradio's bar plot stacks the parts in the reverse order of their first rows, with no channel to set it, and fixes
 # its colours to the parts of the first data it draws: every phase has a row for every part, zeros included, free
@@ -73,8 +73,9 @@ def exact_markdown(report: Report) -> str:
     mark = "✔ Fits exactly" if report.fits else "✘ Does not fit exactly"
     return (f"**{mark}:** the traced step needs {gib(exact.need_bytes)} GiB of the card's "
             f"{gib(report.capacity_bytes)} GiB (no safety margin; estimated {gib(report.peak_bytes)} GiB); the "
-            f"allocator will hold {gib(exact.reserved_peak_bytes)} GiB besides the CUDA context, as it keeps freed "
-            f"blocks cached until the card runs out. Traced in {exact.seconds:.1f} s.")
+            f"allocator will hold {gib(exact.reserved_peak_bytes)} GiB besides the CUDA context (and NCCL's "
+            f"buffers on several GPUs), as it keeps freed blocks cached until the card runs out. Traced in "
+            f"{exact.seconds:.1f} s.")
 
 
 def _verdict(report: Report) -> str:

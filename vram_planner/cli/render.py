@@ -14,7 +14,7 @@ from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.words import (first_micro_batch_line, footer_lines, near_boundary_reason, saving,
                                        small_amount)
 from vram_planner.model.grpo_config import python_snippet
-from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
+from vram_planner.model.phases import COMPONENTS, OUTSIDE_ALLOCATOR, PHASE_TITLES, component_label
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB, KiB, MiB
@@ -26,7 +26,7 @@ BAR_WIDTH = 40
 COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients": "magenta",
                     "optimizer_states": "red", "kv_cache": "yellow", "activations": "green",
                     "lm_head_buffers": "bright_green", "vllm_reservation": "bright_cyan",
-                    "cuda_context": "bright_black", "cublas_workspaces": "grey50",
+                    "cuda_context": "bright_black", "nccl_buffers": "bright_black", "cublas_workspaces": "grey50",
                     "allocator_overhead": "white"}
 
 
@@ -106,10 +106,11 @@ def exact_headline(report: Report, title: Text) -> Text:
 def held_line(report: Report) -> str:
     """What the run needs against what the allocator holds on this card, the figure nvidia-smi shows."""
     exact = report.exact
-    context = report.phases[0].components.get("cuda_context", 0) if report.phases else 0
-    held = exact.reserved_peak_bytes + context
+    components = report.phases[0].components if report.phases else {}
+    held = exact.reserved_peak_bytes + sum(components.get(c, 0) for c in OUTSIDE_ALLOCATOR)
+    outside = "the CUDA context, NCCL's buffers" if components.get("nccl_buffers") else "the CUDA context"
     needs = (f"It needs {_g(exact.need_bytes)} GiB (tensors and cuBLAS workspaces peak at "
-             f"{_g(exact.tensor_peak_bytes)} GiB, the CUDA context and the allocator's segments make the rest)")
+             f"{_g(exact.tensor_peak_bytes)} GiB, {outside} and the allocator's segments make the rest)")
     if not report.fits:
         return (f"{needs}; on a card with room the allocator would hold {_g(held)} GiB, "
                 f"{_g(held - exact.need_bytes)} GiB of them {WHY_HELD}.")
@@ -154,7 +155,7 @@ def breakdown_table(report: Report) -> Table:
     for component in COMPONENTS:
         values = [p.components.get(component, 0) for p in report.phases]
         if any(values):
-            table.add_row(Text(component.replace("_", " "), style=COMPONENT_STYLES[component]),
+            table.add_row(Text(component_label(component), style=COMPONENT_STYLES[component]),
                           *(_g(v) for v in values))
     table.add_row(Text("total", style="bold"), *(Text(_g(p.total_bytes), style="bold") for p in report.phases))
     return table

@@ -351,9 +351,9 @@ def _plan_at(context: Context, peaks: SaverPeaks, value: int, describe: bool = T
 
 def peak_memo_key(context: Context, train: TrainingConfig) -> tuple[Any, ...]:
     """Contexts with equal keys give every config the same estimate: the card enters it through its CUDA context,
-    vLLM's budget on it, and (for the savers) its bf16 support."""
+    NCCL's buffers on it, vLLM's budget on it, and (for the savers) its bf16 support."""
     vllm_card = repr(context.gpu) if train.use_vllm else None  # its budget and messages follow the card
-    return (repr(train), repr(context.calibration), context.cuda_context.bytes,
+    return (repr(train), repr(context.calibration), context.cuda_context.bytes, context.nccl(train).bytes,
             context.gpu.bf16, vllm_card)
 
 

@@ -32,8 +32,11 @@ if TYPE_CHECKING:
 
 # Component names, in the order people read them.
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
-              "lm_head_buffers", "vllm_reservation", "cuda_context", "cublas_workspaces", "allocator_overhead")
+              "lm_head_buffers", "vllm_reservation", "cuda_context", "nccl_buffers", "cublas_workspaces",
+              "allocator_overhead")
 TENSOR_COMPONENTS = COMPONENTS[:7]
+# Device memory outside PyTorch's caching allocator: what it never reserves, beside what it does
+OUTSIDE_ALLOCATOR = ("cuda_context", "nccl_buffers")
 # TRL 0.14's policy forward as its logits leave the model: under mixed precision accelerate's float32 copy of them
 # (convert_outputs_to_fp32) is made while the model's own are alive
 POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy"
@@ -42,6 +45,11 @@ POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy
 FIRST_MICRO_BATCH_PHASES = ("generation", "scoring", "training")
 PHASE_TITLES = {"generation": "generation", "scoring": "old/ref log-probs", "training": "loss forward/backward",
                 "optimizer": "optimizer step"}
+
+
+def component_label(component: str) -> str:
+    """How the table, the plot and the web page name a component."""
+    return "NCCL buffers" if component == "nccl_buffers" else component.replace("_", " ")
 
 
 @dataclass(frozen=True)
@@ -85,10 +93,12 @@ class Estimate:
 
 def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
              capacity_bytes: int, context_bytes: float | None = None, gpu_label: str = "",
-             gpu_bf16: bool = True, compute_capability: str = "", first_micro_batch: bool = False) -> Estimate:
+             gpu_bf16: bool = True, compute_capability: str = "", first_micro_batch: bool = False,
+             nccl_bytes: float = 0.0) -> Estimate:
     """The memory of one steady-state GRPO step of `train` on a GPU of `capacity_bytes` whose CUDA context takes
     `context_bytes` (None: the calibration's figure, else the one for a card the catalog does not know) and whose
-    `compute_capability` sets the cuBLAS workspaces ("": a card other than compute capability 9.0).
+    `compute_capability` sets the cuBLAS workspaces ("": a card other than compute capability 9.0); `nccl_bytes` is
+    NCCL's own device memory on each rank (model/nccl.py; 0 on one GPU).
 
     With `first_micro_batch`, the phases of the first micro-batch of the first step instead: generation, scoring and
     the loss before any optimizer state (or accumulated gradient) exists, and no optimizer step."""
@@ -125,7 +135,8 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     if not first_micro_batch:
         raw[-1] = _at_least_deepspeeds_estimate(raw[-1], arch, train)
     workspaces = cublas_workspace_bytes(compute_capability)
-    phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch) for p in raw)
+    phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch, nccl_bytes)
+                   for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm,
                     host_bytes=offload.host_bytes(arch, train))
@@ -224,12 +235,14 @@ def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release:
 
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
                    context_bytes: float | None = None, workspace_bytes: float = 0.0,
-                   arch: ModelArchitecture | None = None) -> Phase:
-    """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it), the
-    cuBLAS workspaces and the allocator's reserve (with the model's allocation patterns when `arch` is given)."""
+                   arch: ModelArchitecture | None = None, nccl_bytes: float = 0.0) -> Phase:
+    """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it), NCCL's
+    buffers, the cuBLAS workspaces and the allocator's reserve (with the model's allocation patterns when `arch` is
+    given)."""
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     components["vllm_reservation"] = reservation  # what vLLM holds in this phase (VllmBudget.reservation_in)
     components["cuda_context"] = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
+    components["nccl_buffers"] = float(nccl_bytes)  # outside the caching allocator, like the context
     components["cublas_workspaces"] = float(workspace_bytes)
     components["allocator_overhead"] = _reserve(phase, cal, train, arch)
     return Phase(phase.name, components, phase.moment)

@@ -11,6 +11,7 @@ from vram_planner.model.architecture import FAMILIES, ModelArchitecture
 from vram_planner.model import offload
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.cuda_context import ContextFigure, context_figure
+from vram_planner.model.nccl import NcclFigure, nccl_figure, nccl_note
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.spec import TrainingConfig, with_changes
 from vram_planner.model.trl_releases import TrlRelease
@@ -75,6 +76,10 @@ class Context:
         """The CUDA context the card holds: the calibration's measured figure, else the GPU catalog's."""
         return context_figure(self.calibration, self.gpu)
 
+    def nccl(self, train: TrainingConfig) -> NcclFigure:
+        """NCCL's own device memory on each rank of `train`'s GPUs (nothing on one GPU)."""
+        return nccl_figure(self.gpu, train.num_gpus, train.distributed)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -131,9 +136,12 @@ def judge(context: Context, train: TrainingConfig) -> Verdict:
 
 
 def _estimate(context: Context, train: TrainingConfig, first_micro_batch: bool = False) -> Estimate:
+    nccl = context.nccl(train)
     est = estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes,
                    context.cuda_context.bytes, context.gpu.label, context.gpu.bf16, context.gpu.compute_capability,
-                   first_micro_batch)
+                   first_micro_batch, nccl.bytes)
+    if nccl.bytes:
+        est = replace(est, notes=est.notes + (nccl_note(nccl),))
     if context.release.note:
         est = replace(est, notes=est.notes + (context.release.note,))
     return est

@@ -122,10 +122,10 @@ def gpu_count_report(fewest: Any) -> GpuCountReport:  # fewest: vram_planner.mod
 class ExactReport:
     """`--exact` and `trace`: the step traced and replayed through the caching allocator model."""
 
-    need_bytes: int  # the least card on which the step runs: CUDA context and cuBLAS workspaces included
+    need_bytes: int  # the least card the step runs on: CUDA context, NCCL buffers, cuBLAS workspaces included
     tensor_peak_bytes: int  # the step's tensors and cuBLAS workspaces at their peak, in 512-byte blocks
     # the most the allocator holds at once on this card (where the step runs out there: on a card with room), the
-    # CUDA context left out (nvidia-smi shows the two together)
+    # CUDA context and NCCL's buffers left out (nvidia-smi shows them together)
     reserved_peak_bytes: int
     seconds: float  # the trace, the replay on this card and the need's bisection
 
@@ -293,7 +293,8 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
                      "prompts_truncated": train.release.truncates_prompts, "num_gpus": train.num_gpus,
                      "distributed": train.distributed, "generation_batch_size": train.generation_batch_size,
                      "attn_implementation": train.attn_implementation,
-                     "transformers_version": train.transformers.version},
+                     "transformers_version": train.transformers.version,
+                     "nccl_buffers": ctx.nccl(train).source},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
         vllm=vllm_report(est.vllm), distributed=distributed_report(train, est.host_bytes),
@@ -337,7 +338,8 @@ TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as t
                 "reserves for the step's allocations and frees: the most during the phase at steady state, as "
                 "torch.cuda.max_memory_reserved reports it after reset_peak_memory_stats at the phase's start. "
                 "Component allocator_overhead is reserved_bytes - tensor_bytes, cuda_context comes from the "
-                "calibration or the GPU catalog (see cuda_context_source); total_bytes and peak_bytes add them. fits "
+                "calibration or the GPU catalog (see cuda_context_source), nccl_buffers from NCCL's defaults (see "
+                "assumptions.nccl_buffers); total_bytes and peak_bytes add them. fits "
                 "is exact.need_bytes <= capacity_bytes: the least card on which the allocator model replays the step "
                 "without running out, found by bisection")
 

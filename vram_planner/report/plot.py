@@ -9,13 +9,13 @@ from pathlib import Path
 from vram_planner.report.document import Report, per_gpu
 from vram_planner.errors import VramPlanError
 from vram_planner.files import check_writable, write_atomically
-from vram_planner.model.phases import COMPONENTS, PHASE_TITLES
+from vram_planner.model.phases import COMPONENTS, PHASE_TITLES, component_label
 from vram_planner.units import GiB
 
 COMPONENT_COLOURS = {"weights": "#1f77b4", "reference_weights": "#17becf", "gradients": "#9467bd",
                      "optimizer_states": "#d62728", "kv_cache": "#bcbd22", "activations": "#2ca02c",
                      "lm_head_buffers": "#98df8a", "vllm_reservation": "#aec7e8", "cuda_context": "#7f7f7f",
-                     "cublas_workspaces": "#a5a5a5", "allocator_overhead": "#c7c7c7"}
+                     "nccl_buffers": "#8c564b", "cublas_workspaces": "#a5a5a5", "allocator_overhead": "#c7c7c7"}
 
 
 FORMATS = (".png", ".svg", ".pdf")
@@ -44,7 +44,7 @@ def plot_phases(report: Report, path: Path) -> Path:
     for component in COMPONENTS:
         values = [p.components.get(component, 0) / GiB for p in report.phases]
         if any(values):
-            ax.bar(names, values, bottom=bottoms, label=component.replace("_", " "),
+            ax.bar(names, values, bottom=bottoms, label=component_label(component),
                    color=COMPONENT_COLOURS[component], edgecolor="white", linewidth=0.5)
             bottoms = [b + v for b, v in zip(bottoms, values)]
     ax.axhline(report.capacity_bytes / GiB, color="black", linestyle="--", linewidth=1)

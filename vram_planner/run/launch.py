@@ -233,6 +233,9 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
     summary = RunSummary(setup.output_dir, trainer.state.global_step, time.perf_counter() - started,
                          None if peaks is None else peaks[1], growth)
     per_rank = gathered(ranks.measured) if setup.train.num_gpus > 1 else None  # every rank takes part
+    # each rank's bytes, and the plan's CUDA context and NCCL buffers beside what CUDA ranks held outside the allocator
+    several = ({"ranks": per_rank, "predicted_outside_allocator_bytes": setup.predicted_outside_allocator_bytes}
+               if per_rank else {})
     if not smoke and main:
         record_outcome(setup.output_dir, {"status": "finished", "steps": summary.steps,
                                           "seconds": round(summary.seconds, 1),
@@ -241,7 +244,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
                                           "predicted_peak_bytes": round(setup.predicted_peak_bytes),
                                           "predicted_peak_reserved_bytes": round(setup.predicted_reserved_bytes),
                                           "measured_reserved_growth": growth.to_dict() if growth else None,
-                                          **({"ranks": per_rank} if per_rank else {})})
+                                          **several})
     return summary
 
 
@@ -334,7 +337,7 @@ def closing_line(setup: RunSetup, summary: RunSummary) -> str:
         context = setup.predicted_peak_bytes - setup.predicted_reserved_bytes
         measured = (f"peak reserved {summary.measured_peak_reserved_bytes / GiB:.2f} GiB, predicted "
                     f"{setup.predicted_reserved_bytes / GiB:.2f} GiB (the plan's {setup.predicted_peak_bytes / GiB:.2f}"
-                    f" GiB less {context / GiB:.2f} GiB of CUDA context)")
+                    f" GiB less {context / GiB:.2f} GiB of {setup.outside_allocator_words})")
         if summary.reserved_growth is not None:
             measured += f"; {summary.reserved_growth.describe()}"
     steps = "1 step" if summary.steps == 1 else f"{summary.steps} steps"

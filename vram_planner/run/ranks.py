@@ -68,9 +68,21 @@ def rank_bytes(model: Any, optimizer: Any) -> dict[str, int]:
             "optimizer_states": sum(_bytes(s) for s in states) + sum(_bytes(p) for p in masters)}
 
 
+def outside_allocator_bytes() -> int | None:
+    """What this rank's card holds outside PyTorch's caching allocator (the CUDA context, NCCL's buffers, and any
+    other process's memory on the card): used memory by cudaMemGetInfo less torch.cuda.memory_reserved(); None
+    without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free - torch.cuda.memory_reserved())
+
+
 class RankBytes:
     """A TrainerCallback's hooks: each rank's bytes after its optimizer's first step, before the gradients are
-    freed."""
+    freed, and on CUDA what its card holds outside the allocator then (NCCL has connected by that step)."""
 
     def __init__(self) -> None:
         self.measured: dict[str, int] | None = None
@@ -78,7 +90,9 @@ class RankBytes:
     def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                           **_: Any) -> None:
         if self.measured is None and model is not None and optimizer is not None:
-            self.measured = rank_bytes(model, optimizer)
+            outside = outside_allocator_bytes()
+            self.measured = {**rank_bytes(model, optimizer),
+                             **({} if outside is None else {"outside_allocator_bytes": outside})}
 
 
 def gathered(measured: dict[str, int] | None) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
+from vram_planner.model.phases import OUTSIDE_ALLOCATOR
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.verdict import Verdict, judge
@@ -68,6 +69,20 @@ class RunSetup:
         return predicted_reserved_bytes(self.verdict.estimate)
 
     @property
+    def predicted_outside_allocator_bytes(self) -> dict[str, int]:
+        """The plan's CUDA context and NCCL buffers on each rank, beside which a CUDA run records what its cards held
+        outside the allocator."""
+        components = self.verdict.estimate.peak_phase.components
+        return {c: round(components.get(c, 0.0)) for c in OUTSIDE_ALLOCATOR}
+
+    @property
+    def outside_allocator_words(self) -> str:
+        """What the plan counts outside PyTorch's allocator, in words: the CUDA context, and NCCL's buffers on several
+        GPUs."""
+        nccl = self.predicted_outside_allocator_bytes["nccl_buffers"]
+        return "CUDA context and NCCL buffers" if nccl else "CUDA context"
+
+    @property
     def predicted_step_seconds(self) -> float | None:
         """The step-time model's seconds per optimizer step (None where the card has no speed figures)."""
         from vram_planner.model.ranking import timed
@@ -107,7 +122,7 @@ class RunSetup:
         lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
                  f"predicted peak: {self.predicted_peak_bytes / GiB:.2f} GiB "
                  f"(on {self.verdict.context.gpu.label}; {self.predicted_reserved_bytes / GiB:.2f} GiB reserved by "
-                 f"PyTorch, the rest the CUDA context, which the per-step lines leave out)",
+                 f"PyTorch, the rest the {self.outside_allocator_words}, which the per-step lines leave out)",
                  f"GRPOConfig({call_args(self.grpo_kwargs(on_this_machine=False))})"]
         peft = lora_config_kwargs(self.train)
         if peft:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vram_planner.model.phases import OUTSIDE_ALLOCATOR
 from vram_planner.units import GiB
 
 # The steps before the allocator settles: the first creates the optimizer's states and the second caches blocks of
@@ -19,9 +20,9 @@ SETTLING_STEPS = 2
 
 
 def predicted_reserved_bytes(estimate: Any) -> float:
-    """What the plan expects the caching allocator to reserve at the peak: its peak less the CUDA context, which the
-    allocator never sees."""
-    return estimate.peak_bytes - estimate.peak_phase.components.get("cuda_context", 0.0)
+    """What the plan expects the caching allocator to reserve at the peak: its peak less the CUDA context and NCCL's
+    buffers, which the allocator never sees."""
+    return estimate.peak_bytes - sum(estimate.peak_phase.components.get(c, 0.0) for c in OUTSIDE_ALLOCATOR)
 
 
 @dataclass(frozen=True)
