@@ -126,6 +126,7 @@ class NcclFigure:
     bytes: int
     parts: dict[str, int]
     source: str
+    summary: str = ""  # the source without its citations: what a verdict's note says
 
 
 def _transport(gpu: GpuProfile, table: NcclTable) -> Literal["p2p", "shm"]:
@@ -176,13 +177,13 @@ def nccl_figure(gpu: GpuProfile, num_gpus: int, strategy: Strategy) -> NcclFigur
              "P2P buffers" + (" (cards under one PCIe switch; across CPU sockets NCCL takes shm, less on the card)"
                               if interconnect.startswith("pcie") else ""))
     card = interconnect if gpu.interconnect else f"card not in the catalog, taken as {interconnect}"
-    source = (f"NCCL {table.release} defaults for {card} ({row.how}): {channels} channels, {where}"
-              + (", NVLS" if "nvls" in parts else "") + f", {comms} communicator{'s' * (comms > 1)} "
-              f"({strategy}) = {total / MiB:.0f} MiB per GPU; the topology NCCL detects and NCCL_* settings move it "
-              "(profiles/nccl.toml)")
-    return NcclFigure(total, parts, source)
+    layout = (f": {channels} channels, {where}" + (", NVLS" if "nvls" in parts else "")
+              + f", {comms} communicator{'s' * (comms > 1)} ({strategy}) = {total / MiB:.0f} MiB per GPU; the topology "
+              "NCCL detects and NCCL_* settings move it (profiles/nccl.toml)")
+    return NcclFigure(total, parts, f"NCCL {table.release} defaults for {card} ({row.how})" + layout,
+                      f"NCCL {table.release} defaults for {card}" + layout)
 
 
 def nccl_note(figure: NcclFigure) -> str:
     """The one note line a multi-GPU verdict carries about NCCL's memory."""
-    return f"NCCL buffers {figure.bytes / GiB:.2f} GiB per GPU: {figure.source}"
+    return f"NCCL buffers {figure.bytes / GiB:.2f} GiB per GPU: {figure.summary or figure.source}"
