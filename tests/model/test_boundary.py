@@ -61,15 +61,12 @@ def test_the_measured_band_covers_every_point_of_the_committed_boundary_table():
     assert NEED_BELOW_ESTIMATE - max(-min(r for rs in above.values() for r in rs), 0) < 0.02
 
 
-# The points the README names as still more than 1% under their needs
-KNOWN_UNDER = {"Qwen2.5-0.5B fp32 lora c1024 eager", "Llama-3.2-1B fp32 full adamw_8bit"}
-
-
 @pytest.mark.slow  # the estimate of every point of the grid: a few seconds
 def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_meet_the_targets():
     """benchmarks/boundary.py --from-needs: the analytic side recomputed against the committed needs is the committed
-    table, with no window, a median |estimate - need| under 2%, and no point more than 1% under its need but those
-    the README names (20 before the later micro-batch's and the layer gradients' patterns)."""
+    table, with no window, a median |estimate - need| under 2%, and no point more than 1% under its need (20 before
+    the later micro-batch's and the layer gradients' patterns, 2 before eager attention's overflowing inputs and the
+    refit that weighs a short reserve 60 times a long one)."""
     import importlib
     import json
     import statistics
@@ -89,4 +86,4 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
     assert [(r["point"], r["analytic_bytes"]) for r in rows] == [(r["point"], r["analytic_bytes"]) for r in committed]
     assert not [r["point"] for r in rows if r["window"]]
     assert statistics.median(abs(r["error"]) for r in rows) < 0.02
-    assert {r["point"] for r in rows if r["error"] < -UNDER_TARGET} == KNOWN_UNDER
+    assert not [r["point"] for r in rows if r["error"] < -UNDER_TARGET]

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from vram_planner.allocator import CachingAllocator
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.fragmentation import (CACHE_IN_LOSS_SEGMENTS, EAGER_SCORES, LATE_GRADIENT,
+from vram_planner.model.fragmentation import (CACHE_IN_LOSS_SEGMENTS, EAGER_OVERFLOW, EAGER_SCORES, LATE_GRADIENT,
                                               LATER_MICRO_BATCH, LAYER_GRADIENTS, PINNED_LAYER_INPUTS,
-                                              SOFTCAPPED_SCORES, cache_in_loss_segment_bytes, late_gradient_bytes,
-                                              largest_request_bytes, pinned_layer_input_bytes, reserve_patterns,
-                                              stranded_by_gradients, stranded_by_kept_inputs)
+                                              SOFTCAPPED_SCORES, cache_in_loss_segment_bytes, eager_overflow_bytes,
+                                              late_gradient_bytes, largest_request_bytes, pinned_layer_input_bytes,
+                                              reserve_patterns, stranded_by_gradients, stranded_by_kept_inputs)
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import model_config
 from vram_planner.units import MiB
@@ -216,3 +216,69 @@ def test_the_caches_blocks_cut_from_cached_segments_strand_what_the_allocator_st
     assert allocator.reserved_bytes == segments * segment  # no segment of their own
     stranded = allocator.reserved_bytes - len(blocks) * block
     assert stranded == pytest.approx(stranded_by_kept_inputs(len(blocks), block, segment))
+
+
+def eager_forward(layers: int, half_bytes: int, input_bytes: int) -> CachingAllocator:
+    """A checkpointed forward with eager attention as the allocator sees it: each layer's two compute-dtype scores
+    (q k^T, then masked), softmax's float32 input cast and output, the probabilities' compute-dtype copy, all freed;
+    then its output kept; the cache then emptied."""
+    allocator = CachingAllocator()
+    for _ in range(layers):
+        product = allocator.malloc(half_bytes)
+        masked = allocator.malloc(half_bytes)
+        allocator.free(product)
+        cast = allocator.malloc(2 * half_bytes)
+        allocator.free(masked)
+        probabilities = allocator.malloc(2 * half_bytes)
+        allocator.free(cast)
+        copy = allocator.malloc(half_bytes)
+        allocator.free(probabilities)
+        allocator.free(copy)
+        allocator.malloc(input_bytes)
+    allocator.empty_cache()
+    return allocator
+
+
+def pinned_score_segments(allocator: CachingAllocator, half_bytes: int) -> int:
+    return sum(1 for segment in allocator.segment_blocks() if sum(size for _, size, _ in segment) >= 2 * half_bytes)
+
+
+@settings(max_examples=80, deadline=None)
+@given(layers=st.integers(1, 40), half_mib=st.integers(6, 900), ratio=st.floats(1.0, 40.0))
+def test_the_kept_inputs_overflow_into_a_score_segment_once_the_half_score_segments_are_full(layers, half_mib, ratio):
+    half_bytes = half_mib * 2 * MiB
+    input_bytes = max(int(half_bytes / ratio) // 512, 2049) * 512  # above the small pool, in whole blocks
+    places = 2 * (half_bytes // input_bytes)  # two half-score segments, (S / 2) // input inputs each
+    allocator = eager_forward(layers, half_bytes, input_bytes)
+    assert (pinned_score_segments(allocator, half_bytes) > 0) == (layers > places)
+
+
+def test_the_score_segment_an_overflow_pins_is_half_a_score_block_more_until_the_inputs_fit():
+    # float32 models at the boundary grid's 8 x 1,280 tokens, scores [8, heads, 1280, 1280] in float32
+    train = TrainingConfig(lora_r=16, attn_implementation="eager", max_completion_length=1024)
+    for name, overflows in (("Qwen2.5-0.5B", True), ("Llama-3.2-1B", False)):
+        arch = _arch(name)  # 24 layers, 2 x 10 places (350 MiB halves, 35 MiB inputs); 16 layers, 2 x 10
+        half = 8 * arch.num_attention_heads * 1280 ** 2 * 4 // 2
+        inputs = 8 * 1280 * arch.hidden_size * 4
+        assert (pinned_score_segments(eager_forward(arch.num_layers, half, inputs), half) > 0) == overflows
+        overflow = reserve_patterns(arch, train, "training")[EAGER_OVERFLOW]
+        # Llama's inputs overflow below L* = 8 x 2048 x 4 / (2 x 32) = 1,024 tokens: the bytes of the scores there
+        assert overflow == (half if overflows else 8 * arch.num_attention_heads * 1024 ** 2 * 4 / 2)
+    assert eager_overflow_bytes(_arch("Qwen2.5-0.5B"), replace(train, attn_implementation="sdpa")) == 0
+    assert eager_overflow_bytes(_arch("Qwen2.5-0.5B"), replace(train, gradient_checkpointing=False)) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(["SmolLM2-135M", "Qwen2.5-0.5B", "Llama-3.2-1B", "gemma-2-2b", "Mistral-7B-v0.3"]),
+       completion=st.integers(1, 16384), more=st.integers(1, 4096), micro_batch=st.integers(1, 64),
+       dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_the_overflow_never_falls_as_the_tokens_or_the_micro_batch_grow(name, completion, more, micro_batch, dtype):
+    arch = _arch(name)
+
+    def overflow(tokens: int, batch: int) -> float:
+        return eager_overflow_bytes(arch, TrainingConfig(dtype=dtype, lora_r=16, attn_implementation="eager",
+                                                      num_generations=2, per_device_train_batch_size=2 * batch,
+                                                      max_completion_length=tokens))
+
+    assert overflow(completion + more, micro_batch) >= overflow(completion, micro_batch)
+    assert overflow(completion, micro_batch + 1) >= overflow(completion, micro_batch)

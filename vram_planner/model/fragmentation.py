@@ -23,9 +23,10 @@ SMALL_SEGMENTS = "small_segments"
 LATER_MICRO_BATCH = "later_micro_batch"
 LAYER_GRADIENTS = "layer_gradients"
 CACHE_IN_LOSS_SEGMENTS = "cache_in_loss_segments"
+EAGER_OVERFLOW = "eager_overflow"
 # The loss forward/backward's patterns (benchmarks/reserve_fit.py fits them on the steps that run out there)
 PATTERNS = (PINNED_LAYER_INPUTS, LATE_GRADIENT, LARGEST_REQUEST, EAGER_SCORES, SOFTCAPPED_SCORES, SMALL_SEGMENTS,
-            LATER_MICRO_BATCH, LAYER_GRADIENTS)
+            LATER_MICRO_BATCH, LAYER_GRADIENTS, EAGER_OVERFLOW)
 GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS,)
 
 
@@ -47,7 +48,8 @@ def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str)
             SOFTCAPPED_SCORES: scores if arch.attn_logit_softcapping else 0.0,
             SMALL_SEGMENTS: float(K_LARGE_BUFFER),
             LATER_MICRO_BATCH: later_micro_batch_bytes(arch, train),
-            LAYER_GRADIENTS: layer_gradient_bytes(arch, train)}
+            LAYER_GRADIENTS: layer_gradient_bytes(arch, train),
+            EAGER_OVERFLOW: eager_overflow_bytes(arch, train)}
 
 
 def pinned_layer_input_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -184,3 +186,31 @@ def cache_in_loss_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) 
     layers = ((arch.num_layers - arch.sliding_layers, last), (arch.sliding_layers, window))
     return sum(stranded_by_kept_inputs(count, row * tokens * element, segment)
                for count, tokens in layers if count for element in m.kv_element_bytes(train))
+
+
+def eager_overflow_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """A score segment more, which eager attention's forward makes when the checkpointed layer inputs overflow the
+    half-score segments, and which the backward finds pinned when it asks for the float32 scores' gradient: half a
+    score block beyond the half-score segment that EAGER_SCORES weighs.
+
+    A layer's forward holds two compute-dtype scores [B, heads, L, L] at once (the product q k^T and the masked
+    one), then two float32 ones (softmax's input cast and its output): two segments of S / 2 and two of S, S the
+    float32 block. Best fit cuts each layer's kept input (tokens x hidden in the residual dtype) from the free
+    half-score segments, k = (S / 2) // input to a segment; once the layers outnumber the 2k places, the inputs are
+    cut from the score segments, and one pinned while the next layer needs both makes the forward take a third
+    (tests/model/test_fragmentation.py replays it). The backward's small tensors then pin it, and S less them is
+    cached where the backward asks for S: at the need of Qwen2.5-0.5B in float32 (24 layers, 2 x 10 places, 700 MiB
+    scores) 630 MiB of a third 700 MiB segment beside 70 MiB of the backward's tensors; phi-2, Mistral-7B,
+    Phi-3-mini, Qwen3-0.6B and SmolLM2-135M in float32 held such a segment too, Llama-3.2-1B (16 layers, 2 x 10
+    places) 520 MiB of a half-score segment only.
+
+    The places grow with the sequence ((S / 2) / input is 2 x heads x L / (hidden x residual bytes)), so the inputs
+    stop overflowing from L* = ceil(layers / 2) x hidden x residual bytes / (2 x heads) on; from there the bytes stay
+    those of the scores at L*, so that the reserve never falls as the tokens grow (the planner's searches rely on
+    memory that grows with every knob). Nothing without checkpointing (no kept inputs) or eager attention."""
+    if train.attn_implementation != "eager" or not train.gradient_checkpointing:
+        return 0.0
+    heads = arch.num_attention_heads
+    overflowing = -(-arch.num_layers // 2) * arch.hidden_size * m.sizes(train).residual / (2 * heads)
+    length = min(float(train.sequence_length), overflowing)
+    return train.micro_batch_completions * heads * length * length * m.FP32_BYTES / 2
