@@ -28,7 +28,10 @@ def test_bf16_weights_still_train_on_float32_master_shards(llama_1b):
     # accelerate upcasts trainable parameters to float32 before fully_shard under mixed precision
     for gpus in (2, 8):
         train = fsdp(gpus)
-        assert (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train)) == (4 * P / gpus, 4 * P / gpus)
+        # every shard of Llama-3.2-1B is whole blocks already; the rotary buffers are every rank's
+        rotary = blocks.rotary_buffer_bytes(llama_1b, train)
+        assert (m.weight_bytes(llama_1b, train), m.gradient_bytes(llama_1b, train)) == (4 * P / gpus + rotary,
+                                                                                          4 * P / gpus)
         # each shard's exp_avg and exp_avg_sq a storage of its own, in whole 512-byte blocks, and fused AdamW's
         # step scalar per parameter, not sharded
         tensors = len(blocks.trainable_tensors(llama_1b, train))
@@ -49,4 +52,6 @@ def test_micro_batches_before_the_last_hold_whole_bf16_gradients(llama_1b):
 
 def test_the_reference_model_is_gathered_whole_while_it_scores(llama_1b):
     scoring = phases(llama_1b, fsdp(8, beta=0.04))["scoring"]
-    assert scoring.components["reference_weights"] == 2 * P / 8 + 2 * 2 * P  # bf16 shards, gathered, all-gather out
+    # bf16 shards with the reference's own rotary buffers, gathered, all-gather output
+    rotary = blocks.rotary_buffer_bytes(llama_1b, fsdp(8))
+    assert scoring.components["reference_weights"] == 2 * P / 8 + rotary + 2 * 2 * P
