@@ -184,11 +184,13 @@ def gathered_bytes(arch: ModelArchitecture, train: TrainingConfig, layer_copies:
     return layer_unit_bytes(arch, train, layer_copies) + tail_unit_bytes(arch, train, tail_copies)
 
 
-def _own_forward_roots(train: TrainingConfig) -> bool:
-    """PEFT's generate() runs the transformers model inside the FSDP root, so each unit begins a forward of its own
-    and frees its all-gather output at its own post-forward (torch/distributed/fsdp/_fully_shard/_fsdp_state.py:
-    333-343), never beside the next unit's gather."""
-    return train.uses_lora
+def _own_forward_roots(arch: ModelArchitecture, train: TrainingConfig) -> bool:
+    """Whether each unit frees its all-gather output at its own post-forward in generation, never beside the next
+    unit's gather: PEFT's generate() runs the transformers model inside the FSDP root, so the first unit to run
+    begins the forward pass and frees the output as that forward ends (torch/distributed/fsdp/_fully_shard/
+    _fsdp_state.py:333-343), then the next unit begins one. A tied tail (the embedding, the final norm and the output
+    projection, one unit) ends its forward only at the LM head, holding every layer's pass as under the root."""
+    return train.uses_lora and not arch.tie_word_embeddings
 
 
 def generation_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -196,12 +198,11 @@ def generation_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) ->
     gathered across decoding steps (no backward reshards it). A tied embedding is in the tail, whose all-gather
     output the first gather then also holds, beside the first layer and its own; an untied embedding is gathered
     with its all-gather output, which stays beside the first layer's gather; later layers gather beside the
-    previous layer's all-gather output. Under PEFT no unit's all-gather output outlives its forward."""
+    previous layer's all-gather output; unless each unit frees its own (`_own_forward_roots`)."""
     two_layers = layer_unit_bytes(arch, train, GATHER_COPIES)
     embedding = embedding_unit_bytes(arch, train, GATHER_COPIES)
-    if _own_forward_roots(train):  # a tied tail's all-gather output is gone before the first layer's gather
-        first = embedding or tail_unit_bytes(arch, train, GATHER_COPIES) - tail_unit_bytes(arch, train)
-        return tail_unit_bytes(arch, train) + max(first, two_layers)
+    if _own_forward_roots(arch, train):
+        return tail_unit_bytes(arch, train) + max(embedding, two_layers)
     if not embedding:
         return tail_unit_bytes(arch, train, GATHER_COPIES) + two_layers
     output = embedding - embedding_unit_bytes(arch, train)
@@ -211,12 +212,11 @@ def generation_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) ->
 
 def decoding_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """At a later decoding step: the tail was gathered by the prefill and stays, so a tied embedding needs no gather
-    and no all-gather output; each layer gathers beside the previous layer's all-gather output (not under PEFT).
-    An untied embedding is gathered anew at every step."""
+    and no all-gather output; each layer gathers beside the previous layer's all-gather output. An untied embedding
+    is gathered anew at every step."""
     if embedding_unit_bytes(arch, train):
         return generation_gathered_bytes(arch, train)
-    copies = GATHER_COPIES if _own_forward_roots(train) else FORWARD_GATHER_LAYERS
-    return tail_unit_bytes(arch, train) + layer_unit_bytes(arch, train, copies)
+    return tail_unit_bytes(arch, train) + layer_unit_bytes(arch, train, FORWARD_GATHER_LAYERS)
 
 
 def prefill_layer_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -234,11 +234,11 @@ def decoding_layer_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig
 
 def lm_head_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """At the LM head: the tail; in the prefill an untied tail's all-gather output, kept to the end of its forward,
-    at later steps the last layer's, which the root's post-forward frees (_fsdp_state.py:333-343; none under PEFT,
-    whose units free their own)."""
+    at later steps the last layer's, which the forward's end frees (_fsdp_state.py:333-343; none where each unit
+    frees its own, `_own_forward_roots`)."""
     tail = tail_unit_bytes(arch, train)
     tail_output = 0 if arch.tie_word_embeddings else tail_unit_bytes(arch, train, GATHER_COPIES) - tail
-    own = _own_forward_roots(train)
+    own = _own_forward_roots(arch, train)
     layer_output = 0 if own else layer_unit_bytes(arch, train, GATHER_COPIES) - layer_unit_bytes(arch, train)
     return tail + max(tail_output, layer_output)
 
@@ -263,17 +263,24 @@ def whole_gradient_bytes(tensors: list[Tensor], train: TrainingConfig) -> float:
     return sum(blocks.blocks(rows * width * per_param) for rows, width, trains in tensors if trains)
 
 
-def mlp_whole_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """A layer's MLP's whole gradients (weights and biases), as `whole_gradient_bytes`."""
-    mlp = [(lin.out_features, lin.in_features) for lin in arch.layer_linears() if lin.name in arch.family.mlp_names]
-    mlp += [(lin.out_features, 1) for lin in arch.layer_linears() if lin.name in arch.family.mlp_names and lin.bias]
-    return whole_gradient_bytes([(rows, width, not train.uses_lora) for rows, width in mlp], train)
+def mlp_output_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """A layer's MLP output projection's whole gradients (weight and bias), the first that the layer's backward
+    makes, as `whole_gradient_bytes`."""
+    last = arch.layer_linears()[-1]
+    shapes = [(last.out_features, last.in_features)] + ([(last.out_features, 1)] if last.bias else [])
+    return whole_gradient_bytes([(rows, width, not train.uses_lora) for rows, width in shapes], train)
+
+
+def reduce_scatter_input_bytes(tensors: list[Tensor], train: TrainingConfig) -> float:
+    """The flat copy of a unit's whole gradients, padded, that its reduce-scatter reads (in the reduce dtype)."""
+    padded = sum(_shard(t, train.num_gpus) for t in tensors if t[2])
+    return blocks.blocks(padded * train.num_gpus * gathered_bytes_per_param(train))
 
 
 def tail_reduction_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """The tail's reduce-scatter, the last of the backward: its whole gradients, the flat padded copy reduce-scatter
     reads, and this rank's reduced shard in the reduce dtype (_fsdp_collectives.py:592-615)."""
-    per_param, n = gathered_bytes_per_param(train), train.num_gpus
-    tail = [t for t in tail_tensors(arch, train) if t[2]]
-    padded = sum(_shard(t, n) for t in tail)
-    return whole_gradient_bytes(tail, train) + blocks.blocks(padded * n * per_param) + blocks.blocks(padded * per_param)
+    tail = tail_tensors(arch, train)
+    padded = sum(_shard(t, train.num_gpus) for t in tail if t[2])
+    return (whole_gradient_bytes(tail, train) + reduce_scatter_input_bytes(tail, train)
+            + blocks.blocks(padded * gathered_bytes_per_param(train)))

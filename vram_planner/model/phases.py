@@ -299,12 +299,14 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         prefilling["weights"] = shards + fsdp.prefill_layer_gathered_bytes(arch, train)
         in_layer["weights"] = shards + fsdp.decoding_layer_gathered_bytes(arch, train)
         head_weights = shards + fsdp.lm_head_gathered_bytes(arch, train)
-        embedded = sequences * p * arch.hidden_size * m.sizes(run).residual + m.padded_mask_bytes(run, sequences, p)
+        embedded = (sequences * p * arch.hidden_size * m.sizes(run).residual + m.padded_mask_bytes(run, sequences, p)
+                    + inference.prefill_inputs_bytes(arch, run, sequences, p))
         gathers = [Phase("generation", {**with_casts, "activations": embedded}, "prefill: the first gathers"),
                    # beside the step's hidden state, generate()'s ids and mask so far, each its own storage
                    Phase("generation", {**decoding, "kv_cache": kv, "lm_head_buffers": 2 * blocks.blocks(
                        inference.batch_ids_bytes(sequences, train.sequence_length - 1) / 2),
-                       "activations": blocks.blocks(sequences * arch.hidden_size * m.sizes(run).residual)},
+                       "activations": blocks.blocks(sequences * arch.hidden_size * m.sizes(run).residual)
+                       + inference.decoding_inputs_bytes(arch, run, sequences)},
                          "last decoding step: a layer's gather")]
     moments = [
         *gathers,
@@ -541,6 +543,14 @@ def _fsdp_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: di
     if accumulating or train.uses_lora:
         return moments
     embedding = fsdp.embedding_unit_bytes(arch, train)  # 0 when tied: the embedding is in the tail
+    # The first layer resharded, the unit before it gathered (FSDP2's backward prefetch: an untied embedding, or the
+    # tied tail, kept since the forward), the layer's input gradient
+    ahead = embedding or fsdp.tail_unit_bytes(arch, train)
+    moments.append(Phase("training", {**persistent, "weights": shards + ahead,
+                                      "gradients": _fsdp_first_layer_gradient_bytes(
+                                          arch, train, all_grads, fsdp.whole_gradient_bytes(
+                                              fsdp.layer_tensors(arch, train), train)),
+                                      "activations": layer_input}, "reduce-scatter of the first layer"))
     moments.append(Phase("training", {**persistent, "weights": shards + embedding,
                                       "gradients": all_grads + fsdp.tail_reduction_bytes(arch, train),
                                       "activations": layer_input}, "reduce-scatter of the last unit"))
@@ -623,20 +633,27 @@ def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, 
     if train.uses_lora or (train.zero_stage is not None and train.optimizer_offloaded):
         return all_grads  # ZeRO-Offload: what stays on the GPU (model/components.py) does not grow with the backward
     if train.fsdp:
-        # As the sharded trace finds the peak: with a tied embedding, in the first layer's backward, every later
-        # unit's reduced shard, of its own gradients the MLP's whole in bf16, and the output projection's whole
-        # gradient waiting for the embedding's; with an untied one, at the layer's reduce-scatter, its reduced
-        # shard beside all its whole gradients, the embedding's shard to come
-        if arch.tie_word_embeddings:
-            return (all_grads - fsdp.layer_shard_gradient_bytes(arch, train) + fsdp.mlp_whole_gradient_bytes(arch, train)
-                    + fsdp.whole_gradient_bytes(fsdp.tail_tensors(arch, train), train)
-                    - fsdp.tail_shard_gradient_bytes(arch, train))
-        return (all_grads + fsdp.whole_gradient_bytes(fsdp.layer_tensors(arch, train), train)
-                - fsdp.embedding_shard_gradient_bytes(arch, train))
+        # As the sharded trace finds the peak, in a checkpointed layer's backward as the MLP's input gradients form
+        return _fsdp_first_layer_gradient_bytes(arch, train, all_grads, fsdp.mlp_output_gradient_bytes(arch, train))
     missing = arch.layer_params - arch.layer_linears()[-1].params
     if not arch.tie_word_embeddings:
         missing += arch.embedding_params
     return all_grads - m.shard_bytes(train, missing * m.sizes(train).trainable, 2)
+
+
+def _fsdp_first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, all_grads: float,
+                                     own: float) -> float:
+    """FSDP2's gradients in the first layer's backward: every later unit's reduced shard, the layer's own whole
+    gradients made so far (`own`), and a reduce-scatter input, which FSDP2 keeps until the next unit's reduce-scatter
+    frees it just before allocating its own (`reduce_scatter_states`, torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py:639-658): the layer after's, then its own; a tied output projection's whole gradient
+    waiting for the embedding's, an untied embedding's shard to come."""
+    layer = fsdp.layer_tensors(arch, train)
+    held = all_grads - fsdp.layer_shard_gradient_bytes(arch, train) + own + fsdp.reduce_scatter_input_bytes(layer, train)
+    if arch.tie_word_embeddings:
+        return (held + fsdp.whole_gradient_bytes(fsdp.tail_tensors(arch, train), train)
+                - fsdp.tail_shard_gradient_bytes(arch, train))
+    return held - fsdp.embedding_shard_gradient_bytes(arch, train)
 
 
 def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
