@@ -35,7 +35,9 @@ from vram_planner.model.spec import DTYPE_BYTES, TrainingConfig
 FP32_BYTES = 4
 # A gathered unit and the all-gather output it was copied out of, alive together until the next unit's gather.
 GATHER_COPIES = 2
-# A layer's copy-out in the forward: its gathered parameters, its all-gather output and the previous layer's.
+# A layer's copy-out in the forward: its gathered parameters, its all-gather output and the previous layer's, which
+# `wait_for_unshard` drops from the shared state but holds in a local until the copy-out returns
+# (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:430-432).
 FORWARD_GATHER_LAYERS = 3
 
 # A parameter tensor of a unit: (rows, elements per row, whether it trains)
@@ -88,9 +90,11 @@ def tail_tensors(arch: ModelArchitecture, train: TrainingConfig) -> list[Tensor]
     return [(rows, width, not train.uses_lora) for rows, width in tied + blocks.tail_shapes(arch)]
 
 
-def _units(arch: ModelArchitecture, train: TrainingConfig) -> list[list[Tensor]]:
-    """Every unit: the layers, the embedding, the tail, and the root with what is left (a vision tower)."""
-    vision = [[(arch.vision_params, 1, not train.uses_lora)]] if arch.vision_params else []
+def _units(arch: ModelArchitecture, train: TrainingConfig, idle: bool = True) -> list[list[Tensor]]:
+    """Every unit: the layers, the embedding, the tail, and (`idle`) the root with what is left, a vision tower, idle
+    in text-only GRPO: it gets no gradient, so neither a reduced shard nor optimizer states (AdamW makes them for
+    parameters with a gradient only)."""
+    vision = [[(arch.vision_params, 1, not train.uses_lora)]] if arch.vision_params and idle else []
     return [*[layer_tensors(arch, train)] * arch.num_layers, embedding_tensors(arch, train),
             tail_tensors(arch, train), *vision]
 
@@ -117,7 +121,7 @@ def reference_shard_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
 def trainable_shard_bytes(arch: ModelArchitecture, train: TrainingConfig, per_param: float) -> float:
     """Every trainable parameter's padded shard in `per_param` bytes, each a storage of its own in whole blocks: an
     optimizer state made like the shard (`torch.zeros_like` of its local tensor)."""
-    return sum(blocks.blocks(_shard(t, train.num_gpus) * per_param) for unit in _units(arch, train)
+    return sum(blocks.blocks(_shard(t, train.num_gpus) * per_param) for unit in _units(arch, train, idle=False)
                for t in unit if t[2])
 
 
@@ -129,7 +133,7 @@ def _reduced_bytes(unit: list[Tensor], train: TrainingConfig) -> float:
 def shard_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Every unit's reduced gradient on this rank's GPU: none under CPU offload, which copies each reduced shard to
     the host (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:711-743)."""
-    return 0 if offloaded(train) else sum(_reduced_bytes(unit, train) for unit in _units(arch, train))
+    return 0 if offloaded(train) else sum(_reduced_bytes(unit, train) for unit in _units(arch, train, idle=False))
 
 
 def gathered_unit_bytes(unit: list[Tensor], train: TrainingConfig, copies: int = 1) -> float:
@@ -253,7 +257,7 @@ def accumulated_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -
     """What the micro-batches before the last leave: transformers' Trainer runs them under accelerate's no_sync
     (FSDP2's set_requires_gradient_sync(False)), so each rank keeps every gradient whole, in bf16, unreduced, each
     parameter's its own storage."""
-    return sum(whole_gradient_bytes(unit, train) for unit in _units(arch, train))
+    return sum(whole_gradient_bytes(unit, train) for unit in _units(arch, train, idle=False))
 
 
 def whole_gradient_bytes(tensors: list[Tensor], train: TrainingConfig) -> float:

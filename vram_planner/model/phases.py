@@ -363,7 +363,6 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
 def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
     """Cached weight casts of the model that scores last: the reference when there is one, else the policy."""
     if train.fsdp and not train.load_in_4bit:  # what FSDP2 has gathered instead (model/fsdp.py)
-        trainable = m.trainable_params(arch, train)
         if train.computes_ref_logps and not train.uses_lora:
             # the policy's tail, kept gathered since generation; the reference whole
             return {"weights": m.weight_bytes(arch, train) + fsdp.gathered_bytes(arch, train, 0, 1),
@@ -535,8 +534,9 @@ def _fsdp_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: di
                   policy_graph: dict[str, float], all_grads: float, accumulating: bool,
                   layer_input: float) -> list[Phase]:
     """FSDP2's own moments of the loss forward and backward (model/fsdp.py): a layer's gather in the forward (its
-    copy-out beside its own and the previous layer's all-gather outputs), and, when the embedding trains, the
-    reduce-scatter that ends the backward (the tail's, or an untied embedding's, gathered for its backward)."""
+    copy-out beside its own and the previous layer's all-gather outputs), and, when the embedding trains, the first
+    layer's reduce-scatter and the one that ends the backward (the tail's, or an untied embedding's, gathered for its
+    backward)."""
     shards = persistent["weights"]
     gathering = shards + fsdp.gathered_bytes(arch, train, fsdp.FORWARD_GATHER_LAYERS, 1)
     moments = [Phase("training", {**persistent, **policy_graph, "weights": gathering}, "forward: a layer's gather")]
