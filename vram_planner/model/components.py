@@ -195,19 +195,19 @@ def vllm_weight_sync_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
     """What a training rank holds beside its weights while TRL pushes them to vLLM before a generation
     (VLLMGeneration.sync_weights and _iter_named_params in trl/generation/vllm_generation.py, 1.16; the same gathers
     in GRPOTrainer._move_model_to_vllm before): each parameter is gathered and handed over one at a time (ZeRO-3's
-    GatheredParameters, FSDP2's full_tensor), except that PEFT merges its adapters into a model ZeRO-3 has gathered
-    whole; merge_adapter adds each linear's delta weight to it, one linear at a time (LoraLayer.get_delta_weight:
+    GatheredParameters, FSDP2's full_tensor: model/fsdp.py), except that PEFT merges its adapters into a model ZeRO-3
+    has gathered whole; merge_adapter adds each linear's delta weight to it, one linear at a time (LoraLayer.get_delta_weight:
     lora_B @ lora_A and its product with the scaling, two tensors of the weight's shape in the adapters' dtype, alive
     together; unmerge_adapter the same). Unsharded and without PEFT vLLM reads the weights in place."""
     if not train.use_vllm:
         return 0.0
+    if train.fsdp and not train.load_in_4bit:  # model/fsdp.py
+        return fsdp.vllm_sync_bytes(arch, train)
     gathered = 0.0
     if train.zero_stage == 3 and train.uses_lora:
         gathered = weight_bytes(arch, replace(train, num_gpus=1)) - weight_bytes(arch, train)
     elif train.zero_stage == 3:
         gathered = zero.largest_layer_params(arch) * zero.GATHERED_PARAM_BYTES
-    elif train.fsdp and not train.load_in_4bit:
-        gathered = zero.largest_layer_params(arch) * fsdp.gathered_bytes_per_param(train)
     if not train.uses_lora:
         return gathered
     adapter_bytes = 2 if train.zero_stage is not None else sizes(train).trainable  # DeepSpeed's engine casts to bf16

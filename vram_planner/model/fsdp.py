@@ -29,7 +29,7 @@ Every storage in whole 512-byte blocks (model/blocks.py), as torch 2.13's FSDP2 
 from __future__ import annotations
 
 from vram_planner.model import blocks
-from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.architecture import Linear, ModelArchitecture
 from vram_planner.model.spec import DTYPE_BYTES, TrainingConfig
 
 FP32_BYTES = 4
@@ -288,3 +288,37 @@ def tail_reduction_bytes(arch: ModelArchitecture, train: TrainingConfig) -> floa
     padded = sum(_shard(t, train.num_gpus) for t in tail if t[2])
     return (whole_gradient_bytes(tail, train) + reduce_scatter_input_bytes(tail, train)
             + blocks.blocks(padded * gathered_bytes_per_param(train)))
+
+
+def vllm_sync_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What a rank holds beside its shards while TRL 1.16 pushes the weights to vLLM (`_iter_named_params` in
+    trl/generation/vllm_generation.py): PEFT's merge_adapter on the sharded model first (its `gather_params` is a
+    no-op under FSDP), then each parameter whole, one at a time; unmerge_adapter after, as the merge."""
+    return max(_pushed_bytes(arch, train), peft_merge_bytes(arch, train))
+
+
+def _pushed_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """`_iter_fsdp2_params` all-gathers each parameter with `full_tensor()`, in named_parameters order, in its shard's
+    dtype (float32 masters, a frozen base as loaded), N padded shards (torch/distributed/tensor/placement_types.py:
+    591-617), and the loop that loads it into vLLM (`sync_weights`) still holds the one before while the next is
+    gathered: the largest two in a row. PEFT's adapters are not pushed (merged already). A layer's norms, which some
+    families register before its linears, sit here after them, beside no larger neighbour than they have."""
+    n, per_param = train.num_gpus, _stored_bytes(train, not train.uses_lora)
+    pushed = [blocks.blocks(-(-rows // n) * n * width * per_param) for rows, width in blocks.parameter_shapes(arch)]
+    return max((a + b for a, b in zip(pushed, pushed[1:])), default=sum(pushed))
+
+
+def peft_merge_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """merge_adapter, one adapted linear at a time (LoraLayer.get_delta_weight, peft 0.21): lora_B @ lora_A on
+    DTensors sharded on dim 0 all-gathers lora_A whole (r x in) and leaves the product sharded like the weight
+    (ceil(out / N) rows), then its scaled copy beside it, in the adapters' float32, added into the weight's shard
+    in place."""
+    if not train.uses_lora:
+        return 0
+    n, r, per_param = train.num_gpus, train.lora_r or 0, master_bytes(train)
+
+    def merging(lin: Linear) -> float:
+        product = blocks.blocks(-(-lin.out_features // n) * lin.in_features * per_param)
+        return product + max(blocks.blocks(-(-r // n) * n * lin.in_features * per_param), product)
+
+    return max((merging(lin) for lin in arch.lora_linears(train.lora_targets)), default=0)
