@@ -26,8 +26,12 @@ def test_the_tensors_are_the_modules_parameters_one_by_one(path):
     arch = ModelArchitecture.from_config(config)
     if arch.vision_params:
         pytest.skip("a vision tower (idle in GRPO) is counted as one tensor")
-    built = sorted(p.numel() for p in build_on_meta(config).parameters())  # a tied weight once
+    model = build_on_meta(config)
+    built = sorted(p.numel() for p in model.parameters())  # a tied weight once
     assert sorted(blocks.parameter_tensors(arch)) == built
+    # FSDP2 shards on dim 0: the rows and what each row holds, as the modules lay them out
+    shapes = sorted((p.shape[0], p.numel() // p.shape[0]) for p in model.parameters())
+    assert sorted(blocks.parameter_shapes(arch)) == shapes
 
 
 def test_small_tensors_take_a_block_each():

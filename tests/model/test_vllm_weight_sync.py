@@ -16,21 +16,26 @@ from vram_planner.model.spec import training_config
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
-@pytest.mark.parametrize("targets", [None, ["gate_proj"], ["q_proj", "v_proj"]], ids=["all", "gate", "qv"])
-def test_peft_merge_holds_two_delta_weights_of_the_largest_adapted_linear(targets):
-    # PEFT's own merge_adapter and unmerge_adapter, counted by the trace's live-bytes counter on the CPU
+TINY = json.loads((FIXTURES / "tiny-llama-bias.json").read_text())
+
+
+def _peft_tiny(targets, dtype_name: str):
+    """The fixture with PEFT's LoRA (r 8) on `targets` (None: every linear)."""
     torch = pytest.importorskip("torch")
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    hf_config = AutoConfig.for_model(**{k: v for k, v in TINY.items() if k != "architectures"})
+    return get_peft_model(AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype_name)),
+                          LoraConfig(r=8, target_modules=targets or "all-linear"))
+
+
+def _merge_and_unmerge_held(model) -> list[int]:
+    """What PEFT's own merge_adapter and unmerge_adapter hold at their peaks beyond the parameters, counted by the
+    trace's live-bytes counter on the CPU."""
     from vram_planner.tracing.counter import LiveBytes
 
-    config = json.loads((FIXTURES / "tiny-llama-bias.json").read_text())
-    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    model = get_peft_model(AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16),
-                           LoraConfig(r=8, target_modules=targets or "all-linear"))
-    train = training_config({"dtype": "bfloat16", "lora_r": 8, "lora_target_modules": targets, "use_vllm": True})
-    expected = m.vllm_weight_sync_bytes(ModelArchitecture.from_config(config), train)
+    held = []
     with LiveBytes() as counter:
         for parameter in model.parameters():  # made before the counter: known, not counted as new
             counter.track(parameter)
@@ -38,7 +43,16 @@ def test_peft_merge_holds_two_delta_weights_of_the_largest_adapted_linear(target
             counter.reset_peak()
             before = counter.total
             step()
-            assert counter.peak - before == expected
+            held.append(counter.peak - before)
+    return held
+
+
+@pytest.mark.parametrize("targets", [None, ["gate_proj"], ["q_proj", "v_proj"]], ids=["all", "gate", "qv"])
+def test_peft_merge_holds_two_delta_weights_of_the_largest_adapted_linear(targets):
+    model = _peft_tiny(targets, "bfloat16")
+    train = training_config({"dtype": "bfloat16", "lora_r": 8, "lora_target_modules": targets, "use_vllm": True})
+    expected = m.vllm_weight_sync_bytes(ModelArchitecture.from_config(TINY), train)
+    assert _merge_and_unmerge_held(model) == [expected] * 2
 
 
 def _sync(model: str, **knobs) -> float:
@@ -74,3 +88,40 @@ def test_the_generation_phase_peaks_where_zero3_gathers_for_the_merge():
                                                     "num_gpus": 2, "zero_stage": 3})
     generation = next(p for p in verdict.estimate.phases if p.name == "generation")
     assert generation.moment == "weights pushed to vLLM"
+
+
+@pytest.mark.parametrize("targets", [["up_proj"], None], ids=["up", "all"])
+def test_peft_merges_each_adapter_into_its_own_shard_under_fsdp2(targets):
+    # TRL 1.16 merges with FSDP2's parameters sharded (its gather_params is a no-op under FSDP): PEFT's own
+    # merge_adapter and unmerge_adapter on fully_shard's DTensors, rank 0 of 4 on torch's fake process group
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vram_planner.model import fsdp
+
+    model = _peft_tiny(targets, "float32")
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        held = _merge_and_unmerge_held(model)
+    finally:
+        dist.destroy_process_group()
+    train = training_config({"dtype": "float32", "lora_r": 8, "lora_target_modules": targets, "use_vllm": True,
+                             "fsdp": True, "num_gpus": 4})
+    # the widest adapted linear's product and its scaled copy, a quarter of the weight's rows each, not the whole
+    assert held == [fsdp.peft_merge_bytes(ModelArchitecture.from_config(TINY), train)] * 2
+    assert held[0] == 2 * 176 // 4 * 64 * 4
+
+
+def test_fsdp2_pushes_each_parameter_whole_in_its_shards_dtype_beside_the_one_before():
+    # _iter_fsdp2_params' full_tensor() of each parameter, one at a time, while sync_weights' loop holds the last
+    v, h = 128256, 2048  # Llama-3.2-1B: its embedding, then the first layer's q_proj
+    for gpus in (2, 8):
+        assert _sync("Llama-3.2-1B", num_gpus=gpus, fsdp=True) == (v * h + h * h) * 4  # float32 masters
+        assert _sync("Llama-3.2-1B", num_gpus=gpus, fsdp=True, lora_r=16) == (v * h + h * h) * 2  # the frozen base

@@ -139,6 +139,22 @@ def test_trace_command_answers_for_one_rank(capsys):
     assert "DDP" in one_line_error(capsys, *args, "--num-gpus", "2")
 
 
+@pytest.mark.parametrize("gpus", [2, 4])
+@pytest.mark.parametrize("knobs", [{}, {"lora_r": 8}], ids=["full", "lora"])
+def test_the_analytic_fsdp_model_holds_the_fixtures_rank_within_2_percent_never_under_but_for_blocks(gpus, knobs):
+    # the fixture's kilobyte shards: every storage's rounding to whole blocks and every unit's gathers and
+    # reductions count. Under the trace by no more than a decoding step's few one-block tensors (positions, a cache
+    # position, the sampler's flags) that the analytic model leaves out
+    context = engine.make_context(str(FIXTURE), "h100-80gb")
+    train = engine.make_training(context, {**SHORT, **knobs, "num_gpus": gpus, "fsdp": True})
+    traced = trace_step(TINY, train, context.release)
+    analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
+                                             context.capacity_bytes).phases}
+    for phase in traced.phases:
+        gap = analytic[phase.name].tensor_bytes - phase.peak_bytes
+        assert -8 * BLOCK <= gap <= 0.02 * phase.peak_bytes, (phase.name, gap / phase.peak_bytes)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gpus", [2, 8])
 def test_the_analytic_fsdp_model_stays_within_1_percent_of_the_sharded_trace(gpus):

@@ -23,25 +23,42 @@ def blocks(n_bytes: float) -> float:
     return -(-n_bytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
 
 
+def layer_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
+    """(rows, elements per row) of one decoder layer's parameter tensors: a linear's weight is [out, in]."""
+    f = arch.family
+    norm = [(arch.hidden_size, 1)] * (2 if f.layer_norm_bias else 1)  # weight (and LayerNorm's bias)
+    layer = [t for lin in arch.layer_linears()
+             for t in ([(lin.out_features, lin.in_features)] + ([(lin.out_features, 1)] if lin.bias else []))]
+    return layer + norm * f.norms_per_layer + ([(arch.head_dim, 1)] * 2 if f.qk_norm else [])
+
+
+def tail_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
+    """The final norm and what the output projection adds to the embedding (an untied weight, a bias)."""
+    norm = [(arch.hidden_size, 1)] * (2 if arch.family.layer_norm_bias else 1)
+    head = [] if arch.tie_word_embeddings else [(arch.vocab_size, arch.hidden_size)]
+    return norm + head + ([(arch.vocab_size, 1)] if arch.family.lm_head_bias else [])
+
+
+def parameter_shapes(arch: ModelArchitecture) -> list[tuple[int, int]]:
+    """(rows, elements per row) of every parameter tensor (tied embeddings once; a vision tower as one)."""
+    vision = [(arch.vision_params, 1)] if arch.vision_params else []
+    return [(arch.vocab_size, arch.hidden_size), *layer_shapes(arch) * arch.num_layers, *tail_shapes(arch), *vision]
+
+
 def parameter_tensors(arch: ModelArchitecture) -> list[int]:
     """The element count of every parameter tensor (tied embeddings once; a vision tower as one)."""
-    f = arch.family
-    norm = [arch.hidden_size] * (2 if f.layer_norm_bias else 1)  # weight (and LayerNorm's bias)
-    layer = [t for lin in arch.layer_linears()
-             for t in ([lin.in_features * lin.out_features] + ([lin.out_features] if lin.bias else []))]
-    layer += norm * f.norms_per_layer + ([arch.head_dim] * 2 if f.qk_norm else [])
-    head = [] if arch.tie_word_embeddings else [arch.vocab_size * arch.hidden_size]
-    head += [arch.vocab_size] if f.lm_head_bias else []
-    vision = [arch.vision_params] if arch.vision_params else []
-    return [arch.embedding_params, *layer * arch.num_layers, *norm, *head, *vision]
+    return [rows * width for rows, width in parameter_shapes(arch)]
+
+
+def lora_layer_shapes(arch: ModelArchitecture, train: TrainingConfig) -> list[tuple[int, int]]:
+    """lora_A [r, in] and lora_B [out, r] of every adapted linear of one layer."""
+    r = train.lora_r or 0
+    return [s for lin in arch.lora_linears(train.lora_targets) for s in ((r, lin.in_features), (lin.out_features, r))]
 
 
 def lora_tensors(arch: ModelArchitecture, train: TrainingConfig) -> list[int]:
     """lora_A (r x in) and lora_B (out x r) of every adapted linear of every layer."""
-    r = train.lora_r or 0
-    per_layer = [n for lin in arch.lora_linears(train.lora_targets) for n in (r * lin.in_features,
-                                                                              lin.out_features * r)]
-    return per_layer * arch.num_layers
+    return [rows * width for rows, width in lora_layer_shapes(arch, train)] * arch.num_layers
 
 
 def trainable_tensors(arch: ModelArchitecture, train: TrainingConfig) -> list[int]:

@@ -123,7 +123,7 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Policy weights (base plus LoRA adapters), as held on one GPU between generations."""
     s = sizes(train)
     if train.fsdp and not train.load_in_4bit:  # the shards (model/fsdp.py)
-        return fsdp.shard_weight_bytes(arch, train, trainable_params(arch, train))
+        return fsdp.shard_weight_bytes(arch, train)
     if train.zero_stage == 3 and train.offload_param == "cpu":  # the partitions live on the host (model/offload.py)
         base = 0
     elif train.load_in_4bit:
@@ -172,7 +172,7 @@ def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> f
     max_live_parameters (partitioned_param_coordinator.py:251-280, :452-484; model/zero.py), the whole of a model of
     up to a billion parameters; FSDP2 gathers one layer at a time (model/fsdp.py)."""
     if train.fsdp and not train.load_in_4bit:
-        return weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train, trainable_params(arch, train))
+        return weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train)
     if train.zero_stage == 3 and train.ds3_gather_for_generation:
         # GatheredParameters all-gathers every parameter into a new full tensor while its ds_tensor partition stays
         # (deepspeed/runtime/zero/partition_parameters.py); the sharded trace counts both (vram_planner/tracing/zero.py)
@@ -195,19 +195,19 @@ def vllm_weight_sync_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
     """What a training rank holds beside its weights while TRL pushes them to vLLM before a generation
     (VLLMGeneration.sync_weights and _iter_named_params in trl/generation/vllm_generation.py, 1.16; the same gathers
     in GRPOTrainer._move_model_to_vllm before): each parameter is gathered and handed over one at a time (ZeRO-3's
-    GatheredParameters, FSDP2's full_tensor), except that PEFT merges its adapters into a model ZeRO-3 has gathered
-    whole; merge_adapter adds each linear's delta weight to it, one linear at a time (LoraLayer.get_delta_weight:
+    GatheredParameters, FSDP2's full_tensor: model/fsdp.py), except that PEFT merges its adapters into a model ZeRO-3
+    has gathered whole; merge_adapter adds each linear's delta weight to it, one linear at a time (LoraLayer.get_delta_weight:
     lora_B @ lora_A and its product with the scaling, two tensors of the weight's shape in the adapters' dtype, alive
     together; unmerge_adapter the same). Unsharded and without PEFT vLLM reads the weights in place."""
     if not train.use_vllm:
         return 0.0
+    if train.fsdp and not train.load_in_4bit:  # model/fsdp.py
+        return fsdp.vllm_sync_bytes(arch, train)
     gathered = 0.0
     if train.zero_stage == 3 and train.uses_lora:
         gathered = weight_bytes(arch, replace(train, num_gpus=1)) - weight_bytes(arch, train)
     elif train.zero_stage == 3:
         gathered = zero.largest_layer_params(arch) * zero.GATHERED_PARAM_BYTES
-    elif train.fsdp and not train.load_in_4bit:
-        gathered = zero.largest_layer_params(arch) * fsdp.gathered_bytes_per_param(train)
     if not train.uses_lora:
         return gathered
     adapter_bytes = 2 if train.zero_stage is not None else sizes(train).trainable  # DeepSpeed's engine casts to bf16
@@ -219,9 +219,9 @@ def reference_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
     """beta != 0 without PEFT loads a second copy (same dtype, no grads); with PEFT the adapter is disabled instead."""
     if not train.computes_ref_logps or train.uses_lora:
         return 0
-    per_param = 2 if train.zero_stage is not None else sizes(train).weight
     if train.fsdp:  # frozen: sharded as loaded, not upcast
-        per_param = DTYPE_BYTES[train.dtype]
+        return fsdp.reference_shard_bytes(arch, train)
+    per_param = 2 if train.zero_stage is not None else sizes(train).weight
     return shard_bytes(train, arch.params * per_param, 3) + _plain_weight_rounding(arch, train, per_param)
 
 
@@ -229,7 +229,7 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Gradients of the trainable parameters; DDP adds its bucket copy (gradient_as_bucket_view=False)."""
     grads = trainable_params(arch, train) * sizes(train).trainable
     if train.fsdp:  # reduce-scattered into the shards' dtype (model/fsdp.py), on the host under CPU offload
-        return trainable_params(arch, train) * fsdp.shard_gradient_bytes_per_param(train)
+        return fsdp.shard_gradient_bytes(arch, train)
     if train.zero_stage in (1, 2) and train.optimizer_offloaded:
         # ZeRO-Offload copies each reduced gradient to the host through one device buffer the size of the largest
         # parameter (deepspeed/runtime/zero/stage_1_and_2.py:659-661); no partition stays on the GPU
@@ -316,21 +316,16 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
         total = trainable * state_dtype
     else:
         # exp_avg and exp_avg_sq of every tensor in whole blocks, and fused AdamW's step scalars
+        if train.fsdp:
+            # each shard's exp_avg and exp_avg_sq a storage of its own, and fused AdamW's `step` scalars beside them
+            # (one per parameter, not sharded)
+            return 2 * fsdp.trainable_shard_bytes(arch, train, state_dtype) + blocks.optimizer_step_scalars_bytes(
+                arch, train)
         total = 2 * (trainable * state_dtype + _trainable_rounding(arch, train, state_dtype))
         total += blocks.optimizer_step_scalars_bytes(arch, train) if per_parameter_storages(train) else 0
-        if train.fsdp:
-            return shard_bytes(train, total, 1) + _fsdp_adam_state_rounding(arch, train, state_dtype)
     if train.zero_stage is not None:
         total += trainable * MASTER_WEIGHT_BYTES
     return shard_bytes(train, total, 1)
-
-
-def _fsdp_adam_state_rounding(arch: ModelArchitecture, train: TrainingConfig, per_param: float) -> float:
-    """FSDP2 shards each parameter on its own (dim 0, the first ranks' shards rounded up), so the optimizer's
-    exp_avg and exp_avg_sq of a shard are storages of their own, in whole blocks, and fused AdamW's `step` scalars
-    stay on the GPU beside them (one per parameter, not sharded)."""
-    shards = [-(-n // train.num_gpus) for n in blocks.trainable_tensors(arch, train)]
-    return 2 * blocks.rounding_bytes(shards, per_param) + blocks.optimizer_step_scalars_bytes(arch, train)
 
 
 def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

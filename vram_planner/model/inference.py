@@ -32,7 +32,7 @@ matters: a layer's tensors are freed as its forward moves on.
 from __future__ import annotations
 
 from vram_planner.model.architecture import Linear, ModelArchitecture
-from vram_planner.model.blocks import ROTARY_EMBEDDINGS
+from vram_planner.model.blocks import ROTARY_EMBEDDINGS, blocks
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.components import FP32_BYTES, sizes
 from vram_planner.model.spec import TrainingConfig
@@ -63,12 +63,22 @@ def prefill_bytes(arch: ModelArchitecture, run: TrainingConfig, cal: Calibration
     `inference_mlp_bytes`, per element of a 2-byte tensor, which a probe fits on a real GPU; their defaults are the
     counted `STREAM_TENSORS` and `MLP_TENSORS`); rotary's cos and sin are per token, and the prompts' keys and values
     are the cache's."""
-    tokens = sequences * length
-    rotary = rotary_tables(arch) * arch.head_dim * sizes(run).residual
     counts = (cal.inference_hidden_bytes / 2, cal.inference_mlp_bytes / 2)
-    return (tokens * (_widest_moment(arch, run, length, run.uses_lora, counts, cached=True) + rotary
-                      + GENERATE_INPUTS * INT64_BYTES)
-            + _mask_bytes(arch, run, sequences, length))
+    return (sequences * length * _widest_moment(arch, run, length, run.uses_lora, counts, cached=True)
+            + prefill_inputs_bytes(arch, run, sequences, length) + _mask_bytes(arch, run, sequences, length))
+
+
+def prefill_inputs_bytes(arch: ModelArchitecture, run: TrainingConfig, sequences: int, length: int) -> float:
+    """What the prefill's every layer reads beside its hidden states: rotary's cos and sin, per token, and
+    generate()'s int64 inputs."""
+    rotary = rotary_tables(arch) * arch.head_dim * sizes(run).residual
+    return sequences * length * (rotary + GENERATE_INPUTS * INT64_BYTES)
+
+
+def decoding_inputs_bytes(arch: ModelArchitecture, run: TrainingConfig, sequences: int) -> float:
+    """`prefill_inputs_bytes` at a decoding step, one token per sequence: each tensor a block or a few."""
+    rotary = rotary_tables(arch) * blocks(sequences * arch.head_dim * sizes(run).residual)
+    return rotary + GENERATE_INPUTS * blocks(sequences * INT64_BYTES)
 
 
 def scoring_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, length: int,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vram_planner.model import activations as act
+from vram_planner.model import blocks
 from vram_planner.model import components as m
 from vram_planner.model import zero
 from vram_planner.model import fsdp
@@ -301,19 +302,30 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
     head = m.generation_logits_bytes(arch, run, sequences)
     # ... and the output projection is cast at the LM head, cached or not.
     head_weights = with_casts["weights"] + m.lm_head_cast_bytes(arch, run)
-    decoding, first_gather = dict(with_casts), []
+    decoding, prefilling, in_layer, gathers = dict(with_casts), dict(with_casts), dict(with_casts), []
     if train.fsdp and not train.load_in_4bit:
         # The prefill's first gathers hold the most (the tail's all-gather output too), before any layer has run;
-        # after them, FSDP2 holds what it holds at every decoding step (model/fsdp.py)
-        decoding["weights"] = head_weights = m.weight_bytes(arch, train) + fsdp.decoding_gathered_bytes(
-            arch, train, m.trainable_params(arch, train))
-        embedded = sequences * p * arch.hidden_size * m.sizes(run).residual + m.padded_mask_bytes(run, sequences, p)
-        first_gather = [Phase("generation", {**with_casts, "activations": embedded}, "prefill: the first gathers")]
+        # after them, FSDP2 holds at a decoding step's gathers what it holds at every step (model/fsdp.py); inside a
+        # layer (where the prefill's activations peak and a decoding step's cache grows) that layer is gathered
+        shards = m.weight_bytes(arch, train)
+        decoding["weights"] = shards + fsdp.decoding_gathered_bytes(arch, train)
+        prefilling["weights"] = shards + fsdp.prefill_layer_gathered_bytes(arch, train)
+        in_layer["weights"] = shards + fsdp.decoding_layer_gathered_bytes(arch, train)
+        head_weights = shards + fsdp.lm_head_gathered_bytes(arch, train)
+        embedded = (sequences * p * arch.hidden_size * m.sizes(run).residual + m.padded_mask_bytes(run, sequences, p)
+                    + inference.prefill_inputs_bytes(arch, run, sequences, p))
+        gathers = [Phase("generation", {**with_casts, "activations": embedded}, "prefill: the first gathers"),
+                   # beside the step's hidden state, generate()'s ids and mask so far, each its own storage
+                   Phase("generation", {**decoding, "kv_cache": kv, "lm_head_buffers": 2 * blocks.blocks(
+                       inference.batch_ids_bytes(sequences, train.sequence_length - 1) / 2),
+                       "activations": blocks.blocks(sequences * arch.hidden_size * m.sizes(run).residual)
+                       + inference.decoding_inputs_bytes(arch, run, sequences)},
+                         "last decoding step: a layer's gather")]
     moments = [
-        *first_gather,
-        Phase("generation", {**decoding, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
-        Phase("generation", {**decoding, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
-        Phase("generation", {**decoding, "kv_cache": kv,
+        *gathers,
+        Phase("generation", {**prefilling, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
+        Phase("generation", {**in_layer, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
+        Phase("generation", {**in_layer, "kv_cache": kv,
                              "activations": inference.decoding_repeated_kv_bytes(
                                  arch, run, kv, train.sequence_length - 1)},
               "last decoding step: attention"),
@@ -364,13 +376,12 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
 def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
     """Cached weight casts of the model that scores last: the reference when there is one, else the policy."""
     if train.fsdp and not train.load_in_4bit:  # what FSDP2 has gathered instead (model/fsdp.py)
-        trainable = m.trainable_params(arch, train)
         if train.computes_ref_logps and not train.uses_lora:
             # the policy's tail, kept gathered since generation; the reference whole
-            return {"weights": m.weight_bytes(arch, train) + fsdp.gathered_bytes(arch, train, trainable, 0, 1),
+            return {"weights": m.weight_bytes(arch, train) + fsdp.gathered_bytes(arch, train, 0, 1),
                     "reference_weights": m.reference_weight_bytes(arch, train)
                     + fsdp.reference_gathered_bytes(arch, train)}
-        return {"weights": m.weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train, trainable)}
+        return {"weights": m.weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train)}
     if train.computes_ref_logps and not train.uses_lora:
         return {"reference_weights": m.reference_weight_bytes(arch, train) + m.layer_weight_cast_bytes(arch, train)}
     if train.uses_lora:
@@ -415,7 +426,7 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     # From the second micro-batch of an accumulation on, every gradient exists before the forward starts.
     accumulating = train.gradient_accumulation_steps > 1 and not first
     if accumulating and train.fsdp:  # kept whole and unreduced under no_sync (model/fsdp.py)
-        all_grads = fsdp.accumulated_gradient_bytes(arch, train, m.trainable_params(arch, train))
+        all_grads = fsdp.accumulated_gradient_bytes(arch, train)
     grads_before = all_grads if accumulating else 0.0
     prefetched = 0.0 if first else m.zero3_prefetched_weight_bytes(
         arch, train, release.zero3_trace_kept_across_generation)
@@ -428,7 +439,7 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     forward_casts, backward_casts = _training_casts(arch, train)
     weights = persistent["weights"] + prefetched
     if train.fsdp:  # the tail and a layer gathered beside the shards
-        weights += fsdp.training_gathered_bytes(arch, train, m.trainable_params(arch, train))
+        weights += fsdp.training_gathered_bytes(arch, train)
     one_layer = act.one_layer_saved_bytes(arch, train, cal, tokens)
     layer_casts = m.layer_weight_cast_bytes(arch, train) / max(arch.num_layers, 1)
     working = m.backward_working_bytes(arch, train, cal, tokens)
@@ -474,13 +485,10 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     if train.fsdp:
         # The layer being differentiated and the next one gathered ahead of it (FSDP2's prefetch); the tail is
         # resharded after its own backward unless it holds a tied embedding, whose gradient comes last
-        trainable = m.trainable_params(arch, train)
-        weights += fsdp.layer_unit_bytes(arch, train, trainable) - (
-            0 if tied else fsdp.gathered_bytes(arch, train, trainable, 0, 1))
+        weights += fsdp.layer_unit_bytes(arch, train) - (0 if tied else fsdp.gathered_bytes(arch, train, 0, 1))
     first_layer_weights = weights
     if train.fsdp:  # the unit gathered ahead of the first layer is an untied embedding, larger than a layer
-        first_layer_weights += max(fsdp.embedding_unit_bytes(arch, train) - fsdp.layer_unit_bytes(
-            arch, train, m.trainable_params(arch, train)), 0)
+        first_layer_weights += max(fsdp.embedding_unit_bytes(arch, train) - fsdp.layer_unit_bytes(arch, train), 0)
     moments = [
         *head_moments,
         Phase("training", {**persistent, "weights": weights + last_layer_casts, "gradients": head_grads + held,
@@ -515,9 +523,8 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     if tied and train.fsdp:
         # The embedding's dense gradient before it joins the output projection's, which waits unreduced; the tail
         # still gathered, the first layer's gradient not yet reduced
-        trainable = m.trainable_params(arch, train)
-        unreduced = fsdp.gathered_bytes(arch, train, trainable, 1, 1) - fsdp.tail_shard_gradient_bytes(arch, train)
-        tail_kept = persistent["weights"] + fsdp.gathered_bytes(arch, train, trainable, 0, 1)
+        unreduced = fsdp.gathered_bytes(arch, train, 1, 1) - fsdp.tail_shard_gradient_bytes(arch, train)
+        tail_kept = persistent["weights"] + fsdp.gathered_bytes(arch, train, 0, 1)
         moments.append(Phase("training", {**persistent, "weights": tail_kept,
                                            "gradients": all_grads + held + (0 if accumulating else unreduced),
                                            "activations": _head_gradient_bytes(arch, train) + layer_input},
@@ -540,23 +547,32 @@ def _fsdp_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: di
                   policy_graph: dict[str, float], all_grads: float, accumulating: bool,
                   layer_input: float) -> list[Phase]:
     """FSDP2's own moments of the loss forward and backward (model/fsdp.py): a layer's gather in the forward (its
-    copy-out beside its own and the previous layer's all-gather outputs), and, when the embedding trains, the
-    reduce-scatter that ends the backward (the tail's, or an untied embedding's, gathered for its backward)."""
-    trainable = m.trainable_params(arch, train)
+    copy-out beside its own and the previous layer's all-gather outputs), and, when the embedding trains, the first
+    layer's reduce-scatter and the one that ends the backward (the tail's, or an untied embedding's, gathered for its
+    backward)."""
     shards = persistent["weights"]
-    gathering = shards + fsdp.gathered_bytes(arch, train, trainable, fsdp.FORWARD_GATHER_LAYERS, 1)
+    gathering = shards + fsdp.gathered_bytes(arch, train, fsdp.FORWARD_GATHER_LAYERS, 1)
     moments = [Phase("training", {**persistent, **policy_graph, "weights": gathering}, "forward: a layer's gather")]
     if accumulating or train.uses_lora:
         return moments
     embedding = fsdp.embedding_unit_bytes(arch, train)  # 0 when tied: the embedding is in the tail
+    # The first layer resharded, the unit before it gathered (FSDP2's backward prefetch: an untied embedding, or the
+    # tied tail, kept since the forward), the layer's input gradient
+    ahead = embedding or fsdp.tail_unit_bytes(arch, train)
+    moments.append(Phase("training", {**persistent, "weights": shards + ahead,
+                                      "gradients": _fsdp_first_layer_gradient_bytes(
+                                          arch, train, all_grads, fsdp.whole_gradient_bytes(
+                                              fsdp.layer_tensors(arch, train), train)),
+                                      "activations": layer_input}, "reduce-scatter of the first layer"))
     moments.append(Phase("training", {**persistent, "weights": shards + embedding,
                                       "gradients": all_grads + fsdp.tail_reduction_bytes(arch, train),
                                       "activations": layer_input}, "reduce-scatter of the last unit"))
     if embedding:
         # An untied embedding's backward: its unit gathered with its all-gather output, its dense gradient, the
         # first layer's gradient not yet reduced
-        unreduced = fsdp.layer_unit_bytes(arch, train, trainable) - fsdp.embedding_shard_gradient_bytes(arch, train)
-        moments.append(Phase("training", {**persistent, "weights": shards + fsdp.GATHER_COPIES * embedding,
+        unreduced = fsdp.layer_unit_bytes(arch, train) - fsdp.embedding_shard_gradient_bytes(arch, train)
+        moments.append(Phase("training", {**persistent, "weights": shards + fsdp.embedding_unit_bytes(
+                                              arch, train, fsdp.GATHER_COPIES),
                                           "gradients": all_grads + unreduced, "activations": embedding + layer_input},
                              "embedding backward"))
     return moments
@@ -630,20 +646,27 @@ def _first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, 
     if train.uses_lora or (train.zero_stage is not None and train.optimizer_offloaded):
         return all_grads  # ZeRO-Offload: what stays on the GPU (model/components.py) does not grow with the backward
     if train.fsdp:
-        # As the sharded trace finds the peak: with a tied embedding, in the first layer's backward, every later
-        # unit's reduced shard, of its own gradients the MLP's whole in bf16, and the output projection's whole
-        # gradient waiting for the embedding's; with an untied one, at the layer's reduce-scatter, its reduced
-        # shard beside all its whole gradients, the embedding's shard to come
-        gathered = fsdp.gathered_bytes_per_param(train)
-        if arch.tie_word_embeddings:
-            mlp = sum(lin.params for lin in arch.layer_linears() if lin.name in arch.family.mlp_names)
-            return (all_grads - arch.layer_params * fsdp.shard_gradient_bytes_per_param(train) + mlp * gathered
-                    + fsdp.tail_params(arch) * gathered - fsdp.tail_shard_gradient_bytes(arch, train))
-        return all_grads + arch.layer_params * gathered - fsdp.embedding_shard_gradient_bytes(arch, train)
+        # As the sharded trace finds the peak, in a checkpointed layer's backward as the MLP's input gradients form
+        return _fsdp_first_layer_gradient_bytes(arch, train, all_grads, fsdp.mlp_output_gradient_bytes(arch, train))
     missing = arch.layer_params - arch.layer_linears()[-1].params
     if not arch.tie_word_embeddings:
         missing += arch.embedding_params
     return all_grads - m.shard_bytes(train, missing * m.sizes(train).trainable, 2)
+
+
+def _fsdp_first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig, all_grads: float,
+                                     own: float) -> float:
+    """FSDP2's gradients in the first layer's backward: every later unit's reduced shard, the layer's own whole
+    gradients made so far (`own`), and a reduce-scatter input, which FSDP2 keeps until the next unit's reduce-scatter
+    frees it just before allocating its own (`reduce_scatter_states`, torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py:639-658): the layer after's, then its own; a tied output projection's whole gradient
+    waiting for the embedding's, an untied embedding's shard to come."""
+    layer = fsdp.layer_tensors(arch, train)
+    held = all_grads - fsdp.layer_shard_gradient_bytes(arch, train) + own + fsdp.reduce_scatter_input_bytes(layer, train)
+    if arch.tie_word_embeddings:
+        return (held + fsdp.whole_gradient_bytes(fsdp.tail_tensors(arch, train), train)
+                - fsdp.tail_shard_gradient_bytes(arch, train))
+    return held - fsdp.embedding_shard_gradient_bytes(arch, train)
 
 
 def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
