@@ -857,7 +857,8 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "zero3_trace_kept_across_generation": lambda f: f["behaviour"]["zero3_trace_kept_across_generation"],
     "checkpointing_input_grads": lambda f: f["behaviour"]["enables_input_require_grads"],
     # transformers 4's gradient_checkpointing_enable defaults to reentrant, 5's not
-    "checkpointing_reentrant": lambda f: f["transformers"]["major"] == 4 and not f["behaviour"]["non_reentrant_by_default"],
+    "checkpointing_reentrant": lambda f: (f["transformers"]["major"] == 4
+                                          and not f["behaviour"]["non_reentrant_by_default"]),
     "peft_zero3_reentrant": lambda f: f["behaviour"]["peft_zero3_reentrant"],
 }
 

@@ -244,8 +244,8 @@ class TrainingConfig:
 
     @property
     def reentrant_checkpointing(self) -> bool:
-        """Whether gradient checkpointing runs reentrant (torch.utils.checkpoint use_reentrant=True), as the release sets
-        it up (profiles/trl.toml checkpointing_reentrant, peft_zero3_reentrant)."""
+        """Whether gradient checkpointing runs reentrant (torch.utils.checkpoint's use_reentrant=True), as the release
+        sets it up (profiles/trl.toml checkpointing_reentrant, peft_zero3_reentrant)."""
         release = self.release
         forced = release.peft_zero3_reentrant and self.uses_lora and self.zero_stage == 3
         return self.gradient_checkpointing and (release.checkpointing_reentrant or forced)
@@ -253,7 +253,8 @@ class TrainingConfig:
     @property
     def first_layer_input_needs_grad(self) -> bool:
         """Whether the first decoder layer's input needs a gradient: with full fine-tuning (the embedding trains), or
-        with LoRA where TRL makes the embedding's output require grad under checkpointing (checkpointing_input_grads)."""
+        with LoRA where TRL makes the embedding's output require grad under checkpointing
+        (checkpointing_input_grads)."""
         return not self.uses_lora or (self.gradient_checkpointing and self.release.checkpointing_input_grads)
 
     @property
