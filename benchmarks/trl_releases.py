@@ -703,7 +703,7 @@ def non_reentrant_by_default(src: WheelSource, trainer: ast.ClassDef) -> bool:
 
 def peft_zero3_reentrant(trainer: ast.ClassDef) -> bool:
     """Whether the trainer forces `use_reentrant` True for PEFT under DeepSpeed ZeRO-3 with checkpointing
-    (`args.gradient_checkpointing_kwargs["use_reentrant"] = True`, 1.12 on)."""
+    (`args.gradient_checkpointing_kwargs["use_reentrant"] = True`, 1.9 on)."""
     return _use_reentrant_set(method(trainer, "__init__"), True)
 
 
