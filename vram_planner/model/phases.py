@@ -161,8 +161,14 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
     waits = tied and not (accumulating and train.zero_stage == 3)
     reducing = zero.reducing_bucket_gradient_bytes(arch, trainable, waits, train.uses_lora, kept)
     kept_before = max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
-    # ZeRO-3 gathers the layer it differentiates, unless its coordinator holds every one already (`prefetched`)
-    gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 and not prefetched else 0
+    # ZeRO-3 gathers the layer it differentiates, its LoRA adapters too (16-bit: TRL builds them in the weights' dtype
+    # under ZeRO-3), unless its coordinator holds every one already (`prefetched`). The adapters are what reentrant
+    # checkpointing's peak (TRL 1.9 on, PEFT + ZeRO-3) holds beyond the base layer: the sharded trace of
+    # Llama-3.2-1B r=16 on 8 ranks, whose non-reentrant peak held one layer's adapters whole
+    adapters = (arch.lora_params(train.lora_r, train.lora_targets) // max(arch.num_layers, 1)
+                if train.uses_lora else 0)
+    gathered = ((arch.layer_params + adapters) * zero.GATHERED_PARAM_BYTES
+                if train.zero_stage == 3 and not prefetched else 0)
     if trainable > zero.REDUCE_BUCKET_ELEMENTS:
         return [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before
                                    + reducing, "activations": layer_activations[0]}, "reducing a gradient bucket")]
