@@ -665,6 +665,48 @@ def zero3_trace_kept_across_generation(src: WheelSource) -> bool:
     return found is not None and not calls(found[1], "_invalidate_trace")
 
 
+def calls_through(src: WheelSource, module: str, node: ast.AST, name: str, depth: int = 2) -> bool:
+    """Whether `node` calls `name`, itself or through the wheel's functions it calls by name, `depth` levels down."""
+    if calls(node, name):
+        return True
+    called = sorted({c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)})
+    found = [resolve(src, module, f, ast.FunctionDef) for f in called] if depth else []
+    return any(calls_through(src, where, function, name, depth - 1) for where, function in filter(None, found))
+
+
+def checkpointing_input_grads(src: WheelSource, trainer: ast.ClassDef) -> bool:
+    """Whether the trainer's set-up calls `enable_input_require_grads` (itself from 0.26, through
+    trl/models/utils.py's prepare_peft_model and enable_gradient_checkpointing in 0.22-0.25; before 0.16 never)."""
+    return calls_through(src, TRAINER[0], trainer, "enable_input_require_grads")
+
+
+def _use_reentrant_set(node: ast.AST | None, value: bool) -> bool:
+    """Whether `node` sets `use_reentrant` to `value`: `kwargs.setdefault("use_reentrant", value)` or
+    `kwargs["use_reentrant"] = value`."""
+    if node is None:
+        return False
+    default = any(len(c.args) == 2 and literal(c.args[0]) == "use_reentrant" and literal(c.args[1]) is value
+                  for c in calls(node, "setdefault"))
+    assigned = any(isinstance(n, ast.Assign) and literal(n.value) is value and any(
+        isinstance(t, ast.Subscript) and literal(t.slice) == "use_reentrant" for t in n.targets)
+        for n in ast.walk(node))
+    return default or assigned
+
+
+def non_reentrant_by_default(src: WheelSource, trainer: ast.ClassDef) -> bool:
+    """Whether GRPOConfig.__post_init__ (0.27) or the trainer's __init__ (0.28 on) sets `use_reentrant` False where the
+    user left it unset; before, transformers 4's gradient_checkpointing_enable ran with its own default,
+    {"use_reentrant": True} (transformers 5 defaults to False)."""
+    places = [method(cls, "__post_init__") for _, cls in config_chain(src)] + [method(trainer, "__init__")]
+    return any(_use_reentrant_set(place, False) for place in places)
+
+
+def peft_zero3_reentrant(trainer: ast.ClassDef) -> bool:
+    """Whether the trainer forces `use_reentrant` True for PEFT under DeepSpeed ZeRO-3 with checkpointing
+    (`args.gradient_checkpointing_kwargs["use_reentrant"] = True`, 1.9 on)."""
+    return _use_reentrant_set(method(trainer, "__init__"), True)
+
+
 def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
     """The markers of grpo_trainer.py that decide memory."""
     compute_loss = method(trainer, "compute_loss")
@@ -689,6 +731,9 @@ def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
         "model_dtype_passed": model_dtype(src, trainer),
         "training_entropy": training_entropy(src, trainer),
         "zero3_trace_kept_across_generation": zero3_trace_kept_across_generation(src),
+        "enables_input_require_grads": checkpointing_input_grads(src, trainer),
+        "non_reentrant_by_default": non_reentrant_by_default(src, trainer),
+        "peft_zero3_reentrant": peft_zero3_reentrant(trainer),
     }
 
 
@@ -810,6 +855,11 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "log_prob_attention_mask": lambda f: f["behaviour"]["log_prob_attention_mask"],
     "training_entropy": lambda f: f["behaviour"]["training_entropy"],
     "zero3_trace_kept_across_generation": lambda f: f["behaviour"]["zero3_trace_kept_across_generation"],
+    "checkpointing_input_grads": lambda f: f["behaviour"]["enables_input_require_grads"],
+    # transformers 4's gradient_checkpointing_enable defaults to reentrant, 5's not
+    "checkpointing_reentrant": lambda f: (f["transformers"]["major"] == 4
+                                          and not f["behaviour"]["non_reentrant_by_default"]),
+    "peft_zero3_reentrant": lambda f: f["behaviour"]["peft_zero3_reentrant"],
 }
 
 

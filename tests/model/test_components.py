@@ -133,8 +133,15 @@ def test_fused_lm_head_never_materialises_logits(llama_1b):
     head = lm_head_memory(llama_1b, train, release, sequences=4, with_grad=True)
     scored, tokens = 4 * 512, 4 * 768
     tile = min(scored, 4096) * 32768 * 2
-    # the backbone's [B, L, h] output, the gathered completion rows, seven fp32 statistics per row, one tile
-    assert head.forward_transient == tokens * H * 2 + scored * H * 2 + scored * 28 + tile
+    # the backbone's [B, L, h] output, the gathered completion rows, seven fp32 statistics per row, one tile, the
+    # label mask (bool, L - 1 a sequence) and the scored labels (int64); after the tile loop, with the entropy TRL
+    # asks the policy for, four more fp32 values per row (log_z, the log-probs, x_sum_exp / sum_exp, the entropy)
+    selection = 3072 + scored * 8  # 4 x 767 booleans, in whole 512-byte blocks
+    assert head.forward_transient == tokens * H * 2 + scored * H * 2 + scored * 28 + tile + selection + scored * 16
+    scoring = lm_head_memory(llama_1b, train, release, sequences=4, with_grad=False)
+    # the reference's pass (no old log-probs here) asks for log-probs alone: log(sum_exp) and log_z, then log_z and
+    # the log-probs
+    assert scoring.forward_transient == head.forward_transient - scored * 8
     # int64 target, fp32 log-normaliser and entropy, the (N, 2) int64 positions of the gather, and the rows
     assert head.saved == scored * H * 2 + scored * (8 + 8 + 16)
     # all through backward: fp32 grad_hidden and grad_weight, the tile, fp32 logprob grads (bf16 weights need no

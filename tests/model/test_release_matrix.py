@@ -61,3 +61,23 @@ def test_trl_0_28_traces_with_weave_installed_and_its_rows_say_why():
     assert all("phases" in point for point in result["points"].values())
     rows = [line for line in matrix.table({"0.28.0/5.3.0": result}).splitlines() if line.startswith("0.28.0")]
     assert rows[0].startswith("0.28.0   5.3.0        weave installed, which TRL 0.28.0 does not require")
+
+
+def test_from_transformers_4_56_trl_0_14s_policy_forward_keeps_its_keys_and_values_in_its_own_kv_cache():
+    # TRL 0.14 leaves use_cache on in the loss's forward; from transformers 4.56 each cache layer concatenates the
+    # states onto an empty tensor (DynamicLayer.lazy_initialization), and SDPA, without a mask, keeps the cache's
+    # copies for backward: at the reference's LM head the policy's cache and the reference's are both there, as
+    # the trace counts them (kv_cache), where 4.52's cache kept the layers' own tensors (activations)
+    from vram_planner import engine
+    from vram_planner.model.components import kv_cache_bytes
+
+    matrix = _matrix()
+    pairs = json.loads(matrix.RESULTS.read_text())["pairs"]
+    model, settings = next((m, s) for name, m, s in matrix.GRID if name == "tiny-qwen2/lora-bf16")
+    context = engine.make_context(model, "rtx3080-mobile", trl_version="0.14.0")
+    train = engine.make_training(context, {**settings, "transformers_version": "4.57.3"})
+    one_cache = kv_cache_bytes(context.arch, train, train.micro_batch_completions, train.sequence_length, train)
+    for transformers, caches in (("4.57.3", 2), ("4.52.4", 1)):
+        traced = pairs[f"0.14.0/{transformers}"]["points"]["tiny-qwen2/lora-bf16"]["phases"]["training"]
+        analytic = matrix.analytic_phases(model, settings, "0.14.0", transformers)["training"]
+        assert traced["components"]["kv_cache"][0] == analytic.components["kv_cache"] == caches * one_cache

@@ -75,6 +75,14 @@ def test_facts_cover_every_release_pypi_listed():
     # trl/models/utils.py add_hooks: `coordinator._invalidate_trace()` from 1.5.0; 0.14.0 has add_hooks without it
     ("0.14.0", "zero3_trace_kept_across_generation", True), ("1.4.0", "zero3_trace_kept_across_generation", True),
     ("1.5.0", "zero3_trace_kept_across_generation", False), ("1.16.0", "zero3_trace_kept_across_generation", False),
+    # LoRA + checkpointing: `model.enable_input_require_grads()` in _enable_gradient_checkpointing (0.16.0), through
+    # prepare_peft_model (0.22.0), in __init__ (0.26.0); GRPOConfig.__post_init__'s setdefault("use_reentrant", False)
+    # (0.27.0); `args.gradient_checkpointing_kwargs["use_reentrant"] = True` for PEFT + ZeRO-3 (1.9.0)
+    ("0.15.2", "checkpointing_input_grads", False), ("0.16.0", "checkpointing_input_grads", True),
+    ("0.22.0", "checkpointing_input_grads", True), ("0.26.0", "checkpointing_input_grads", True),
+    ("0.26.2", "checkpointing_reentrant", True), ("0.27.0", "checkpointing_reentrant", False),
+    ("1.16.0", "checkpointing_reentrant", False), ("1.8.0", "peft_zero3_reentrant", False),
+    ("1.9.0", "peft_zero3_reentrant", True), ("1.16.0", "peft_zero3_reentrant", True),
 ])
 def test_extracted_facts_hold_what_the_source_says(version, column, value):
     facts = next(r for r in FACTS["releases"] if r["version"] == version)

@@ -179,3 +179,20 @@ def test_layer_by_layer_generation_without_zero3_is_one_line(capsys):
     err = one_line_error(capsys, "check", "--gpu", "h100-80gb", "--model", "Llama-3.2-1B", "--zero-stage", "2",
                          "--num-gpus", "2", "--no-ds3-gather-for-generation")
     assert "ds3-gather-for-generation off needs --zero-stage 3" in err
+
+
+def test_zero3_gathers_the_differentiated_layer_with_its_lora_adapters():
+    # TRL builds the adapters in the weights' dtype under ZeRO-3 and they are partitioned like the layer, so its
+    # backward gathers them with it: the 16-bit layer and its r x (in + out) per adapted linear beside the partitions
+    # (the sharded trace of Llama-3.2-1B r=16 on 8 ranks, whose reentrant checkpointing, TRL 1.9 on, peaks there)
+    from vram_planner.model import components as m
+
+    arch = catalog_architecture(next(e for e in models() if e.name == "Llama-3.2-1B"))
+    train = training_config({"num_gpus": 8, "zero_stage": 3, "dtype": "bfloat16", "lora_r": 16,
+                             "per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
+                             "max_completion_length": 32})
+    training = next(p for p in estimate(arch, train, trl_release(), Calibration(), 80 * GiB).phases
+                    if p.name == "training")
+    assert training.moment == "backward through a layer, gathered"
+    adapters = sum(16 * (lin.in_features + lin.out_features) for lin in arch.layer_linears())
+    assert training.components["weights"] - m.weight_bytes(arch, train) == (arch.layer_params + adapters) * 2

@@ -270,3 +270,16 @@ def test_the_trace_turns_deepspeeds_shared_memory_all_reduce_off_and_back(monkey
     monkeypatch.delitem(deepspeed.ops.__compatible_ops__, ShareMemCommBuilder.NAME)
     _trace("--zero-stage", "1")
     assert ShareMemCommBuilder.NAME not in deepspeed.ops.__compatible_ops__
+
+
+@pytest.mark.slow
+def test_lora_under_zero3_checkpoints_reentrant_as_trl_forces_it(monkeypatch):
+    # TRL 1.9 on sets use_reentrant=True for PEFT + ZeRO-3 + checkpointing (grpo_trainer.py 1.16.0:513-525): the
+    # layers run through torch's reentrant CheckpointFunction, not the saved-tensor hooks of the non-reentrant one
+    from torch.utils import checkpoint
+
+    calls = []
+    apply = checkpoint.CheckpointFunction.apply
+    monkeypatch.setattr(checkpoint.CheckpointFunction, "apply", lambda *args: calls.append(1) or apply(*args))
+    _trace("--zero-stage", "3", "--lora-r", "8")
+    assert calls

@@ -343,11 +343,12 @@ def rotary_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
 
 def first_layer_input_without_grad(train: TrainingConfig) -> bool:
     """Whether the first decoder layer's input needs no gradient: LoRA freezes the embedding, and TRL makes its output
-    require grad only under gradient checkpointing (`enable_input_require_grads`: trl 0.16.0
+    require grad only under gradient checkpointing, from 0.16 (`enable_input_require_grads`: trl 0.16.0
     trainer/grpo_trainer.py:581, 0.22.0 models/utils.py:492, 1.16.0 trainer/grpo_trainer.py:530; 0.14.0
-    trainer/grpo_trainer.py:197-198 only wraps the model with get_peft_model). Autograd then records nothing of the
-    first layer until a trainable weight joins (checked against the trace of TRL 0.14's LoRA step)."""
-    return train.uses_lora and not train.gradient_checkpointing
+    trainer/grpo_trainer.py:197-198 only wraps the model with get_peft_model: profiles/trl.toml
+    checkpointing_input_grads). Autograd then records nothing of the first layer until a trainable weight joins
+    (checked against the trace of TRL 0.14's LoRA step)."""
+    return not train.first_layer_input_needs_grad
 
 
 def _first_norm_readers(arch: ModelArchitecture) -> list[Linear]:

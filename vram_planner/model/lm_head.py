@@ -12,13 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.blocks import blocks
 from vram_planner.model.components import FP32_BYTES, sizes
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease
 
 # Per-token fp32 statistics of the fused forward: running max, sum exp, x*exp sum, squared sum, z sum,
-# max before target, target logit (ChunkedLogProbFunction.forward).
-FUSED_FORWARD_STATS_PER_TOKEN = 7 * FP32_BYTES
+# max before target, target logit (ChunkedLogProbFunction.forward), each its own storage.
+FUSED_FORWARD_STATS = 7
+# After its tile loop, beside the statistics and the tile buffer (locals until it returns), per-token fp32 tensors
+# at once: `log_z = running_max + torch.log(sum_exp)` (two: the log and the sum), then `logprobs = target_logit -
+# log_z`, and with the entropy TRL asks the policy for (outputs=("log_probs", "entropy"), grpo_trainer.py 1.16:1072)
+# `entropy = log_z - x_sum_exp / sum_exp` (four: log_z, logprobs, the quotient, the entropy)
+FUSED_EPILOGUE_WITH_ENTROPY, FUSED_EPILOGUE = 4, 2
+INT64_BYTES = 8
 # Kept for backward per scored token: int64 target, fp32 log-normaliser and entropy, and the (N, 2) int64 positions
 # `hidden_states[mask]` keeps for its index backward.
 FUSED_SAVED_PER_TOKEN = 8 + 2 * FP32_BYTES + 2 * 8
@@ -173,8 +180,14 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     gathered_hidden = scored * h * s.residual  # hidden_states[mask] copies the scored positions
     # The backbone's output stays referenced while the head runs.
     backbone_output = sequences * train.sequence_length * h * s.residual
-    forward = (backbone_output + gathered_hidden + scored * FUSED_FORWARD_STATS_PER_TOKEN + tile + weight_cast
-               + hidden_cast)
+    # TRL's _fused_forward: the mask `labels != -100` (bool, one per position but the last) and `labels[mask]` (int64)
+    selection = blocks(sequences * (train.sequence_length - 1)) + blocks(scored * INT64_BYTES)
+    per_token = blocks(scored * FP32_BYTES)
+    # the policy's pass asks for the entropy too: the loss's, and the old log-probs' where they are scored
+    epilogue = (FUSED_EPILOGUE_WITH_ENTROPY if with_grad or train.computes_old_logps else FUSED_EPILOGUE) * per_token
+    # a vocabulary chunk's weight cast lives through its projection, inside the loop; the epilogue after it
+    forward = (backbone_output + gathered_hidden + selection + FUSED_FORWARD_STATS * per_token + tile + hidden_cast
+               + max(weight_cast, epilogue))
     if not with_grad:
         return LmHeadMemory(forward_transient=forward, saved=0, backward_transient=0)
     grad_weight = vocab * h * FP32_BYTES if not train.uses_lora else 0

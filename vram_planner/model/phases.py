@@ -173,8 +173,14 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
     waits = tied and not (accumulating and train.zero_stage == 3)
     reducing = zero.reducing_bucket_gradient_bytes(arch, trainable, waits, train.uses_lora, kept)
     kept_before = max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
-    # ZeRO-3 gathers the layer it differentiates, unless its coordinator holds every one already (`prefetched`)
-    gathered = arch.layer_params * zero.GATHERED_PARAM_BYTES if train.zero_stage == 3 and not prefetched else 0
+    # ZeRO-3 gathers the layer it differentiates, its LoRA adapters too (16-bit: TRL builds them in the weights' dtype
+    # under ZeRO-3), unless its coordinator holds every one already (`prefetched`). The adapters are what reentrant
+    # checkpointing's peak (TRL 1.9 on, PEFT + ZeRO-3) holds beyond the base layer: the sharded trace of
+    # Llama-3.2-1B r=16 on 8 ranks, whose non-reentrant peak held one layer's adapters whole
+    adapters = (arch.lora_params(train.lora_r, train.lora_targets) // max(arch.num_layers, 1)
+                if train.uses_lora else 0)
+    gathered = ((arch.layer_params + adapters) * zero.GATHERED_PARAM_BYTES
+                if train.zero_stage == 3 and not prefetched else 0)
     if trainable > zero.REDUCE_BUCKET_ELEMENTS:
         return [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before
                                    + reducing, "activations": layer_activations[0]}, "reducing a gradient bucket")]
@@ -464,6 +470,8 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         last_layer_casts = backward_casts
     policy_graph = {"weights": weights + forward_casts, "gradients": grads_before, "activations": saved + mask}
     if release.step_structure == "loss_merged":
+        cached = _policy_cache_saved_bytes(arch, train, release)
+        policy_graph.update(activations=saved + mask - cached, kv_cache=cached)
         # every moment counted here comes after the policy's forward, whose autocast cache is gone with it
         unkept = act.first_layer_unkept_cast_bytes(arch, train)
         returned = {**policy_graph, "weights": weights + forward_casts - unkept}
@@ -614,10 +622,11 @@ def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, rel
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": converting}, POLICY_LOGITS_MOMENT),
         Phase("training", {**persistent, **policy_graph, "lm_head_buffers": logits * logit + rows},
               "policy log-probs: the logits and every row's log_softmax"),
-        Phase("training", {**persistent, **reference, "kv_cache": cache,
+        Phase("training", {**persistent, **reference, "kv_cache": reference.get("kv_cache", 0) + cache,
                            "activations": reference["activations"] + decoder, "lm_head_buffers": rows},
               "reference forward while the policy's graph is alive"),
-        Phase("training", {**persistent, **reference, "kv_cache": cache, "lm_head_buffers": rows + converting},
+        Phase("training", {**persistent, **reference, "kv_cache": reference.get("kv_cache", 0) + cache,
+                           "lm_head_buffers": rows + converting},
               "reference log-probs while the policy's graph is alive"),
         # the loop's `log_probs` still holds the previous row's log_softmax while the next is made (no graph keeps
         # the reference's)
@@ -626,6 +635,26 @@ def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, rel
         Phase("training", {**persistent, **policy_graph, "weights": backward_weights,
                            "lm_head_buffers": 2 * rows + one_row}, "log-prob backward: every row's gradient, stacked"),
     ]
+
+
+def _policy_cache_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) -> float:
+    """The keys and values the policy's forward with grad keeps for backward in its own KV cache (TRL 0.14's
+    compute_loss leaves use_cache on without checkpointing: log_prob_forward_cache). From transformers 4.56 each
+    layer's cache starts as an empty tensor and concatenates the states onto it (cache_utils.py
+    DynamicLayer.lazy_initialization, `torch.cat([self.keys, key_states], dim=-2)`), and attention reads the cache's
+    copies; where SDPA takes them as they are (no mask and grouped heads unrepeated, or one key/value head per query
+    head) and in their own dtype, the copies it keeps for backward are the cache's storage, which the trace counts
+    as kv_cache: they move there from the layers' activations. Before 4.56 the cache keeps the states themselves,
+    made by the layer (activations)."""
+    if (release.log_prob_forward_cache != "model_default" or train.gradient_checkpointing
+            or train.transformers.kv_values_dtype != "keys" or train.attn_implementation != "sdpa"):
+        return 0
+    unrepeated = arch.num_kv_heads == arch.num_attention_heads or (
+        release.log_prob_attention_mask == "none" and train.transformers.sdpa_gqa_without_mask)
+    compute = m.sizes(train).compute
+    if not unrepeated or m.kv_element_bytes(train, forward=train) != (compute, compute):
+        return 0
+    return m.kv_cache_bytes(arch, train, train.micro_batch_completions, train.sequence_length, forward=train)
 
 
 def _training_casts(arch: ModelArchitecture, train: TrainingConfig) -> tuple[float, float]:

@@ -243,6 +243,21 @@ class TrainingConfig:
         return self.beta != 0.0 or self.release.reference_when == "always"
 
     @property
+    def reentrant_checkpointing(self) -> bool:
+        """Whether gradient checkpointing runs reentrant (torch.utils.checkpoint's use_reentrant=True), as the release
+        sets it up (profiles/trl.toml checkpointing_reentrant, peft_zero3_reentrant)."""
+        release = self.release
+        forced = release.peft_zero3_reentrant and self.uses_lora and self.zero_stage == 3
+        return self.gradient_checkpointing and (release.checkpointing_reentrant or forced)
+
+    @property
+    def first_layer_input_needs_grad(self) -> bool:
+        """Whether the first decoder layer's input needs a gradient: with full fine-tuning (the embedding trains), or
+        with LoRA where TRL makes the embedding's output require grad under checkpointing
+        (checkpointing_input_grads)."""
+        return not self.uses_lora or (self.gradient_checkpointing and self.release.checkpointing_input_grads)
+
+    @property
     def distributed(self) -> Literal["single", "ddp", "zero0", "zero1", "zero2", "zero3", "fsdp"]:
         if self.fsdp:
             return "fsdp"
@@ -312,6 +327,11 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
         problems.append("full fine-tuning of float16 weights with fp16 mixed precision fails in the grad scaler "
                         f"('Attempting to unscale FP16 gradients'); load float32 ({field_name('dtype')} float32) or "
                         "use LoRA")
+    if c.reentrant_checkpointing and not c.first_layer_input_needs_grad:
+        problems.append(f"LoRA with {field_name('gradient_checkpointing')} fails at the first backward in TRL "
+                        f"{c.release.version} ('element 0 of tensors does not require grad'): its checkpointing is "
+                        "reentrant (transformers 4's default) and nothing makes the frozen embedding's output require "
+                        "grad (TRL 0.16 calls enable_input_require_grads); turn checkpointing off or use TRL 0.16 on")
     if c.vllm_mode == "server" and not c.use_vllm:
         problems.append(f"{field_name('vllm_mode')} needs {field_name('use_vllm')}")
     problems.extend(vllm_problems(c))

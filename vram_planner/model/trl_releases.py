@@ -73,6 +73,12 @@ class TrlRelease:
     # whether ZeRO-3's parameter coordinator keeps its module trace across TRL's gathered generation (before 1.5): then
     # every step's loss after the first prefetches up to stage3_max_live_parameters (model/zero.py)
     zero3_trace_kept_across_generation: bool = False
+    # LoRA under gradient checkpointing: whether TRL makes the embedding's output require grad
+    # (`model.enable_input_require_grads()`, 0.16 on), whether the checkpointing is reentrant (transformers 4's
+    # default, which TRL left alone before 0.27), and whether TRL forces it reentrant under ZeRO-3 (1.9 on)
+    checkpointing_input_grads: bool = True
+    checkpointing_reentrant: bool = False
+    peft_zero3_reentrant: bool = False
     version: str = ""  # the release asked for, filled in by `trl_release`
     note: str = ""  # why this row was chosen when it is not the installed TRL's own (for the verdict's notes)
 

@@ -11,7 +11,7 @@ import torch
 from vram_planner.model.spec import Optimizer, TrainingConfig
 from vram_planner.tracing.counter import ACTS, GRADS, HEAD, STEP, PhasePeak
 from vram_planner.tracing.optimizer_peak import step_peak
-from vram_planner.tracing.session import Session, set_checkpointing
+from vram_planner.tracing.session import Session, input_grads, set_checkpointing
 from vram_planner.tracing.shims import as_cache
 
 
@@ -192,13 +192,14 @@ def _scoring_models(session: Session) -> list[tuple[bool, Callable[[], Any]]]:
 def loss_phase(session: Session) -> Iterator[None]:
     """The loss phase's bookkeeping around its micro-batches: checkpointing as the run sets it, each gradient tagged
     as it accumulates, the peak counted from here; the hooks and checkpointing undone after."""
-    tracker, model = session.tracker, session.model
-    set_checkpointing(model, session.train.gradient_checkpointing)
+    tracker, model, train = session.tracker, session.model, session.train
+    set_checkpointing(model, train.gradient_checkpointing, reentrant=train.reentrant_checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
     handles = [p.register_post_accumulate_grad_hook(lambda q: tracker.track(q.grad, GRADS)) for p in params]
     tracker.reset_peak()
     try:
-        yield
+        with input_grads(session):
+            yield
     finally:
         for handle in handles:
             handle.remove()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,14 +154,40 @@ def _add_fused_head(model: Any, outputs: tuple[str, ...]) -> None:
     add_fused_lm_head(model, temperature=1.0, outputs=outputs)
 
 
-def set_checkpointing(model: Any, enabled: bool) -> None:
-    """Gradient checkpointing as transformers' Trainer turns it on (non-reentrant, every layer)."""
+def set_checkpointing(model: Any, enabled: bool, reentrant: bool = False) -> None:
+    """Gradient checkpointing as transformers' Trainer turns it on: every layer, reentrant or not as the release runs it
+    (TrainingConfig.reentrant_checkpointing)."""
     if enabled:
+        kwargs = {"use_reentrant": reentrant}
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
         disable()
+
+
+@contextlib.contextmanager
+def input_grads(session: Session) -> Iterator[None]:
+    """TRL's `model.enable_input_require_grads()` where the release calls it, under LoRA and gradient checkpointing
+    (TrainingConfig.first_layer_input_needs_grad): a forward hook that makes the embedding's output require grad, so
+    the first layer's checkpoint recomputes with an input that needs a gradient and the output gets one at the end
+    of the backward. TRL keeps it for the whole run; outside the loss (no_grad) it changes nothing, so it is taken
+    off on exit. transformers 5's activation_checkpointing_enable adds one of its own for every text model."""
+    train, model = session.train, session.model
+    if not (train.uses_lora and train.gradient_checkpointing and train.first_layer_input_needs_grad):
+        yield
+        return
+    embedding = session.base_model.get_input_embeddings()
+    before = set(embedding._forward_hooks)
+    model.enable_input_require_grads()
+    ours = [key for key in embedding._forward_hooks if key not in before]
+    try:
+        yield
+    finally:
+        for table in (embedding._forward_hooks, embedding._forward_hooks_with_kwargs,
+                      embedding._forward_hooks_always_called):
+            for key in ours:
+                table.pop(key, None)
