@@ -50,6 +50,8 @@ CONFIGS = {
     "full c1024 B8": {"dtype": "bfloat16", "max_completion_length": 1024},
     # TRL's defaults (float32 weights under autocast) with the 8-bit AdamW `plan` recommends first
     "fp32 full adamw_8bit": {"optim": "adamw_8bit"},
+    # TRL's plain defaults, what a user who changes nothing runs: float32 weights, fused AdamW
+    "fp32 full": {},
     "lora c4096 B16": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,
                        "max_completion_length": 4096},
     "lora c8192 B4": {**BF16_LORA, "num_generations": 4, "per_device_train_batch_size": 4,

@@ -66,7 +66,8 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
     """benchmarks/boundary.py --from-needs: the analytic side recomputed against the committed needs is the committed
     table, with no window, a median |estimate - need| under 2%, and no point more than 1% under its need (20 before
     the later micro-batch's and the layer gradients' patterns, 2 before eager attention's overflowing inputs and the
-    refit that weighs a short reserve 60 times a long one)."""
+    refit that weighs a short reserve 60 times a long one; with TRL's plain defaults on the grid, SmolLM2-135M's and
+    phi-2's, 3.9% and 1.9% under before the embedding's state in the LM head's tile segment and the refit at 33)."""
     import importlib
     import json
     import statistics

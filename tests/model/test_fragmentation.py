@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -12,10 +13,12 @@ from vram_planner.allocator import CachingAllocator
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.fragmentation import (CACHE_IN_LOSS_SEGMENTS, EAGER_OVERFLOW, EAGER_SCORES, LATE_GRADIENT,
                                               LATER_MICRO_BATCH, LAYER_GRADIENTS, PINNED_LAYER_INPUTS,
-                                              SOFTCAPPED_SCORES, cache_in_loss_segment_bytes, eager_overflow_bytes,
-                                              late_gradient_bytes, largest_request_bytes, pinned_layer_input_bytes,
-                                              reserve_patterns, stranded_by_gradients, stranded_by_kept_inputs)
-from vram_planner.model.spec import TrainingConfig
+                                              SOFTCAPPED_SCORES, STATES_IN_HEAD_TILE, cache_in_loss_segment_bytes,
+                                              eager_overflow_bytes, late_gradient_bytes, largest_request_bytes,
+                                              pinned_layer_input_bytes, reserve_patterns, states_in_head_tile_bytes,
+                                              stranded_by_gradients, stranded_by_kept_inputs)
+from vram_planner.model.lm_head import fused_tile_bytes
+from vram_planner.model.spec import Optimizer, TrainingConfig
 from vram_planner.profiles import model_config
 from vram_planner.units import MiB
 
@@ -282,3 +285,68 @@ def test_the_overflow_never_falls_as_the_tokens_or_the_micro_batch_grow(name, co
 
     assert overflow(completion + more, micro_batch) >= overflow(completion, micro_batch)
     assert overflow(completion, micro_batch + 1) >= overflow(completion, micro_batch)
+
+
+def tile_across_the_first_step(tile_bytes: int, state_bytes: int) -> tuple[CachingAllocator, int]:
+    """The fused LM head's tile across the first optimizer step as the allocator sees it: the loss asks for the tile
+    and frees it, the optimizer step makes the embedding's state, the next step's loss asks for the tile again.
+    Returns the allocator and the bytes that last request had to reserve anew."""
+    allocator = CachingAllocator()
+    allocator.free(allocator.malloc(tile_bytes))
+    allocator.malloc(state_bytes)
+    before = allocator.reserved_bytes
+    allocator.malloc(tile_bytes)
+    return allocator, allocator.reserved_bytes - before
+
+
+@settings(max_examples=80, deadline=None)
+@given(tile_granules=st.integers(6, 600), share=st.floats(0.0, 1.5))
+def test_a_state_cut_from_the_tiles_segment_strands_the_rest_of_it(tile_granules, share):
+    tile = tile_granules * 2 * MiB  # a segment of its own: whole 2 MiB granules
+    state = max(int(tile * share) // 512, 1) * 512
+    allocator, anew = tile_across_the_first_step(tile, state)
+    if state <= 1 * MiB or state > tile:  # the small pool's, or a segment of its own: the tile's is free again
+        assert anew == 0
+    else:  # cut from the tile's segment: the next tile takes a segment more
+        assert anew == tile
+        if tile - state > 1 * MiB:  # and the rest beside the state is cached, too short for it
+            assert allocator.reserved_bytes - allocator.allocated_bytes == tile - state
+        # (a rest of 1 MiB or less is not split off: the state's block is the whole segment)
+
+
+def test_the_embeddings_state_in_the_tiles_segment_is_what_the_allocator_strands():
+    defaults = TrainingConfig()  # TRL's: float32 weights, fused AdamW, 8 x 512 completions: 256 MiB bfloat16 tiles
+    tile = int(fused_tile_bytes(defaults, defaults.release, defaults.micro_batch_completions))
+    assert tile == 256 * MiB
+    for name, optim, state in (("SmolLM2-135M", Optimizer.adamw_torch_fused, 49152 * 576 * 4),  # 108 MiB
+                               ("SmolLM2-135M", Optimizer.adamw_8bit, 49152 * 576),  # 27 MiB
+                               ("Llama-3.2-1B", Optimizer.adamw_8bit, 128256 * 2048),  # 250.5 MiB
+                               ("Llama-3.2-1B", Optimizer.adamw_torch_fused, 128256 * 2048 * 4)):  # larger
+        train = replace(defaults, optim=optim)
+        allocator, anew = tile_across_the_first_step(tile, state)
+        stranded = allocator.reserved_bytes - allocator.allocated_bytes if anew else 0
+        assert states_in_head_tile_bytes(_arch(name), train) == stranded == max(tile - state, 0)
+        assert reserve_patterns(_arch(name), train, "training")[STATES_IN_HEAD_TILE] == stranded
+    arch = _arch("SmolLM2-135M")
+    assert states_in_head_tile_bytes(arch, replace(defaults, lora_r=16)) == 0  # the adapters' states are small
+    assert states_in_head_tile_bytes(arch, replace(defaults, optim=Optimizer.paged_adamw_8bit)) == 0
+    assert states_in_head_tile_bytes(arch, replace(defaults, trl_version="1.10.0")) == 0  # no fused head
+    tiny = _arch(str(Path(__file__).parents[1] / "fixtures" / "tiny-llama-headdim.json"))
+    assert states_in_head_tile_bytes(tiny, defaults) == 0  # a state of 1,000 x 64 floats: the small pool
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(["SmolLM2-135M", "Qwen2.5-0.5B", "Llama-3.2-1B", "gemma-3-1b-it", "phi-2"]),
+       completion=st.integers(1, 8192), more=st.integers(1, 4096), micro_batch=st.integers(1, 64),
+       dtype=st.sampled_from(["float32", "bfloat16"]), optim=st.sampled_from(list(Optimizer)))
+def test_what_the_state_strands_never_falls_as_the_tokens_or_the_micro_batch_grow(name, completion, more,
+                                                                                  micro_batch, dtype, optim):
+    arch = _arch(name)
+
+    def stranded(tokens: int, batch: int) -> float:
+        return states_in_head_tile_bytes(arch, TrainingConfig(dtype=dtype, optim=optim, num_generations=2,
+                                                              per_device_train_batch_size=2 * batch,
+                                                              max_completion_length=tokens))
+
+    assert stranded(completion + more, micro_batch) >= stranded(completion, micro_batch)
+    assert stranded(completion, micro_batch + 1) >= stranded(completion, micro_batch)

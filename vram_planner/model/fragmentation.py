@@ -11,7 +11,8 @@ from __future__ import annotations
 from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_SIZE
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.lm_head import fused_tile_bytes
+from vram_planner.model.spec import Optimizer, TrainingConfig
 
 # The patterns by name, as the calibration's reserve coefficients name them beside the tensor components.
 PINNED_LAYER_INPUTS = "pinned_layer_inputs"
@@ -24,9 +25,10 @@ LATER_MICRO_BATCH = "later_micro_batch"
 LAYER_GRADIENTS = "layer_gradients"
 CACHE_IN_LOSS_SEGMENTS = "cache_in_loss_segments"
 EAGER_OVERFLOW = "eager_overflow"
+STATES_IN_HEAD_TILE = "states_in_head_tile"
 # The loss forward/backward's patterns (benchmarks/reserve_fit.py fits them on the steps that run out there)
 PATTERNS = (PINNED_LAYER_INPUTS, LATE_GRADIENT, LARGEST_REQUEST, EAGER_SCORES, SOFTCAPPED_SCORES, SMALL_SEGMENTS,
-            LATER_MICRO_BATCH, LAYER_GRADIENTS, EAGER_OVERFLOW)
+            LATER_MICRO_BATCH, LAYER_GRADIENTS, EAGER_OVERFLOW, STATES_IN_HEAD_TILE)
 GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS,)
 
 
@@ -49,7 +51,8 @@ def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str)
             SMALL_SEGMENTS: float(K_LARGE_BUFFER),
             LATER_MICRO_BATCH: later_micro_batch_bytes(arch, train),
             LAYER_GRADIENTS: layer_gradient_bytes(arch, train),
-            EAGER_OVERFLOW: eager_overflow_bytes(arch, train)}
+            EAGER_OVERFLOW: eager_overflow_bytes(arch, train),
+            STATES_IN_HEAD_TILE: states_in_head_tile_bytes(arch, train)}
 
 
 def pinned_layer_input_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -214,3 +217,37 @@ def eager_overflow_bytes(arch: ModelArchitecture, train: TrainingConfig) -> floa
     overflowing = -(-arch.num_layers // 2) * arch.hidden_size * m.sizes(train).residual / (2 * heads)
     length = min(float(train.sequence_length), overflowing)
     return train.micro_batch_completions * heads * length * length * m.FP32_BYTES / 2
+
+
+def states_in_head_tile_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What the embedding's optimizer state leaves of a segment of the fused LM head's logits tile, cut from it in the
+    first optimizer step and kept there for the rest of the run.
+
+    TRL's fused head (lm_head.fused_tile_bytes) asks for its tile in the loss forward and again in the backward, each
+    a segment of its own when none is free, and frees it before the loss returns. The first optimizer step then makes
+    the states, the embedding's first (vocab x hidden elements each, the largest the step makes); best fit cuts each
+    from the smallest free block that holds it, and where a state is smaller than the tile the tile's free segments
+    are such blocks. The state keeps its segment from being released, and what it leaves beside it, tile - state, is
+    too short when the next step's loss asks for the tile: a segment more. At the need of SmolLM2-135M with TRL's
+    defaults (float32, fused AdamW; 4,096 x 32,768 bfloat16 tiles of 256 MiB, 108 MiB states) the two states lay in
+    the forward's and the backward's tile segments (77 MiB cached beside one), the next forward took a third, the
+    head's gradient was cut from it (148 MiB beside it) and the backward's tile found no segment; with 8-bit AdamW a
+    27 MiB state lay in a tile segment beside 180 MiB when the next forward asked for the tile. Counted for one state:
+    where the loss leaves other blocks between the state and the tile, best fit may take one of those instead, and the
+    fit weighs the pattern.
+
+    Nothing where a state is larger than the tile (the larger vocabularies in float32) or so small the small pool
+    serves it (1 MiB or less), under LoRA (the adapters' states are small), with paged, factored or no states, or under
+    ZeRO or FSDP (sharded). The tile grows with the scored tokens up to its chunk and the state is fixed, so the bytes
+    never fall as the tokens or the micro-batch grow."""
+    opt = train.optim
+    if (train.uses_lora or train.zero_stage is not None or train.fsdp or opt.is_paged
+            or opt in (Optimizer.adafactor, Optimizer.sgd)):
+        return 0.0
+    tile = fused_tile_bytes(train, train.release, train.micro_batch_completions)
+    # bitsandbytes' 8-bit states are a byte an element, its 32-bit ones float32; torch's follow the parameter
+    element = 1 if opt.is_8bit else m.FP32_BYTES if opt is Optimizer.lion_32bit else m.sizes(train).trainable
+    state = arch.vocab_size * arch.hidden_size * element
+    if state > tile or state <= K_SMALL_SIZE:
+        return 0.0
+    return float(tile - state)

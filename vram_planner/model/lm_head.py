@@ -139,6 +139,15 @@ def _uses_fused_head(train: TrainingConfig, release: TrlRelease) -> bool:
     return release.lm_head == "fused_chunked"
 
 
+def fused_tile_bytes(train: TrainingConfig, release: TrlRelease, sequences: int) -> float:
+    """The fused head's logits tile for `sequences` sequences: up to lm_head_token_chunk scored tokens by a whole
+    vocabulary chunk, whatever V is, in the compute dtype (0 where the head is not fused)."""
+    if not _uses_fused_head(train, release):
+        return 0.0
+    scored = sequences * train.max_completion_length
+    return float(min(scored, release.lm_head_token_chunk) * release.lm_head_vocab_chunk * sizes(train).compute)
+
+
 def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease,
                    sequences: int, with_grad: bool) -> LmHeadMemory:
     """LM head memory for `sequences` sequences; N (scored tokens) is sequences x c."""
@@ -173,7 +182,7 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
                             projecting=logits * projecting)
     chunk = release.lm_head_vocab_chunk
     tile_tokens = min(scored, release.lm_head_token_chunk)
-    tile = tile_tokens * chunk * s.compute  # the tile buffer is a whole vocabulary chunk wide, whatever V is
+    tile = fused_tile_bytes(train, release, sequences)
     casts_weight = s.weight != s.compute and not train.load_in_4bit
     weight_cast = min(vocab, chunk) * h * s.compute if casts_weight else 0
     hidden_cast = tile_tokens * h * s.compute if s.residual != s.compute else 0
