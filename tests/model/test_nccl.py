@@ -131,6 +131,20 @@ def test_a_users_table_replaces_the_shipped_one(tmp_path, monkeypatch):
     assert nccl_figure(h100, 8, "ddp").bytes == 2 * (before + 24 * grown)  # one ring pair per channel
 
 
+def test_nccl_nvls_enable_0_as_the_readme_matches_it_leaves_no_nvls_bytes(tmp_path, monkeypatch):
+    _override(tmp_path, monkeypatch, nvls_channels_sm90=0)  # ncclNvlsSetup returns before it allocates anything
+    h100 = GpuProfile.from_name("h100-80gb")
+    assert nccl_figure(h100, 8, "ddp").bytes == GRANULE * (2 + 3 * 32) + 24 * PAIR == 484 * MiB
+    assert "NVLS" not in nccl_figure(h100, 8, "ddp").summary
+
+
+@pytest.mark.parametrize("communicators", ['[["ring", "collnet"]]', "2"])
+def test_a_communicator_list_naming_no_known_algorithm_is_one_clear_error(tmp_path, monkeypatch, communicators):
+    _override(tmp_path, monkeypatch, ddp=communicators)
+    with pytest.raises(ProfileError, match="communicators"):
+        nccl_figure(GpuProfile.from_name("h100-80gb"), 2, "ddp")
+
+
 def test_a_broken_table_is_one_clear_error(tmp_path, monkeypatch):
     _override(tmp_path, monkeypatch, unknown_interconnect='"nvlink9"')
     with pytest.raises(ProfileError, match="nvlink9"):
