@@ -139,7 +139,7 @@ def test_nccl_nvls_enable_0_as_the_readme_matches_it_leaves_no_nvls_bytes(tmp_pa
 
 
 @pytest.mark.parametrize("communicators", ['[["ring", "collnet"]]', "2"])
-def test_a_communicator_list_naming_no_known_algorithm_is_one_clear_error(tmp_path, monkeypatch, communicators):
+def test_communicators_that_are_not_lists_of_known_algorithms_are_one_clear_error(tmp_path, monkeypatch, communicators):
     _override(tmp_path, monkeypatch, ddp=communicators)
     with pytest.raises(ProfileError, match="communicators"):
         nccl_figure(GpuProfile.from_name("h100-80gb"), 2, "ddp")
