@@ -44,17 +44,40 @@ def test_eight_h100s_hold_what_nccls_source_allocates():
     # 18 NVLink4 links x 20.6 GB/s = 370.8: 6 ring channels at 60 GB/s, doubled at 30 (60 >= 50), doubled again by
     # connect.cc: 24 channels; pow2Up(24) = 32 channels initialised with 3 allocations each, 2 per communicator
     channels = 24
-    init = GRANULE * (2 + 3 * 32)
-    ring = tree = channels * PAIR
-    nvls = up(16 * 2 * 128 * 1024 * STEPS * 8, GRANULE) + GRANULE + 16 * GRANULE  # 16 NVLS channels, 8 heads
+    init = GRANULE * (2 + 3 * 32) + GRANULE + 16 * GRANULE  # ncclNvlsSetup at init: credits, 16 nvlsDevPeers
+    ring = channels * PAIR
+    nvls = up(16 * 2 * 128 * 1024 * STEPS * 8, GRANULE)  # 16 NVLS channels, 8 heads: at the first NVLS collective
     h100 = GpuProfile.from_name("h100-80gb")
-    one = init + ring + tree + nvls
-    assert nccl_figure(h100, 8, "ddp").bytes == one == 1062 * MiB
-    assert nccl_figure(h100, 8, "fsdp").bytes == one
-    assert nccl_figure(h100, 8, "zero3").bytes == 2 * one  # the default group and DeepSpeed's clone of the world
-    # two ranks: the tree's one peer is the ring's, and NVLS has two heads
-    two = init + ring + up(16 * 2 * 128 * 1024 * STEPS * 2, GRANULE) + GRANULE + 16 * GRANULE
-    assert nccl_figure(h100, 2, "ddp").bytes == two
+    # runtime connect: the ring (small collectives, broadcast) and NVLS (large ones); the tree is never picked
+    busy = init + ring + nvls
+    assert nccl_figure(h100, 8, "ddp").bytes == busy == 774 * MiB
+    assert nccl_figure(h100, 8, "fsdp").bytes == busy
+    # DeepSpeed's clone of the world does ZeRO's collectives; the default group only small ones under ZeRO-1/2 and
+    # ZeRO-3's parameter all-gathers too (zero.Init partitions over the world group)
+    quiet = init + ring
+    assert nccl_figure(h100, 8, "zero2").bytes == busy + quiet == 1292 * MiB
+    assert nccl_figure(h100, 8, "zero3").bytes == 2 * busy == 1548 * MiB
+    # two ranks: NVLS has two heads
+    two = init + ring + up(16 * 2 * 128 * 1024 * STEPS * 2, GRANULE)
+    assert nccl_figure(h100, 2, "ddp").bytes == two == 582 * MiB
+
+
+def test_no_strategy_connects_the_tree_and_a_card_without_nvls_holds_rings_only():
+    a100 = GpuProfile.from_name("a100-80gb")  # 24 channels, NVSwitch but sm80: no NVLS
+    ring_only = GRANULE * (2 + 3 * 32) + 24 * PAIR
+    assert nccl_figure(a100, 8, "ddp").bytes == nccl_figure(a100, 2, "ddp").bytes == ring_only
+    assert nccl_figure(a100, 8, "zero1").bytes == 2 * ring_only
+    assert all("tree" not in nccl_figure(a100, 8, s).parts for s in STRATEGIES)
+    summary = nccl_figure(GpuProfile.from_name("h100-80gb"), 8, "zero1").summary
+    assert "2 communicators (zero1) connecting ring+NVLS and ring" in summary
+
+
+def test_a_table_that_connects_the_tree_counts_it_from_three_ranks(tmp_path, monkeypatch):
+    h100 = GpuProfile.from_name("h100-80gb")
+    before = {n: nccl_figure(h100, n, "ddp").bytes for n in (2, 8)}
+    _override(tmp_path, monkeypatch, ddp='[["ring", "tree", "nvls"]]')
+    assert nccl_figure(h100, 8, "ddp").bytes == before[8] + 24 * PAIR  # tree.up and tree.down: one more pair
+    assert nccl_figure(h100, 2, "ddp").bytes == before[2]  # the tree's one peer is the ring's
 
 
 @pytest.mark.parametrize("card, channels", [("h100-80gb", 24), ("h200", 24), ("a100-80gb", 24), ("b200", 32),
@@ -102,9 +125,24 @@ def _override(tmp_path, monkeypatch, **values) -> None:
 def test_a_users_table_replaces_the_shipped_one(tmp_path, monkeypatch):
     h100 = GpuProfile.from_name("h100-80gb")
     before = nccl_figure(h100, 8, "ddp").bytes
-    _override(tmp_path, monkeypatch, simple_buffer_bytes=16 * MiB, ddp=2)  # NCCL_BUFFSIZE=16MiB, two communicators
+    # NCCL_BUFFSIZE=16MiB, two communicators
+    _override(tmp_path, monkeypatch, simple_buffer_bytes=16 * MiB, ddp='[["ring", "nvls"], ["ring", "nvls"]]')
     grown = up(MEM_ALIGN + LL + LL128 + 16 * MiB, CUDA_IPC_MIN) - up(MEM_ALIGN + LL + LL128 + SIMPLE, CUDA_IPC_MIN)
-    assert nccl_figure(h100, 8, "ddp").bytes == 2 * (before + 2 * 24 * grown)
+    assert nccl_figure(h100, 8, "ddp").bytes == 2 * (before + 24 * grown)  # one ring pair per channel
+
+
+def test_nccl_nvls_enable_0_as_the_readme_matches_it_leaves_no_nvls_bytes(tmp_path, monkeypatch):
+    _override(tmp_path, monkeypatch, nvls_channels_sm90=0)  # ncclNvlsSetup returns before it allocates anything
+    h100 = GpuProfile.from_name("h100-80gb")
+    assert nccl_figure(h100, 8, "ddp").bytes == GRANULE * (2 + 3 * 32) + 24 * PAIR == 484 * MiB
+    assert "NVLS" not in nccl_figure(h100, 8, "ddp").summary
+
+
+@pytest.mark.parametrize("communicators", ['[["ring", "collnet"]]', "2"])
+def test_communicators_that_are_not_lists_of_known_algorithms_are_one_clear_error(tmp_path, monkeypatch, communicators):
+    _override(tmp_path, monkeypatch, ddp=communicators)
+    with pytest.raises(ProfileError, match="communicators"):
+        nccl_figure(GpuProfile.from_name("h100-80gb"), 2, "ddp")
 
 
 def test_a_broken_table_is_one_clear_error(tmp_path, monkeypatch):

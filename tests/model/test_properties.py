@@ -394,7 +394,7 @@ def test_every_phase_of_every_rank_carries_nccls_buffers(model, card, trl_versio
         assert counted.total_bytes - bare.total_bytes == pytest.approx(figure.bytes, rel=FLOAT_NOISE, abs=1)
         assert counted.components["allocator_overhead"] == bare.components["allocator_overhead"]
     assert sum("NCCL buffers" in note for note in verdict.estimate.notes) == (train.num_gpus > 1)
-    # one more GPU never needs fewer NCCL bytes (more peers: the tree's pair from 3 on, NVLS's heads)
+    # one more GPU never needs fewer NCCL bytes (NVLS buffers grow with the heads)
     assert nccl_figure(context.gpu, train.num_gpus + 1, train.distributed).bytes >= figure.bytes
 
 

@@ -8,6 +8,7 @@ settings a run exports). Like the CUDA context it adds to every phase's need and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +23,8 @@ from vram_planner.validation import Rules
 
 _CC = r"^\d+\.\d+$"
 Strategy = Literal["single", "ddp", "zero0", "zero1", "zero2", "zero3", "fsdp"]
+# The algorithms whose connections NCCL sets up at a communicator's first collective that picks them (runtime connect)
+Algorithm = Literal["ring", "tree", "nvls"]
 # NCCL doubles the searched channels at half speed only from this speed on (ncclTopoDupChannels, search.cc:1039)
 _DUP_MIN_SPEED = 25.0
 
@@ -66,7 +69,8 @@ class NcclTable:
     nvls_channels_sm100: Annotated[int, Rules(ge=0)]
     shm_segments: list[str]
     unknown_interconnect: str
-    communicators: dict[str, Annotated[int, Rules(ge=0, le=64)]]
+    # per strategy, one list per communicator of the algorithms its collectives connect
+    communicators: dict[str, Annotated[list[list[Algorithm]], Rules(max_length=64)]]
     speeds: Annotated[list[SpeedRow], Rules(min_length=1)]
     link: Annotated[list[LinkRow], Rules(min_length=1)]
 
@@ -140,9 +144,10 @@ def _nvls_channels(compute_capability: str, table: NcclTable) -> int:
     return table.nvls_channels_sm90 if sm >= (9, 0) else 0
 
 
-def communicator_bytes(num_gpus: int, row: LinkRow, compute_capability: str, transport: str,
-                       table: NcclTable) -> dict[str, int]:
-    """One communicator's device bytes on an inner rank of `num_gpus` on one node, by part."""
+def communicator_bytes(num_gpus: int, row: LinkRow, compute_capability: str, transport: str, table: NcclTable,
+                       algorithms: Sequence[str]) -> dict[str, int]:
+    """One communicator's device bytes on an inner rank of `num_gpus` on one node, by part: what init allocates, and
+    the connections of each of `algorithms` (NCCL connects an algorithm only when a collective first picks it)."""
     channels = coll_channels(row.bandwidth, compute_capability, table)
     gran = table.granularity_bytes
     parts = {"init": gran * (table.device_allocs_per_comm + table.device_allocs_per_channel * _pow2_up(channels))}
@@ -150,35 +155,50 @@ def communicator_bytes(num_gpus: int, row: LinkRow, compute_capability: str, tra
         buffers = table.ll_buffer_bytes + table.ll128_buffer_bytes + table.simple_buffer_bytes
         pair = (_align(table.connection_struct_bytes + buffers, table.ipc_align_bytes)
                 + _align(table.connection_struct_bytes, table.ipc_align_bytes))
-        parts["ring"] = channels * pair
-        parts["tree"] = channels * pair if num_gpus >= 3 else 0
+        if "ring" in algorithms:
+            parts["ring"] = channels * pair
+        if "tree" in algorithms:
+            parts["tree"] = channels * pair if num_gpus >= 3 else 0
     nvls = _nvls_channels(compute_capability, table) if row.nvswitch and transport == "p2p" else 0
     if nvls:
-        per_rank = nvls * 2 * table.nvls_chunk_bytes * table.steps
-        parts["nvls"] = _align(per_rank * num_gpus, gran) + gran + nvls * gran  # buffers, credits, nvlsDevPeers
+        # ncclNvlsSetup runs at init even with runtime connect: the credits and the nvlsDevPeers; the buffers wait
+        parts["nvls_init"] = gran + nvls * gran
+        if "nvls" in algorithms:
+            parts["nvls"] = _align(nvls * 2 * table.nvls_chunk_bytes * table.steps * num_gpus, gran)
     return parts
+
+
+def _connected(lists: list[list[Algorithm]], nvls: bool) -> str:
+    """What each communicator connects, in words: "ring+NVLS and ring" (no NVLS where the board has none)."""
+    return " and ".join("+".join("NVLS" if a == "nvls" else a for a in algorithms if nvls or a != "nvls") or "nothing"
+                        for algorithms in lists)
 
 
 def nccl_figure(gpu: GpuProfile, num_gpus: int, strategy: Strategy) -> NcclFigure:
     """NCCL's device memory on each rank of `num_gpus` cards like `gpu` under `strategy`: zero on one GPU."""
     table = nccl_table()
-    comms = table.communicators.get(strategy, 0) if num_gpus > 1 else 0
-    if comms == 0:
+    lists = table.communicators.get(strategy, []) if num_gpus > 1 else []
+    if not lists:
         return NcclFigure(0, {}, "one GPU: no NCCL communicator")
     interconnect = gpu.interconnect or table.unknown_interconnect
     row = table.link_row(interconnect) or table.link_row(table.unknown_interconnect)
     assert row is not None  # _table checks the unknown interconnect's row
     transport = _transport(gpu, table)
-    one = communicator_bytes(num_gpus, row, gpu.compute_capability, transport, table)
-    parts = {k: v * comms for k, v in one.items()}
+    parts: dict[str, int] = {}
+    for algorithms in lists:
+        for part, n in communicator_bytes(num_gpus, row, gpu.compute_capability, transport, table,
+                                          algorithms).items():
+            parts[part] = parts.get(part, 0) + n
     total = sum(parts.values())
     channels = coll_channels(row.bandwidth, gpu.compute_capability, table)
     where = ("buffers in host memory (shm: no P2P between GeForce cards)" if transport == "shm" else
              "P2P buffers" + (" (cards under one PCIe switch; across CPU sockets NCCL takes shm, less on the card)"
                               if interconnect.startswith("pcie") else ""))
     card = interconnect if gpu.interconnect else f"card not in the catalog, taken as {interconnect}"
-    layout = (f": {channels} channels, {where}" + (", NVLS" if "nvls" in parts else "")
-              + f", {comms} communicator{'s' * (comms > 1)} ({strategy}) = {total / MiB:.0f} MiB per GPU; the topology "
+    comms = len(lists)
+    connected = _connected(lists, "nvls_init" in parts)
+    layout = (f": {channels} channels, {where}, {comms} communicator{'s' * (comms > 1)} ({strategy}) connecting "
+              f"{connected} = {total / MiB:.0f} MiB per GPU; the topology "
               "NCCL detects and NCCL_* settings move it (profiles/nccl.toml)")
     return NcclFigure(total, parts, f"NCCL {table.release} defaults for {card} ({row.how})" + layout,
                       f"NCCL {table.release} defaults for {card}" + layout)
