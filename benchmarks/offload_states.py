@@ -54,7 +54,8 @@ def _gib(n_bytes: float | None) -> str:
     return "-" if n_bytes is None else f"{n_bytes / GiB:.2f}"
 
 
-def main() -> None:
+def table_rows() -> list[str]:
+    """The table's lines, its last saying whether DeepSpeed's own functions were compared."""
     rows = [f"{'model':<13} {'N':>1} {'strategy':<10} {'DS gpu':>7} {'states':>7} {'peak':>6} {'DS host':>8} "
             f"{'buffers':>8} {'loading':>8} {'planned':>8}  (GiB: GPU per rank, host per node)"]
     checked = 0
@@ -83,6 +84,11 @@ def main() -> None:
     rows.append("DeepSpeed's own functions: " + (f"{checked} numbers equal to the copy" if checked else
                                                   "not importable here; the copy's formulas are cited in "
                                                   "vram_planner/model/offload.py"))
+    return rows
+
+
+def main() -> None:
+    rows = table_rows()
     TABLE.write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
 

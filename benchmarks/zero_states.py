@@ -45,7 +45,8 @@ def _version() -> str:
     return str(deepspeed.__version__).strip()
 
 
-def main() -> None:
+def table_rows() -> list[str]:
+    """The table's lines, its last saying whether DeepSpeed's own functions were compared."""
     rows = [f"{'model':<14} {'N':>2} {'stage':>5} {'DeepSpeed':>10} {'planner':>9} {'diff':>6} {'peak':>7}"
             "  (GiB per GPU)"]
     checked = 0
@@ -70,6 +71,11 @@ def main() -> None:
     rows.append("DeepSpeed's own functions: " + (f"{checked} numbers equal to the copy (DeepSpeed {_version()})"
                                                   if checked else "not importable here; the copy's formulas are "
                                                   "cited in vram_planner/model/zero.py"))
+    return rows
+
+
+def main() -> None:
+    rows = table_rows()
     TABLE.write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
 
