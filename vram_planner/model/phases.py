@@ -35,8 +35,7 @@ if TYPE_CHECKING:
 # Component names, in the order people read them.
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
               "lm_head_buffers", "vllm_reservation", "cuda_context", "nccl_buffers", "vllm_communicators",
-              "cublas_workspaces",
-              "allocator_overhead")
+              "cublas_workspaces", "allocator_overhead")
 TENSOR_COMPONENTS = COMPONENTS[:7]
 # Device memory outside PyTorch's caching allocator: what it never reserves, beside what it does
 OUTSIDE_ALLOCATOR = ("cuda_context", "nccl_buffers")
@@ -250,8 +249,8 @@ def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: Tr
                    arch: ModelArchitecture | None = None, nccl_bytes: float = 0.0,
                    vllm_comm_bytes: float = 0.0) -> Phase:
     """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it), NCCL's
-    buffers, colocated vLLM's tensor-parallel communicators, the cuBLAS workspaces and the allocator's reserve (with the model's allocation patterns when `arch` is
-    given)."""
+    buffers, colocated vLLM's tensor-parallel communicators, the cuBLAS workspaces and the allocator's reserve (with
+    the model's allocation patterns when `arch` is given)."""
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     components["vllm_reservation"] = reservation  # what vLLM holds in this phase (VllmBudget.reservation_in)
     components["cuda_context"] = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)

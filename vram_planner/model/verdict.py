@@ -12,10 +12,10 @@ from vram_planner.model import offload
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.cuda_context import ContextFigure, context_figure
 from vram_planner.model.nccl import NcclFigure, nccl_figure, nccl_note
-from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure, vllm_comm_figure
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.spec import TrainingConfig, with_changes
 from vram_planner.model.trl_releases import TrlRelease
+from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure, vllm_comm_figure
 from vram_planner.profiles import GpuProfile
 from vram_planner.request import DEFAULT_SAFETY_MARGIN
 

@@ -68,7 +68,7 @@ UTILIZATION_STEP = 0.05  # what plan recommends: a multiple of this
 # Non-torch memory of one vLLM worker beside an existing CUDA context: 0.16-0.33 GiB in vLLM's single-GPU profiling
 # logs (vllm#12126, vllm#14452, vllm#14447). With tensor parallelism the same: its communicators are set up before
 # vLLM's memory snapshot (gpu_worker.py:466-490), so they are outside this term and the budget (model/vllm_comm.py;
-# the 0.59-0.73 GiB of nlzy/vllm-gfx906#10 with TP 2 counted them inside, as that fork measured).
+# the 0.59-0.73 GiB logged with TP 2 in nlzy/vllm-gfx906#10, a ROCm fork, is no longer used for it).
 NON_TORCH_BYTES = int(0.3 * GiB)
 # vLLM's CUDA graph estimate per captured graph: 0.36 GiB for 16 graphs (gpustack/runner#251, vLLM 0.27), "the real
 # FULL graphs cost ~24 MiB each" (vllm#50780).
