@@ -4,13 +4,17 @@ sits outside --vllm-gpu-memory-utilization in every phase, and that vLLM's start
 from __future__ import annotations
 
 from helpers import json_of
+from vram_planner.model import vllm
+from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.nccl import communicator_bytes, nccl_table
+from vram_planner.model.spec import training_config
 from vram_planner.model.vllm_comm import vllm_comm_figure
 from vram_planner.profiles import GpuProfile
-from vram_planner.units import MiB
+from vram_planner.units import GiB, MiB
 
 QWEN_7B_TP2 = ("--model", "Qwen2.5-7B", "--dtype", "bfloat16", "--num-gpus", "2", "--zero-stage", "3", "--use-vllm",
                "--vllm-mode", "colocate", "--vllm-tensor-parallel-size", "2")
+CONTEXT = int(0.5 * GiB)
 
 
 def test_h100_board_t2_holds_a_ring_communicator_the_all_reduce_buffers_and_trls_group():
@@ -54,3 +58,25 @@ def test_check_counts_them_beside_the_budget_and_in_the_start_up_check(capsys):
     _, server = json_of(capsys, "check", "--gpu", "h100-80gb", *QWEN_7B_TP2[:-4], "--vllm-mode", "server")
     assert {p["components"]["vllm_communicators"] for p in server["phases"]} == {0}
     assert server["assumptions"]["vllm_communicators"] is None
+
+
+def test_the_servers_start_up_check_sees_its_communicators_too():
+    # Llama-2-7B's shape (tests/model/test_vllm.py): what the server loads does not move its start-up check
+    arch = ModelArchitecture.from_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                          "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                                          "num_hidden_layers": 32, "num_attention_heads": 32,
+                                          "num_key_value_heads": 32, "max_position_embeddings": 4096})
+    settings = {"use_vllm": True, "vllm_mode": "server", "vllm_server_gpu": "h100-80gb", "num_gpus": 2}
+    one = vllm.server_budget(arch, training_config(settings), CONTEXT)
+    two = vllm.server_budget(arch, training_config({**settings, "vllm_tensor_parallel_size": 2}), CONTEXT)
+    at_start = vllm_comm_figure(GpuProfile.from_name("h100-80gb"), 2).at_start_bytes
+    assert one.free_at_start_bytes == one.capacity_bytes - CONTEXT
+    assert two.free_at_start_bytes == one.free_at_start_bytes - at_start  # no TRL group on the server
+
+
+def test_sleep_mode_leaves_them_on_the_card(capsys):
+    _, doc = json_of(capsys, "check", "--gpu", "h100-80gb", *QWEN_7B_TP2, "--vllm-gpu-memory-utilization", "0.3",
+                     "--vllm-enable-sleep-mode")
+    fig = vllm_comm_figure(GpuProfile.from_name("h100-80gb"), 2)
+    assert {p["components"]["vllm_communicators"] for p in doc["phases"]} == {fig.bytes}
+    assert min(p["components"]["vllm_reservation"] for p in doc["phases"]) < doc["vllm"]["reservation_bytes"]

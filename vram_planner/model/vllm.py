@@ -58,6 +58,7 @@ from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import version_tuple
+from vram_planner.model.vllm_comm import vllm_comm_figure
 from vram_planner.units import GiB, MiB
 
 BLOCK_TOKENS = 16  # CacheConfig.DEFAULT_BLOCK_SIZE
@@ -177,8 +178,8 @@ def start_problem(b: VllmBudget) -> str | None:
     fix = (f"the smallest value that works is {smallest}" if smallest is not None else
            f"no value works on {b.gpu_label}: {_alternatives(b)}")
     if b.reservation_bytes > b.free_at_start_bytes + TINY_BYTES:
-        held = ("the trainer's CUDA context and weights" + (" and vLLM's tensor-parallel communicators"
-                if b.mode == "colocate" and b.tensor_parallel_size > 1 else ""))
+        held = ("the trainer's CUDA context and weights" if b.mode == "colocate" else "the CUDA context") + (
+            " and vLLM's tensor-parallel communicators" if b.tensor_parallel_size > 1 else "")
         free = (f"only {_gib(b.free_at_start_bytes)} of the {_gib(b.capacity_bytes)} card are free when it starts "
                 f"({held} are there)" if b.free_at_start_bytes > 0 else f"{held} already take "
                 f"{_gib(b.capacity_bytes - b.free_at_start_bytes)} of the {_gib(b.capacity_bytes)} card")
@@ -368,9 +369,11 @@ def server_budget(arch: ModelArchitecture, train: TrainingConfig, cuda_context_b
     seqs = 1024 if big else 256
     batched = 16384 if gpu.capacity_bytes >= 160 * GiB else 8192 if big else 2048
     max_len = train.vllm_max_model_length or arch.context_length or train.sequence_length
+    # the server's workers set up their TP communicators before the snapshot too (model/vllm_comm.py)
+    comm = vllm_comm_figure(gpu, train.vllm_tensor_parallel_size).at_start_bytes
     launch = _Launch("server", gpu.label, gpu.capacity_bytes, SERVER_GPU_MEMORY_UTILIZATION, seqs, batched, max_len,
-                     min(train.generation_batch_size, seqs), gpu.capacity_bytes - cuda_context_bytes, False, None,
-                     dtype_bytes(arch, gpu.bf16))
+                     min(train.generation_batch_size, seqs), gpu.capacity_bytes - cuda_context_bytes - comm, False,
+                     None, dtype_bytes(arch, gpu.bf16))
     return _budget(arch, train, launch)
 
 
