@@ -27,9 +27,11 @@ Read in vLLM 0.31.0 (the newest TRL 1.16's `vllm` extra accepts, vllm<=0.31.0,>=
   prompts of the T ranks before each generation (:685-697): one more NCCL communicator of T ranks, its ring
   connected at the first generation (after vLLM's start-up check).
 0.22.0 has no 16 MiB reduce-scatter buffer (its IPC buffer is max_size) and no multicast buffer: 104 MiB less on an
-H100 board; the figure is 0.31.0's. Not counted: FlashInfer's all-reduce workspace (VLLM_ALLREDUCE_USE_FLASHINFER=1
-in 0.31, created on first use and only where flashinfer's fusion passes run), the TP group's torch NCCL
-device_group (created, never used for a collective here).
+H100 board; the figure is 0.31.0's. Not here: FlashInfer's all-reduce workspace (VLLM_ALLREDUCE_USE_FLASHINFER=1 in
+0.31): FlashInferAllReduce sizes it at init but creates it at the first all-reduce (flashinfer_all_reduce.py:364-419),
+in the profile run, so vLLM measures it inside its budget (the non-torch term of model/vllm.py); the TP group's torch
+NCCL device_group (parallel_state.py:499; torch creates its communicator at the first collective on it, and none was
+found on TRL's generate path).
 """
 
 from __future__ import annotations
