@@ -91,7 +91,8 @@ def test_tensor_parallel_splits_weights_kv_heads_and_the_mlp_and_widens_max_num_
     assert b.activation_bytes == 4096 * 2 * (8192 + 16512)
     # capture sizes 1, 2, 4, 8, 16, 24, 32 piecewise and 1, 2, 4, 8, 16 full
     assert b.cuda_graph_bytes == 12 * 24 * MiB
-    assert b.non_torch_bytes == int(0.7 * GiB)
+    # vLLM's TP communicators are set up before its memory snapshot: outside this term (model/vllm_comm.py)
+    assert b.non_torch_bytes == NON_TORCH
 
 
 def test_kv_heads_are_replicated_when_fewer_than_ranks():

@@ -26,8 +26,8 @@ BAR_WIDTH = 40
 COMPONENT_STYLES = {"weights": "blue", "reference_weights": "cyan", "gradients": "magenta",
                     "optimizer_states": "red", "kv_cache": "yellow", "activations": "green",
                     "lm_head_buffers": "bright_green", "vllm_reservation": "bright_cyan",
-                    "cuda_context": "bright_black", "nccl_buffers": "bright_black", "cublas_workspaces": "grey50",
-                    "allocator_overhead": "white"}
+                    "cuda_context": "bright_black", "nccl_buffers": "bright_black",
+                    "vllm_communicators": "bright_black", "cublas_workspaces": "grey50", "allocator_overhead": "white"}
 
 
 def _g(n_bytes: float) -> str:

@@ -101,7 +101,8 @@ def _table(path: Path) -> NcclTable:
     return table
 
 
-def _align(n: int, to: int) -> int:
+def align_up(n: int, to: int) -> int:
+    """`n` rounded up to a multiple of `to`."""
     return -(-n // to) * to
 
 
@@ -133,7 +134,8 @@ class NcclFigure:
     summary: str = ""  # the source without its citations: what a verdict's note says
 
 
-def _transport(gpu: GpuProfile, table: NcclTable) -> Literal["p2p", "shm"]:
+def transport_of(gpu: GpuProfile, table: NcclTable) -> Literal["p2p", "shm"]:
+    """How NCCL connects two such cards: P2P, or host shared memory where the driver offers no P2P."""
     return "shm" if gpu.segment in table.shm_segments else "p2p"
 
 
@@ -153,8 +155,8 @@ def communicator_bytes(num_gpus: int, row: LinkRow, compute_capability: str, tra
     parts = {"init": gran * (table.device_allocs_per_comm + table.device_allocs_per_channel * _pow2_up(channels))}
     if transport == "p2p":
         buffers = table.ll_buffer_bytes + table.ll128_buffer_bytes + table.simple_buffer_bytes
-        pair = (_align(table.connection_struct_bytes + buffers, table.ipc_align_bytes)
-                + _align(table.connection_struct_bytes, table.ipc_align_bytes))
+        pair = (align_up(table.connection_struct_bytes + buffers, table.ipc_align_bytes)
+                + align_up(table.connection_struct_bytes, table.ipc_align_bytes))
         if "ring" in algorithms:
             parts["ring"] = channels * pair
         if "tree" in algorithms:
@@ -164,7 +166,7 @@ def communicator_bytes(num_gpus: int, row: LinkRow, compute_capability: str, tra
         # ncclNvlsSetup runs at init even with runtime connect: the credits and the nvlsDevPeers; the buffers wait
         parts["nvls_init"] = gran + nvls * gran
         if "nvls" in algorithms:
-            parts["nvls"] = _align(nvls * 2 * table.nvls_chunk_bytes * table.steps * num_gpus, gran)
+            parts["nvls"] = align_up(nvls * 2 * table.nvls_chunk_bytes * table.steps * num_gpus, gran)
     return parts
 
 
@@ -183,7 +185,7 @@ def nccl_figure(gpu: GpuProfile, num_gpus: int, strategy: Strategy) -> NcclFigur
     interconnect = gpu.interconnect or table.unknown_interconnect
     row = table.link_row(interconnect) or table.link_row(table.unknown_interconnect)
     assert row is not None  # _table checks the unknown interconnect's row
-    transport = _transport(gpu, table)
+    transport = transport_of(gpu, table)
     parts: dict[str, int] = {}
     for algorithms in lists:
         for part, n in communicator_bytes(num_gpus, row, gpu.compute_capability, transport, table,

@@ -27,14 +27,15 @@ from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, log
 from vram_planner.model.spec import TrainingConfig, allocator_conf_notes
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
+from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure
 
 if TYPE_CHECKING:
     from vram_planner.model.vllm import VllmBudget
 
 # Component names, in the order people read them.
 COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "kv_cache", "activations",
-              "lm_head_buffers", "vllm_reservation", "cuda_context", "nccl_buffers", "cublas_workspaces",
-              "allocator_overhead")
+              "lm_head_buffers", "vllm_reservation", "cuda_context", "nccl_buffers", "vllm_communicators",
+              "cublas_workspaces", "allocator_overhead")
 TENSOR_COMPONENTS = COMPONENTS[:7]
 # Device memory outside PyTorch's caching allocator: what it never reserves, beside what it does
 OUTSIDE_ALLOCATOR = ("cuda_context", "nccl_buffers")
@@ -50,7 +51,8 @@ PHASE_TITLES = {"generation": "generation", "scoring": "old/ref log-probs", "tra
 
 def component_label(component: str) -> str:
     """How the table, the plot and the web page name a component."""
-    return "NCCL buffers" if component == "nccl_buffers" else component.replace("_", " ")
+    labels = {"nccl_buffers": "NCCL buffers", "vllm_communicators": "vLLM TP communicators"}
+    return labels.get(component, component.replace("_", " "))
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,12 @@ class Estimate:
 def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
              capacity_bytes: int, context_bytes: float | None = None, gpu_label: str = "",
              gpu_bf16: bool = True, compute_capability: str = "", first_micro_batch: bool = False,
-             nccl_bytes: float = 0.0) -> Estimate:
+             nccl_bytes: float = 0.0, vllm_comm: VllmCommFigure = NO_COMMUNICATORS) -> Estimate:
     """The memory of one steady-state GRPO step of `train` on a GPU of `capacity_bytes` whose CUDA context takes
     `context_bytes` (None: the calibration's figure, else the one for a card the catalog does not know) and whose
     `compute_capability` sets the cuBLAS workspaces ("": a card other than compute capability 9.0); `nccl_bytes` is
-    NCCL's own device memory on each rank (model/nccl.py; 0 on one GPU).
+    NCCL's own device memory on each rank (model/nccl.py; 0 on one GPU); `vllm_comm` what colocated vLLM's
+    tensor-parallel communicators hold on each rank, outside its budget (model/vllm_comm.py).
 
     With `first_micro_batch`, the phases of the first micro-batch of the first step instead: generation, scoring and
     the loss before any optimizer state (or accumulated gradient) exists, and no optimizer step."""
@@ -115,7 +118,7 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     if train.use_vllm:  # vLLM's model loads only for a config that starts one
         from vram_planner.model.vllm import budget_notes, vllm_budget
 
-        vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16)
+        vllm = vllm_budget(arch, train, capacity_bytes, context, gpu_label, gpu_bf16, vllm_comm.at_start_bytes)
         vllm_notes = budget_notes(vllm, train)
     colocated = vllm if vllm is not None and vllm.mode == "colocate" else None
     raw = [_generation(arch, train, cal, persistent, colocated)]
@@ -136,8 +139,9 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     if not first_micro_batch:
         raw[-1] = _at_least_deepspeeds_estimate(raw[-1], arch, train)
     workspaces = cublas_workspace_bytes(compute_capability)
-    phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch, nccl_bytes)
-                   for p in raw)
+    comm = vllm_comm.bytes if colocated is not None else 0.0  # they stay through sleep mode: not in its pool
+    phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch, nccl_bytes,
+                                  comm) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm,
                     host_bytes=offload.host_bytes(arch, train))
@@ -242,14 +246,16 @@ def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release:
 
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
                    context_bytes: float | None = None, workspace_bytes: float = 0.0,
-                   arch: ModelArchitecture | None = None, nccl_bytes: float = 0.0) -> Phase:
+                   arch: ModelArchitecture | None = None, nccl_bytes: float = 0.0,
+                   vllm_comm_bytes: float = 0.0) -> Phase:
     """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it), NCCL's
-    buffers, the cuBLAS workspaces and the allocator's reserve (with the model's allocation patterns when `arch` is
-    given)."""
+    buffers, colocated vLLM's tensor-parallel communicators, the cuBLAS workspaces and the allocator's reserve (with
+    the model's allocation patterns when `arch` is given)."""
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     components["vllm_reservation"] = reservation  # what vLLM holds in this phase (VllmBudget.reservation_in)
     components["cuda_context"] = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
     components["nccl_buffers"] = float(nccl_bytes)  # outside the caching allocator, like the context
+    components["vllm_communicators"] = float(vllm_comm_bytes)  # beside vLLM's budget, not inside it
     components["cublas_workspaces"] = float(workspace_bytes)
     components["allocator_overhead"] = _reserve(phase, cal, train, arch)
     return Phase(phase.name, components, phase.moment)

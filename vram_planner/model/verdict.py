@@ -15,6 +15,7 @@ from vram_planner.model.nccl import NcclFigure, nccl_figure, nccl_note
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.spec import TrainingConfig, with_changes
 from vram_planner.model.trl_releases import TrlRelease
+from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure, vllm_comm_figure
 from vram_planner.profiles import GpuProfile
 from vram_planner.request import DEFAULT_SAFETY_MARGIN
 
@@ -81,6 +82,11 @@ class Context:
         """NCCL's own device memory on each rank of `train`'s GPUs (nothing on one GPU)."""
         return nccl_figure(self.gpu, train.num_gpus, train.distributed)
 
+    def vllm_comm(self, train: TrainingConfig) -> VllmCommFigure:
+        """Colocated vLLM's tensor-parallel communicators on each rank (nothing without vLLM or tensor parallelism)."""
+        colocated = train.use_vllm and train.vllm_mode == "colocate" and train.release.accepts_vllm_mode
+        return vllm_comm_figure(self.gpu, train.vllm_tensor_parallel_size) if colocated else NO_COMMUNICATORS
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -137,12 +143,14 @@ def judge(context: Context, train: TrainingConfig) -> Verdict:
 
 
 def _estimate(context: Context, train: TrainingConfig, first_micro_batch: bool = False) -> Estimate:
-    nccl = context.nccl(train)
+    nccl, vllm_comm = context.nccl(train), context.vllm_comm(train)
     est = estimate(context.arch, train, context.release, context.calibration, context.capacity_bytes,
                    context.cuda_context.bytes, context.gpu.label, context.gpu.bf16, context.gpu.compute_capability,
-                   first_micro_batch, nccl.bytes)
+                   first_micro_batch, nccl.bytes, vllm_comm)
     if nccl.bytes:
         est = replace(est, notes=est.notes + (nccl_note(nccl),))
+    if vllm_comm.bytes:
+        est = replace(est, notes=est.notes + (vllm_comm.source,))
     if context.release.note:
         est = replace(est, notes=est.notes + (context.release.note,))
     return est

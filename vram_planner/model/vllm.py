@@ -7,7 +7,9 @@ Rules read from the source of the vLLM releases TRL 1.16 accepts (vllm>=0.22.0,<
   refuses to start ("Free memory on device ... is less than desired GPU memory utilization") when the device has less
   free memory than that at start-up. Colocated with the trainer (TRL's colocate mode: one process), the trainer's
   CUDA context and weights are already on the card then (GRPOTrainer.__init__ places the model before it builds
-  VLLMGeneration; the reference model and the optimizer come later).
+  VLLMGeneration; the reference model and the optimizer come later). With vllm_tensor_parallel_size > 1 vLLM's own
+  TP communicators are on the card too: set up before the snapshot that request_memory reads, they are outside the
+  budget and inside its free-memory check (model/vllm_comm.py).
 - What the budget holds. `Worker.determine_available_memory` (vllm/v1/worker/gpu_worker.py) with `memory_profiling`
   (vllm/utils/mem_utils.py): KV cache = requested - (weights + the torch peak increase of `profile_run` + non-torch
   memory) - the CUDA graph estimate. Weights are what loading allocated (`GPUModelRunner.load_model`,
@@ -56,6 +58,7 @@ from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import version_tuple
+from vram_planner.model.vllm_comm import vllm_comm_figure
 from vram_planner.units import GiB, MiB
 
 BLOCK_TOKENS = 16  # CacheConfig.DEFAULT_BLOCK_SIZE
@@ -64,10 +67,10 @@ LLM_CLASS_BATCHED_TOKENS = (16384, 8192)  # vLLM's LLM() default on >= 70 GiB no
 SERVER_GPU_MEMORY_UTILIZATION = 0.9  # trl vllm-serve's default
 UTILIZATION_STEP = 0.05  # what plan recommends: a multiple of this
 # Non-torch memory of one vLLM worker beside an existing CUDA context: 0.16-0.33 GiB in vLLM's single-GPU profiling
-# logs (vllm#12126, vllm#14452, vllm#14447); 0.59-0.73 GiB with tensor parallelism of 2 (custom all-reduce and NCCL
-# buffers, nlzy/vllm-gfx906#10).
+# logs (vllm#12126, vllm#14452, vllm#14447). With tensor parallelism the same: its communicators are set up before
+# vLLM's memory snapshot (gpu_worker.py:466-490), so they are outside this term and the budget (model/vllm_comm.py;
+# the 0.59-0.73 GiB logged with TP 2 in nlzy/vllm-gfx906#10, a ROCm fork, is no longer used for it).
 NON_TORCH_BYTES = int(0.3 * GiB)
-NON_TORCH_TP_BYTES = int(0.7 * GiB)
 # vLLM's CUDA graph estimate per captured graph: 0.36 GiB for 16 graphs (gpustack/runner#251, vLLM 0.27), "the real
 # FULL graphs cost ~24 MiB each" (vllm#50780).
 CUDA_GRAPH_BYTES = 24 * MiB
@@ -175,9 +178,10 @@ def start_problem(b: VllmBudget) -> str | None:
     fix = (f"the smallest value that works is {smallest}" if smallest is not None else
            f"no value works on {b.gpu_label}: {_alternatives(b)}")
     if b.reservation_bytes > b.free_at_start_bytes + TINY_BYTES:
+        held = ("the trainer's CUDA context and weights" if b.mode == "colocate" else "the CUDA context") + (
+            " and vLLM's tensor-parallel communicators" if b.tensor_parallel_size > 1 else "")
         free = (f"only {_gib(b.free_at_start_bytes)} of the {_gib(b.capacity_bytes)} card are free when it starts "
-                "(the trainer's CUDA context and weights are there)" if b.free_at_start_bytes > 0 else
-                f"the trainer's CUDA context and weights already take "
+                f"({held} are there)" if b.free_at_start_bytes > 0 else f"{held} already take "
                 f"{_gib(b.capacity_bytes - b.free_at_start_bytes)} of the {_gib(b.capacity_bytes)} card")
         return (f"vLLM refuses to start: {flag} {u} asks for {_gib(b.reservation_bytes)}, but {free}; "
                 f"{fix}{_shorter_context(b)}")
@@ -293,10 +297,6 @@ def cuda_graph_bytes(max_num_seqs: int, batched_tokens: int) -> float:
     return (len(sizes) + sum(1 for s in sizes if s <= max_num_seqs)) * CUDA_GRAPH_BYTES
 
 
-def non_torch_bytes(tp: int) -> int:
-    return NON_TORCH_BYTES if tp == 1 else NON_TORCH_TP_BYTES
-
-
 def trl_max_model_len(arch: ModelArchitecture, train: TrainingConfig) -> int:
     """max_model_len as TRL passes it: prompt + completion before 0.26, then vllm_max_model_length or (None) the
     context vLLM derives from the config (prompt + completion when the config gives none)."""
@@ -335,16 +335,17 @@ class _Launch:
 
 
 def colocated_budget(arch: ModelArchitecture, train: TrainingConfig, capacity_bytes: int, cuda_context_bytes: float,
-                     gpu_label: str = "", gpu_bf16: bool = True) -> VllmBudget | None:
-    """vLLM in the trainer's process on each training GPU (colocate mode, TRL 0.18 and later), or None."""
+                     gpu_label: str = "", gpu_bf16: bool = True, comm_bytes: float = 0.0) -> VllmBudget | None:
+    """vLLM in the trainer's process on each training GPU (colocate mode, TRL 0.18 and later), or None; `comm_bytes`:
+    its tensor-parallel communicators, set up before it measures free memory (model/vllm_comm.py)."""
     if not (train.use_vllm and train.vllm_mode == "colocate" and train.release.accepts_vllm_mode):
         return None
     batched = (TRL_MAX_NUM_BATCHED_TOKENS if _since(train, "0.19.0") else
                LLM_CLASS_BATCHED_TOKENS[0 if large_card(capacity_bytes, gpu_label) else 1])
     seqs = trl_max_num_seqs(train)
     sleep = (2 if _since(train, "0.25.0") else 1) if train.vllm_enable_sleep_mode else None
-    # at start-up the trainer has its CUDA context and its weights on the card, nothing else yet
-    free = capacity_bytes - cuda_context_bytes - m.weight_bytes(arch, train)
+    # at start-up the trainer has its CUDA context and its weights on the card, and vLLM its TP communicators
+    free = capacity_bytes - cuda_context_bytes - m.weight_bytes(arch, train) - comm_bytes
     launch = _Launch("colocate", gpu_label or "this card", capacity_bytes, train.vllm_gpu_memory_utilization, seqs,
                      batched, trl_max_model_len(arch, train), seqs, free, train.load_in_4bit, sleep,
                      dtype_bytes(arch, gpu_bf16))
@@ -368,9 +369,11 @@ def server_budget(arch: ModelArchitecture, train: TrainingConfig, cuda_context_b
     seqs = 1024 if big else 256
     batched = 16384 if gpu.capacity_bytes >= 160 * GiB else 8192 if big else 2048
     max_len = train.vllm_max_model_length or arch.context_length or train.sequence_length
+    # the server's workers set up their TP communicators before the snapshot too (model/vllm_comm.py)
+    comm = vllm_comm_figure(gpu, train.vllm_tensor_parallel_size).at_start_bytes
     launch = _Launch("server", gpu.label, gpu.capacity_bytes, SERVER_GPU_MEMORY_UTILIZATION, seqs, batched, max_len,
-                     min(train.generation_batch_size, seqs), gpu.capacity_bytes - cuda_context_bytes, False, None,
-                     dtype_bytes(arch, gpu.bf16))
+                     min(train.generation_batch_size, seqs), gpu.capacity_bytes - cuda_context_bytes - comm, False,
+                     None, dtype_bytes(arch, gpu.bf16))
     return _budget(arch, train, launch)
 
 
@@ -382,7 +385,7 @@ def _budget(arch: ModelArchitecture, train: TrainingConfig, launch: _Launch) -> 
         mode=launch.mode, gpu_label=launch.gpu_label, capacity_bytes=launch.capacity_bytes,
         gpu_memory_utilization=launch.gpu_memory_utilization, tensor_parallel_size=tp, weights_bytes=weights,
         activation_bytes=profile_activation_bytes(arch, batched, launch.max_num_seqs, tp, width),
-        cuda_graph_bytes=cuda_graph_bytes(launch.max_num_seqs, batched), non_torch_bytes=non_torch_bytes(tp),
+        cuda_graph_bytes=cuda_graph_bytes(launch.max_num_seqs, batched), non_torch_bytes=NON_TORCH_BYTES,
         kv_cache_bytes=launch.batch_sequences * sequence, kv_available_bytes=0.0,
         one_sequence_bytes=request_kv_bytes(arch, launch.max_model_len, tp, width, batched), sequence_bytes=sequence,
         free_at_start_bytes=launch.free_at_start_bytes, max_num_seqs=launch.max_num_seqs,
@@ -396,9 +399,10 @@ def _budget(arch: ModelArchitecture, train: TrainingConfig, launch: _Launch) -> 
 
 
 def vllm_budget(arch: ModelArchitecture, train: TrainingConfig, capacity_bytes: int, cuda_context_bytes: float,
-                gpu_label: str = "", gpu_bf16: bool = True) -> VllmBudget | None:
-    """The vLLM this config starts on a planned card: colocated on the training GPU, or the server's card."""
-    return (colocated_budget(arch, train, capacity_bytes, cuda_context_bytes, gpu_label, gpu_bf16)
+                gpu_label: str = "", gpu_bf16: bool = True, comm_bytes: float = 0.0) -> VllmBudget | None:
+    """The vLLM this config starts on a planned card: colocated on the training GPU (`comm_bytes`: its TP
+    communicators at start-up), or the server's card."""
+    return (colocated_budget(arch, train, capacity_bytes, cuda_context_bytes, gpu_label, gpu_bf16, comm_bytes)
             or server_budget(arch, train, cuda_context_bytes))
 
 

@@ -15,7 +15,8 @@ from vram_planner.units import GiB
 COMPONENT_COLOURS = {"weights": "#1f77b4", "reference_weights": "#17becf", "gradients": "#9467bd",
                      "optimizer_states": "#d62728", "kv_cache": "#bcbd22", "activations": "#2ca02c",
                      "lm_head_buffers": "#98df8a", "vllm_reservation": "#aec7e8", "cuda_context": "#7f7f7f",
-                     "nccl_buffers": "#8c564b", "cublas_workspaces": "#a5a5a5", "allocator_overhead": "#c7c7c7"}
+                     "nccl_buffers": "#8c564b", "vllm_communicators": "#c49c94", "cublas_workspaces": "#a5a5a5",
+                     "allocator_overhead": "#c7c7c7"}
 
 
 FORMATS = (".png", ".svg", ".pdf")
