@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from vram_planner.allocator import CachingAllocator
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.fragmentation import (CACHE_IN_LOSS_SEGMENTS, EAGER_OVERFLOW, EAGER_SCORES, LATE_GRADIENT,
-                                              LATER_MICRO_BATCH, LAYER_GRADIENTS, PINNED_LAYER_INPUTS,
+                                              LATER_MICRO_BATCH, LAYER_GRADIENTS, PINNED_LAYER_INPUTS, PREFILL_STATES,
                                               SOFTCAPPED_SCORES, STATES_IN_HEAD_TILE, cache_in_loss_segment_bytes,
                                               eager_overflow_bytes, late_gradient_bytes, largest_request_bytes,
-                                              pinned_layer_input_bytes, reserve_patterns, states_in_head_tile_bytes,
-                                              stranded_by_gradients, stranded_by_kept_inputs)
+                                              pinned_layer_input_bytes, prefill_state_bytes, reserve_patterns,
+                                              states_in_head_tile_bytes, stranded_by_gradients,
+                                              stranded_by_kept_inputs)
 from vram_planner.model.lm_head import fused_tile_bytes
 from vram_planner.model.spec import Optimizer, TrainingConfig
 from vram_planner.profiles import model_config
@@ -335,18 +336,64 @@ def test_the_embeddings_state_in_the_tiles_segment_is_what_the_allocator_strands
     assert states_in_head_tile_bytes(tiny, defaults) == 0  # a state of 1,000 x 64 floats: the small pool
 
 
+def states_across_the_prefill(segment_bytes: int, state_bytes: int, layers: int) -> CachingAllocator:
+    """Generation's prefill and the first optimizer step as the allocator sees them: the prefill asks for a block of
+    `segment_bytes` per layer (a segment each, as its layers' tensors overlap) and frees them; the first optimizer step
+    then makes one state of `state_bytes` per layer and keeps it."""
+    allocator = CachingAllocator()
+    for block in [allocator.malloc(segment_bytes) for _ in range(layers)]:
+        allocator.free(block)
+    for _ in range(layers):
+        allocator.malloc(state_bytes)
+    return allocator
+
+
+@settings(max_examples=80, deadline=None)
+@given(segment_granules=st.integers(6, 300), share=st.floats(0.5, 1.0), layers=st.integers(1, 40))
+def test_a_state_filling_a_prefill_segment_past_half_strands_the_rest_of_it(segment_granules, share, layers):
+    segment = segment_granules * 2 * MiB  # a segment of its own: whole 2 MiB granules
+    state = min(max(int(segment * share) // 512 + 1, 1) * 512, segment)  # past half: one state to a segment
+    allocator = states_across_the_prefill(segment, state, layers)
+    assert allocator.reserved_bytes == layers * segment  # every state cut from a prefill segment, none anew
+    if segment - state > 1 * MiB:  # the rest beside each state is cached, too short for the next state
+        assert allocator.reserved_bytes - allocator.allocated_bytes == layers * (segment - state)
+
+
+def test_the_first_steps_states_in_the_prefills_segments_are_what_the_allocator_strands():
+    defaults = TrainingConfig()  # TRL's: float32 weights, fused AdamW, 8 prompts of 256 tokens generated at once
+    phi = _arch("phi-2")  # the prefill's fc1 output: 2,048 x 10,240 bfloat16, 40 MiB; attention states 25 MiB
+    segment, state = 2048 * 10240 * 2, 2560 * 2560 * 4
+    allocator = states_across_the_prefill(segment, state, phi.num_layers)
+    stranded = allocator.reserved_bytes - allocator.allocated_bytes
+    assert stranded == phi.num_layers * 15 * MiB
+    assert prefill_state_bytes(phi, defaults) == stranded
+    assert reserve_patterns(phi, defaults, "training")[PREFILL_STATES] == stranded
+    # 8-bit states of 6.25 MiB are served by the 20 MiB segments' smaller blocks; the MLP's 25 MiB fill past half
+    assert prefill_state_bytes(phi, replace(defaults, optim=Optimizer.adamw_8bit)) == phi.num_layers * 15 * MiB
+    # Mistral-7B's 8-bit states: the 16 MiB attention ones share a 56 MiB segment, three beside 8 MiB (counted 16)
+    mistral = _arch("Mistral-7B-v0.3")
+    assert prefill_state_bytes(mistral, replace(defaults, optim=Optimizer.adamw_8bit)) == mistral.num_layers * 16 * MiB
+    for no_prefill_states in (replace(defaults, lora_r=16), replace(defaults, optim=Optimizer.paged_adamw_8bit),
+                              replace(defaults, optim=Optimizer.sgd), replace(defaults, use_vllm=True)):
+        assert prefill_state_bytes(phi, no_prefill_states) == 0
+
+
+@pytest.mark.parametrize("pattern, tokens_knob", [(states_in_head_tile_bytes, "max_completion_length"),
+                                                 (prefill_state_bytes, "max_prompt_length")])
 @settings(max_examples=200, deadline=None)
-@given(name=st.sampled_from(["SmolLM2-135M", "Qwen2.5-0.5B", "Llama-3.2-1B", "gemma-3-1b-it", "phi-2"]),
-       completion=st.integers(1, 8192), more=st.integers(1, 4096), micro_batch=st.integers(1, 64),
+@given(name=st.sampled_from(["SmolLM2-135M", "Qwen2.5-0.5B", "Llama-3.2-1B", "gemma-3-1b-it", "phi-2",
+                             "Mistral-7B-v0.3"]),
+       tokens=st.integers(1, 8192), more=st.integers(1, 4096), batch=st.integers(1, 64),
        dtype=st.sampled_from(["float32", "bfloat16"]), optim=st.sampled_from(list(Optimizer)))
-def test_what_the_state_strands_never_falls_as_the_tokens_or_the_micro_batch_grow(name, completion, more,
-                                                                                  micro_batch, dtype, optim):
+def test_what_the_first_steps_states_strand_never_falls_as_the_tokens_or_the_batch_grow(pattern, tokens_knob, name,
+                                                                                        tokens, more, batch, dtype,
+                                                                                        optim):
+    # the LM head's tile grows with the scored tokens, the prefill's segments with the prompts' tokens
     arch = _arch(name)
 
-    def stranded(tokens: int, batch: int) -> float:
-        return states_in_head_tile_bytes(arch, TrainingConfig(dtype=dtype, optim=optim, num_generations=2,
-                                                              per_device_train_batch_size=2 * batch,
-                                                              max_completion_length=tokens))
+    def stranded(length: int, sequences: int) -> float:
+        return pattern(arch, TrainingConfig(dtype=dtype, optim=optim, num_generations=2,
+                                            per_device_train_batch_size=2 * sequences, **{tokens_knob: length}))
 
-    assert stranded(completion + more, micro_batch) >= stranded(completion, micro_batch)
-    assert stranded(completion, micro_batch + 1) >= stranded(completion, micro_batch)
+    assert stranded(tokens + more, batch) >= stranded(tokens, batch)
+    assert stranded(tokens, batch + 1) >= stranded(tokens, batch)

@@ -8,7 +8,7 @@ below its need (benchmarks/boundary.py; the committed table shows the grid). Pur
 
 from __future__ import annotations
 
-from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_SIZE
+from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, allocation_size
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.lm_head import fused_tile_bytes
@@ -26,9 +26,10 @@ LAYER_GRADIENTS = "layer_gradients"
 CACHE_IN_LOSS_SEGMENTS = "cache_in_loss_segments"
 EAGER_OVERFLOW = "eager_overflow"
 STATES_IN_HEAD_TILE = "states_in_head_tile"
+PREFILL_STATES = "prefill_states"
 # The loss forward/backward's patterns (benchmarks/reserve_fit.py fits them on the steps that run out there)
 PATTERNS = (PINNED_LAYER_INPUTS, LATE_GRADIENT, LARGEST_REQUEST, EAGER_SCORES, SOFTCAPPED_SCORES, SMALL_SEGMENTS,
-            LATER_MICRO_BATCH, LAYER_GRADIENTS, EAGER_OVERFLOW, STATES_IN_HEAD_TILE)
+            LATER_MICRO_BATCH, LAYER_GRADIENTS, EAGER_OVERFLOW, STATES_IN_HEAD_TILE, PREFILL_STATES)
 GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS,)
 
 
@@ -52,7 +53,8 @@ def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str)
             LATER_MICRO_BATCH: later_micro_batch_bytes(arch, train),
             LAYER_GRADIENTS: layer_gradient_bytes(arch, train),
             EAGER_OVERFLOW: eager_overflow_bytes(arch, train),
-            STATES_IN_HEAD_TILE: states_in_head_tile_bytes(arch, train)}
+            STATES_IN_HEAD_TILE: states_in_head_tile_bytes(arch, train),
+            PREFILL_STATES: prefill_state_bytes(arch, train)}
 
 
 def pinned_layer_input_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -240,14 +242,62 @@ def states_in_head_tile_bytes(arch: ModelArchitecture, train: TrainingConfig) ->
     serves it (1 MiB or less), under LoRA (the adapters' states are small), with paged, factored or no states, or under
     ZeRO or FSDP (sharded). The tile grows with the scored tokens up to its chunk and the state is fixed, so the bytes
     never fall as the tokens or the micro-batch grow."""
-    opt = train.optim
-    if (train.uses_lora or train.zero_stage is not None or train.fsdp or opt.is_paged
-            or opt in (Optimizer.adafactor, Optimizer.sgd)):
+    if not _whole_large_states(train):
         return 0.0
     tile = fused_tile_bytes(train, train.release, train.micro_batch_completions)
-    # bitsandbytes' 8-bit states are a byte an element, its 32-bit ones float32; torch's follow the parameter
-    element = 1 if opt.is_8bit else m.FP32_BYTES if opt is Optimizer.lion_32bit else m.sizes(train).trainable
-    state = arch.vocab_size * arch.hidden_size * element
+    state = arch.vocab_size * arch.hidden_size * _state_element_bytes(train)
     if state > tile or state <= K_SMALL_SIZE:
         return 0.0
     return float(tile - state)
+
+
+def prefill_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What the first optimizer step's states leave of the segments generation's prefill left cached, cut from them
+    and kept there for the rest of the run (full fine-tuning, generating in this process).
+
+    The prefill, generate()'s forward of the whole generation batch's prompts before the first loss, asks for its
+    MLP-wide tensors (prompt tokens x intermediate in the compute dtype), a segment each of their size
+    (allocator.sizes.allocation_size; under 10 MiB they share the 20 MiB segments), and frees them layer by layer.
+    The first optimizer step then makes the states, per layer one per linear (in x out elements each); best fit cuts
+    a state from the smallest free block that holds it, and the prefill's segments, smaller than the loss's, are
+    those blocks for a state no larger than one. The state keeps its segment from being released, and what it leaves
+    beside it, segment - state where one state fills the segment past half, is too short for the next layer's state
+    and for the loss's requests when a later step runs short. phi-2 with TRL's defaults (2,048 prompt tokens: 40 MiB
+    segments; 25 MiB float32 attention projections) held 71 such segments at its need, each with a 25 MiB projection's
+    gradient beside 15 MiB (the backward cuts the gradients, as large as the states, from them the same way);
+    Mistral-7B-v0.3 in float32 with 8-bit AdamW filled its 56 MiB segments with the MLP's 56 MiB states and cut the 16
+    MiB attention ones from 112 MiB segments (the float32 MLP-wide tensors of the prefill), 608 MiB beside them; with
+    fused AdamW 39 of those held a 64 MiB state beside 48 MiB. The float32 segments are not counted: weighed beside
+    these, the fit left more points short (benchmarks/reserve_fit.py).
+
+    Counted per layer as the most one state strands in one such segment, min(segment - state, state) over the states
+    of 10 MiB or more that fit (smaller ones find smaller blocks in the 20 MiB segments): exact where one state fills
+    the segment past half (tests/model/test_fragmentation.py replays it), a bound where several share it, for the fit
+    to weigh. Nothing under LoRA (the adapters' states are small), with vLLM (no prefill in this process), with
+    paged, factored or no states, or under ZeRO or FSDP (sharded). The segment grows with the prompts and the
+    generation batch, and no term falls as it grows, so the bytes never fall as they do."""
+    if train.use_vllm or not _whole_large_states(train):
+        return 0.0
+    request = (train.local_generation_batch_size * train.max_prompt_length * arch.intermediate_size
+               * m.sizes(train).compute)
+    if request < K_MIN_LARGE_ALLOC:  # packed with others in the 20 MiB segments: no segment of its own to free
+        return 0.0
+    segment = allocation_size(request, K_LARGE_BUFFER)
+    element = _state_element_bytes(train)
+    states = {linear.in_features * linear.out_features * element for linear in arch.layer_linears()}
+    return float(arch.num_layers * max((min(segment - state, state) for state in states
+                                        if K_MIN_LARGE_ALLOC <= state <= segment), default=0))
+
+
+def _whole_large_states(train: TrainingConfig) -> bool:
+    # LoRA's adapters' states are small, ZeRO's and FSDP's sharded; paged states live in managed memory, Adafactor's
+    # are factored and SGD keeps none
+    opt = train.optim
+    return not (train.uses_lora or train.zero_stage is not None or train.fsdp or opt.is_paged
+                or opt in (Optimizer.adafactor, Optimizer.sgd))
+
+
+def _state_element_bytes(train: TrainingConfig) -> int:
+    # bitsandbytes' 8-bit states are a byte an element, its 32-bit ones float32; torch's follow the parameter
+    opt = train.optim
+    return 1 if opt.is_8bit else m.FP32_BYTES if opt is Optimizer.lion_32bit else m.sizes(train).trainable
