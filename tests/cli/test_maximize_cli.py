@@ -25,7 +25,7 @@ def test_the_answer_is_printed_with_its_peak_and_the_next_step(capsys):
     answer = engine.maximize("Llama-3.2-1B", "rtx3080-mobile", "max_completion_length", {"lora_r": 16,
                                                                                        "dtype": "bfloat16"})
     assert code == 0
-    assert f"Largest max_completion_length that fits" in out and f": {answer.value} tokens" in out
+    assert "Largest max_completion_length that fits" in out and f": {answer.value} tokens" in out
     assert f"peak {answer.peak_bytes / 1024**3:.3f} GiB at {answer.value}" in out
     assert f"at {answer.next_value} it needs {answer.next_peak_bytes / 1024**3:.3f} GiB" in out
     assert f"max_completion_length={answer.value}," in out  # the GRPOConfig to paste holds the value

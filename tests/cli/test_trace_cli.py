@@ -3,13 +3,11 @@ caching allocator model's reserved bytes (--allocator-conf), and one-line errors
 
 from __future__ import annotations
 
-import re
-
 import contextlib
 import io
 import json
+import re
 import subprocess
-import sys
 import time
 
 import pytest

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vram_planner.model.spec import TrainingConfig, knob_names
+from vram_planner.model.spec import knob_names
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.profiles import model_catalog
 

@@ -236,7 +236,7 @@ def test_advise_names_the_0_14_logits_and_no_fix_saves_negative_memory(capsys, l
     advice = json.loads(out)
     # transformers 4.56 (the newest 4.x planned) ignores num_logits_to_keep: the float32 copy spans prompt + completion
     assert code == 0 and advice["culprit"].startswith("accelerate's float32 copy of the policy's logits over the whole "
-                                                      f"prompt + completion")
+                                                      "prompt + completion")
     assert advice["culprit"].endswith(f"4 completions x 994 positions x {V} vocabulary entries x 4 B")
     assert ("most likely had bf16=True" in advice["culprit"]) is not mixed_precision
     assert advice["fixes"] and all(fix["saves_bytes"] is None or fix["saves_bytes"] > 0 for fix in advice["fixes"])

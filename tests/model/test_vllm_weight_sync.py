@@ -68,7 +68,6 @@ def test_zero3_gathers_the_whole_model_only_to_merge_adapters(model, num_gpus, l
     knobs = {"num_gpus": num_gpus, "zero_stage": 3, **({"lora_r": 16} if lora else {})}
     sync = _sync(model, **knobs)
     context = engine.make_context(model, "h100-80gb")
-    train = engine.make_training(context, {"dtype": "bfloat16", **knobs})
     whole = context.arch.params * 2  # DeepSpeed's engine holds the model in bf16
     if lora:  # every shard gathered: the whole model in 16 bits, less this rank's own shard, and the merge
         assert sync > whole * (1 - 1 / num_gpus)

@@ -7,7 +7,6 @@ same request, so the page, the API and the CLI judge the same config the same wa
 
 from __future__ import annotations
 
-import json
 import urllib.parse
 from dataclasses import dataclass
 from enum import Enum

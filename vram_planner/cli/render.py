@@ -17,7 +17,7 @@ from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import COMPONENTS, OUTSIDE_ALLOCATOR, PHASE_TITLES, component_label
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import GpuProfile
-from vram_planner.units import GiB, KiB, MiB
+from vram_planner.units import GiB
 
 if TYPE_CHECKING:  # --maximize's report: its module loads only for --maximize
     from vram_planner.report.maximized import MaximizedPlanReport

@@ -52,7 +52,6 @@ GENERATE_INPUTS = 4
 
 def counted(arch: ModelArchitecture, train: TrainingConfig) -> bool:
     """Whether the layer is counted tensor by tensor here: every layout, without Liger's kernels."""
-    f = arch.family
     return not train.use_liger_kernel
 
 
