@@ -77,10 +77,23 @@ class NcclTable:
     def link_row(self, interconnect: str) -> LinkRow | None:
         return next((r for r in self.link if r.interconnect == interconnect), None)
 
+    def link_of(self, gpu: GpuProfile) -> tuple[str, LinkRow]:
+        """The card's interconnect (the unknown one's for a card the catalog gives none) and its row, the unknown
+        interconnect's where the table has no row for it."""
+        interconnect = gpu.interconnect or self.unknown_interconnect
+        row = self.link_row(interconnect) or self.link_row(self.unknown_interconnect)
+        assert row is not None  # _table checks the unknown interconnect's row
+        return interconnect, row
+
     def speed_array(self, compute_capability: str) -> list[float]:
-        cc = cuda_tuple(compute_capability) if compute_capability else (0, 0)
+        cc = sm_tuple(compute_capability)
         rows = [r for r in self.speeds if cuda_tuple(r.min_compute_capability) <= cc]
         return max(rows or self.speeds, key=lambda r: cuda_tuple(r.min_compute_capability)).speeds
+
+
+def sm_tuple(compute_capability: str) -> tuple[int, int]:
+    """(major, minor) of a card's compute capability; (0, 0) where the catalog gives none."""
+    return cuda_tuple(compute_capability) if compute_capability else (0, 0)
 
 
 def nccl_table() -> NcclTable:
@@ -117,7 +130,7 @@ def coll_channels(bandwidth: float, compute_capability: str, table: NcclTable) -
     speed = next((s for s in speeds if s <= bandwidth), speeds[-1])
     search_max = table.max_channels // 2  # ringGraph->maxChannels, init.cc:1177
     n = max(min(int(bandwidth // speed), search_max), 1)
-    sm = cuda_tuple(compute_capability) if compute_capability else (0, 0)
+    sm = sm_tuple(compute_capability)
     if speed >= _DUP_MIN_SPEED and not (sm > (8, 0) and speed < 50.0 and n > 4):
         n = min(2 * n, search_max)
     # pass 2 (search.cc:1264-1269) only raises the speed of these channels, never their number
@@ -140,7 +153,7 @@ def transport_of(gpu: GpuProfile, table: NcclTable) -> Literal["p2p", "shm"]:
 
 
 def _nvls_channels(compute_capability: str, table: NcclTable) -> int:
-    sm = cuda_tuple(compute_capability) if compute_capability else (0, 0)
+    sm = sm_tuple(compute_capability)
     if sm >= (10, 0):
         return table.nvls_channels_sm100
     return table.nvls_channels_sm90 if sm >= (9, 0) else 0
@@ -182,9 +195,7 @@ def nccl_figure(gpu: GpuProfile, num_gpus: int, strategy: Strategy) -> NcclFigur
     lists = table.communicators.get(strategy, []) if num_gpus > 1 else []
     if not lists:
         return NcclFigure(0, {}, "one GPU: no NCCL communicator")
-    interconnect = gpu.interconnect or table.unknown_interconnect
-    row = table.link_row(interconnect) or table.link_row(table.unknown_interconnect)
-    assert row is not None  # _table checks the unknown interconnect's row
+    interconnect, row = table.link_of(gpu)
     transport = transport_of(gpu, table)
     parts: dict[str, int] = {}
     for algorithms in lists:

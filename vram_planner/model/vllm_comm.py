@@ -38,8 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vram_planner.model.cuda_context import cuda_tuple
-from vram_planner.model.nccl import align_up, communicator_bytes, nccl_table, transport_of
+from vram_planner.model.nccl import align_up, communicator_bytes, nccl_table, sm_tuple, transport_of
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB, MiB
 
@@ -79,8 +78,7 @@ def vllm_comm_figure(gpu: GpuProfile, tp: int) -> VllmCommFigure:
     if tp <= 1:
         return NO_COMMUNICATORS
     table = nccl_table()
-    row = table.link_row(gpu.interconnect or table.unknown_interconnect) or table.link_row(table.unknown_interconnect)
-    assert row is not None  # nccl._table checks the unknown interconnect's row
+    interconnect, row = table.link_of(gpu)
     transport = transport_of(gpu, table)
     ring = sum(communicator_bytes(tp, row, gpu.compute_capability, transport, table, ["ring"]).values())
     parts = {"pynccl": ring}
@@ -88,14 +86,14 @@ def vllm_comm_figure(gpu: GpuProfile, tp: int) -> VllmCommFigure:
     symm = SYMM_MEM_BYTES.get(cc, {}).get(tp, 0)
     if symm:
         parts["symm_mem"] = symm
-    nvlink = (gpu.interconnect or table.unknown_interconnect).startswith("nvlink")
+    nvlink = interconnect.startswith("nvlink")
     if tp in CUSTOM_AR_WORLD_SIZES and transport == "p2p" and (tp == 2 or nvlink):
         max_size = min(CUSTOM_AR_MAX_BYTES, CUSTOM_AR_CAPS.get(cc, {}).get(tp, CUSTOM_AR_MAX_BYTES)) if symm else \
             CUSTOM_AR_MAX_BYTES
         ipc = max(max_size, CUSTOM_AR_ALL_GATHER_BYTES, CUSTOM_AR_REDUCE_SCATTER_BYTES)
         # meta_size() (the sync flags, a few KiB) with max_size, each cudaMalloc rounded up to the 2 MiB granule
         parts["custom_all_reduce"] = align_up(max_size + 1, gran) + align_up(ipc, gran) + CUSTOM_AR_RANK_DATA_BYTES
-        multicast = row.nvswitch and bool(cc) and cuda_tuple(cc) >= (9, 0)
+        multicast = row.nvswitch and sm_tuple(cc) >= (9, 0)
         if multicast:
             stage = max(MNNVL_ALL_GATHER_BYTES[tp] * tp, MNNVL_REDUCE_SCATTER_BYTES)
             parts["multicast_buffer"] = MNNVL_STAGES * stage
