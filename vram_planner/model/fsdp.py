@@ -28,6 +28,8 @@ Every storage in whole 512-byte blocks (model/blocks.py), as torch 2.13's FSDP2 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vram_planner.model import blocks
 from vram_planner.model.architecture import Linear, ModelArchitecture
 from vram_planner.model.spec import DTYPE_BYTES, TrainingConfig
@@ -104,17 +106,23 @@ def shard_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     CPU offload the shards are on the host, and a unit's shards are copied to the GPU for its all-gather
     (`all_gather_inputs`, torch/distributed/fsdp/_fully_shard/_fsdp_param.py:897-900): the largest unit's shard is
     counted."""
-    n = train.num_gpus
     if offloaded(train):
+        n = train.num_gpus
         return max(sum(_shard(t, n) for t in unit) for unit in _units(arch, train)) * master_bytes(train)
-    return sum(blocks.blocks(_shard(t, n) * _stored_bytes(train, t[2])) for unit in _units(arch, train)
-               for t in unit) + blocks.rotary_buffer_bytes(arch, train)
+    return _stored_shard_bytes(arch, train, lambda t: _stored_bytes(train, t[2]))
 
 
 def reference_shard_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """The reference model's shards (a reference exists without PEFT only), frozen as loaded, and its own rotary
     buffers."""
-    return sum(blocks.blocks(_shard(t, train.num_gpus) * DTYPE_BYTES[train.dtype]) for unit in _units(arch, train)
+    return _stored_shard_bytes(arch, train, lambda t: DTYPE_BYTES[train.dtype])
+
+
+def _stored_shard_bytes(arch: ModelArchitecture, train: TrainingConfig,
+                        element_bytes: Callable[[Tensor], int]) -> float:
+    """Every parameter's padded shard at `element_bytes` of its tensor, each its own storage in whole blocks, and the
+    rotary buffers every rank keeps whole."""
+    return sum(blocks.blocks(_shard(t, train.num_gpus) * element_bytes(t)) for unit in _units(arch, train)
                for t in unit) + blocks.rotary_buffer_bytes(arch, train)
 
 
