@@ -117,6 +117,58 @@ def test_a_cuda_rank_records_what_its_card_holds_outside_the_allocator(monkeypat
     assert ranks.measured["weights"] == 2 * 512
 
 
+# A rank's last moments as they went wrong: a thread waits inside torch's C++ with the GIL released (a store read
+# that returns when its timeout, or the peer rank's exit, ends it) while the interpreter tears down slowly.
+RANK_ENDING = """
+import atexit, datetime, os, sys, threading, time
+import torch.distributed as dist
+
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=2))
+waiting = threading.Event()
+
+def read_a_key_nobody_writes():
+    waiting.set()
+    try:
+        store.wait(["never"])
+    except Exception:
+        pass
+
+class SlowTeardown:
+    def __del__(self, sleep=time.sleep):
+        sleep(6)
+
+teardown = SlowTeardown()
+threading.Thread(target=read_a_key_nobody_writes, daemon=True).start()
+waiting.wait()
+atexit.register(lambda: open(os.environ["EXIT_FUNCTIONS_RAN"], "w").close())
+print("done")
+if sys.argv[1] == "exit_rank":
+    from vram_planner.run.several import exit_rank
+    exit_rank(3)
+sys.exit(3)
+"""
+
+
+def test_a_finished_rank_leaves_without_the_teardown_that_aborts_it(tmp_path):
+    """The interpreter's exit aborts the rank (SIGABRT, "terminate called without an active exception") when a thread
+    in torch's C++ asks for the GIL back during finalization; exit_rank leaves with the rank's own exit code, its
+    output and its exit functions, and no abort."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_ENDING)
+    ended = {}
+    for how in ("interpreter", "exit_rank"):
+        ran = tmp_path / f"atexit-{how}"
+        ended[how] = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120,
+                                    env={**os.environ, "EXIT_FUNCTIONS_RAN": str(ran)})
+        assert ended[how].stdout == "done\n" and ran.exists()
+    assert ended["interpreter"].returncode == -6 and "terminate called" in ended["interpreter"].stderr
+    assert ended["exit_rank"].returncode == 3 and "terminate called" not in ended["exit_rank"].stderr
+
+
 @pytest.mark.parametrize(("missing", "flags", "install"), [
     ("accelerate", ["--fsdp"], "pip install accelerate"),
     ("deepspeed", ["--zero-stage", "2"], "pip install deepspeed"),

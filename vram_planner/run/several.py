@@ -8,7 +8,8 @@ in every process; what `--num-gpus auto` chose is spelled out so no rank searche
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 from vram_planner.errors import VramPlanError
 from vram_planner.files import write_atomically
@@ -169,6 +170,32 @@ def end_ranks() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank(exit_code: int) -> NoReturn:
+    """Leave a launched rank's process without the interpreter's teardown, once the run has ended either way.
+
+    Python's exit makes a thread that asks for the GIL during finalization leave through pthread_exit; in a thread
+    inside torch's C++ (a store or a collective waiting with the GIL released, returning as the peer rank exits) that
+    unwinds through a noexcept frame and the rank aborts with "terminate called without an active exception", a
+    SIGABRT the launcher reports as a failed run after the run finished (seen on CPU ranks over gloo under load, after
+    end_ranks' destroy_process_group). What Python's exit does before finalizing is done here, in its order: the
+    non-daemon threads joined, the atexit functions run (logging's flush among them), the streams flushed; the rest,
+    freeing memory and closing files, the OS does at os._exit."""
+    import atexit
+    import threading
+
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed by the reader (a pipe) or by an exit function
+            pass
+    os._exit(exit_code)
 
 
 def gloo_ranks() -> None:
