@@ -56,7 +56,8 @@ def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, monkeypat
     # beside what a CUDA rank measures outside the allocator (a CPU rank has no card): the plan's context and NCCL
     outside = record["outcome"]["predicted_outside_allocator_bytes"]
     peak = max(record["phases"], key=lambda p: p["peak_bytes"])["components"]
-    assert outside == {c: round(peak[c]) for c in ("cuda_context", "nccl_buffers")} and outside["nccl_buffers"] > 0
+    assert outside == {c: round(peak[c]) for c in ("cuda_context", "nccl_buffers", "vllm_communicators")}
+    assert outside["nccl_buffers"] > 0 and outside["vllm_communicators"] == 0
     assert not any("outside_allocator_bytes" in r for r in ranks)
     plan = _planned(record)
     for rank in ranks:

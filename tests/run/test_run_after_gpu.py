@@ -152,20 +152,27 @@ def test_the_prediction_beside_the_allocators_peak_leaves_the_cuda_context_out(s
         setup.describe())
 
 
-def test_on_several_gpus_the_prediction_leaves_nccls_buffers_out_too(tmp_path):
-    verdict = engine.check("SmolLM2-135M", "h100-80gb", {"num_gpus": 2, "fsdp": True})
-    several = RunSetup(verdict=verdict, model_id="SmolLM2-135M", dataset="math-sample", rewards=["format"],
+@pytest.mark.parametrize(("settings", "outside", "words"), [
+    ({"num_gpus": 2, "fsdp": True}, ("cuda_context", "nccl_buffers"), "the CUDA context and NCCL's buffers"),
+    # colocated vLLM over two ranks: its TP communicators are NCCL's, cudaMalloc's and symmetric memory's bytes
+    ({"num_gpus": 2, "zero_stage": 3, "use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 2},
+     ("cuda_context", "nccl_buffers", "vllm_communicators"),
+     "the CUDA context, NCCL's buffers and vLLM's TP communicators"),
+], ids=["fsdp", "vllm-tp"])
+def test_on_several_gpus_the_prediction_leaves_what_the_allocator_never_sees_out(tmp_path, settings, outside, words):
+    verdict = engine.check("Qwen2.5-0.5B", "h100-80gb", settings)
+    several = RunSetup(verdict=verdict, model_id="Qwen2.5-0.5B", dataset="math-sample", rewards=["format"],
                        output_dir=tmp_path / "run")
     peak = verdict.estimate.peak_phase
-    assert peak.components["nccl_buffers"] > 0
-    assert several.predicted_outside_allocator_bytes == {"cuda_context": round(peak.components["cuda_context"]),
-                                                         "nccl_buffers": round(peak.components["nccl_buffers"])}
+    assert all(peak.components[c] > 0 for c in outside)
+    assert {c: b for c, b in several.predicted_outside_allocator_bytes.items() if b} == {
+        c: round(peak.components[c]) for c in outside}
     assert several.predicted_reserved_bytes == pytest.approx(
-        peak.total_bytes - peak.components["cuda_context"] - peak.components["nccl_buffers"])
-    assert "the rest the CUDA context and NCCL buffers, which" in several.describe()
+        peak.total_bytes - sum(peak.components[c] for c in outside))
+    assert f"the rest {words}, which" in several.describe()
     line = closing_line(several, RunSummary(several.output_dir, 4, 9.0, round(several.predicted_reserved_bytes)))
-    outside = several.predicted_peak_bytes - several.predicted_reserved_bytes
-    assert f"less {outside / 2**30:.2f} GiB of CUDA context and NCCL buffers)" in line
+    gone = several.predicted_peak_bytes - several.predicted_reserved_bytes
+    assert f"less {gone / 2**30:.2f} GiB of {words})" in line
 
 
 def test_reserved_growth_counts_from_the_settled_step():
@@ -184,7 +191,7 @@ def test_the_closing_line_sets_like_beside_like(setup):
     line = closing_line(setup, summary)
     context = setup.predicted_peak_bytes - setup.predicted_reserved_bytes
     assert f"predicted {setup.predicted_reserved_bytes / 2**30:.2f} GiB" in line
-    assert f"less {context / 2**30:.2f} GiB of CUDA context" in line and "reserved flat from step 2 to 32" in line
+    assert f"less {context / 2**30:.2f} GiB of the CUDA context)" in line and "reserved flat from step 2 to 32" in line
     off_cuda = closing_line(setup, RunSummary(setup.output_dir, 2, 3.0, None))
     assert "not measured without CUDA" in off_cuda and "reserved flat" not in off_cuda
 

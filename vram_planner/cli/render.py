@@ -14,7 +14,8 @@ from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.words import (first_micro_batch_line, footer_lines, near_boundary_reason, saving,
                                        small_amount)
 from vram_planner.model.grpo_config import python_snippet
-from vram_planner.model.phases import COMPONENTS, OUTSIDE_ALLOCATOR, PHASE_TITLES, component_label
+from vram_planner.model.phases import (COMPONENTS, OUTSIDE_ALLOCATOR, PHASE_TITLES, component_label,
+                                       outside_allocator_names)
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.profiles import GpuProfile
 from vram_planner.units import GiB
@@ -108,9 +109,9 @@ def held_line(report: Report) -> str:
     exact = report.exact
     components = report.phases[0].components if report.phases else {}
     held = exact.reserved_peak_bytes + sum(components.get(c, 0) for c in OUTSIDE_ALLOCATOR)
-    outside = "the CUDA context, NCCL's buffers" if components.get("nccl_buffers") else "the CUDA context"
+    outside = outside_allocator_names(components, "the allocator's segments")
     needs = (f"It needs {_g(exact.need_bytes)} GiB (tensors and cuBLAS workspaces peak at "
-             f"{_g(exact.tensor_peak_bytes)} GiB, {outside} and the allocator's segments make the rest)")
+             f"{_g(exact.tensor_peak_bytes)} GiB, {outside} make the rest)")
     if not report.fits:
         return (f"{needs}; on a card with room the allocator would hold {_g(held)} GiB, "
                 f"{_g(held - exact.need_bytes)} GiB of them {WHY_HELD}.")

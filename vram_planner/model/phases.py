@@ -37,8 +37,12 @@ COMPONENTS = ("weights", "reference_weights", "gradients", "optimizer_states", "
               "lm_head_buffers", "vllm_reservation", "cuda_context", "nccl_buffers", "vllm_communicators",
               "cublas_workspaces", "allocator_overhead")
 TENSOR_COMPONENTS = COMPONENTS[:7]
-# Device memory outside PyTorch's caching allocator: what it never reserves, beside what it does
-OUTSIDE_ALLOCATOR = ("cuda_context", "nccl_buffers")
+# Device memory outside PyTorch's caching allocator: what it never reserves, beside what it does. vLLM's TP
+# communicators are NCCL's buffers (pynccl), cudaMalloc'ed IPC buffers and torch's symmetric memory, none of it the
+# caching allocator's; only the custom all-reduce's 8 MiB rank_data is (model/vllm_comm.py), counted here with the rest.
+OUTSIDE_ALLOCATOR = ("cuda_context", "nccl_buffers", "vllm_communicators")
+OUTSIDE_ALLOCATOR_NAMES = {"cuda_context": "the CUDA context", "nccl_buffers": "NCCL's buffers",
+                           "vllm_communicators": "vLLM's TP communicators"}
 # TRL 0.14's policy forward as its logits leave the model: under mixed precision accelerate's float32 copy of them
 # (convert_outputs_to_fp32) is made while the model's own are alive
 POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy"
@@ -53,6 +57,14 @@ def component_label(component: str) -> str:
     """How the table, the plot and the web page name a component."""
     labels = {"nccl_buffers": "NCCL buffers", "vllm_communicators": "vLLM TP communicators"}
     return labels.get(component, component.replace("_", " "))
+
+
+def outside_allocator_names(components: dict[str, float], *more: str) -> str:
+    """What a phase holds outside PyTorch's allocator, in words ("the CUDA context and NCCL's buffers"), the CUDA
+    context always, the rest where the phase counts them; `more` joins the list (what the allocator adds)."""
+    names = [OUTSIDE_ALLOCATOR_NAMES[c] for c in OUTSIDE_ALLOCATOR if c == "cuda_context" or components.get(c)]
+    names += more
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 @dataclass(frozen=True)

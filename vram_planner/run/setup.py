@@ -9,7 +9,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
-from vram_planner.model.phases import OUTSIDE_ALLOCATOR
+from vram_planner.model.phases import OUTSIDE_ALLOCATOR, outside_allocator_names
 from vram_planner.model.search import Plan, micro_batch_variants, rungs
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.verdict import Verdict, judge
@@ -77,10 +77,9 @@ class RunSetup:
 
     @property
     def outside_allocator_words(self) -> str:
-        """What the plan counts outside PyTorch's allocator, in words: the CUDA context, and NCCL's buffers on several
-        GPUs."""
-        nccl = self.predicted_outside_allocator_bytes["nccl_buffers"]
-        return "CUDA context and NCCL buffers" if nccl else "CUDA context"
+        """What the plan counts outside PyTorch's allocator, in words: the CUDA context, NCCL's buffers on several
+        GPUs, vLLM's TP communicators."""
+        return outside_allocator_names(self.verdict.estimate.peak_phase.components)
 
     @property
     def predicted_step_seconds(self) -> float | None:
@@ -122,7 +121,7 @@ class RunSetup:
         lines = [f"model: {self.model_id}", f"dataset: {self.dataset}", f"rewards: {', '.join(self.rewards)}",
                  f"predicted peak: {self.predicted_peak_bytes / GiB:.2f} GiB "
                  f"(on {self.verdict.context.gpu.label}; {self.predicted_reserved_bytes / GiB:.2f} GiB reserved by "
-                 f"PyTorch, the rest the {self.outside_allocator_words}, which the per-step lines leave out)",
+                 f"PyTorch, the rest {self.outside_allocator_words}, which the per-step lines leave out)",
                  f"GRPOConfig({call_args(self.grpo_kwargs(on_this_machine=False))})"]
         peft = lora_config_kwargs(self.train)
         if peft:
