@@ -17,7 +17,8 @@ Needs are cached in benchmarks/results/boundary-heldout-needs.json (keyed by bou
 model and knobs); the table and the summary go to boundary-heldout.txt and .json.
 
 --recheck re-bisects points of boundary.py's grid with the current code and sets each need beside the committed one in
-boundary-needs.json, whose key may name older tracing and allocator code (boundary.py --from-needs uses it as it is).
+boundary-needs.json, whose key may name older tracing and allocator code (boundary.py --from-needs uses it as it is);
+writes boundary-recheck.txt.
 """
 
 from __future__ import annotations
@@ -199,7 +200,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recheck", nargs="+", metavar="POINT", help="grid points to re-bisect instead")
     args = parser.parse_args()
-    print("\n".join(recheck(args.recheck) if args.recheck else sweep(args.held_out, args.seed)))
+    if args.recheck:
+        lines = recheck(args.recheck)
+        save_atomically(RESULTS / "boundary-recheck.txt", "\n".join(lines) + "\n")
+    else:
+        lines = sweep(args.held_out, args.seed)
+    print("\n".join(lines))
     return 0
 
 
