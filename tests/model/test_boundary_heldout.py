@@ -3,25 +3,16 @@ reserve was fitted on (no test here traces or bisects)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
+from helpers import benchmark_module
 from vram_planner import engine
 from vram_planner.model.spec import training_config
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def heldout():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("boundary_heldout")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return benchmark_module("boundary_heldout")
 
 
 def test_the_sample_is_a_function_of_the_seed(heldout):
@@ -34,7 +25,7 @@ def test_the_sample_is_a_function_of_the_seed(heldout):
 def test_every_sampled_config_is_valid_runnable_on_a_card_and_off_the_grid(heldout):
     """TrainingConfig and the model's own rules accept each one, some catalog card holds its analytic peak, and no
     point of boundary.py's grid has the same model and validated config."""
-    boundary = importlib.import_module("boundary")
+    boundary = benchmark_module("boundary")
     grid = [(model, training_config(settings)) for _, model, settings in boundary.points(list(boundary.MODELS), False)]
     card = heldout.largest_card()
     sample = heldout.held_out(24, seed=0, largest_card_bytes=card)
@@ -48,7 +39,7 @@ def test_every_sampled_config_is_valid_runnable_on_a_card_and_off_the_grid(heldo
 
 
 def test_a_draw_equal_to_a_grid_point_is_drawn_again(heldout, monkeypatch):
-    boundary = importlib.import_module("boundary")
+    boundary = benchmark_module("boundary")
     _, model, on_grid = next(p for p in boundary.points(["Qwen3-0.6B"], False) if p[0].endswith("fp32 full"))
     off_grid = {**on_grid, "max_completion_length": 640}
     full = {"dtype": "float32", "lora_r": None, "per_device_train_batch_size": 8, "num_generations": 8,
