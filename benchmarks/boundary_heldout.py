@@ -187,9 +187,9 @@ def recheck(labels: list[str]) -> list[str]:
     for label in labels:
         model, settings = settings_of[label]
         now, before = exact(model, settings, {}, label), committed["points"][label]
-        diff = (now["allocator_need_bytes"] - before["allocator_need_bytes"]) / MiB
-        lines.append(f"{label:50} {before['allocator_need_bytes'] / GiB:10.3f} {now['allocator_need_bytes'] / GiB:10.3f}"
-                     f" {diff:+9.0f}  {before.get('binding_phase')} / {now['binding_phase']}")
+        need_now, need_before = now["allocator_need_bytes"], before["allocator_need_bytes"]
+        lines.append(f"{label:50} {need_before / GiB:10.3f} {need_now / GiB:10.3f} "
+                     f"{(need_now - need_before) / MiB:+9.0f}  {before.get('binding_phase')} / {now['binding_phase']}")
     return lines
 
 

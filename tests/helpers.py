@@ -1,6 +1,7 @@
 """What several test modules share: model configs, running the CLI in-process or in a process of its own, paths
 nothing can be written at, an out-of-memory message, a time limit, models built as TRL builds them, a tokenizer
-trained here (benchmarks/gpu_steps.py uses it too), the H100 recordings read once, and the benchmark scripts as modules. Fixtures live in conftest.py."""
+trained here (benchmarks/gpu_steps.py uses it too), the H100 recordings read once, and the benchmark scripts imported
+as modules. Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
