@@ -13,10 +13,11 @@ the live blocks that keep it from being released, the largest first.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 
-from boundary import CARD, MODELS, below_need, points
+from boundary import CARD, MODELS, RESULTS, below_need, points
 
 from vram_planner import engine
 from vram_planner.allocator import CachingAllocator
@@ -93,13 +94,17 @@ def _described(allocator: CachingAllocator, made: dict, failed: OutOfMemory, eve
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt")
+    parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt or boundary-heldout.txt")
     parser.add_argument("--segments", action="store_true", help="also the segments that hold the cached memory")
     args = parser.parse_args()
     grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
+    held_out = RESULTS / "boundary-heldout.json"  # benchmarks/boundary_heldout.py's points, as its table names them
+    grid.update({r["point"]: (r["model"], r["settings"]) for r in json.loads(held_out.read_text())}
+                if held_out.is_file() else {})
     unknown = [label for label in args.points if label not in grid]
     if unknown:
-        print(f"no boundary point {unknown[0]!r} (see benchmarks/results/boundary.txt)", file=sys.stderr)
+        print(f"no boundary point {unknown[0]!r} (see benchmarks/results/boundary.txt and boundary-heldout.txt)",
+              file=sys.stderr)
         return 2
     for label in args.points:
         print("\n".join([f"== {label}", *held(*grid[label], segments=args.segments)]), flush=True)

@@ -1,11 +1,13 @@
 """What several test modules share: model configs, running the CLI in-process or in a process of its own, paths
 nothing can be written at, an out-of-memory message, a time limit, models built as TRL builds them, a tokenizer
-trained here (benchmarks/gpu_steps.py uses it too), and the H100 recordings read once. Fixtures live in conftest.py."""
+trained here (benchmarks/gpu_steps.py uses it too), the H100 recordings read once, and the benchmark scripts imported
+as modules. Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import signal
 import subprocess
@@ -17,6 +19,7 @@ from vram_planner.allocator.snapshot import Snapshot, load_snapshot
 from vram_planner.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures"
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 H100_SNAPSHOTS = FIXTURES / "snapshots" / "h100"
 
 # Llama-3.2-1B's config.json facts (meta-llama/Llama-3.2-1B), independent of the shipped catalog.
@@ -180,3 +183,12 @@ def launched(text: str, tmp_path: Path) -> Any:
     ClusterConfig.from_yaml_file(path)  # unknown keys are refused here
     args = launch_command_parser().parse_args(["--config_file", str(path), SCRIPT_FILE])
     return _validate_launch_command(args)[0]
+
+
+def benchmark_module(name: str) -> Any:
+    """benchmarks/<name>.py imported as the scripts import each other (their folder on the path while it loads)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))

@@ -3,20 +3,13 @@ pair, beside the analytic model under the same releases, recomputed here as `trl
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+from helpers import benchmark_module
 
 
 def _matrix():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("trl_matrix")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return benchmark_module("trl_matrix")
 
 
 def _errors(pairs: dict) -> dict[str, float]:

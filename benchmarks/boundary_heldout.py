@@ -1,0 +1,212 @@
+"""Does the boundary fit generalize? boundary.py's comparison on random configs the reserve was never fitted on.
+
+    python benchmarks/boundary_heldout.py --held-out 32 --seed 0    # a trace and a bisection each: ~10 minutes
+    python benchmarks/boundary_heldout.py --recheck "SmolLM2-135M fp32 full" "phi-2 lora c256 B128"
+
+The analytic reserve (benchmarks/reserve_fit.py) was fitted on the 112 points of boundary.py's grid and is judged
+there; a user's config is rarely one of them. Here N configs are drawn with a seeded generator over the knobs users
+set (catalog models up to ~3B parameters and at most MAX_LARGE Mistral-7B points; dtype, LoRA rank or full fine-tuning,
+the batch, num_generations dividing the generation batch as TRL requires, accumulation, steps_per_generation, prompt and
+completion lengths, beta, the optimizer, gradient checkpointing, attention and the allocator's expandable segments),
+none equal to a grid point. A draw is skipped (and another drawn) when TRL would refuse it, when no catalog card holds
+its analytic peak (nobody runs it), or when its trace would take more than MAX_TRACE_SECONDS (estimated from its layers
+and the passes the trace runs). Each is judged as boundary.py judges its grid: the need bisected with `check --exact`,
+beside the analytic peak and the capacity from which `check` says "fits". Nothing is refitted to these points.
+
+Needs are cached in benchmarks/results/boundary-heldout-needs.json (keyed by boundary.py's need key, each point by its
+model and knobs); the table and the summary go to boundary-heldout.txt and .json.
+
+--recheck re-bisects points of boundary.py's grid with the current code and sets each need beside the committed one in
+boundary-needs.json, whose key may name older tracing and allocator code (boundary.py --from-needs uses it as it is);
+writes boundary-recheck.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+from accuracy import load_cache, save_atomically
+from boundary import MODELS, RESULTS, exact, need_key, points, row, summary, table
+
+from vram_planner.model.spec import training_config
+from vram_planner.units import GiB, MiB
+
+# Catalog models up to ~3B parameters, one per architecture and size (an -Instruct variant has its base's shapes)
+SMALL = ("SmolLM2-135M", "SmolLM2-360M", "SmolLM2-1.7B", "Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-3B", "Qwen3-0.6B",
+         "Qwen3-1.7B", "Llama-3.2-1B", "Llama-3.2-3B", "DeepSeek-R1-Distill-Qwen-1.5B", "gemma-2-2b",
+         "gemma-3-1b-it", "phi-2")
+LARGE = "Mistral-7B-v0.3"
+MAX_LARGE = 2  # its traces take the longest (up to 36 s on the grid's machine)
+LARGE_SHARE = 0.1  # of the draws
+# The slowest grid point per decoder layer and traced pass (Mistral-7B's accumulating, reference-scored step: 36.3 s
+# over 32 layers x 3 passes), doubled for a machine shared with other work
+SECONDS_PER_LAYER_PASS = 0.8
+MAX_TRACE_SECONDS = 180.0
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+ACCUMULATION = (1, 1, 2, 4)
+PROMPTS = (64, 128, 256, 512, 1024)
+COMPLETIONS = (128, 8192)  # drawn log-uniform between, in multiples of 64
+BETAS = (0.01, 0.04, 0.1)
+LORA_RANKS = (8, 16, 32, 64)
+MAX_DRAWS = 1000  # per point: a generator that cannot find a valid config is a bug, not a long wait
+
+
+def draw(rng: random.Random, large_allowed: bool) -> tuple[str, dict]:
+    """One (model, settings) with every knob set; TRL's divisibility rule holds by construction."""
+    model = LARGE if large_allowed and rng.random() < LARGE_SHARE else rng.choice(SMALL)
+    batch, accumulation = rng.choice(BATCHES), rng.choice(ACCUMULATION)
+    spg = rng.choice((None, 2 * accumulation))  # None: one generation per optimizer step, TRL's default
+    generation_batch = batch * (spg or accumulation)
+    # Groups of 4 to 16 where the generation batch allows (GRPO compares completions within a group), else 2
+    generations = rng.choice([g for g in range(4, 17) if generation_batch % g == 0] or [2])
+    completion = 64 * round(2 ** rng.uniform(*(n.bit_length() - 1 for n in COMPLETIONS)) / 64)
+    settings = {"dtype": rng.choice(("float32", "bfloat16")),
+                "lora_r": rng.choice((None, *LORA_RANKS)),
+                "per_device_train_batch_size": batch, "num_generations": generations,
+                "gradient_accumulation_steps": accumulation, "steps_per_generation": spg,
+                "max_prompt_length": rng.choice(PROMPTS), "max_completion_length": completion,
+                "beta": rng.choice((0.0, rng.choice(BETAS))),
+                "optim": rng.choice(("adamw_torch_fused", "adamw_8bit")),
+                "gradient_checkpointing": rng.random() < 0.5,
+                "attn_implementation": rng.choice(("sdpa", "eager")),
+                "allocator_conf": rng.choice(("", "expandable_segments:True"))}
+    return model, settings
+
+
+def knobs(settings: dict) -> str:
+    """The settings in a few words, the point's name in the table and the cache."""
+    s = settings
+    words = ["fp32" if s["dtype"] == "float32" else "bf16", f"lora{s['lora_r']}" if s["lora_r"] else "full",
+             f"B{s['per_device_train_batch_size']}", f"G{s['num_generations']}",
+             f"A{s['gradient_accumulation_steps']}"]
+    words += [f"S{s['steps_per_generation']}"] if s["steps_per_generation"] else []
+    words += [f"p{s['max_prompt_length']}", f"c{s['max_completion_length']}"]
+    words += [f"beta{s['beta']:g}"] if s["beta"] else []
+    words += ["8bit"] if s["optim"] == "adamw_8bit" else []
+    words += [] if s["gradient_checkpointing"] else ["nogc"]
+    words += ["eager"] if s["attn_implementation"] == "eager" else []
+    words += ["expandable"] if s["allocator_conf"] else []
+    return " ".join(words)
+
+
+def trace_seconds(model: str, settings: dict) -> float:
+    """A bound on the trace and bisection's time: the decoder layers times the passes the trace runs (one micro-batch,
+    two when gradients accumulate, and the reference model's scoring)."""
+    from vram_planner.profiles import model_config
+
+    config = model_config(model)[0]
+    layers = config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers", 32)
+    passes = (2 if settings["gradient_accumulation_steps"] > 1 else 1) + (1 if settings["beta"] else 0)
+    return SECONDS_PER_LAYER_PASS * layers * passes
+
+
+def grid_configs() -> set[tuple[str, str]]:
+    """boundary.py's grid as (model, validated config): what a held-out point must not be."""
+    return {(model, _comparable(training_config(settings))) for _, model, settings in points(list(MODELS), False)}
+
+
+def _comparable(config) -> str:
+    return repr(config)  # every field, defaults included; a TrainingConfig is not hashable (its lists)
+
+
+def held_out(n: int, seed: int, largest_card_bytes: int | None = None) -> list[tuple[str, str, dict]]:
+    """(label, model, settings) for n configs drawn with `seed`: valid for TRL, off the grid, and (with
+    `largest_card_bytes`) on some card by the analytic peak, none whose trace would exceed MAX_TRACE_SECONDS."""
+    from vram_planner.errors import ConfigError
+
+    rng, grid, out, large = random.Random(seed), grid_configs(), [], 0
+    for _ in range(n):
+        for _ in range(MAX_DRAWS):
+            model, settings = draw(rng, large < MAX_LARGE)
+            label = f"{model} {knobs(settings)}"
+            try:  # TRL's rules, then the model's (gemma-2 has no SDPA attention in transformers 5)
+                config = training_config(settings)
+                peak = _analytic_peak(model, settings) if largest_card_bytes else 0
+            except ConfigError:
+                continue
+            if ((model, _comparable(config)) in grid or label in {o[0] for o in out}
+                    or trace_seconds(model, settings) > MAX_TRACE_SECONDS or peak > (largest_card_bytes or 0)):
+                continue
+            large += model == LARGE
+            out.append((label, model, settings))
+            break
+        else:
+            raise RuntimeError(f"no valid config in {MAX_DRAWS} draws")
+    return out
+
+
+def _analytic_peak(model: str, settings: dict) -> int:
+    from boundary import CARD
+
+    from vram_planner import engine
+    from vram_planner.model.calibration import default_calibration
+
+    return engine.check(model, CARD, settings, calibration=default_calibration()).estimate.peak_bytes
+
+
+def largest_card() -> int:
+    from vram_planner.profiles import gpu_catalog
+
+    return max(gpu.capacity_bytes for gpu in gpu_catalog().values())
+
+
+def sweep(n: int, seed: int) -> list[str]:
+    path = RESULTS / "boundary-heldout-needs.json"
+    key = need_key()
+    cache = load_cache(path, key)
+    rows, chosen = [], held_out(n, seed, largest_card())
+    for i, (label, model, settings) in enumerate(chosen, 1):
+        fresh = label not in cache
+        try:
+            traced = exact(model, settings, cache, label)
+            rows.append({**row(f"h{i:02d} {model}", model, settings, traced), "knobs": knobs(settings),
+                         "model": model, "settings": settings, "binding_phase": traced["binding_phase"]})
+        except Exception as exc:  # a point the engines cannot run is reported, not fatal to the sweep
+            print(f"[{i}/{n}] {label}: {exc}", file=sys.stderr, flush=True)
+            continue
+        if fresh:
+            print(f"[{i}/{n}] {label}: need bisected in {cache[label]['seconds']:.1f} s", file=sys.stderr, flush=True)
+            save_atomically(path, json.dumps({"key": key, "points": cache}, indent=1))
+    lines = table(rows)
+    lines = [lines[0] + "  knobs", lines[1]] + [f"{line:107}  {r['knobs']}" for line, r in zip(lines[2:], rows)]
+    lines += summary(rows) + [f"held-out: {n} configs drawn with seed {seed}", f"needs from {key}"]
+    save_atomically(RESULTS / "boundary-heldout.txt", "\n".join(lines) + "\n")
+    save_atomically(RESULTS / "boundary-heldout.json", json.dumps(rows, indent=1))
+    return lines
+
+
+def recheck(labels: list[str]) -> list[str]:
+    """Each grid point's need with the current code beside the committed one."""
+    committed = json.loads((RESULTS / "boundary-needs.json").read_text())
+    settings_of = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
+    lines = [f"committed needs from {committed['key']}", f"current code: {need_key()}",
+             f"{'point':50} {'committed':>10} {'now':>10} {'diff MiB':>9}  binding phase (committed / now)"]
+    for label in labels:
+        model, settings = settings_of[label]
+        now, before = exact(model, settings, {}, label), committed["points"][label]
+        need_now, need_before = now["allocator_need_bytes"], before["allocator_need_bytes"]
+        lines.append(f"{label:50} {need_before / GiB:10.3f} {need_now / GiB:10.3f} "
+                     f"{(need_now - need_before) / MiB:+9.0f}  {before.get('binding_phase')} / {now['binding_phase']}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--held-out", type=int, default=16, metavar="N")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--recheck", nargs="+", metavar="POINT", help="grid points to re-bisect instead")
+    args = parser.parse_args()
+    if args.recheck:
+        lines = recheck(args.recheck)
+        save_atomically(RESULTS / "boundary-recheck.txt", "\n".join(lines) + "\n")
+    else:
+        lines = sweep(args.held_out, args.seed)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
