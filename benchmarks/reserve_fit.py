@@ -1,4 +1,4 @@
-"""The loss phase's allocator reserve under torch's defaults, fitted on whole steps' needs over the boundary grid.
+"""The loss phase's allocator reserve (and expandable segments' patterns), fitted on whole steps' needs on the grid.
 
     python benchmarks/boundary.py          # first: the needs, each phase's traced tensors, the phase that decides
     python benchmarks/reserve_fit.py       # the fit, in-sample and leaving each model out, beside the shipped one
@@ -44,6 +44,14 @@ segments (2026-11-28, later: Mistral-7B's and phi-2's full fine-tuning held 0.6 
 to 28 (the least with no point more than 1% under: 1 at 25 and 26, none from 27; the worst over stays within the
 +14.83% before up to 28, +14.84% at 29, +14.90% at 33; the median 1.86% at 28, 1.93% at 33, 2.01% at 40) and the
 left-out points to 7 more than 1% under, the worst 2.5% (6 from 33 on).
+
+Under expandable segments the loss phase's reserve is the per-phase shares allocator_fit.py fits plus expandable_pages'
+patterns (the partial pages that islands of live tensors keep mapped once the whole free pages are released), whose
+coefficients are fitted here with the same loss on the grid's expandable points that run out in the loss phase: the
+reserve beyond the phase's estimate with the shares alone, against the patterns' bytes. The grid had expandable
+segments only with bfloat16 LoRA and checkpointing until 2026-11-28, when the held-out sweep (boundary_heldout.py) found
+five configs more than 1% under with them (full fine-tuning, 8-bit AdamW, checkpointing off); four expandable configs
+joined the grid then, and the held-out points were read to find the patterns (no longer a clean hold-out).
 
 Generation has one pattern (fragmentation.GENERATION_PATTERNS: the KV cache's growing blocks cut from the segments
 the previous step's loss left), weighed on top of the per-phase shares allocator_fit.py fits. Its coefficient is
@@ -261,7 +269,7 @@ def main() -> int:
     shipped_expandable = default_calibration().allocator_reserve["expandable_segments"]["training"]
     expandable_left_out = left_out_errors(expandable, EXPANDABLE_PATTERNS)
     lines += ["", f"{len(expandable)} steps under expandable segments that run out in the loss phase, the "
-              "patterns on top of the per-phase shares:",
+              "patterns on top of the per-phase shares:", f"{'point':50} {'shipped':>8} {'fitted':>8} {'left out':>9}",
               *(f"{p['point']:50} {error(p, shipped_expandable):+8.1%} {error(p, expandable_fit):+8.1%} "
                 f"{expandable_left_out[p['point']]:+9.1%}" for p in expandable),
               "coefficients (reserve bytes per byte): " + ", ".join(f"{k} {v}" for k, v in expandable_fit.items()),
