@@ -46,6 +46,7 @@ CARD = "h100-80gb"
 MODELS = ("SmolLM2-135M", "Qwen2.5-0.5B", "Qwen3-0.6B", "Llama-3.2-1B", "DeepSeek-R1-Distill-Qwen-1.5B",
           "gemma-2-2b", "gemma-3-1b-it", "phi-2", "Phi-3-mini-4k-instruct", "Mistral-7B-v0.3")
 BF16_LORA = {"dtype": "bfloat16", "lora_r": 16}
+EXPANDABLE = "expandable_segments:True"
 CONFIGS = {
     "full c1024 B8": {"dtype": "bfloat16", "max_completion_length": 1024},
     # TRL's defaults (float32 weights under autocast) with the 8-bit AdamW `plan` recommends first
@@ -65,7 +66,17 @@ CONFIGS = {
     "lora c4096 B4 eager": {**BF16_LORA, "num_generations": 4, "per_device_train_batch_size": 4,
                             "max_completion_length": 4096, "attn_implementation": "eager"},
     "lora c2048 B32 expandable": {**BF16_LORA, "num_generations": 8, "per_device_train_batch_size": 32,
-                                  "max_completion_length": 2048, "allocator_conf": "expandable_segments:True"},
+                                  "max_completion_length": 2048, "allocator_conf": EXPANDABLE},
+    # What users run with expandable segments beyond LoRA with checkpointing: TRL's defaults (and with the 8-bit
+    # AdamW `plan` recommends first), bf16 full fine-tuning with 8-bit AdamW, and LoRA with checkpointing off; where
+    # pages stay mapped beside long-lived tensors made among transients (vram_planner/model/expandable_pages.py)
+    "fp32 full expandable": {"allocator_conf": EXPANDABLE},
+    "fp32 full adamw_8bit expandable": {"optim": "adamw_8bit", "allocator_conf": EXPANDABLE},
+    "full c1024 B8 8bit expandable": {"dtype": "bfloat16", "max_completion_length": 1024, "optim": "adamw_8bit",
+                                      "allocator_conf": EXPANDABLE},
+    "lora c1024 B16 nogc expandable": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,
+                                       "max_completion_length": 1024, "gradient_checkpointing": False,
+                                       "allocator_conf": EXPANDABLE},
 }
 QUICK_CONFIGS = ("full c1024 B8",)
 FIXTURE_CONFIGS = {

@@ -1,4 +1,4 @@
-"""The loss phase's allocator reserve under torch's defaults, fitted on whole steps' needs over the boundary grid.
+"""The loss phase's allocator reserve (and expandable segments' patterns), fitted on whole steps' needs on the grid.
 
     python benchmarks/boundary.py          # first: the needs, each phase's traced tensors, the phase that decides
     python benchmarks/reserve_fit.py       # the fit, in-sample and leaving each model out, beside the shipped one
@@ -45,6 +45,14 @@ to 28 (the least with no point more than 1% under: 1 at 25 and 26, none from 27;
 +14.83% before up to 28, +14.84% at 29, +14.90% at 33; the median 1.86% at 28, 1.93% at 33, 2.01% at 40) and the
 left-out points to 7 more than 1% under, the worst 2.5% (6 from 33 on).
 
+Under expandable segments the loss phase's reserve is the per-phase shares allocator_fit.py fits plus expandable_pages'
+patterns (the partial pages that islands of live tensors keep mapped once the whole free pages are released), whose
+coefficients are fitted here with the same loss on the grid's expandable points that run out in the loss phase: the
+reserve beyond the phase's estimate with the shares alone, against the patterns' bytes. The grid had expandable
+segments only with bfloat16 LoRA and checkpointing until 2026-11-28, when the held-out sweep (boundary_heldout.py) found
+five configs more than 1% under with them (full fine-tuning, 8-bit AdamW, checkpointing off); four expandable configs
+joined the grid then, and the held-out points were read to find the patterns (no longer a clean hold-out).
+
 Generation has one pattern (fragmentation.GENERATION_PATTERNS: the KV cache's growing blocks cut from the segments
 the previous step's loss left), weighed on top of the per-phase shares allocator_fit.py fits. Its coefficient is
 fitted with the same loss over every point's error under torch's defaults, the estimate being the largest phase: a
@@ -70,6 +78,7 @@ from boundary import CARD, MODELS, RESULTS, committed_needs, points  # noqa: E40
 
 from vram_planner import engine  # noqa: E402
 from vram_planner.model.calibration import default_calibration  # noqa: E402
+from vram_planner.model.expandable_pages import EXPANDABLE_PATTERNS, expandable_patterns  # noqa: E402
 from vram_planner.model.fragmentation import GENERATION_PATTERNS, PATTERNS, reserve_patterns  # noqa: E402
 from vram_planner.model.phases import TENSOR_COMPONENTS  # noqa: E402
 
@@ -103,10 +112,10 @@ def rows(cache: dict) -> list[dict]:
     return out
 
 
-def fit(points_: list[dict]) -> dict[str, float]:
+def fit(points_: list[dict], features: tuple[str, ...] = FEATURES) -> dict[str, float]:
     """Non-negative coefficients per feature: asymmetric, Huber-weighted least squares relative to the need, by
     iteratively reweighting."""
-    x = np.array([[p["features"][name] for name in FEATURES] for p in points_])
+    x = np.array([[p["features"][name] for name in features] for p in points_])
     y = np.array([p["reserve_bytes"] for p in points_], dtype=float)
     need = np.array([p["need_bytes"] for p in points_], dtype=float)
     weights = np.ones(len(points_))
@@ -119,7 +128,7 @@ def fit(points_: list[dict]) -> dict[str, float]:
         if np.allclose(renewed, weights, rtol=1e-9):
             break
         weights = renewed
-    return {name: round(float(v), 4) for name, v in zip(FEATURES, a)}
+    return {name: round(float(v), 4) for name, v in zip(features, a)}
 
 
 def error(point: dict, coefficients: dict[str, float]) -> float:
@@ -128,11 +137,11 @@ def error(point: dict, coefficients: dict[str, float]) -> float:
     return (point["without_reserve_bytes"] + reserve - point["need_bytes"]) / point["need_bytes"]
 
 
-def left_out_errors(points_: list[dict]) -> dict[str, float]:
+def left_out_errors(points_: list[dict], features: tuple[str, ...] = FEATURES) -> dict[str, float]:
     """Each point's error under the fit of every other model's points."""
     out = {}
     for model in sorted({p["model"] for p in points_}):
-        coefficients = fit([p for p in points_ if p["model"] != model])
+        coefficients = fit([p for p in points_ if p["model"] != model], features)
         out.update({p["point"]: error(p, coefficients) for p in points_ if p["model"] == model})
     return out
 
@@ -166,6 +175,36 @@ def _without_generation_patterns() -> dict:
     default = {**shipped["default"], "generation": {name: value for name, value in shipped["default"][
         "generation"].items() if name not in GENERATION_PATTERNS}}
     return {**shipped, "default": default}
+
+
+def expandable_rows(cache: dict) -> list[dict]:
+    """The points under expandable segments whose step runs out in the loss phase, with the analytic features of
+    that phase (expandable_pages' patterns) and the reserve the allocator model needed beyond that phase's estimate
+    with the per-phase shares alone (allocator_fit.py's): the patterns are fitted on top of the shares, as
+    generation's are."""
+    bare = replace(default_calibration(), allocator_reserve=_without_expandable_patterns())
+    out = []
+    for label, model, settings in points(list(MODELS), quick=False):
+        entry = cache.get(label)
+        if entry is None or entry.get("binding_phase") != "training":
+            continue
+        verdict = engine.check(model, CARD, settings, calibration=bare)
+        if not verdict.train.expandable_segments:
+            continue
+        phase = next(p for p in verdict.estimate.phases if p.name == "training")
+        patterns = expandable_patterns(verdict.context.arch, verdict.train, "training")
+        need = entry["allocator_need_bytes"] + phase.components["cuda_context"]
+        out.append({"point": label, "model": model, "need_bytes": need, "without_reserve_bytes": phase.total_bytes,
+                    "reserve_bytes": need - phase.total_bytes,
+                    "features": {name: float(patterns.get(name, 0.0)) for name in EXPANDABLE_PATTERNS}})
+    return out
+
+
+def _without_expandable_patterns() -> dict:
+    shipped = default_calibration().allocator_reserve
+    expandable = shipped["expandable_segments"]
+    training = {name: value for name, value in expandable["training"].items() if name not in EXPANDABLE_PATTERNS}
+    return {**shipped, "expandable_segments": {**expandable, "training": training}}
 
 
 def generation_error(point: dict, coefficients: dict[str, float]) -> float:
@@ -225,12 +264,27 @@ def main() -> int:
               + ", ".join(f"{k} {v}" for k, v in generation.items()),
               *(f"{p['point']:50} {generation_error(p, {}):+8.1%} without, {generation_error(p, generation):+8.1%} "
                 "with them" for p in moved)]
+    expandable = expandable_rows(cache)
+    expandable_fit = fit(expandable, EXPANDABLE_PATTERNS)
+    shipped_expandable = default_calibration().allocator_reserve["expandable_segments"]["training"]
+    expandable_left_out = left_out_errors(expandable, EXPANDABLE_PATTERNS)
+    lines += ["", f"{len(expandable)} steps under expandable segments that run out in the loss phase, the "
+              "patterns on top of the per-phase shares:", f"{'point':50} {'shipped':>8} {'fitted':>8} {'left out':>9}",
+              *(f"{p['point']:50} {error(p, shipped_expandable):+8.1%} {error(p, expandable_fit):+8.1%} "
+                f"{expandable_left_out[p['point']]:+9.1%}" for p in expandable),
+              "coefficients (reserve bytes per byte): " + ", ".join(f"{k} {v}" for k, v in expandable_fit.items()),
+              "shipped:   " + describe([error(p, shipped_expandable) for p in expandable]),
+              "fitted:    " + describe([error(p, expandable_fit) for p in expandable]),
+              "left out:  " + describe(list(expandable_left_out.values()))]
     print("\n".join(lines))
     save_atomically(RESULTS / "reserve_fit.txt", "\n".join(lines) + "\n")
     document = {"key": key, "coefficients": {k: v for k, v in coefficients.items() if v > 0},
                 "generation_coefficients": {k: v for k, v in generation.items() if v > 0},
                 "errors": {p["point"]: {"fitted": error(p, coefficients), "left_out": left_out[p["point"]]}
-                           for p in grid}}
+                           for p in grid},
+                "expandable_coefficients": {k: v for k, v in expandable_fit.items() if v > 0},
+                "expandable_errors": {p["point"]: {"fitted": error(p, expandable_fit),
+                                                   "left_out": expandable_left_out[p["point"]]} for p in expandable}}
     save_atomically(RESULTS / "reserve_fit.json", json.dumps(document, indent=1) + "\n")
     if args.write:
         calibration = json.loads(CALIBRATION.read_text())
@@ -238,6 +292,9 @@ def main() -> int:
         shipped = calibration["allocator_reserve"]["default"]["generation"]
         calibration["allocator_reserve"]["default"]["generation"] = {
             **{k: v for k, v in shipped.items() if k not in GENERATION_PATTERNS}, **document["generation_coefficients"]}
+        shipped = calibration["allocator_reserve"]["expandable_segments"]["training"]
+        calibration["allocator_reserve"]["expandable_segments"]["training"] = {
+            **{k: v for k, v in shipped.items() if k not in EXPANDABLE_PATTERNS}, **document["expandable_coefficients"]}
         save_atomically(CALIBRATION, json.dumps(calibration, indent=2) + "\n")
     return 0
 

@@ -12,6 +12,7 @@ from vram_planner import engine
 from vram_planner.errors import ConfigError
 from vram_planner.model.calibration import (UNFITTED_RESERVE_FRACTION, Calibration, allocator_reserve_bytes,
                                             default_calibration)
+from vram_planner.model.expandable_pages import EXPANDABLE_PATTERNS
 from vram_planner.model.fragmentation import GENERATION_PATTERNS, PATTERNS
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import TENSOR_COMPONENTS
@@ -54,10 +55,11 @@ def test_a_probes_measured_fraction_replaces_the_fit():
 
 def test_the_shipped_fit_covers_every_phase_of_both_settings_with_non_negative_coefficients():
     reserve = default_calibration().allocator_reserve
+    patterns = {"default": {*PATTERNS, *GENERATION_PATTERNS}, "expandable_segments": set(EXPANDABLE_PATTERNS)}
     for setting in ("default", "expandable_segments"):
         assert {"generation", "training", "optimizer"} <= set(reserve[setting])
         for coefficients in reserve[setting].values():
-            assert set(coefficients) <= set(TENSOR_COMPONENTS) | set(PATTERNS) | set(GENERATION_PATTERNS)
+            assert set(coefficients) <= set(TENSOR_COMPONENTS) | patterns[setting]
             assert all(0 <= c < 2 for c in coefficients.values())
 
 
@@ -149,8 +151,8 @@ def test_expandable_segments_are_the_plans_first_rung_when_they_make_the_config_
 
 def test_the_shipped_coefficients_are_the_committed_fits():
     """profiles/calibrations/default.json holds what benchmarks/allocator_fit.py fitted (results/allocator_fit.json),
-    the loss phase under torch's defaults and generation's patterns what benchmarks/reserve_fit.py fitted on whole
-    steps (reserve_fit.json)."""
+    the loss phase under torch's defaults, generation's patterns and the expandable segments' patterns what
+    benchmarks/reserve_fit.py fitted on whole steps (reserve_fit.json)."""
     import json
     from pathlib import Path
 
@@ -164,4 +166,7 @@ def test_the_shipped_coefficients_are_the_committed_fits():
     assert set(generating) == set(GENERATION_PATTERNS)
     per_phase["default"]["training"] = whole_steps
     per_phase["default"]["generation"].update(generating)
+    expandable = fitted["expandable_coefficients"]  # expandable_pages' patterns, on top of the per-phase shares
+    assert expandable and set(expandable) <= set(EXPANDABLE_PATTERNS)
+    per_phase["expandable_segments"]["training"].update(expandable)
     assert shipped == per_phase

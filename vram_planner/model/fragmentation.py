@@ -36,7 +36,7 @@ GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS,)
 def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str) -> dict[str, float]:
     """The patterns alive at a phase's peak, in bytes: the loss forward/backward's, and generation's KV cache in the
     segments the previous step's loss left; the other phases' reserve is a share of their tensors. Expandable
-    segments map pages to fit each request, so nothing is stranded."""
+    segments map pages to fit each request, so none of these strands: theirs are expandable_pages'."""
     if train.expandable_segments:
         return {}
     if phase == "generation":

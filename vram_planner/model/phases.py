@@ -22,6 +22,7 @@ from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
 from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.cuda_context import context_bytes as resolved_context_bytes
+from vram_planner.model.expandable_pages import expandable_patterns
 from vram_planner.model.fragmentation import reserve_patterns
 from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, logit_positions
 from vram_planner.model.spec import TrainingConfig, allocator_conf_notes
@@ -277,7 +278,8 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
     """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting. The patterns
     are the same at every moment of a phase, so choosing its heaviest moment needs no `arch`."""
     tensors = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
-    patterns = reserve_patterns(arch, train, phase.name) if arch is not None else None
+    patterns_of = expandable_patterns if train.expandable_segments else reserve_patterns
+    patterns = patterns_of(arch, train, phase.name) if arch is not None else None
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns)
 
 

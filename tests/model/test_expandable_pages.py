@@ -1,0 +1,111 @@
+"""The expandable segments' patterns (vram_planner/model/expandable_pages.py): the pages live tensors made among
+transients keep mapped, replayed through the allocator model."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from vram_planner.allocator import CachingAllocator, parse_allocator_conf
+from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.calibration import default_calibration
+from vram_planner.model.expandable_pages import (EXPANDABLE_PATTERNS, GRADIENT_PAGES, KEPT_ACTIVATION_PAGES,
+                                                 expandable_patterns, islands_bytes)
+from vram_planner.model.fragmentation import reserve_patterns
+from vram_planner.model.phases import estimate
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import trl_release
+from vram_planner.profiles import model_config
+from vram_planner.units import GiB, MiB
+
+EXPANDABLE = parse_allocator_conf("expandable_segments:True", "--allocator-conf")
+
+
+def islands_among_transients(layers: int, transient_bytes: int, kept_bytes: int) -> int:
+    """Each layer's transient made, then a tensor kept beside it; the transients freed, and the whole free pages
+    released (what an out-of-memory retry does): the bytes still mapped and free."""
+    allocator = CachingAllocator(EXPANDABLE)
+    transients = []
+    for _ in range(layers):
+        transients.append(allocator.malloc(transient_bytes))
+        allocator.malloc(kept_bytes)
+    for address in transients:
+        allocator.free(address)
+    allocator.empty_cache()
+    return sum(size for _, size in allocator.free_blocks())
+
+
+def test_each_run_between_islands_keeps_its_partial_pages_mapped():
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(40):
+        transient, kept = (rng.randrange(2 * MiB, 60 * MiB, 512) for _ in range(2))
+        stranded = islands_among_transients(30, transient, kept)
+        # two partial pages a run at most, and never more than the run; the last page beyond the last island too
+        assert stranded <= 30 * min(2 * K_LARGE_BUFFER, transient) + K_LARGE_BUFFER
+        ratios.append(stranded / islands_bytes(30, transient))
+    # a page a run on average: the ends fall anywhere in their pages
+    assert 0.9 < sum(ratios) / len(ratios) < 1.1
+
+
+def test_runs_shorter_than_a_page_stay_mapped_whole():
+    # within the last page, partly used beyond the last island
+    assert 0 <= islands_among_transients(30, 5 * MiB, 3 * MiB) - islands_bytes(30, 5 * MiB) < K_LARGE_BUFFER
+    assert islands_bytes(30, 5 * MiB) == 30 * 5 * MiB
+    # the small pool's 2 MiB pages: a 0.7 MiB run keeps itself mapped
+    small = 700 * 1024
+    assert 0 <= islands_among_transients(30, small, 800 * 1024) - islands_bytes(30, small) < K_SMALL_BUFFER
+    assert islands_bytes(1, K_SMALL_SIZE) == K_SMALL_SIZE and islands_bytes(1, 60 * MiB) == K_LARGE_BUFFER
+
+
+def test_the_islands_bytes_never_fall_as_the_runs_grow():
+    sizes = [n * 64 * 1024 for n in range(1, 800)]
+    values = [islands_bytes(24, size) for size in sizes]
+    assert values == sorted(values) and max(values) == 24 * K_LARGE_BUFFER
+
+
+def _arch(name: str) -> ModelArchitecture:
+    return ModelArchitecture.from_config(model_config(name)[0])
+
+
+def test_the_patterns_follow_the_knobs():
+    arch = _arch("Qwen2.5-0.5B")  # 24 layers; 896 x 4,864 MLP weights: 16.6 MiB in float32
+    full = TrainingConfig(allocator_conf="expandable_segments:True")
+    patterns = expandable_patterns(arch, full, "training")
+    assert set(patterns) == set(EXPANDABLE_PATTERNS)
+    assert patterns[GRADIENT_PAGES] == 24 * 896 * 4864 * 4
+    assert patterns[KEPT_ACTIVATION_PAGES] == 0  # TRL checkpoints by default
+    lora = replace(full, dtype="bfloat16", lora_r=16, gradient_checkpointing=False)
+    patterns = expandable_patterns(arch, lora, "training")
+    assert patterns[GRADIENT_PAGES] == 0
+    tokens = lora.micro_batch_completions * lora.sequence_length  # 8 x 768: a 10.5 MiB residual stream
+    assert patterns[KEPT_ACTIVATION_PAGES] == 24 * tokens * 896 * 2
+    longer = replace(lora, max_completion_length=4096)  # 8 x 4,608 tokens: 63 MiB, a page each
+    assert expandable_patterns(arch, longer, "training")[KEPT_ACTIVATION_PAGES] == 24 * K_LARGE_BUFFER
+    bf16 = expandable_patterns(arch, replace(full, dtype="bfloat16"), "training")
+    assert bf16[GRADIENT_PAGES] == 24 * 896 * 4864 * 2
+    larger = expandable_patterns(_arch("gemma-3-1b-it"), full, "training")  # 30.4 MiB gradients: a page each
+    assert larger[GRADIENT_PAGES] == 26 * K_LARGE_BUFFER
+    assert expandable_patterns(arch, full, "generation") == {}
+    # the default allocator's patterns are fragmentation's, none of these
+    assert not set(reserve_patterns(arch, replace(full, allocator_conf=""), "training")) & set(EXPANDABLE_PATTERNS)
+
+
+@pytest.mark.parametrize("settings", [{}, {"lora_r": 8, "gradient_checkpointing": False}])
+def test_the_shipped_reserve_weighs_the_patterns_under_expandable_segments(settings):
+    # the boundary grid's expandable points were short of their needs where the reserve was the tensors' shares alone
+    arch = _arch("SmolLM2-135M")
+    train = TrainingConfig(allocator_conf="expandable_segments:True", **settings)
+    calibration = default_calibration()
+    weighed = calibration.allocator_reserve["expandable_segments"]["training"]
+    assert any(weighed.get(name, 0) > 0 for name in EXPANDABLE_PATTERNS)
+    shares_only = replace(calibration, allocator_reserve={**calibration.allocator_reserve, "expandable_segments": {
+        **calibration.allocator_reserve["expandable_segments"],
+        "training": {k: v for k, v in weighed.items() if k not in EXPANDABLE_PATTERNS}}})
+    training = {c: next(p for p in estimate(arch, train, trl_release(None), cal, 80 * GiB).phases
+                        if p.name == "training").components["allocator_overhead"]
+                for c, cal in (("with", calibration), ("without", shares_only))}
+    assert training["with"] > training["without"]
