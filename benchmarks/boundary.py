@@ -4,6 +4,7 @@
     python benchmarks/boundary.py --quick      # the fixture architectures and the smallest catalog configs
     python benchmarks/boundary.py --models Qwen3-0.6B phi-2
     python benchmarks/boundary.py --from-needs   # the analytic side only, against the committed needs
+    python benchmarks/boundary.py --add          # the committed needs, bisecting only the points they lack
 
 For every point the step is traced and its need bisected with the caching allocator model (`check --exact`: the
 least card capacity, CUDA context and cuBLAS workspaces included, on which the step runs), and printed beside the
@@ -18,7 +19,8 @@ boundary.txt (the table and the summary) and boundary.json next to the cache whe
 
 --from-needs traces nothing: it takes the committed needs as they are, whatever code they came from (the table's
 last line names it), and recomputes the analytic side, so that a change to the analytic model alone is judged in
-seconds. A point without a committed need is left out and said.
+seconds. A point without a committed need is left out and said. --add bisects those points with the current code and
+adds them to the committed needs, each with the key of the code that made it.
 """
 
 from __future__ import annotations
@@ -77,6 +79,14 @@ CONFIGS = {
     "lora c1024 B16 nogc expandable": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,
                                        "max_completion_length": 1024, "gradient_checkpointing": False,
                                        "allocator_conf": EXPANDABLE},
+    # Generation-bound: hundreds of short sequences generated at once (the generation batch is the micro-batch times
+    # steps_per_generation), whose KV cache is cut from the segments the prefill and the previous step left
+    "full p128 c192 B64 S8": {"dtype": "bfloat16", "num_generations": 8, "per_device_train_batch_size": 64,
+                              "gradient_accumulation_steps": 2, "steps_per_generation": 8, "max_prompt_length": 128,
+                              "max_completion_length": 192},
+    "lora p64 c384 B32 S8": {**BF16_LORA, "num_generations": 8, "per_device_train_batch_size": 32,
+                             "gradient_accumulation_steps": 4, "steps_per_generation": 8, "max_prompt_length": 64,
+                             "max_completion_length": 384},
 }
 QUICK_CONFIGS = ("full c1024 B8",)
 FIXTURE_CONFIGS = {
@@ -201,9 +211,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fixtures and one config per catalog model")
     parser.add_argument("--from-needs", action="store_true",
                         help="trace nothing: the committed needs, whatever code made them")
+    parser.add_argument("--add", action="store_true",
+                        help="the committed needs, whatever code made them; bisect the points they lack")
     args = parser.parse_args()
     cache_path = RESULTS / "boundary-needs.json"
-    cache, key = committed_needs(args.from_needs)
+    cache, key = committed_needs(args.from_needs or args.add)
     rows = []
     grid = points(args.models, args.quick)
     for n, (label, model, settings) in enumerate(grid, 1):
@@ -213,6 +225,8 @@ def main() -> int:
         fresh = label not in cache
         try:
             rows.append(row(label, model, settings, exact(model, settings, cache, label)))
+            if fresh and args.add:
+                cache[label]["key"] = need_key()  # not the committed needs' code
         except Exception as exc:  # a point the engines cannot run is reported, not fatal to the grid
             print(f"[{n}/{len(grid)}] {label}: {exc}", file=sys.stderr, flush=True)
             continue

@@ -14,7 +14,8 @@ and the passes the trace runs). Each is judged as boundary.py judges its grid: t
 beside the analytic peak and the capacity from which `check` says "fits". Nothing is refitted to these points.
 
 Needs are cached in benchmarks/results/boundary-heldout-needs.json (keyed by boundary.py's need key, each point by its
-model and knobs); the table and the summary go to boundary-heldout.txt and .json.
+model and knobs); the table and the summary go to boundary-heldout.txt and .json (another seed's to
+boundary-heldout-seedS.txt and .json).
 
 --recheck re-bisects points of boundary.py's grid with the current code and sets each need beside the committed one in
 boundary-needs.json, whose key may name older tracing and allocator code (boundary.py --from-needs uses it as it is);
@@ -173,9 +174,15 @@ def sweep(n: int, seed: int) -> list[str]:
     lines = table(rows)
     lines = [lines[0] + "  knobs", lines[1]] + [f"{line:107}  {r['knobs']}" for line, r in zip(lines[2:], rows)]
     lines += summary(rows) + [f"held-out: {n} configs drawn with seed {seed}", f"needs from {key}"]
-    save_atomically(RESULTS / "boundary-heldout.txt", "\n".join(lines) + "\n")
-    save_atomically(RESULTS / "boundary-heldout.json", json.dumps(rows, indent=1))
+    save_atomically(RESULTS / f"{table_stem(seed)}.txt", "\n".join(lines) + "\n")
+    save_atomically(RESULTS / f"{table_stem(seed)}.json", json.dumps(rows, indent=1))
     return lines
+
+
+def table_stem(seed: int) -> str:
+    """Seed 0's table keeps its name (the sweep whose points the patterns of 2026-11-28 were read off); another seed's
+    sits beside it, a hold-out nothing was read from."""
+    return "boundary-heldout" if seed == 0 else f"boundary-heldout-seed{seed}"
 
 
 def recheck(labels: list[str]) -> list[str]:

@@ -10,12 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vram_planner.allocator import CachingAllocator
+from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_SIZE, allocation_size
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.fragmentation import (CACHE_IN_LOSS_SEGMENTS, EAGER_OVERFLOW, EAGER_SCORES, LATE_GRADIENT,
-                                              LATER_MICRO_BATCH, LAYER_GRADIENTS, PINNED_LAYER_INPUTS, PREFILL_STATES,
-                                              SOFTCAPPED_SCORES, STATES_IN_HEAD_TILE, cache_in_loss_segment_bytes,
-                                              eager_overflow_bytes, late_gradient_bytes, largest_request_bytes,
-                                              pinned_layer_input_bytes, prefill_state_bytes, reserve_patterns,
+from vram_planner.model.calibration import default_calibration
+from vram_planner.model.fragmentation import (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_MICRO_BATCH_SEGMENTS,
+                                              CACHE_IN_PREFILL_SEGMENTS, EAGER_OVERFLOW, EAGER_SCORES,
+                                              GENERATION_PATTERNS, LATE_GRADIENT, LATER_MICRO_BATCH, LAYER_GRADIENTS,
+                                              PINNED_LAYER_INPUTS, PREFILL_STATES, SOFTCAPPED_SCORES,
+                                              STATES_IN_DECODING_SEGMENTS, STATES_IN_HEAD_TILE,
+                                              cache_in_loss_segment_bytes, cache_in_micro_batch_segment_bytes,
+                                              cache_in_prefill_segment_bytes, eager_overflow_bytes,
+                                              late_gradient_bytes, largest_request_bytes, pinned_layer_input_bytes,
+                                              prefill_state_bytes, reserve_patterns, states_in_decoding_segment_bytes,
                                               states_in_head_tile_bytes, stranded_by_gradients,
                                               stranded_by_kept_inputs)
 from vram_planner.model.lm_head import fused_tile_bytes
@@ -137,7 +143,7 @@ def test_the_patterns_follow_the_knobs():
     assert pinned_layer_input_bytes(arch, replace(lora, gradient_checkpointing=False)) == 0
     full = TrainingConfig(dtype="bfloat16")
     assert late_gradient_bytes(arch, full) == arch.vocab_size * arch.hidden_size * 2
-    assert set(reserve_patterns(arch, lora, "generation")) == {CACHE_IN_LOSS_SEGMENTS}
+    assert set(reserve_patterns(arch, lora, "generation")) == set(GENERATION_PATTERNS)
     assert reserve_patterns(arch, lora, "scoring") == reserve_patterns(arch, lora, "optimizer") == {}
     assert reserve_patterns(arch, replace(lora, allocator_conf="expandable_segments:True"),
                             "training") == {}
@@ -220,6 +226,159 @@ def test_the_caches_blocks_cut_from_cached_segments_strand_what_the_allocator_st
     assert allocator.reserved_bytes == segments * segment  # no segment of their own
     stranded = allocator.reserved_bytes - len(blocks) * block
     assert stranded == pytest.approx(stranded_by_kept_inputs(len(blocks), block, segment))
+
+
+def prefill_and_decoding(layers: int, mlp_bytes: int, live: int, row_bytes: int, prompt: int,
+                         completion: int) -> tuple[CachingAllocator, set[int]]:
+    """generate() as the allocator sees it: the prefill keeps each layer's prompt keys and values (`row_bytes` a
+    token) and asks for `live` MLP tensors of `mlp_bytes` at once, freed before the next layer; each decoding step
+    makes every layer's keys and values a token longer and frees the old ones. Returns the allocator after the last
+    step and the addresses of the segments the prefill's MLP made."""
+    allocator = CachingAllocator()
+    cache = []
+    for _ in range(layers):
+        cache.append([allocator.malloc(row_bytes * prompt), allocator.malloc(row_bytes * prompt)])
+        for block in [allocator.malloc(mlp_bytes) for _ in range(live)]:
+            allocator.free(block)
+    mlp_segment = allocation_size(mlp_bytes, K_LARGE_BUFFER)
+    prefill = {segment[0][0] for segment in allocator.segment_blocks()
+               if sum(size for _, size, _ in segment) == mlp_segment}
+    for step in range(1, completion):
+        for layer in cache:
+            for kind, old in enumerate(layer):
+                layer[kind] = allocator.malloc(row_bytes * (prompt + step))
+                allocator.free(old)
+    return allocator, prefill
+
+
+@pytest.mark.parametrize("name, dtype, batch, prompt, completion", [
+    ("SmolLM2-360M", "bfloat16", 64, 64, 256),  # 3 + 8 segments of 160 MiB, a 99.7 MiB block in each
+    # 304 MiB segments with room for fifteen 20 MiB blocks: fewer blocks than places, the count bounded by the blocks
+    ("Qwen2.5-0.5B", "bfloat16", 32, 128, 192),
+    ("phi-2", "bfloat16", 16, 64, 128),  # a plain MLP: 2 + 16 segments of 160 MiB, a 119 MiB block in each
+])
+def test_the_caches_blocks_cut_from_the_prefills_segments_strand_what_the_allocator_strands(name, dtype, batch,
+                                                                                          prompt, completion):
+    # 8 steps per generation: the generation batch is 8 micro-batches
+    train = TrainingConfig(dtype=dtype, per_device_train_batch_size=batch, num_generations=4,
+                           gradient_accumulation_steps=4, steps_per_generation=8, max_prompt_length=prompt,
+                           max_completion_length=completion)
+    arch = _arch(name)
+    sequences = train.local_generation_batch_size
+    row = sequences * arch.num_kv_heads * arch.head_dim * 2
+    allocator, prefill = prefill_and_decoding(arch.num_layers, sequences * prompt * arch.intermediate_size * 2,
+                                              3 if arch.family.gated_mlp else 2, row, prompt, completion)
+    # what no block of the last step fits in, in the prefill's segments that a block keeps (a wholly free one can be
+    # released)
+    block = row * (prompt + completion - 1)
+    stranded = sum(size % block for segment in allocator.segment_blocks()
+                   if segment[0][0] in prefill and any(allocated for _, _, allocated in segment)
+                   for _, size, allocated in segment if not allocated)
+    assert stranded > 0
+    # the segments are counted from the prompts' cache, a part-filled one as a fraction, and the decoding leaves one
+    # free in turn: within a segment
+    segment = allocation_size(sequences * prompt * arch.intermediate_size * 2, K_LARGE_BUFFER)
+    assert abs(cache_in_prefill_segment_bytes(arch, train) - stranded) <= segment
+    assert reserve_patterns(arch, train, "generation")[CACHE_IN_PREFILL_SEGMENTS] == cache_in_prefill_segment_bytes(
+        arch, train)
+
+
+def test_the_prefills_segments_strand_nothing_without_a_prefill_here_or_with_blocks_past_them():
+    train = TrainingConfig(dtype="bfloat16", per_device_train_batch_size=64, num_generations=4,
+                           gradient_accumulation_steps=4, steps_per_generation=8, max_prompt_length=64,
+                           max_completion_length=256)
+    arch = _arch("SmolLM2-360M")
+    assert cache_in_prefill_segment_bytes(arch, train) == pytest.approx((3 + 8) * 60.3125 * MiB, rel=1e-3)
+    assert cache_in_prefill_segment_bytes(arch, replace(train, use_vllm=True)) == 0
+    # 1,024 completion tokens: the last block (512 x 1,087 tokens x 640 bytes) outgrows the 160 MiB segment
+    assert cache_in_prefill_segment_bytes(arch, replace(train, max_completion_length=1024)) == 0
+    # 8 sequences of 64 prompt tokens: 2.5 MiB MLP tensors, served from the 20 MiB segments
+    assert cache_in_prefill_segment_bytes(arch, replace(train, per_device_train_batch_size=1)) == 0
+
+
+def test_the_first_steps_states_cut_from_the_decodings_segments_keep_the_next_generation_from_them():
+    # SmolLM2-360M generating 512 sequences of 64 + 256 tokens: the last step's blocks, 512 x 319 tokens x 5 heads of
+    # 64 in bfloat16 (99.7 MiB), each a 100 MiB segment; the first optimizer step's bfloat16 AdamW states of the
+    # layers' linears above 1 MiB (the MLP's 4.7 MiB, attention's 1.8) are cut from them once generate() returns
+    arch = _arch("SmolLM2-360M")
+    train = TrainingConfig(dtype="bfloat16", per_device_train_batch_size=64, num_generations=4,
+                           gradient_accumulation_steps=4, steps_per_generation=8, max_prompt_length=64,
+                           max_completion_length=256)
+    block = 512 * 5 * 64 * 319 * 2
+    states = [linear.in_features * linear.out_features * 2 for linear in arch.layer_linears()] * 2  # exp_avg, _sq
+    states = [state for state in states if state > K_SMALL_SIZE]  # the 0.6 MiB ones the small pool serves
+    allocator = CachingAllocator()
+    for address in [allocator.malloc(block) for _ in range(2 * arch.num_layers)]:
+        allocator.free(address)
+    reserved = allocator.reserved_bytes
+    for _ in range(arch.num_layers):
+        for state in states:
+            allocator.malloc(state)
+    assert allocator.reserved_bytes == reserved  # every state cut from the decoding's segments, none anew
+    pinned = sum(1 for segment in allocator.segment_blocks() if any(allocated for _, _, allocated in segment))
+    # the next generation's last blocks find the segments that hold a state too short: as many segments anew
+    for _ in range(2 * arch.num_layers):
+        allocator.malloc(block)
+    assert allocator.reserved_bytes == reserved + pinned * allocation_size(block, K_LARGE_BUFFER)
+    stranded = pinned * allocation_size(block, K_LARGE_BUFFER) - arch.num_layers * sum(states)
+    # packed densely here, less than a segment beside them; the step's own frees spread them over more (530 MiB at
+    # the traced need): the states' bytes bound it, for the fit to weigh
+    assert 0 <= stranded < allocation_size(block, K_LARGE_BUFFER)
+    assert states_in_decoding_segment_bytes(arch, train) == arch.num_layers * sum(states)
+    assert reserve_patterns(arch, train, "generation")[STATES_IN_DECODING_SEGMENTS] == arch.num_layers * sum(states)
+    # 8 sequences: 1.6 MiB blocks share the 20 MiB segments, and the next generation's fit beside the states
+    assert states_in_decoding_segment_bytes(arch, replace(train, per_device_train_batch_size=1)) == 0
+    for no_states in (replace(train, lora_r=16), replace(train, use_vllm=True),
+                      replace(train, optim=Optimizer.paged_adamw_8bit), replace(train, optim=Optimizer.sgd)):
+        assert states_in_decoding_segment_bytes(arch, no_states) == 0
+
+
+def test_a_micro_batchs_loss_segment_strands_less_than_a_block_beside_the_caches_blocks():
+    # Mistral-7B-v0.3 LoRA generating 256 sequences of 64 + 384 tokens, 32 a micro-batch: 221.5 MiB blocks (8 heads
+    # of 128, 447 tokens, bfloat16); the loss's largest request is the adapted down projection's float32 input, 32 x
+    # 448 x 14,336 x 4 bytes (784 MiB): three blocks to a segment beside 119.5 MiB
+    arch = _arch("Mistral-7B-v0.3")
+    train = TrainingConfig(dtype="bfloat16", lora_r=16, per_device_train_batch_size=32, num_generations=8,
+                           gradient_accumulation_steps=4, steps_per_generation=8, max_prompt_length=64,
+                           max_completion_length=384)
+    block, segment = 256 * 8 * 128 * 447 * 2, 32 * 448 * 14336 * 4
+    assert largest_request_bytes(arch, train) == segment
+    allocator = CachingAllocator()
+    for address in [allocator.malloc(segment) for _ in range(3)]:
+        allocator.free(address)
+    for _ in range(9):
+        allocator.malloc(block)
+    rests = [sum(size for _, size, allocated in s if not allocated) for s in allocator.segment_blocks()]
+    assert rests == [segment - 3 * block] * 3 and 0 < segment - 3 * block < block
+    assert cache_in_micro_batch_segment_bytes(arch, train) == block  # the envelope of the rest: a block
+    assert reserve_patterns(arch, train, "generation")[CACHE_IN_MICRO_BATCH_SEGMENTS] == block
+    # a micro-batch of 8: 196 MiB segments, shorter than a block: nothing cut from them
+    assert cache_in_micro_batch_segment_bytes(arch, replace(train, per_device_train_batch_size=8,
+                                                            gradient_accumulation_steps=16,
+                                                            steps_per_generation=32)) == 0
+    assert cache_in_micro_batch_segment_bytes(arch, replace(train, use_vllm=True)) == 0
+
+
+@pytest.mark.parametrize("pattern", [cache_in_micro_batch_segment_bytes, states_in_decoding_segment_bytes])
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(["SmolLM2-135M", "Qwen3-0.6B", "gemma-2-2b", "phi-2", "Mistral-7B-v0.3"]),
+       prompt=st.integers(1, 2048), completion=st.integers(1, 4096), more=st.integers(1, 2048),
+       batch=st.integers(1, 64), steps=st.sampled_from([1, 2, 4, 8]), lora=st.booleans(),
+       dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_generations_patterns_never_fall_as_the_tokens_or_the_batch_grow(pattern, name, prompt, completion, more,
+                                                                         batch, steps, lora, dtype):
+    arch = _arch(name)
+
+    def stranded(**changes) -> float:
+        knobs = dict(dtype=dtype, lora_r=16 if lora else None, num_generations=2, per_device_train_batch_size=2 * batch,
+                     gradient_accumulation_steps=steps, max_prompt_length=prompt, max_completion_length=completion)
+        return pattern(arch, TrainingConfig(**{**knobs, **changes}))
+
+    assert stranded(max_prompt_length=prompt + more) >= stranded()
+    assert stranded(max_completion_length=completion + more) >= stranded()
+    # a larger micro-batch for the same generation batch: the loss's segments grow, the blocks stay
+    if steps > 1:
+        assert stranded(per_device_train_batch_size=4 * batch, gradient_accumulation_steps=steps // 2) >= stranded()
 
 
 def eager_forward(layers: int, half_bytes: int, input_bytes: int) -> CachingAllocator:
@@ -397,3 +556,30 @@ def test_what_the_first_steps_states_strand_never_falls_as_the_tokens_or_the_bat
 
     assert stranded(tokens + more, batch) >= stranded(tokens, batch)
     assert stranded(tokens, batch + 1) >= stranded(tokens, batch)
+
+
+def test_generations_patterns_weigh_on_its_decoding_not_on_its_prefill():
+    """Generation's patterns are the decoding's last blocks beside the segments they were cut from: at the prefill
+    they do not exist yet. Counted at the prefill too, where it outweighs the decoding (Phi-3-mini's LoRA, 2
+    sequences of 256 prompt tokens and a few completion tokens), the blocks' rest, which falls as they grow, made the
+    phase need less for a longer completion; at the decoding the cache grows by more than the rest falls. Where the
+    decoding is the heaviest moment (SmolLM2-360M generating 512 sequences) they weigh on it."""
+    from vram_planner import engine
+
+    def generation(model: str, card: str, settings: dict, **context):
+        verdict = engine.check(model, card, settings, **context)
+        return next(p for p in verdict.estimate.phases if p.name == "generation")
+
+    short = {"num_generations": 2, "per_device_train_batch_size": 2, "lora_r": 4}
+    phases = [generation("Phi-3-mini-4k-instruct", "rtx2060", {**short, "max_completion_length": c},
+                         trl_version="1.15.0") for c in range(1, 9)]
+    totals = [p.total_bytes for p in phases]
+    assert totals == sorted(totals)
+    many = {"dtype": "bfloat16", "per_device_train_batch_size": 64, "num_generations": 4,
+            "gradient_accumulation_steps": 4, "steps_per_generation": 8, "max_prompt_length": 64,
+            "max_completion_length": 256}
+    decoding = generation("SmolLM2-360M", "h100-80gb", many)
+    stranded = cache_in_prefill_segment_bytes(_arch("SmolLM2-360M"), TrainingConfig(**many))
+    weight = default_calibration().allocator_reserve["default"]["generation"][CACHE_IN_PREFILL_SEGMENTS]
+    assert decoding.moment.startswith("last decoding step") and stranded > 0 and weight > 0
+    assert decoding.components["allocator_overhead"] > weight * stranded

@@ -24,13 +24,20 @@ SMALL_SEGMENTS = "small_segments"
 LATER_MICRO_BATCH = "later_micro_batch"
 LAYER_GRADIENTS = "layer_gradients"
 CACHE_IN_LOSS_SEGMENTS = "cache_in_loss_segments"
+CACHE_IN_PREFILL_SEGMENTS = "cache_in_prefill_segments"
+STATES_IN_DECODING_SEGMENTS = "states_in_decoding_segments"
+CACHE_IN_MICRO_BATCH_SEGMENTS = "cache_in_micro_batch_segments"
 EAGER_OVERFLOW = "eager_overflow"
 STATES_IN_HEAD_TILE = "states_in_head_tile"
 PREFILL_STATES = "prefill_states"
 # The loss forward/backward's patterns (benchmarks/reserve_fit.py fits them on the steps that run out there)
 PATTERNS = (PINNED_LAYER_INPUTS, LATE_GRADIENT, LARGEST_REQUEST, EAGER_SCORES, SOFTCAPPED_SCORES, SMALL_SEGMENTS,
             LATER_MICRO_BATCH, LAYER_GRADIENTS, EAGER_OVERFLOW, STATES_IN_HEAD_TILE, PREFILL_STATES)
-GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS,)
+GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS, STATES_IN_DECODING_SEGMENTS,
+                       CACHE_IN_MICRO_BATCH_SEGMENTS)
+# MLP-wide tensors a gated MLP's forward holds at once (act(gate), up and their product; the gate is freed once
+# activated), a plain one's (fc1's output and its activation): modeling_llama's and modeling_phi's MLP.forward
+GATED_MLP_LIVE, PLAIN_MLP_LIVE = 3, 2
 
 
 def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str) -> dict[str, float]:
@@ -40,7 +47,10 @@ def reserve_patterns(arch: ModelArchitecture, train: TrainingConfig, phase: str)
     if train.expandable_segments:
         return {}
     if phase == "generation":
-        return {CACHE_IN_LOSS_SEGMENTS: cache_in_loss_segment_bytes(arch, train)}
+        return {CACHE_IN_LOSS_SEGMENTS: cache_in_loss_segment_bytes(arch, train),
+                CACHE_IN_PREFILL_SEGMENTS: cache_in_prefill_segment_bytes(arch, train),
+                STATES_IN_DECODING_SEGMENTS: states_in_decoding_segment_bytes(arch, train),
+                CACHE_IN_MICRO_BATCH_SEGMENTS: cache_in_micro_batch_segment_bytes(arch, train)}
     if phase != "training":
         return {}
     scores = eager_scores_bytes(arch, train)
@@ -191,6 +201,113 @@ def cache_in_loss_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) 
     layers = ((arch.num_layers - arch.sliding_layers, last), (arch.sliding_layers, window))
     return sum(stranded_by_kept_inputs(count, row * tokens * element, segment)
                for count, tokens in layers if count for element in m.kv_element_bytes(train))
+
+
+def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What the KV cache's last blocks strand in the segments generation's own prefill left cached.
+
+    The prefill, generate()'s forward of the whole generation batch's prompts, asks in each layer's MLP for tensors of
+    prompt tokens x intermediate in the dtype it computes in, a segment each of their size
+    (allocator.sizes.allocation_size), a gated MLP three at once, a plain one two (GATED_MLP_LIVE, PLAIN_MLP_LIVE).
+    Each layer's prompt keys and values, kept for the decoding, are cut from those segments once the layer frees
+    them (best fit: the smallest free block that holds them), so the next layer's MLP finds its segments cut and
+    takes new ones: the prefill leaves the MLP's live segments and as many more as the prompts' cache fills,
+    prompt cache / MLP tensor of them (independent of the tokens and the batch, as both scale with them). Decoding
+    makes every layer's keys and values anew a token longer, and the freed segments are the largest cached blocks
+    until the cache's own grow past them: k = segment // block of the last step's blocks lie in each, and what they
+    leave, segment - k x block, is too short for another block when the cache runs short. At the need of
+    SmolLM2-360M generating 512 sequences of 64 + 256 tokens (MLP tensors of 160 MiB; 32 layers, 5 heads of 64 in
+    bfloat16: 3 + 8 segments) 11 segments of 160 MiB each held one 96 MiB block beside 64 MiB where generation ran
+    out (the float32 norms' 120 MiB segments three more beside 24 MiB each, which the fit's coefficient covers).
+
+    Counted with the last step's largest block (keys and values alike, full-attention layers), in no more segments
+    than the layers' keys and values fill (2 x layers / k): a bound where other tensors take the places, for the fit
+    to weigh (tests/model/test_fragmentation.py replays the prefill and the decoding). The rest per segment
+    falls as the completion grows, by no more than the count of segments times the block's growth, less than the
+    cache's own growth (two blocks a layer, more than the segments); it jumps up where a block fewer fits and
+    vanishes where the block outgrows the segment, so the reserve never falls faster than the cache grows. Nothing
+    with vLLM (no prefill in this process) or where the MLP's tensors fall in the 20 MiB segments."""
+    if train.use_vllm:
+        return 0.0
+    generating = m.as_generated(train)
+    batch, prompt = train.local_generation_batch_size, train.max_prompt_length
+    request = batch * prompt * arch.intermediate_size * m.sizes(generating).compute
+    if request < K_MIN_LARGE_ALLOC:
+        return 0.0
+    segment = allocation_size(request, K_LARGE_BUFFER)
+    live = GATED_MLP_LIVE if arch.family.gated_mlp else PLAIN_MLP_LIVE
+    segments = live + m.kv_cache_bytes(arch, train, batch, prompt, prefill=True) / request
+    block = _last_block_bytes(arch, train)
+    if block > segment:
+        return 0.0
+    places = segment // block
+    # the keys and values of the layers that keep every token (sliding windows as long as the sequence too): no more
+    # blocks of that size
+    windowed = arch.sliding_layers if (arch.sliding_window or 0) < train.sequence_length - 1 else 0
+    filled = min(segments, 2 * (arch.num_layers - windowed) / places)
+    return float(filled * (segment - places * block))
+
+
+def cache_in_micro_batch_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """A block of the KV cache's last step, for what each of the previous step's loss segments, one micro-batch's
+    largest requests (largest_request_bytes), leaves beside the blocks cut from it.
+
+    cache_in_loss_segment_bytes counts the segments as if the whole generation batch were one micro-batch, so that
+    the reserve never falls as the micro-batch grows; where the generation batch is many micro-batches the blocks are
+    small next to that and it strands next to nothing, but the loss's segments are a micro-batch's, k = segment //
+    block blocks lie in each, and the rest, segment - k x block, is a sawtooth in the micro-batch below a block. At
+    the need of Mistral-7B-v0.3 LoRA generating 256 sequences of 64 + 384 tokens (221.5 MiB blocks) 8 segments of the
+    loss's 392 MiB intermediates held one block beside 170 MiB, 3 of the 784 MiB float32 ones three beside 120 MiB;
+    gemma-3-1b-it's (56 MiB blocks) 12 of 190 and 378 MiB three or six beside 22 to 43 MiB. Counted as its envelope,
+    one block, for the fit to weigh by the segments (about ten at those needs); nothing where a block outgrows the
+    segment, compared a token at a time (the segment holds every token, the last block all but one: compared whole,
+    a block would outgrow the segment as the tokens grow). The block grows with the tokens, and the segment with the
+    micro-batch, so the bytes never fall as they do; where the generation batch grows past the segment they vanish,
+    less than the cache grows by. Nothing with vLLM (its cache is its own reservation)."""
+    if train.use_vllm:
+        return 0.0
+    block_token = train.local_generation_batch_size * arch.num_kv_heads * arch.head_dim * max(m.kv_element_bytes(train))
+    segment_token = train.micro_batch_completions * _largest_request_token_bytes(arch, train)
+    return float(_last_block_bytes(arch, train)) if block_token <= segment_token else 0.0
+
+
+def _last_block_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    # one layer's keys (or values) of the whole generation batch at the last decoding step, the larger of the two
+    return (train.local_generation_batch_size * arch.num_kv_heads * arch.head_dim * (train.sequence_length - 1)
+            * max(m.kv_element_bytes(train)))
+
+
+def states_in_decoding_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The first optimizer step's states of the layers, cut from the segments the first generation's decoding left:
+    what they keep the next generation's cache from using (full fine-tuning, generating in this process).
+
+    The decoding's last step asks for every layer's keys and values at their longest, a segment each of its block
+    rounded up (allocation_size), and frees them when generate() returns; the first optimizer step then makes the
+    states, per layer one per linear (in x out elements each, a large-pool block above 1 MiB), and best fit cuts
+    those smaller than such a segment from them, between the loss's and the backward's blocks as they are freed.
+    A segment that holds a state is not released, and what the state leaves of it is too short for the next
+    generation's blocks, which grow to the segment's size: the allocator takes new segments beside them. At the need
+    of SmolLM2-360M generating 512 sequences at once (100 MiB segments; 4.7, 1.8 and 0.6 MiB states) about 13
+    segments held 1.1 GiB of states beside 530 MiB none of the cache's blocks could use; phi-2 generating 512 x 320
+    tokens (798 MiB segments; 12.5 and 50 MiB states) 9.6 GiB of states beside 3.5 GiB, Qwen3-0.6B (320 MiB; 2, 4
+    and 6 MiB) 1.7 GiB beside 0.9 GiB. How many segments they spread over depends on the order the step frees its
+    blocks in, so the states' bytes are counted, for the fit to weigh (0.3 to 0.5 of them stranded there).
+
+    Nothing where the blocks share the 20 MiB segments (under 10 MiB: the next ones fit beside the states) or the
+    states outgrow the segments, under LoRA (the adapters' states are small), with vLLM (no decoding in this
+    process), with paged, factored or no states, or under ZeRO or FSDP (sharded). The segment grows with the
+    generation batch and the tokens, so more states fit and the bytes never fall as they do."""
+    if train.use_vllm or not _whole_large_states(train):
+        return 0.0
+    block = _last_block_bytes(arch, train)
+    if block < K_MIN_LARGE_ALLOC:  # blocks that share the 20 MiB segments: the next ones fit beside the states
+        return 0.0
+    segment = allocation_size(block, K_LARGE_BUFFER)
+    element = _state_element_bytes(train)
+    states = [linear.in_features * linear.out_features * element for linear in arch.layer_linears()]
+    opt = train.optim
+    per_parameter = 1 if "lion" in opt.value or opt in (Optimizer.rmsprop, Optimizer.adagrad) else 2
+    return float(arch.num_layers * per_parameter * sum(state for state in states if K_SMALL_SIZE < state < segment))
 
 
 def eager_overflow_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -50,6 +50,9 @@ POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy
 # The phases of the first micro-batch of the first step run before any optimizer state exists (and before any
 # gradient, when gradients accumulate): they are judged on their own, as a run can die there
 FIRST_MICRO_BATCH_PHASES = ("generation", "scoring", "training")
+# generate()'s prefill: its moments come before any decoding step, so before the blocks generation's patterns strand
+PREFILL, PREFILL_GATHERS = "prefill", "prefill: the first gathers"
+PREFILL_MOMENTS = (PREFILL, PREFILL_GATHERS)
 PHASE_TITLES = {"generation": "generation", "scoring": "old/ref log-probs", "training": "loss forward/backward",
                 "optimizer": "optimizer step"}
 
@@ -276,19 +279,22 @@ def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: Tr
 
 def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelArchitecture | None = None) -> float:
     """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting. The patterns
-    are the same at every moment of a phase, so choosing its heaviest moment needs no `arch`."""
+    are the same at every moment of a phase but the prefill, where generation's (the decoding's last blocks beside
+    the segments they are cut from) do not exist yet, so choosing its heaviest moment needs no `arch`."""
     tensors = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     patterns_of = expandable_patterns if train.expandable_segments else reserve_patterns
     patterns = patterns_of(arch, train, phase.name) if arch is not None else None
+    if patterns is not None and phase.moment in PREFILL_MOMENTS:
+        patterns = {name: 0.0 for name in patterns}
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns)
 
 
 def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig,
-              colocated: VllmBudget | None = None) -> Phase:
+              colocated: VllmBudget | None = None, arch: ModelArchitecture | None = None) -> Phase:
     """The moment that needs the most with the allocator's reserve on it (and what colocated vLLM holds then): its
     tensors alone could pick a moment of fewer bytes but a smaller reserve, and a longer completion would then seem
-    to need less."""
-    return max(moments, key=lambda moment: (moment.tensor_bytes + _reserve(moment, cal, train)
+    to need less. Generation's moments are weighed with its patterns (`arch`), which the prefill has not."""
+    return max(moments, key=lambda moment: (moment.tensor_bytes + _reserve(moment, cal, train, arch)
                                             + _reservation(colocated, moment)))
 
 
@@ -340,7 +346,7 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         head_weights = shards + fsdp.lm_head_gathered_bytes(arch, train)
         embedded = (sequences * p * arch.hidden_size * m.sizes(run).residual + m.padded_mask_bytes(run, sequences, p)
                     + inference.prefill_inputs_bytes(arch, run, sequences, p))
-        gathers = [Phase("generation", {**with_casts, "activations": embedded}, "prefill: the first gathers"),
+        gathers = [Phase("generation", {**with_casts, "activations": embedded}, PREFILL_GATHERS),
                    # beside the step's hidden state, generate()'s ids and mask so far, each its own storage
                    Phase("generation", {**decoding, "kv_cache": kv, "lm_head_buffers": 2 * blocks.blocks(
                        inference.batch_ids_bytes(sequences, train.sequence_length - 1) / 2),
@@ -349,7 +355,7 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
                          "last decoding step: a layer's gather")]
     moments = [
         *gathers,
-        Phase("generation", {**prefilling, "kv_cache": prompt_kv, "activations": prefill}, "prefill"),
+        Phase("generation", {**prefilling, "kv_cache": prompt_kv, "activations": prefill}, PREFILL),
         Phase("generation", {**in_layer, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
         Phase("generation", {**in_layer, "kv_cache": kv,
                              "activations": inference.decoding_repeated_kv_bytes(
@@ -358,7 +364,7 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         Phase("generation", {**decoding, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
               "last decoding step: LM head"),
     ]
-    return _heaviest(moments, cal, train)
+    return _heaviest(moments, cal, train, arch=arch)
 
 
 def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,

@@ -22,17 +22,18 @@ from vram_planner.request import DEFAULT_SAFETY_MARGIN
 MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a margin
 # How far the exact need of a step has been measured from the estimate (benchmarks/boundary.py: the traced step's
 # need, bisected through the allocator model, beside the analytic peak; benchmarks/results/boundary.txt, and
-# boundary-heldout.txt on configs the reserve was not fitted on): up to this much above it, and this much below.
-# Above: 1.0% on the grid the reserve was fitted on, 6.7% on the held-out configs (SmolLM2-360M's 512 sequences
-# generated at once, the KV cache cut from the prefill's segments; Qwen3-0.6B's float32 full fine-tuning with eager
-# attention and expandable segments, whose first step's 8-bit states each keep part of a 20 MiB page mapped, 4.8%
-# since expandable_pages' patterns, 6.8% before), beyond the 5% margin. Below, the estimate is conservative where a
+# boundary_heldout.py's random configs off that grid, boundary-heldout*.txt): up to this much above it, and this much
+# below. Above: 1.0% on the grid the reserve was fitted on; 4.0% on seed 1's held-out configs, which no pattern was
+# read off (SmolLM2-360M's float32 LoRA without checkpointing, 8-bit AdamW), 4.8% with eager attention on seed 0's
+# (Qwen3-0.6B's float32 full fine-tuning with expandable segments, whose first step's 8-bit states each keep part of a
+# 20 MiB page mapped; 6.8% before expandable_pages' patterns, and SmolLM2-360M's 512 sequences generated at once 6.7%
+# before generation's prefill pattern). So the 5% margin covers it. Below, the estimate is conservative where a
 # modelled pattern strands less than it can (the need 12.9% below it, the estimate 14.8% over, for gemma-2-2b's LoRA
 # with two micro-batches of 8 x 2,560 tokens: the loss phase's reserve is fitted to fall short of a need rarely, so it
 # runs long where a pattern strands less; benchmarks/reserve_fit.py). A verdict whose peak lies that close to the card
 # could be the other way round: `check --exact` decides it.
-NEED_ABOVE_ESTIMATE = 0.07
-NEED_ABOVE_ESTIMATE_EAGER = 0.07
+NEED_ABOVE_ESTIMATE = 0.05
+NEED_ABOVE_ESTIMATE_EAGER = 0.05
 NEED_BELOW_ESTIMATE = 0.14
 
 
