@@ -279,8 +279,9 @@ def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: Tr
 
 def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelArchitecture | None = None) -> float:
     """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting. The patterns
-    are the same at every moment of a phase but the prefill, where generation's (the decoding's last blocks beside
-    the segments they are cut from) do not exist yet, so choosing its heaviest moment needs no `arch`."""
+    are the same at every moment of a phase but generation's prefill, where generation's (the decoding's last blocks
+    beside the segments they are cut from) do not exist yet: generation's heaviest moment is chosen with them
+    (`arch`), the other phases' without."""
     tensors = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     patterns_of = expandable_patterns if train.expandable_segments else reserve_patterns
     patterns = patterns_of(arch, train, phase.name) if arch is not None else None
