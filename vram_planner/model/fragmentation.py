@@ -225,7 +225,8 @@ def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfi
     to weigh (tests/model/test_fragmentation.py replays the prefill and the decoding). The rest per segment
     falls as the completion grows, by no more than the count of segments times the block's growth, less than the
     cache's own growth (two blocks a layer, more than the segments); it jumps up where a block fewer fits and
-    vanishes where the block outgrows the segment, so the reserve never falls faster than the cache grows. Nothing
+    vanishes where the block outgrows the segment, so the reserve never falls faster than the cache grows (at the
+    decoding's moments, which hold the cache; the prefill's carry no generation pattern: phases._reserve). Nothing
     with vLLM (no prefill in this process) or where the MLP's tensors fall in the 20 MiB segments."""
     if train.use_vllm:
         return 0.0
