@@ -18,6 +18,7 @@ import sys
 from collections import Counter
 
 from boundary import CARD, MODELS, RESULTS, below_need, points
+from boundary_heldout import table_stem
 
 from vram_planner import engine
 from vram_planner.allocator import CachingAllocator
@@ -96,14 +97,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt or boundary-heldout.txt")
     parser.add_argument("--segments", action="store_true", help="also the segments that hold the cached memory")
+    parser.add_argument("--seed", type=int, default=0, help="the held-out sweep whose labels these are")
     args = parser.parse_args()
     grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
-    held_out = RESULTS / "boundary-heldout.json"  # benchmarks/boundary_heldout.py's points, as its table names them
+    # benchmarks/boundary_heldout.py's points, as its table for that seed names them
+    held_out = RESULTS / f"{table_stem(args.seed)}.json"
     grid.update({r["point"]: (r["model"], r["settings"]) for r in json.loads(held_out.read_text())}
                 if held_out.is_file() else {})
     unknown = [label for label in args.points if label not in grid]
     if unknown:
-        print(f"no boundary point {unknown[0]!r} (see benchmarks/results/boundary.txt and boundary-heldout.txt)",
+        print(f"no boundary point {unknown[0]!r} (see benchmarks/results/boundary.txt and {held_out.name[:-5]}.txt)",
               file=sys.stderr)
         return 2
     for label in args.points:
