@@ -23,17 +23,16 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # How far the exact need of a step has been measured from the estimate (benchmarks/boundary.py: the traced step's
 # need, bisected through the allocator model, beside the analytic peak; benchmarks/results/boundary.txt, and
 # boundary_heldout.py's random configs off that grid, boundary-heldout*.txt): up to this much above it, and this much
-# below. Above: 1.0% on the grid the reserve was fitted on; 4.0% on seed 1's held-out configs, which no pattern was
-# read off (SmolLM2-360M's float32 LoRA without checkpointing, 8-bit AdamW), 4.8% with eager attention on seed 0's
-# (Qwen3-0.6B's float32 full fine-tuning with expandable segments, whose first step's 8-bit states each keep part of a
-# 20 MiB page mapped; 6.8% before expandable_pages' patterns, and SmolLM2-360M's 512 sequences generated at once 6.7%
-# before generation's prefill pattern). So the 5% margin covers it. Below, the estimate is conservative where a
-# modelled pattern strands less than it can (the need 12.9% below it, the estimate 14.8% over, for gemma-2-2b's LoRA
-# with two micro-batches of 8 x 2,560 tokens: the loss phase's reserve is fitted to fall short of a need rarely, so it
-# runs long where a pattern strands less; benchmarks/reserve_fit.py). A verdict whose peak lies that close to the card
-# could be the other way round: `check --exact` decides it.
+# below. Above: 1.0% on the grid the reserve was fitted on; off it, on the sweeps no pattern was read off (seeds 1
+# and 2), 4.0% (SmolLM2-360M's float32 LoRA without checkpointing, 8-bit AdamW), which the 5% margin covers, and with
+# eager attention 8.3%, which it does not (Qwen2.5-1.5B's LoRA generating 512 sequences of 256 + 512 tokens at once,
+# where it runs out generating; seed 0's Qwen3-0.6B float32 full fine-tuning with expandable segments 4.8%). Below,
+# the estimate is conservative where a modelled pattern strands less than it can (the need 12.9% below it, the
+# estimate 14.8% over, for gemma-2-2b's LoRA with two micro-batches of 8 x 2,560 tokens: the loss phase's reserve is
+# fitted to fall short of a need rarely, so it runs long where a pattern strands less; benchmarks/reserve_fit.py). A
+# verdict whose peak lies that close to the card could be the other way round: `check --exact` decides it.
 NEED_ABOVE_ESTIMATE = 0.05
-NEED_ABOVE_ESTIMATE_EAGER = 0.05
+NEED_ABOVE_ESTIMATE_EAGER = 0.09
 NEED_BELOW_ESTIMATE = 0.14
 
 
