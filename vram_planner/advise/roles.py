@@ -94,10 +94,7 @@ def _parameter_numels(arch: Any) -> list[tuple[int, bool]]:
 
 def _states_per_parameter(train: Any) -> int:
     """Full-width states per trainable parameter (8-bit and factored states are not listed: they count as other)."""
-    optim = train.optim.value
-    if "8bit" in optim or optim in ("adafactor", "sgd"):
-        return 0
-    return 1 if optim in ("rmsprop", "adagrad", "lion_32bit") else 2
+    return 0 if train.optim.is_8bit else train.optim.state_tensors
 
 
 @dataclass

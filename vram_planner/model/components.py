@@ -303,17 +303,16 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
         state_dtype = fsdp.master_bytes(train)
     opt = train.optim
     if opt.is_8bit:
-        states = 1 if "lion" in opt.value else 2
         small = _small_tensor_params(arch, train)
-        total = states * ((trainable - small) * BNB_8BIT_STATE_BYTES + small * FP32_BYTES)
+        total = opt.state_tensors * ((trainable - small) * BNB_8BIT_STATE_BYTES + small * FP32_BYTES)
     elif opt in (Optimizer.paged_adamw_32bit, Optimizer.lion_32bit):
-        total = trainable * FP32_BYTES * (2 if opt is Optimizer.paged_adamw_32bit else 1)
+        total = trainable * FP32_BYTES * opt.state_tensors
     elif opt is Optimizer.adafactor:
         total = _adafactor_state_elements(arch, train) * FP32_BYTES
     elif opt is Optimizer.sgd:
         total = 0
     elif opt in (Optimizer.rmsprop, Optimizer.adagrad):
-        total = trainable * state_dtype
+        total = opt.state_tensors * trainable * state_dtype
     else:
         # exp_avg and exp_avg_sq of every tensor in whole blocks, and fused AdamW's step scalars
         if train.fsdp:

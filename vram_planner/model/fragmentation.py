@@ -267,15 +267,18 @@ def cache_in_micro_batch_segment_bytes(arch: ModelArchitecture, train: TrainingC
     less than the cache grows by. Nothing with vLLM (its cache is its own reservation)."""
     if train.use_vllm:
         return 0.0
-    block_token = train.local_generation_batch_size * arch.num_kv_heads * arch.head_dim * max(m.kv_element_bytes(train))
     segment_token = train.micro_batch_completions * _largest_request_token_bytes(arch, train)
-    return float(_last_block_bytes(arch, train)) if block_token <= segment_token else 0.0
+    return float(_last_block_bytes(arch, train)) if _block_token_bytes(arch, train) <= segment_token else 0.0
 
 
 def _last_block_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
     # one layer's keys (or values) of the whole generation batch at the last decoding step, the larger of the two
-    return (train.local_generation_batch_size * arch.num_kv_heads * arch.head_dim * (train.sequence_length - 1)
-            * max(m.kv_element_bytes(train)))
+    return _block_token_bytes(arch, train) * (train.sequence_length - 1)
+
+
+def _block_token_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    # a token of one layer's keys (or values) for the whole generation batch, the larger of the two
+    return train.local_generation_batch_size * arch.num_kv_heads * arch.head_dim * max(m.kv_element_bytes(train))
 
 
 def states_in_decoding_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -306,9 +309,8 @@ def states_in_decoding_segment_bytes(arch: ModelArchitecture, train: TrainingCon
     segment = allocation_size(block, K_LARGE_BUFFER)
     element = _state_element_bytes(train)
     states = [linear.in_features * linear.out_features * element for linear in arch.layer_linears()]
-    opt = train.optim
-    per_parameter = 1 if "lion" in opt.value or opt in (Optimizer.rmsprop, Optimizer.adagrad) else 2
-    return float(arch.num_layers * per_parameter * sum(state for state in states if K_SMALL_SIZE < state < segment))
+    return float(arch.num_layers * train.optim.state_tensors
+                 * sum(state for state in states if K_SMALL_SIZE < state < segment))
 
 
 def eager_overflow_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -412,7 +414,7 @@ def _whole_large_states(train: TrainingConfig) -> bool:
     # are factored and SGD keeps none
     opt = train.optim
     return not (train.uses_lora or train.zero_stage is not None or train.fsdp or opt.is_paged
-                or opt in (Optimizer.adafactor, Optimizer.sgd))
+                or not opt.state_tensors)
 
 
 def _state_element_bytes(train: TrainingConfig) -> int:

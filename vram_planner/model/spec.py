@@ -54,6 +54,14 @@ class Optimizer(str, Enum):
         """bitsandbytes' paged optimizers keep their states in CUDA managed memory, which pages out to the host."""
         return self.value.startswith("paged_")
 
+    @property
+    def state_tensors(self) -> int:
+        """The states it keeps per parameter as tensors of the parameter's shape: AdamW's two moments, Lion's,
+        RMSprop's and Adagrad's one (8-bit or not); none for SGD, nor for Adafactor, whose states are factored."""
+        if self in (Optimizer.sgd, Optimizer.adafactor):
+            return 0
+        return 1 if "lion" in self.value or self in (Optimizer.rmsprop, Optimizer.adagrad) else 2
+
 
 def _allocator_settings(value: str) -> str:
     if value:
