@@ -263,6 +263,21 @@ def describe(errors: list[float]) -> str:
             f"worst over {max(errors):+.1%}, {sum(e < -0.01 for e in errors)} more than 1% under")
 
 
+def point_lines(points_: list[dict], shipped: dict, fitted: dict, left_out: dict[str, float]) -> list[str]:
+    """Each point's error with the shipped, the fitted and the left-out coefficients."""
+    return [f"{'point':50} {'shipped':>8} {'fitted':>8} {'left out':>9}",
+            *(f"{p['point']:50} {error(p, shipped):+8.1%} {error(p, fitted):+8.1%} {left_out[p['point']]:+9.1%}"
+              for p in points_)]
+
+
+def fit_summary(points_: list[dict], shipped: dict, fitted: dict, left_out: dict[str, float]) -> list[str]:
+    """The fitted coefficients, and the errors over the points with each set."""
+    return ["coefficients (reserve bytes per byte): " + ", ".join(f"{k} {v}" for k, v in fitted.items()),
+            "shipped:   " + describe([error(p, shipped) for p in points_]),
+            "fitted:    " + describe([error(p, fitted) for p in points_]),
+            "left out:  " + describe(list(left_out.values()))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"store the fit in {CALIBRATION.name}")
@@ -278,15 +293,10 @@ def main() -> int:
     coefficients = fit(grid)
     shipped = default_calibration().allocator_reserve.get("default", {}).get("training", {})
     left_out = left_out_errors(grid)
-    lines = [f"{'point':50} {'shipped':>8} {'fitted':>8} {'left out':>9}"]
-    for p in grid:
-        lines.append(f"{p['point']:50} {error(p, shipped):+8.1%} {error(p, coefficients):+8.1%} "
-                     f"{left_out[p['point']]:+9.1%}")
-    lines += ["", f"{len(grid)} steps that run out in the loss phase (torch's default allocator)",
-              "coefficients (reserve bytes per byte): " + ", ".join(f"{k} {v}" for k, v in coefficients.items()),
-              "shipped:   " + describe([error(p, shipped) for p in grid]),
-              "fitted:    " + describe([error(p, coefficients) for p in grid]),
-              "left out:  " + describe(list(left_out.values())) + " (each model's points under the others' fit)"]
+    lines = [*point_lines(grid, shipped, coefficients, left_out),
+             "", f"{len(grid)} steps that run out in the loss phase (torch's default allocator)",
+             *fit_summary(grid, shipped, coefficients, left_out)]
+    lines[-1] += " (each model's points under the others' fit)"
     if args.keep_loss:  # the refit above is shown, the shipped coefficients stay
         coefficients = dict(shipped)
         lines.append("stored:    the shipped coefficients (--keep-loss)")
@@ -302,13 +312,9 @@ def main() -> int:
     shipped_expandable = default_calibration().allocator_reserve["expandable_segments"]["training"]
     expandable_left_out = left_out_errors(expandable, EXPANDABLE_PATTERNS)
     lines += ["", f"{len(expandable)} steps under expandable segments that run out in the loss phase, the "
-              "patterns on top of the per-phase shares:", f"{'point':50} {'shipped':>8} {'fitted':>8} {'left out':>9}",
-              *(f"{p['point']:50} {error(p, shipped_expandable):+8.1%} {error(p, expandable_fit):+8.1%} "
-                f"{expandable_left_out[p['point']]:+9.1%}" for p in expandable),
-              "coefficients (reserve bytes per byte): " + ", ".join(f"{k} {v}" for k, v in expandable_fit.items()),
-              "shipped:   " + describe([error(p, shipped_expandable) for p in expandable]),
-              "fitted:    " + describe([error(p, expandable_fit) for p in expandable]),
-              "left out:  " + describe(list(expandable_left_out.values()))]
+              "patterns on top of the per-phase shares:",
+              *point_lines(expandable, shipped_expandable, expandable_fit, expandable_left_out),
+              *fit_summary(expandable, shipped_expandable, expandable_fit, expandable_left_out)]
     print("\n".join(lines))
     save_atomically(RESULTS / "reserve_fit.txt", "\n".join(lines) + "\n")
     document = {"key": key, "coefficients": {k: v for k, v in coefficients.items() if v > 0},
