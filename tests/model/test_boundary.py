@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import family_fixture_files
+from helpers import benchmark_module, family_fixture_files
 from vram_planner import engine
 from vram_planner.model.verdict import NEED_BELOW_ESTIMATE, need_above_estimate
 from vram_planner.units import GiB
@@ -73,22 +73,14 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
     refit that weighs a short reserve 60 times a long one; with TRL's plain defaults on the grid, SmolLM2-135M's and
     phi-2's, 3.9% and 1.9% under before the embedding's state in the LM head's tile segment and the refit at 33; the
     first step's states in the prefill's segments let the weight fall to 28, the median to 1.86%)."""
-    import importlib
     import json
     import statistics
-    import sys
-    from pathlib import Path
 
-    benchmarks = Path(__file__).parents[2] / "benchmarks"
-    sys.path.insert(0, str(benchmarks))
-    try:
-        boundary = importlib.import_module("boundary")
-    finally:
-        sys.path.remove(str(benchmarks))
-    needs = json.loads((benchmarks / "results" / "boundary-needs.json").read_text())["points"]
+    boundary = benchmark_module("boundary")
+    needs = json.loads((boundary.RESULTS / "boundary-needs.json").read_text())["points"]
     rows = [boundary.row(label, model, settings, needs[label])
             for label, model, settings in boundary.points(list(boundary.MODELS), quick=False) if label in needs]
-    committed = json.loads((benchmarks / "results" / "boundary.json").read_text())
+    committed = json.loads((boundary.RESULTS / "boundary.json").read_text())
     assert [(r["point"], r["analytic_bytes"]) for r in rows] == [(r["point"], r["analytic_bytes"]) for r in committed]
     assert not [r["point"] for r in rows if r["window"]]
     assert statistics.median(abs(r["error"]) for r in rows) < 0.02

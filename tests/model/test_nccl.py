@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import benchmark_module
 from vram_planner.errors import ProfileError
 from vram_planner.model.nccl import coll_channels, nccl_figure, nccl_table
 from vram_planner.profiles import GpuProfile, gpus, profile_dirs
@@ -170,11 +171,7 @@ def test_the_two_gpu_measurement_script_sets_the_plans_figure_beside_and_refuses
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        from nccl_memory import planned
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
+    planned = benchmark_module("nccl_memory").planned
     h100 = GpuProfile.from_name("h100-80gb")
     assert planned("h100-80gb", 8, 2)["bytes"] == nccl_figure(h100, 8, "zero3").bytes
     assert planned("h100-80gb", 2, 1)["parts"] == nccl_figure(h100, 2, "ddp").parts
