@@ -38,7 +38,7 @@ from accuracy import trace_key as tracing_key  # noqa: E402
 from vram_planner.allocator import CachingAllocator, OutOfMemory, parse_allocator_conf  # noqa: E402
 from vram_planner.model.architecture import ModelArchitecture  # noqa: E402
 from vram_planner.model.calibration import default_calibration  # noqa: E402
-from vram_planner.model.fragmentation import GENERATION_PATTERNS  # noqa: E402
+from vram_planner.model.generation_patterns import GENERATION_PATTERNS  # noqa: E402
 from vram_planner.probe.fit import ProbePoint  # noqa: E402
 from vram_planner.model.phases import TENSOR_COMPONENTS, estimate  # noqa: E402
 from vram_planner.model.spec import TrainingConfig  # noqa: E402

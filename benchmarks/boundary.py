@@ -87,6 +87,15 @@ CONFIGS = {
     "lora p64 c384 B32 S8": {**BF16_LORA, "num_generations": 8, "per_device_train_batch_size": 32,
                              "gradient_accumulation_steps": 4, "steps_per_generation": 8, "max_prompt_length": 64,
                              "max_completion_length": 384},
+    # Prefill-bound: 512 prompts generated at once for a small micro-batch (64 steps per generation), where
+    # generate()'s forward of the prompts asks for the largest blocks of the step (the MLP's, eager attention's)
+    "lora p512 c128 B8 S64": {**BF16_LORA, "num_generations": 8, "per_device_train_batch_size": 8,
+                              "gradient_accumulation_steps": 4, "steps_per_generation": 64, "max_prompt_length": 512,
+                              "max_completion_length": 128},
+    "lora p256 c128 B8 S64 eager": {**BF16_LORA, "num_generations": 8, "per_device_train_batch_size": 8,
+                                    "gradient_accumulation_steps": 4, "steps_per_generation": 64,
+                                    "max_prompt_length": 256, "max_completion_length": 128,
+                                    "attn_implementation": "eager"},
 }
 QUICK_CONFIGS = ("full c1024 B8",)
 FIXTURE_CONFIGS = {
@@ -175,6 +184,7 @@ def row(label: str, model: str, settings: dict, traced: dict) -> dict:
     peak = verdict.estimate.peak_bytes
     fits_from = peak / (1 - verdict.context.safety_margin)
     return {"point": label, "attn_implementation": verdict.train.attn_implementation,
+            "gradient_checkpointing": verdict.train.gradient_checkpointing,
             "analytic_bytes": peak, "fits_from_bytes": fits_from, "need_bytes": need,
             "held_bytes": held, "error": (peak - need) / need, "window": fits_from < need,
             "seconds": traced["seconds"]}

@@ -54,16 +54,22 @@ segments only with bfloat16 LoRA and checkpointing until 2026-11-28, when the he
 five configs more than 1% under with them (full fine-tuning, 8-bit AdamW, checkpointing off); four expandable configs
 joined the grid then, and the held-out points were read to find the patterns (no longer a clean hold-out).
 
-Generation's patterns (fragmentation.GENERATION_PATTERNS: the KV cache's growing blocks cut from the segments the
-previous step's loss left, counted for the whole generation batch and, as a block's envelope, for one micro-batch's;
-from the segments generation's prefill left; the first step's states in the segments the decoding left) are weighed on
-top of the per-phase shares allocator_fit.py fits. Their coefficients are fitted with the same loss over every point's
-error under torch's defaults, the estimate being the largest phase: a generation reserve too large shows at the steps
-decided elsewhere, one too small at those that run out generating. With the 20 generation-bound points of 2026-11-28
+Generation's patterns (generation_patterns.GENERATION_PATTERNS: the KV cache's growing blocks cut from the segments
+the previous step's loss left, counted for the whole generation batch and, as a block's envelope, for one
+micro-batch's; from the segments generation's prefill left; the first step's states in the segments the decoding left;
+the prefill's largest request beside the segment a smaller tensor pins) are weighed on top of the per-phase shares
+allocator_fit.py fits, the prefill's at its moments and the others at the decoding's. Their coefficients are fitted
+with the same loss over every point's error under torch's defaults, the estimate being the largest phase (and, within
+generation, the larger of its prefill and decoding): a generation reserve too large shows at the steps decided
+elsewhere, one too small at those that run out generating. With the 20 generation-bound points of 2026-11-28
 (256 or 512 sequences at once) the loss segments' pattern comes out 0, the micro-batch's envelope covering it. Those
 points put 5 more steps in the loss phase, all over their needs (+0.8% to +10.3%); refitted on them the loss phase's
 coefficients leave the grid's median at 2.09% with a point 1.1% under (2.12% and none at 32), so --keep-loss stores
-the shipped ones and refits generation's alone.
+the shipped ones and refits generation's alone. The 20 prefill-bound points (512 prompts for a micro-batch of 8,
+2026-11-28, later) set the prefill's largest request at its bound, 1 byte a byte (a segment's rest, less than the
+request, strands), and move the decoding's (the prefill segments' 1.08 to 0.70, the micro-batch's block 1.74 to
+2.47); allowed 2, the fit takes 1.17 and the over-estimates grow (gemma-3-1b-it's eager LoRA +19.3%) while the one
+window left (Qwen3-0.6B's eager LoRA, decided at the decoding) moves from -6.3% to -5.1% only.
 """
 
 from __future__ import annotations
@@ -86,10 +92,13 @@ from boundary import CARD, MODELS, RESULTS, committed_needs, points  # noqa: E40
 from vram_planner import engine  # noqa: E402
 from vram_planner.model.calibration import default_calibration  # noqa: E402
 from vram_planner.model.expandable_pages import EXPANDABLE_PATTERNS, expandable_patterns  # noqa: E402
-from vram_planner.model.fragmentation import (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_MICRO_BATCH_SEGMENTS,  # noqa: E402
-                                              CACHE_IN_PREFILL_SEGMENTS, GENERATION_PATTERNS, PATTERNS,
-                                              STATES_IN_DECODING_SEGMENTS, reserve_patterns)
-from vram_planner.model.phases import TENSOR_COMPONENTS  # noqa: E402
+from vram_planner.model.fragmentation import PATTERNS, reserve_patterns  # noqa: E402
+from vram_planner.model.generation_patterns import (CACHE_IN_LOSS_SEGMENTS,  # noqa: E402
+                                                    CACHE_IN_MICRO_BATCH_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS,
+                                                    GENERATION_PATTERNS, PREFILL_LARGEST_REQUEST, PREFILL_PATTERNS,
+                                                    STATES_IN_DECODING_SEGMENTS)
+from vram_planner.model.phases import (PREFILL_MOMENTS, TENSOR_COMPONENTS, generation_moments,  # noqa: E402
+                                       persistent_bytes, with_overheads)
 
 ROOT = Path(__file__).resolve().parent.parent
 CALIBRATION = ROOT / "profiles" / "calibrations" / "default.json"
@@ -99,11 +108,14 @@ HUBER = 0.05
 MAX_RESERVE_PER_BYTE = 4.0  # a pattern strands at most a few times its own bytes
 # Generation's patterns per byte at most: the rest beside the cache's blocks falls as the completion grows, by less
 # than the cache grows where the blocks outnumber the segments a few times (the loss's and the prefill's segments:
-# fragmentation.cache_in_loss_segment_bytes, cache_in_prefill_segment_bytes; the prefill's count leaves out the
+# generation_patterns.cache_in_loss_segment_bytes, cache_in_prefill_segment_bytes; the prefill's count leaves out the
 # float32 norms' segments, so up to 2); the states strand at most what they are; a block stands for the loss's
-# segments that hold one (about ten at the grid's needs)
+# segments that hold one (about ten at the grid's needs); the prefill's largest request strands at most its segment
+# less the smaller tensor cut from it
 GENERATION_BOUNDS = {CACHE_IN_LOSS_SEGMENTS: 1.0, CACHE_IN_PREFILL_SEGMENTS: 2.0, STATES_IN_DECODING_SEGMENTS: 1.0,
-                     CACHE_IN_MICRO_BATCH_SEGMENTS: 12.0}
+                     CACHE_IN_MICRO_BATCH_SEGMENTS: 12.0, PREFILL_LARGEST_REQUEST: 1.0}
+# generation's patterns weighed at the decoding's moments
+DECODING = tuple(name for name in GENERATION_PATTERNS if name not in PREFILL_PATTERNS)
 
 
 def rows(cache: dict) -> list[dict]:
@@ -164,8 +176,9 @@ def left_out_errors(points_: list[dict], features: tuple[str, ...] = FEATURES) -
 
 def generation_rows(cache: dict) -> list[dict]:
     """Every point with a need under torch's default allocator, with what the analytic step needs outside
-    generation, generation's estimate without its patterns, and the patterns' bytes: a generation reserve that
-    overshoots raises the estimate of a step decided elsewhere, so every point has a say."""
+    generation, generation's heaviest prefill and decoding moments without its patterns, and the patterns' bytes: a
+    generation reserve that overshoots raises the estimate of a step decided elsewhere, so every point has a say.
+    The prefill's patterns weigh on its moments, the decoding's on theirs (phases._reserve)."""
     bare = replace(default_calibration(), allocator_reserve=_without_generation_patterns())
     out = []
     for label, model, settings in points(list(MODELS), quick=False):
@@ -175,13 +188,19 @@ def generation_rows(cache: dict) -> list[dict]:
         verdict = engine.check(model, CARD, settings, calibration=bare)
         if verdict.train.expandable_segments:
             continue
+        arch, train = verdict.context.arch, verdict.train
         generation = next(p for p in verdict.estimate.phases if p.name == "generation")
-        context = generation.components["cuda_context"]
-        patterns = reserve_patterns(verdict.context.arch, verdict.train, "generation")
+        context, workspaces = generation.components["cuda_context"], generation.components["cublas_workspaces"]
+        moments = [(moment.moment in PREFILL_MOMENTS,
+                    with_overheads(moment, bare, 0.0, train, context, workspaces).total_bytes)
+                   for moment in generation_moments(arch, train, bare, persistent_bytes(arch, train))]
+        assert abs(max(total for _, total in moments) - generation.total_bytes) < 1, label  # the phase's moments
+        patterns = reserve_patterns(arch, train, "generation")
         out.append({"point": label, "need_bytes": entry["allocator_need_bytes"] + context,
                     "others_bytes": max((p.total_bytes for p in verdict.estimate.phases if p.name != "generation"),
                                         default=0.0),
-                    "generation_bytes": generation.total_bytes,
+                    "prefill_bytes": max((total for prefill, total in moments if prefill), default=0.0),
+                    "decoding_bytes": max((total for prefill, total in moments if not prefill), default=0.0),
                     "patterns": {name: float(patterns.get(name, 0.0)) for name in GENERATION_PATTERNS}})
     return out
 
@@ -225,22 +244,29 @@ def _without_expandable_patterns() -> dict:
 
 def generation_error(point: dict, coefficients: dict[str, float]) -> float:
     """(analytic peak - need) / need with these coefficients of generation's patterns."""
-    generation = point["generation_bytes"] + sum(coefficients.get(name, 0.0) * value
-                                                 for name, value in point["patterns"].items())
+    def weighed(names: tuple[str, ...]) -> float:
+        return sum(coefficients.get(name, 0.0) * point["patterns"][name] for name in names)
+
+    generation = max(point["prefill_bytes"] + weighed(PREFILL_PATTERNS), point["decoding_bytes"] + weighed(DECODING))
     return (max(point["others_bytes"], generation) - point["need_bytes"]) / point["need_bytes"]
 
 
 def fit_generation(points_: list[dict]) -> dict[str, float]:
     """The coefficients of generation's patterns (GENERATION_PATTERNS) that minimise the loss phase's fit's loss over
-    the whole steps' errors (UNDER_WEIGHT, HUBER), the peak being a maximum over the phases: each coefficient in turn
-    searched over 0.01 steps up to its bound (GENERATION_BOUNDS), the others held, until none moves."""
+    the whole steps' errors (UNDER_WEIGHT, HUBER), the peak being a maximum over the phases and over generation's
+    prefill and decoding: each coefficient in turn searched over 0.01 steps up to its bound (GENERATION_BOUNDS), the
+    others held, until none moves."""
     patterns = np.array([[p["patterns"][name] for name in GENERATION_PATTERNS] for p in points_])
-    generation = np.array([p["generation_bytes"] for p in points_])
+    at_prefill = np.array([name in PREFILL_PATTERNS for name in GENERATION_PATTERNS])
+    prefill = np.array([p["prefill_bytes"] for p in points_])
+    decoding = np.array([p["decoding_bytes"] for p in points_])
     others = np.array([p["others_bytes"] for p in points_])
     need = np.array([p["need_bytes"] for p in points_])
 
     def loss(coefficients: np.ndarray) -> np.ndarray:  # [candidates, patterns] -> [candidates]
-        residual = (np.maximum(others, generation + coefficients @ patterns.T) - need) / need
+        generation = np.maximum(prefill + (coefficients * at_prefill) @ patterns.T,
+                                decoding + (coefficients * ~at_prefill) @ patterns.T)
+        residual = (np.maximum(others, generation) - need) / need
         size = np.abs(residual)
         huber = np.where(size <= HUBER, residual ** 2, 2 * HUBER * size - HUBER ** 2)
         return np.sum(np.where(residual < 0, UNDER_WEIGHT, 1.0) * huber, axis=1)

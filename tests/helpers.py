@@ -1,5 +1,5 @@
 """What several test modules share: model configs, running the CLI in-process or in a process of its own, paths
-nothing can be written at, an out-of-memory message, a time limit, models built as TRL builds them, a tokenizer
+nothing can be written at, catalog models' architectures, an out-of-memory message, a time limit, models built as TRL builds them, a tokenizer
 trained here (benchmarks/gpu_steps.py uses it too), the H100 recordings read once, and the benchmark scripts imported
 as modules. Fixtures live in conftest.py."""
 
@@ -17,6 +17,8 @@ from typing import Any
 
 from vram_planner.allocator.snapshot import Snapshot, load_snapshot
 from vram_planner.cli import main
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.profiles import model_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -192,3 +194,8 @@ def benchmark_module(name: str) -> Any:
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def catalog_architecture(name: str) -> ModelArchitecture:
+    """A catalog model's architecture, as the analytic model reads it."""
+    return ModelArchitecture.from_config(model_config(name)[0])

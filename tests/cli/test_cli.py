@@ -390,3 +390,22 @@ def test_a_verdict_near_the_boundary_says_so_and_names_exact(capsys):
     assert short["fits"] is False and short["near_boundary"] is True and NEED_BELOW_ESTIMATE > 0.05
     code, out, _ = run(capsys, "check", "--gpu", "80GiB", *model, "--json")
     assert json.loads(out)["near_boundary"] is False
+
+
+def test_a_step_without_checkpointing_is_flagged_within_its_own_measured_band(capsys):
+    """Without gradient checkpointing needs have been measured further above the estimate than with it: a "fits" past
+    the 5% margin but within that band is flagged, and the line says which steps needed how much more."""
+    from vram_planner import engine
+    from vram_planner.model.verdict import need_above_estimate
+
+    flags = ["--model", "Qwen2.5-0.5B", "--no-gradient-checkpointing"]
+    peak = engine.check("Qwen2.5-0.5B", "80GiB", {"gradient_checkpointing": False}).estimate.peak_bytes
+    above = need_above_estimate("sdpa", gradient_checkpointing=False)
+    assert above > need_above_estimate("sdpa") and above > 0.05 / 0.95
+    card = f"{peak / 0.95 / 2**30 + 0.01:.3f}GiB"  # fits with the margin, inside the band
+    code, out, _ = run(capsys, "check", "--gpu", card, *flags, "--json")
+    assert code == 0 and json.loads(out)["fits"] is True and json.loads(out)["near_boundary"] is True
+    code, out, _ = run(capsys, "check", "--gpu", card, *flags)
+    said = " ".join(out.split())
+    assert (f"Near the boundary: steps with no gradient checkpointing have needed up to {above:.0%} more than the "
+            "estimate") in said, said

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from helpers import catalog_architecture
 from vram_planner.allocator import CachingAllocator, parse_allocator_conf
 from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE
-from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import default_calibration
 from vram_planner.model.expandable_pages import (EXPANDABLE_PATTERNS, GRADIENT_PAGES, KEPT_ACTIVATION_PAGES,
                                                  expandable_patterns, islands_bytes)
@@ -18,7 +18,6 @@ from vram_planner.model.fragmentation import reserve_patterns
 from vram_planner.model.phases import estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import trl_release
-from vram_planner.profiles import model_config
 from vram_planner.units import GiB, MiB
 
 EXPANDABLE = parse_allocator_conf("expandable_segments:True", "--allocator-conf")
@@ -67,12 +66,8 @@ def test_the_islands_bytes_never_fall_as_the_runs_grow():
     assert values == sorted(values) and max(values) == 24 * K_LARGE_BUFFER
 
 
-def _arch(name: str) -> ModelArchitecture:
-    return ModelArchitecture.from_config(model_config(name)[0])
-
-
 def test_the_patterns_follow_the_knobs():
-    arch = _arch("Qwen2.5-0.5B")  # 24 layers; 896 x 4,864 MLP weights: 16.6 MiB in float32
+    arch = catalog_architecture("Qwen2.5-0.5B")  # 24 layers; 896 x 4,864 MLP weights: 16.6 MiB in float32
     full = TrainingConfig(allocator_conf="expandable_segments:True")
     patterns = expandable_patterns(arch, full, "training")
     assert set(patterns) == set(EXPANDABLE_PATTERNS)
@@ -87,7 +82,7 @@ def test_the_patterns_follow_the_knobs():
     assert expandable_patterns(arch, longer, "training")[KEPT_ACTIVATION_PAGES] == 24 * K_LARGE_BUFFER
     bf16 = expandable_patterns(arch, replace(full, dtype="bfloat16"), "training")
     assert bf16[GRADIENT_PAGES] == 24 * 896 * 4864 * 2
-    larger = expandable_patterns(_arch("gemma-3-1b-it"), full, "training")  # 30.4 MiB gradients: a page each
+    larger = expandable_patterns(catalog_architecture("gemma-3-1b-it"), full, "training")  # 30.4 MiB gradients: a page each
     assert larger[GRADIENT_PAGES] == 26 * K_LARGE_BUFFER
     assert expandable_patterns(arch, full, "generation") == {}
     # the default allocator's patterns are fragmentation's, none of these
@@ -97,7 +92,7 @@ def test_the_patterns_follow_the_knobs():
 @pytest.mark.parametrize("settings", [{}, {"lora_r": 8, "gradient_checkpointing": False}])
 def test_the_shipped_reserve_weighs_the_patterns_under_expandable_segments(settings):
     # the boundary grid's expandable points were short of their needs where the reserve was the tensors' shares alone
-    arch = _arch("SmolLM2-135M")
+    arch = catalog_architecture("SmolLM2-135M")
     train = TrainingConfig(allocator_conf="expandable_segments:True", **settings)
     calibration = default_calibration()
     weighed = calibration.allocator_reserve["expandable_segments"]["training"]

@@ -24,6 +24,7 @@ from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.cuda_context import context_bytes as resolved_context_bytes
 from vram_planner.model.expandable_pages import expandable_patterns
 from vram_planner.model.fragmentation import reserve_patterns
+from vram_planner.model.generation_patterns import PREFILL_PATTERNS
 from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, logit_positions
 from vram_planner.model.spec import TrainingConfig, allocator_conf_notes
 from vram_planner.model.trl_releases import TrlRelease
@@ -122,11 +123,7 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
 
     With `first_micro_batch`, the phases of the first micro-batch of the first step instead: generation, scoring and
     the loss before any optimizer state (or accumulated gradient) exists, and no optimizer step."""
-    persistent = {
-        "weights": m.weight_bytes(arch, train),
-        "reference_weights": m.reference_weight_bytes(arch, train),
-        "optimizer_states": 0.0 if first_micro_batch else m.optimizer_state_bytes(arch, train),
-    }
+    persistent = persistent_bytes(arch, train, first_micro_batch)
     all_grads = m.gradient_bytes(arch, train)
     # vLLM colocated on this card takes the budget it works out at start-up (all of it, or what sleep mode leaves)
     context = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
@@ -161,6 +158,14 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm,
                     host_bytes=offload.host_bytes(arch, train))
+
+
+def persistent_bytes(arch: ModelArchitecture, train: TrainingConfig,
+                     first_micro_batch: bool = False) -> dict[str, float]:
+    """What every phase holds: the weights (the policy's, the reference's) and the optimizer's states, none before
+    the first optimizer step."""
+    return {"weights": m.weight_bytes(arch, train), "reference_weights": m.reference_weight_bytes(arch, train),
+            "optimizer_states": 0.0 if first_micro_batch else m.optimizer_state_bytes(arch, train)}
 
 
 def _reservation(colocated: VllmBudget | None, phase: Phase) -> float:
@@ -255,9 +260,8 @@ def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release:
                         first: bool) -> list[Phase]:
     """Every moment of a micro-batch's loss forward and backward, tensors only: the first micro-batch of the run
     (`first`: no optimizer state, no gradient yet) or a later one."""
-    persistent = {"weights": m.weight_bytes(arch, train), "reference_weights": m.reference_weight_bytes(arch, train),
-                  "optimizer_states": 0.0 if first else m.optimizer_state_bytes(arch, train)}
-    return training_moments(arch, train, release, cal, persistent, m.gradient_bytes(arch, train), first)
+    return training_moments(arch, train, release, cal, persistent_bytes(arch, train, first),
+                            m.gradient_bytes(arch, train), first)
 
 
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
@@ -279,14 +283,17 @@ def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: Tr
 
 def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelArchitecture | None = None) -> float:
     """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting. The patterns
-    are the same at every moment of a phase but generation's prefill, where generation's (the decoding's last blocks
-    beside the segments they are cut from) do not exist yet: generation's heaviest moment is chosen with them
-    (`arch`), the other phases' without."""
+    are the same at every moment of a phase but generation's: at its prefill the decoding's blocks (and the segments
+    they strand) do not exist yet, and the prefill's own largest requests are over by the decoding
+    (generation_patterns.PREFILL_PATTERNS). Generation's heaviest moment is chosen with them (`arch`), the other
+    phases' without."""
     tensors = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     patterns_of = expandable_patterns if train.expandable_segments else reserve_patterns
     patterns = patterns_of(arch, train, phase.name) if arch is not None else None
-    if patterns is not None and phase.moment in PREFILL_MOMENTS:
-        patterns = {name: 0.0 for name in patterns}
+    if patterns is not None and phase.name == "generation":
+        prefilling = phase.moment in PREFILL_MOMENTS
+        patterns = {name: value if (name in PREFILL_PATTERNS) == prefilling else 0.0
+                    for name, value in patterns.items()}
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns)
 
 
@@ -312,6 +319,13 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
             sync["vllm_reservation"] = colocated.asleep_bytes + colocated.weights_bytes
         moments = [generating, Phase("generation", sync, "weights pushed to vLLM")]
         return _heaviest(moments, cal, train, colocated)
+    return _heaviest(generation_moments(arch, train, cal, persistent), cal, train, arch=arch)
+
+
+def generation_moments(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration,
+                       persistent: dict[str, float]) -> list[Phase]:
+    """The moments of generate() in this process (no vLLM) that may hold the most, their tensors only: the prefill
+    (FSDP2's first gathers before it), and the last decoding step's cache update, attention and LM head."""
     base = {**persistent, "weights": m.generation_weight_bytes(arch, train)}
     sequences, p = train.local_generation_batch_size, train.max_prompt_length
     run = m.as_generated(train)
@@ -354,7 +368,7 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
                        "activations": blocks.blocks(sequences * arch.hidden_size * m.sizes(run).residual)
                        + inference.decoding_inputs_bytes(arch, run, sequences)},
                          "last decoding step: a layer's gather")]
-    moments = [
+    return [
         *gathers,
         Phase("generation", {**prefilling, "kv_cache": prompt_kv, "activations": prefill}, PREFILL),
         Phase("generation", {**in_layer, "kv_cache": kv + kv_growth}, "last decoding step: cache update"),
@@ -365,7 +379,6 @@ def _generation(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration
         Phase("generation", {**decoding, "weights": head_weights, "kv_cache": kv, "lm_head_buffers": head},
               "last decoding step: LM head"),
     ]
-    return _heaviest(moments, cal, train, arch=arch)
 
 
 def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,

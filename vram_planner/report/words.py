@@ -29,10 +29,14 @@ def first_micro_batch_line(first) -> str:  # first: vram_planner.report.document
 def near_boundary_reason(report: Report) -> str:
     """Why the estimate's verdict could be the other way round (the web page says it too)."""
     if report.fits:
-        above = need_above_estimate(report.assumptions["attn_implementation"])
-        attention = " with eager attention" if report.assumptions["attn_implementation"] == "eager" else ""
-        return (f"steps{attention} have needed up to {above:.0%} more than the estimate (the most measured), and "
-                "this card would not hold that")
+        eager = report.assumptions["attn_implementation"] == "eager"
+        checkpointing = report.config.get("gradient_checkpointing", True)
+        above = need_above_estimate(report.assumptions["attn_implementation"], checkpointing)
+        kinds = [kind for kind, applies in (("eager attention", eager), ("no gradient checkpointing", not checkpointing))
+                 if applies]
+        steps = f"steps with {' and '.join(kinds)}" if kinds else "steps"
+        return (f"{steps} have needed up to {above:.0%} more than the estimate (the most measured), and this card "
+                "would not hold that")
     return (f"steps have needed up to {NEED_BELOW_ESTIMATE:.0%} less than the estimate (the most measured), and "
             "this card would hold that")
 

@@ -1,0 +1,211 @@
+"""Generation's allocation patterns: where the KV cache's blocks, the prompts' forward and the first optimizer step's
+states leave the caching allocator's cached memory where generate()'s largest requests cannot use it, in bytes, for
+the fitted reserve function to weigh (vram_planner.model.calibration.allocator_reserve_bytes) on top of the phase's
+per-component shares. The decoding's patterns weigh on its moments, the prefill's on the prefill's
+(vram_planner.model.phases._reserve): at the prefill no decoding block exists yet.
+
+Found as the loss's were (vram_planner.model.fragmentation): replaying traced steps through the allocator model and
+reading its segments where the step runs out just below its need. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, allocation_size
+from vram_planner.model import components as m
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.stranding import (largest_request_token_bytes, state_element_bytes, stranded_by_kept_inputs,
+                                          whole_large_states)
+
+CACHE_IN_LOSS_SEGMENTS = "cache_in_loss_segments"
+CACHE_IN_PREFILL_SEGMENTS = "cache_in_prefill_segments"
+STATES_IN_DECODING_SEGMENTS = "states_in_decoding_segments"
+CACHE_IN_MICRO_BATCH_SEGMENTS = "cache_in_micro_batch_segments"
+PREFILL_LARGEST_REQUEST = "prefill_largest_request"
+# Those of generate()'s forward of the prompts, weighed at its moments; the rest at the decoding's
+PREFILL_PATTERNS = (PREFILL_LARGEST_REQUEST,)
+GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS, STATES_IN_DECODING_SEGMENTS,
+                       CACHE_IN_MICRO_BATCH_SEGMENTS, *PREFILL_PATTERNS)
+# MLP-wide tensors a gated MLP's forward holds at once (act(gate), up and their product; the gate is freed once
+# activated), a plain one's (fc1's output and its activation): modeling_llama's and modeling_phi's MLP.forward
+GATED_MLP_LIVE, PLAIN_MLP_LIVE = 3, 2
+
+
+def generation_patterns(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
+    """Generation's patterns, in bytes: the KV cache's last blocks in the segments the previous step's loss, the
+    prefill and one micro-batch's loss left, the first step's states in the decoding's segments, and the prefill's
+    largest request beside a segment the previous layer's left."""
+    return {CACHE_IN_LOSS_SEGMENTS: cache_in_loss_segment_bytes(arch, train),
+            CACHE_IN_PREFILL_SEGMENTS: cache_in_prefill_segment_bytes(arch, train),
+            STATES_IN_DECODING_SEGMENTS: states_in_decoding_segment_bytes(arch, train),
+            CACHE_IN_MICRO_BATCH_SEGMENTS: cache_in_micro_batch_segment_bytes(arch, train),
+            PREFILL_LARGEST_REQUEST: prefill_largest_request_bytes(arch, train)}
+
+
+def cache_in_loss_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What the KV cache's last blocks strand in the segments the previous step's loss left cached, generating in
+    this process.
+
+    Each decoding step's concatenation makes every layer's keys and values anew, one token longer, so the block a
+    layer frees is too short for the next one's request; best fit cuts the growing blocks from the largest cached
+    blocks, the segments of the loss's largest requests (largest_request_bytes, cached since the previous step), and a
+    block that lives in one keeps the allocator from releasing the segment when it runs short. k = segment // block
+    of the last step's blocks share such a segment, and what they leave of it is too short for another:
+    stranded_by_kept_inputs, per kind of block (keys, values; full and sliding-window layers). At the need of
+    Phi-3-mini LoRA (16 sequences of 2,560 tokens, 2,047-token windows) 27 of the 64 blocks of 193 MiB lay three to
+    a 640 MiB segment of the loss beside 60 MiB that none could use, and others one to a 360 or 320 MiB segment of
+    the loss or the scoring beside 167 or 127 MiB: 1.6 GiB beside the cache where generation ran out.
+
+    The segment is counted for the whole generation batch in one micro-batch, as the blocks are: k micro-batches'
+    segments hold k times the blocks beside k times the rest, the same per block where the rest is short of a block
+    (Phi-3-mini's 640 MiB segments for 8 sequences, 1,280 for 16: 21 MiB a block). A micro-batch's own segment would
+    make the reserve a sawtooth in the micro-batch, rising as it falls (Phi-3-mini's 4 sequences: 320 MiB segments,
+    one block each beside 128 MiB), and the plan's bisection relies on memory that grows with it."""
+    if train.use_vllm:  # vLLM's cache is its own reservation
+        return 0.0
+    segment = train.local_generation_batch_size * train.sequence_length * largest_request_token_bytes(arch, train)
+    last = train.sequence_length - 1  # the tokens cached at the last decoding step
+    window = min(last, arch.sliding_window or last)
+    row = train.local_generation_batch_size * arch.num_kv_heads * arch.head_dim  # elements of one token, one layer
+    layers = ((arch.num_layers - arch.sliding_layers, last), (arch.sliding_layers, window))
+    return sum(stranded_by_kept_inputs(count, row * tokens * element, segment)
+               for count, tokens in layers if count for element in m.kv_element_bytes(train))
+
+
+def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What the KV cache's last blocks strand in the segments generation's own prefill left cached.
+
+    The prefill, generate()'s forward of the whole generation batch's prompts, asks in each layer's MLP for tensors of
+    prompt tokens x intermediate in the dtype it computes in, a segment each of their size
+    (allocator.sizes.allocation_size), a gated MLP three at once, a plain one two (GATED_MLP_LIVE, PLAIN_MLP_LIVE).
+    Each layer's prompt keys and values, kept for the decoding, are cut from those segments once the layer frees
+    them (best fit: the smallest free block that holds them), so the next layer's MLP finds its segments cut and
+    takes new ones: the prefill leaves the MLP's live segments and as many more as the prompts' cache fills,
+    prompt cache / MLP tensor of them (independent of the tokens and the batch, as both scale with them). Decoding
+    makes every layer's keys and values anew a token longer, and the freed segments are the largest cached blocks
+    until the cache's own grow past them: k = segment // block of the last step's blocks lie in each, and what they
+    leave, segment - k x block, is too short for another block when the cache runs short. At the need of
+    SmolLM2-360M generating 512 sequences of 64 + 256 tokens (MLP tensors of 160 MiB; 32 layers, 5 heads of 64 in
+    bfloat16: 3 + 8 segments) 11 segments of 160 MiB each held one 96 MiB block beside 64 MiB where generation ran
+    out (the float32 norms' 120 MiB segments three more beside 24 MiB each, which the fit's coefficient covers).
+
+    Counted with the last step's largest block (keys and values alike, full-attention layers), in no more segments
+    than the layers' keys and values fill (2 x layers / k): a bound where other tensors take the places, for the fit
+    to weigh (tests/model/test_generation_patterns.py replays the prefill and the decoding). The rest per segment
+    falls as the completion grows, by no more than the count of segments times the block's growth, less than the
+    cache's own growth (two blocks a layer, more than the segments); it jumps up where a block fewer fits and
+    vanishes where the block outgrows the segment, so the reserve never falls faster than the cache grows (at the
+    decoding's moments, which hold the cache; the prefill's weigh its own patterns only: phases._reserve). Nothing
+    with vLLM (no prefill in this process) or where the MLP's tensors fall in the 20 MiB segments."""
+    if train.use_vllm:
+        return 0.0
+    generating = m.as_generated(train)
+    batch, prompt = train.local_generation_batch_size, train.max_prompt_length
+    request = batch * prompt * arch.intermediate_size * m.sizes(generating).compute
+    if request < K_MIN_LARGE_ALLOC:
+        return 0.0
+    segment = allocation_size(request, K_LARGE_BUFFER)
+    live = GATED_MLP_LIVE if arch.family.gated_mlp else PLAIN_MLP_LIVE
+    segments = live + m.kv_cache_bytes(arch, train, batch, prompt, prefill=True) / request
+    block = _last_block_bytes(arch, train)
+    if block > segment:
+        return 0.0
+    places = segment // block
+    # the keys and values of the layers that keep every token (sliding windows as long as the sequence too): no more
+    # blocks of that size
+    windowed = arch.sliding_layers if (arch.sliding_window or 0) < train.sequence_length - 1 else 0
+    filled = min(segments, 2 * (arch.num_layers - windowed) / places)
+    return float(filled * (segment - places * block))
+
+
+def cache_in_micro_batch_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """A block of the KV cache's last step, for what each of the previous step's loss segments, one micro-batch's
+    largest requests (largest_request_bytes), leaves beside the blocks cut from it.
+
+    cache_in_loss_segment_bytes counts the segments as if the whole generation batch were one micro-batch, so that
+    the reserve never falls as the micro-batch grows; where the generation batch is many micro-batches the blocks are
+    small next to that and it strands next to nothing, but the loss's segments are a micro-batch's, k = segment //
+    block blocks lie in each, and the rest, segment - k x block, is a sawtooth in the micro-batch below a block. At
+    the need of Mistral-7B-v0.3 LoRA generating 256 sequences of 64 + 384 tokens (221.5 MiB blocks) 8 segments of the
+    loss's 392 MiB intermediates held one block beside 170 MiB, 3 of the 784 MiB float32 ones three beside 120 MiB;
+    gemma-3-1b-it's (56 MiB blocks) 12 of 190 and 378 MiB three or six beside 22 to 43 MiB. Counted as its envelope,
+    one block, for the fit to weigh by the segments (about ten at those needs); nothing where a block outgrows the
+    segment, compared a token at a time (the segment holds every token, the last block all but one: compared whole,
+    a block would outgrow the segment as the tokens grow). The block grows with the tokens, and the segment with the
+    micro-batch, so the bytes never fall as they do; where the generation batch grows past the segment they vanish,
+    less than the cache grows by. Nothing with vLLM (its cache is its own reservation)."""
+    if train.use_vllm:
+        return 0.0
+    segment_token = train.micro_batch_completions * largest_request_token_bytes(arch, train)
+    return float(_last_block_bytes(arch, train)) if _block_token_bytes(arch, train) <= segment_token else 0.0
+
+
+def _last_block_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    # one layer's keys (or values) of the whole generation batch at the last decoding step, the larger of the two
+    return _block_token_bytes(arch, train) * (train.sequence_length - 1)
+
+
+def _block_token_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    # a token of one layer's keys (or values) for the whole generation batch, the larger of the two
+    return train.local_generation_batch_size * arch.num_kv_heads * arch.head_dim * max(m.kv_element_bytes(train))
+
+
+def states_in_decoding_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The first optimizer step's states of the layers, cut from the segments the first generation's decoding left:
+    what they keep the next generation's cache from using (full fine-tuning, generating in this process).
+
+    The decoding's last step asks for every layer's keys and values at their longest, a segment each of its block
+    rounded up (allocation_size), and frees them when generate() returns; the first optimizer step then makes the
+    states, per layer one per linear (in x out elements each, a large-pool block above 1 MiB), and best fit cuts
+    those smaller than such a segment from them, between the loss's and the backward's blocks as they are freed.
+    A segment that holds a state is not released, and what the state leaves of it is too short for the next
+    generation's blocks, which grow to the segment's size: the allocator takes new segments beside them. At the need
+    of SmolLM2-360M generating 512 sequences at once (100 MiB segments; 4.7, 1.8 and 0.6 MiB states) about 13
+    segments held 1.1 GiB of states beside 530 MiB none of the cache's blocks could use; phi-2 generating 512 x 320
+    tokens (798 MiB segments; 12.5 and 50 MiB states) 9.6 GiB of states beside 3.5 GiB, Qwen3-0.6B (320 MiB; 2, 4
+    and 6 MiB) 1.7 GiB beside 0.9 GiB. How many segments they spread over depends on the order the step frees its
+    blocks in, so the states' bytes are counted, for the fit to weigh (0.3 to 0.5 of them stranded there).
+
+    Nothing where the blocks share the 20 MiB segments (under 10 MiB: the next ones fit beside the states) or the
+    states outgrow the segments, under LoRA (the adapters' states are small), with vLLM (no decoding in this
+    process), with paged, factored or no states, or under ZeRO or FSDP (sharded). The segment grows with the
+    generation batch and the tokens, so more states fit and the bytes never fall as they do."""
+    if train.use_vllm or not whole_large_states(train):
+        return 0.0
+    block = _last_block_bytes(arch, train)
+    if block < K_MIN_LARGE_ALLOC:  # blocks that share the 20 MiB segments: the next ones fit beside the states
+        return 0.0
+    segment = allocation_size(block, K_LARGE_BUFFER)
+    element = state_element_bytes(train)
+    states = [linear.in_features * linear.out_features * element for linear in arch.layer_linears()]
+    return float(arch.num_layers * train.optim.state_tensors
+                 * sum(state for state in states if K_SMALL_SIZE < state < segment))
+
+
+def prefill_largest_request_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The largest block generate()'s prefill asks for in a layer, once more: the segment the previous layer's request
+    of that size left is cut by a smaller tensor that lives through the layer, so the request takes a segment beside it.
+
+    The prefill runs the whole generation batch's prompts through each layer at once. Its largest requests are the
+    MLP's intermediate activation as the output projection reads it (largest_request_token_bytes: float32 under a
+    LoRA adapter there) and, with eager attention, the float32 scores softmax makes [B, heads, p, p]; each is a segment
+    of its own, freed before the next layer asks again. Best fit cuts the next layer's smaller tensors (the float32
+    copy of its normalised input the attention's adapters read, its prompt keys and values) from the smallest free
+    block that holds them, and once the smaller segments are taken that is the freed largest one: one such tensor
+    alive when the layer's largest request comes keeps its segment from serving it, and cudaMalloc is asked for
+    another. At the need of Qwen2.5-0.5B LoRA generating 512 prompts of 512 tokens the previous layer's 4,864 MiB
+    segment held an 896 MiB float32 input beside 3,968 MiB when the down projection's float32 input asked for 4,864
+    MiB; Qwen2.5-1.5B LoRA with eager attention (512 prompts of 256 tokens) held four 64 MiB prompt key and value
+    blocks beside 4,224 MiB of a 4,480 MiB segment. Counted as the request, for the fit to weigh
+    (benchmarks/reserve_fit.py), at the prefill's moments only.
+
+    The request grows with the prompts and the generation batch, so the bytes never fall as they do. Nothing with
+    vLLM (no prefill in this process) or where the request falls in the 20 MiB segments."""
+    if train.use_vllm:
+        return 0.0
+    generating = m.as_generated(train)
+    batch, prompt = train.local_generation_batch_size, train.max_prompt_length
+    mlp = batch * prompt * largest_request_token_bytes(arch, generating)
+    scores = batch * arch.num_attention_heads * prompt * prompt * m.FP32_BYTES
+    request = max(mlp, scores if train.attn_implementation == "eager" else 0)
+    return float(request) if request >= K_MIN_LARGE_ALLOC else 0.0
