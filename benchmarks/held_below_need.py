@@ -1,6 +1,6 @@
 """What the allocator model holds where a boundary point runs out one granule below its need: the request it could
 not meet, the cached blocks too short for it, and the live tensors by where the step made them. The patterns of
-vram_planner/model/fragmentation.py were read off this.
+vram_planner/model/fragmentation.py and generation_patterns.py were read off this.
 
     python benchmarks/held_below_need.py "Llama-3.2-1B fp32 full adamw_8bit" "Mistral-7B-v0.3 full c1024 B8"
     python benchmarks/held_below_need.py --segments "Phi-3-mini-4k-instruct lora p512 c2048 G16 S2 beta"

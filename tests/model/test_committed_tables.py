@@ -3,19 +3,14 @@ twice before anyone noticed)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import benchmark_module
 
 
 @pytest.mark.parametrize("script", ["zero_states", "offload_states"])
 def test_committed_table_is_what_the_model_prints_today(script):
-    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark_module(script)
     committed = module.TABLE.read_text().splitlines()
     today = module.table_rows()
     # the last line says whether DeepSpeed was importable to compare its own functions: the environment's, not the model's

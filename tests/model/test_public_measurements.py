@@ -3,25 +3,17 @@ the catalog, and the verdict agreeing with what happened on the rows whose setti
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from helpers import benchmark_module
 from vram_planner.model.spec import knob_names
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.profiles import model_catalog
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "public_measurements.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("public_measurements", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("public_measurements")
 
 
 SCRIPT_MODULE = _script()

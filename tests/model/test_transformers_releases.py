@@ -13,7 +13,7 @@ from vram_planner.model.transformers_releases import (known_transformers_version
                                                       transformers_releases)
 from vram_planner.model.trl_releases import installed_version, version_tuple
 
-from helpers import FIXTURES, one_line_error, run
+from helpers import FIXTURES, benchmark_module, one_line_error, run
 
 
 def test_the_rows_cover_every_release_from_the_oldest_to_the_newest_without_a_gap_or_an_overlap():
@@ -96,16 +96,7 @@ def test_gemma2_runs_eager_attention_where_transformers_has_no_sdpa_for_it(capsy
 
 
 def _facts_script():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "transformers_releases.py"
-    spec = importlib.util.spec_from_file_location("transformers_releases_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("transformers_releases")
 
 
 def test_the_rows_agree_with_every_wheel_read():

@@ -6,23 +6,15 @@ this needs no network: `python benchmarks/trl_releases.py` refreshes them, `--ch
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 from packaging.version import Version
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_releases.py"
+from helpers import benchmark_module
 
 
 def _script():
     """The benchmark script as a module: the comparison lives there, once."""
-    spec = importlib.util.spec_from_file_location("trl_releases_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("trl_releases")
 
 
 script = _script()

@@ -123,15 +123,13 @@ def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage, optim):
     # apart, with the optimizer the Trainer hands DeepSpeed: the fake-tensor rank's step is that run's to a few
     # kilobytes (the 512-byte rounding of each block), its loss too less what the run holds on gloo only (ZeRO-3's
     # reduce-scatter copies its input there, NCCL does not: `gloo_only_bytes`), and never below it
-    import importlib.util
+    from helpers import benchmark_module
 
     from vram_planner.model.spec import training_config
     from vram_planner.tracing.step import trace_step
 
     root = FIXTURES.parent.parent
-    spec = importlib.util.spec_from_file_location("deepspeed_cpu", root / "benchmarks" / "deepspeed_cpu.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = benchmark_module("deepspeed_cpu")
 
     rows = json.loads((root / "benchmarks/results/deepspeed_cpu.json").read_text())
     measured = next(r for r in rows if (r["stage"], r["optim"]) == (stage, optim))
