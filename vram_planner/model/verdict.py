@@ -20,20 +20,20 @@ from vram_planner.profiles import GpuProfile
 from vram_planner.request import DEFAULT_SAFETY_MARGIN
 
 MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a margin
-# How far the exact need of a step has been measured from the estimate (benchmarks/boundary.py: the traced step's
-# need, bisected through the allocator model, beside the analytic peak; benchmarks/results/boundary.txt, and
+# How far the exact need of a step has been measured from the estimate (benchmarks/boundary.py: the traced step's need,
+# bisected through the allocator model, beside the analytic peak; benchmarks/results/boundary.txt, and
 # boundary_heldout.py's random configs off that grid, boundary-heldout*.txt): up to this much above it, and this much
-# below. Above, with SDPA and gradient checkpointing: 4.0% (seed 1's SmolLM2-135M's LoRA), which the 5% margin
-# covers. With eager attention 6.7%: on the grid, Qwen3-0.6B's LoRA generating 512 sequences at once, where the
-# decoding's 383 MiB blocks migrate through the prefill's score segments (seed 2's Qwen2.5-1.5B's 8.3% before the
-# prefill's largest request was modelled). Without gradient checkpointing 8.2%: seed 3's Qwen3-1.7B's bfloat16 full
-# fine-tuning, 32 x 896 tokens a micro-batch, where the kept forward tensors strand what the patterns do not count
-# (torch's default allocator; the grid has checkpointing off only with expandable segments). Below, the estimate is
-# conservative where a modelled pattern strands less than it can (the need 14.0% below it, the estimate 16.3% over,
-# for gemma-3-1b-it's eager LoRA generating 512 prompts at once, whose four heads make small score blocks: the
-# reserve is fitted to fall short of a need rarely, so it runs long where a pattern strands less;
-# benchmarks/reserve_fit.py). A verdict whose peak lies that close to the card could be the other way round:
-# `check --exact` decides it.
+# below. Above, with SDPA and gradient checkpointing: 4.0% (seed 1's SmolLM2-135M's LoRA), which the 5% margin covers.
+# With eager attention 6.7%: on the grid, Qwen3-0.6B's LoRA generating 512 sequences at once, where the decoding's 383
+# MiB blocks migrate through the prefill's score segments (seed 2's Qwen2.5-1.5B's 8.3% before the prefill's largest
+# request was modelled). Without gradient checkpointing 8.2%: seed 3's Qwen3-1.7B's bfloat16 full fine-tuning, 32 x 896
+# tokens a micro-batch, whose kept 112 MiB forward tensors were cut one each from the decoding's 202-222 MiB segments,
+# 14 GiB beside them that no pattern counts yet (torch's default allocator; the grid has checkpointing off only with
+# expandable segments). Below, the estimate is conservative where a modelled pattern strands less than it can (the need
+# 14.0% below it, the estimate 16.3% over, for gemma-3-1b-it's eager LoRA generating 512 prompts at once, whose four
+# heads make small score blocks: the reserve is fitted to fall short of a need rarely, so it runs long where a pattern
+# strands less; benchmarks/reserve_fit.py). A verdict whose peak lies that close to the card could be the other way
+# round: `check --exact` decides it.
 NEED_ABOVE_ESTIMATE = 0.05
 NEED_ABOVE_ESTIMATE_EAGER = 0.08
 NEED_ABOVE_ESTIMATE_UNCHECKPOINTED = 0.09
