@@ -28,12 +28,12 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # MiB blocks migrate through the prefill's score segments (seed 2's Qwen2.5-1.5B's 8.3% before the prefill's largest
 # request was modelled). Without gradient checkpointing 8.2%: seed 3's Qwen3-1.7B's bfloat16 full fine-tuning, 32 x 896
 # tokens a micro-batch, whose kept 112 MiB forward tensors were cut one each from the decoding's 202-222 MiB segments,
-# 14 GiB beside them that no pattern counts yet (torch's default allocator; the grid has checkpointing off only with
-# expandable segments). Below, the estimate is conservative where a modelled pattern strands less than it can (the need
-# 14.0% below it, the estimate 16.3% over, for gemma-3-1b-it's eager LoRA generating 512 prompts at once, whose four
-# heads make small score blocks: the reserve is fitted to fall short of a need rarely, so it runs long where a pattern
-# strands less; benchmarks/reserve_fit.py). A verdict whose peak lies that close to the card could be the other way
-# round: `check --exact` decides it.
+# 14 GiB beside them that no pattern counts yet (torch's default allocator; the grid's points without checkpointing,
+# their segments not just short of a whole number of the tensors, do not meet it). Below, the estimate is conservative
+# where a modelled pattern strands less than it can (the need 14.0% below it, the estimate 16.3% over, for
+# gemma-3-1b-it's eager LoRA generating 512 prompts at once, whose four heads make small score blocks: the reserve is
+# fitted to fall short of a need rarely, so it runs long where a pattern strands less; benchmarks/reserve_fit.py). A
+# verdict whose peak lies that close to the card could be the other way round: `check --exact` decides it.
 NEED_ABOVE_ESTIMATE = 0.05
 NEED_ABOVE_ESTIMATE_EAGER = 0.08
 NEED_ABOVE_ESTIMATE_UNCHECKPOINTED = 0.09
