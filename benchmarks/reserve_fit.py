@@ -90,7 +90,7 @@ from accuracy import save_atomically  # noqa: E402
 from boundary import CARD, MODELS, RESULTS, committed_needs, points  # noqa: E402
 
 from vram_planner import engine  # noqa: E402
-from vram_planner.model.calibration import default_calibration  # noqa: E402
+from vram_planner.model.calibration import Calibration, default_calibration  # noqa: E402
 from vram_planner.model.expandable_pages import EXPANDABLE_PATTERNS, expandable_patterns  # noqa: E402
 from vram_planner.model.fragmentation import PATTERNS, reserve_patterns  # noqa: E402
 from vram_planner.model.generation_patterns import (CACHE_IN_LOSS_SEGMENTS,  # noqa: E402
@@ -174,12 +174,21 @@ def left_out_errors(points_: list[dict], features: tuple[str, ...] = FEATURES) -
     return out
 
 
+def bare_calibration(setting: str, phase: str, patterns: tuple[str, ...]) -> Calibration:
+    """The default calibration with `patterns` taken out of `setting`'s reserve for `phase`: the estimate their fit
+    stands on."""
+    shipped = default_calibration().allocator_reserve
+    kept = {name: value for name, value in shipped[setting][phase].items() if name not in patterns}
+    reserve = {**shipped, setting: {**shipped[setting], phase: kept}}
+    return replace(default_calibration(), allocator_reserve=reserve)
+
+
 def generation_rows(cache: dict) -> list[dict]:
     """Every point with a need under torch's default allocator, with what the analytic step needs outside
     generation, generation's heaviest prefill and decoding moments without its patterns, and the patterns' bytes: a
     generation reserve that overshoots raises the estimate of a step decided elsewhere, so every point has a say.
     The prefill's patterns weigh on its moments, the decoding's on theirs (phases._reserve)."""
-    bare = replace(default_calibration(), allocator_reserve=_without_generation_patterns())
+    bare = bare_calibration("default", "generation", GENERATION_PATTERNS)
     out = []
     for label, model, settings in points(list(MODELS), quick=False):
         entry = cache.get(label)
@@ -205,19 +214,12 @@ def generation_rows(cache: dict) -> list[dict]:
     return out
 
 
-def _without_generation_patterns() -> dict:
-    shipped = default_calibration().allocator_reserve
-    default = {**shipped["default"], "generation": {name: value for name, value in shipped["default"][
-        "generation"].items() if name not in GENERATION_PATTERNS}}
-    return {**shipped, "default": default}
-
-
 def expandable_rows(cache: dict) -> list[dict]:
     """The points under expandable segments whose step runs out in the loss phase, with the analytic features of
     that phase (expandable_pages' patterns) and the reserve the allocator model needed beyond that phase's estimate
     with the per-phase shares alone (allocator_fit.py's): the patterns are fitted on top of the shares, as
     generation's are."""
-    bare = replace(default_calibration(), allocator_reserve=_without_expandable_patterns())
+    bare = bare_calibration("expandable_segments", "training", EXPANDABLE_PATTERNS)
     out = []
     for label, model, settings in points(list(MODELS), quick=False):
         entry = cache.get(label)
@@ -233,13 +235,6 @@ def expandable_rows(cache: dict) -> list[dict]:
                     "reserve_bytes": need - phase.total_bytes,
                     "features": {name: float(patterns.get(name, 0.0)) for name in EXPANDABLE_PATTERNS}})
     return out
-
-
-def _without_expandable_patterns() -> dict:
-    shipped = default_calibration().allocator_reserve
-    expandable = shipped["expandable_segments"]
-    training = {name: value for name, value in expandable["training"].items() if name not in EXPANDABLE_PATTERNS}
-    return {**shipped, "expandable_segments": {**expandable, "training": training}}
 
 
 def generation_error(point: dict, coefficients: dict[str, float]) -> float:
