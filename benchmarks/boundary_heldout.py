@@ -8,9 +8,9 @@ there; a user's config is rarely one of them. Here N configs are drawn with a se
 set (catalog models up to ~3B parameters and at most MAX_LARGE Mistral-7B points; dtype, LoRA rank or full fine-tuning,
 the batch, num_generations dividing the generation batch as TRL requires, accumulation, steps_per_generation, prompt and
 completion lengths, beta, the optimizer, gradient checkpointing, attention and the allocator's expandable segments),
-none equal to a grid point. A draw is skipped (and another drawn) when TRL would refuse it, when no catalog card holds
-its analytic peak (nobody runs it), or when its trace would take more than MAX_TRACE_SECONDS (estimated from its layers
-and the passes the trace runs). Each is judged as boundary.py judges its grid: the need bisected with `check --exact`,
+none equal to a grid point. A draw is skipped (and another drawn) when TRL would refuse it, when prompt and completion
+are longer than the model's positions, when no catalog card holds its analytic peak (nobody runs it), or when its
+trace would take more than MAX_TRACE_SECONDS (estimated from its layers and the passes the trace runs). Each is judged as boundary.py judges its grid: the need bisected with `check --exact`,
 beside the analytic peak and the capacity from which `check` says "fits". Nothing is refitted to these points.
 
 Needs are cached in benchmarks/results/boundary-heldout-needs.json (keyed by boundary.py's need key, each point by its
@@ -25,6 +25,7 @@ writes boundary-recheck.txt.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -104,6 +105,15 @@ def trace_seconds(model: str, settings: dict) -> float:
     return SECONDS_PER_LAYER_PASS * layers * passes
 
 
+@functools.cache
+def positions(model: str) -> int:
+    """The model's positions (max_position_embeddings): the trace refuses longer sequences, as the model would."""
+    from vram_planner.model.architecture import ModelArchitecture
+    from vram_planner.profiles import model_config
+
+    return ModelArchitecture.from_config(model_config(model)[0]).max_position_embeddings or sys.maxsize
+
+
 def grid_configs() -> set[tuple[str, str]]:
     """boundary.py's grid as (model, validated config): what a held-out point must not be."""
     return {(model, _comparable(training_config(settings))) for _, model, settings in points(list(MODELS), False)}
@@ -129,6 +139,7 @@ def held_out(n: int, seed: int, largest_card_bytes: int | None = None) -> list[t
             except ConfigError:
                 continue
             if ((model, _comparable(config)) in grid or label in {o[0] for o in out}
+                    or config.sequence_length > positions(model)
                     or trace_seconds(model, settings) > MAX_TRACE_SECONDS or peak > (largest_card_bytes or 0)):
                 continue
             large += model == LARGE

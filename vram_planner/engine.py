@@ -230,6 +230,7 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
             notes: tuple[str, ...] = ()) -> TraceOutcome:
     """The step traced, replayed through the allocator model on this card, and its need bisected."""
     from vram_planner.allocator import parse_allocator_conf
+    from vram_planner.allocator.replay import Replays
     from vram_planner.model.cublas import workspace_bytes
     from vram_planner.model.phases import Estimate
     from vram_planner.tracing.events import with_workspaces
@@ -247,9 +248,11 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     # calibration when it measured one, else from the GPU catalog).
     stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
     card = max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0)
-    reserved = reserved_memory(stream, conf, card)
+    # the card's replay and the unlimited one serve both: the reserved figures and the need's bisection
+    replays = Replays([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, kept=(card, None))
+    reserved = reserved_memory(stream, conf, card, replays)
     say("bisecting the least memory the step runs in")
-    need = least_capacity([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, card)
+    need = least_capacity(replays.events, conf, card, replays)
     phases = tuple(_traced_phase(p, reserved.by_phase, context, train) for p in result.phases)
     traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
                       notes=tuple(result.notes) + notes + reserved.notes)

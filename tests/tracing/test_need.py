@@ -160,3 +160,37 @@ def test_a_traced_step_runs_at_its_need_and_runs_out_one_granule_below(traced_st
 def test_a_traced_growing_kv_cache_makes_a_roomy_card_hold_more_than_the_step_needs(traced_stream):
     need = least_capacity(traced_stream, DEFAULT, 24 * 1024 * MiB)
     assert need.held_bytes > 1.1 * need.capacity_bytes
+
+
+@pytest.mark.parametrize("conf", [DEFAULT, EXPANDABLE], ids=["default", "expandable_segments"])
+@pytest.mark.parametrize("card_mib", [24 * 1024, 200])  # a card it runs on, and one too small
+def test_shared_replays_give_the_same_need_and_reserved_figures_replaying_each_kept_capacity_once(
+        traced_stream, conf, card_mib, monkeypatch):
+    from vram_planner.allocator import replay as replay_module
+    from vram_planner.allocator.replay import Replays
+    from vram_planner.tracing.events import Event, SteadyStream
+    from vram_planner.tracing.reserve import reserved_memory
+
+    card = card_mib * MiB
+    stream = SteadyStream([Event(kind, block, size, "training", "") for kind, block, size in traced_stream],
+                          {"training": (0, len(traced_stream))}, len(traced_stream))
+    alone = least_capacity(traced_stream, conf, card), reserved_memory(stream, conf, card)
+    capacities = []
+    original = replay_module.replay_events
+
+    def counted(events, conf, capacity, **kwargs):
+        capacities.append(capacity)
+        return original(events, conf, capacity, **kwargs)
+
+    monkeypatch.setattr(replay_module, "replay_events", counted)
+    replays = Replays(traced_stream, conf, kept=(card, None))
+    shared = reserved_memory(stream, conf, card, replays)
+    need = least_capacity(traced_stream, conf, card, replays)
+    assert (need.capacity_bytes, need.held_bytes, need.fits_card, need.replays) == (
+        alone[0].capacity_bytes, alone[0].held_bytes, alone[0].fits_card, alone[0].replays)
+    assert (shared.by_phase, shared.peak_bytes, shared.out_of_memory) == (
+        alone[1].by_phase, alone[1].peak_bytes, alone[1].out_of_memory)
+    # reserved_memory's replays (the card's, and the unlimited one where the card runs out) are the bisection's own
+    assert shared.out_of_memory == (card_mib == 200)
+    assert capacities.count(card) == 1 and capacities.count(None) == int(shared.out_of_memory)
+    assert len(capacities) == need.replays

@@ -12,7 +12,7 @@ import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -113,10 +113,16 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         self._blocks = 0
         self._peak_check_pending = False
         self._sum: tuple[list[Any], set[int]] | None = None  # a gradient sum's output record and its operands
+        self._script: Script | None = None  # what a call being recorded does (`recording`)
 
     def _event(self, kind: str, block: int, raw: int) -> None:
         if raw:  # the CUDA allocator never sees an empty storage (no block, a null pointer)
             self.events.append(Event(kind, block, raw, self.phase, self.moment))
+
+    def _unrepeatable(self) -> None:
+        """What runs now rewrites what was counted before it: a call being recorded cannot be replayed."""
+        if self._script is not None:
+            self._script.broken = True
 
     def _new_block(self, raw: int) -> int:
         self._blocks += 1
@@ -136,6 +142,7 @@ class LiveBytes(PhaseState, TorchDispatchMode):
     def unrecorded(self, replaced: list[tuple[int, int]]) -> Iterator[None]:
         """Count what runs inside without recording its events, which the caller records itself (`record_growth`):
         only frees of blocks made before it stay, but those of the `replaced` blocks."""
+        self._unrepeatable()
         start = len(self.events)
         try:
             yield
@@ -148,6 +155,7 @@ class LiveBytes(PhaseState, TorchDispatchMode):
     def transients_unrecorded(self) -> Iterator[None]:
         """Count what runs inside without the events of the blocks it both makes and frees; what it leaves alive
         keeps its allocation (for what an earlier step ran, which the events' step starts after)."""
+        self._unrepeatable()
         start = len(self.events)
         try:
             yield
@@ -168,6 +176,7 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             steps: per step, the bytes of each one's new storage, in groups made together: a group's new blocks are
                 allocated, then the blocks they replace are freed.
         """
+        self._unrepeatable()
         current = list(before)
         for step in steps:
             first = 0
@@ -200,8 +209,11 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             record = self._live[key] = [raw, _rounded(raw), tag or self.tag, ref, self._new_block(raw), raw]
             self.by_tag[record[2]] += record[1]
             self.total += record[1]
+            if self._script is not None:
+                self._script.steps.append((ALLOC, record[4], raw, record[2], self.phase, self.moment))
             return
         if st.nbytes() != record[0]:  # resized in place (resize_, set_): CUDA allocates anew, copies, frees
+            self._unrepeatable()
             block = self._new_block(st.nbytes())
             self._event(FREE, record[4], record[5])
             record[4], record[5] = block, st.nbytes()
@@ -210,6 +222,7 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             self.by_tag[record[2]] += grown
             self.total += grown
         if tag is not None and tag != record[2]:
+            self._unrepeatable()
             self.by_tag[record[2]] -= record[1]
             self.by_tag[tag] += record[1]
             record[2] = tag
@@ -223,6 +236,8 @@ class LiveBytes(PhaseState, TorchDispatchMode):
                 self.total -= record[1]
                 if not self._summed_in_place(key, record):
                     self._event(FREE, record[4], record[5])
+                    if self._script is not None:
+                        self._script.steps.append((FREE, record[4], record[5], record[2], self.phase, self.moment))
         return freed
 
     def _summed_in_place(self, key: int, freed: list[Any]) -> bool:
@@ -236,11 +251,13 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             return False
         self.events.pop()
         out[4] = freed[4]
+        self._unrepeatable()
         return True
 
     def forget(self, tensors: list[Any]) -> int:
         """Stop counting the storages behind `tensors`, as if they had never been on the device (their allocations
         leave the events too); returns their counted bytes."""
+        self._unrepeatable()
         dropped, blocks = 0, set()
         for key in {id(st) for st in map(_storage, tensors) if st is not None}:
             record = self._live.pop(key, None)
@@ -259,11 +276,54 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         return sum(self._live[k][1] for k in keys if k in self._live and tag in (None, self._live[k][2]))
 
     def reset_peak(self) -> None:
+        self._unrepeatable()
         self.peak, self.peak_split, self.peak_moment = self.total, dict(self.by_tag), self.moment
 
     def _note_peak(self) -> None:
+        if self._script is not None and self._script.steps and self._script.steps[-1][0] != PEAK:
+            self._script.steps.append((PEAK, self.moment))
         if self.total > self.peak:
             self.peak, self.peak_split, self.peak_moment = self.total, dict(self.by_tag), self.moment
+
+    # Repeated calls (vram_planner.tracing.repeats)
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Script]:
+        """What runs inside, step by step as this counter saw it: each storage made and freed (with its block, bytes,
+        tag, phase and moment) and each time the peak was looked at."""
+        if self._script is not None or self._peak_check_pending:
+            raise RuntimeError("a recording is already running, or a gradient sum's peak is still to be looked at")
+        script = self._script = Script()
+        try:
+            yield script
+        finally:
+            self._script = None
+            script.end = (self.tag, self.moment, self.phase)
+
+    def replay(self, steps: list[tuple[Any, ...]], made_by_call: dict[int, Callable[[], Any]],
+               end: tuple[str, str, str]) -> None:
+        """Count `steps` (a recording's, their blocks renumbered) as if what made them ran again: each block gets a
+        new number in the events. The blocks in `made_by_call` are storages the caller keeps: their functions make
+        them (through this counter, which then counts their frees when they go). It ends at the recording's `end`
+        (tag, moment, phase), as what ran left them."""
+        blocks: dict[int, int] = {}
+        for step in steps:
+            if step[0] == PEAK:
+                self.moment = step[1]
+                self._note_peak()
+                continue
+            kind, block, raw, tag, self.phase, self.moment = step
+            if block in made_by_call:
+                self.tag = tag
+                made_by_call[block]()
+            elif kind == ALLOC:
+                blocks[block] = self._new_block(raw)
+                self.by_tag[tag] += _rounded(raw)
+                self.total += _rounded(raw)
+            else:
+                self._event(FREE, blocks.pop(block), raw)
+                self.by_tag[tag] -= _rounded(raw)
+                self.total -= _rounded(raw)
+        self.tag, self.moment, self.phase = end
 
 
     # Dispatch
@@ -354,6 +414,19 @@ def _caller() -> str:
 
 
 _MACHINERY = ("/torch/_", "/torch/utils/", "/torch/autograd/", "<")
+
+
+PEAK = "peak"  # a recording's step: the peak was looked at (after an op), at this moment
+
+
+@dataclass
+class Script:
+    """A recording (`LiveBytes.recording`): (ALLOC or FREE, block, bytes, tag, phase, moment) per storage made or
+    freed and (PEAK, moment) where the peak was looked at; `broken` where something rewrote what was counted."""
+
+    steps: list[tuple[Any, ...]] = field(default_factory=list)
+    broken: bool = False
+    end: tuple[str, str, str] = ("", "", "")  # the counter's tag, moment and phase as the recorded run left them
 
 
 @dataclass

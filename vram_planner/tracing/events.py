@@ -64,7 +64,7 @@ def steady_stream(events: Sequence[Event], gradients: Iterable[tuple[int, int]])
     made = {e.block for e in repeated if e.kind == ALLOC}
     start = len(stream)
     # A free of a block made before the repeated phases (none is expected) has nothing to free in step 2.
-    stream += [e._replace(block=e.block + offset) for e in repeated if e.block in made]
+    stream += [Event(e.kind, e.block + offset, e.size_bytes, e.phase, e.moment) for e in repeated if e.block in made]
     spans.update({phase: span for phase, span in _spans(stream[start:], start).items() if phase != OPTIMIZER})
     return SteadyStream(stream, spans, start)
 

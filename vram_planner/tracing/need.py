@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vram_planner.allocator.conf import AllocatorConf
-from vram_planner.allocator.replay import ALLOC, FREE, ReplayResult, replay_events
+from vram_planner.allocator.replay import ALLOC, FREE, ReplayResult, Replays
 from vram_planner.allocator.sizes import K_MIN_BLOCK_SIZE, K_ROUND_LARGE, K_SMALL_BUFFER
 
 
@@ -39,7 +39,7 @@ def granule_bytes(conf: AllocatorConf) -> int:
 
 
 def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf = AllocatorConf(),
-                   card_bytes: int | None = None) -> Need:
+                   card_bytes: int | None = None, replays: Replays | None = None) -> Need:
     """The least capacity (a multiple of `granule_bytes`) on which `events` replay through the allocator model
     without an out-of-memory, with what it holds on a card of `card_bytes` (what cudaMalloc can hand out there).
 
@@ -49,17 +49,19 @@ def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf =
     capacity in general (it frees its cache at different moments): capacities above the bisection's answer are then
     tried (NEAR_TRIES of them within NEAR_SHARE of it, then at doubling distances), and where one runs out the need
     is bisected again above it, so the need is where the step runs on every capacity tried above it. The card's own replay anchors the bisection, so
-    `capacity_bytes <= card_bytes` exactly when the step runs on that card.
+    `capacity_bytes <= card_bytes` exactly when the step runs on that card. `replays`: the same events' replays
+    under `conf` where the caller shares them.
     """
     start = time.perf_counter()
-    events = list(events)
+    replays = replays or Replays(events, conf)
+    events = replays.events
     granule = granule_bytes(conf)
-    replays = 0
+    count = 0
 
     def replay(capacity: int | None) -> ReplayResult:
-        nonlocal replays
-        replays += 1
-        return replay_events(events, conf, capacity)
+        nonlocal count
+        count += 1
+        return replays(capacity, series=False)
 
     fails_at = None  # the largest capacity known to run out
     on_card = replay(card_bytes) if card_bytes is not None else None
@@ -100,7 +102,7 @@ def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf =
     while (failing := _runs_out_above(runs_at, top, granule, replay)) is not None:
         runs_at = bisect(failing, top)
     return Need(capacity_bytes=max(runs_at, 0), tensor_peak_bytes=tensor_peak, held_bytes=held,
-                fits_card=None if on_card is None else on_card.out_of_memory is None, replays=replays,
+                fits_card=None if on_card is None else on_card.out_of_memory is None, replays=count,
                 seconds=time.perf_counter() - start)
 
 

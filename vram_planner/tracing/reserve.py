@@ -11,7 +11,7 @@ from typing import Any
 
 from vram_planner.allocator.caching import format_size
 from vram_planner.allocator.conf import AllocatorConf
-from vram_planner.allocator.replay import ReplayResult, replay_events
+from vram_planner.allocator.replay import ReplayResult, Replays
 from vram_planner.tracing.events import LOADING, SteadyStream
 
 
@@ -27,7 +27,8 @@ class ReservedMemory:
     out_of_memory: bool = False  # the allocator found no memory within the capacity, even after freeing its cache
 
 
-def reserved_memory(stream: SteadyStream, conf: AllocatorConf, capacity_bytes: int | None = None) -> ReservedMemory:
+def reserved_memory(stream: SteadyStream, conf: AllocatorConf, capacity_bytes: int | None = None,
+                    replays: Replays | None = None) -> ReservedMemory:
     """Replay the events of a traced step through the caching allocator model configured by `conf`.
 
     A phase's reserved bytes are the most the allocator holds at any moment of it: what
@@ -42,16 +43,17 @@ def reserved_memory(stream: SteadyStream, conf: AllocatorConf, capacity_bytes: i
         capacity_bytes: what cudaMalloc can hand out (the card less the CUDA context); None for no limit. When the
             allocator cannot find memory even after freeing its cache, the phase where it failed is given at least
             what it held then plus the segment it asked for, and a note says where.
+        replays: the stream's replays under `conf`, where the caller shares them (the need's bisection).
     """
     start = time.perf_counter()
-    events = [(e.kind, e.block, e.size_bytes) for e in stream.events]
-    replay = replay_events(events, conf, capacity_bytes)
+    replays = replays or Replays([(e.kind, e.block, e.size_bytes) for e in stream.events], conf)
+    replay = replays(capacity_bytes)
     notes = list(conf.notes())
     failed = replay.out_of_memory
     if failed is not None:  # the figures of a card with room enough, and the failure's phase over the capacity
         event = stream.events[replay.out_of_memory_event or 0]
         notes.append(_out_of_memory_note(failed, event, replay.out_of_memory_event or 0, stream))
-        replay = replay_events(events, conf, None)
+        replay = replays(None)
     by_phase = {phase: _most_reserved(replay, start_index, end) for phase, (start_index, end) in stream.spans.items()}
     if failed is not None:
         needed = failed.reserved_bytes + failed.segment_bytes

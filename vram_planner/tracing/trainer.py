@@ -165,6 +165,7 @@ def run_scoring(session: Session) -> PhasePeak:
     chunks of B sequences, as `_generate_and_score_completions` runs them (old log-probs, then the reference's)."""
     train, tracker, trainer = session.train, session.tracker, session.trainer
     from vram_planner.tracing.phases import _processor_outputs, _prompt, _scoring_models
+    from vram_planner.tracing.repeats import repeated_calls_replayed
 
     sequences = train.local_generation_batch_size
     tracker.reset_peak()
@@ -175,7 +176,7 @@ def run_scoring(session: Session) -> PhasePeak:
         _completions_selected(session, train.micro_batch_completions)
         for needed, model in _scoring_models(session):
             if needed:
-                with model() as scorer:
+                with model() as scorer, repeated_calls_replayed(tracker, scorer):
                     kept.append(per_token_logps(trainer, scorer, ids, mask, train.max_completion_length,
                                                 train.micro_batch_completions, types))
         del kept, ids, mask, types
