@@ -108,6 +108,11 @@ class Echoing(Steady):
         return x
 
 
+class NumberKeyed(Steady):
+    def forward(self, x, scale=1.0, note=None):
+        return {0: super().forward(x, scale)["out"]}  # not keyword arguments: cannot be rebuilt
+
+
 def called(module_type, monkeypatch, replay, arguments=lambda i: {}):
     """Six calls on chunks of one batch, each call's output kept, as the scoring loop runs them; the events."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -121,13 +126,14 @@ def called(module_type, monkeypatch, replay, arguments=lambda i: {}):
         with torch.no_grad(), repeats.repeated_calls_replayed(tracker, module):
             for i in range(6):
                 out = module(batch[4 * i: 4 * i + 4], **arguments(i))
-                kept.append(out["out"] if isinstance(out, dict) else out)
+                kept.append(out if isinstance(out, torch.Tensor) else next(iter(out.values())))
         shapes = [tuple(t.shape) for t in kept]
         del kept, out
     return canonical(tracker.events), tracker.peak, shapes
 
 
-@pytest.mark.parametrize("module_type,replayed", [(Steady, 4), (Hoarding, 0), (Growing, 0), (Echoing, 0)])
+@pytest.mark.parametrize("module_type,replayed", [(Steady, 4), (Hoarding, 0), (Growing, 0), (Echoing, 0),
+                                                  (NumberKeyed, 0)])
 def test_only_calls_that_did_the_same_twice_and_kept_only_what_they_returned_are_replayed(
         module_type, replayed, monkeypatch, replays):
     run = called(module_type, monkeypatch, replay=False)
@@ -143,3 +149,23 @@ def test_calls_with_other_arguments_are_recorded_apart(monkeypatch, replays):
     replays.clear()
     called(Steady, monkeypatch, replay=True, arguments=lambda i: {"note": [i]})  # not comparable: every call runs
     assert not replays
+
+
+def test_a_call_inside_a_recorded_call_is_never_replayed_and_the_outer_one_is(monkeypatch, replays):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def run(replay):
+        monkeypatch.setattr(repeats, "REPLAY", replay)
+        tracker = LiveBytes()
+        with FakeTensorMode(), tracker:
+            inner = Steady()
+            outer = torch.nn.Sequential(inner)
+            batch = torch.empty(6 * 4, 64)
+            with torch.no_grad(), repeats.repeated_calls_replayed(tracker, inner), \
+                    repeats.repeated_calls_replayed(tracker, outer):
+                kept = [outer(batch[4 * i: 4 * i + 4])["out"] for i in range(6)]
+            del kept
+        return canonical(tracker.events), tracker.peak
+
+    assert run(True) == run(False)
+    assert len(replays) == 4  # the outer calls from the third: the inner ones ran inside recordings

@@ -289,9 +289,11 @@ class LiveBytes(PhaseState, TorchDispatchMode):
     @contextlib.contextmanager
     def recording(self) -> Iterator[Script]:
         """What runs inside, step by step as this counter saw it: each storage made and freed (with its block, bytes,
-        tag, phase and moment) and each time the peak was looked at."""
+        tag, phase and moment) and each time the peak was looked at. Inside another recording, or with a gradient
+        sum's peak still to be looked at, nothing is recorded and the script is broken."""
         if self._script is not None or self._peak_check_pending:
-            raise RuntimeError("a recording is already running, or a gradient sum's peak is still to be looked at")
+            yield Script(broken=True)
+            return
         script = self._script = Script()
         try:
             yield script

@@ -4,10 +4,13 @@ or more on this machine's CPU, while what it allocates and frees is the same eve
 
 A forward is replayed only once two calls in a row with the same inputs (shapes, strides, dtypes; the same other
 arguments) made and freed the same storages in the same order, at the same tags and moments, freed nothing made
-before them, and left alive only the storages of what they returned. A replay counts those steps again with new
-blocks (`LiveBytes.replay`) and makes the returned tensors anew where the recorded call made them, so the events,
-peaks and splits are those of running it; tests/tracing/test_repeats.py holds a traced step with replays to the same
-step traced without.
+before them, and left alive only the storages of what they returned and what their caller freed before making
+anything else (autocast's casts of the weights, freed as the caller's autocast region ends); and only for a call that
+begins at the tag and moment one of the two began at. A replay counts those steps again with new blocks
+(`LiveBytes.replay`), frees what the caller would have freed as it ends, and makes the returned tensors anew where the
+recorded call made them, so the events, peaks and splits are those of running it (a run of frees in another order,
+which leaves the allocator as it was); tests/tracing/test_repeats.py holds a traced step with replays to the same step
+traced without.
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ def _left_freed(recorded: _Recorded, events_after: list[Any]) -> _Recorded | Non
 
 def _shape(value: Any, tensors: list[torch.Tensor]) -> Any:
     """`value` with each tensor replaced by a _Slot (its place in `tensors`); None where something in it is not a
-    tensor, a plain value, or a tuple, list, dict or transformers ModelOutput of those."""
+    tensor, a plain value, or a tuple, list, dict (by name) or transformers ModelOutput of those."""
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return _Slot(len(tensors) - 1)
@@ -183,7 +186,8 @@ def _shape(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
         parts = [_shape(v, tensors) for v in value]
         return None if any(p is None and v is not None for p, v in zip(parts, value)) else type(value)(parts)
-    if isinstance(value, dict) and (type(value) is dict or _is_model_output(value)):
+    if (isinstance(value, dict) and (type(value) is dict or _is_model_output(value))
+            and all(isinstance(k, str) for k in value)):  # rebuilt as keyword arguments
         parts = {k: _shape(v, tensors) for k, v in value.items()}
         if any(parts[k] is None and value[k] is not None for k in value):
             return None
