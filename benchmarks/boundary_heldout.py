@@ -10,8 +10,9 @@ the batch, num_generations dividing the generation batch as TRL requires, accumu
 completion lengths, beta, the optimizer, gradient checkpointing, attention and the allocator's expandable segments),
 none equal to a grid point. A draw is skipped (and another drawn) when TRL would refuse it, when prompt and completion
 are longer than the model's positions, when no catalog card holds its analytic peak (nobody runs it), or when its
-trace would take more than MAX_TRACE_SECONDS (estimated from its layers and the passes the trace runs). Each is judged as boundary.py judges its grid: the need bisected with `check --exact`,
-beside the analytic peak and the capacity from which `check` says "fits". Nothing is refitted to these points.
+trace would take more than MAX_TRACE_SECONDS (estimated from its layers and the passes the trace runs). Each is judged
+as boundary.py judges its grid: the need bisected with `check --exact`, beside the analytic peak and the capacity from
+which `check` says "fits". Nothing is refitted to these points.
 
 Needs are cached in benchmarks/results/boundary-heldout-needs.json (keyed by boundary.py's need key, each point by its
 model and knobs); the table and the summary go to boundary-heldout.txt and .json (another seed's to
