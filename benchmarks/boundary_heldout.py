@@ -95,6 +95,11 @@ def knobs(settings: dict) -> str:
     return " ".join(words)
 
 
+def point_label(model: str, settings: dict) -> str:
+    """A drawn point's name in the needs cache: the model and its knobs."""
+    return f"{model} {knobs(settings)}"
+
+
 def trace_seconds(model: str, settings: dict) -> float:
     """A bound on the trace and bisection's time: the decoder layers times the passes the trace runs (one micro-batch,
     two when gradients accumulate, and the reference model's scoring)."""
@@ -133,7 +138,7 @@ def held_out(n: int, seed: int, largest_card_bytes: int | None = None) -> list[t
     for _ in range(n):
         for _ in range(MAX_DRAWS):
             model, settings = draw(rng, large < MAX_LARGE)
-            label = f"{model} {knobs(settings)}"
+            label = point_label(model, settings)
             try:  # TRL's rules, then the model's (gemma-2 has no SDPA attention in transformers 5)
                 config = training_config(settings)
                 peak = _analytic_peak(model, settings) if largest_card_bytes else 0

@@ -35,7 +35,9 @@ HEAVY_MODELS = ("Qwen2.5-0.5B", "Llama-3.2-1B", "Qwen3-8B", "gemma-3-4b-it")
 
 
 def flags(settings: dict) -> list[str]:
-    return [part for field, value in settings.items() for part in (f"--{field.replace('_', '-')}", str(value))]
+    from vram_planner.errors import flag
+
+    return [part for field, value in settings.items() for part in (flag(field), str(value))]
 
 
 def timed(model: str, settings: dict) -> dict:

@@ -20,7 +20,7 @@ import sys
 
 from accuracy import save_atomically
 from boundary import MODELS, RESULTS, exact, need_key, points
-from boundary_heldout import knobs
+from boundary_heldout import point_label
 
 CACHES = ("boundary-needs.json", "boundary-heldout-needs.json")
 COMPARED = ("allocator_need_bytes", "allocator_held_bytes", "tensor_peak_bytes", "binding_phase")
@@ -33,7 +33,7 @@ def known_points() -> dict[str, tuple[str, dict]]:
     known = {label: (model, settings) for label, model, settings in points(list(MODELS), False)}
     for table in sorted(RESULTS.glob("boundary-heldout-seed*.json")):
         for row in json.loads(table.read_text()):
-            known[f"{row['model']} {knobs(row['settings'])}"] = (row["model"], row["settings"])
+            known[point_label(row["model"], row["settings"])] = (row["model"], row["settings"])
     return known
 
 

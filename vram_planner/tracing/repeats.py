@@ -31,10 +31,11 @@ REPLAY = True  # off: every call runs (tests compare both)
 class _Recorded:
     steps: tuple[tuple[Any, ...], ...]  # the script, each block numbered by its allocation's order in the call
     bases: dict[int, tuple[int, torch.dtype, torch.device]]  # kept block -> (elements, dtype, device) of its storage
-    views: tuple[tuple[int, tuple[int, ...], tuple[int, ...], int, torch.dtype], ...]  # per returned tensor
+    # per returned tensor: (its base's index, size, stride, storage offset)
+    views: tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
     returned: Any  # what the call returned, its tensors as _Slot(i) for views[i]
-    left: tuple[tuple[int, int, str], ...] = ()  # what it made, kept alive and did not return: (index, bytes, tag)
-    left_blocks: tuple[int, ...] = ()  # their blocks in the events
+    # what it made, kept alive and did not return: (index, bytes, tag, its block in the events)
+    left: tuple[tuple[int, int, str, int], ...] = ()
     end: tuple[str, str, str] = ("", "", "")  # the counter's tag, moment and phase as the call left them
 
 
@@ -147,12 +148,11 @@ def _recorded(tracker: LiveBytes, script: Script, returned: Any) -> _Recorded | 
         bases.setdefault(index, (raw // t.element_size(), t.dtype, t.device))
         if bases[index][1] != t.dtype:
             return None
-        views.append((index, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype))
-    alloc = {step[1]: step for step in steps if step[0] == ALLOC}
-    left = tuple((index, alloc[index][2], alloc[index][3]) for index in sorted(kept - set(bases)))
-    block_of_index = {index: block for block, index in order.items()}
-    return _Recorded(tuple(steps), bases, tuple(views), shape, left,
-                     tuple(block_of_index[index] for index, _, _ in left), script.end)
+        views.append((index, tuple(t.shape), t.stride(), t.storage_offset()))
+    made = {step[1]: step for step in script.steps if step[0] == ALLOC}  # by block in the events
+    left = tuple((order[block], made[block][2], made[block][3], block)
+                 for block in order if order[block] in kept - set(bases))
+    return _Recorded(tuple(steps), bases, tuple(views), shape, left, script.end)
 
 
 def _left_freed(recorded: _Recorded, events_after: list[Any]) -> _Recorded | None:
@@ -161,7 +161,7 @@ def _left_freed(recorded: _Recorded, events_after: list[Any]) -> _Recorded | Non
     replay frees them as it ends. None where something was made before they were all freed."""
     if not recorded.left:
         return recorded
-    blocks = {block: (index, raw, tag) for (index, raw, tag), block in zip(recorded.left, recorded.left_blocks)}
+    blocks = {block: (index, raw, tag) for index, raw, tag, block in recorded.left}
     frees = []
     for event in events_after:
         if len(frees) == len(blocks) or event.kind != FREE:
@@ -172,7 +172,7 @@ def _left_freed(recorded: _Recorded, events_after: list[Any]) -> _Recorded | Non
     if len(frees) != len(blocks):
         return None
     # autocast frees its casts in its cache's hash order: frees in a row leave the allocator the same in any order
-    return replace(recorded, steps=recorded.steps + tuple(sorted(frees)), left=(), left_blocks=())
+    return replace(recorded, steps=recorded.steps + tuple(sorted(frees)), left=())
 
 
 def _shape(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -221,5 +221,5 @@ def _replayed(tracker: LiveBytes, recorded: _Recorded) -> Any:
         return lambda: bases.__setitem__(index, torch.empty(elements, dtype=dtype, device=device))
 
     tracker.replay(list(recorded.steps), {index: maker(index) for index in recorded.bases}, recorded.end)
-    tensors = [bases[index].as_strided(size, stride, offset) for index, size, stride, offset, _ in recorded.views]
+    tensors = [bases[index].as_strided(size, stride, offset) for index, size, stride, offset in recorded.views]
     return _rebuilt(recorded.returned, tensors)
