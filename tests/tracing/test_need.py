@@ -176,13 +176,13 @@ def test_shared_replays_give_the_same_need_and_reserved_figures_replaying_each_k
                           {"training": (0, len(traced_stream))}, len(traced_stream))
     alone = least_capacity(traced_stream, conf, card), reserved_memory(stream, conf, card)
     capacities = []
-    original = replay_module.replay_events
+    original = replay_module._replay
 
-    def counted(events, conf, capacity, **kwargs):
+    def counted(events, conf, capacity, *args):
         capacities.append(capacity)
-        return original(events, conf, capacity, **kwargs)
+        return original(events, conf, capacity, *args)
 
-    monkeypatch.setattr(replay_module, "replay_events", counted)
+    monkeypatch.setattr(replay_module, "_replay", counted)
     replays = Replays(traced_stream, conf, kept=(card, None))
     shared = reserved_memory(stream, conf, card, replays)
     need = least_capacity(traced_stream, conf, card, replays)
@@ -194,3 +194,20 @@ def test_shared_replays_give_the_same_need_and_reserved_figures_replaying_each_k
     assert shared.out_of_memory == (card_mib == 200)
     assert capacities.count(card) == 1 and capacities.count(None) == int(shared.out_of_memory)
     assert len(capacities) == need.replays
+
+
+@pytest.mark.parametrize("conf", [DEFAULT, EXPANDABLE], ids=["default", "expandable_segments"])
+def test_replays_resumed_from_checkpoints_bisect_the_same_need(traced_stream, conf, monkeypatch):
+    from vram_planner.allocator import replay as replay_module
+    from vram_planner.allocator.replay import Replays
+
+    card = 200 * MiB
+    monkeypatch.setattr(replay_module, "CHECKPOINT_EVENTS", 0)  # none taken: every replay from the first event
+    fresh = least_capacity(traced_stream, conf, card)
+    monkeypatch.setattr(replay_module, "CHECKPOINT_EVENTS", 500)
+    replays = Replays(traced_stream, conf, kept=(card, None))
+    resumed = least_capacity(traced_stream, conf, card, replays)
+    assert (resumed.capacity_bytes, resumed.held_bytes, resumed.fits_card, resumed.replays) == (
+        fresh.capacity_bytes, fresh.held_bytes, fresh.fits_card, fresh.replays)
+    # expandable segments map pages against the capacity as well: their replays start from the first event
+    assert (replays.resumed_events > 0) == (conf is DEFAULT)

@@ -28,6 +28,12 @@ class DeviceAddresses:
         self._bytes: dict[int, int] = {}  # their sizes, by address
         self._offered: list[tuple[int, int]] = []
 
+    def copy(self) -> DeviceAddresses:
+        twin = DeviceAddresses()
+        twin._next_address, twin._starts, twin._bytes = self._next_address, list(self._starts), dict(self._bytes)
+        twin._offered = list(self._offered)
+        return twin
+
     def offer(self, segments: Iterable[tuple[int, int]]) -> None:
         """(address, bytes) cudaMalloc returned, in order, for the segments the next request makes."""
         self._offered = list(segments)

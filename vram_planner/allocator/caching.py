@@ -81,6 +81,9 @@ class CachingAllocator(ExpandableSegments):
         self.segment_sizes: list[int] = []  # every cudaMalloc, or (expandable) every mapping, in order
         self.segment_log: list[tuple[str, int, int]] = []  # (trace action, address, bytes), as a snapshot's trace
         self.num_alloc_retries = self.num_ooms = 0
+        # What the capacity decided so far: the most reserved bytes cudaMalloc was let reach, and the least it was
+        # refused at (None: never). Any capacity from the first up to, not including, the second decides the same.
+        self.granted_bytes, self.refused_bytes = 0, None
 
     # -- the public calls ------------------------------------------------------------------------------------------
 
@@ -367,7 +370,61 @@ class CachingAllocator(ExpandableSegments):
     # -- bookkeeping -----------------------------------------------------------------------------------------------
 
     def _device_would_refuse(self, n_bytes: int) -> bool:
-        return self.capacity_bytes is not None and self.reserved_bytes + n_bytes > self.capacity_bytes
+        reaching = self.reserved_bytes + n_bytes
+        if self.capacity_bytes is not None and reaching > self.capacity_bytes:
+            if self.refused_bytes is None or reaching < self.refused_bytes:
+                self.refused_bytes = reaching
+            return True
+        if reaching > self.granted_bytes:
+            self.granted_bytes = reaching
+        return False
+
+    def same_replay_until_now(self, capacity_bytes: int | None) -> bool:
+        """Whether an allocator of `capacity_bytes` that saw the same calls would be in this one's state: every
+        cudaMalloc this one made or was refused, it would have made or been refused too."""
+        if capacity_bytes is None:
+            return self.refused_bytes is None
+        return self.granted_bytes <= capacity_bytes and (self.refused_bytes is None or capacity_bytes < self.refused_bytes)
+
+    def resumable(self) -> bool:
+        """Whether clone() can copy this allocator: the capacity decides cudaMalloc alone (no expandable segments,
+        whose pages map against it as well, and no memory fraction, which it scales)."""
+        return not self.conf.expandable_segments and self._allowed_bytes is None
+
+    def clone(self, capacity_bytes: int | None) -> CachingAllocator:
+        """An independent copy of this allocator's state, its blocks and their links, with another capacity: where
+        same_replay_until_now(capacity_bytes), what a replay on that capacity would have reached here."""
+        if not self.resumable():
+            raise ValueError("only an allocator of cudaMalloc'd segments and no memory fraction can be copied")
+        copy = CachingAllocator(self.conf, capacity_bytes, self._device_bytes)
+        copy._plain_rounding = self._plain_rounding
+        copies: dict[int, Block] = {}
+        pools = {id(self._small): copy._small, id(self._large): copy._large}
+
+        def copied(block: Block) -> Block:
+            twin = copies.get(id(block))
+            if twin is None:
+                twin = copies[id(block)] = Block(block.ptr, block.size, block.stream, pools[id(block.pool)])
+                twin.allocated, twin.gc_base, twin.requested = block.allocated, block.gc_base, block.requested
+            return twin
+
+        for pool, twin_pool in ((self._small, copy._small), (self._large, copy._large)):
+            twin_pool.keys = list(pool.keys)
+            twin_pool.blocks = {ptr: copied(block) for ptr, block in pool.blocks.items()}
+            twin_pool.free_block_calls = pool.free_block_calls
+        copy._active = {ptr: copied(block) for ptr, block in self._active.items()}
+        for block in [*self._active.values(), *self._small.blocks.values(), *self._large.blocks.values()]:
+            twin = copies[id(block)]
+            twin.prev = None if block.prev is None else copies[id(block.prev)]
+            twin.next = None if block.next is None else copies[id(block.next)]
+        copy._streams = dict(self._streams)
+        copy._addresses = self._addresses.copy()
+        copy.allocated_bytes, copy.reserved_bytes = self.allocated_bytes, self.reserved_bytes
+        copy.max_allocated_bytes, copy.max_reserved_bytes = self.max_allocated_bytes, self.max_reserved_bytes
+        copy.segment_sizes, copy.segment_log = list(self.segment_sizes), list(self.segment_log)
+        copy.num_alloc_retries, copy.num_ooms = self.num_alloc_retries, self.num_ooms
+        copy.granted_bytes, copy.refused_bytes = self.granted_bytes, self.refused_bytes
+        return copy
 
     def _grow_reserved(self, n_bytes: int, action: str, address: int) -> None:
         self.reserved_bytes += n_bytes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from vram_planner.allocator.caching import CachingAllocator, OutOfMemory
@@ -47,13 +47,38 @@ def replay_events(events: Iterable[tuple[str, int, int]], conf: AllocatorConf = 
     card would show. With one, a request the allocator cannot meet stops the replay and is kept in the result
     (out_of_memory, out_of_memory_event). `series` False leaves the series empty (a bisection reads only the peaks
     and the out-of-memory: a tenth faster)."""
-    allocator = CachingAllocator(conf, capacity_bytes)
+    return _replay(events if isinstance(events, list) else list(events), conf, capacity_bytes, stream, series)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A replay's state before event `event`: its allocator (never run on: a replay resumes on a clone) and where
+    each live tensor lies. A replay on any capacity the allocator's same_replay_until_now accepts reaches it."""
+
+    event: int
+    allocator: CachingAllocator
+    addresses: dict[int, int]
+
+
+def _replay(events: list[tuple[str, int, int]], conf: AllocatorConf, capacity_bytes: int | None, stream: int,
+            series: bool, start: Checkpoint | None = None, every: int = 0,
+            keep: Callable[[Checkpoint], None] | None = None) -> ReplayResult:
+    """replay_events, from `start` where given (the series then begin there), handing `keep` a checkpoint every
+    `every` events (0: none)."""
+    if start is None:
+        allocator, addresses, first = CachingAllocator(conf, capacity_bytes), {}, 0
+    else:
+        allocator, addresses, first = start.allocator.clone(capacity_bytes), dict(start.addresses), start.event
     malloc, free = allocator.malloc, allocator.free
-    addresses: dict[int, int] = {}
     reserved, allocated = array("q"), array("q")
     keep_reserved, keep_allocated = reserved.append, allocated.append
     oom = oom_event = None
-    for index, (action, tensor_id, size_bytes) in enumerate(events):
+    next_checkpoint = (first // every + 1) * every if every and keep is not None else len(events)
+    for index in range(first, len(events)):
+        if index == next_checkpoint:
+            keep(Checkpoint(index, allocator.clone(capacity_bytes), dict(addresses)))
+            next_checkpoint += every
+        action, tensor_id, size_bytes = events[index]
         if action == ALLOC:
             if tensor_id in addresses:
                 raise ReplayError(f"event {index} allocates tensor {tensor_id!r}, which is already allocated")
@@ -78,21 +103,46 @@ def replay_events(events: Iterable[tuple[str, int, int]], conf: AllocatorConf = 
                         reserved, allocated, list(allocator.segment_log), oom, oom_event)
 
 
+# The replays Replays keeps checkpoints of, and how many events apart it takes them
+CHECKPOINTED_REPLAYS = 2
+CHECKPOINT_EVENTS = 1 << 17
+
+
 class Replays:
     """One event list replayed through one allocator configuration at the capacities asked for; those in `kept`
     (the card's, None for no limit) are replayed once for every caller (each result holds two series as long as the
-    events)."""
+    events).
+
+    A replay without series starts from the latest checkpoint an earlier replay took that its capacity reaches:
+    two capacities replay the same events alike until a cudaMalloc that one allows and the other refuses, so the
+    replays of a bisection, whose capacities close in on one another, share ever longer beginnings (half of
+    gemma-3-4b-it's 2.3 million events, where the step first runs short). Only where the capacity alone decides
+    cudaMalloc (CachingAllocator.resumable)."""
 
     def __init__(self, events: Iterable[tuple[str, int, int]], conf: AllocatorConf = AllocatorConf(),
                  kept: Iterable[int | None] = ()) -> None:
         self.events, self.conf = list(events), conf
         self._kept: dict[int | None, ReplayResult | None] = dict.fromkeys(kept)
+        self._checkpoints: list[list[Checkpoint]] = []  # those of the latest replays, by replay, the latest last
+        self.resumed_events = 0  # the events that replays started past
 
     def __call__(self, capacity_bytes: int | None, series: bool = True) -> ReplayResult:
         """The replay at `capacity_bytes`; with `series` False, its series may be empty (`replay_events`)."""
         if capacity_bytes not in self._kept:
-            return replay_events(self.events, self.conf, capacity_bytes, series=series)
+            return self._replay(capacity_bytes, series)
         result = self._kept[capacity_bytes]
         if result is None:
-            result = self._kept[capacity_bytes] = replay_events(self.events, self.conf, capacity_bytes)
+            result = self._kept[capacity_bytes] = self._replay(capacity_bytes, series=True)
         return result
+
+    def _replay(self, capacity_bytes: int | None, series: bool) -> ReplayResult:
+        if not CachingAllocator(self.conf, capacity_bytes).resumable():
+            return _replay(self.events, self.conf, capacity_bytes, 0, series)
+        reached = [] if series else [(c.event, n, c) for n, replay in enumerate(self._checkpoints) for c in replay
+                                     if c.allocator.same_replay_until_now(capacity_bytes)]
+        event, source, start = max(reached, key=lambda r: r[:2], default=(0, 0, None))
+        # the checkpoints it starts from are this replay's too
+        kept = [c for c in self._checkpoints[source] if c.event <= event] if start is not None else []
+        self._checkpoints = [*self._checkpoints[len(self._checkpoints) + 1 - CHECKPOINTED_REPLAYS:], kept]
+        self.resumed_events += event
+        return _replay(self.events, self.conf, capacity_bytes, 0, series, start, CHECKPOINT_EVENTS, kept.append)

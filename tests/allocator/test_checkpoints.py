@@ -1,0 +1,130 @@
+"""Replays that resume from an earlier replay's checkpoint: a clone of the allocator goes on exactly as the allocator
+it copies, and a replay started from a checkpoint its capacity reaches is the replay from the first event."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_allocator_invariants import SIZES, check
+from vram_planner.allocator import CachingAllocator, OutOfMemory, parse_allocator_conf, replay_events
+from vram_planner.allocator import replay as replay_module
+from vram_planner.allocator.replay import ALLOC, EMPTY_CACHE, FREE, Replays
+
+MiB = 1024**2
+CONFS = ("", "max_split_size_mb:40,roundup_power2_divisions:4")
+
+
+def random_events(seed: int, n: int = 3000) -> list[tuple[str, int, int]]:
+    """Allocations and frees of the sizes that exercise both pools, splitting and oversize blocks."""
+    rng = random.Random(seed)
+    live: list[int] = []
+    events = []
+    for tensor in range(n):
+        roll = rng.random()
+        if roll < 0.003:
+            events.append((EMPTY_CACHE, 0, 0))
+        elif live and roll < 0.45:
+            events.append((FREE, live.pop(rng.randrange(len(live))), 0))
+        else:
+            events.append((ALLOC, tensor, rng.choice(SIZES) + rng.randrange(0, 4096)))
+            live.append(tensor)
+    return events
+
+
+def outcome(allocator: CachingAllocator, call) -> tuple:
+    try:
+        return ("ok", call(allocator))
+    except OutOfMemory as error:
+        return ("out of memory", error.requested_bytes, error.reserved_bytes)
+
+
+@pytest.mark.parametrize("conf", CONFS)
+@pytest.mark.parametrize("capacity", [None, 300 * MiB])
+def test_a_clone_goes_on_exactly_as_the_allocator_it_copies(conf, capacity):
+    rng = random.Random(f"{conf}{capacity}")
+    original = CachingAllocator(parse_allocator_conf(conf), capacity)
+    clone = None
+    live: list[int] = []
+    for step in range(3000):
+        if step % 700 == 350:
+            clone = original.clone(capacity)  # from here both see the same calls
+            check(clone)
+        size = rng.choice(SIZES) + rng.randrange(0, 4096)
+        if live and rng.random() < 0.45:
+            address = live.pop(rng.randrange(len(live)))
+            calls = [lambda a, address=address: a.free(address)]
+        else:
+            calls = [lambda a, size=size: a.malloc(size, stream=0)]
+        results = [outcome(a, calls[0]) for a in (original, clone) if a is not None]
+        assert len(set(results)) == 1, f"step {step}: {results}"
+        if results[0][0] == "ok" and results[0][1] is not None:
+            live.append(results[0][1])
+        if clone is not None:
+            assert (clone.reserved_bytes, clone.allocated_bytes, clone.max_reserved_bytes, clone.segment_log,
+                    clone.granted_bytes, clone.refused_bytes) == (
+                original.reserved_bytes, original.allocated_bytes, original.max_reserved_bytes,
+                original.segment_log, original.granted_bytes, original.refused_bytes)
+    check(original)
+    check(clone)
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "per_process_memory_fraction:0.8"])
+def test_only_an_allocator_the_capacity_alone_decides_is_cloned(conf):
+    allocator = CachingAllocator(parse_allocator_conf(conf), 500 * MiB)
+    assert not allocator.resumable()
+    with pytest.raises(ValueError):
+        allocator.clone(500 * MiB)
+
+
+def test_what_the_capacity_decided_says_which_capacities_reach_the_same_state():
+    allocator = CachingAllocator(parse_allocator_conf(""), 100 * MiB)
+    allocator.malloc(60 * MiB)  # a 60 MiB segment: granted up to 60
+    with pytest.raises(OutOfMemory):
+        allocator.malloc(50 * MiB)  # 110 MiB refused
+    assert (allocator.granted_bytes, allocator.refused_bytes) == (60 * MiB, 110 * MiB)
+    assert [allocator.same_replay_until_now(c * MiB) for c in (59, 60, 109, 110)] == [False, True, True, False]
+    assert not allocator.same_replay_until_now(None)
+
+
+def comparable(result) -> tuple:
+    oom = result.out_of_memory
+    return (result.out_of_memory_event, oom and (oom.requested_bytes, oom.reserved_bytes), result.max_reserved_bytes,
+            result.max_allocated_bytes, result.segment_sizes, result.segment_log)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), conf=st.sampled_from(CONFS), every=st.sampled_from([16, 64, 257]),
+       capacities=st.lists(st.integers(20, 400), min_size=2, max_size=12))
+def test_replays_resumed_from_checkpoints_are_the_replays_from_the_first_event(seed, conf, every, capacities):
+    events = random_events(seed, 1500)
+    allocator_conf = parse_allocator_conf(conf)
+    original = replay_module.CHECKPOINT_EVENTS
+    replay_module.CHECKPOINT_EVENTS = every  # hypothesis runs examples in one test: no fixture per example
+    try:
+        replays = Replays(events, allocator_conf, kept=(None,))
+        replays(None)
+        for capacity in [c * MiB for c in capacities]:
+            assert comparable(replays(capacity, series=False)) == comparable(
+                replay_events(events, allocator_conf, capacity, series=False))
+    finally:
+        replay_module.CHECKPOINT_EVENTS = original
+
+
+def test_a_bisection_resumes_its_replays_where_their_capacities_decided_alike(monkeypatch):
+    monkeypatch.setattr(replay_module, "CHECKPOINT_EVENTS", 64)
+    events = random_events(7, 4000)
+    conf = parse_allocator_conf("")
+    replays = Replays(events, conf)
+    fresh = {}
+    low, high = 20 * MiB, 400 * MiB
+    while high - low > 2 * MiB:  # the capacities close in on one another, as least_capacity's do
+        capacity = (low + high) // 2 // (2 * MiB) * (2 * MiB)
+        result = replays(capacity, series=False)
+        fresh[capacity] = replay_events(events, conf, capacity, series=False)
+        assert comparable(result) == comparable(fresh[capacity])
+        low, high = (capacity, high) if result.out_of_memory else (low, capacity)
+    assert replays.resumed_events > 0
