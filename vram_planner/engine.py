@@ -233,6 +233,7 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     from vram_planner.allocator.replay import Replays
     from vram_planner.model.cublas import workspace_bytes
     from vram_planner.model.phases import Estimate
+    from vram_planner.tracing.collection import collection_paused
     from vram_planner.tracing.events import with_workspaces
     from vram_planner.tracing.need import least_capacity
     from vram_planner.tracing.reserve import reserved_memory
@@ -242,17 +243,18 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     conf = parse_allocator_conf(train.allocator_conf, "--allocator-conf")
     check_traceable(train, context.release)  # before model_config: a hub id is not fetched twice for nothing
     config = model if isinstance(model, dict) else model_config(model)[0]
-    result = trace_step(config, train, context.release, progress)
-    say("replaying the allocations through the caching allocator model")
-    # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
-    # calibration when it measured one, else from the GPU catalog).
-    stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
-    card = max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0)
-    # the card's replay and the unlimited one serve both: the reserved figures and the need's bisection
-    replays = Replays([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, kept=(card, None))
-    reserved = reserved_memory(stream, conf, card, replays)
-    say("bisecting the least memory the step runs in")
-    need = least_capacity(replays.events, conf, card, replays)
+    with collection_paused():
+        result = trace_step(config, train, context.release, progress)
+        say("replaying the allocations through the caching allocator model")
+        # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
+        # calibration when it measured one, else from the GPU catalog).
+        stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
+        card = max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0)
+        # the card's replay and the unlimited one serve both: the reserved figures and the need's bisection
+        replays = Replays([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, kept=(card, None))
+        reserved = reserved_memory(stream, conf, card, replays)
+        say("bisecting the least memory the step runs in")
+        need = least_capacity(replays.events, conf, card, replays)
     phases = tuple(_traced_phase(p, reserved.by_phase, context, train) for p in result.phases)
     traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
                       notes=tuple(result.notes) + notes + reserved.notes)

@@ -384,7 +384,8 @@ class CachingAllocator(ExpandableSegments):
         cudaMalloc this one made or was refused, it would have made or been refused too."""
         if capacity_bytes is None:
             return self.refused_bytes is None
-        return self.granted_bytes <= capacity_bytes and (self.refused_bytes is None or capacity_bytes < self.refused_bytes)
+        refused = self.refused_bytes
+        return self.granted_bytes <= capacity_bytes and (refused is None or capacity_bytes < refused)
 
     def resumable(self) -> bool:
         """Whether clone() can copy this allocator: the capacity decides cudaMalloc alone (no expandable segments,
