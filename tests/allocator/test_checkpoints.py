@@ -56,10 +56,10 @@ def test_a_clone_goes_on_exactly_as_the_allocator_it_copies(conf, capacity):
         size = rng.choice(SIZES) + rng.randrange(0, 4096)
         if live and rng.random() < 0.45:
             address = live.pop(rng.randrange(len(live)))
-            calls = [lambda a, address=address: a.free(address)]
+            call = lambda a, address=address: a.free(address)  # noqa: E731
         else:
-            calls = [lambda a, size=size: a.malloc(size, stream=0)]
-        results = [outcome(a, calls[0]) for a in (original, clone) if a is not None]
+            call = lambda a, size=size: a.malloc(size, stream=0)  # noqa: E731
+        results = [outcome(a, call) for a in (original, clone) if a is not None]
         assert len(set(results)) == 1, f"step {step}: {results}"
         if results[0][0] == "ok" and results[0][1] is not None:
             live.append(results[0][1])

@@ -143,6 +143,6 @@ class Replays:
         event, source, start = max(reached, key=lambda r: r[:2], default=(0, 0, None))
         # the checkpoints it starts from are this replay's too
         kept = [c for c in self._checkpoints[source] if c.event <= event] if start is not None else []
-        self._checkpoints = [*self._checkpoints[len(self._checkpoints) + 1 - CHECKPOINTED_REPLAYS:], kept]
+        self._checkpoints = [*self._checkpoints, kept][-CHECKPOINTED_REPLAYS:]
         self.resumed_events += event
         return _replay(self.events, self.conf, capacity_bytes, 0, series, start, CHECKPOINT_EVENTS, kept.append)
