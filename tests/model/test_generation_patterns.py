@@ -67,21 +67,22 @@ def test_the_caches_blocks_cut_from_cached_segments_strand_what_the_allocator_st
     assert stranded == pytest.approx(stranded_by_kept_inputs(len(blocks), block, segment))
 
 
-def prefill_and_decoding(layers: int, mlp_bytes: int, live: int, row_bytes: int, prompt: int,
+def prefill_and_decoding(layers: int, largest_bytes: int, live: int, row_bytes: int, prompt: int,
                          completion: int) -> tuple[CachingAllocator, set[int]]:
     """generate() as the allocator sees it: the prefill keeps each layer's prompt keys and values (`row_bytes` a
-    token) and asks for `live` MLP tensors of `mlp_bytes` at once, freed before the next layer; each decoding step
-    makes every layer's keys and values a token longer and frees the old ones. Returns the allocator after the last
-    step and the addresses of the segments the prefill's MLP made."""
+    token) and asks for `live` tensors of its largest size, `largest_bytes` (the MLP's, or eager attention's float32
+    scores), at once, freed before the next layer; each decoding step makes every layer's keys and values a token
+    longer and frees the old ones. Returns the allocator after the last step and the addresses of the segments the
+    prefill's largest tensors made."""
     allocator = CachingAllocator()
     cache = []
     for _ in range(layers):
         cache.append([allocator.malloc(row_bytes * prompt), allocator.malloc(row_bytes * prompt)])
-        for block in [allocator.malloc(mlp_bytes) for _ in range(live)]:
+        for block in [allocator.malloc(largest_bytes) for _ in range(live)]:
             allocator.free(block)
-    mlp_segment = allocation_size(mlp_bytes, K_LARGE_BUFFER)
+    largest_segment = allocation_size(largest_bytes, K_LARGE_BUFFER)
     prefill = {segment[0][0] for segment in allocator.segment_blocks()
-               if sum(size for _, size, _ in segment) == mlp_segment}
+               if sum(size for _, size, _ in segment) == largest_segment}
     for step in range(1, completion):
         for layer in cache:
             for kind, old in enumerate(layer):
@@ -90,23 +91,30 @@ def prefill_and_decoding(layers: int, mlp_bytes: int, live: int, row_bytes: int,
     return allocator, prefill
 
 
-@pytest.mark.parametrize("name, dtype, batch, prompt, completion", [
-    ("SmolLM2-360M", "bfloat16", 64, 64, 256),  # 3 + 8 segments of 160 MiB, a 99.7 MiB block in each
+@pytest.mark.parametrize("name, dtype, batch, prompt, completion, attention", [
+    ("SmolLM2-360M", "bfloat16", 64, 64, 256, "sdpa"),  # 3 + 8 segments of 160 MiB, a 99.7 MiB block in each
     # 304 MiB segments with room for fifteen 20 MiB blocks: fewer blocks than places, the count bounded by the blocks
-    ("Qwen2.5-0.5B", "bfloat16", 32, 128, 192),
-    ("phi-2", "bfloat16", 16, 64, 128),  # a plain MLP: 2 + 16 segments of 160 MiB, a 119 MiB block in each
+    ("Qwen2.5-0.5B", "bfloat16", 32, 128, 192, "sdpa"),
+    ("phi-2", "bfloat16", 16, 64, 128, "sdpa"),  # a plain MLP: 2 + 16 segments of 160 MiB, a 119 MiB block in each
+    # eager attention's float32 scores (2 GiB) outgrow the MLP's tensors (768 MiB): their segments
+    ("Qwen3-0.6B", "bfloat16", 64, 256, 128, "eager"),
+    # scores shorter than the MLP's tensors (20 MiB against 160): the MLP's segments, as without eager attention
+    ("SmolLM2-360M", "bfloat16", 64, 64, 256, "eager"),
 ])
 def test_the_caches_blocks_cut_from_the_prefills_segments_strand_what_the_allocator_strands(name, dtype, batch,
-                                                                                          prompt, completion):
+                                                                                          prompt, completion,
+                                                                                          attention):
     # 8 steps per generation: the generation batch is 8 micro-batches
     train = TrainingConfig(dtype=dtype, per_device_train_batch_size=batch, num_generations=4,
                            gradient_accumulation_steps=4, steps_per_generation=8, max_prompt_length=prompt,
-                           max_completion_length=completion)
+                           max_completion_length=completion, attn_implementation=attention)
     arch = catalog_architecture(name)
     sequences = train.local_generation_batch_size
     row = sequences * arch.num_kv_heads * arch.head_dim * 2
-    allocator, prefill = prefill_and_decoding(arch.num_layers, sequences * prompt * arch.intermediate_size * 2,
-                                              3 if arch.family.gated_mlp else 2, row, prompt, completion)
+    mlp = sequences * prompt * arch.intermediate_size * 2
+    scores = sequences * arch.num_attention_heads * prompt * prompt * 4 if attention == "eager" else 0
+    largest, live = (scores, 1) if scores > mlp else (mlp, 3 if arch.family.gated_mlp else 2)
+    allocator, prefill = prefill_and_decoding(arch.num_layers, largest, live, row, prompt, completion)
     # what no block of the last step fits in, in the prefill's segments that a block keeps (a wholly free one can be
     # released)
     block = row * (prompt + completion - 1)
@@ -116,10 +124,28 @@ def test_the_caches_blocks_cut_from_the_prefills_segments_strand_what_the_alloca
     assert stranded > 0
     # the segments are counted from the prompts' cache, a part-filled one as a fraction, and the decoding leaves one
     # free in turn: within a segment
-    segment = allocation_size(sequences * prompt * arch.intermediate_size * 2, K_LARGE_BUFFER)
+    segment = allocation_size(largest, K_LARGE_BUFFER)
     assert abs(cache_in_prefill_segment_bytes(arch, train) - stranded) <= segment
     assert reserve_patterns(arch, train, "generation")[CACHE_IN_PREFILL_SEGMENTS] == cache_in_prefill_segment_bytes(
         arch, train)
+
+
+def test_eager_attentions_scores_make_the_prefills_segments_where_they_outgrow_the_mlps_tensors():
+    # 512 prompts of 256 tokens: float32 scores of 16 heads, 2 GiB a layer, against the MLP's 768 MiB; the prompts'
+    # cache (28 layers' keys and values, 256 MiB each) fills 7 segments of them beside the one softmax's output
+    # holds, and each takes five of the last step's 383 MiB blocks beside 133 MiB
+    train = TrainingConfig(dtype="bfloat16", lora_r=16, per_device_train_batch_size=8, num_generations=8,
+                           steps_per_generation=64, max_prompt_length=256, max_completion_length=128,
+                           attn_implementation="eager")
+    arch = catalog_architecture("Qwen3-0.6B")
+    assert cache_in_prefill_segment_bytes(arch, train) == (1 + 7) * (2048 - 5 * 383) * MiB
+    allocator, prefill = prefill_and_decoding(arch.num_layers, 2048 * MiB, 1, 512 * 8 * 128 * 2, 256, 128)
+    stranded = sum(size % (383 * MiB) for segment in allocator.segment_blocks()
+                   if segment[0][0] in prefill for _, size, allocated in segment if not allocated)
+    assert len(prefill) == 8 and 0 <= stranded - cache_in_prefill_segment_bytes(arch, train) <= 383 * MiB
+    # SDPA keeps no scores: the MLP's 768 MiB segments, two blocks in each beside 2 MiB
+    sdpa = cache_in_prefill_segment_bytes(arch, replace(train, attn_implementation="sdpa"))
+    assert 0 < sdpa < 28 * 2 * MiB
 
 
 def test_the_prefills_segments_strand_nothing_without_a_prefill_here_or_with_blocks_past_them():

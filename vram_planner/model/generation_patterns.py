@@ -88,6 +88,11 @@ def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfi
     SmolLM2-360M generating 512 sequences of 64 + 256 tokens (MLP tensors of 160 MiB; 32 layers, 5 heads of 64 in
     bfloat16: 3 + 8 segments) 11 segments of 160 MiB each held one 96 MiB block beside 64 MiB where generation ran
     out (the float32 norms' 120 MiB segments three more beside 24 MiB each, which the fit's coefficient covers).
+    With eager attention the layer's largest tensor can be the float32 scores softmax makes, [B, heads, p, p]
+    (prefill_largest_request_bytes), one alive at a time: where they outgrow the MLP's tensors the prefill's segments
+    are theirs, 1 + prompt cache / scores of them. At the need of Qwen3-0.6B LoRA generating 512 sequences of 256 +
+    128 tokens (2 GiB scores against the MLP's 768 MiB; 383 MiB blocks) nine 2 GiB segments held three to five blocks
+    each beside 133 to 902 MiB, none room for the repeated keys' 766 MiB, where generation ran out.
 
     Counted with the last step's largest block (keys and values alike, full-attention layers), in no more segments
     than the layers' keys and values fill (2 x layers / k): a bound where other tensors take the places, for the fit
@@ -96,16 +101,19 @@ def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfi
     cache's own growth (two blocks a layer, more than the segments); it jumps up where a block fewer fits and
     vanishes where the block outgrows the segment, so the reserve never falls faster than the cache grows (at the
     decoding's moments, which hold the cache; the prefill's weigh its own patterns only: phases._reserve). Nothing
-    with vLLM (no prefill in this process) or where the MLP's tensors fall in the 20 MiB segments."""
+    with vLLM (no prefill in this process) or where the largest tensors fall in the 20 MiB segments."""
     if train.use_vllm:
         return 0.0
     generating = m.as_generated(train)
     batch, prompt = train.local_generation_batch_size, train.max_prompt_length
     request = batch * prompt * arch.intermediate_size * m.sizes(generating).compute
+    live = GATED_MLP_LIVE if arch.family.gated_mlp else PLAIN_MLP_LIVE
+    scores = _eager_prefill_scores_bytes(arch, train)
+    if scores > request:
+        request, live = scores, 1
     if request < K_MIN_LARGE_ALLOC:
         return 0.0
     segment = allocation_size(request, K_LARGE_BUFFER)
-    live = GATED_MLP_LIVE if arch.family.gated_mlp else PLAIN_MLP_LIVE
     segments = live + m.kv_cache_bytes(arch, train, batch, prompt, prefill=True) / request
     block = _last_block_bytes(arch, train)
     if block > segment:
@@ -206,6 +214,13 @@ def prefill_largest_request_bytes(arch: ModelArchitecture, train: TrainingConfig
     generating = m.as_generated(train)
     batch, prompt = train.local_generation_batch_size, train.max_prompt_length
     mlp = batch * prompt * largest_request_token_bytes(arch, generating)
-    scores = batch * arch.num_attention_heads * prompt * prompt * m.FP32_BYTES
-    request = max(mlp, scores if train.attn_implementation == "eager" else 0)
+    request = max(mlp, _eager_prefill_scores_bytes(arch, train))
     return float(request) if request >= K_MIN_LARGE_ALLOC else 0.0
+
+
+def _eager_prefill_scores_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    # the float32 scores eager attention's softmax makes for the whole generation batch's prompts, [B, heads, p, p]
+    if train.attn_implementation != "eager":
+        return 0
+    batch, prompt = train.local_generation_batch_size, train.max_prompt_length
+    return batch * arch.num_attention_heads * prompt * prompt * m.FP32_BYTES
