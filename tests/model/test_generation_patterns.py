@@ -14,11 +14,12 @@ from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_SIZE, allocatio
 from vram_planner.model.calibration import default_calibration
 from vram_planner.model.fragmentation import largest_request_bytes, reserve_patterns
 from vram_planner.model.generation_patterns import (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_MICRO_BATCH_SEGMENTS,
-                                                    CACHE_IN_PREFILL_SEGMENTS, PREFILL_LARGEST_REQUEST,
-                                                    PREFILL_PATTERNS, STATES_IN_DECODING_SEGMENTS,
-                                                    cache_in_loss_segment_bytes, cache_in_micro_batch_segment_bytes,
-                                                    cache_in_prefill_segment_bytes, prefill_largest_request_bytes,
-                                                    states_in_decoding_segment_bytes)
+                                                    CACHE_IN_PREFILL_SEGMENTS, DECODING_REPEATED_KV,
+                                                    PREFILL_LARGEST_REQUEST, PREFILL_PATTERNS,
+                                                    STATES_IN_DECODING_SEGMENTS, cache_in_loss_segment_bytes,
+                                                    cache_in_micro_batch_segment_bytes, cache_in_prefill_segment_bytes,
+                                                    decoding_repeated_kv_request_bytes,
+                                                    prefill_largest_request_bytes, states_in_decoding_segment_bytes)
 from vram_planner.model.spec import Optimizer, TrainingConfig
 from vram_planner.model.stranding import stranded_by_kept_inputs
 from vram_planner.units import MiB
@@ -148,6 +149,33 @@ def test_eager_attentions_scores_make_the_prefills_segments_where_they_outgrow_t
     assert 0 < sdpa < 28 * 2 * MiB
 
 
+def test_eager_attentions_copies_of_grouped_keys_and_values_find_no_rest_the_cache_left():
+    # the grid's Qwen3-0.6B eager LoRA point: 16 query heads on 8 key-value heads copy each 383 MiB block to 766 MiB
+    train = TrainingConfig(dtype="bfloat16", lora_r=16, per_device_train_batch_size=8, num_generations=8,
+                           steps_per_generation=64, max_prompt_length=256, max_completion_length=128,
+                           attn_implementation="eager")
+    arch = catalog_architecture("Qwen3-0.6B")
+    copy = decoding_repeated_kv_request_bytes(arch, train)
+    assert copy == 2 * 383 * MiB
+    assert reserve_patterns(arch, train, "generation")[DECODING_REPEATED_KV] == copy
+    # the cache's blocks fill the prefill's score segments five to one beside 133 MiB: the copy takes a segment more
+    allocator, _ = prefill_and_decoding(arch.num_layers, 2048 * MiB, 1, 512 * 8 * 128 * 2, 256, 128)
+    reserved = allocator.reserved_bytes
+    allocator.malloc(int(copy))
+    assert allocator.reserved_bytes == reserved + copy
+    # SDPA's decoding copies nothing from transformers 5.23 on (it packs the grouped queries); before, its masked
+    # decoding copied as eager attention does
+    sdpa = replace(train, attn_implementation="sdpa")
+    assert decoding_repeated_kv_request_bytes(arch, sdpa) == 0
+    assert decoding_repeated_kv_request_bytes(arch, replace(sdpa, transformers_version="5.22.0")) == copy
+    # nor do ungrouped heads copy, nor vLLM's generation here
+    assert decoding_repeated_kv_request_bytes(catalog_architecture("phi-2"), train) == 0  # 32 heads, 32 key-value heads
+    assert decoding_repeated_kv_request_bytes(arch, replace(train, use_vllm=True)) == 0
+    # a copy that shares the 20 MiB segments: 8 sequences of 64 + 32 tokens, 3 MiB
+    assert decoding_repeated_kv_request_bytes(arch, replace(train, steps_per_generation=1, max_prompt_length=64,
+                                                    max_completion_length=32)) == 0
+
+
 def test_the_prefills_segments_strand_nothing_without_a_prefill_here_or_with_blocks_past_them():
     train = TrainingConfig(dtype="bfloat16", per_device_train_batch_size=64, num_generations=4,
                            gradient_accumulation_steps=4, steps_per_generation=8, max_prompt_length=64,
@@ -225,7 +253,7 @@ def test_a_micro_batchs_loss_segment_strands_less_than_a_block_beside_the_caches
 
 
 @pytest.mark.parametrize("pattern", [cache_in_micro_batch_segment_bytes, states_in_decoding_segment_bytes,
-                                     prefill_largest_request_bytes])
+                                     decoding_repeated_kv_request_bytes, prefill_largest_request_bytes])
 @settings(max_examples=150, deadline=None)
 @given(name=st.sampled_from(["SmolLM2-135M", "Qwen3-0.6B", "gemma-2-2b", "phi-2", "Mistral-7B-v0.3"]),
        prompt=st.integers(1, 2048), completion=st.integers(1, 4096), more=st.integers(1, 2048),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, allocation_size
 from vram_planner.model import components as m
+from vram_planner.model import inference
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.stranding import (largest_request_token_bytes, state_element_bytes, stranded_by_kept_inputs,
@@ -22,10 +23,11 @@ CACHE_IN_PREFILL_SEGMENTS = "cache_in_prefill_segments"
 STATES_IN_DECODING_SEGMENTS = "states_in_decoding_segments"
 CACHE_IN_MICRO_BATCH_SEGMENTS = "cache_in_micro_batch_segments"
 PREFILL_LARGEST_REQUEST = "prefill_largest_request"
+DECODING_REPEATED_KV = "decoding_repeated_kv"
 # Those of generate()'s forward of the prompts, weighed at its moments; the rest at the decoding's
 PREFILL_PATTERNS = (PREFILL_LARGEST_REQUEST,)
 GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS, STATES_IN_DECODING_SEGMENTS,
-                       CACHE_IN_MICRO_BATCH_SEGMENTS, *PREFILL_PATTERNS)
+                       CACHE_IN_MICRO_BATCH_SEGMENTS, DECODING_REPEATED_KV, *PREFILL_PATTERNS)
 # MLP-wide tensors a gated MLP's forward holds at once (act(gate), up and their product; the gate is freed once
 # activated), a plain one's (fc1's output and its activation): modeling_llama's and modeling_phi's MLP.forward
 GATED_MLP_LIVE, PLAIN_MLP_LIVE = 3, 2
@@ -33,12 +35,14 @@ GATED_MLP_LIVE, PLAIN_MLP_LIVE = 3, 2
 
 def generation_patterns(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
     """Generation's patterns, in bytes: the KV cache's last blocks in the segments the previous step's loss, the
-    prefill and one micro-batch's loss left, the first step's states in the decoding's segments, and the prefill's
-    largest request beside a segment the previous layer's left."""
+    prefill and one micro-batch's loss left, the first step's states in the decoding's segments, the decoding's
+    copies of grouped keys and values, and the prefill's largest request beside a segment the previous layer's
+    left."""
     return {CACHE_IN_LOSS_SEGMENTS: cache_in_loss_segment_bytes(arch, train),
             CACHE_IN_PREFILL_SEGMENTS: cache_in_prefill_segment_bytes(arch, train),
             STATES_IN_DECODING_SEGMENTS: states_in_decoding_segment_bytes(arch, train),
             CACHE_IN_MICRO_BATCH_SEGMENTS: cache_in_micro_batch_segment_bytes(arch, train),
+            DECODING_REPEATED_KV: decoding_repeated_kv_request_bytes(arch, train),
             PREFILL_LARGEST_REQUEST: prefill_largest_request_bytes(arch, train)}
 
 
@@ -224,3 +228,29 @@ def _eager_prefill_scores_bytes(arch: ModelArchitecture, train: TrainingConfig) 
         return 0
     batch, prompt = train.local_generation_batch_size, train.max_prompt_length
     return batch * arch.num_attention_heads * prompt * prompt * m.FP32_BYTES
+
+
+def decoding_repeated_kv_request_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """The decoding's largest request where attention copies grouped keys and values to every query head, which the
+    segments the cache's blocks are cut from must leave room for.
+
+    Eager attention copies each layer's keys and values to every query head at each decoding step (transformers'
+    repeat_kv: heads / kv_heads times the cache's block, the keys' copy and the values' alive at once), and so did
+    SDPA's masked decoding before transformers 5.23 (inference.decoding_repeated_kv_bytes counts both copies among
+    the step's tensors). The cache's blocks fill the segments they are cut from k to a segment, and what they leave,
+    a rest the other patterns count against a block, must also hold the copy, n_rep blocks: at the need of
+    Qwen3-0.6B LoRA with eager attention generating 512 sequences of 256 + 128 tokens (16 heads on 8: 766 MiB copies
+    of 383 MiB blocks) the largest cached block was 764 MiB when the last decoding step asked for the keys' copy, and
+    gemma-2-2b LoRA generating 256 sequences of 256 + 512 tokens (8 heads on 4, 767 MiB copies) ran out there too.
+    Counted as one copy, for the fit to weigh (at most twice: the keys' and the values' copies), at the decoding's
+    moments.
+
+    The copy grows with the tokens and the generation batch, so the bytes never fall as they do. Nothing where no
+    copy is made (FlashAttention, SDPA from 5.23 on, ungrouped heads, a single key-value head's view), with vLLM (no
+    decoding in this process) or where the copy falls in the 20 MiB segments."""
+    if train.use_vllm:
+        return 0.0
+    tokens = train.sequence_length - 1  # cached at the last decoding step
+    kv = m.kv_cache_bytes(arch, train, train.local_generation_batch_size, tokens)
+    copy = inference.decoding_repeated_kv_bytes(arch, m.as_generated(train), kv, tokens) / 2
+    return float(copy) if copy >= K_MIN_LARGE_ALLOC else 0.0
