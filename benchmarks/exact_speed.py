@@ -74,6 +74,7 @@ def main() -> int:
     parser.add_argument("--heavy-only", action="store_true", help="only the heavy configs")
     parser.add_argument("--repeat", type=int, default=1, help="runs per config: their median, and their range")
     args = parser.parse_args()
+    times = max(args.repeat, 1)
     from vram_planner.profiles import models as catalog
 
     models = args.models or [entry.name for entry in catalog()]
@@ -85,11 +86,11 @@ def main() -> int:
     versions = ", ".join(f"{package} {version}" for package, version in engine_versions().items())
     lines = [f"`vram-plan check --gpu {CARD} --exact` in a fresh process on {os.cpu_count()} cores "
              f"({platform.processor() or platform.machine()}); target {TARGET_SECONDS:.0f} s; {versions}"
-             + (f"; the median of {args.repeat} runs each, the range of their walls after" if args.repeat > 1 else ""),
+             + (f"; the median of {times} runs each, the range of their walls after" if times > 1 else ""),
              f"{'model':32} {'config':32} {'wall s':>7} {'exact s':>8} {'need GiB':>9}"]
     walls = []
     for model, name, settings in runs:
-        result = repeated(model, settings, max(args.repeat, 1))
+        result = repeated(model, settings, times)
         if "error" in result:
             line = f"{model:32} {name:32} {result['wall']:7.1f}  {' '.join(result['error'])}"
         else:
@@ -101,7 +102,8 @@ def main() -> int:
         print(line, flush=True)
         lines.append(line)
     if walls:
-        lines.append(f"{len(walls)} {'runs' if args.repeat < 2 else 'configs'}: median {statistics.median(walls):.1f} s, slowest {max(walls):.1f} s, "
+        counted = "configs" if times > 1 else "runs"
+        lines.append(f"{len(walls)} {counted}: median {statistics.median(walls):.1f} s, slowest {max(walls):.1f} s, "
                      f"{sum(w > TARGET_SECONDS for w in walls)} over {TARGET_SECONDS:.0f} s")
         print(lines[-1])
     if not args.models and not args.heavy_only:
