@@ -98,10 +98,11 @@ def main() -> int:
     parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt or boundary-heldout.txt")
     parser.add_argument("--segments", action="store_true", help="also the segments that hold the cached memory")
     parser.add_argument("--seed", type=int, default=0, help="the held-out sweep whose labels these are")
+    parser.add_argument("--largest-gib", type=float, metavar="G", help="that sweep's bound on the analytic peak")
     args = parser.parse_args()
     grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
     # benchmarks/boundary_heldout.py's points, as its table for that seed names them
-    held_out = RESULTS / f"{table_stem(args.seed)}.json"
+    held_out = RESULTS / f"{table_stem(args.seed, args.largest_gib)}.json"
     grid.update({r["point"]: (r["model"], r["settings"]) for r in json.loads(held_out.read_text())}
                 if held_out.is_file() else {})
     unknown = [label for label in args.points if label not in grid]

@@ -44,7 +44,14 @@ under the others' fit were 10 more than 1% under, the worst 4.1%. With the first
 segments (2026-11-28, later: Mistral-7B's and phi-2's full fine-tuning held 0.6 to 1.9 GiB that way) the weight falls
 to 28 (the least with no point more than 1% under: 1 at 25 and 26, none from 27; the worst over stays within the
 +14.83% before up to 28, +14.84% at 29, +14.90% at 33; the median 1.86% at 28, 1.93% at 33, 2.01% at 40) and the
-left-out points to 7 more than 1% under, the worst 2.5% (6 from 33 on).
+left-out points to 7 more than 1% under, the worst 2.5% (6 from 33 on). The loaded weights' segments
+(stranding.loaded_weight_segment_bytes, 2026-11-29: what the 2 MiB rounding of each weight's segment leaves, 99 MiB for
+Qwen2.5-0.5B in float32, 147 MiB for Qwen2.5-1.5B in bfloat16, none for Llama or Mistral) are exact and added to every
+phase's reserve outside the fit: the reserve fitted here is the need's less them. Refitted so, the weight rises to 30,
+the least that leaves a single point more than 1% under beside the three before (Llama-3.2-1B's float32 full
+fine-tuning with 8-bit AdamW, 1.4%; it needs 65, and a median of 2.10%), with eager attention's overflow held (HELD):
+the grid's median 1.94%, and over the held-out sweeps 23 points more than 1% under where there were 29, none new
+in a window (the 24 GiB sweep's 6 -> 3, as the weights' rests were what its Qwen2.5 and gemma steps missed).
 
 Under expandable segments the loss phase's reserve is the per-phase shares allocator_fit.py fits plus expandable_pages'
 patterns (the partial pages that islands of live tensors keep mapped once the whole free pages are released), whose
@@ -101,7 +108,7 @@ from boundary import CARD, MODELS, RESULTS, committed_needs, points  # noqa: E40
 from vram_planner import engine  # noqa: E402
 from vram_planner.model.calibration import Calibration, default_calibration  # noqa: E402
 from vram_planner.model.expandable_pages import EXPANDABLE_PATTERNS, expandable_patterns  # noqa: E402
-from vram_planner.model.fragmentation import PATTERNS, reserve_patterns  # noqa: E402
+from vram_planner.model.fragmentation import EAGER_OVERFLOW, PATTERNS, reserve_patterns  # noqa: E402
 from vram_planner.model.generation_patterns import (CACHE_IN_LOSS_SEGMENTS,  # noqa: E402
                                                     CACHE_IN_MICRO_BATCH_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS,
                                                     DECODING_REPEATED_KV, GENERATION_PATTERNS,
@@ -109,11 +116,17 @@ from vram_planner.model.generation_patterns import (CACHE_IN_LOSS_SEGMENTS,  # n
                                                     STATES_IN_DECODING_SEGMENTS)
 from vram_planner.model.phases import (PREFILL_MOMENTS, TENSOR_COMPONENTS, generation_moments,  # noqa: E402
                                        persistent_bytes, with_overheads)
+from vram_planner.model.stranding import loaded_weight_segment_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CALIBRATION = ROOT / "profiles" / "calibrations" / "default.json"
 FEATURES = ("activations", *PATTERNS)
-UNDER_WEIGHT = 28.0
+UNDER_WEIGHT = 30.0
+# Held at the shipped calibration's value when the loss phase is refitted: few grid steps bind on eager attention's
+# overflow, and a refit moves it for reasons of other points (the loaded weights' rests, 2026-11-29, made eager points
+# of models that leave them over their needs, and the fit took it from 0.42 to 0.18, which put the 24 GiB sweep's
+# SmolLM2-135M eager LoRA, a step its overflow decides, 5.7% under its need)
+HELD = (EAGER_OVERFLOW,)
 HUBER = 0.05
 MAX_RESERVE_PER_BYTE = 4.0  # a pattern strands at most a few times its own bytes
 # Generation's patterns per byte at most: the rest beside the cache's blocks falls as the completion grows, by less
@@ -142,17 +155,26 @@ def rows(cache: dict) -> list[dict]:
         phase = next(p for p in verdict.estimate.phases if p.name == "training")
         features = {**phase.components, **reserve_patterns(verdict.context.arch, verdict.train, "training")}
         workspaces, context = phase.components["cublas_workspaces"], phase.components["cuda_context"]
+        exact = loaded_weight_segment_bytes(verdict.context.arch, verdict.train)  # not fitted: on top of the fit
         out.append({"point": label, "model": model,
                     "features": {name: float(features.get(name, 0.0)) for name in (*TENSOR_COMPONENTS, *PATTERNS)},
-                    "reserve_bytes": entry["allocator_need_bytes"] - workspaces - entry["tensor_peak_bytes"]["training"],
+                    "reserve_bytes": (entry["allocator_need_bytes"] - workspaces
+                                      - entry["tensor_peak_bytes"]["training"] - exact),
                     "need_bytes": entry["allocator_need_bytes"] + context,
-                    "without_reserve_bytes": phase.tensor_bytes + workspaces + context})
+                    "without_reserve_bytes": phase.tensor_bytes + workspaces + context + exact})
     return out
 
 
-def fit(points_: list[dict], features: tuple[str, ...] = FEATURES) -> dict[str, float]:
+def fit(points_: list[dict], features: tuple[str, ...] = FEATURES,
+        held: dict[str, float] | None = None) -> dict[str, float]:
     """Non-negative coefficients per feature: asymmetric, Huber-weighted least squares relative to the need, by
-    iteratively reweighting."""
+    iteratively reweighting; the `held` features keep their coefficients and the others are fitted beside them."""
+    held = held or {}
+    fitted = tuple(name for name in features if name not in held)
+    if len(fitted) < len(features):
+        out = fit([{**p, "reserve_bytes": p["reserve_bytes"] - sum(v * p["features"][n] for n, v in held.items())}
+                   for p in points_], fitted)
+        return {name: out[name] if name in out else held[name] for name in features}
     x = np.array([[p["features"][name] for name in features] for p in points_])
     y = np.array([p["reserve_bytes"] for p in points_], dtype=float)
     need = np.array([p["need_bytes"] for p in points_], dtype=float)
@@ -175,30 +197,34 @@ def error(point: dict, coefficients: dict[str, float]) -> float:
     return (point["without_reserve_bytes"] + reserve - point["need_bytes"]) / point["need_bytes"]
 
 
-def left_out_errors(points_: list[dict], features: tuple[str, ...] = FEATURES) -> dict[str, float]:
+def left_out_errors(points_: list[dict], features: tuple[str, ...] = FEATURES,
+                    held: dict[str, float] | None = None) -> dict[str, float]:
     """Each point's error under the fit of every other model's points."""
     out = {}
     for model in sorted({p["model"] for p in points_}):
-        coefficients = fit([p for p in points_ if p["model"] != model], features)
+        coefficients = fit([p for p in points_ if p["model"] != model], features, held)
         out.update({p["point"]: error(p, coefficients) for p in points_ if p["model"] == model})
     return out
 
 
-def bare_calibration(setting: str, phase: str, patterns: tuple[str, ...]) -> Calibration:
+def bare_calibration(setting: str, phase: str, patterns: tuple[str, ...],
+                     loss: dict[str, float] | None = None) -> Calibration:
     """The default calibration with `patterns` taken out of `setting`'s reserve for `phase`: the estimate their fit
-    stands on."""
+    stands on; with `loss`, those coefficients for the loss phase under torch's defaults (the ones being stored)."""
     shipped = default_calibration().allocator_reserve
     kept = {name: value for name, value in shipped[setting][phase].items() if name not in patterns}
     reserve = {**shipped, setting: {**shipped[setting], phase: kept}}
+    if loss is not None:
+        reserve["default"] = {**reserve["default"], "training": loss}
     return replace(default_calibration(), allocator_reserve=reserve)
 
 
-def generation_rows(cache: dict) -> list[dict]:
+def generation_rows(cache: dict, loss: dict[str, float] | None = None) -> list[dict]:
     """Every point with a need under torch's default allocator, with what the analytic step needs outside
     generation, generation's heaviest prefill and decoding moments without its patterns, and the patterns' bytes: a
     generation reserve that overshoots raises the estimate of a step decided elsewhere, so every point has a say.
     The prefill's patterns weigh on its moments, the decoding's on theirs (phases._reserve)."""
-    bare = bare_calibration("default", "generation", GENERATION_PATTERNS)
+    bare = bare_calibration("default", "generation", GENERATION_PATTERNS, loss)
     out = []
     for label, model, settings in points(list(MODELS), quick=False):
         entry = cache.get(label)
@@ -211,7 +237,7 @@ def generation_rows(cache: dict) -> list[dict]:
         generation = next(p for p in verdict.estimate.phases if p.name == "generation")
         context, workspaces = generation.components["cuda_context"], generation.components["cublas_workspaces"]
         moments = [(moment.moment in PREFILL_MOMENTS,
-                    with_overheads(moment, bare, 0.0, train, context, workspaces).total_bytes)
+                    with_overheads(moment, bare, 0.0, train, context, workspaces, arch).total_bytes)
                    for moment in generation_moments(arch, train, bare, persistent_bytes(arch, train))]
         assert abs(max(total for _, total in moments) - generation.total_bytes) < 1, label  # the phase's moments
         patterns = reserve_patterns(arch, train, "generation")
@@ -321,9 +347,10 @@ def main() -> int:
     if not grid:
         print("no cached need decided in the loss phase: run benchmarks/boundary.py first", file=sys.stderr)
         return 2
-    coefficients = fit(grid)
     shipped = default_calibration().allocator_reserve.get("default", {}).get("training", {})
-    left_out = left_out_errors(grid)
+    held = {name: shipped.get(name, 0.0) for name in HELD}
+    coefficients = fit(grid, held=held)
+    left_out = left_out_errors(grid, held=held)
     lines = [*point_lines(grid, shipped, coefficients, left_out),
              "", f"{len(grid)} steps that run out in the loss phase (torch's default allocator)",
              *fit_summary(grid, shipped, coefficients, left_out)]
@@ -331,7 +358,7 @@ def main() -> int:
     if args.keep_loss:  # the refit above is shown, the shipped coefficients stay
         coefficients = dict(shipped)
         lines.append("stored:    the shipped coefficients (--keep-loss)")
-    generating = generation_rows(cache)
+    generating = generation_rows(cache, coefficients)  # beside the loss phase's coefficients stored
     generation = fit_generation(generating)
     moved = [p for p in generating if abs(generation_error(p, generation) - generation_error(p, {})) >= 0.0005]
     lines += ["", f"generation's patterns, over the {len(generating)} steps under torch's default allocator: "

@@ -8,6 +8,7 @@ import pytest
 from helpers import benchmark_module
 from vram_planner import engine
 from vram_planner.model.spec import training_config
+from vram_planner.units import GiB
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,22 @@ def test_every_sampled_config_is_valid_runnable_on_a_card_and_off_the_grid(heldo
         assert (model, config) not in grid, label
         assert engine.check(model, "h100-80gb", settings).estimate.peak_bytes <= card, label
         assert heldout.trace_seconds(model, settings) <= heldout.MAX_TRACE_SECONDS
+
+
+def test_a_sweep_bounded_to_consumer_cards_draws_only_configs_under_its_bound(heldout):
+    """--largest-gib: the sweep of the cards most users have keeps the draws whose analytic peak is within the bound,
+    as the sampler judges it, and its tables are named by the bound beside the whole catalog's."""
+    from vram_planner.model.calibration import default_calibration
+
+    bound = 16 * GiB
+    sample = heldout.held_out(24, seed=1, largest_card_bytes=bound)
+    assert len({label for label, _, _ in sample}) == 24
+    peaks = [engine.check(model, "h100-80gb", settings, calibration=default_calibration()).estimate.peak_bytes
+             for _, model, settings in sample]
+    assert max(peaks) <= bound
+    assert sample != heldout.held_out(24, seed=1, largest_card_bytes=heldout.largest_card())
+    assert heldout.table_stem(2, 16.0) == "boundary-heldout-16gib-seed2"
+    assert heldout.table_stem(0, 24.0) != heldout.table_stem(0) == "boundary-heldout"
 
 
 def test_a_draw_equal_to_a_grid_point_is_drawn_again(heldout, monkeypatch):

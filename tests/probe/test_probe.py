@@ -16,6 +16,7 @@ from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.phases import estimate
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.spec import TrainingConfig, changed_settings
+from vram_planner.model.stranding import loaded_weight_segment_bytes
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.probe.fit import (FITTED_COEFFICIENTS, PhaseMeasurement, PointMeasurement, ProbePoint, ProbeRecord,
                                     SimulatedMeasurer, compute_capability, fit_calibration, fit_quality,
@@ -37,16 +38,18 @@ def tiny_points(n=2):
 def synthetic_record(truth: Calibration, points: list[ProbePoint], reserve_scale: float, context: int,
                      gpu: str = "h100-80gb") -> ProbeRecord:
     """Measurements that a device behaving exactly like `truth` would report: its tensors and cuBLAS workspaces
-    allocated, and reserved beyond them `reserve_scale` times the reserve fitted over replays."""
+    allocated, and reserved beyond them the loaded weights' rests (exact, as the allocator's rules make them) and
+    `reserve_scale` times the rest of the reserve fitted over replays."""
     capability = compute_capability(gpu)
     workspaces = cublas_workspace_bytes(capability)
     measured = []
     for point in points:
-        est = estimate(resolve_model(point.model), point.train, trl_release(), truth, 80 * GiB,
-                       compute_capability=capability)
+        arch = resolve_model(point.model)
+        est = estimate(arch, point.train, trl_release(), truth, 80 * GiB, compute_capability=capability)
+        exact = loaded_weight_segment_bytes(arch, point.train)
         phases = [PhaseMeasurement(name=p.name, allocated_bytes=round(p.tensor_bytes) + workspaces,
-                                   reserved_bytes=round(p.tensor_bytes + workspaces
-                                                        + reserve_scale * p.components["allocator_overhead"]))
+                                   reserved_bytes=round(p.tensor_bytes + workspaces + exact
+                                                        + reserve_scale * (p.components["allocator_overhead"] - exact)))
                   for p in est.phases]
         measured.append(PointMeasurement(label=point.label, model=point.model,
                                          settings=changed_settings(point.train),

@@ -11,6 +11,7 @@ from vram_planner.model.calibration import default_calibration
 from vram_planner.model.phases import estimate
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.stranding import loaded_weight_segment_bytes
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.probe.fit import PhaseMeasurement, ProbeRecord, _reserve_scale, fit_calibration, fit_quality
 from vram_planner.units import GiB
@@ -22,7 +23,7 @@ SCALE = 1.25
 
 def record_measured_as(conf: str, scale: float) -> ProbeRecord:
     """The H100 record's points, each phase's reserved bytes made what the planner predicts under `conf` with the
-    default reserve times `scale`."""
+    default reserve times `scale` (the loaded weights' rests, the allocator's rules, as they are)."""
     record = ProbeRecord.model_validate_json(RECORD.read_text())
     cal = default_calibration()
     points = []
@@ -30,9 +31,10 @@ def record_measured_as(conf: str, scale: float) -> ProbeRecord:
         train = TrainingConfig(**{**point.settings, "allocator_conf": conf})
         phases = estimate(resolve_model(point.model), train, trl_release(), cal, 80 * GiB,
                           compute_capability="9.0").phases
+        exact = loaded_weight_segment_bytes(resolve_model(point.model), train)
         measured = [PhaseMeasurement(name=p.name, allocated_bytes=int(p.tensor_bytes),
                                      reserved_bytes=round(p.total_bytes - p.components["cuda_context"]
-                                                          - (1 - scale) * p.components["allocator_overhead"]))
+                                                          - (1 - scale) * (p.components["allocator_overhead"] - exact)))
                     for p in phases]
         points.append(point.model_copy(update={"phases": measured, "lora_generation_autocast": False}))
     return record.model_copy(update={"points": points, "device": {**record.device, "allocator_conf": conf}})

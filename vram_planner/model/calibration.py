@@ -109,14 +109,15 @@ UNFITTED_RESERVE_FRACTION = 0.12
 
 
 def allocator_reserve_bytes(cal: Calibration, phase: str, tensor_bytes: dict[str, float], expandable: bool,
-                            pattern_bytes: dict[str, float] | None = None) -> float:
+                            pattern_bytes: dict[str, float] | None = None, exact_bytes: float = 0.0) -> float:
     """What the caching allocator holds beyond a phase's tensors: a probe's measured fraction, else the fitted
     function of the phase's components and of its allocation patterns (vram_planner.model.fragmentation, bytes the
-    pattern strands) under the run's allocator setting."""
+    pattern strands) under the run's allocator setting, on top of `exact_bytes`, what the allocator's rules strand
+    exactly (vram_planner.model.stranding.loaded_weight_segment_bytes), which no fit weighs."""
     if cal.allocator_overhead_fraction is not None:
         return cal.allocator_overhead_fraction * sum(tensor_bytes.values())
     coefficients = cal.allocator_reserve.get("expandable_segments" if expandable else "default", {}).get(phase)
     if coefficients is None:
         return UNFITTED_RESERVE_FRACTION * sum(tensor_bytes.values())
     weighed = {**tensor_bytes, **(pattern_bytes or {})}
-    return sum(coefficients.get(name, 0.0) * n_bytes for name, n_bytes in weighed.items())
+    return exact_bytes + sum(coefficients.get(name, 0.0) * n_bytes for name, n_bytes in weighed.items())

@@ -27,6 +27,7 @@ from vram_planner.model.fragmentation import reserve_patterns
 from vram_planner.model.generation_patterns import PREFILL_PATTERNS
 from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, logit_positions
 from vram_planner.model.spec import TrainingConfig, allocator_conf_notes
+from vram_planner.model.stranding import loaded_weight_segment_bytes
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
 from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure
@@ -294,7 +295,8 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
         prefilling = phase.moment in PREFILL_MOMENTS
         patterns = {name: value if (name in PREFILL_PATTERNS) == prefilling else 0.0
                     for name, value in patterns.items()}
-    return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns)
+    exact = loaded_weight_segment_bytes(arch, train) if arch is not None else 0.0
+    return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns, exact)
 
 
 def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig,

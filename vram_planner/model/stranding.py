@@ -1,13 +1,71 @@
 """What the allocation patterns are made of: the rest a kept block leaves of the cached block best fit cut it from,
-the largest block a layer asks for per token, and the optimizer states that strand segments. Shared by the loss's
-patterns (vram_planner.model.fragmentation) and generation's (vram_planner.model.generation_patterns). Pure Python."""
+the largest block a layer asks for per token, and the optimizer states that strand segments; and the one pattern
+every phase holds, the loaded weights' segments. Shared by the loss's patterns (vram_planner.model.fragmentation) and
+generation's (vram_planner.model.generation_patterns). Pure Python."""
 
 from __future__ import annotations
 
-from vram_planner.allocator.sizes import K_SMALL_SIZE
+import functools
+from typing import TYPE_CHECKING
+
+from vram_planner.allocator.sizes import K_MIN_LARGE_ALLOC, K_SMALL_SIZE
+from vram_planner.model import blocks
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import Optimizer, TrainingConfig
+
+if TYPE_CHECKING:
+    from vram_planner.allocator.caching import CachingAllocator
+
+
+def loaded_weight_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What the loaded weights' segments hold beyond the weights, for the whole run: a pattern the allocator's rules
+    make exactly, added to every phase's fitted reserve as it is (phases._reserve), not weighed by a fit.
+
+    The weights are the first tensors the process puts on the card, one cudaMalloc each under torch's default
+    allocator: a weight of 10 MiB or more gets a segment of its own, rounded up to 2 MiB (allocator.sizes.
+    allocation_size), and what that leaves beside it, less than 2 MiB, serves only a request between the small pool's
+    1 MiB and itself; the segment is never released while the weight lives. The later weights of 1 to 10 MiB are cut
+    from such rests where they fit (DeepSeek-R1-Distill-Qwen-1.5B's 1.5 MiB float32 key and value projections fill
+    the 1.5 MiB its 52.5 MiB MLP weights leave), so the parameters are loaded through the allocator model in the
+    model's order (the policy's, then a reference model's: beta without PEFT) and what the segments of the large
+    weights hold beside them is counted, a remainder under 1 MiB included, which the allocator leaves inside the
+    weight's block (the same model's 445.1 MiB bfloat16 embedding takes a 446 MiB block). At the need of
+    Qwen2.5-0.5B's float32 LoRA (896 x 4,864 MLP weights of 16.6 MiB in 18 MiB segments) 72 such rests held 99 MiB
+    of a 2.5 GiB step, none of it used; Qwen2.5-1.5B's bfloat16 MLP weights (26.25 MiB) leave 1.75 MiB each,
+    Llama-3.2-1B's and Mistral-7B's (whole 2 MiB multiples) nothing. Weights under 10 MiB share 20 MiB segments with
+    later tensors, and what they leave there is not counted.
+
+    Nothing under expandable segments (weights are mapped page by page, end to end), with 4-bit weights (packed and
+    quantized on the way in), or under ZeRO or FSDP (flattened and sharded)."""
+    if train.expandable_segments or train.load_in_4bit or train.zero_stage is not None or train.fsdp:
+        return 0.0
+    copies = 2 if train.computes_ref_logps and not train.uses_lora else 1
+    return float(_loaded_rest_bytes(arch, m.sizes(train).weight, copies))
+
+
+@functools.lru_cache(maxsize=256)
+def _loaded_rest_bytes(arch: ModelArchitecture, element_bytes: float, copies: int) -> int:
+    # plan's searches estimate one model thousands of times: the loading is replayed once per model and dtype
+    from vram_planner.allocator.caching import CachingAllocator
+
+    allocator, requested = CachingAllocator(), {}
+    for _ in range(copies):
+        for elements in blocks.parameter_tensors(arch):
+            size = int(blocks.blocks(elements * element_bytes))
+            requested[allocator.malloc(size)] = size
+    return rest_beside_large_blocks(allocator, requested)
+
+
+def rest_beside_large_blocks(allocator: CachingAllocator, requested: dict[int, int]) -> int:
+    """What the allocator model's segments that hold a live block of 10 MiB or more hold beyond the requests living
+    in them (`requested`: each live block's address and requested size): their free blocks, and the part of a block
+    the allocator did not split off (a large block keeps a remainder under 1 MiB: CUDACachingAllocator.cpp
+    should_split)."""
+    return sum(size - requested[address] if allocated else size
+               for segment in allocator.segment_blocks()
+               if any(allocated and size >= K_MIN_LARGE_ALLOC for _, size, allocated in segment)
+               for address, size, allocated in segment)
 
 
 def stranded_by_kept_inputs(layers: int, input_bytes: int, projection_bytes: int) -> float:

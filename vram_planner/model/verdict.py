@@ -24,7 +24,7 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # bisected through the allocator model, beside the analytic peak; benchmarks/results/boundary.txt, and
 # boundary_heldout.py's random configs off that grid, boundary-heldout*.txt): up to this much above it, and this much
 # below. Above, with SDPA and gradient checkpointing: 4.0% (seed 1's SmolLM2-135M's LoRA), which the 5% margin covers.
-# With eager attention 6.4%: seed 4's Qwen2.5-1.5B's LoRA, 16 x 5,568 tokens a micro-batch, whose 22 GiB score
+# With eager attention 6.7%: seed 4's Qwen2.5-1.5B's LoRA, 16 x 5,568 tokens a micro-batch, whose 22 GiB score
 # segments the scoring forward left had a checkpointed 261 MiB layer input cut from one when the loss forward asked
 # for two scores at once (the grid's Qwen3-0.6B LoRA generating 512 sequences at once, 6.7% before eager attention's
 # score segments joined the prefill's pattern; seed 2's Qwen2.5-1.5B's 8.3% before the prefill's largest request was
@@ -32,7 +32,7 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # tokens a micro-batch, whose kept 112 MiB forward tensors were cut one each from the decoding's 202-222 MiB segments,
 # 14 GiB beside them that no pattern counts yet (torch's default allocator; the grid's points without checkpointing,
 # their segments not just short of a whole number of the tensors, do not meet it). Below, the estimate is conservative
-# where a modelled pattern strands less than it can (the need 13.5% below it, the estimate 15.6% over, for
+# where a modelled pattern strands less than it can (the need 13.7% below it, the estimate 15.8% over, for
 # gemma-3-1b-it's eager LoRA generating 512 prompts at once, whose four heads make small score blocks: the reserve is
 # fitted to fall short of a need rarely, so it runs long where a pattern strands less; benchmarks/reserve_fit.py). A
 # verdict whose peak lies that close to the card could be the other way round: `check --exact` decides it.

@@ -26,6 +26,7 @@ from vram_planner.model.cublas import cublas_workspace_bytes
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.spec import TrainingConfig, changed_settings
+from vram_planner.model.stranding import loaded_weight_segment_bytes
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.profiles import HOME_ENV, GpuProfile, data_home, read_json
 from vram_planner.units import GiB
@@ -372,11 +373,15 @@ def _reserve_scale(record: ProbeRecord, cal: Calibration, capability: str) -> fl
     estimates = [_estimated_phases(point, cal, capability, _ran_under(record)) for point in record.points]
     if not estimates:  # no step measured as TRL runs it: the fitted reserve as it is
         return 1.0
+    # the loaded weights' rests are the allocator's rules, not the fit's: held as they are, never scaled
+    exact = [loaded_weight_segment_bytes(_architecture(point.model),
+                                         TrainingConfig(**{"allocator_conf": _ran_under(record), **point.settings}))
+             for point in record.points]
     # points without a scoring phase have a phase fewer: the padding holds nothing and reserves nothing
     held, reserve = (np.zeros((len(estimates), max(map(len, estimates)))) for _ in range(2))
     for i, phases in enumerate(estimates):
         for j, p in enumerate(phases):
-            reserve[i, j] = p.components["allocator_overhead"]
+            reserve[i, j] = p.components["allocator_overhead"] - exact[i]
             held[i, j] = p.total_bytes - reserve[i, j] - p.components["cuda_context"]
     measured = np.array([max(p.reserved_bytes for p in point.phases) for point in record.points], dtype=float)
     scales = np.linspace(*RESERVE_SCALES)
