@@ -32,14 +32,16 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # tokens a micro-batch, whose kept 112 MiB forward tensors were cut one each from the decoding's 202-222 MiB segments,
 # 14 GiB beside them that no pattern counts yet (torch's default allocator; the grid's points without checkpointing,
 # their segments not just short of a whole number of the tensors, do not meet it). Below, the estimate is conservative
-# where a modelled pattern strands less than it can (the need 13.7% below it, the estimate 15.8% over, for
+# where a modelled pattern strands less than it can (the need 15.5% below it, the estimate 18.3% over, for held-out
+# seed 6's Qwen2.5-3B float32 full fine-tuning with eager attention, 32 x 3,456 tokens a micro-batch, whose 24 GiB
+# float32 score blocks the eager patterns weigh as they weigh the grid's smaller ones; on the grid 13.7%,
 # gemma-3-1b-it's eager LoRA generating 512 prompts at once, whose four heads make small score blocks: the reserve is
 # fitted to fall short of a need rarely, so it runs long where a pattern strands less; benchmarks/reserve_fit.py). A
 # verdict whose peak lies that close to the card could be the other way round: `check --exact` decides it.
 NEED_ABOVE_ESTIMATE = 0.05
 NEED_ABOVE_ESTIMATE_EAGER = 0.08
 NEED_ABOVE_ESTIMATE_UNCHECKPOINTED = 0.09
-NEED_BELOW_ESTIMATE = 0.15
+NEED_BELOW_ESTIMATE = 0.17
 
 
 def need_above_estimate(attn_implementation: str, gradient_checkpointing: bool = True) -> float:
