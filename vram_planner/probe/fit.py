@@ -239,8 +239,12 @@ def _point_estimate(point: PointMeasurement, cal: Calibration, capability: str =
                     ) -> Estimate:
     """The point's estimate; `allocator_conf` is the setting the probe ran under (the record's, not the point's: one
     process measures every point), which decides the reserve."""
-    train = TrainingConfig(**{"allocator_conf": allocator_conf, **point.settings})
-    return estimate(_architecture(point.model), train, trl_release(), cal, 80 * GiB, compute_capability=capability)
+    return estimate(_architecture(point.model), _point_train(point, allocator_conf), trl_release(), cal, 80 * GiB,
+                    compute_capability=capability)
+
+
+def _point_train(point: PointMeasurement, allocator_conf: str = "") -> TrainingConfig:
+    return TrainingConfig(**{"allocator_conf": allocator_conf, **point.settings})
 
 
 def _generated_under_autocast(point: PointMeasurement) -> bool:
@@ -374,8 +378,7 @@ def _reserve_scale(record: ProbeRecord, cal: Calibration, capability: str) -> fl
     if not estimates:  # no step measured as TRL runs it: the fitted reserve as it is
         return 1.0
     # the loaded weights' rests are the allocator's rules, not the fit's: held as they are, never scaled
-    exact = [loaded_weight_segment_bytes(_architecture(point.model),
-                                         TrainingConfig(**{"allocator_conf": _ran_under(record), **point.settings}))
+    exact = [loaded_weight_segment_bytes(_architecture(point.model), _point_train(point, _ran_under(record)))
              for point in record.points]
     # points without a scoring phase have a phase fewer: the padding holds nothing and reserves nothing
     held, reserve = (np.zeros((len(estimates), max(map(len, estimates)))) for _ in range(2))
