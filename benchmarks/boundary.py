@@ -13,6 +13,10 @@ where `check` says "fits" on a card the exact engine says is too small: fits-fro
 the analytic peak never more than 1% below the need (the safety margin is left for the allocator model's own error
 against a GPU); median |analytic - need| under 2%.
 
+A run's batches are as long as their longest prompt, so it meets every prompt length up to max_prompt_length; where
+the analytic model says a shorter one strands more in the prefill's segments (and that raises its estimate), the step
+is traced at that length too ("POINT at pN") and the run's need is the larger: the table says where it came from.
+
 Needs are cached in benchmarks/results/boundary-needs.json, keyed by the point and the versions of torch,
 transformers, TRL and PEFT and the tracing and allocator code; the analytic side is recomputed on every run. Writes
 boundary.txt (the table and the summary) and boundary.json next to the cache when the whole grid ran.
@@ -26,6 +30,7 @@ adds them to the committed needs, each with the key of the code that made it.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import statistics
@@ -180,13 +185,64 @@ def below_need(outcome):
     return stream, conf, outcome.need.capacity_bytes - granule_bytes(conf)
 
 
-def row(label: str, model: str, settings: dict, traced: dict) -> dict:
-    """The default calibration's estimate (what `check` answers until a probe measures the card) beside the need,
-    both with the CUDA context the GPU catalog gives the card."""
+def heaviest_prompt(model: str, settings: dict) -> int | None:
+    """The shorter prompt at which the analytic model says the step may need the most (the batches of a run are as
+    long as their longest prompt: every length up to max_prompt_length comes), None where the longest needs the
+    most: where what a shorter prompt's prefill segments strand does not raise the estimate."""
+    from unittest import mock
+
+    from vram_planner import engine
+    from vram_planner.model import generation_patterns
+
+    context = engine.make_context(model, CARD)
+    train = engine.make_training(context, settings)
+    length = generation_patterns.heaviest_prompt_length(context.arch, train)
+    if length == train.max_prompt_length:
+        return None
+    counted = engine.check(model, CARD, settings, calibration=default_calibration()).estimate.peak_bytes
+    longest_only = functools.partial(generation_patterns.cache_in_prefill_segment_bytes,
+                                     shorter_prompts=False)
+    with mock.patch.object(generation_patterns, "cache_in_prefill_segment_bytes", longest_only):
+        at_longest = engine.check(model, CARD, settings, calibration=default_calibration()).estimate.peak_bytes
+    return length if counted > at_longest else None
+
+
+def shorter_label(label: str, prompt: int) -> str:
+    return f"{label} at p{prompt}"
+
+
+def traced_points(models: list[str], cache: dict) -> list[tuple[str, str, dict]]:
+    """The grid's points and, after each, those traced at a shorter prompt that the cache holds: every step the
+    exact engine has a need for, as (label, model, settings)."""
+    out = []
+    for label, model, settings in points(models, quick=False):
+        out.append((label, model, settings))
+        prefix = f"{label} at p"
+        out += [(name, model, {**settings, "max_prompt_length": int(name.removeprefix(prefix))}) for name in cache
+                if name.startswith(prefix) and name.removeprefix(prefix).isdigit()]
+    return out
+
+
+def shorter_need(label: str, model: str, settings: dict, cache: dict, trace: bool = False) -> tuple[int, dict] | None:
+    """The need at the shorter prompt the analytic model names (heaviest_prompt), with its length: from the cache,
+    bisected when `trace` and the cache lacks it (None: none is named, or none is cached)."""
+    prompt = heaviest_prompt(model, settings)
+    if prompt is None or (not trace and shorter_label(label, prompt) not in cache):
+        return None
+    return prompt, exact(model, {**settings, "max_prompt_length": prompt}, cache, shorter_label(label, prompt))
+
+
+def row(label: str, model: str, settings: dict, traced: dict, shorter: tuple[int, dict] | None = None) -> dict:
+    """The default calibration's estimate (what `check` answers until a probe measures the card) beside the run's
+    need, both with the CUDA context the GPU catalog gives the card: the step's with prompts of max_prompt_length,
+    or `shorter`'s, (prompt length, traced), where that needs more."""
     from vram_planner import engine
 
     verdict = engine.check(model, CARD, settings, calibration=default_calibration())
     context = verdict.context.cuda_context.bytes
+    need_prompt = None
+    if shorter is not None and shorter[1]["allocator_need_bytes"] > traced["allocator_need_bytes"]:
+        need_prompt, traced = shorter
     need, held = traced["allocator_need_bytes"] + context, traced["allocator_held_bytes"] + context
     peak = verdict.estimate.peak_bytes
     fits_from = peak / (1 - verdict.context.safety_margin)
@@ -194,7 +250,7 @@ def row(label: str, model: str, settings: dict, traced: dict) -> dict:
             "gradient_checkpointing": verdict.train.gradient_checkpointing,
             "analytic_bytes": peak, "fits_from_bytes": fits_from, "need_bytes": need,
             "held_bytes": held, "error": (peak - need) / need, "window": fits_from < need,
-            "seconds": traced["seconds"]}
+            "seconds": traced["seconds"], "need_prompt": need_prompt}
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -204,7 +260,8 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         lines.append(f"{r['point']:50} {r['analytic_bytes'] / gib:9.2f} {r['fits_from_bytes'] / gib:9.2f} "
                      f"{r['need_bytes'] / gib:9.2f} {r['held_bytes'] / gib:9.2f} {r['error']:+7.1%}  "
-                     + ("WINDOW" if r["window"] else ""))
+                     + ("WINDOW " if r["window"] else "")
+                     + (f"(needs the most at p{r['need_prompt']})" if r.get("need_prompt") else ""))
     return lines
 
 
@@ -239,17 +296,23 @@ def main() -> int:
         if args.from_needs and label not in cache:
             print(f"[{n}/{len(grid)}] {label}: no committed need", file=sys.stderr, flush=True)
             continue
-        fresh = label not in cache
+        known = set(cache)
         try:
-            rows.append(row(label, model, settings, exact(model, settings, cache, label)))
-            if fresh and args.add:
-                cache[label]["key"] = need_key()  # not the committed needs' code
+            traced = exact(model, settings, cache, label)
+            shorter = shorter_need(label, model, settings, cache, trace=not args.from_needs)
+            if args.from_needs and heaviest_prompt(model, settings) is not None and shorter is None:
+                print(f"[{n}/{len(grid)}] {label}: no committed need at the shorter prompt that may need more",
+                      file=sys.stderr, flush=True)
+            rows.append(row(label, model, settings, traced, shorter))
         except Exception as exc:  # a point the engines cannot run is reported, not fatal to the grid
             print(f"[{n}/{len(grid)}] {label}: {exc}", file=sys.stderr, flush=True)
             continue
-        if fresh:
-            print(f"[{n}/{len(grid)}] {label}: need bisected in {cache[label]['seconds']:.1f} s", file=sys.stderr,
+        for name in sorted(set(cache) - known):
+            if args.add:
+                cache[name]["key"] = need_key()  # not the committed needs' code
+            print(f"[{n}/{len(grid)}] {name}: need bisected in {cache[name]['seconds']:.1f} s", file=sys.stderr,
                   flush=True)
+        if set(cache) != known:
             save_atomically(cache_path, json.dumps({"key": key, "points": cache}, indent=1))
     lines = table(rows) + summary(rows) + [f"needs from {key}"]
     print("\n".join(lines))

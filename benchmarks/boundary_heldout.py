@@ -35,7 +35,7 @@ import random
 import sys
 
 from accuracy import load_cache, save_atomically
-from boundary import MODELS, RESULTS, exact, need_key, points, row, summary, table
+from boundary import MODELS, RESULTS, exact, need_key, points, row, shorter_need, summary, table
 
 from vram_planner.model.spec import training_config
 from vram_planner.units import GiB, MiB
@@ -180,16 +180,18 @@ def sweep(n: int, seed: int, largest_gib: float | None = None) -> list[str]:
     cache = load_cache(path, key)
     rows, chosen = [], held_out(n, seed, round(largest_gib * GiB) if largest_gib else largest_card())
     for i, (label, model, settings) in enumerate(chosen, 1):
-        fresh = label not in cache
+        known = set(cache)
         try:
             traced = exact(model, settings, cache, label)
-            rows.append({**row(f"h{i:02d} {model}", model, settings, traced), "knobs": knobs(settings),
+            shorter = shorter_need(label, model, settings, cache, trace=True)  # the run's need, as on the grid
+            rows.append({**row(f"h{i:02d} {model}", model, settings, traced, shorter), "knobs": knobs(settings),
                          "model": model, "settings": settings, "binding_phase": traced["binding_phase"]})
         except Exception as exc:  # a point the engines cannot run is reported, not fatal to the sweep
             print(f"[{i}/{n}] {label}: {exc}", file=sys.stderr, flush=True)
             continue
-        if fresh:
-            print(f"[{i}/{n}] {label}: need bisected in {cache[label]['seconds']:.1f} s", file=sys.stderr, flush=True)
+        for name in sorted(set(cache) - known):
+            print(f"[{i}/{n}] {name}: need bisected in {cache[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
+        if set(cache) != known:
             save_atomically(path, json.dumps({"key": key, "points": cache}, indent=1))
     lines = table(rows)
     lines = [lines[0] + "  knobs", lines[1]] + [f"{line:107}  {r['knobs']}" for line, r in zip(lines[2:], rows)]

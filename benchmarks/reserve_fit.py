@@ -113,7 +113,7 @@ from vram_planner.model.generation_patterns import (CACHE_IN_LOSS_SEGMENTS,  # n
                                                     CACHE_IN_MICRO_BATCH_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS,
                                                     DECODING_REPEATED_KV, GENERATION_PATTERNS,
                                                     PREFILL_LARGEST_REQUEST, PREFILL_PATTERNS,
-                                                    STATES_IN_DECODING_SEGMENTS)
+                                                    STATES_IN_DECODING_SEGMENTS, cache_in_prefill_segment_bytes)
 from vram_planner.model.phases import (PREFILL_MOMENTS, TENSOR_COMPONENTS, generation_moments,  # noqa: E402
                                        persistent_bytes, with_overheads)
 from vram_planner.model.stranding import loaded_weight_segment_bytes  # noqa: E402
@@ -240,7 +240,9 @@ def generation_rows(cache: dict, loss: dict[str, float] | None = None) -> list[d
                     with_overheads(moment, bare, 0.0, train, context, workspaces, arch).total_bytes)
                    for moment in generation_moments(arch, train, bare, persistent_bytes(arch, train))]
         assert abs(max(total for _, total in moments) - generation.total_bytes) < 1, label  # the phase's moments
-        patterns = reserve_patterns(arch, train, "generation")
+        # the need was traced with prompts of max_prompt_length: what they strand, not what shorter ones would
+        patterns = {**reserve_patterns(arch, train, "generation"),
+                    CACHE_IN_PREFILL_SEGMENTS: cache_in_prefill_segment_bytes(arch, train, shorter_prompts=False)}
         out.append({"point": label, "need_bytes": entry["allocator_need_bytes"] + context,
                     "others_bytes": max((p.total_bytes for p in verdict.estimate.phases if p.name != "generation"),
                                         default=0.0),

@@ -39,6 +39,11 @@ KNOWN_SHORT = {
     # rests joined the reserve as they are and the refit, which takes them off the other models' steps, gave the
     # layer gradients' and the embedding gradient's coefficients less
     "Llama-3.2-1B fp32 full adamw_8bit": "1.4% under",
+    # the run's need is the step's at 243 prompt tokens (30.89 GiB against 28.46 at 256: four of the last step's
+    # blocks to each of the prefill's 2 GiB scores segments beside nearly a fifth), which the estimate at 256 counts
+    # since the prefill's pattern is counted at the prompt length that strands the most, but short of what the exact
+    # engine needs there: a window (8.0% under) before it, when the longest prompt alone was judged
+    "Qwen3-0.6B lora p256 c128 B8 S64 eager": "4.2% under",
 }
 
 
@@ -99,13 +104,13 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
     before the prefill's largest request beside the segment a smaller tensor pins; Qwen3-0.6B's eager LoRA, the last
     window, 6.3% under before eager attention's score segments in the prefill's pattern, 3.6% before its copies of
     the grouped keys and values; the loaded weights' rests, counted as they are, at 30 with eager attention's overflow
-    held: 1.94%)."""
+    held: 1.94%; the run's need, a shorter prompt's where the analytic model says one strands more: 2.00%)."""
     import json
     import statistics
 
     boundary = benchmark_module("boundary")
     needs = json.loads((boundary.RESULTS / "boundary-needs.json").read_text())["points"]
-    rows = [boundary.row(label, model, settings, needs[label])
+    rows = [boundary.row(label, model, settings, needs[label], boundary.shorter_need(label, model, settings, needs))
             for label, model, settings in boundary.points(list(boundary.MODELS), quick=False) if label in needs]
     committed = json.loads((boundary.RESULTS / "boundary.json").read_text())
     assert [(r["point"], r["analytic_bytes"]) for r in rows] == [(r["point"], r["analytic_bytes"]) for r in committed]

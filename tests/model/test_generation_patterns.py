@@ -9,16 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import catalog_architecture
+from vram_planner import engine
 from vram_planner.allocator import CachingAllocator
-from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_SIZE, allocation_size
+from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_ROUND_LARGE, K_SMALL_SIZE, allocation_size
 from vram_planner.model.calibration import default_calibration
+from vram_planner.model.components import kv_cache_bytes
 from vram_planner.model.fragmentation import largest_request_bytes, reserve_patterns
 from vram_planner.model.generation_patterns import (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_MICRO_BATCH_SEGMENTS,
                                                     CACHE_IN_PREFILL_SEGMENTS, DECODING_REPEATED_KV,
                                                     PREFILL_LARGEST_REQUEST, PREFILL_PATTERNS,
                                                     STATES_IN_DECODING_SEGMENTS, cache_in_loss_segment_bytes,
                                                     cache_in_micro_batch_segment_bytes, cache_in_prefill_segment_bytes,
-                                                    decoding_repeated_kv_request_bytes,
+                                                    decoding_repeated_kv_request_bytes, heaviest_prompt_length,
                                                     prefill_largest_request_bytes, states_in_decoding_segment_bytes)
 from vram_planner.model.spec import Optimizer, TrainingConfig
 from vram_planner.model.stranding import stranded_by_kept_inputs
@@ -126,9 +128,9 @@ def test_the_caches_blocks_cut_from_the_prefills_segments_strand_what_the_alloca
     # the segments are counted from the prompts' cache, a part-filled one as a fraction, and the decoding leaves one
     # free in turn: within a segment
     segment = allocation_size(largest, K_LARGE_BUFFER)
-    assert abs(cache_in_prefill_segment_bytes(arch, train) - stranded) <= segment
+    assert abs(cache_in_prefill_segment_bytes(arch, train, shorter_prompts=False) - stranded) <= segment
     assert reserve_patterns(arch, train, "generation")[CACHE_IN_PREFILL_SEGMENTS] == cache_in_prefill_segment_bytes(
-        arch, train)
+        arch, train) >= cache_in_prefill_segment_bytes(arch, train, shorter_prompts=False)
 
 
 def test_eager_attentions_scores_make_the_prefills_segments_where_they_outgrow_the_mlps_tensors():
@@ -139,13 +141,14 @@ def test_eager_attentions_scores_make_the_prefills_segments_where_they_outgrow_t
                            steps_per_generation=64, max_prompt_length=256, max_completion_length=128,
                            attn_implementation="eager")
     arch = catalog_architecture("Qwen3-0.6B")
-    assert cache_in_prefill_segment_bytes(arch, train) == (1 + 7) * (2048 - 5 * 383) * MiB
+    assert cache_in_prefill_segment_bytes(arch, train, shorter_prompts=False) == (1 + 7) * (2048 - 5 * 383) * MiB
     allocator, prefill = prefill_and_decoding(arch.num_layers, 2048 * MiB, 1, 512 * 8 * 128 * 2, 256, 128)
     stranded = sum(size % (383 * MiB) for segment in allocator.segment_blocks()
                    if segment[0][0] in prefill for _, size, allocated in segment if not allocated)
-    assert len(prefill) == 8 and 0 <= stranded - cache_in_prefill_segment_bytes(arch, train) <= 383 * MiB
+    assert len(prefill) == 8 and 0 <= stranded - cache_in_prefill_segment_bytes(arch, train,
+                                                                               shorter_prompts=False) <= 383 * MiB
     # SDPA keeps no scores: the MLP's 768 MiB segments, two blocks in each beside 2 MiB
-    sdpa = cache_in_prefill_segment_bytes(arch, replace(train, attn_implementation="sdpa"))
+    sdpa = cache_in_prefill_segment_bytes(arch, replace(train, attn_implementation="sdpa"), shorter_prompts=False)
     assert 0 < sdpa < 28 * 2 * MiB
 
 
@@ -187,6 +190,59 @@ def test_the_prefills_segments_strand_nothing_without_a_prefill_here_or_with_blo
     assert cache_in_prefill_segment_bytes(arch, replace(train, max_completion_length=1024)) == 0
     # 8 sequences of 64 prompt tokens: 2.5 MiB MLP tensors, served from the 20 MiB segments
     assert cache_in_prefill_segment_bytes(arch, replace(train, per_device_train_batch_size=1)) == 0
+
+
+@settings(max_examples=120, deadline=None)
+@given(name=st.sampled_from(["SmolLM2-360M", "Qwen3-0.6B", "gemma-2-2b", "gemma-3-1b-it", "phi-2", "Llama-3.1-8B"]),
+       sequences=st.sampled_from([2, 8, 64, 512, 2048]), prompt=st.integers(1, 1200),
+       completion=st.integers(1, 3000), dtype=st.sampled_from(["float32", "bfloat16"]), lora=st.booleans(),
+       attention=st.sampled_from(["sdpa", "eager"]))
+def test_the_prefills_segments_are_counted_at_the_prompt_length_up_to_the_longest_that_strands_the_most(
+        name, sequences, prompt, completion, dtype, lora, attention):
+    # a batch's prompts are as long as its longest: a run meets every prompt length up to max_prompt_length, each
+    # with its own layout of blocks in the prefill's segments and a shorter cache. Every length, a token at a time:
+    arch = catalog_architecture(name)
+    train = TrainingConfig(dtype=dtype, lora_r=16 if lora else None, num_generations=2,
+                           per_device_train_batch_size=sequences, max_prompt_length=prompt,
+                           max_completion_length=completion, attn_implementation=attention)
+
+    def at(length: int) -> TrainingConfig:
+        return replace(train, max_prompt_length=length)
+
+    def cache(length: int) -> float:  # the last decoding step's keys and values
+        return kv_cache_bytes(arch, train, sequences, length + completion - 1)
+
+    counted = cache_in_prefill_segment_bytes(arch, train)
+    shorter = max(cache_in_prefill_segment_bytes(arch, at(length), shorter_prompts=False) - (cache(prompt) - cache(
+        length)) for length in range(1, prompt + 1))
+    assert counted >= shorter - K_ROUND_LARGE  # a step's 2 MiB rounding aside, none strands more, cache and all
+    # and no more than a few percent above it: the bound at a stretch's end is the block the rest approaches
+    assert counted <= 1.03 * shorter + K_LARGE_BUFFER
+
+
+def test_a_shorter_prompt_that_strands_more_is_what_the_run_needs():
+    # Qwen3-0.6B LoRA with eager attention generating 512 sequences of p + 128 tokens: the exact engine (check
+    # --exact) needs 30.89 GiB at p = 243, where four of the last step's blocks leave nearly a fifth in each of the
+    # prefill's 2 GiB scores segments, and 28.46 GiB at p = 256, where five fit
+    knobs = {"dtype": "bfloat16", "lora_r": 16, "per_device_train_batch_size": 8, "num_generations": 8,
+             "gradient_accumulation_steps": 4, "steps_per_generation": 64, "max_prompt_length": 256,
+             "max_completion_length": 128, "attn_implementation": "eager"}
+    arch, train = catalog_architecture("Qwen3-0.6B"), TrainingConfig(**knobs)
+    shorter = replace(train, max_prompt_length=243)
+    assert heaviest_prompt_length(arch, train) == 243
+    assert cache_in_prefill_segment_bytes(arch, shorter, shorter_prompts=False) > 2.5 * cache_in_prefill_segment_bytes(
+        arch, train, shorter_prompts=False)
+    assert cache_in_prefill_segment_bytes(arch, train) > cache_in_prefill_segment_bytes(arch, train,
+                                                                                        shorter_prompts=False)
+    # the estimate follows: the step at 256 needs what the one at 243 does, and more
+    peak = engine.check("Qwen3-0.6B", "b200", knobs).estimate.peak_bytes
+    assert peak >= engine.check("Qwen3-0.6B", "b200", {**knobs, "max_prompt_length": 243}).estimate.peak_bytes
+    # at 127 tokens more still is stranded (3.8 GiB), but the cache is 7.6 GB shorter: it needs 18.2 GiB, and counts
+    # for nothing at 256
+    longest = replace(train, max_prompt_length=127)
+    assert cache_in_prefill_segment_bytes(arch, longest, shorter_prompts=False) > cache_in_prefill_segment_bytes(
+        arch, shorter, shorter_prompts=False)
+    assert heaviest_prompt_length(arch, train) != 127
 
 
 def test_the_first_steps_states_cut_from_the_decodings_segments_keep_the_next_generation_from_them():

@@ -10,7 +10,11 @@ reading its segments where the step runs out just below its need. Pure Python: n
 
 from __future__ import annotations
 
-from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_SMALL_SIZE, allocation_size
+import functools
+import math
+
+from vram_planner.allocator.sizes import (K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_SIZE,
+                                          allocation_size)
 from vram_planner.model import components as m
 from vram_planner.model import inference
 from vram_planner.model.architecture import ModelArchitecture
@@ -31,6 +35,9 @@ GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS, STATES
 # MLP-wide tensors a gated MLP's forward holds at once (act(gate), up and their product; the gate is freed once
 # activated), a plain one's (fc1's output and its activation): modeling_llama's and modeling_phi's MLP.forward
 GATED_MLP_LIVE, PLAIN_MLP_LIVE = 3, 2
+# The segments below a step's tried for the last lengths each holds: the 2 MiB rounding makes one more block fit a
+# few tokens before the step, and flicker below it (one more fits just after each rounding up, one fewer before it)
+ROUNDING_STEPS = 3
 
 
 def generation_patterns(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
@@ -76,8 +83,10 @@ def cache_in_loss_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) 
                for count, tokens in layers if count for element in m.kv_element_bytes(train))
 
 
-def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """What the KV cache's last blocks strand in the segments generation's own prefill left cached.
+def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfig,
+                                   shorter_prompts: bool = True) -> float:
+    """What the KV cache's last blocks strand in the segments generation's own prefill left cached (without
+    `shorter_prompts`: at max_prompt_length only, as a step traced there meets it).
 
     The prefill, generate()'s forward of the whole generation batch's prompts, asks in each layer's MLP for tensors of
     prompt tokens x intermediate in the dtype it computes in, a segment each of their size
@@ -104,30 +113,143 @@ def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfi
     falls as the completion grows, by no more than the count of segments times the block's growth, less than the
     cache's own growth (two blocks a layer, more than the segments); it jumps up where a block fewer fits and
     vanishes where the block outgrows the segment, so the reserve never falls faster than the cache grows (at the
-    decoding's moments, which hold the cache; the prefill's weigh its own patterns only: phases._reserve). Nothing
-    with vLLM (no prefill in this process) or where the largest tensors fall in the 20 MiB segments."""
+    decoding's moments, which hold the cache; the prefill's weigh its own patterns only: phases._reserve).
+
+    A batch's prompts are as long as its longest, so a run meets every prompt length up to max_prompt_length, and
+    the rest per segment falls by nearly a block where one more block fits as the prompt grows (the segment, prompt
+    tokens x a width, outgrows the block, prompt + completion tokens x a narrower one): at Qwen3-0.6B LoRA generating
+    64 sequences of p + 512 tokens the exact engine needs 15.64 GiB at p = 1,000 and 13.93 GiB at p = 1,024, where
+    two blocks fit. A shorter prompt's rest is counted less the cache it does not make (_PrefillSegments.
+    most_stranded): the decoding holds that cache, so the moment never needs less for a longer prompt, and a rest
+    the shorter cache outweighs counts for nothing (at 512 x (127 + 128) tokens Qwen3-0.6B's eager LoRA strands more
+    than at 256 + 128, and needs 18.2 GiB against 28.5). Nothing with vLLM (no prefill in this process) or where the
+    largest tensors fall in the 20 MiB segments."""
     if train.use_vllm:
         return 0.0
-    generating = m.as_generated(train)
-    batch, prompt = train.local_generation_batch_size, train.max_prompt_length
-    request = batch * prompt * arch.intermediate_size * m.sizes(generating).compute
-    live = GATED_MLP_LIVE if arch.family.gated_mlp else PLAIN_MLP_LIVE
-    scores = _eager_prefill_scores_bytes(arch, train)
-    if scores > request:
-        request, live = scores, 1
-    if request < K_MIN_LARGE_ALLOC:
-        return 0.0
-    segment = allocation_size(request, K_LARGE_BUFFER)
-    segments = live + m.kv_cache_bytes(arch, train, batch, prompt, prefill=True) / request
-    block = _last_block_bytes(arch, train)
-    if block > segment:
-        return 0.0
-    places = segment // block
-    # the keys and values of the layers that keep every token (sliding windows as long as the sequence too): no more
-    # blocks of that size
-    windowed = arch.sliding_layers if (arch.sliding_window or 0) < train.sequence_length - 1 else 0
-    filled = min(segments, 2 * (arch.num_layers - windowed) / places)
-    return float(filled * (segment - places * block))
+    try:
+        hash(train)
+    except TypeError:  # a list of LoRA target modules: counted afresh
+        return _prefill_segment_bytes(arch, train, shorter_prompts)
+    return _cached_prefill_segment_bytes(arch, train, shorter_prompts)
+
+
+def _prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfig, shorter_prompts: bool) -> float:
+    segments = _PrefillSegments(arch, train)
+    prompt = train.max_prompt_length
+    return segments.most_stranded(prompt) if shorter_prompts else segments.stranded(prompt)
+
+
+# every generation moment of an estimate asks, and the shorter prompts cost a few dozen layouts
+_cached_prefill_segment_bytes = functools.lru_cache(maxsize=4096)(_prefill_segment_bytes)
+
+
+class _PrefillSegments:
+    """cache_in_prefill_segment_bytes for one config at any prompt length: the prefill's largest request and the
+    last decoding step's block, per prompt token."""
+
+    def __init__(self, arch: ModelArchitecture, train: TrainingConfig) -> None:
+        self.arch = arch
+        self.completion = train.max_completion_length
+        batch = train.local_generation_batch_size
+        self.block_token = _block_token_bytes(arch, train)
+        # a prompt token's bytes of one MLP tensor; eager attention's scores: times the prompt squared
+        self.mlp_token = batch * arch.intermediate_size * m.sizes(m.as_generated(train)).compute
+        self.scores_token = _eager_prefill_scores_bytes(arch, train, 1)
+        self.mlp_live = GATED_MLP_LIVE if arch.family.gated_mlp else PLAIN_MLP_LIVE
+        self.cache_token_layer = batch * m.kv_cache_bytes(arch, train, 1, 1, prefill=True) / arch.num_layers
+        self.keep_all = train.transformers.sliding_prefill_storage == "prompt"
+
+    def request(self, prompt: int) -> tuple[int, int]:
+        """The prefill's largest request and how many of its size are alive at once."""
+        mlp, scores = self.mlp_token * prompt, self.scores_token * prompt * prompt
+        return (scores, 1) if scores > mlp else (mlp, self.mlp_live)
+
+    def block(self, prompt: float) -> float:
+        return self.block_token * (prompt + self.completion - 1)
+
+    def stranded(self, prompt: int) -> float:
+        """What the last step's blocks leave of the prefill's segments where the longest prompt is `prompt` tokens."""
+        request, live = self.request(prompt)
+        segment, block = allocation_size(request, K_LARGE_BUFFER), self.block(prompt)
+        if request < K_MIN_LARGE_ALLOC or block > segment:
+            return 0.0
+        places = segment // block
+        return self.filled(prompt, places) * (segment - places * block)
+
+    def filled(self, prompt: int, places: int) -> float:
+        """The prefill's segments that hold the last step's blocks: the largest request's live ones and as many more
+        as the prompts' cache fills, no more than the blocks of the layers that keep every token (sliding windows as
+        long as the sequence too) fill."""
+        request, live = self.request(prompt)
+        segments = live + self.cache_token_layer * self.arch.kv_layers_tokens(prompt, self.keep_all) / request
+        windowed = self.arch.sliding_layers if (self.arch.sliding_window or 0) < prompt + self.completion - 1 else 0
+        return min(segments, 2 * (self.arch.num_layers - windowed) / places)
+
+    def cache(self, prompt: float) -> float:
+        """The KV cache the last decoding step holds for prompts of `prompt` tokens."""
+        return self.cache_token_layer * self.arch.kv_layers_tokens(math.floor(prompt) + self.completion - 1)
+
+    def most_stranded(self, prompt: int) -> float:
+        """The most stranded at any prompt length up to `prompt`, a shorter prompt's less the cache it does not make.
+        The rest per segment grows with the prompt while the count of blocks, the largest request and the layers the
+        blocks come from hold, and falls where one of them steps: just before `places` + 1 blocks fit (stretch_end)
+        `places` leave nearly a block each (candidates)."""
+        return max(rest - (self.cache(prompt) - self.cache(length)) for length, rest in self.candidates(prompt))
+
+    def candidates(self, prompt: int) -> list[tuple[int, float]]:
+        """`prompt` and the shorter prompt lengths where the rest may be largest, each with what it strands: the
+        last lengths before one more block fits, those of the segment they end in and of the few segments below it
+        (the segments' rounding up to 2 MiB makes one more fit a few tokens early, and flicker below the step)."""
+        request, _ = self.request(prompt)
+        if request < K_MIN_LARGE_ALLOC:  # nor at any shorter prompt
+            return [(prompt, 0.0)]
+        lengths = [math.floor(step) for step in self.steps() if 1 <= step < prompt]
+        for places in range(1, int(allocation_size(request, K_LARGE_BUFFER) // self.block(prompt))):
+            end = self.stretch_end(places + 1)
+            last = prompt - 1 if end >= prompt else math.ceil(end) - 1  # the last whole length with a block fewer
+            if last >= 1:
+                segment = allocation_size(self.request(last)[0], K_LARGE_BUFFER)
+                lengths += [last] + [self.longest_within(segment - k * K_ROUND_LARGE)
+                                     for k in range(1, ROUNDING_STEPS + 1)]
+            if end >= prompt:  # the stretches of more blocks end later still
+                break
+        return [(prompt, self.stranded(prompt))] + [(length, self.stranded(length)) for length in set(lengths)
+                                                    if 1 <= length < prompt]
+
+    def steps(self) -> list[float]:
+        """Where the largest request or the layers the blocks come from change: the scores outgrowing the MLP's
+        tensors, the sequence outgrowing the sliding window and the prompts filling it."""
+        found = [self.mlp_token / self.scores_token] if self.scores_token else []
+        if self.arch.sliding_window:
+            found += [self.arch.sliding_window - self.completion + 1, self.arch.sliding_window]
+        return found
+
+    def longest_within(self, request: int) -> int:
+        """The longest prompt whose largest request is at most `request` bytes (0: none)."""
+        longest = max(request, 0) // self.mlp_token
+        return min(longest, math.isqrt(max(request, 0) // self.scores_token)) if self.scores_token else longest
+
+    def stretch_end(self, places: int) -> float:
+        """The prompt length from which `places` of the last step's blocks fit in the prefill's (unrounded) segment
+        (inf: never)."""
+        step = places * self.block_token  # segment >= places x block: width x p >= step x (p + completion - 1)
+        roots = [step * (self.completion - 1) / (self.mlp_token - step)] if self.mlp_token > step else []
+        if self.scores_token:
+            roots.append((step + math.sqrt(step * step + 4 * self.scores_token * step * (self.completion - 1)))
+                         / (2 * self.scores_token))
+        return min(roots, default=math.inf)
+
+
+def heaviest_prompt_length(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """The longest prompt of a batch, up to max_prompt_length, at which cache_in_prefill_segment_bytes counts what
+    the prefill's segments strand: where the run's step may need the most, for the exact engine to trace
+    (benchmarks/boundary.py)."""
+    if train.use_vllm:
+        return train.max_prompt_length
+    segments = _PrefillSegments(arch, train)
+    length, _ = max(segments.candidates(train.max_prompt_length),
+                    key=lambda found: (found[1] + segments.cache(found[0]), found[0]))
+    return length
 
 
 def cache_in_micro_batch_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -222,12 +344,12 @@ def prefill_largest_request_bytes(arch: ModelArchitecture, train: TrainingConfig
     return float(request) if request >= K_MIN_LARGE_ALLOC else 0.0
 
 
-def _eager_prefill_scores_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+def _eager_prefill_scores_bytes(arch: ModelArchitecture, train: TrainingConfig, prompt: int | None = None) -> int:
     # the float32 scores eager attention's softmax makes for the whole generation batch's prompts, [B, heads, p, p]
     if train.attn_implementation != "eager":
         return 0
-    batch, prompt = train.local_generation_batch_size, train.max_prompt_length
-    return batch * arch.num_attention_heads * prompt * prompt * m.FP32_BYTES
+    prompt = train.max_prompt_length if prompt is None else prompt
+    return train.local_generation_batch_size * arch.num_attention_heads * prompt * prompt * m.FP32_BYTES
 
 
 def decoding_repeated_kv_request_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -1,11 +1,12 @@
 """`plan --maximize`: the largest value of one knob that fits the card, every other knob as given (or as the plan's
 savers make it), searched over the values TRL accepts for that knob.
 
-Memory never falls as these knobs grow (tests/model/test_maximize.py holds the model to that), so "fits" is True,
-..., True, False, ... along the valid values: the search brackets the answer by doubling and closes in where the
-line through two known peaks meets the budget, bisecting when the line misses. That costs a handful of estimates
-(peaks are close to linear in these knobs) and never more than about 4 x log2(answer), however large the answer.
-One exception, found by that test: with the savers under TRL 0.15-0.16 on several GPUs, a micro-batch must hold
+Memory never falls as these knobs grow (tests/model/test_maximize.py holds the model to that; where a shorter prompt
+needs more, a run meets it too and the longer one counts it: generation_patterns.cache_in_prefill_segment_bytes), so
+"fits" is True, ..., True, False, ... along the valid values: the search brackets the answer by doubling and closes
+in where the line through two known peaks meets the budget, bisecting when the line misses. That costs a handful of
+estimates (peaks are close to linear in these knobs) and never more than about 4 x log2(answer), however large the
+answer. One exception, found by that test: with the savers under TRL 0.15-0.16 on several GPUs, a micro-batch must hold
 whole groups (micro-batch x GPUs divisible by num_generations), so the smallest micro-batch the savers can reach is
 num_generations / gcd(num_generations, GPUs): 3 for 3 generations on 2 GPUs, but 2 for 4. Memory then rises and
 falls with num_generations, and the few values TRL accepts there (divisors of the global batch) are all tried.
