@@ -24,6 +24,7 @@ from vram_planner.model.trl_releases import trl_release
 from vram_planner.model.verdict import (DEFAULT_SAFETY_MARGIN, Context, Verdict, adapt_to_gpu, adapt_to_model,
                                         check_safety_margin, check_training, judge)
 from vram_planner.profiles import GpuProfile, gpus, model_config
+from vram_planner.units import format_gib
 
 if TYPE_CHECKING:  # `plan` and `check` do not search for a largest value: the module loads when one is asked for
     from vram_planner.model.maximize import Maximized
@@ -226,9 +227,27 @@ def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, A
     return _traced(model, context, make_training(context, settings), progress, notes)
 
 
+def heavier_prompt_length(context: Context, train: TrainingConfig) -> int | None:
+    """A prompt length shorter than max_prompt_length at which the analytic model says the step may need more (a
+    run's batches are as long as their longest prompt, so it meets it): where the prefill's segments strand more
+    there (vram_planner.model.generation_patterns.cache_in_prefill_segment_bytes) and generation decides the
+    estimate. None where the longest prompt needs the most."""
+    from vram_planner.model.generation_patterns import cache_in_prefill_segment_bytes, heaviest_prompt_length
+
+    arch = context.arch
+    counted = cache_in_prefill_segment_bytes(arch, train)
+    if counted <= cache_in_prefill_segment_bytes(arch, train, shorter_prompts=False):
+        return None
+    if judge(context, train).estimate.peak_phase.name != "generation":
+        return None
+    length = heaviest_prompt_length(arch, train)
+    return length if length < train.max_prompt_length else None
+
+
 def _traced(model: str, context: Context, train: TrainingConfig, progress: Callable[[str], None] | None,
-            notes: tuple[str, ...] = ()) -> TraceOutcome:
-    """The step traced, replayed through the allocator model on this card, and its need bisected."""
+            notes: tuple[str, ...] = (), shorter_prompts: bool = True) -> TraceOutcome:
+    """The step traced, replayed through the allocator model on this card, and its need bisected; where a batch of
+    shorter prompts may need more (heavier_prompt_length), that step too, and the run's need is the larger."""
     from vram_planner.allocator import parse_allocator_conf
     from vram_planner.allocator.replay import Replays
     from vram_planner.model.cublas import workspace_bytes
@@ -258,8 +277,21 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     phases = tuple(_traced_phase(p, reserved.by_phase, context, train) for p in result.phases)
     traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
                       notes=tuple(result.notes) + notes + reserved.notes)
-    return TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result,
-                        reserved=reserved, need=need)
+    outcome = TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result,
+                           reserved=reserved, need=need)
+    shorter = heavier_prompt_length(context, train) if shorter_prompts else None
+    if shorter is None:
+        return outcome
+    say(f"tracing a batch of {shorter}-token prompts, which may need more")
+    other = _traced(model, context, replace(train, max_prompt_length=shorter), progress, notes, shorter_prompts=False)
+    if other.need_bytes <= outcome.need_bytes:
+        return outcome
+    # the step that needs more is the one the run must survive: its figures, with the config as given
+    heavier = (f"a batch whose longest prompt is {shorter} tokens needs {format_gib(other.need_bytes)}, more than "
+               f"{format_gib(outcome.need_bytes)} with {train.max_prompt_length} (the prefill's segments strand more "
+               f"there), and a run meets such batches: the traced figures are that step's",)
+    estimate = replace(other.traced.estimate, notes=other.traced.estimate.notes + heavier)
+    return replace(other, traced=Verdict(context, train, estimate), analytic=outcome.analytic)
 
 
 @dataclass(frozen=True)

@@ -119,9 +119,9 @@ def cache_in_prefill_segment_bytes(arch: ModelArchitecture, train: TrainingConfi
     the rest per segment falls by nearly a block where one more block fits as the prompt grows (the segment, prompt
     tokens x a width, outgrows the block, prompt + completion tokens x a narrower one): at Qwen3-0.6B LoRA generating
     64 sequences of p + 512 tokens the exact engine needs 15.64 GiB at p = 1,000 and 13.93 GiB at p = 1,024, where
-    two blocks fit. A shorter prompt's rest is counted less the cache it does not make (_PrefillSegments.
-    most_stranded): the decoding holds that cache, so the moment never needs less for a longer prompt, and a rest
-    the shorter cache outweighs counts for nothing (at 512 x (127 + 128) tokens Qwen3-0.6B's eager LoRA strands more
+    two blocks fit. A shorter prompt's rest is counted less the cache it does not make (most_stranded): the
+    decoding holds that cache, so the moment never needs less for a longer prompt, and a rest the shorter cache
+    outweighs counts for nothing (at 512 x (127 + 128) tokens Qwen3-0.6B's eager LoRA strands more
     than at 256 + 128, and needs 18.2 GiB against 28.5). Nothing with vLLM (no prefill in this process) or where the
     largest tensors fall in the 20 MiB segments."""
     if train.use_vllm:
@@ -164,7 +164,7 @@ class _PrefillSegments:
         mlp, scores = self.mlp_token * prompt, self.scores_token * prompt * prompt
         return (scores, 1) if scores > mlp else (mlp, self.mlp_live)
 
-    def block(self, prompt: float) -> float:
+    def block(self, prompt: int) -> int:
         return self.block_token * (prompt + self.completion - 1)
 
     def stranded(self, prompt: int) -> float:
@@ -185,9 +185,9 @@ class _PrefillSegments:
         windowed = self.arch.sliding_layers if (self.arch.sliding_window or 0) < prompt + self.completion - 1 else 0
         return min(segments, 2 * (self.arch.num_layers - windowed) / places)
 
-    def cache(self, prompt: float) -> float:
+    def cache(self, prompt: int) -> float:
         """The KV cache the last decoding step holds for prompts of `prompt` tokens."""
-        return self.cache_token_layer * self.arch.kv_layers_tokens(math.floor(prompt) + self.completion - 1)
+        return self.cache_token_layer * self.arch.kv_layers_tokens(prompt + self.completion - 1)
 
     def most_stranded(self, prompt: int) -> float:
         """The most stranded at any prompt length up to `prompt`, a shorter prompt's less the cache it does not make.
