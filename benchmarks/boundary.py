@@ -30,7 +30,6 @@ adds them to the committed needs, each with the key of the code that made it.
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import statistics
@@ -186,25 +185,13 @@ def below_need(outcome):
 
 
 def heaviest_prompt(model: str, settings: dict) -> int | None:
-    """The shorter prompt at which the analytic model says the step may need the most (the batches of a run are as
-    long as their longest prompt: every length up to max_prompt_length comes), None where the longest needs the
-    most: where what a shorter prompt's prefill segments strand does not raise the estimate."""
-    from unittest import mock
-
+    """The shorter prompt at which the analytic model says the step may need more (the batches of a run are as long
+    as their longest prompt: every length up to max_prompt_length comes), as `check --exact` traces it
+    (engine.heavier_prompt_length); None where the longest needs the most."""
     from vram_planner import engine
-    from vram_planner.model import generation_patterns
 
-    context = engine.make_context(model, CARD)
-    train = engine.make_training(context, settings)
-    length = generation_patterns.heaviest_prompt_length(context.arch, train)
-    if length == train.max_prompt_length:
-        return None
-    counted = engine.check(model, CARD, settings, calibration=default_calibration()).estimate.peak_bytes
-    longest_only = functools.partial(generation_patterns.cache_in_prefill_segment_bytes,
-                                     shorter_prompts=False)
-    with mock.patch.object(generation_patterns, "cache_in_prefill_segment_bytes", longest_only):
-        at_longest = engine.check(model, CARD, settings, calibration=default_calibration()).estimate.peak_bytes
-    return length if counted > at_longest else None
+    context = engine.make_context(model, CARD, calibration=default_calibration())
+    return engine.heavier_prompt_length(context, engine.make_training(context, settings))
 
 
 def shorter_label(label: str, prompt: int) -> str:

@@ -230,15 +230,20 @@ def trace(model: str, gpu: str | GpuProfile | None = None, settings: dict[str, A
 def heavier_prompt_length(context: Context, train: TrainingConfig) -> int | None:
     """A prompt length shorter than max_prompt_length at which the analytic model says the step may need more (a
     run's batches are as long as their longest prompt, so it meets it): where the prefill's segments strand more
-    there (vram_planner.model.generation_patterns.cache_in_prefill_segment_bytes) and generation decides the
+    there (vram_planner.model.generation_patterns.cache_in_prefill_segment_bytes) and the decoding decides the
     estimate. None where the longest prompt needs the most."""
     from vram_planner.model.generation_patterns import cache_in_prefill_segment_bytes, heaviest_prompt_length
 
+    from vram_planner.model.phases import PREFILL_MOMENTS
+
     arch = context.arch
+    if train.expandable_segments:  # pages mapped to fit each request: no segment strands a rest
+        return None
     counted = cache_in_prefill_segment_bytes(arch, train)
     if counted <= cache_in_prefill_segment_bytes(arch, train, shorter_prompts=False):
         return None
-    if judge(context, train).estimate.peak_phase.name != "generation":
+    peak = judge(context, train).estimate.peak_phase
+    if peak.name != "generation" or peak.moment in PREFILL_MOMENTS:  # the decoding's moments weigh the pattern
         return None
     length = heaviest_prompt_length(arch, train)
     return length if length < train.max_prompt_length else None
