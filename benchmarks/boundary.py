@@ -198,22 +198,10 @@ def shorter_label(label: str, prompt: int) -> str:
     return f"{label} at p{prompt}"
 
 
-def traced_points(models: list[str], cache: dict) -> list[tuple[str, str, dict]]:
-    """The grid's points and, after each, those traced at a shorter prompt that the cache holds: every step the
-    exact engine has a need for, as (label, model, settings)."""
-    out = []
-    for label, model, settings in points(models, quick=False):
-        out.append((label, model, settings))
-        prefix = f"{label} at p"
-        out += [(name, model, {**settings, "max_prompt_length": int(name.removeprefix(prefix))}) for name in cache
-                if name.startswith(prefix) and name.removeprefix(prefix).isdigit()]
-    return out
-
-
-def shorter_need(label: str, model: str, settings: dict, cache: dict, trace: bool = False) -> tuple[int, dict] | None:
-    """The need at the shorter prompt the analytic model names (heaviest_prompt), with its length: from the cache,
-    bisected when `trace` and the cache lacks it (None: none is named, or none is cached)."""
-    prompt = heaviest_prompt(model, settings)
+def shorter_need(label: str, model: str, settings: dict, cache: dict, prompt: int | None,
+                 trace: bool = False) -> tuple[int, dict] | None:
+    """The need at `prompt`, the shorter prompt the analytic model names (heaviest_prompt), with its length: from the
+    cache, bisected when `trace` and the cache lacks it (None: none is named, or none is cached)."""
     if prompt is None or (not trace and shorter_label(label, prompt) not in cache):
         return None
     return prompt, exact(model, {**settings, "max_prompt_length": prompt}, cache, shorter_label(label, prompt))
@@ -286,8 +274,9 @@ def main() -> int:
         known = set(cache)
         try:
             traced = exact(model, settings, cache, label)
-            shorter = shorter_need(label, model, settings, cache, trace=not args.from_needs)
-            if args.from_needs and heaviest_prompt(model, settings) is not None and shorter is None:
+            prompt = heaviest_prompt(model, settings)
+            shorter = shorter_need(label, model, settings, cache, prompt, trace=not args.from_needs)
+            if args.from_needs and prompt is not None and shorter is None:
                 print(f"[{n}/{len(grid)}] {label}: no committed need at the shorter prompt that may need more",
                       file=sys.stderr, flush=True)
             rows.append(row(label, model, settings, traced, shorter))

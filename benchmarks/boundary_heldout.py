@@ -35,7 +35,7 @@ import random
 import sys
 
 from accuracy import load_cache, save_atomically
-from boundary import MODELS, RESULTS, exact, need_key, points, row, shorter_need, summary, table
+from boundary import MODELS, RESULTS, exact, heaviest_prompt, need_key, points, row, shorter_need, summary, table
 
 from vram_planner.model.spec import training_config
 from vram_planner.units import GiB, MiB
@@ -183,7 +183,8 @@ def sweep(n: int, seed: int, largest_gib: float | None = None) -> list[str]:
         known = set(cache)
         try:
             traced = exact(model, settings, cache, label)
-            shorter = shorter_need(label, model, settings, cache, trace=True)  # the run's need, as on the grid
+            # the run's need, as on the grid
+            shorter = shorter_need(label, model, settings, cache, heaviest_prompt(model, settings), trace=True)
             rows.append({**row(f"h{i:02d} {model}", model, settings, traced, shorter), "knobs": knobs(settings),
                          "model": model, "settings": settings, "binding_phase": traced["binding_phase"]})
         except Exception as exc:  # a point the engines cannot run is reported, not fatal to the sweep

@@ -233,7 +233,6 @@ def heavier_prompt_length(context: Context, train: TrainingConfig) -> int | None
     there (vram_planner.model.generation_patterns.cache_in_prefill_segment_bytes) and the decoding decides the
     estimate. None where the longest prompt needs the most."""
     from vram_planner.model.generation_patterns import cache_in_prefill_segment_bytes, heaviest_prompt_length
-
     from vram_planner.model.phases import PREFILL_MOMENTS
 
     arch = context.arch

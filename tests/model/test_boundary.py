@@ -110,7 +110,8 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
 
     boundary = benchmark_module("boundary")
     needs = json.loads((boundary.RESULTS / "boundary-needs.json").read_text())["points"]
-    rows = [boundary.row(label, model, settings, needs[label], boundary.shorter_need(label, model, settings, needs))
+    rows = [boundary.row(label, model, settings, needs[label], boundary.shorter_need(
+                label, model, settings, needs, boundary.heaviest_prompt(model, settings)))
             for label, model, settings in boundary.points(list(boundary.MODELS), quick=False) if label in needs]
     committed = json.loads((boundary.RESULTS / "boundary.json").read_text())
     assert [(r["point"], r["analytic_bytes"]) for r in rows] == [(r["point"], r["analytic_bytes"]) for r in committed]

@@ -194,7 +194,13 @@ class _PrefillSegments:
         The rest per segment grows with the prompt while the count of blocks, the largest request and the layers the
         blocks come from hold, and falls where one of them steps: just before `places` + 1 blocks fit (stretch_end)
         `places` leave nearly a block each (candidates)."""
-        return max(rest - (self.cache(prompt) - self.cache(length)) for length, rest in self.candidates(prompt))
+        length, rest = self.heaviest(prompt)
+        return rest - (self.cache(prompt) - self.cache(length))
+
+    def heaviest(self, prompt: int) -> tuple[int, float]:
+        """The prompt length up to `prompt` whose rest, with the cache it makes, is the most, and that rest (the
+        longer of equals)."""
+        return max(self.candidates(prompt), key=lambda found: (found[1] + self.cache(found[0]), found[0]))
 
     def candidates(self, prompt: int) -> list[tuple[int, float]]:
         """`prompt` and the shorter prompt lengths where the rest may be largest, each with what it strands: the
@@ -246,9 +252,7 @@ def heaviest_prompt_length(arch: ModelArchitecture, train: TrainingConfig) -> in
     (benchmarks/boundary.py)."""
     if train.use_vllm:
         return train.max_prompt_length
-    segments = _PrefillSegments(arch, train)
-    length, _ = max(segments.candidates(train.max_prompt_length),
-                    key=lambda found: (found[1] + segments.cache(found[0]), found[0]))
+    length, _ = _PrefillSegments(arch, train).heaviest(train.max_prompt_length)
     return length
 
 
