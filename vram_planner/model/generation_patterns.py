@@ -204,23 +204,40 @@ class _PrefillSegments:
 
     def candidates(self, prompt: int) -> list[tuple[int, float]]:
         """`prompt` and the shorter prompt lengths where the rest may be largest, each with what it strands: the
-        last lengths before one more block fits, those of the segment they end in and of the few segments below it
-        (the segments' rounding up to 2 MiB makes one more fit a few tokens early, and flicker below the step)."""
+        last lengths before one more block fits, and the lengths of the segment they end in and of the few segments
+        below it that may strand the most (the segments' rounding up to 2 MiB makes one more fit a few tokens early,
+        and flicker below the step), and those of the prompt's own segment (stair)."""
         request, _ = self.request(prompt)
         if request < K_MIN_LARGE_ALLOC:  # nor at any shorter prompt
             return [(prompt, 0.0)]
-        lengths = [math.floor(step) for step in self.steps() if 1 <= step < prompt]
-        for places in range(1, int(allocation_size(request, K_LARGE_BUFFER) // self.block(prompt))):
+        segment = allocation_size(request, K_LARGE_BUFFER)
+        lengths = [math.floor(step) for step in self.steps() if 1 <= step < prompt] + self.stair(segment)
+        for places in range(1, int(segment // self.block(prompt))):
             end = self.stretch_end(places + 1)
             last = prompt - 1 if end >= prompt else math.ceil(end) - 1  # the last whole length with a block fewer
             if last >= 1:
-                segment = allocation_size(self.request(last)[0], K_LARGE_BUFFER)
-                lengths += [last] + [self.longest_within(segment - k * K_ROUND_LARGE)
-                                     for k in range(1, ROUNDING_STEPS + 1)]
+                below = allocation_size(self.request(last)[0], K_LARGE_BUFFER)
+                lengths.append(last)
+                for k in range(ROUNDING_STEPS + 1):
+                    lengths += self.stair(below - k * K_ROUND_LARGE)
             if end >= prompt:  # the stretches of more blocks end later still
                 break
         return [(prompt, self.stranded(prompt))] + [(length, self.stranded(length)) for length in set(lengths)
                                                     if 1 <= length < prompt]
+
+    def stair(self, segment: int) -> list[int]:
+        """The prompt lengths whose largest request takes a segment of `segment` bytes that may strand the most in
+        it: its first and its last, and the first after each block fewer fits. In one segment the block grows with
+        the prompt, so the rest falls a block per token for every block it holds (faster than the cache grows where
+        the blocks are the keys' wider elements: float32 keys beside bfloat16 values) and jumps up by nearly a
+        block where one fewer fits (phi-2's float32 8 x (103 + 1) tokens, the first of its 18 MiB segment, strands
+        19.6 MiB more than at 111, the cache counted)."""
+        first, last = self.longest_within(segment - K_ROUND_LARGE) + 1, self.longest_within(segment)
+        if first > last:  # a token asks for more than 2 MiB: no length takes this segment, the last below is tried
+            return [last]
+        fewer = [segment // (places * self.block_token) - self.completion + 2  # k blocks of it no longer fit
+                 for places in range(int(segment // self.block(last)) + 1, int(segment // self.block(first)) + 1)]
+        return [first, last, *(length for length in fewer if first < length <= last)]
 
     def steps(self) -> list[float]:
         """Where the largest request or the layers the blocks come from change: the scores outgrowing the MLP's
