@@ -231,7 +231,7 @@ class _PrefillSegments:
         the prompt, so the rest falls a block per token for every block it holds (faster than the cache grows where
         the blocks are the keys' wider elements: float32 keys beside bfloat16 values) and jumps up by nearly a
         block where one fewer fits (phi-2's float32 8 x (103 + 1) tokens, the first of its 18 MiB segment, strands
-        19.6 MiB more than at 111, the cache counted)."""
+        19.6 MiB counted at 111, less the cache 103 does not make, where 111 itself strands 17.1)."""
         first, last = self.longest_within(segment - K_ROUND_LARGE) + 1, self.longest_within(segment)
         if first > last:  # a token asks for more than 2 MiB: no length takes this segment, the last below is tried
             return [last]
