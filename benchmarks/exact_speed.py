@@ -1,5 +1,6 @@
 """How long `vram-plan check --exact` takes, as a user runs it: every catalog model with TRL's defaults, and the
-heaviest configs we know (hundreds of sequences generated at once, scored in 64 chunks, with a reference model).
+heaviest configs we know (hundreds of sequences generated at once, scored in 64 chunks, with a reference model), and
+configs where a batch of shorter prompts needs more, so that --exact traces two steps.
 
     python benchmarks/exact_speed.py                    # all of them (about 15 minutes on 2 cores)
     python benchmarks/exact_speed.py --models Qwen3-8B gemma-3-4b-it --heavy-only
@@ -34,6 +35,14 @@ HEAVY = {"lora_r": 16, "dtype": "bfloat16", "num_generations": 8, "per_device_tr
          "gradient_accumulation_steps": 4, "steps_per_generation": 64, "max_prompt_length": 512,
          "max_completion_length": 128}
 HEAVY_MODELS = ("Qwen2.5-0.5B", "Llama-3.2-1B", "Qwen3-8B", "gemma-3-4b-it")
+# Configs where a batch of slightly shorter prompts strands more in the prefill's segments, so --exact traces that
+# step too (engine.heavier_prompt_length), in a second process where a second core allows
+TWO_STEPS = {"lora_r": 16, "dtype": "bfloat16", "num_generations": 8, "per_device_train_batch_size": 8,
+             "steps_per_generation": 8}
+TWO_STEP_RUNS = (("Qwen3-0.6B", "64 x (1024 + 512), a shorter prompt too",
+                  {**TWO_STEPS, "max_prompt_length": 1024, "max_completion_length": 512}),
+                 ("Qwen3-8B", "64 x (512 + 1024), a shorter prompt too",
+                  {**TWO_STEPS, "max_prompt_length": 512, "max_completion_length": 1024}))
 
 
 def flags(settings: dict) -> list[str]:
@@ -81,6 +90,7 @@ def main() -> int:
     runs = [] if args.heavy_only else [(model, "TRL's defaults", {}) for model in models]
     runs += [(model, "512 x (512 + 128) tokens, S64", HEAVY) for model in models if model in HEAVY_MODELS]
     runs += [(model, "the same with beta 0.04", {**HEAVY, "beta": 0.04}) for model in models if model in HEAVY_MODELS]
+    runs += [(model, name, settings) for model, name, settings in TWO_STEP_RUNS if model in models]
     from vram_planner.tracing.step import engine_versions
 
     versions = ", ".join(f"{package} {version}" for package, version in engine_versions().items())

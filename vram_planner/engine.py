@@ -166,6 +166,7 @@ class TraceOutcome:
     result: Any  # vram_planner.tracing.step.TraceResult: tensor bytes only, per phase and component
     reserved: Any = None  # vram_planner.tracing.reserve.ReservedMemory: the allocator model's reserved bytes
     need: Any = None  # vram_planner.tracing.need.Need: the least capacity the step runs in, bisected
+    elapsed_seconds: float | None = None  # the answer's wall time, every step traced for it included
 
     @property
     def fits(self) -> bool:
@@ -193,7 +194,10 @@ class TraceOutcome:
 
     @property
     def seconds(self) -> float:
-        """The trace's wall time, the allocator replay's and the need's bisection's."""
+        """The trace's wall time, the allocator replay's and the need's bisection's (of every step traced for
+        the answer, where a batch of shorter prompts was traced too)."""
+        if self.elapsed_seconds is not None:
+            return self.elapsed_seconds
         return self.result.seconds + sum(part.seconds for part in (self.reserved, self.need) if part is not None)
 
     def comparison(self) -> list[Any]:
@@ -249,53 +253,55 @@ def heavier_prompt_length(context: Context, train: TrainingConfig) -> int | None
 
 
 def _traced(model: str, context: Context, train: TrainingConfig, progress: Callable[[str], None] | None,
-            notes: tuple[str, ...] = (), shorter_prompts: bool = True) -> TraceOutcome:
+            notes: tuple[str, ...] = ()) -> TraceOutcome:
     """The step traced, replayed through the allocator model on this card, and its need bisected; where a batch of
-    shorter prompts may need more (heavier_prompt_length), that step too, and the run's need is the larger."""
-    from vram_planner.allocator import parse_allocator_conf
-    from vram_planner.allocator.replay import Replays
-    from vram_planner.model.cublas import workspace_bytes
-    from vram_planner.model.phases import Estimate
-    from vram_planner.tracing.collection import collection_paused
-    from vram_planner.tracing.events import with_workspaces
-    from vram_planner.tracing.need import least_capacity
-    from vram_planner.tracing.reserve import reserved_memory
-    from vram_planner.tracing.step import check_traceable, trace_step
+    shorter prompts may need more (heavier_prompt_length), that step too, alongside where a second core allows, and
+    the run's need is the larger."""
+    import time
 
+    from vram_planner.allocator import parse_allocator_conf
+    from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.tracing.step import check_traceable
+    from vram_planner.tracing.step_need import StepToTrace, step_needs
+
+    start = time.perf_counter()
     say = progress or (lambda what: None)
-    conf = parse_allocator_conf(train.allocator_conf, "--allocator-conf")
+    parse_allocator_conf(train.allocator_conf, "--allocator-conf")  # a bad one is one line before anything is traced
     check_traceable(train, context.release)  # before model_config: a hub id is not fetched twice for nothing
     config = model if isinstance(model, dict) else model_config(model)[0]
-    with collection_paused():
-        result = trace_step(config, train, context.release, progress)
-        say("replaying the allocations through the caching allocator model")
-        # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
-        # calibration when it measured one, else from the GPU catalog).
-        stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
-        card = max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0)
-        # the card's replay and the unlimited one serve both: the reserved figures and the need's bisection
-        replays = Replays([(e.kind, e.block, e.size_bytes) for e in stream.events], conf, kept=(card, None))
-        reserved = reserved_memory(stream, conf, card, replays)
-        say("bisecting the least memory the step runs in")
-        need = least_capacity(replays.events, conf, card, replays)
+    shorter = heavier_prompt_length(context, train)
+    trains = [train] if shorter is None else [train, replace(train, max_prompt_length=shorter)]
+    if shorter is not None:
+        say(f"tracing a batch of {shorter}-token prompts too, which may need more")
+    # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
+    # calibration when it measured one, else from the GPU catalog).
+    card = max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0)
+    workspace = workspace_bytes(context.gpu.compute_capability)
+    needs = step_needs([StepToTrace(config, each, context.release, card, workspace) for each in trains], progress)
+    outcomes = [_outcome(context, each, step, notes) for each, step in zip(trains, needs)]
+    outcome, heavier = outcomes[0], outcomes[-1]  # the same outcome where no shorter prompt was traced
+    elapsed = time.perf_counter() - start
+    if heavier.need_bytes <= outcome.need_bytes:
+        return replace(outcome, elapsed_seconds=elapsed)
+    # the step that needs more is the one the run must survive: its figures, with the config as given
+    said = (f"a batch whose longest prompt is {shorter} tokens needs {format_gib(heavier.need_bytes)}, more than "
+            f"{format_gib(outcome.need_bytes)} with {train.max_prompt_length} (the prefill's segments strand more "
+            f"there), and a run meets such batches: the traced figures are that step's",)
+    estimate = replace(heavier.traced.estimate, notes=heavier.traced.estimate.notes + said)
+    return replace(heavier, traced=Verdict(context, train, estimate), analytic=outcome.analytic,
+                   elapsed_seconds=elapsed)
+
+
+def _outcome(context: Context, train: TrainingConfig, step: Any, notes: tuple[str, ...]) -> TraceOutcome:
+    """A traced step (vram_planner.tracing.step_need.StepNeed) judged, beside the analytic verdict."""
+    from vram_planner.model.phases import Estimate
+
+    result, reserved = step.result, step.reserved
     phases = tuple(_traced_phase(p, reserved.by_phase, context, train) for p in result.phases)
     traced = Estimate(phases=phases, params=result.params, trainable_params=result.trainable_params,
                       notes=tuple(result.notes) + notes + reserved.notes)
-    outcome = TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result,
-                           reserved=reserved, need=need)
-    shorter = heavier_prompt_length(context, train) if shorter_prompts else None
-    if shorter is None:
-        return outcome
-    say(f"tracing a batch of {shorter}-token prompts, which may need more")
-    other = _traced(model, context, replace(train, max_prompt_length=shorter), progress, notes, shorter_prompts=False)
-    if other.need_bytes <= outcome.need_bytes:
-        return outcome
-    # the step that needs more is the one the run must survive: its figures, with the config as given
-    heavier = (f"a batch whose longest prompt is {shorter} tokens needs {format_gib(other.need_bytes)}, more than "
-               f"{format_gib(outcome.need_bytes)} with {train.max_prompt_length} (the prefill's segments strand more "
-               f"there), and a run meets such batches: the traced figures are that step's",)
-    estimate = replace(other.traced.estimate, notes=other.traced.estimate.notes + heavier)
-    return replace(other, traced=Verdict(context, train, estimate), analytic=outcome.analytic)
+    return TraceOutcome(traced=Verdict(context, train, traced), analytic=judge(context, train), result=result,
+                        reserved=reserved, need=step.need)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,88 @@
+"""Steps traced alongside one another, each in a process of its own, give what tracing them one after another gives;
+a step that fails in its process is traced here again, and raises what it raises alone."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from helpers import FIXTURES
+from vram_planner import engine
+from vram_planner.errors import VramPlanError
+from vram_planner.model.cublas import workspace_bytes
+from vram_planner.tracing import step_need as module
+from vram_planner.tracing.step_need import StepToTrace, step_need, step_needs
+
+CONFIG = json.loads((FIXTURES / "tiny-qwen3.json").read_text())
+SETTINGS = {"per_device_train_batch_size": 4, "num_generations": 4, "max_prompt_length": 48,
+            "max_completion_length": 24, "allocator_conf": ""}
+
+
+def steps(*prompt_lengths: int) -> list[StepToTrace]:
+    context = engine.make_context(CONFIG, "24GiB")
+    train = engine.make_training(context, SETTINGS)
+    card = int(context.capacity_bytes - context.cuda_context.bytes)
+    return [StepToTrace(CONFIG, replace(train, max_prompt_length=length), context.release, card,
+                        workspace_bytes(context.gpu.compute_capability)) for length in prompt_lengths]
+
+
+def measured(need) -> tuple:
+    return (need.need.capacity_bytes, need.need.held_bytes, need.need.tensor_peak_bytes, need.reserved.peak_bytes,
+            [(p.name, p.peak_bytes, p.components, p.moment) for p in need.result.phases], events(need.result.events))
+
+
+def events(traced) -> list:
+    """The events with each run of frees in one order: Python frees some runs (a dict's tensors) in an order that
+    differs from one trace to the next, which leaves the allocator as it would any other order."""
+    ordered, frees = [], []
+    for event in [(e.kind, e.block, e.size_bytes, e.phase, e.moment) for e in traced] + [("end",)]:
+        if event[0] == "free":
+            frees.append(event)
+            continue
+        ordered += sorted(frees, key=lambda free: free[2:] + free[1:2])
+        frees = []
+        ordered.append(event)
+    return ordered
+
+
+@pytest.mark.slow  # a second process imports torch, transformers and TRL: about ten seconds
+def test_steps_traced_alongside_are_those_traced_one_after_another(monkeypatch):
+    monkeypatch.setattr(module, "usable_cores", lambda: 2)  # the processes, even on one core
+    wanted = steps(48, 40)
+    alone = [step_need(step) for step in wanted]
+    here = []
+    original = module.step_need
+    monkeypatch.setattr(module, "step_need", lambda step, progress=None: here.append(step) or original(step, progress))
+    said = []
+    alongside = step_needs(wanted, said.append)
+    assert here == wanted[:1]  # the second step was traced in its own process
+    assert [measured(n) for n in alongside] == [measured(n) for n in alone]
+    assert measured(alone[0])[:5] != measured(alone[1])[:5]
+    assert said[-1] == "waiting for the step traced alongside"
+
+
+@pytest.mark.slow  # a second process imports torch before its trace is refused
+def test_a_step_that_fails_alongside_raises_here_what_it_raises_alone(monkeypatch):
+    monkeypatch.setattr(module, "usable_cores", lambda: 2)
+    good, refused = steps(48, 48)
+    bad = replace(refused, train=replace(refused.train, use_vllm=True))  # refused before the model is built
+    with pytest.raises(VramPlanError) as alone:
+        step_need(bad)
+    with pytest.raises(VramPlanError) as alongside:
+        step_needs([good, bad])
+    assert str(alongside.value) == str(alone.value) and "vLLM" in str(alone.value)
+
+
+def test_without_a_core_for_each_step_they_are_traced_one_after_another(monkeypatch):
+    monkeypatch.setattr(module, "usable_cores", lambda: 1)
+
+    def no_processes(*args, **kwargs):
+        raise AssertionError("no process is started on one core")
+
+    monkeypatch.setattr(module.subprocess, "Popen", no_processes)
+    wanted = steps(48, 40)
+    needs = step_needs(wanted)
+    assert [measured(n) for n in needs] == [measured(step_need(step)) for step in wanted]
+    assert needs[0].need.capacity_bytes >= needs[1].need.tensor_peak_bytes

@@ -1,0 +1,132 @@
+"""A step's need, traced: the step traced on fake tensors, replayed through the caching allocator model on a card, and
+the least capacity it runs in bisected; several steps at once, each in a process of its own, where the machine has a
+core for each (a trace and its replays are one Python thread's work, so two steps take two cores the time of one).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease
+
+
+@dataclass(frozen=True)
+class StepNeed:
+    """One traced step: its tensors per phase, what the allocator model reserves on the card, and its need."""
+
+    result: Any  # vram_planner.tracing.step.TraceResult
+    reserved: Any  # vram_planner.tracing.reserve.ReservedMemory
+    need: Any  # vram_planner.tracing.need.Need
+
+
+@dataclass(frozen=True)
+class StepToTrace:
+    """What a trace needs, all of it plain data, so that another process can trace it."""
+
+    config: dict[str, Any]  # the model's config.json
+    train: TrainingConfig
+    release: TrlRelease | None
+    card_bytes: int  # what cudaMalloc can hand out on the card: its capacity less the CUDA context and NCCL's buffers
+    workspace_bytes: int  # one cuBLAS workspace on this card (vram_planner.model.cublas)
+
+
+def step_need(step: StepToTrace, progress: Callable[[str], None] | None = None) -> StepNeed:
+    """The step traced, its events (with the cuBLAS workspaces) replayed on the card and its need bisected."""
+    from vram_planner.allocator import parse_allocator_conf
+    from vram_planner.allocator.replay import Replays
+    from vram_planner.tracing.collection import collection_paused
+    from vram_planner.tracing.events import with_workspaces
+    from vram_planner.tracing.need import least_capacity
+    from vram_planner.tracing.reserve import reserved_memory
+    from vram_planner.tracing.step import trace_step
+
+    say = progress or (lambda what: None)
+    conf = parse_allocator_conf(step.train.allocator_conf, "--allocator-conf")
+    with collection_paused():
+        result = trace_step(step.config, step.train, step.release, progress)
+        say("replaying the allocations through the caching allocator model")
+        stream = with_workspaces(result.steady_stream(), step.workspace_bytes)
+        # the card's replay and the unlimited one serve both: the reserved figures and the need's bisection
+        replays = Replays([(e.kind, e.block, e.size_bytes) for e in stream.events], conf,
+                          kept=(step.card_bytes, None))
+        reserved = reserved_memory(stream, conf, step.card_bytes, replays)
+        say("bisecting the least memory the step runs in")
+        need = least_capacity(replays.events, conf, step.card_bytes, replays)
+    return StepNeed(result, reserved, need)
+
+
+def step_needs(steps: Sequence[StepToTrace], progress: Callable[[str], None] | None = None) -> list[StepNeed]:
+    """step_need of each step, in order: the first here (it reports `progress`), each other in a Python process of
+    its own, started before it, where the machine has a core for each; one after another where it has not. A process
+    that fails or dies costs only time: its step is traced here again, where any error is raised as it would be."""
+    if len(steps) < 2 or usable_cores() < len(steps):
+        return [step_need(step, progress) for step in steps]
+    with tempfile.TemporaryDirectory(prefix="vram-plan-trace-") as folder:
+        started = []
+        try:
+            for index, step in enumerate(steps[1:], start=1):
+                asked, answered = Path(folder, f"step{index}.pickle"), Path(folder, f"need{index}.pickle")
+                asked.write_bytes(pickle.dumps(step))
+                started.append((_started(asked, answered), answered))
+            needs = [step_need(steps[0], progress)]
+            if progress is not None:
+                progress(f"waiting for the {'step' if len(started) == 1 else f'{len(started)} steps'} traced alongside")
+            for (process, answered), step in zip(started, steps[1:]):
+                process.wait()
+                answer = _read(answered) if process.returncode == 0 else None
+                needs.append(answer if isinstance(answer, StepNeed) else step_need(step, progress))
+            return needs
+        finally:
+            for process, _ in started:
+                if process.poll() is None:
+                    process.terminate()
+                    process.wait()
+
+
+def _started(asked: Path, answered: Path) -> subprocess.Popen:
+    """`python -m vram_planner.tracing.step_need ASKED ANSWERED`, importing this very package: a process of its own,
+    not multiprocessing's spawn, which runs the caller's main script again (a script without a __main__ guard would
+    run twice)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        part for part in (package_root, os.environ.get("PYTHONPATH")) if part)}
+    # its output is not the user's: where it fails, the step traced here again says why
+    return subprocess.Popen([sys.executable, "-m", __name__, str(asked), str(answered)], env=environment,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _read(answered: Path) -> Any:
+    try:
+        return pickle.loads(answered.read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform says, else the machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _answer(asked: Path, answered: Path) -> None:
+    """A started process's work: the step in `asked` traced, its need pickled to `answered` (whole, or not at all)."""
+    part = answered.with_suffix(".part")
+    part.write_bytes(pickle.dumps(step_need(pickle.loads(asked.read_bytes()))))
+    os.replace(part, answered)
+
+
+if __name__ == "__main__":
+    # through the package's module, not this __main__: what it pickles names classes the parent can find
+    from vram_planner.tracing import step_need as traced_here
+
+    traced_here._answer(Path(sys.argv[1]), Path(sys.argv[2]))
