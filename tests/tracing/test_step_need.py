@@ -4,6 +4,8 @@ a step that fails in its process is traced here again, and raises what it raises
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -86,3 +88,21 @@ def test_without_a_core_for_each_step_they_are_traced_one_after_another(monkeypa
     needs = step_needs(wanted)
     assert [measured(n) for n in needs] == [measured(step_need(step)) for step in wanted]
     assert needs[0].need.capacity_bytes >= needs[1].need.tensor_peak_bytes
+
+
+@pytest.mark.slow  # a script that traces two steps, one in a process of its own
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    # multiprocessing's spawn would run the caller's script again in the second process
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(FIXTURES.parent)!r})
+from vram_planner.tracing import step_need as module
+from tracing.test_step_need import steps
+module.usable_cores = lambda: 2
+print("ran", flush=True)
+print(len(module.step_needs(steps(48, 40))), "steps")
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, timeout=300,
+                          cwd=FIXTURES.parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "ran\n2 steps\n"
