@@ -77,11 +77,13 @@ def test_a_step_that_fails_alongside_raises_here_what_it_raises_alone(monkeypatc
     assert str(alongside.value) == str(alone.value) and "vLLM" in str(alone.value)
 
 
-def test_without_a_core_for_each_step_they_are_traced_one_after_another(monkeypatch):
-    monkeypatch.setattr(module, "usable_cores", lambda: 1)
+@pytest.mark.parametrize("cores, starting", [(1, AssertionError("no process is started on one core")),
+                                             (2, OSError("no executable"))], ids=["one core", "no process starts"])
+def test_steps_are_traced_one_after_another_without_a_core_or_a_process_for_each(monkeypatch, cores, starting):
+    monkeypatch.setattr(module, "usable_cores", lambda: cores)
 
     def no_processes(*args, **kwargs):
-        raise AssertionError("no process is started on one core")
+        raise starting
 
     monkeypatch.setattr(module.subprocess, "Popen", no_processes)
     wanted = steps(48, 40)

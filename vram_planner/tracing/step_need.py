@@ -81,27 +81,29 @@ def step_needs(steps: Sequence[StepToTrace], progress: Callable[[str], None] | N
             if progress is not None:
                 progress(f"waiting for the {'step' if len(started) == 1 else f'{len(started)} steps'} traced alongside")
             for (process, answered), step in zip(started, steps[1:]):
-                process.wait()
-                answer = _read(answered) if process.returncode == 0 else None
+                answer = _read(answered) if process is not None and process.wait() == 0 else None
                 needs.append(answer if isinstance(answer, StepNeed) else step_need(step, progress))
             return needs
         finally:
             for process, _ in started:
-                if process.poll() is None:
+                if process is not None and process.poll() is None:
                     process.terminate()
                     process.wait()
 
 
-def _started(asked: Path, answered: Path) -> subprocess.Popen:
-    """`python -m vram_planner.tracing.step_need ASKED ANSWERED`, importing this very package: a process of its own,
-    not multiprocessing's spawn, which runs the caller's main script again (a script without a __main__ guard would
-    run twice)."""
+def _started(asked: Path, answered: Path) -> subprocess.Popen | None:
+    """`python -m vram_planner.tracing.step_need ASKED ANSWERED`, importing this very package (its folder first on
+    PYTHONPATH). Not multiprocessing's spawn, which runs the caller's main script again: a script without a __main__
+    guard would run twice. Its output is not the user's: where it fails, the step traced here again says why. None
+    where no process starts (an embedded interpreter without an executable, say)."""
     package_root = str(Path(__file__).resolve().parents[2])
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
         part for part in (package_root, os.environ.get("PYTHONPATH")) if part)}
-    # its output is not the user's: where it fails, the step traced here again says why
-    return subprocess.Popen([sys.executable, "-m", __name__, str(asked), str(answered)], env=environment,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return subprocess.Popen([sys.executable, "-m", __name__, str(asked), str(answered)], env=environment,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        return None
 
 
 def _read(answered: Path) -> Any:
