@@ -123,9 +123,9 @@ def usable_cores() -> int:
 
 def _answer(asked: Path, answered: Path) -> None:
     """A started process's work: the step in `asked` traced, its need pickled to `answered` (whole, or not at all)."""
-    part = answered.with_suffix(".part")
-    part.write_bytes(pickle.dumps(step_need(pickle.loads(asked.read_bytes()))))
-    os.replace(part, answered)
+    from vram_planner.files import write_atomically
+
+    write_atomically(answered, pickle.dumps(step_need(pickle.loads(asked.read_bytes()))))
 
 
 if __name__ == "__main__":
