@@ -102,8 +102,11 @@ def comparable(result) -> tuple:
 def test_replays_resumed_from_checkpoints_are_the_replays_from_the_first_event(seed, conf, every, capacities):
     events = random_events(seed, 1500)
     allocator_conf = parse_allocator_conf(conf)
-    original = replay_module.CHECKPOINT_EVENTS
-    replay_module.CHECKPOINT_EVENTS = every  # hypothesis runs examples in one test: no fixture per example
+    names = ("MIN_CHECKPOINT_EVENTS", "CHECKPOINTS_BEFORE_REFUSAL", "SPARSER_AFTER_REFUSAL")
+    original = [getattr(replay_module, name) for name in names]
+    # hypothesis runs examples in one test: no fixture per example
+    for name, value in zip(names, (every, len(events), 3)):  # `every` apart, three times that after a refusal
+        setattr(replay_module, name, value)
     try:
         replays = Replays(events, allocator_conf, kept=(None,))
         replays(None)
@@ -111,11 +114,13 @@ def test_replays_resumed_from_checkpoints_are_the_replays_from_the_first_event(s
             assert comparable(replays(capacity, series=False)) == comparable(
                 replay_events(events, allocator_conf, capacity, series=False))
     finally:
-        replay_module.CHECKPOINT_EVENTS = original
+        for name, value in zip(names, original):
+            setattr(replay_module, name, value)
 
 
 def test_a_bisection_resumes_its_replays_where_their_capacities_decided_alike(monkeypatch):
-    monkeypatch.setattr(replay_module, "CHECKPOINT_EVENTS", 64)
+    monkeypatch.setattr(replay_module, "MIN_CHECKPOINT_EVENTS", 16)  # these replays run out within 100 events
+    monkeypatch.setattr(replay_module, "CHECKPOINTS_BEFORE_REFUSAL", 4000)
     events = random_events(7, 4000)
     conf = parse_allocator_conf("")
     replays = Replays(events, conf)
@@ -128,3 +133,26 @@ def test_a_bisection_resumes_its_replays_where_their_capacities_decided_alike(mo
         assert comparable(result) == comparable(fresh[capacity])
         low, high = (capacity, high) if result.out_of_memory else (low, capacity)
     assert replays.resumed_events > 0
+
+
+def test_checkpoints_are_dense_until_cudamalloc_first_refuses_and_sparse_after():
+    """A checkpoint taken before the first refusal serves every larger capacity; one taken after it only those
+    between what was granted and what was refused, so a replay takes them further apart from there on."""
+    from vram_planner.allocator.replay import _replay
+
+    def churn(first: int, n: int) -> list[tuple[str, int, int]]:  # a 4 MiB tensor made and freed, n times
+        return [event for t in range(first, first + n) for event in ((ALLOC, t, 4 * MiB), (FREE, t, 0))]
+
+    # a 40 MiB segment cached, then a 50 MiB request that 64 MiB hold only once it is given back
+    events = churn(0, 300) + [(ALLOC, -1, 40 * MiB), (FREE, -1, 0), (ALLOC, -2, 50 * MiB), (FREE, -2, 0)]
+    events += churn(300, 600)
+    conf, capacity = parse_allocator_conf(""), 64 * MiB
+    checkpoints = []
+    result = _replay(events, conf, capacity, 0, False, None, 50, checkpoints.append, 200)
+    assert result.out_of_memory is None
+    gaps = [(b.event - a.event, a.allocator.refused_bytes is None) for a, b in zip(checkpoints, checkpoints[1:])]
+    assert {gap for gap, before in gaps if before} == {50}
+    assert {gap for gap, before in gaps if not before} == {200}
+    # those before serve a larger card; those after do not (it would have kept the 40 MiB segment)
+    larger = [c.allocator.same_replay_until_now(2 * capacity) for c in checkpoints]
+    assert larger == [c.allocator.refused_bytes is None for c in checkpoints]

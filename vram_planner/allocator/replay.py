@@ -62,9 +62,10 @@ class Checkpoint:
 
 def _replay(events: list[tuple[str, int, int]], conf: AllocatorConf, capacity_bytes: int | None, stream: int,
             series: bool, start: Checkpoint | None = None, every: int = 0,
-            keep: Callable[[Checkpoint], None] | None = None) -> ReplayResult:
+            keep: Callable[[Checkpoint], None] | None = None, every_after_refusal: int = 0) -> ReplayResult:
     """replay_events, from `start` where given (the series then begin there), handing `keep` a checkpoint every
-    `every` events (0: none)."""
+    `every` events (0: none), and every `every_after_refusal` events (at least `every`) once cudaMalloc has refused
+    the allocator."""
     if start is None:
         allocator, addresses, first = CachingAllocator(conf, capacity_bytes), {}, 0
     else:
@@ -74,10 +75,11 @@ def _replay(events: list[tuple[str, int, int]], conf: AllocatorConf, capacity_by
     keep_reserved, keep_allocated = reserved.append, allocated.append
     oom = oom_event = None
     next_checkpoint = (first // every + 1) * every if every and keep is not None else len(events)
+    every_after_refusal = max(every, every_after_refusal)
     for index in range(first, len(events)):
         if index == next_checkpoint:
             keep(Checkpoint(index, allocator.clone(capacity_bytes), dict(addresses)))
-            next_checkpoint += every
+            next_checkpoint += every if allocator.refused_bytes is None else every_after_refusal
         action, tensor_id, size_bytes = events[index]
         if action == ALLOC:
             if tensor_id in addresses:
@@ -103,9 +105,22 @@ def _replay(events: list[tuple[str, int, int]], conf: AllocatorConf, capacity_by
                         reserved, allocated, list(allocator.segment_log), oom, oom_event)
 
 
-# The replays Replays keeps checkpoints of, and how many events apart it takes them
+# The replays Replays keeps checkpoints of, and how many events apart it takes them. Until cudaMalloc first refuses
+# a replay, its checkpoint serves every capacity at least what the allocator was granted so far, larger ones
+# included: up to CHECKPOINTS_BEFORE_REFUSAL of them, at least MIN_CHECKPOINT_EVENTS apart (a clone costs what
+# replaying one or two thousand events does). After it, one serves only the capacities between what was granted and
+# what was refused, the bisection's last few: SPARSER_AFTER_REFUSAL times further apart.
 CHECKPOINTED_REPLAYS = 2
-CHECKPOINT_EVENTS = 1 << 17
+CHECKPOINTS_BEFORE_REFUSAL = 32
+MIN_CHECKPOINT_EVENTS = 4096
+SPARSER_AFTER_REFUSAL = 4
+
+
+def checkpoint_spacing(n_events: int) -> tuple[int, int]:
+    """How many events apart a replay of `n_events` takes its checkpoints: before cudaMalloc first refuses it, and
+    after."""
+    before = max(MIN_CHECKPOINT_EVENTS, n_events // CHECKPOINTS_BEFORE_REFUSAL)
+    return before, before * SPARSER_AFTER_REFUSAL
 
 
 class Replays:
@@ -115,9 +130,9 @@ class Replays:
 
     A replay without series starts from the latest checkpoint an earlier replay took that its capacity reaches:
     two capacities replay the same events alike until a cudaMalloc that one allows and the other refuses, so the
-    replays of a bisection, whose capacities close in on one another, share ever longer beginnings (half of
-    gemma-3-4b-it's 2.3 million events, where the step first runs short). Only where the capacity alone decides
-    cudaMalloc (CachingAllocator.resumable)."""
+    replays of a bisection, whose capacities close in on one another, share ever longer beginnings, and the checks
+    above its answer start where the replay below them was first refused (checkpoint_spacing). Only where the
+    capacity alone decides cudaMalloc (CachingAllocator.resumable)."""
 
     def __init__(self, events: Iterable[tuple[str, int, int]], conf: AllocatorConf = AllocatorConf(),
                  kept: Iterable[int | None] = ()) -> None:
@@ -145,4 +160,6 @@ class Replays:
         kept = [c for c in self._checkpoints[source] if c.event <= event] if start is not None else []
         self._checkpoints = [*self._checkpoints, kept][-CHECKPOINTED_REPLAYS:]
         self.resumed_events += event
-        return _replay(self.events, self.conf, capacity_bytes, 0, series, start, CHECKPOINT_EVENTS, kept.append)
+        every, every_after_refusal = checkpoint_spacing(len(self.events))
+        return _replay(self.events, self.conf, capacity_bytes, 0, series, start, every, kept.append,
+                       every_after_refusal)
