@@ -202,8 +202,9 @@ def test_replays_resumed_from_checkpoints_bisect_the_same_need(traced_stream, co
     from vram_planner.allocator.replay import Replays
 
     card = 200 * MiB
-    monkeypatch.setattr(replay_module, "MIN_CHECKPOINT_EVENTS", len(traced_stream))  # none taken: every replay
-    fresh = least_capacity(traced_stream, conf, card)  # from the first event
+    # none taken: every replay from the first event
+    monkeypatch.setattr(replay_module, "MIN_CHECKPOINT_EVENTS", len(traced_stream))
+    fresh = least_capacity(traced_stream, conf, card)
     monkeypatch.setattr(replay_module, "MIN_CHECKPOINT_EVENTS", 500)
     replays = Replays(traced_stream, conf, kept=(card, None))
     resumed = least_capacity(traced_stream, conf, card, replays)
