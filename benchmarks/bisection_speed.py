@@ -12,11 +12,13 @@ not, the script says so and exits 1. Writes benchmarks/results/bisection_speed.t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 from accuracy import save_atomically
 
@@ -45,44 +47,36 @@ BEFORE = {"MIN_CHECKPOINT_EVENTS": 1 << 17, "CHECKPOINTS_BEFORE_REFUSAL": sys.ma
 
 
 def traced_events(model: str, settings: dict):
-    """The step's events with the cuBLAS workspaces, its allocator settings and what cudaMalloc can hand out."""
+    """The step's events with the cuBLAS workspaces, its allocator settings and what cudaMalloc can hand out, as
+    `check --exact` traces them (engine.steps_to_trace)."""
     from vram_planner import engine
     from vram_planner.allocator import parse_allocator_conf
     from vram_planner.model.calibration import default_calibration
-    from vram_planner.model.cublas import workspace_bytes
-    from vram_planner.profiles import model_config
     from vram_planner.tracing.events import with_workspaces
     from vram_planner.tracing.step import trace_step
 
     context = engine.make_context(model, CARD, calibration=default_calibration())
-    train = engine.make_training(context, settings)
-    result = trace_step(model_config(model)[0], train, context.release)
-    stream = with_workspaces(result.steady_stream(), workspace_bytes(context.gpu.compute_capability))
-    card = int(context.capacity_bytes - context.cuda_context.bytes)
-    conf = parse_allocator_conf(train.allocator_conf, "--allocator-conf")
-    return [(e.kind, e.block, e.size_bytes) for e in stream.events], conf, card
+    step, = engine.steps_to_trace(model, context, [engine.make_training(context, settings)])
+    result = trace_step(step.config, step.train, step.release)
+    stream = with_workspaces(result.steady_stream(), step.workspace_bytes)
+    conf = parse_allocator_conf(step.train.allocator_conf, "--allocator-conf")
+    return [(e.kind, e.block, e.size_bytes) for e in stream.events], conf, step.card_bytes
 
 
 def bisected(events, conf, card: int, spacing: dict) -> tuple[int, int, int, float]:
-    """(need, replays, events replayed, seconds) with the checkpoint spacing `spacing` (replay.py's names); the
-    seconds include the one garbage collection after it."""
+    """(need, replays, events replayed, seconds) with the checkpoint spacing `spacing` (replay.py's names; empty: as
+    it is); the seconds include the one garbage collection after it."""
     from vram_planner.allocator import replay as replay_module
     from vram_planner.allocator.replay import Replays
     from vram_planner.tracing.collection import collection_paused
     from vram_planner.tracing.need import least_capacity
 
-    saved = {name: getattr(replay_module, name) for name in spacing}
-    for name, value in spacing.items():
-        setattr(replay_module, name, value)
-    try:
+    with patch.multiple(replay_module, **spacing) if spacing else contextlib.nullcontext():
         start = time.perf_counter()
         with collection_paused():  # as step_need bisects
             replays = Replays(events, conf)
             need = least_capacity(events, conf, card, replays)
         seconds = time.perf_counter() - start
-    finally:
-        for name, value in saved.items():
-            setattr(replay_module, name, value)
     return need.capacity_bytes, need.replays, need.replays * len(events) - replays.resumed_events, seconds
 
 

@@ -260,24 +260,18 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     import time
 
     from vram_planner.allocator import parse_allocator_conf
-    from vram_planner.model.cublas import workspace_bytes
     from vram_planner.tracing.step import check_traceable
-    from vram_planner.tracing.step_need import StepToTrace, step_needs
+    from vram_planner.tracing.step_need import step_needs
 
     start = time.perf_counter()
     say = progress or (lambda what: None)
     parse_allocator_conf(train.allocator_conf, "--allocator-conf")  # a bad one is one line before anything is traced
     check_traceable(train, context.release)  # before model_config: a hub id is not fetched twice for nothing
-    config = model if isinstance(model, dict) else model_config(model)[0]
     shorter = heavier_prompt_length(context, train)
     trains = [train] if shorter is None else [train, replace(train, max_prompt_length=shorter)]
     if shorter is not None:
         say(f"tracing a batch of {shorter}-token prompts too, which may need more")
-    # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
-    # calibration when it measured one, else from the GPU catalog).
-    card = max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0)
-    workspace = workspace_bytes(context.gpu.compute_capability)
-    needs = step_needs([StepToTrace(config, each, context.release, card, workspace) for each in trains], progress)
+    needs = step_needs(steps_to_trace(model, context, trains), progress)
     outcomes = [_outcome(context, each, step, notes) for each, step in zip(trains, needs)]
     outcome, heavier = outcomes[0], outcomes[-1]  # the same outcome where no shorter prompt was traced
     elapsed = time.perf_counter() - start
@@ -290,6 +284,21 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
     estimate = replace(heavier.traced.estimate, notes=heavier.traced.estimate.notes + said)
     return replace(heavier, traced=Verdict(context, train, estimate), analytic=outcome.analytic,
                    elapsed_seconds=elapsed)
+
+
+def steps_to_trace(model: str | dict[str, Any], context: Context, trains: list[TrainingConfig]) -> list[Any]:
+    """The steps `check --exact` traces on this card (vram_planner.tracing.step_need.StepToTrace), one per config, all
+    of the model's config.json read once."""
+    from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.tracing.step_need import StepToTrace
+
+    config = model if isinstance(model, dict) else model_config(model)[0]
+    workspace = workspace_bytes(context.gpu.compute_capability)
+    # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
+    # calibration when it measured one, else from the GPU catalog).
+    return [StepToTrace(config, train, context.release,
+                        max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0),
+                        workspace) for train in trains]
 
 
 def _outcome(context: Context, train: TrainingConfig, step: Any, notes: tuple[str, ...]) -> TraceOutcome:

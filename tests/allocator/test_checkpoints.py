@@ -4,6 +4,7 @@ it copies, and a replay started from a checkpoint its capacity reaches is the re
 from __future__ import annotations
 
 import random
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
@@ -102,20 +103,14 @@ def comparable(result) -> tuple:
 def test_replays_resumed_from_checkpoints_are_the_replays_from_the_first_event(seed, conf, every, capacities):
     events = random_events(seed, 1500)
     allocator_conf = parse_allocator_conf(conf)
-    names = ("MIN_CHECKPOINT_EVENTS", "CHECKPOINTS_BEFORE_REFUSAL", "SPARSER_AFTER_REFUSAL")
-    original = [getattr(replay_module, name) for name in names]
-    # hypothesis runs examples in one test: no fixture per example
-    for name, value in zip(names, (every, len(events), 3)):  # `every` apart, three times that after a refusal
-        setattr(replay_module, name, value)
-    try:
+    # `every` events apart, three times that after a refusal (hypothesis runs examples in one test: no fixture each)
+    with patch.multiple(replay_module, MIN_CHECKPOINT_EVENTS=every, CHECKPOINTS_BEFORE_REFUSAL=len(events),
+                        SPARSER_AFTER_REFUSAL=3):
         replays = Replays(events, allocator_conf, kept=(None,))
         replays(None)
         for capacity in [c * MiB for c in capacities]:
             assert comparable(replays(capacity, series=False)) == comparable(
                 replay_events(events, allocator_conf, capacity, series=False))
-    finally:
-        for name, value in zip(names, original):
-            setattr(replay_module, name, value)
 
 
 def test_a_bisection_resumes_its_replays_where_their_capacities_decided_alike(monkeypatch):
