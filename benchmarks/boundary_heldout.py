@@ -3,6 +3,7 @@
     python benchmarks/boundary_heldout.py --held-out 32 --seed 0    # a trace and a bisection each: ~10 minutes
     python benchmarks/boundary_heldout.py --held-out 32 --seed 0 --largest-gib 24   # where most users train
     python benchmarks/boundary_heldout.py --recheck "SmolLM2-135M fp32 full" "phi-2 lora c256 B128"
+    python benchmarks/boundary_heldout.py --from-results   # every committed sweep's points, the analytic side only
 
 The analytic reserve (benchmarks/reserve_fit.py) was fitted on the 112 points of boundary.py's grid and is judged
 there; a user's config is rarely one of them. Here N configs are drawn with a seeded generator over the knobs users
@@ -24,6 +25,12 @@ boundary-heldout-seedS.txt and .json; with --largest-gib G, boundary-heldout-Ggi
 --recheck re-bisects points of boundary.py's grid with the current code and sets each need beside the committed one in
 boundary-needs.json, whose key may name older tracing and allocator code (boundary.py --from-needs uses it as it is);
 writes boundary-recheck.txt.
+
+--from-results traces nothing: it judges the points of every committed sweep (boundary-heldout*.json) against their
+committed needs with the current analytic model, as boundary.py --from-needs judges the grid, so that a change to the
+analytic model is judged on the held-out points in seconds (a new draw of the same seed may name other points: the
+skips depend on the analytic peaks). It writes each sweep's table again, and boundary-heldout-rejudged.txt: each
+sweep's summary, all of them together, and the points more than 1% under their needs.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import argparse
 import functools
 import json
 import random
+import re
 import sys
 
 from accuracy import load_cache, save_atomically
@@ -194,6 +202,11 @@ def sweep(n: int, seed: int, largest_gib: float | None = None) -> list[str]:
             print(f"[{i}/{n}] {name}: need bisected in {cache[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
         if set(cache) != known:
             save_atomically(path, json.dumps({"key": key, "points": cache}, indent=1))
+    return save_sweep(rows, n, seed, largest_gib, key)
+
+
+def save_sweep(rows: list[dict], n: int, seed: int, largest_gib: float | None, key: str) -> list[str]:
+    """Write a sweep's table and rows (table_stem names them); returns the table's lines."""
     lines = table(rows)
     lines = [lines[0] + "  knobs", lines[1]] + [f"{line:107}  {r['knobs']}" for line, r in zip(lines[2:], rows)]
     drawn = f"held-out: {n} configs drawn with seed {seed}"
@@ -227,6 +240,39 @@ def recheck(labels: list[str]) -> list[str]:
     return lines
 
 
+def committed_sweeps() -> dict[tuple[int, float | None], list[dict]]:
+    """The committed sweeps' rows by (seed, largest GiB), as table_stem names their files."""
+    sweeps = {}
+    for path in sorted(RESULTS.glob("boundary-heldout*.json")):
+        found = re.fullmatch(r"boundary-heldout(?:-([0-9.]+)gib)?(?:-seed(\d+))?", path.stem)
+        if found:
+            largest, seed = found.groups()
+            sweeps[(int(seed or 0), float(largest) if largest else None)] = json.loads(path.read_text())
+    return sweeps
+
+
+def rejudged() -> list[str]:
+    """Every committed sweep's points judged with the current analytic model against their committed needs, each
+    sweep's table written again with them."""
+    data = json.loads((RESULTS / "boundary-heldout-needs.json").read_text())
+    cache, lines, every = data["points"], [], []
+    for (seed, largest_gib), committed in committed_sweeps().items():
+        rows = []
+        for before in committed:
+            model, settings = before["model"], before["settings"]
+            label = point_label(model, settings)
+            shorter = shorter_need(label, model, settings, cache, heaviest_prompt(model, settings))
+            rows.append({**row(before["point"], model, settings, cache[label], shorter), "knobs": knobs(settings),
+                         "model": model, "settings": settings, "binding_phase": before.get("binding_phase")})
+        stem = table_stem(seed, largest_gib)
+        save_sweep(rows, len(rows), seed, largest_gib, data["key"])
+        every += [{**r, "point": f"{stem} {r['point']}"} for r in rows]
+        lines += [stem] + summary(rows)[1:] + [""]
+    under = [r for r in every if r["error"] < -0.01 or r["window"]]
+    return (lines + ["all committed sweeps"] + summary(every)[1:] + ["", "more than 1% under, or a window:"]
+            + table(under) + [f"needs from {data['key']}"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--held-out", type=int, default=16, metavar="N")
@@ -234,8 +280,13 @@ def main() -> int:
     parser.add_argument("--largest-gib", type=float, metavar="G",
                         help="draw only configs whose analytic peak is at most G GiB (default: the largest card's)")
     parser.add_argument("--recheck", nargs="+", metavar="POINT", help="grid points to re-bisect instead")
+    parser.add_argument("--from-results", action="store_true",
+                        help="judge the committed sweeps' points against their committed needs, tracing nothing")
     args = parser.parse_args()
-    if args.recheck:
+    if args.from_results:
+        lines = rejudged()
+        save_atomically(RESULTS / "boundary-heldout-rejudged.txt", "\n".join(lines) + "\n")
+    elif args.recheck:
         lines = recheck(args.recheck)
         save_atomically(RESULTS / "boundary-recheck.txt", "\n".join(lines) + "\n")
     else:

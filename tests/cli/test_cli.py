@@ -368,7 +368,7 @@ def test_a_verdict_near_the_boundary_says_so_and_names_exact(capsys):
 
     model = ["--model", "Qwen2.5-0.5B"]
     peak = engine.check("Qwen2.5-0.5B", "80GiB", {}).estimate.peak_bytes
-    above = need_above_estimate("sdpa")
+    above = need_above_estimate()
     code, out, _ = run(capsys, "check", "--gpu", f"{peak / 0.95 / 2**30 + 0.01:.3f}GiB", *model, "--json")
     assert json.loads(out)["fits"] is True and json.loads(out)["near_boundary"] is (above > 0.05 / 0.95)
     # beyond the band and the margin both: fits, and not near the boundary
@@ -382,7 +382,7 @@ def test_a_verdict_near_the_boundary_says_so_and_names_exact(capsys):
     for command in ("check", "plan"):
         code, out, _ = run(capsys, command, "--gpu", card, *model, "--safety-margin", "0")
         said = " ".join(out.split())
-        assert (f"Near the boundary: steps have needed up to {need_above_estimate('sdpa'):.0%} more than the "
+        assert (f"Near the boundary: steps have needed up to {need_above_estimate():.0%} more than the "
                 "estimate (the most measured), and this card would not hold that; "
                 f"`vram-plan {command} --exact` with the same flags traces the step and decides") in said, said
     code, out, _ = run(capsys, "check", "--gpu", f"{peak * 0.95 / 2**30:.3f}GiB", *model, "--json")
@@ -400,8 +400,8 @@ def test_a_step_without_checkpointing_is_flagged_within_its_own_measured_band(ca
 
     flags = ["--model", "Qwen2.5-0.5B", "--no-gradient-checkpointing"]
     peak = engine.check("Qwen2.5-0.5B", "80GiB", {"gradient_checkpointing": False}).estimate.peak_bytes
-    above = need_above_estimate("sdpa", gradient_checkpointing=False)
-    assert above > need_above_estimate("sdpa") and above > 0.05 / 0.95
+    above = need_above_estimate(gradient_checkpointing=False)
+    assert above > need_above_estimate() and above > 0.05 / 0.95
     card = f"{peak / 0.95 / 2**30 + 0.01:.3f}GiB"  # fits with the margin, inside the band
     code, out, _ = run(capsys, "check", "--gpu", card, *flags, "--json")
     assert code == 0 and json.loads(out)["fits"] is True and json.loads(out)["near_boundary"] is True

@@ -57,7 +57,7 @@ def test_no_verdict_is_wrong_without_saying_it_is_near_the_boundary(fixture, con
     outcome = engine.check(str(fixture), "24GiB", settings, exact=True)
     need, peak = outcome.need_bytes, outcome.analytic.estimate.peak_bytes
     train = outcome.analytic.train
-    above = need_above_estimate(train.attn_implementation, train.gradient_checkpointing)
+    above = need_above_estimate(train.gradient_checkpointing)
     assert peak * (1 - NEED_BELOW_ESTIMATE) <= need <= peak * (1 + above), (need / peak - 1)
     assert need <= peak * (1 + UNDER_TARGET), (need / peak - 1)
     for share in SHARES:
@@ -67,7 +67,7 @@ def test_no_verdict_is_wrong_without_saying_it_is_near_the_boundary(fixture, con
 
 
 def test_the_measured_band_covers_every_point_of_the_committed_boundary_table():
-    """NEED_ABOVE_ESTIMATE, its variants for eager attention and for steps without gradient checkpointing, and
+    """NEED_ABOVE_ESTIMATE, its variant for steps without gradient checkpointing, and
     NEED_BELOW_ESTIMATE are what benchmarks/boundary.py measured on its grid and benchmarks/boundary_heldout.py on
     configs off it: every committed point lies inside its band, and each bound is reached within two points (not
     padded)."""
@@ -78,18 +78,14 @@ def test_the_measured_band_covers_every_point_of_the_committed_boundary_table():
     held_out = [t for t in sorted(results.glob("boundary-heldout*.json")) if not t.name.endswith("-needs.json")]
     assert len(held_out) >= 2  # seed 0's sweep, whose points patterns were read off, and a clean one
     rows = [row for table in [results / "boundary.json", *held_out] for row in json.loads(table.read_text())]
-    above = {"eager": [], "uncheckpointed": [], "other": []}
+    above = {True: [], False: []}
     for row in rows:
         ratio = row["need_bytes"] / row["analytic_bytes"] - 1
-        bound = need_above_estimate(row["attn_implementation"], row["gradient_checkpointing"])
-        assert -NEED_BELOW_ESTIMATE <= ratio <= bound, row["point"]
-        kind = ("eager" if row["attn_implementation"] == "eager" else
-                "uncheckpointed" if not row["gradient_checkpointing"] else "other")
-        above[kind].append(ratio)
-    assert need_above_estimate("sdpa") - max(above["other"]) < 0.02
-    assert need_above_estimate("eager") - max(above["eager"]) < 0.02
-    assert need_above_estimate("sdpa", gradient_checkpointing=False) - max(above["uncheckpointed"]) < 0.02
-    assert NEED_BELOW_ESTIMATE - max(-min(r for rs in above.values() for r in rs), 0) < 0.02
+        assert -NEED_BELOW_ESTIMATE <= ratio <= need_above_estimate(row["gradient_checkpointing"]), row["point"]
+        above[row["gradient_checkpointing"]].append(ratio)
+    for checkpointing, ratios in above.items():
+        assert need_above_estimate(checkpointing) - max(ratios) < 0.02
+    assert NEED_BELOW_ESTIMATE - max(-min(r for ratios in above.values() for r in ratios), 0) < 0.02
 
 
 @pytest.mark.slow  # the estimate of every point of the grid: a few seconds

@@ -148,6 +148,9 @@ def test_a_later_micro_batch_and_full_fine_tunings_gradients_have_patterns_of_th
     # LoRA on the MLP's output projection: its float32 input, 20480 tokens x 8192, is the block cut (640 MiB)
     assert reserve_patterns(arch, two, "training")[LATER_MICRO_BATCH] == largest_request_bytes(arch, two) == 640 * MiB
     assert reserve_patterns(arch, two, "training")[LAYER_GRADIENTS] == 0  # adapters' gradients are small
+    # one generation for two optimizer steps, or used twice: the next step's forward finds the backward's cache
+    for later in (replace(lora, steps_per_generation=2), replace(lora, num_iterations=2)):
+        assert reserve_patterns(arch, later, "training")[LATER_MICRO_BATCH] == 640 * MiB
     full = TrainingConfig(max_completion_length=256)  # float32: 64 MiB gradients of the MLP, 16 layers
     assert reserve_patterns(arch, full, "training")[LAYER_GRADIENTS] == 16 * 64 * MiB
     short = replace(full, per_device_train_batch_size=1, num_generations=2, max_prompt_length=64,
@@ -175,11 +178,14 @@ def test_eager_attention_adds_its_score_blocks_and_softcapping_more_of_them():
         assert patterns[SOFTCAPPED_SCORES] == (scores if name == "gemma-2-2b" else 0)
 
 
-def eager_forward(layers: int, half_bytes: int, input_bytes: int) -> CachingAllocator:
+def eager_forward(layers: int, half_bytes: int, input_bytes: int, left_by_backward: int = 0) -> CachingAllocator:
     """A checkpointed forward with eager attention as the allocator sees it: each layer's two compute-dtype scores
     (q k^T, then masked), softmax's float32 input cast and output, the probabilities' compute-dtype copy, all freed;
-    then its output kept; the cache then emptied."""
+    then its output kept; the cache then emptied. `left_by_backward`: float32 score blocks a previous backward freed
+    into the cache before the forward begins."""
     allocator = CachingAllocator()
+    for block in [allocator.malloc(2 * half_bytes) for _ in range(left_by_backward)]:
+        allocator.free(block)
     for _ in range(layers):
         product = allocator.malloc(half_bytes)
         masked = allocator.malloc(half_bytes)
@@ -208,6 +214,31 @@ def test_the_kept_inputs_overflow_into_a_score_segment_once_the_half_score_segme
     places = 2 * (half_bytes // input_bytes)  # two half-score segments, (S / 2) // input inputs each
     allocator = eager_forward(layers, half_bytes, input_bytes)
     assert (pinned_score_segments(allocator, half_bytes) > 0) == (layers > places)
+
+
+@settings(max_examples=80, deadline=None)
+@given(layers=st.integers(1, 40), half_mib=st.integers(6, 900), ratio=st.floats(1.0, 40.0), left=st.integers(1, 3))
+def test_a_forward_in_the_cache_a_backward_left_pins_a_score_segment_whatever_the_places(layers, half_mib, ratio,
+                                                                                          left):
+    half_bytes = half_mib * 2 * MiB
+    input_bytes = max(int(half_bytes / ratio) // 512, 2049) * 512
+    places = 2 * (half_bytes // input_bytes)
+    pinned = pinned_score_segments(eager_forward(layers, half_bytes, input_bytes, left_by_backward=left), half_bytes)
+    # one where the half-score segments have places for every input (a first forward pins none there), more where not
+    assert pinned == 1 if layers <= places else pinned >= 1
+
+
+def test_a_forward_after_a_backward_counts_the_overflow_at_every_length():
+    # Qwen2.5-1.5B LoRA in bfloat16, eager, 16 x (512 + 5,056) tokens: L* is 1,792 tokens
+    arch = catalog_architecture("Qwen2.5-1.5B")
+    first = TrainingConfig(dtype="bfloat16", lora_r=8, attn_implementation="eager", per_device_train_batch_size=16,
+                           num_generations=8, max_prompt_length=512, max_completion_length=5056)
+    scores_at = {length: 16 * arch.num_attention_heads * length ** 2 * 4 / 2 for length in (1792, 5568)}
+    assert eager_overflow_bytes(arch, first) == scores_at[1792]
+    for later in (replace(first, steps_per_generation=2), replace(first, gradient_accumulation_steps=2),
+                  replace(first, num_iterations=2)):
+        assert eager_overflow_bytes(arch, later) == scores_at[5568]
+    assert eager_overflow_bytes(arch, replace(first, steps_per_generation=2, gradient_checkpointing=False)) == 0
 
 
 def test_the_score_segment_an_overflow_pins_is_half_a_score_block_more_until_the_inputs_fit():

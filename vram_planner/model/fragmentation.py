@@ -104,10 +104,19 @@ def later_micro_batch_bytes(arch: ModelArchitecture, train: TrainingConfig) -> f
     blocks of that backward's largest requests (there are no smaller ones of their size), so the block of the first
     layer's backward is too short when that backward asks for it, and the compute-dtype intermediate freed beside it
     is too short as well. At the need of DeepSeek-R1-Distill-Qwen-1.5B and Llama-3.2-1B LoRA with two micro-batches
-    the allocator held 640 + 350 and 560 + 320 MiB cached that way when it asked for a 700 or 640 MiB block."""
-    if train.gradient_accumulation_steps < 2:
+    the allocator held 640 + 350 and 560 + 320 MiB cached that way when it asked for a 700 or 640 MiB block. Where one
+    generation serves several optimizer steps (steps_per_generation above gradient_accumulation_steps, or
+    num_iterations above 1) the next step's first forward finds the previous step's backward cache the same way."""
+    if not forward_after_backward(train):
         return 0.0
     return largest_request_bytes(arch, train)
+
+
+def forward_after_backward(train: TrainingConfig) -> bool:
+    """Whether a loss forward runs in the cache a backward left, no generation between: a step of several
+    micro-batches, or one generation round serving several micro-batches (steps_per_generation) or iterations."""
+    return (train.gradient_accumulation_steps > 1 or train.steps_per_generation_resolved > 1
+            or train.num_iterations > 1)
 
 
 def layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -160,15 +169,22 @@ def eager_overflow_bytes(arch: ModelArchitecture, train: TrainingConfig) -> floa
     Phi-3-mini, Qwen3-0.6B and SmolLM2-135M in float32 held such a segment too, Llama-3.2-1B (16 layers, 2 x 10
     places) 520 MiB of a half-score segment only.
 
-    The places grow with the sequence ((S / 2) / input is 2 x heads x L / (hidden x residual bytes)), so the inputs
-    stop overflowing from L* = ceil(layers / 2) x hidden x residual bytes / (2 x heads) on; from there the bytes stay
-    those of the scores at L*, so that the reserve never falls as the tokens grow (the planner's searches rely on
-    memory that grows with every knob). Nothing without checkpointing (no kept inputs) or eager attention."""
+    The places grow with the sequence ((S / 2) / input is 2 x heads x L / (hidden x residual bytes)), so in a step's
+    first forward the inputs stop overflowing from L* = ceil(layers / 2) x hidden x residual bytes / (2 x heads) on;
+    from there the bytes stay those of the scores at L*, so that the reserve never falls as the tokens grow (the
+    planner's searches rely on memory that grows with every knob). A forward that runs in the cache a backward left
+    (forward_after_backward) finds score segments there before the half-score ones fill, and cuts the inputs from them
+    whatever L is: at the need of Qwen2.5-1.5B LoRA generating 16 x (512 + 5,056) tokens for two steps (L* 1,792),
+    the second step's forward held a 22.7 GiB score segment pinned by one 261 MiB input and another holding a
+    bfloat16 score beside 11.4 GiB when it asked for a score block. Nothing without checkpointing (no kept inputs) or
+    eager attention."""
     if train.attn_implementation != "eager" or not train.gradient_checkpointing:
         return 0.0
     heads = arch.num_attention_heads
     overflowing = -(-arch.num_layers // 2) * arch.hidden_size * m.sizes(train).residual / (2 * heads)
-    length = min(float(train.sequence_length), overflowing)
+    length = float(train.sequence_length)
+    if not forward_after_backward(train):
+        length = min(length, overflowing)
     return train.micro_batch_completions * heads * length * length * m.FP32_BYTES / 2
 
 

@@ -29,14 +29,10 @@ def first_micro_batch_line(first) -> str:  # first: vram_planner.report.document
 def near_boundary_reason(report: Report) -> str:
     """Why the estimate's verdict could be the other way round (the web page says it too)."""
     if report.fits:
-        attention = report.assumptions["attn_implementation"]
         checkpointing = report.config.get("gradient_checkpointing", True)
-        above = need_above_estimate(attention, checkpointing)
-        kinds = [kind for kind, applies in (("eager attention", attention == "eager"),
-                                            ("no gradient checkpointing", not checkpointing)) if applies]
-        steps = f"steps with {' and '.join(kinds)}" if kinds else "steps"
-        return (f"{steps} have needed up to {above:.0%} more than the estimate (the most measured), and this card "
-                "would not hold that")
+        steps = "steps" if checkpointing else "steps with no gradient checkpointing"
+        return (f"{steps} have needed up to {need_above_estimate(checkpointing):.0%} more than the estimate (the most "
+                "measured), and this card would not hold that")
     return (f"steps have needed up to {NEED_BELOW_ESTIMATE:.0%} less than the estimate (the most measured), and "
             "this card would hold that")
 
