@@ -251,12 +251,12 @@ def committed_sweeps() -> dict[tuple[int, float | None], list[dict]]:
     return sweeps
 
 
-def rejudged() -> list[str]:
-    """Every committed sweep's points judged with the current analytic model against their committed needs, each
-    sweep's table written again with them."""
+def rejudged_sweeps() -> tuple[dict[tuple[int, float | None], list[dict]], str]:
+    """Every committed sweep's rows judged with the current analytic model against their committed needs, by (seed,
+    largest GiB); and the key of the code the needs came from."""
     data = json.loads((RESULTS / "boundary-heldout-needs.json").read_text())
-    cache, lines, every = data["points"], [], []
-    for (seed, largest_gib), committed in committed_sweeps().items():
+    cache, sweeps = data["points"], {}
+    for found, committed in committed_sweeps().items():
         rows = []
         for before in committed:
             model, settings = before["model"], before["settings"]
@@ -264,13 +264,22 @@ def rejudged() -> list[str]:
             shorter = shorter_need(label, model, settings, cache, heaviest_prompt(model, settings))
             rows.append({**row(before["point"], model, settings, cache[label], shorter), "knobs": knobs(settings),
                          "model": model, "settings": settings, "binding_phase": before.get("binding_phase")})
+        sweeps[found] = rows
+    return sweeps, data["key"]
+
+
+def rejudged() -> list[str]:
+    """rejudged_sweeps, each sweep's table written again with its rows; returns the summary's lines."""
+    sweeps, key = rejudged_sweeps()
+    lines, every = [], []
+    for (seed, largest_gib), rows in sweeps.items():
         stem = table_stem(seed, largest_gib)
-        save_sweep(rows, len(rows), seed, largest_gib, data["key"])
+        save_sweep(rows, len(rows), seed, largest_gib, key)
         every += [{**r, "point": f"{stem} {r['point']}"} for r in rows]
         lines += [stem] + summary(rows)[1:] + [""]
     under = [r for r in every if r["error"] < -0.01 or r["window"]]
     return (lines + ["all committed sweeps"] + summary(every)[1:] + ["", "more than 1% under, or a window:"]
-            + table(under) + [f"needs from {data['key']}"])
+            + table(under) + [f"needs from {key}"])
 
 
 def main() -> int:
