@@ -57,7 +57,7 @@ def test_no_verdict_is_wrong_without_saying_it_is_near_the_boundary(fixture, con
     outcome = engine.check(str(fixture), "24GiB", settings, exact=True)
     need, peak = outcome.need_bytes, outcome.analytic.estimate.peak_bytes
     train = outcome.analytic.train
-    above = need_above_estimate(train.gradient_checkpointing)
+    above = need_above_estimate(train)
     assert peak * (1 - NEED_BELOW_ESTIMATE) <= need <= peak * (1 + above), (need / peak - 1)
     assert need <= peak * (1 + UNDER_TARGET), (need / peak - 1)
     for share in SHARES:
@@ -67,24 +67,30 @@ def test_no_verdict_is_wrong_without_saying_it_is_near_the_boundary(fixture, con
 
 
 def test_the_measured_band_covers_every_point_of_the_committed_boundary_table():
-    """NEED_ABOVE_ESTIMATE, its variant for steps without gradient checkpointing, and
+    """NEED_ABOVE_ESTIMATE, its variant for steps whose kept tensors meet the decoding's segments, and
     NEED_BELOW_ESTIMATE are what benchmarks/boundary.py measured on its grid and benchmarks/boundary_heldout.py on
     configs off it: every committed point lies inside its band, and each bound is reached within two points (not
     padded)."""
     import json
-    from pathlib import Path
 
-    results = Path(__file__).parents[2] / "benchmarks" / "results"
-    held_out = [t for t in sorted(results.glob("boundary-heldout*.json")) if not t.name.endswith("-needs.json")]
+    from vram_planner.model.spec import training_config
+
+    boundary = benchmark_module("boundary")
+    held_out = [t for t in sorted(boundary.RESULTS.glob("boundary-heldout*.json"))
+                if not t.name.endswith("-needs.json")]
     assert len(held_out) >= 2  # seed 0's sweep, whose points patterns were read off, and a clean one
-    rows = [row for table in [results / "boundary.json", *held_out] for row in json.loads(table.read_text())]
-    above = {True: [], False: []}
-    for row in rows:
+    settings = {label: knobs for label, _, knobs in boundary.points(list(boundary.MODELS), quick=False)}
+    rows = [(row, settings[row["point"]]) for row in json.loads((boundary.RESULTS / "boundary.json").read_text())]
+    rows += [(row, row["settings"]) for table in held_out for row in json.loads(table.read_text())]
+    above: dict[float, list[float]] = {}
+    for row, knobs in rows:
         ratio = row["need_bytes"] / row["analytic_bytes"] - 1
-        assert -NEED_BELOW_ESTIMATE <= ratio <= need_above_estimate(row["gradient_checkpointing"]), row["point"]
-        above[row["gradient_checkpointing"]].append(ratio)
-    for checkpointing, ratios in above.items():
-        assert need_above_estimate(checkpointing) - max(ratios) < 0.02
+        band = need_above_estimate(training_config(knobs))
+        assert -NEED_BELOW_ESTIMATE <= ratio <= band, row["point"]
+        above.setdefault(band, []).append(ratio)
+    assert len(above) == 2
+    for band, ratios in above.items():
+        assert band - max(ratios) < 0.02
     assert NEED_BELOW_ESTIMATE - max(-min(r for ratios in above.values() for r in ratios), 0) < 0.02
 
 

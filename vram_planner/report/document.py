@@ -14,7 +14,7 @@ from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_prob
                                             quantization_config_kwargs)
 from vram_planner.model.phases import COMPONENTS, Phase
 from vram_planner.model.search import Plan, smallest_config, vllm_fallback_note, vllm_tuned
-from vram_planner.model.verdict import Context, Verdict, judge
+from vram_planner.model.verdict import Context, Verdict, judge, need_above_estimate
 from vram_planner.profiles import GpuProfile, gpus
 from vram_planner.units import GiB
 
@@ -228,6 +228,8 @@ class Report(Document):
     # the step's need could lie on the other side of the card than the estimate's verdict, as far from the estimate
     # as needs have been measured (Verdict.near_boundary): `--exact` decides; false where the need decided
     near_boundary: bool = False
+    # the most a step of this kind has been measured to need above its estimate (the band near_boundary reads)
+    need_above_estimate: float | None = None
     # the first micro-batch of the first step judged on its own: its phases run before any optimizer state exists
     first_micro_batch: FirstMicroBatchReport | None = None
     # Predicted seconds per optimizer step of the config shown, per GPU (vram_planner/cli/speed.py); null where
@@ -299,7 +301,7 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
         cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
         vllm=vllm_report(est.vllm), distributed=distributed_report(train, est.host_bytes),
-        near_boundary=verdict.near_boundary,
+        near_boundary=verdict.near_boundary, need_above_estimate=need_above_estimate(train),
         first_micro_batch=first_micro_batch_report(verdict),
     )
 

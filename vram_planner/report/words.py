@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from vram_planner.errors import field_name
 from vram_planner.model.phases import PHASE_TITLES
-from vram_planner.model.verdict import NEED_BELOW_ESTIMATE, need_above_estimate
+from vram_planner.model.verdict import NEED_ABOVE_ESTIMATE, NEED_BELOW_ESTIMATE
 from vram_planner.report.document import Report
 from vram_planner.units import GiB, KiB, MiB
 
@@ -29,10 +29,11 @@ def first_micro_batch_line(first) -> str:  # first: vram_planner.report.document
 def near_boundary_reason(report: Report) -> str:
     """Why the estimate's verdict could be the other way round (the web page says it too)."""
     if report.fits:
-        checkpointing = report.config.get("gradient_checkpointing", True)
-        steps = "steps" if checkpointing else "steps with no gradient checkpointing"
-        return (f"{steps} have needed up to {need_above_estimate(checkpointing):.0%} more than the estimate (the most "
-                "measured), and this card would not hold that")
+        above = report.need_above_estimate or NEED_ABOVE_ESTIMATE
+        steps = ("steps without gradient checkpointing that generate for several micro-batches at once"
+                 if above > NEED_ABOVE_ESTIMATE else "steps")
+        return (f"{steps} have needed up to {above:.0%} more than the estimate (the most measured), and this card "
+                "would not hold that")
     return (f"steps have needed up to {NEED_BELOW_ESTIMATE:.0%} less than the estimate (the most measured), and "
             "this card would hold that")
 
