@@ -30,10 +30,11 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # the score segments was counted at every length for a forward that runs in a backward's cache
 # (fragmentation.eager_overflow_bytes, 2026-11-29: -1.1%). Steps without gradient checkpointing whose loss forward
 # follows a generation of several micro-batches at once under torch's default allocator
-# (kept_tensors_in_decoding_segments): 8.2%, seed 3's Qwen3-1.7B's bfloat16 full fine-tuning, 32 x 896 tokens a micro-batch, 128 sequences
-# generated, whose kept 112 MiB forward tensors were cut one each from the decoding's 194-222 MiB segments, 16 GiB
-# beside them that no pattern counts yet (the decoding's growing keys and values are larger than the kept tensors only
-# where the generation batch is; expandable segments strand none: other steps without checkpointing up to 2.1%).
+# (kept_tensors_in_decoding_segments): 8.2%, seed 3's Qwen3-1.7B's bfloat16 full fine-tuning, 32 x 896 tokens a
+# micro-batch, 128 sequences generated, whose kept 112 MiB forward tensors were cut one each from the decoding's
+# 194-222 MiB segments, 16 GiB beside them that no pattern counts yet (the decoding's growing keys and values are
+# larger than the kept tensors only where the generation batch is; expandable segments strand none: other steps
+# without checkpointing up to 2.1%).
 # Below, the estimate is conservative where a modelled pattern strands less than it can (the need 15.5% below it, the
 # estimate 18.3% over, for held-out seed 6's Qwen2.5-3B float32 full fine-tuning with eager attention, 32 x 3,456
 # tokens a micro-batch, whose 24 GiB float32 score blocks the eager patterns weigh as they weigh the grid's smaller
