@@ -190,11 +190,7 @@ def sweep(n: int, seed: int, largest_gib: float | None = None) -> list[str]:
     for i, (label, model, settings) in enumerate(chosen, 1):
         known = set(cache)
         try:
-            traced = exact(model, settings, cache, label)
-            # the run's need, as on the grid
-            shorter = shorter_need(label, model, settings, cache, heaviest_prompt(model, settings), trace=True)
-            rows.append({**row(f"h{i:02d} {model}", model, settings, traced, shorter), "knobs": knobs(settings),
-                         "model": model, "settings": settings, "binding_phase": traced["binding_phase"]})
+            rows.append(judged(f"h{i:02d} {model}", model, settings, cache, trace=True))
         except Exception as exc:  # a point the engines cannot run is reported, not fatal to the sweep
             print(f"[{i}/{n}] {label}: {exc}", file=sys.stderr, flush=True)
             continue
@@ -203,6 +199,16 @@ def sweep(n: int, seed: int, largest_gib: float | None = None) -> list[str]:
         if set(cache) != known:
             save_atomically(path, json.dumps({"key": key, "points": cache}, indent=1))
     return save_sweep(rows, n, seed, largest_gib, key)
+
+
+def judged(point: str, model: str, settings: dict, cache: dict, trace: bool) -> dict:
+    """A drawn point's row: the run's need (a shorter prompt's where that needs more, as on the grid) beside the
+    analytic peak, with its knobs; its needs bisected into `cache` where it lacks them and `trace`, else read there."""
+    label = point_label(model, settings)
+    traced = exact(model, settings, cache, label) if trace else cache[label]
+    shorter = shorter_need(label, model, settings, cache, heaviest_prompt(model, settings), trace=trace)
+    return {**row(point, model, settings, traced, shorter), "knobs": knobs(settings), "model": model,
+            "settings": settings, "binding_phase": traced["binding_phase"]}
 
 
 def save_sweep(rows: list[dict], n: int, seed: int, largest_gib: float | None, key: str) -> list[str]:
@@ -257,14 +263,8 @@ def rejudged_sweeps() -> tuple[dict[tuple[int, float | None], list[dict]], str]:
     data = json.loads((RESULTS / "boundary-heldout-needs.json").read_text())
     cache, sweeps = data["points"], {}
     for found, committed in committed_sweeps().items():
-        rows = []
-        for before in committed:
-            model, settings = before["model"], before["settings"]
-            label = point_label(model, settings)
-            shorter = shorter_need(label, model, settings, cache, heaviest_prompt(model, settings))
-            rows.append({**row(before["point"], model, settings, cache[label], shorter), "knobs": knobs(settings),
-                         "model": model, "settings": settings, "binding_phase": before.get("binding_phase")})
-        sweeps[found] = rows
+        sweeps[found] = [judged(before["point"], before["model"], before["settings"], cache, trace=False)
+                         for before in committed]
     return sweeps, data["key"]
 
 
