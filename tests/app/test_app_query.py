@@ -189,7 +189,8 @@ def test_the_verdict_and_the_changes_in_words():
 def test_the_page_says_a_larger_vllm_share_costs():
     planned = query_report("plan", [("gpu", "8GiB"), ("model", "Llama-3.2-1B"), ("use_vllm", "true")])
     rows = views.changes_markdown(planned).splitlines()
-    assert "| `vllm_gpu_memory_utilization` | 0.3 → **0.45** | costs 1.20 | " in "\n".join(rows)
+    assert ("| `vllm_max_model_length + vllm_gpu_memory_utilization` | None, 0.3 → **768, 0.45** | costs 1.20 GiB | "
+            in "\n".join(rows))
     assert any(row.startswith("| `dtype` |") and "| saves " in row for row in rows)
     assert not any("-" in row.split(" | ")[2] for row in rows if row.startswith("| `"))  # no negative saving
 

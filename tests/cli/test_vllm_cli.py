@@ -53,7 +53,7 @@ def test_plans_recommended_utilization_is_verified_by_check(capsys):
     utilization, max_len = config["vllm_gpu_memory_utilization"], config["vllm_max_model_length"]
     assert max_len == 256 + 512 and utilization == 0.25
     knobs = [c["knob"] for c in plan["changes"]]
-    assert knobs[:2] == ["vllm_max_model_length", "vllm_gpu_memory_utilization"]
+    assert knobs[0] == "vllm_max_model_length + vllm_gpu_memory_utilization"
     as_planned = [*EIGHT_B, "--per-device-train-batch-size", str(config["per_device_train_batch_size"]),
                   "--gradient-accumulation-steps", str(config["gradient_accumulation_steps"]),
                   "--vllm-max-model-length", str(max_len)]
@@ -69,7 +69,8 @@ def test_plans_recommended_utilization_is_verified_by_check(capsys):
 def test_plan_says_costs_when_it_raises_vllms_share(capsys):
     code, out, _ = run(capsys, "plan", *EIGHT_B, "--vllm-gpu-memory-utilization", "0.1")
     assert code == 0
-    assert "vllm_gpu_memory_utilization: 0.1 → 0.25 costs 11.88 GiB" in " ".join(out.split())
+    assert ("vllm_max_model_length + vllm_gpu_memory_utilization: None, 0.1 → 768, 0.25 costs 11.88 GiB"
+            in " ".join(out.split()))
     assert "vllm_gpu_memory_utilization=0.25," in out and "vllm_max_model_length=768," in out
 
 
@@ -77,12 +78,12 @@ def test_json_says_a_larger_vllm_share_costs_and_no_change_saves_a_negative_amou
     code, plan = judged(capsys, "plan", "--gpu", "8GiB", "--model", "Llama-3.2-1B", "--use-vllm")
     assert code == 0 and plan["changes"]
     assert all(c["saved_bytes"] >= 0 and c["cost_bytes"] >= 0 for c in plan["changes"]), plan["changes"]
-    share = next(c for c in plan["changes"] if c["knob"] == "vllm_gpu_memory_utilization")
+    share = next(c for c in plan["changes"] if c["knob"].endswith("vllm_gpu_memory_utilization"))
     assert (share["saved_bytes"], share["cost_bytes"]) == (0, 1288490189)  # 0.15 of the card, rounded as vLLM does
     net = sum(c["saved_bytes"] - c["cost_bytes"] for c in plan["changes"])
     assert abs(plan["requested_peak_bytes"] - net - plan["peak_bytes"]) <= len(plan["changes"])  # each rounded
     _, out, _ = run(capsys, "plan", "--gpu", "8GiB", "--model", "Llama-3.2-1B", "--use-vllm")
-    assert "vllm_gpu_memory_utilization: 0.3 → 0.45 costs 1.20 GiB" in " ".join(out.split())
+    assert "None, 0.3 → 768, 0.45 costs 1.20 GiB" in " ".join(out.split())
 
 
 def test_prompt_and_completion_beyond_vllms_context_are_one_line_naming_the_flags(capsys):

@@ -353,6 +353,17 @@ def test_every_reported_change_saves_memory_and_the_changes_add_up(model, card, 
     assert all(min(change.saved_bytes, change.cost_bytes) == 0 <= max(change.saved_bytes, change.cost_bytes)
                for change in plan.changes), plan.changes
     assert all(change.knob.startswith("vllm_") for change in plan.changes if change.cost_bytes > 0), plan.changes
+    # and no row saves nothing but vLLM's: its share where sleep mode frees it outside the peak, or its shorter
+    # context where the share stays, made only where the model's whole context would need a larger share to start
+    # (joined with the share where that changes)
+    for change in plan.changes:
+        if change.saved_bytes + change.cost_bytes == 0:
+            assert change.knob.startswith("vllm_") and plan.fits, plan.changes
+        if change.knob == "vllm_max_model_length" and plan.fits:
+            whole = judge(context, with_changes(plan.chosen.train, vllm_max_model_length=None)).estimate.vllm
+            short = plan.chosen.estimate.vllm
+            assert whole.problem is not None or (whole.recommended_gpu_memory_utilization
+                                                 != short.recommended_gpu_memory_utilization), plan.changes
     # the trainer's changes each save something: one that saves nothing (16-bit weights under DeepSpeed, which holds
     # 16-bit weights anyway) is joined with the next, as a cost is
     assert all(change.saved_bytes > 0 for change in plan.changes if not change.knob.startswith("vllm_")), plan.changes

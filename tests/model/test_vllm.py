@@ -245,8 +245,10 @@ def test_a_larger_vllm_share_is_a_cost_not_a_negative_saving():
     # 8 GiB: vLLM's round needs 0.45 of the card, not TRL's 0.3; the trainer then has 0.15 x 8 GiB less
     plan = engine.plan("Llama-3.2-1B", "8GiB", {"use_vllm": True})
     assert plan.fits
-    share = next(c for c in plan.changes if c.knob == "vllm_gpu_memory_utilization")
-    assert (share.before, share.after) == (0.3, 0.45)
+    # with vLLM's context, prompt + completion, which alone saves nothing: the model's whole context would need more
+    share = next(c for c in plan.changes if c.knob == "vllm_max_model_length + vllm_gpu_memory_utilization")
+    assert (share.before, share.after) == ("None, 0.3", "768, 0.45")
+    assert share.settings == {"vllm_max_model_length": 768, "vllm_gpu_memory_utilization": 0.45}
     assert share.saved_bytes == 0 and share.cost_bytes == math.ceil(0.45 * 8 * GiB) - math.ceil(0.3 * 8 * GiB)
     assert all(c.saved_bytes >= 0 and c.cost_bytes == 0 for c in plan.changes if c is not share)
     net = sum(c.saved_bytes - c.cost_bytes for c in plan.changes)

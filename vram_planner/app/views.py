@@ -12,7 +12,7 @@ from html import escape
 from vram_planner.errors import spelled
 from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.plot import COMPONENT_COLOURS
-from vram_planner.report.words import first_micro_batch_line, footer_lines, near_boundary_reason, saving
+from vram_planner.report.words import change_effect, first_micro_batch_line, footer_lines, near_boundary_reason
 from vram_planner.model.accelerate_config import SCRIPT_FILE
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES, component_label
 from vram_planner.profiles import GpuProfile
@@ -112,16 +112,9 @@ def changes_markdown(planned: Report) -> str:
     """The plan's changes as a table, with the GiB each saves (or costs: a larger vLLM share)."""
     if not planned.changes:
         return "Your config fits as it is: the plan changes nothing." if planned.fits else ""
-    rows = [f"| `{c.knob}` | {c.before} → **{c.after}** | "
-            f"{f'costs {gib(c.cost_bytes)}' if c.cost_bytes > 0 else f'saves {_amount(c.saved_bytes)}'} | {c.reason} |"
-            for c in planned.changes]
+    rows = [f"| `{c.knob}` | {c.before} → **{c.after}** | {change_effect(c)} | {c.reason} |" for c in planned.changes]
     head = f"**The plan's changes** (as given the config needs {gib(planned.requested_peak_bytes or 0)} GiB):"
-    return "\n".join([head, "", "| knob | change | GiB | why |", "|---|---|---|---|", *rows])
-
-
-def _amount(n_bytes: float) -> str:
-    """GiB to two decimals, as the column says, or in a smaller unit where that would read 0.00."""
-    return gib(n_bytes) if n_bytes >= GiB / 200 else saving(n_bytes)
+    return "\n".join([head, "", "| knob | change | peak | why |", "|---|---|---|---|", *rows])
 
 
 def longest_markdown(as_given: Any, with_savers: Any) -> str:

@@ -11,7 +11,7 @@ from rich.text import Text
 from vram_planner.cli.console import terminal
 from vram_planner.errors import flag, spelled
 from vram_planner.report.document import Report, per_gpu
-from vram_planner.report.words import (first_micro_batch_line, footer_lines, near_boundary_reason, saving,
+from vram_planner.report.words import (change_effect, first_micro_batch_line, footer_lines, near_boundary_reason,
                                        small_amount)
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import (COMPONENTS, OUTSIDE_ALLOCATOR, PHASE_TITLES, component_label,
@@ -139,10 +139,8 @@ def changes_text(report: Report) -> Text:
                 style="bold")
     for c in report.changes:
         text.append(f"  {c.knob}: {c.before} → {c.after}", style="bold")
-        if c.cost_bytes > 0:  # vLLM's share raised so that it can start: a cost, said as one
-            text.append(f"  costs {_g(c.cost_bytes)} GiB", style="yellow")
-        else:
-            text.append(f"  saves {saving(c.saved_bytes)}", style="green")
+        # vLLM's share raised so that it can start: a cost, said as one
+        text.append(f"  {change_effect(c)}", style="yellow" if c.cost_bytes > 0 else "green" if c.saved_bytes else "")
         text.append(f"  ({c.reason})\n")
     return text
 

@@ -18,13 +18,16 @@ import bisect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vram_planner.errors import ConfigError
 from vram_planner.model.divisors import divisors, prime_factors
 from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, knob_names, with_changes
 from vram_planner.model.verdict import Context, Verdict, judge
 from vram_planner.units import GiB
+
+if TYPE_CHECKING:
+    from vram_planner.model.vllm import VllmBudget
 
 LORA_DEFAULT_RANK = 16  # common GRPO recipes (TRL docs, Unsloth notebooks) use r=16, alpha=2r, all linear layers
 SHORTEST_COMPLETION = 64
@@ -43,7 +46,8 @@ REASONS = {
     "max_completion_length": "shorter completions",
     "num_generations": "smaller groups per prompt",
     "use_vllm": "generate in vLLM (CUDA graphs, paged KV cache) beside the trainer: faster decoding, a share of the card",
-    "vllm_max_model_length": "vLLM's context: prompt + completion, not the model's whole context",
+    "vllm_max_model_length": "vLLM's context: prompt + completion; the model's whole context needs a larger share to "
+                             "start",
     "vllm_gpu_memory_utilization": "vLLM's share: its start-up needs and a whole generation round's KV cache, "
                                    "the smallest multiple of 0.05 of the card",
 }
@@ -286,14 +290,23 @@ def vllm_tuned(context: Context, train: TrainingConfig) -> TrainingConfig:
         return train
     if train.vllm_max_model_length is None and budget.max_model_len > train.sequence_length:
         shorter = _try(train, {"vllm_max_model_length": train.sequence_length})
-        if shorter is not None:
-            train = shorter
-            budget = colocated_budget(context.arch, train, context.capacity_bytes, context.cuda_context.bytes,
-                                      context.gpu.label, context.gpu.bf16) or budget
+        short = shorter and colocated_budget(context.arch, shorter, context.capacity_bytes, context.cuda_context.bytes,
+                                             context.gpu.label, context.gpu.bf16)
+        if short is not None and _shorter_context_matters(budget, short):
+            train, budget = shorter, short
     utilization = budget.recommended_gpu_memory_utilization
     if utilization is None or utilization == train.vllm_gpu_memory_utilization:
         return train
     return _try(train, {"vllm_gpu_memory_utilization": utilization}) or train
+
+
+def _shorter_context_matters(whole: VllmBudget, short: VllmBudget) -> bool:
+    """Whether prompt + completion as vLLM's context changes what vLLM needs: a smaller recommended share (one
+    sequence of the model's whole context outweighs the round's KV cache, or older TRL's profile run takes
+    max_model_len tokens at once), or a start the whole context has none for. Otherwise the change would save nothing
+    and the plan leaves TRL's default."""
+    return (short.recommended_gpu_memory_utilization != whole.recommended_gpu_memory_utilization
+            or (whole.problem is not None and short.problem is None))
 
 
 def vllm_fallback_note(plan: Plan) -> str | None:
@@ -420,9 +433,20 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
                             before_peak - after_peak, settings))
         current, before_peak, pending = step, after_peak, []
     # vLLM's share is set, not saved: raising it costs the trainer memory and is reported as it is
-    vllm = tuple(step for step in steps if step.knob.startswith(("vllm_", "use_vllm")))
+    vllm = _with_the_next([step for step in steps if step.knob.startswith(("vllm_", "use_vllm"))])
     trainer = [step for step in steps if not step.knob.startswith(("vllm_", "use_vllm"))]
     return vllm + (_paid_for(trainer) if join_costs else tuple(trainer))
+
+
+def _with_the_next(steps: list[Change]) -> tuple[Change, ...]:
+    """vLLM's steps, each that neither saves nor costs (a shorter context, which lets vLLM start in the share the
+    next step sets) joined with the next, so that no row says it saves nothing."""
+    joined: list[Change] = []
+    for step in steps:
+        if joined and joined[-1].saved_bytes == joined[-1].cost_bytes == 0:
+            step = _join(joined.pop(), step)
+        joined.append(step)
+    return tuple(joined)
 
 
 def _paid_for(steps: list[Change]) -> tuple[Change, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from vram_planner.errors import field_name
 from vram_planner.model.phases import PHASE_TITLES
 from vram_planner.model.verdict import NEED_ABOVE_ESTIMATE, NEED_BELOW_ESTIMATE
-from vram_planner.report.document import Report
+from vram_planner.report.document import ChangeReport, Report
 from vram_planner.units import GiB, KiB, MiB
 
 
@@ -42,6 +42,14 @@ def near_boundary_reason(report: Report) -> str:
 def saving(n_bytes: float) -> str:
     """GiB to two decimals, or a smaller unit where that would read 0.00."""
     return f"{_g(n_bytes)} GiB" if n_bytes >= GiB / 200 else small_amount(n_bytes)
+
+
+def change_effect(change: ChangeReport) -> str:
+    """What a plan's change does to the peak, in words: a cost, a saving, or nothing (vLLM's shorter context where
+    the share stays: it is made so that vLLM starts in that share, and its reason says so)."""
+    if change.cost_bytes > 0:
+        return f"costs {_g(change.cost_bytes)} GiB"
+    return f"saves {saving(change.saved_bytes)}" if change.saved_bytes > 0 else "peak unchanged"
 
 
 def small_amount(n_bytes: float) -> str:
