@@ -73,7 +73,7 @@ ZERO_STAGES = (1, 2, 3)
 # LoRA (its adapters are the optimizer's only parameters) and gradient accumulation (ZeRO's non-boundary backward)
 ZERO_MORE = [(str(MODELS / "Llama-3.2-1B.json"), {"lora_r": 16}), (str(MODELS / "Llama-3.2-1B.json"),
                                                                     {"gradient_accumulation_steps": 2})]
-ZERO_MORE_GPUS, ZERO_MORE_STAGES = (8,), (2, 3)
+ZERO_MORE_GPUS, ZERO_MORE_STAGES = (8,), (1, 2, 3)
 # ZeRO-3 generating layer by layer (`--no-ds3-gather-for-generation`): the coordinator's prefetch and the round in
 # flight (vram_planner/model/zero.py), stage 3 only
 ZERO_LAYERED = [(m, {"ds3_gather_for_generation": False}) for m, _ in ZERO_GRID]
