@@ -139,7 +139,6 @@ def changes_text(report: Report) -> Text:
                 style="bold")
     for c in report.changes:
         text.append(f"  {c.knob}: {c.before} → {c.after}", style="bold")
-        # vLLM's share raised so that it can start: a cost, said as one
         text.append(f"  {change_effect(c)}", style="yellow" if c.cost_bytes > 0 else "green" if c.saved_bytes else "")
         text.append(f"  ({c.reason})\n")
     return text

@@ -440,7 +440,7 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
 
 def _with_the_next(steps: list[Change]) -> tuple[Change, ...]:
     """vLLM's steps, each that neither saves nor costs (a shorter context, which lets vLLM start in the share the
-    next step sets) joined with the next, so that no row says it saves nothing."""
+    next step sets) joined with the next, so that the row says what the pair does to the peak."""
     joined: list[Change] = []
     for step in steps:
         if joined and joined[-1].saved_bytes == joined[-1].cost_bytes == 0:
