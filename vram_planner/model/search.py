@@ -433,30 +433,28 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
                             before_peak - after_peak, settings))
         current, before_peak, pending = step, after_peak, []
     # vLLM's share is set, not saved: raising it costs the trainer memory and is reported as it is
-    vllm = _with_the_next([step for step in steps if step.knob.startswith(("vllm_", "use_vllm"))])
+    # a vLLM step that neither saves nor costs (a shorter context, which lets vLLM start in the share the next step
+    # sets) is joined with the next, so that the row says what the pair does to the peak
+    vllm = _joined_with_the_next([step for step in steps if step.knob.startswith(("vllm_", "use_vllm"))],
+                                 lambda step: step.saved_bytes == step.cost_bytes == 0)
     trainer = [step for step in steps if not step.knob.startswith(("vllm_", "use_vllm"))]
-    return vllm + (_paid_for(trainer) if join_costs else tuple(trainer))
+    return tuple(vllm) + (_paid_for(trainer) if join_costs else tuple(trainer))
 
 
-def _with_the_next(steps: list[Change]) -> tuple[Change, ...]:
-    """vLLM's steps, each that neither saves nor costs (a shorter context, which lets vLLM start in the share the
-    next step sets) joined with the next, so that the row says what the pair does to the peak."""
+def _joined_with_the_next(steps: list[Change], needs_the_next: Callable[[Change], bool]) -> list[Change]:
+    """The steps, each for which `needs_the_next` holds joined with the step after it (the last left as it is)."""
     joined: list[Change] = []
     for step in steps:
-        if joined and joined[-1].saved_bytes == joined[-1].cost_bytes == 0:
+        if joined and needs_the_next(joined[-1]):
             step = _join(joined.pop(), step)
         joined.append(step)
-    return tuple(joined)
+    return joined
 
 
 def _paid_for(steps: list[Change]) -> tuple[Change, ...]:
     """The steps, each one that costs memory or saves none (16-bit weights under DeepSpeed, which holds 16-bit
     weights anyway, before LoRA) joined with the next (with the previous when it is last)."""
-    joined: list[Change] = []
-    for step in steps:
-        if joined and joined[-1].net_saved_bytes <= 0:
-            step = _join(joined.pop(), step)
-        joined.append(step)
+    joined = _joined_with_the_next(steps, lambda step: step.net_saved_bytes <= 0)
     while len(joined) > 1 and joined[-1].net_saved_bytes <= 0:
         last = joined.pop()
         joined.append(_join(joined.pop(), last))
