@@ -71,8 +71,8 @@ ZERO_GRID = [(str(MODELS / "Qwen2.5-0.5B.json"), {}), (str(MODELS / "Llama-3.2-1
 ZERO_GPUS = (2, 8)
 ZERO_STAGES = (1, 2, 3)
 # LoRA (its adapters are the optimizer's only parameters) and gradient accumulation (ZeRO's non-boundary backward)
-ZERO_MORE = [(str(MODELS / "Llama-3.2-1B.json"), {"lora_r": 16}), (str(MODELS / "Llama-3.2-1B.json"),
-                                                                    {"gradient_accumulation_steps": 2})]
+ZERO_MORE = [(str(MODELS / "Llama-3.2-1B.json"), knobs) for knobs in (
+    {"lora_r": 16}, {"gradient_accumulation_steps": 2}, {"lora_r": 16, "gradient_accumulation_steps": 2})]
 ZERO_MORE_GPUS, ZERO_MORE_STAGES = (8,), (1, 2, 3)
 # ZeRO-3 generating layer by layer (`--no-ds3-gather-for-generation`): the coordinator's prefetch and the round in
 # flight (vram_planner/model/zero.py), stage 3 only
@@ -131,11 +131,12 @@ def zero_table(rows: list[dict], seconds: float) -> str:
     states (weights, gradients, optimizer states) traced, analytic and as DeepSpeed's estimator counts them (ZeRO-1
     estimated as ZeRO-2, as DeepSpeed has no ZeRO-1 estimator; none for LoRA), and why the trace and the estimate
     differ."""
-    lines = [f"{'config':<44} {'N':>2} {'stage':>5} {'phase':<10} {'trace GiB':>10} {'analytic':>10} {'error':>8}  "
-             "step's model states trace / analytic / DeepSpeed's estimate (GiB): why they differ"]
+    names = [f"{row['model']}{''.join(f' {k}={v}' for k, v in row['knobs'].items())}" for row in rows]
+    width = max(44, *map(len, names))
+    lines = [f"{'config':<{width}} {'N':>2} {'stage':>5} {'phase':<10} {'trace GiB':>10} {'analytic':>10} "
+             f"{'error':>8}  step's model states trace / analytic / DeepSpeed's estimate (GiB): why they differ"]
     worst: dict[str, float] = {}
-    for row in rows:
-        name = f"{row['model']}{''.join(f' {k}={v}' for k, v in row['knobs'].items())}"
+    for name, row in zip(names, rows, strict=True):
         for p in row["phases"]:
             error = (p["analytic_bytes"] - p["trace_bytes"]) / p["trace_bytes"]
             worst[p["phase"]] = max(worst.get(p["phase"], 0.0), abs(error))
@@ -147,7 +148,7 @@ def zero_table(rows: list[dict], seconds: float) -> str:
                 why = WHY.get((3 if row["zero_stage"] == 3 else 2, p["trace_moment"]), p["trace_moment"])
                 states = (f"{t / GiB:.3f} / {a / GiB:.3f} / "
                           f"{'n/a' if estimate is None else f'{estimate / GiB:.3f}'}: {why}")
-            lines.append(f"{name:<44} {row['num_gpus']:>2} {row['zero_stage']:>5} {p['phase']:<10} "
+            lines.append(f"{name:<{width}} {row['num_gpus']:>2} {row['zero_stage']:>5} {p['phase']:<10} "
                          f"{p['trace_bytes'] / GiB:>10.4f} {p['analytic_bytes'] / GiB:>10.4f} {error:>+8.2%}  {states}")
     lines.append(f"worst |error| over {len(rows)} configs, per phase: "
                  + ", ".join(f"{phase} {value:.2%}" for phase, value in worst.items()))

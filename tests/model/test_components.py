@@ -240,10 +240,11 @@ def test_zero_stages_shard_as_the_zero_paper_says(llama_1b):
     assert gathered == 2 * P + 2 * P / 4  # ds3_gather_for_generation: the whole model beside the partitions
     layered = m.generation_weight_bytes(llama_1b, cfg(num_gpus=4, zero_stage=3, per_device_train_batch_size=2,
                                                       ds3_gather_for_generation=False))
-    # layer by layer: the partitions, what the coordinator prefetches from the second decoding step on (up to
-    # max_live_parameters and a bucket, under Llama-3.2-1B's 1.24e9) and one bucket more in flight (model/zero.py)
-    bucket = zero.PREFETCH_BUCKET_ELEMENTS * 2
-    assert layered == 2 * P / 4 + 2 * zero.MAX_LIVE_PARAMETERS + bucket + bucket
+    # layer by layer: the partitions and what the coordinator prefetches from the second decoding step on, up to
+    # max_live_parameters (under Llama-3.2-1B's 1.24e9) passed by an MLP matrix, with the round in use twice, a
+    # decoder layer's worth (model/zero.py)
+    mlp = H * llama_1b.intermediate_size
+    assert layered == 2 * P / 4 + 2 * (zero.MAX_LIVE_PARAMETERS + mlp + llama_1b.layer_params)
 
 
 def test_fsdp_shards_everything(llama_1b):

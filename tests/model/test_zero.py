@@ -125,9 +125,35 @@ def test_zero3s_later_micro_batches_hold_max_live_parameters_gathered(llama_1b):
     assert _training_phase(llama_1b)["weights"] <= layer_by_layer + 2 * llama_1b.layer_params
     assert _training_phase(llama_1b, gradient_accumulation_steps=2)["weights"] == pytest.approx(
         partitions + 2 * 1.05e9, rel=1e-3)
-    # without the gather, the generation's forwards record the trace and the loss's backward invalidates it
-    assert _training_phase(llama_1b, gradient_accumulation_steps=2, ds3_gather_for_generation=False)[
-        "weights"] == pytest.approx(layer_by_layer, rel=1e-3)
+    # without the gather, the generation's forwards record a trace the first micro-batch's forward follows and its
+    # backward invalidates (the second records the loss's, the third prefetches it): that forward holds them with the
+    # round in use twice beside them (model/zero.py prefetching_forward_params)
+    from vram_planner.model import components as m
+    from vram_planner.model.phases import persistent_bytes, training_moments
+
+    forward = 2 * zero.prefetching_forward_params(llama_1b, None, None)
+    for steps in (1, 2):
+        train = training_config({"num_gpus": 8, "zero_stage": 3, "dtype": "bfloat16", "per_device_train_batch_size": 2,
+                                 "num_generations": 2, "gradient_accumulation_steps": steps,
+                                 "ds3_gather_for_generation": False})
+        moments = {p.moment: p for p in training_moments(llama_1b, train, trl_release(), Calibration(),
+                                                          persistent_bytes(llama_1b, train),
+                                                          m.gradient_bytes(llama_1b, train))}
+        assert moments["forward: a prefetch round in use"].components["weights"] == pytest.approx(
+            partitions + forward, rel=1e-3)
+        assert moments["LM head backward"].components["weights"] == pytest.approx(layer_by_layer, rel=1e-3)
+    later = estimate(llama_1b, training_config({"num_gpus": 8, "zero_stage": 3, "dtype": "bfloat16",
+                                                "per_device_train_batch_size": 2, "num_generations": 2,
+                                                "gradient_accumulation_steps": 3,
+                                                "ds3_gather_for_generation": False}),
+                     trl_release(), Calibration(), 80 * GiB)
+    two = estimate(llama_1b, training_config({"num_gpus": 8, "zero_stage": 3, "dtype": "bfloat16",
+                                              "per_device_train_batch_size": 2, "num_generations": 2,
+                                              "gradient_accumulation_steps": 2, "ds3_gather_for_generation": False}),
+                   trl_release(), Calibration(), 80 * GiB)
+    # the backward holds them too only from the third micro-batch on
+    assert later.phases[-2].tensor_bytes > two.phases[-2].tensor_bytes
+    assert layer_by_layer < partitions + 2 * 1.05e9
     assert zero.prefetched_params(10**6) == 10**6  # a small model whole
 
 
@@ -193,6 +219,69 @@ def test_zero3_gathers_the_differentiated_layer_with_its_lora_adapters():
                              "max_completion_length": 32})
     training = next(p for p in estimate(arch, train, trl_release(), Calibration(), 80 * GiB).phases
                     if p.name == "training")
-    assert training.moment == "backward through a layer, gathered"
     adapters = sum(16 * (lin.in_features + lin.out_features) for lin in arch.layer_linears())
-    assert training.components["weights"] - m.weight_bytes(arch, train) == (arch.layer_params + adapters) * 2
+    # as it fetches its largest module (an MLP matrix), that module's all-gather buffer beside it (model/zero.py)
+    assert training.moment == "backward: a module's fetch"
+    mlp = arch.hidden_size * arch.intermediate_size
+    assert training.components["weights"] - m.weight_bytes(arch, train) == (arch.layer_params + adapters + mlp) * 2
+
+
+def _numels(path) -> tuple[ModelArchitecture, list[int]]:
+    config = json.loads(path.read_text())
+    return ModelArchitecture.from_config(config), [p.numel() for p in build_on_meta(config).parameters()]
+
+
+@pytest.mark.parametrize("path", family_fixture_files(), ids=lambda p: p.stem)
+def test_the_forward_order_holds_every_parameter_transformers_builds(path):
+    # the parameters the prefetch rounds gather, one entry each, as the module transformers builds holds them (its
+    # registration order is not the forward's: the norms come after the linears there)
+    arch, numels = _numels(path)
+    if arch.vision_params:  # its tower's parameters are not listed
+        assert sum(zero.forward_params(arch, None, None)) == sum(numels) - arch.vision_params
+    else:
+        assert sorted(zero.forward_params(arch, None, None)) == sorted(numels)
+    assert zero.forward_params(arch, None, None)[0] == arch.embedding_params
+    lora = zero.forward_params(arch, 8, ["q_proj", "v_proj"])
+    assert sum(lora) - sum(zero.forward_params(arch, None, None)) == arch.lora_params(8, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("entry", models(), ids=lambda e: e.name)
+def test_every_catalog_models_forward_order_adds_up_to_its_parameters(entry):
+    arch = catalog_architecture(entry)
+    for r in (None, 16):
+        params = zero.forward_params(arch, r, None)
+        assert sum(params) == arch.params - arch.vision_params + (arch.lora_params(r, None) if r else 0)
+        peak = zero.prefetching_forward_params(arch, r, None)
+        # every parameter up to max_live_parameters (and the last round's overshoot) with one round twice: at most a
+        # bucket past the largest parameter a round can end on, or the embedding twice at the forward's first fetch
+        window = min(sum(params), zero.MAX_LIVE_PARAMETERS + max(params[1:]))
+        assert min(sum(params), zero.MAX_LIVE_PARAMETERS) < peak
+        assert peak <= max(window + zero.PREFETCH_BUCKET_ELEMENTS + max(params[1:]), 2 * params[0])
+        if sum(params[1:]) > 2 * zero.PREFETCH_BUCKET_ELEMENTS:
+            assert peak >= window + zero.PREFETCH_BUCKET_ELEMENTS
+
+
+@pytest.mark.parametrize("path", family_fixture_files(), ids=lambda p: p.stem)
+def test_persistent_parameters_are_deepspeeds(path):
+    # DeepSpeed marks a parameter persistent when it holds at most stage3_param_persistence_threshold elements
+    # (parameter_offload.py:325), on the module transformers builds
+    arch, numels = _numels(path)
+    if not arch.vision_params:  # a vision tower's are not counted
+        assert zero.persistent_params(arch, None, None) == sum(n for n in numels if n <= 100_000)
+    # r x 64 elements per adapter matrix here: every one persistent
+    assert zero.persistent_params(arch, 8, None) - zero.persistent_params(arch, None, None) == arch.lora_params(8, None)
+
+
+def test_a_prefetching_forward_holds_the_round_in_use_twice(llama_1b):
+    # Under a bucket (5e7 elements) beside its embedding, one round holds every parameter: the forward's first fetch
+    # waits on it with nothing else gathered, the whole model twice (the sharded trace of a small Llama)
+    small = ModelArchitecture.from_config({"model_type": "llama", "vocab_size": 1000, "hidden_size": 512,
+                                          "intermediate_size": 1024, "num_hidden_layers": 3,
+                                          "num_attention_heads": 8, "num_key_value_heads": 4,
+                                          "tie_word_embeddings": True})
+    assert zero.prefetching_forward_params(small, None, None) == 2 * small.params
+    # Llama-3.2-1B: its embedding (2.6e8) a round of its own, then a decoder layer's worth a round (the bucket ends
+    # at a layer's last MLP matrix) until max_live_parameters, passed by at most an MLP matrix; one round twice
+    mlp = llama_1b.hidden_size * llama_1b.intermediate_size
+    assert zero.prefetching_forward_params(llama_1b, None, None) == (
+        zero.MAX_LIVE_PARAMETERS + mlp + llama_1b.layer_params)

@@ -147,16 +147,62 @@ def _zero3_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     return zero.largest_layer_params(arch) * zero.GATHERED_PARAM_BYTES
 
 
+def zero3_persistent_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """ZeRO-3's persistent parameters, gathered again in 16 bits beside their partitions as its optimizer step ends
+    (model/zero.py PARAM_PERSISTENCE_THRESHOLD); none on one GPU, where a parameter's gather is a view of its
+    partition (`NoGatherHandle`, partition_parameters.py:74)."""
+    if train.zero_stage != 3 or train.num_gpus == 1:
+        return 0
+    return zero.persistent_params(arch, train.lora_r, train.lora_targets) * zero.GATHERED_PARAM_BYTES
+
+
+def zero3_fetch_buffer_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """ZeRO-3's all-gather buffer of the module it fetches inside a layer gathered layer by layer, beside the
+    module's copied-out parameters (model/zero.py fetched_module_params), in 16 bits; none on one GPU, which gathers
+    nothing (`NoGatherHandle`, partition_parameters.py:74)."""
+    if train.zero_stage != 3 or train.num_gpus == 1:
+        return 0
+    return zero.fetched_module_params(arch) * zero.GATHERED_PARAM_BYTES
+
+
+def zero3_prefetching_forward_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What ZeRO-3 holds gathered beyond the largest layer, in 16 bits, at the peak of a forward its coordinator
+    prefetches: the parameters up to max_live_parameters and the prefetch round in use twice, its flat all-gather
+    buffer beside the parameters copied out of it (model/zero.py prefetching_forward_params); none on one GPU, which
+    gathers nothing."""
+    if train.zero_stage != 3 or train.num_gpus == 1:
+        return 0
+    gathered = zero.prefetching_forward_params(arch, train.lora_r, train.lora_targets) * zero.GATHERED_PARAM_BYTES
+    return gathered - _zero3_gathered_bytes(arch, train)
+
+
 def zero3_prefetched_weight_bytes(arch: ModelArchitecture, train: TrainingConfig, trace_kept: bool) -> float:
     """What ZeRO-3 holds gathered beyond the largest layer in a loss micro-batch of a step after the first whose
-    coordinator has a complete trace and prefetches up to max_live_parameters (model/zero.py): when TRL's generation
-    gathers the model (without it the generation's forwards record a trace that the loss's backward invalidates), in
-    every micro-batch where TRL keeps the trace across it (`trace_kept`, before 1.5), else from the second on."""
-    if train.zero_stage != 3 or not train.ds3_gather_for_generation:
+    coordinator has a complete trace of the loss and prefetches up to max_live_parameters (model/zero.py): when TRL's
+    generation gathers the model, in every micro-batch where TRL keeps the trace across it (`trace_kept`, before 1.5),
+    else from the second on; without that gather the generation's forwards leave a trace of their own, which the
+    first micro-batch's backward finds wrong and invalidates (`zero3_follows_generation_trace`): the second
+    records the loss's, the third on prefetch. Under PEFT the generation leaves none: from the second on (the sharded
+    traces of a small Llama on 4 ranks, two and three micro-batches)."""
+    if train.zero_stage != 3:
         return 0
-    if train.gradient_accumulation_steps == 1 and not trace_kept:
+    first_prefetching = 1 if trace_kept else 2
+    if not train.ds3_gather_for_generation:
+        first_prefetching = 2 if train.uses_lora else 3
+    if train.gradient_accumulation_steps < first_prefetching:
         return 0
     return _zero3_prefetched_bytes(arch, train)
+
+
+def zero3_follows_generation_trace(train: TrainingConfig) -> bool:
+    """Whether ZeRO-3's coordinator prefetches TRL's decoding steps and then a step's first loss forward, by the trace
+    of the modules' order the generation's forwards record, when TRL's generation does not gather the model: the
+    loss's forward runs them in the same order (the sharded trace of a small Llama on 4 ranks: its loss peaks in that
+    forward), up to its backward, which the trace does not know. Not under PEFT, whose generate() runs the wrapped
+    model below the root module whose forward hook ends the coordinator's step (`_start_of_forward_hook`,
+    parameter_offload.py:304-306): the decoding steps' trace never completes, nothing is prefetched (the sharded trace
+    of the same model with LoRA)."""
+    return train.zero_stage == 3 and not train.ds3_gather_for_generation and not train.uses_lora
 
 
 def _zero3_prefetched_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -170,7 +216,8 @@ def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> f
     TRL's default) or, without it, the layers its coordinator prefetches: the first decoding step's forward records
     the modules' order, complete at the next forward's reset_step, and from then on each forward prefetches up to
     max_live_parameters (partitioned_param_coordinator.py:251-280, :452-484; model/zero.py), the whole of a model of
-    up to a billion parameters; FSDP2 gathers one layer at a time (model/fsdp.py)."""
+    up to a billion parameters (under PEFT one layer at a time: `zero3_follows_generation_trace`); FSDP2
+    gathers one layer at a time (model/fsdp.py)."""
     if train.fsdp and not train.load_in_4bit:
         return weight_bytes(arch, train) + fsdp.generation_gathered_bytes(arch, train)
     if train.zero_stage == 3 and train.ds3_gather_for_generation:
@@ -182,13 +229,11 @@ def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> f
     if train.fsdp:  # FSDP with 4-bit weights: gathered whole, as it was (not traced)
         unsharded = replace(train, num_gpus=1, offload_param="none")
         return weight_bytes(arch, unsharded)
-    if train.zero_stage == 3:
-        # beside the gathered layers, a prefetch round's flat all-gather buffer while its wait copies the parameters
-        # out of it (model/zero.py IN_FLIGHT_ELEMENTS): the sharded trace holds 97 MiB more in Qwen2.5-0.5B, whose
-        # whole model is gathered (5e7 x 2 B is 95 MiB)
-        in_flight = zero.IN_FLIGHT_ELEMENTS * zero.GATHERED_PARAM_BYTES
-        return weight_bytes(arch, train) + _zero3_prefetched_bytes(arch, train) + in_flight
-    return weight_bytes(arch, train)
+    if zero3_follows_generation_trace(train):
+        # the round in use twice beside the gathered layers: the sharded trace holds 97 MiB more in Qwen2.5-0.5B,
+        # whose whole model is gathered
+        return weight_bytes(arch, train) + zero3_prefetching_forward_bytes(arch, train)
+    return weight_bytes(arch, train) + zero3_fetch_buffer_bytes(arch, train)  # ZeRO-3 layer by layer: a module twice
 
 
 def vllm_weight_sync_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -233,14 +278,12 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     if train.zero_stage in (1, 2) and train.optimizer_offloaded:
         # ZeRO-Offload copies each reduced gradient to the host through one device buffer the size of the largest
         # parameter (deepspeed/runtime/zero/stage_1_and_2.py:659-661); no partition stays on the GPU
-        largest = zero.largest_trainable_layer_params(arch, train.lora_r if train.uses_lora else None,
-                                                      train.lora_targets)
+        largest = zero.largest_trainable_layer_params(arch, train.lora_r, train.lora_targets)
         return largest * zero.GATHERED_GRADIENT_BYTES
     if train.distributed in ("ddp", "zero0"):  # ZeRO-0 counted as DDP's bucket copy, as it was (not checked)
         return 2 * grads
     if train.zero_stage == 3:  # the largest trainable layer's full gradient before its reduce-scatter (model/zero.py)
-        largest = zero.largest_trainable_layer_params(arch, train.lora_r if train.uses_lora else None,
-                                                      train.lora_targets)
+        largest = zero.largest_trainable_layer_params(arch, train.lora_r, train.lora_targets)
         # the partition lives on the host when the optimizer does (zero/stage3.py:333 and :791)
         partition = 0 if train.optimizer_offloaded else shard_bytes(train, grads, 2)
         return partition + largest * zero.GATHERED_GRADIENT_BYTES
@@ -249,7 +292,7 @@ def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
 
 def zero_optimizer_groups(arch: ModelArchitecture, train: TrainingConfig) -> list[list[int]]:
     """The trainable parameters' numels per optimizer group, as DeepSpeed flattens them (model/zero.py)."""
-    return zero.optimizer_groups(arch, train.lora_r if train.uses_lora else None, train.lora_targets)
+    return zero.optimizer_groups(arch, train.lora_r, train.lora_targets)
 
 
 def zero2_accumulated_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:

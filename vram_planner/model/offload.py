@@ -96,7 +96,7 @@ def host_buffers(arch: ModelArchitecture, train: TrainingConfig) -> list[HostBuf
         _buffer("DeepSpeedCPUAdam's moments", sum(parts) * CPU_ADAM_STATE_BYTES, False),
         # the largest parameter's gradient staged on its way to the host (zero/stage_1_and_2.py:653-658)
         _buffer("gradient staging buffer", zero.largest_trainable_layer_params(
-            arch, train.lora_r if train.uses_lora else None, train.lora_targets) * BIT16_BYTES, True),
+            arch, train.lora_r, train.lora_targets) * BIT16_BYTES, True),
     ]
     if train.gradient_accumulation_steps > 1:
         # gradients accumulated across micro-batches, one pinned tensor per parameter in the parameters' dtype

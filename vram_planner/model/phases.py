@@ -145,10 +145,7 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         raw = [Phase(p.name, {**p.components, "gradients": all_grads}, p.moment) for p in raw]
     raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch))
     if not first_micro_batch:
-        # DeepSpeed's fp32 copy of the gradient partition exists only inside its step (model/zero.py)
-        raw.append(Phase("optimizer", {**persistent, "weights": m.step_weight_bytes(arch, train),
-                                       "gradients": m.step_gradient_bytes(arch, train),
-                                       "activations": m.optimizer_step_temporary_bytes(arch, train)}))
+        raw.append(_optimizer(arch, train, cal, persistent))
     raw = [_with_zero_buffers(p, arch, train) for p in raw]
     if not first_micro_batch:
         raw[-1] = _at_least_deepspeeds_estimate(raw[-1], arch, train)
@@ -159,6 +156,24 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm,
                     host_bytes=offload.host_bytes(arch, train))
+
+
+def _optimizer(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration,
+               persistent: dict[str, float]) -> Phase:
+    """The optimizer step: DeepSpeed's fp32 copy of the gradient partition exists only inside it (model/zero.py);
+    ZeRO-3 gathers its persistent parameters again once it ends, beside the gradient partition (stage3.py:2840-2841;
+    the sharded trace's peak where the persistent LoRA adapters outweigh the step's copies of a rank's gradients:
+    Qwen2.5-0.5B with r=16 on 8 ranks, 17 MiB of adapters)."""
+    step = Phase("optimizer", {**persistent, "weights": m.step_weight_bytes(arch, train),
+                               "gradients": m.step_gradient_bytes(arch, train),
+                               "activations": m.optimizer_step_temporary_bytes(arch, train)})
+    regathered = m.zero3_persistent_bytes(arch, train)
+    if not regathered:
+        return step
+    after = Phase("optimizer", {**persistent, "weights": m.step_weight_bytes(arch, train) + regathered,
+                                "gradients": m.zero3_gradient_partition_bytes(arch, train)},
+                  "after the step: persistent parameters gathered")
+    return _heaviest([step, after], cal, train)
 
 
 def persistent_bytes(arch: ModelArchitecture, train: TrainingConfig,
@@ -179,7 +194,7 @@ def _reservation(colocated: VllmBudget | None, phase: Phase) -> float:
 
 def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
                       layer_weights: float, layer_activations: tuple[float, float], grads_before: float,
-                      accumulating: bool, prefetched: float) -> list[Phase]:
+                      accumulating: bool, prefetched: float, fetching_activations: float) -> list[Phase]:
     """ZeRO-2/3 reducing a full bucket (model/zero.py: its gradients flattened for the collective) beside what the
     earlier micro-batches left (`grads_before`) or ZeRO-3's gradient partition. A reduction comes inside the
     backward, a layer's weights (`layer_weights`) and the first layer's backward activations alive
@@ -219,9 +234,14 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
                      "reducing the gradient bucket after the backward")]
     if gathered:
         # with no reduction inside it, the backward's own peak: a layer gathered while it is differentiated, the
-        # activations of the last one's backward (the sharded trace: Llama-3.2-1B with LoRA on 8)
-        moments.append(Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before,
-                                          "activations": max(layer_activations)}, "backward through a layer, gathered"))
+        # activations of the last one's backward (the sharded trace: Llama-3.2-1B with LoRA on 8); or, as the first
+        # one's fetches its largest module before its backward's working tensors exist (`fetching_activations`), that
+        # module's all-gather buffer beside it (a small Llama with LoRA on 4)
+        moments += [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before,
+                                       "activations": max(layer_activations)}, "backward through a layer, gathered"),
+                    Phase("training", {**persistent, "weights": layer_weights + gathered
+                                       + m.zero3_fetch_buffer_bytes(arch, train), "gradients": kept_before,
+                                       "activations": fetching_activations}, "backward: a module's fetch")]
     return moments
 
 
@@ -484,8 +504,9 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     grads_before = all_grads if accumulating else 0.0
     prefetched = 0.0 if first else m.zero3_prefetched_weight_bytes(
         arch, train, release.zero3_trace_kept_across_generation)
-    if accumulating and train.zero_stage == 3:
-        # earlier micro-batches leave ZeRO-3's gradient partition; a layer's whole gradient lives in its own backward
+    if train.zero_stage == 3:
+        # ZeRO-3's gradient partition, kept from start-up, is all earlier micro-batches leave; a layer's whole
+        # gradient lives in its own backward
         grads_before = m.zero3_gradient_partition_bytes(arch, train)
     elif accumulating and train.zero_stage == 2 and not train.optimizer_offloaded:
         # ZeRO-2 keeps every gradient its partition touches whole from the first micro-batch's reduction on
@@ -555,15 +576,28 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
                            "activations": first_layer}, "backward through the first layer"),
     ]
     layer_backwards = moments[-2:]
+    # A trace the generation left (without its gather) prefetches the first micro-batch's forward too; it holds no
+    # backward, so each module is released after its forward (`__params_to_release` finds no later use)
+    if prefetched or m.zero3_follows_generation_trace(train):
+        # Inside a layer's forward the prefetch round in use is there twice, in its buffer and copied out, beside
+        # every parameter gathered (model/zero.py prefetching_forward_params), the layers before it saved, its own
+        # transients as a no-grad forward's
+        moments.append(Phase("training", {
+            **persistent, **policy_graph,
+            "weights": weights - prefetched + m.zero3_prefetching_forward_bytes(arch, train) + forward_casts,
+            "activations": policy_graph["activations"] - final_norm + m.inference_working_bytes(
+                arch, train, cal, tokens, length) + m.adapter_forward_bytes(arch, train, tokens)},
+            "forward: a prefetch round in use"))
+    recomputing = act.recomputed_forward_bytes(arch, train, tokens)
+    # The gradient reaching a layer (as the final norm's backward leaves it: its input's gradient and the weighted
+    # one's, two hidden tensors) before the layer's backward makes its own working tensors: under checkpointing its
+    # forward is run again, to its MLP's output projection, the fetch of its largest module
+    incoming = 2 * layer_input
     if train.zero_stage in (2, 3) and not train.optimizer_offloaded:
         moments += _reducing_moments(arch, train, persistent, first_layer_weights + layer_backward_casts,
-                                     (first_layer, last_layer), grads_before, accumulating, prefetched)
-    recomputing = act.recomputed_forward_bytes(arch, train, tokens)
+                                     (first_layer, last_layer), grads_before, accumulating, prefetched,
+                                     first_layer - working + incoming + recomputing)
     if recomputing:
-        # The checkpointed layer's forward run again, at its MLP's output projection: the gradient reaching the
-        # layer is there (as the final norm's backward leaves it: its input's gradient and the weighted one's, two
-        # hidden tensors), the backward's own working tensors are not yet
-        incoming = 2 * layer_input
         moments += [Phase("training", {**p.components, "activations": p.components["activations"] - working
                                        + incoming + recomputing}, f"{p.moment}: its forward recomputed")
                     for p in layer_backwards]

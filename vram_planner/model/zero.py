@@ -31,6 +31,7 @@ leaves out the flat copy and the gradients kept whole), and ZeRO-3 22 P / N and 
 
 from __future__ import annotations
 
+from vram_planner.model import blocks
 from vram_planner.model.architecture import ModelArchitecture
 
 # ZeRO-1/2 convert the 16-bit gradient partition to an fp32 copy in step() (zero/stage_1_and_2.py:3118
@@ -82,13 +83,21 @@ REDUCE_BUCKET_ELEMENT_BYTES = 2
 # max_params_to_prefetch`, :457-476), and the module being fetched gathers what it needs beyond the limit (:381); the
 # sharded trace holds 1.026e9 of Llama-3.2-1B's 1.236e9 there, 1e7 above the coordinator's count.
 # Each prefetch round is one coalesced all-gather into one flat buffer of the round's parameters
-# (`_all_gather_dtype`, partition_parameters.py:1343-1346), which lives until the handle's wait has copied every one
-# of them out into a tensor of its own (`AllGatherCoalescedHandle.wait`, partition_parameters.py:795, reached from
-# the coordinator's wait of an in-flight parameter, partitioned_param_coordinator.py:406): while a round is waited
-# for, its parameters exist twice, one bucket more in flight (`IN_FLIGHT_ELEMENTS`).
+# (`_all_gather_dtype`, partition_parameters.py:1343-1346). Its wait copies every one of them out into a tensor of its
+# own (`AllGatherCoalescedHandle.wait`, partition_parameters.py:795, reached from the coordinator's wait of an
+# in-flight parameter, partitioned_param_coordinator.py:406), but the coordinator's registry keeps the handle, and the
+# buffer with it, for each of the round's parameters until that parameter's module is fetched: while a round is used,
+# its parameters exist twice (`prefetching_forward_params`); the rounds submitted after it hold their parameters once, in
+# their buffers. The sharded trace of Qwen2.5-0.5B with LoRA in its second micro-batch: the whole model gathered, a
+# 99.4 MiB round twice.
 MAX_LIVE_PARAMETERS = 1_000_000_000
 PREFETCH_BUCKET_ELEMENTS = 50_000_000
-IN_FLIGHT_ELEMENTS = PREFETCH_BUCKET_ELEMENTS
+# As ZeRO-3's optimizer step ends it gathers again every parameter of at most `stage3_param_persistence_threshold`
+# elements (`persistent_parameters`, stage3.py:2840-2841; `ds_persist`, partition_parameters.py:1292; default 1e5,
+# zero/config.py:228, no model-wide cap by default, :235): norms and biases, and a small model's LoRA adapters (r x
+# 4,864 elements in Qwen2.5-0.5B's MLP at r=16). They stay until TRL's next generation partitions them with the rest
+# (GatheredParameters' exit); the loss fetches and releases them as any other.
+PARAM_PERSISTENCE_THRESHOLD = 100_000
 # The estimator's other multipliers (zero/stage_1_and_2.py:4029-4031): 16-bit parameters, and per parameter of the
 # partition 2 (16-bit gradients) + 4 (fp32 gradients) + 4 (fp32 parameters) + 8 (Adam's momentum and variance).
 ESTIMATE_PARAM_BYTES = 2
@@ -112,10 +121,69 @@ def largest_trainable_layer_params(arch: ModelArchitecture, lora_r: int | None,
     return max((lora_r * max(lin.in_features, lin.out_features) for lin in arch.lora_linears(lora_targets)), default=0)
 
 
+def fetched_module_params(arch: ModelArchitecture) -> int:
+    """The most parameters one module's fetch gathers inside a decoder layer, where the coordinator gathers layer by
+    layer (no complete trace): a linear's weight and bias, in one all-gather buffer that lives until the fetch's wait
+    has copied them out, the module twice for a moment (`_all_gather_dtype`, partition_parameters.py:1343-1346; the
+    sharded trace of a small Llama with LoRA on 4 ranks: its generation and its loss peak there)."""
+    return max((lin.params for lin in arch.layer_linears()), default=0)
+
+
 def prefetched_params(params: int) -> int:
     """The parameters ZeRO-3 holds gathered in a micro-batch whose coordinator has a complete trace: up to
     max_live_parameters and a prefetch bucket, at most the whole model."""
     return min(params, MAX_LIVE_PARAMETERS + PREFETCH_BUCKET_ELEMENTS)
+
+
+def forward_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> list[int]:
+    """Every parameter's numel in the order a forward's modules run, as the coordinator's trace holds them: the
+    embedding, each decoder layer's tensors (`blocks.layer_shapes`: its linears in order, then its norms) and its LoRA
+    adapters, the tail (`blocks.tail_shapes`). Not a vision tower's."""
+    layer = [rows * width for rows, width in blocks.layer_shapes(arch)] + _layer_adapters(arch, lora_r, lora_targets)
+    tail = [rows * width for rows, width in blocks.tail_shapes(arch)]
+    return [arch.embedding_params, *layer * arch.num_layers, *tail]
+
+
+def persistent_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> int:
+    """The parameters ZeRO-3 gathers again after its optimizer step (`PARAM_PERSISTENCE_THRESHOLD`); a vision tower's
+    are not counted."""
+    return sum(n for n in forward_params(arch, lora_r, lora_targets) if n <= PARAM_PERSISTENCE_THRESHOLD)
+
+
+def _prefetch_rounds(order: list[int]) -> list[int]:
+    """The parameters of each prefetch round of a forward whose coordinator has a complete trace, from its first
+    fetch on. Each module's fetch submits a round of up to `min(max_live_parameters - n_available,
+    prefetch_bucket_size)` (partitioned_param_coordinator.py:452-484) that adds parameters while it holds fewer, so it
+    ends past that by part of its last one; the rounds run ahead of the fetches, back to back. Once the limit is
+    reached each round has the room a module's release left (at most the largest parameter after the embedding, which
+    is gathered first): one more round, past that by as much, stands for them."""
+    available, rounds, i = 0, [], 0
+    largest = max(order[1:], default=0)
+    while i < len(order):
+        limit = min(MAX_LIVE_PARAMETERS - available, PREFETCH_BUCKET_ELEMENTS)
+        if limit <= 0:
+            return [*rounds, min(PREFETCH_BUCKET_ELEMENTS, largest) + largest]
+        numel = 0
+        while i < len(order) and numel < limit:
+            numel += order[i]
+            i += 1
+        rounds.append(numel)
+        available += numel
+    return rounds
+
+
+def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> int:
+    """What a forward whose coordinator prefetches holds gathered at its peak, in parameters: up to
+    max_live_parameters, which the last round submitted passes by part of its last parameter (the module being run
+    is always in flight already, so no fetch passes it further), and the round in use twice, in its buffer and
+    copied out, while the rounds after it wait in theirs. The first round (the embedding first) is waited on by the
+    forward's first fetch before any other is submitted: it holds only itself twice. The sharded traces: Qwen2.5-0.5B
+    with LoRA on 8, its second micro-batch the whole model and a 99 MiB round twice; Llama-3.2-1B with LoRA, 1.064e9
+    parameters' worth."""
+    order = forward_params(arch, lora_r, lora_targets)
+    window = min(sum(order), MAX_LIVE_PARAMETERS + max(order[1:], default=0))
+    first, *later = _prefetch_rounds(order)
+    return max(window + max(later, default=0), 2 * first)
 
 
 def reduce_bucket_bytes(zero_stage: int | None) -> int:
@@ -192,10 +260,15 @@ def optimizer_groups(arch: ModelArchitecture, lora_r: int | None, lora_targets: 
     """The trainable parameters' numels in the model's order, in the Trainer's optimizer groups, which ZeRO partitions
     apart: a LoRA run's adapters, else the base model's (`base_groups`)."""
     if lora_r:
-        adapters = [lora_r * dim for lin in arch.lora_linears(lora_targets) for dim in (lin.in_features,
-                                                                                         lin.out_features)]
-        return [adapters * arch.num_layers]
+        return [_layer_adapters(arch, lora_r, lora_targets) * arch.num_layers]
     return base_groups(arch)
+
+
+def _layer_adapters(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> list[int]:
+    """LoRA's A and B of each adapted linear of one layer, in order (none without LoRA)."""
+    if not lora_r:
+        return []
+    return [lora_r * dim for lin in arch.lora_linears(lora_targets) for dim in (lin.in_features, lin.out_features)]
 
 
 def base_groups(arch: ModelArchitecture) -> list[list[int]]:
