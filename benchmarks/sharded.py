@@ -75,7 +75,7 @@ ZERO_MORE = [(str(MODELS / "Llama-3.2-1B.json"), knobs) for knobs in (
     {"lora_r": 16}, {"gradient_accumulation_steps": 2}, {"lora_r": 16, "gradient_accumulation_steps": 2})]
 ZERO_MORE_GPUS, ZERO_MORE_STAGES = (8,), (1, 2, 3)
 # ZeRO-3 generating layer by layer (`--no-ds3-gather-for-generation`): the coordinator's prefetch and the round in
-# flight (vram_planner/model/zero.py), stage 3 only
+# use twice (vram_planner/model/zero.py), stage 3 only
 ZERO_LAYERED = [(m, {"ds3_gather_for_generation": False}) for m, _ in ZERO_GRID]
 # Why the optimizer step's model states differ from DeepSpeed's estimate, by the moment of the traced peak
 # (vram_planner/model/zero.py has the source lines)

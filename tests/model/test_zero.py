@@ -285,3 +285,21 @@ def test_a_prefetching_forward_holds_the_round_in_use_twice(llama_1b):
     mlp = llama_1b.hidden_size * llama_1b.intermediate_size
     assert zero.prefetching_forward_params(llama_1b, None, None) == (
         zero.MAX_LIVE_PARAMETERS + mlp + llama_1b.layer_params)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+                                   {"zero_stage": 1, "gradient_accumulation_steps": 2},
+                                   {"zero_stage": 3, "gradient_accumulation_steps": 2, "lora_r": 16}])
+def test_the_micro_batch_moments_advise_reads_are_the_loss_phases(llama_1b, knobs):
+    # advise reads the live bytes at the failing allocation's moment from these: the loss phase's own moment among
+    # them, DeepSpeed's reduction bucket counted where it lives (ZeRO-1/2 in the backward, ZeRO-3 from start-up)
+    from vram_planner.model.phases import micro_batch_moments
+
+    train = training_config({"num_gpus": 8 if knobs else 1, "dtype": "bfloat16", "per_device_train_batch_size": 2,
+                             "num_generations": 2, **knobs})
+    for first in (False, True):
+        loss = next(p for p in estimate(llama_1b, train, trl_release(), Calibration(), 80 * GiB,
+                                        first_micro_batch=first).phases if p.name == "training")
+        moment = next(p for p in micro_batch_moments(llama_1b, train, trl_release(), Calibration(), first)
+                      if p.moment == loss.moment)
+        assert moment.components == {k: loss.components[k] for k in moment.components}

@@ -280,9 +280,11 @@ def _at_least_deepspeeds_estimate(phase: Phase, arch: ModelArchitecture, train: 
 def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
                         first: bool) -> list[Phase]:
     """Every moment of a micro-batch's loss forward and backward, tensors only: the first micro-batch of the run
-    (`first`: no optimizer state, no gradient yet) or a later one."""
-    return training_moments(arch, train, release, cal, persistent_bytes(arch, train, first),
-                            m.gradient_bytes(arch, train), first)
+    (`first`: no optimizer state, no gradient yet) or a later one, with DeepSpeed's reduction bucket where it lives
+    then, as the loss phase counts them."""
+    moments = training_moments(arch, train, release, cal, persistent_bytes(arch, train, first),
+                               m.gradient_bytes(arch, train), first)
+    return [_with_zero_buffers(_with_zero12_bucket(p, arch, train, first), arch, train) for p in moments]
 
 
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
