@@ -186,9 +186,10 @@ def zero3_prefetched_weight_bytes(arch: ModelArchitecture, train: TrainingConfig
     traces of a small Llama on 4 ranks, two and three micro-batches)."""
     if train.zero_stage != 3:
         return 0
-    first_prefetching = 1 if trace_kept else 2
-    if not train.ds3_gather_for_generation:
-        first_prefetching = 2 if train.uses_lora else 3
+    if zero3_follows_generation_trace(train):
+        first_prefetching = 3
+    else:
+        first_prefetching = 1 if trace_kept and train.ds3_gather_for_generation else 2
     if train.gradient_accumulation_steps < first_prefetching:
         return 0
     return _zero3_prefetched_bytes(arch, train)

@@ -164,13 +164,13 @@ def _optimizer(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration,
     ZeRO-3 gathers its persistent parameters again once it ends, beside the gradient partition (stage3.py:2840-2841;
     the sharded trace's peak where the persistent LoRA adapters outweigh the step's copies of a rank's gradients:
     Qwen2.5-0.5B with r=16 on 8 ranks, 17 MiB of adapters)."""
-    step = Phase("optimizer", {**persistent, "weights": m.step_weight_bytes(arch, train),
-                               "gradients": m.step_gradient_bytes(arch, train),
+    partitions = m.step_weight_bytes(arch, train)
+    step = Phase("optimizer", {**persistent, "weights": partitions, "gradients": m.step_gradient_bytes(arch, train),
                                "activations": m.optimizer_step_temporary_bytes(arch, train)})
     regathered = m.zero3_persistent_bytes(arch, train)
     if not regathered:
         return step
-    after = Phase("optimizer", {**persistent, "weights": m.step_weight_bytes(arch, train) + regathered,
+    after = Phase("optimizer", {**persistent, "weights": partitions + regathered,
                                 "gradients": m.zero3_gradient_partition_bytes(arch, train)},
                   "after the step: persistent parameters gathered")
     return _heaviest([step, after], cal, train)

@@ -109,8 +109,7 @@ def largest_layer_params(arch: ModelArchitecture) -> int:
     4059-4063: `sum(p.numel() for p in m.parameters(recurse=False))` over `model.modules()`): the embedding, an untied
     output projection, or a decoder linear (weight and bias)."""
     head = arch.lm_head_params if not arch.tie_word_embeddings else 0
-    linears = max((lin.params for lin in arch.layer_linears()), default=0)
-    return max(arch.embedding_params, head, linears, arch.norm_params)
+    return max(arch.embedding_params, head, fetched_module_params(arch), arch.norm_params)
 
 
 def largest_trainable_layer_params(arch: ModelArchitecture, lora_r: int | None,
