@@ -35,8 +35,9 @@ GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS, STATES
 # MLP-wide tensors a gated MLP's forward holds at once (act(gate), up and their product; the gate is freed once
 # activated), a plain one's (fc1's output and its activation): modeling_llama's and modeling_phi's MLP.forward
 GATED_MLP_LIVE, PLAIN_MLP_LIVE = 3, 2
-# The segments below a step's tried for the last lengths each holds: the 2 MiB rounding makes one more block fit a
-# few tokens before the step, and flicker below it (one more fits just after each rounding up, one fewer before it)
+# The segments below a step's tried for the last lengths each holds, at the least: the 2 MiB rounding makes one more
+# block fit a few tokens before the step, and flicker below it (one more fits just after each rounding up, one fewer
+# before it); further down where the segment grows little faster than the blocks (_PrefillSegments.flickering_segments)
 ROUNDING_STEPS = 3
 
 
@@ -204,9 +205,9 @@ class _PrefillSegments:
 
     def candidates(self, prompt: int) -> list[tuple[int, float]]:
         """`prompt` and the shorter prompt lengths where the rest may be largest, each with what it strands: the
-        last lengths before one more block fits, and the lengths of the segment they end in and of the few segments
-        below it that may strand the most (the segments' rounding up to 2 MiB makes one more fit a few tokens early,
-        and flicker below the step), and those of the prompt's own segment (stair)."""
+        last lengths before one more block fits, and the lengths of the segment they end in and of the segments below
+        it that may strand the most (the segments' rounding up to 2 MiB makes one more fit some tokens early, and
+        flicker below the step: flickering_segments), and those of the prompt's own segment (stair)."""
         request, _ = self.request(prompt)
         if request < K_MIN_LARGE_ALLOC:  # nor at any shorter prompt
             return [(prompt, 0.0)]
@@ -216,14 +217,39 @@ class _PrefillSegments:
             end = self.stretch_end(places + 1)
             last = prompt - 1 if end >= prompt else math.ceil(end) - 1  # the last whole length with a block fewer
             if last >= 1:
-                below = allocation_size(self.request(last)[0], K_LARGE_BUFFER)
                 lengths.append(last)
-                for k in range(ROUNDING_STEPS + 1):
-                    lengths += self.stair(below - k * K_ROUND_LARGE)
+                for below in self.flickering_segments(places + 1, last):
+                    lengths += self.stair(below)
             if end >= prompt:  # the stretches of more blocks end later still
                 break
         return [(prompt, self.stranded(prompt))] + [(length, self.stranded(length)) for length in set(lengths)
                                                     if 1 <= length < prompt]
+
+    def flickering_segments(self, places: int, last: int) -> list[int]:
+        """The segments, from the one of length `last` down, in which `places` blocks may fit or not as the 2 MiB
+        rounding falls: ROUNDING_STEPS below it, and those of the lengths where the segment falls short of the
+        blocks by less than 2 MiB, down from `last` to where the segment rounded up by nearly 2 MiB first holds them
+        (stretch_end with that slack): 2 MiB over how much faster the segment grows than the blocks. At gemma-2-2b's
+        float32 cache of 64 x (p + 8) tokens (0.25 MiB a token a block) four blocks fit in the bfloat16 MLP segments
+        (1.125 MiB a token) from p = 64 on, and at every even p from 48: nine segment sizes below, where three left 13
+        to 15 MiB each at every odd p (found by the hypothesis sweep of tests/model/test_generation_patterns.py).
+        Where the blocks grow faster than the segment, only prompts short enough that the gap stays under 2 MiB."""
+        def segment(length: int) -> int:
+            return allocation_size(self.request(length)[0], K_LARGE_BUFFER)
+
+        below = segment(last)
+        found = set(range(below, below - ROUNDING_STEPS * K_ROUND_LARGE - 1, -K_ROUND_LARGE))
+        start, longest = self.stretch_end(places, slack=K_ROUND_LARGE), last
+        step = places * self.block_token
+        if not math.isfinite(start):
+            start = 1
+            if step > self.mlp_token and not self.scores_token:
+                gap = K_ROUND_LARGE - step * (self.completion - 1)
+                longest = min(last, math.floor(gap / (step - self.mlp_token)))
+        if longest >= 1:
+            lowest = segment(min(max(math.floor(start), 1), longest))
+            found.update(range(segment(longest), lowest - 1, -K_ROUND_LARGE))
+        return sorted((size for size in found if size >= K_MIN_LARGE_ALLOC), reverse=True)
 
     def stair(self, segment: int) -> list[int]:
         """The prompt lengths whose largest request takes a segment of `segment` bytes that may strand the most in
@@ -252,13 +278,14 @@ class _PrefillSegments:
         longest = max(request, 0) // self.mlp_token
         return min(longest, math.isqrt(max(request, 0) // self.scores_token)) if self.scores_token else longest
 
-    def stretch_end(self, places: int) -> float:
+    def stretch_end(self, places: int, slack: int = 0) -> float:
         """The prompt length from which `places` of the last step's blocks fit in the prefill's (unrounded) segment
-        (inf: never)."""
-        step = places * self.block_token  # segment >= places x block: width x p >= step x (p + completion - 1)
-        roots = [step * (self.completion - 1) / (self.mlp_token - step)] if self.mlp_token > step else []
+        and `slack` bytes more (inf: never)."""
+        step = places * self.block_token  # segment + slack >= places x block: width x p + slack >= step x (p + c - 1)
+        need = step * (self.completion - 1) - slack
+        roots = [need / (self.mlp_token - step)] if self.mlp_token > step else []
         if self.scores_token:
-            roots.append((step + math.sqrt(step * step + 4 * self.scores_token * step * (self.completion - 1)))
+            roots.append((step + math.sqrt(max(step * step + 4 * self.scores_token * need, 0)))
                          / (2 * self.scores_token))
         return min(roots, default=math.inf)
 
