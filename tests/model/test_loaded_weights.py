@@ -98,3 +98,21 @@ def test_the_rests_are_added_to_a_fitted_reserve_as_they_are_and_not_to_a_measur
     assert allocator_reserve_bytes(cal, "training", tensors, False, {}, exact_bytes=99 * MiB) == fitted + 99 * MiB
     measured = Calibration(allocator_overhead_fraction=0.1)
     assert allocator_reserve_bytes(measured, "training", tensors, False, {}, exact_bytes=99 * MiB) == 0.1 * 3e9
+
+
+def test_a_weight_no_card_could_load_is_a_verdict_not_an_error(capsys, tmp_path):
+    # a config.json typo that makes the embedding 2**31 x 2**31: cudaMalloc is never asked for more than 1 EB (torch
+    # refuses first), so the loading's replay stops there; the estimate is the weights' bytes, and check says it does
+    # not fit instead of printing the allocator model's out-of-memory error
+    from vram_planner.cli import main
+
+    huge = {**json.loads((FIXTURES / "tiny-llama-headdim.json").read_text()), "vocab_size": 2**31 - 1,
+            "hidden_size": 2**31 - 4}
+    arch = ModelArchitecture.from_config(huge)
+    assert loaded_weight_segment_bytes(arch, TrainingConfig(dtype="float32")) == 0
+    assert loaded_weight_segment_bytes(ModelArchitecture.from_config(WIDE), TrainingConfig(dtype="float32")) > 0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(huge))
+    assert main(["check", "--gpu", "80GiB", "--model", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "does not fit" in out and err == ""

@@ -47,13 +47,16 @@ def loaded_weight_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) 
 @functools.lru_cache(maxsize=256)
 def _loaded_rest_bytes(arch: ModelArchitecture, element_bytes: float, copies: int) -> int:
     # plan's searches estimate one model thousands of times: the loading is replayed once per model and dtype
-    from vram_planner.allocator.caching import CachingAllocator
+    from vram_planner.allocator.caching import CachingAllocator, OutOfMemory
 
     allocator, requested = CachingAllocator(), {}
-    for _ in range(copies):
-        for elements in blocks.parameter_tensors(arch):
-            size = int(blocks.blocks(elements * element_bytes))
-            requested[allocator.malloc(size)] = size
+    try:
+        for _ in range(copies):
+            for elements in blocks.parameter_tensors(arch):
+                size = int(blocks.blocks(elements * element_bytes))
+                requested[allocator.malloc(size)] = size
+    except OutOfMemory:  # a weight past what cudaMalloc is ever asked for (1 EB): no card loads it, the bytes say so
+        return 0
     return rest_beside_large_blocks(allocator, requested)
 
 
