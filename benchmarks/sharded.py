@@ -13,7 +13,8 @@ elsewhere), and TRL's default batch and lengths on Llama-3.2-1B and Qwen2.5-7B. 
 benchmarks/results/sharded.json and sharded.txt.
 `--quick` runs the fixture only.
 `--zero` (an interpreter with DeepSpeed: the `deepspeed` extra) runs DeepSpeed's own engine instead, one rank of N
-(vram_planner/tracing/zero.py), for Qwen2.5-0.5B and Llama-3.2-1B x N in (2, 8) x ZeRO-1/2/3 with short sequences,
+(vram_planner/tracing/zero.py; each phase on the rank the planner counts there, whose ZeRO-1/2 partition holds the
+most: vram_planner/model/zero.py heaviest_rank), for Qwen2.5-0.5B and Llama-3.2-1B x N in (2, 8) x ZeRO-1/2/3 with short sequences,
 and Llama-3.2-1B with LoRA and with gradient accumulation under ZeRO-2/3 on 8, both models generating layer by layer
 under ZeRO-3 (ds3_gather_for_generation=False) on 2 and 8, and sets DeepSpeed's estimator of the model states beside
 the optimizer step's, with why they differ: benchmarks/results/sharded.zero.json and sharded.zero.txt.
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from vram_planner import engine  # noqa: E402
 from vram_planner.model import zero  # noqa: E402
+from vram_planner.model.components import zero_heaviest_rank  # noqa: E402
 from vram_planner.model.phases import TENSOR_COMPONENTS, estimate  # noqa: E402
 from vram_planner.tracing.step import trace_step  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
@@ -102,15 +104,18 @@ def measure(model: str, knobs: dict, gpus: int, stage: int | None = None) -> dic
     strategy = {"fsdp": False, "zero_stage": stage} if stage is not None else {}
     train = engine.make_training(context, {**SHORT, **knobs, "num_gpus": gpus, **strategy})
     config = json.loads(Path(model).read_text())
-    start = time.perf_counter()
-    traced = trace_step(config, train, context.release)
-    seconds = time.perf_counter() - start
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                              context.capacity_bytes).phases}
+    # each phase traced on the rank the planner counts there (ZeRO-1/2's partitions differ from rank to rank)
+    ranks = {name: zero_heaviest_rank(context.arch, train, name) for name in analytic}
+    start = time.perf_counter()
+    traced = {rank: trace_step(config, train, context.release, zero_rank=rank) for rank in sorted(set(ranks.values()))}
+    seconds = time.perf_counter() - start
     phases = []
-    for phase in traced.phases:
+    for phase in traced[ranks["generation"]].phases:
+        phase = next(p for p in traced[ranks[phase.name]].phases if p.name == phase.name)
         other = analytic[phase.name]
-        phases.append({"phase": phase.name, "trace_bytes": phase.peak_bytes,
+        phases.append({"phase": phase.name, "rank": ranks[phase.name], "trace_bytes": phase.peak_bytes,
                        "analytic_bytes": round(other.tensor_bytes),
                        "trace_moment": phase.moment, "analytic_moment": other.moment,
                        "components": {c: [phase.components.get(c, 0), round(other.components.get(c, 0.0))]
@@ -133,7 +138,7 @@ def zero_table(rows: list[dict], seconds: float) -> str:
     differ."""
     names = [f"{row['model']}{''.join(f' {k}={v}' for k, v in row['knobs'].items())}" for row in rows]
     width = max(44, *map(len, names))
-    lines = [f"{'config':<{width}} {'N':>2} {'stage':>5} {'phase':<10} {'trace GiB':>10} {'analytic':>10} "
+    lines = [f"{'config':<{width}} {'N':>2} {'stage':>5} {'phase':<10} {'rank':>4} {'trace GiB':>10} {'analytic':>10} "
              f"{'error':>8}  step's model states trace / analytic / DeepSpeed's estimate (GiB): why they differ"]
     worst: dict[str, float] = {}
     for name, row in zip(names, rows, strict=True):
@@ -149,7 +154,8 @@ def zero_table(rows: list[dict], seconds: float) -> str:
                 states = (f"{t / GiB:.3f} / {a / GiB:.3f} / "
                           f"{'n/a' if estimate is None else f'{estimate / GiB:.3f}'}: {why}")
             lines.append(f"{name:<{width}} {row['num_gpus']:>2} {row['zero_stage']:>5} {p['phase']:<10} "
-                         f"{p['trace_bytes'] / GiB:>10.4f} {p['analytic_bytes'] / GiB:>10.4f} {error:>+8.2%}  {states}")
+                         f"{p.get('rank', 0):>4} {p['trace_bytes'] / GiB:>10.4f} {p['analytic_bytes'] / GiB:>10.4f} "
+                         f"{error:>+8.2%}  {states}")
     lines.append(f"worst |error| over {len(rows)} configs, per phase: "
                  + ", ".join(f"{phase} {value:.2%}" for phase, value in worst.items()))
     lines.append(f"run time: {seconds / 60:.1f} min (one process, this machine's CPU)")

@@ -288,7 +288,8 @@ def _traced(model: str, context: Context, train: TrainingConfig, progress: Calla
 
 def steps_to_trace(model: str | dict[str, Any], context: Context, trains: list[TrainingConfig]) -> list[Any]:
     """The steps `check --exact` traces on this card (vram_planner.tracing.step_need.StepToTrace), one per config, all
-    of the model's config.json read once."""
+    of the model's config.json read once; under ZeRO, each on the rank the planner counts in the phase its estimate
+    peaks in (ZeRO-1/2's partitions differ from rank to rank)."""
     from vram_planner.model.cublas import workspace_bytes
     from vram_planner.tracing.step_need import StepToTrace
 
@@ -298,7 +299,17 @@ def steps_to_trace(model: str | dict[str, Any], context: Context, trains: list[T
     # calibration when it measured one, else from the GPU catalog).
     return [StepToTrace(config, train, context.release,
                         max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0),
-                        workspace) for train in trains]
+                        workspace, _zero_rank(context, train))
+            for train in trains]
+
+
+def _zero_rank(context: Context, train: TrainingConfig) -> int:
+    """Under ZeRO on several GPUs, the rank the planner counts in the phase its estimate peaks in; 0 otherwise."""
+    from vram_planner.model.components import zero_heaviest_rank
+
+    if train.zero_stage not in (1, 2, 3) or train.num_gpus < 2:
+        return 0
+    return zero_heaviest_rank(context.arch, train, judge(context, train).estimate.peak_phase.name)
 
 
 def _outcome(context: Context, train: TrainingConfig, step: Any, notes: tuple[str, ...]) -> TraceOutcome:

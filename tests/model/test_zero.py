@@ -179,6 +179,35 @@ def test_zero2_keeps_the_whole_gradients_its_partition_touches_between_micro_bat
     assert zero.accumulated_gradient_bytes([[100, 20, 20], [10]], 2) == 2 * 150
 
 
+@pytest.mark.parametrize("entry", models(), ids=lambda e: e.name)
+@pytest.mark.parametrize("gpus", [2, 3, 8])
+def test_each_phase_is_planned_on_the_rank_that_holds_the_most_there(entry, gpus):
+    # ZeRO-1/2 split each flat group into equal parts: the ranks' partitions touch different gradients, whole, and
+    # different pieces; the planner counts, and the trace runs, the heaviest rank of the phase
+    groups = zero.optimizer_groups(catalog_architecture(entry), None, None)
+    whole = [zero.whole_gradient_elements(groups, gpus, rank) for rank in range(gpus)]
+    steps = [zero.zero12_step_bytes(groups, gpus, rank) for rank in range(gpus)]
+    accumulating, stepping = zero.accumulating_rank(groups, gpus), zero.stepping_rank(groups, gpus)
+    assert whole[accumulating] == max(whole) and whole.index(max(whole)) == accumulating
+    assert steps[stepping] == max(steps) and steps.index(max(steps)) == stepping
+    assert zero.accumulated_gradient_bytes(groups, gpus) == 2 * max(whole)
+    assert zero.step_gradient_bytes(groups, gpus, 2) == max(steps)
+    for phase in ("generation", "scoring", "training"):
+        assert zero.heaviest_rank(groups, gpus, 2, phase) == accumulating
+        assert zero.heaviest_rank(groups, gpus, 1, phase) == zero.heaviest_rank(groups, gpus, 3, phase) == 0
+    assert zero.heaviest_rank(groups, gpus, 1, "optimizer") == stepping
+    assert zero.heaviest_rank(groups, gpus, 2, "optimizer") == stepping
+    assert zero.heaviest_rank(groups, gpus, 3, "optimizer") == 0
+
+
+def test_a_1b_models_partitions_on_8_ranks_differ_by_a_fifth(llama_1b):
+    # Llama-3.2-1B's two groups (its matrices, then its norms) on 8: rank 1's partition touches 323.5M gradients'
+    # elements, rank 0's 262.7M, so rank 1 keeps 116 MiB more between micro-batches; rank 0's step holds the most
+    groups = zero.optimizer_groups(llama_1b, None, None)
+    assert (zero.accumulating_rank(groups, 8), zero.stepping_rank(groups, 8)) == (1, 0)
+    assert zero.accumulated_gradient_bytes(groups, 8) - 2 * zero.whole_gradient_elements(groups, 8, 0) == 121_634_816
+
+
 @pytest.mark.parametrize("path", family_fixture_files(), ids=lambda p: p.stem)
 def test_the_largest_layer_is_the_one_deepspeed_counts(path):
     config = json.loads(path.read_text())

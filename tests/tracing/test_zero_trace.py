@@ -85,12 +85,20 @@ def test_the_step_is_a_steady_one_with_the_moments_alive_beside_the_gradients_co
     # gradients the partition touches beside the norm's fp64 copy of one (stage_1_and_2.py:2684, here the peak) or a
     # flat copy and its fp32 copy (:3114-3118), 8 bytes per parameter of the partition at least; the first step makes
     # the moments after them, 8 bytes less at that moment, which is all a trace of the first step would see
+    from vram_planner.model.architecture import ModelArchitecture
+
     doc = traced[stage]
     step = next(p for p in doc["phases"] if p["name"] == "optimizer")
-    assert step["peak_moment"] == "optimizer step: the gradient norm"
+    assert step["peak_moment"] in ("optimizer step: the gradient norm", "optimizer step: the fp32 gradient partition")
     assert _component(doc, "optimizer", "optimizer_states") == _component(doc, "generation", "optimizer_states")
     assert _component(doc, "optimizer", "gradients") - _component(doc, "generation", "gradients") >= 8 * PARAMS / GPUS
-    assert step["analytic_relative_error"] == pytest.approx(0, abs=0.01)
+    # the trace runs the rank the planner counts where the step peaks (the loss phase here: ZeRO-2's that touches the
+    # most gradients, ZeRO-1's rank 0); the analytic step is the rank whose step holds the most, this rank's less that
+    groups = zero.optimizer_groups(ModelArchitecture.from_config(json.loads(TINY.read_text())), None, None)
+    rank = zero.accumulating_rank(groups, GPUS) if stage == "2" else 0
+    assert any(f"rank {rank} of {GPUS} traced" in note for note in doc["notes"]) == (rank != 0)
+    heavier = zero.step_gradient_bytes(groups, GPUS, int(stage)) - zero.zero12_step_bytes(groups, GPUS, rank)
+    assert step["analytic_tensor_bytes"] - heavier == pytest.approx(step["tensor_bytes"], rel=0.01)
 
 
 @pytest.mark.slow
@@ -136,7 +144,7 @@ def test_the_trace_is_deepspeeds_own_run_on_cpu_ranks(stage, optim):
     train = training_config({"num_gpus": 2, "zero_stage": stage, "dtype": "float32", "per_device_train_batch_size": 2,
                              "num_generations": 2, "max_prompt_length": 16, "max_completion_length": 16,
                              "optim": optim})
-    traced = trace_step(benchmark.CONFIG, train)
+    traced = trace_step(benchmark.CONFIG, train, zero_rank=0)  # the run's rank 0 printed its bytes
     assert traced.phase("optimizer").peak_bytes == pytest.approx(measured["optimizer_step_peak_bytes"][-1], abs=2**16)
     loss = max(measured["loss_peak_bytes"]) - benchmark.gloo_only_bytes(stage, measured["planned"]["params"])
     # ZeRO-3: the trace's peak comes as the backward has gathered the embedding beside the untied head (16 MB), the
@@ -157,10 +165,9 @@ def test_the_analytic_model_is_held_to_the_trace(stage, gather):
     # benchmarks/sharded.py --zero over more models and N, layer by layer under ZeRO-3 too: every phase within 2%
     # above the trace; here ZeRO-1/2's partition lies inside the embedding, whose whole gradient their step keeps
     # beside the norm's fp64 copy of it; layer by layer, the coordinator's prefetch of the whole model and the round
-    # in use twice (model/zero.py prefetching_forward_params)
+    # in use twice (model/zero.py prefetching_forward_params); each phase on the rank the planner counts there
     from vram_planner import engine
     from vram_planner.model.phases import estimate
-    from vram_planner.tracing.step import trace_step
 
     model = FIXTURES.parent.parent / "profiles" / "models" / "Qwen2.5-0.5B.json"
     context = engine.make_context(str(model), "h100-80gb")
@@ -168,13 +175,25 @@ def test_the_analytic_model_is_held_to_the_trace(stage, gather):
                                            "max_prompt_length": 32, "max_completion_length": 32, "dtype": "bfloat16",
                                            "num_gpus": 8, "zero_stage": stage,
                                            **({} if gather else {"ds3_gather_for_generation": False})})
-    traced = trace_step(json.loads(model.read_text()), train)
+    traced = _traced_per_phase(json.loads(model.read_text()), context, train)
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}
     for phase in ("generation", "training", "optimizer"):
         # never below the trace but for its 512-byte rounding of each block, within 2% above it
-        assert traced.phase(phase).peak_bytes - 2**18 <= analytic[phase].tensor_bytes
-        assert analytic[phase].tensor_bytes <= traced.phase(phase).peak_bytes * 1.02
+        assert traced[phase].peak_bytes - 2**18 <= analytic[phase].tensor_bytes
+        assert analytic[phase].tensor_bytes <= traced[phase].peak_bytes * 1.02
+
+
+def _traced_per_phase(config: dict, context, train) -> dict:
+    """Each phase traced on the rank the planner counts there (ZeRO-1/2's partitions differ from rank to rank), as
+    benchmarks/sharded.py traces them."""
+    from vram_planner.model.components import zero_heaviest_rank
+    from vram_planner.tracing.step import trace_step
+
+    phases = ("generation", "training", "optimizer")
+    ranks = {phase: zero_heaviest_rank(context.arch, train, phase) for phase in phases}
+    traced = {rank: trace_step(config, train, zero_rank=rank) for rank in set(ranks.values())}
+    return {phase: traced[ranks[phase]].phase(phase) for phase in phases}
 
 
 # A small Llama whose linears are over ZeRO-3's persistence threshold (1e5 elements) and whose adapters are under it:
@@ -264,7 +283,8 @@ def test_later_micro_batches_are_held_to_the_trace(stage):
     # first micro-batch on, and allocates its bucket at the first gradient, not in the LM head's backward
     # (`_with_zero12_bucket`); ZeRO-1 releases its bucket only at the accumulation boundary, so the second
     # micro-batch's LM head backward holds the first's beside every gradient (the analytic model without it: 6.2%
-    # below the trace). Within 2% of the trace, never below it (ZeRO-2: on the rank the trace runs)
+    # below the trace). Within 2% of the trace, never below it; ZeRO-2 traced on the rank whose partition touches the
+    # most gradients, which the analytic model plans (rank 0's keeps 97 MiB less here)
     from vram_planner import engine
     from vram_planner.model.phases import estimate
     from vram_planner.tracing.step import trace_step
@@ -274,7 +294,8 @@ def test_later_micro_batches_are_held_to_the_trace(stage):
     knobs = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
              "max_completion_length": 32, "dtype": "bfloat16", "num_gpus": 8, "zero_stage": stage}
     train = engine.make_training(context, {**knobs, "gradient_accumulation_steps": 2})
-    traced = trace_step(json.loads(model.read_text()), train).phase("training")
+    result = trace_step(json.loads(model.read_text()), train)
+    traced = result.phase("training")
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}["training"]
     planned = analytic.tensor_bytes
@@ -284,10 +305,9 @@ def test_later_micro_batches_are_held_to_the_trace(stage):
         assert traced.moment == "LM head backward"
         assert traced.components["gradients"] >= zero.reduce_bucket_bytes(1) + 2 * context.arch.params
     else:
-        # the analytic model plans the rank whose partition touches the most gradients, the trace runs rank 0
         groups = zero.optimizer_groups(context.arch, None, None)
-        rank_0 = sum(sum(zero.partition_pieces(group, 8, 0)[1]) for group in groups) * 2
-        planned -= zero.accumulated_gradient_bytes(groups, 8) - rank_0
+        assert zero.accumulating_rank(groups, 8) == 2
+        assert "rank 2 of 8 traced, whose ZeRO-2 partition the planner counts: it holds more than rank 0's" in result.notes
     # the trace rounds each block to 512 bytes, the analytic model does not
     assert traced.peak_bytes - 2**16 <= planned <= traced.peak_bytes * 1.02
 

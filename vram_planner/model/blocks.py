@@ -52,8 +52,14 @@ def parameter_tensors(arch: ModelArchitecture) -> list[int]:
 
 def lora_layer_shapes(arch: ModelArchitecture, train: TrainingConfig) -> list[tuple[int, int]]:
     """lora_A [r, in] and lora_B [out, r] of every adapted linear of one layer."""
-    r = train.lora_r or 0
-    return [s for lin in arch.lora_linears(train.lora_targets) for s in ((r, lin.in_features), (lin.out_features, r))]
+    return adapter_shapes(arch, train.lora_r, train.lora_targets)
+
+
+def adapter_shapes(arch: ModelArchitecture, lora_r: int | None,
+                   lora_targets: list[str] | None) -> list[tuple[int, int]]:
+    """lora_A [r, in] and lora_B [out, r] of every linear of one layer that `lora_targets` adapts at rank `lora_r`."""
+    r = lora_r or 0
+    return [s for lin in arch.lora_linears(lora_targets) for s in ((r, lin.in_features), (lin.out_features, r))]
 
 
 def lora_tensors(arch: ModelArchitecture, train: TrainingConfig) -> list[int]:

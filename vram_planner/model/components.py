@@ -296,6 +296,14 @@ def zero_optimizer_groups(arch: ModelArchitecture, train: TrainingConfig) -> lis
     return zero.optimizer_groups(arch, train.lora_r, train.lora_targets)
 
 
+def zero_heaviest_rank(arch: ModelArchitecture, train: TrainingConfig, phase: str) -> int:
+    """The rank of num_gpus whose bytes the planner counts in `phase` under ZeRO (model/zero.py `heaviest_rank`);
+    0 without DeepSpeed."""
+    if train.zero_stage not in (1, 2, 3) or train.num_gpus < 2:
+        return 0
+    return zero.heaviest_rank(zero_optimizer_groups(arch, train), train.num_gpus, train.zero_stage, phase)
+
+
 def zero2_accumulated_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
     """ZeRO-2's partition buffer of whole gradients, from a micro-batch's first reduction on (model/zero.py)."""
     return zero.accumulated_gradient_bytes(zero_optimizer_groups(arch, train), train.num_gpus)

@@ -149,6 +149,11 @@ def persistent_params(arch: ModelArchitecture, lora_r: int | None, lora_targets:
     return sum(n for n in forward_params(arch, lora_r, lora_targets) if n <= PARAM_PERSISTENCE_THRESHOLD)
 
 
+def _largest_after_embedding(order: list[int]) -> int:
+    # the embedding is gathered first, on its own: the later rounds' overshoot is at most the largest of the rest
+    return max(order[1:], default=0)
+
+
 def _prefetch_rounds(order: list[int]) -> list[int]:
     """The parameters of each prefetch round of a forward whose coordinator has a complete trace, from its first
     fetch on. Each module's fetch submits a round of up to `min(max_live_parameters - n_available,
@@ -157,7 +162,7 @@ def _prefetch_rounds(order: list[int]) -> list[int]:
     reached each round has the room a module's release left (at most the largest parameter after the embedding, which
     is gathered first): one more round, past that by as much, stands for them."""
     available, rounds, i = 0, [], 0
-    largest = max(order[1:], default=0)
+    largest = _largest_after_embedding(order)
     while i < len(order):
         limit = min(MAX_LIVE_PARAMETERS - available, PREFETCH_BUCKET_ELEMENTS)
         if limit <= 0:
@@ -180,7 +185,7 @@ def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora
     with LoRA on 8, its second micro-batch the whole model and a 99 MiB round twice; Llama-3.2-1B with LoRA, 1.064e9
     parameters' worth."""
     order = forward_params(arch, lora_r, lora_targets)
-    window = min(sum(order), MAX_LIVE_PARAMETERS + max(order[1:], default=0))
+    window = min(sum(order), MAX_LIVE_PARAMETERS + _largest_after_embedding(order))
     first, *later = _prefetch_rounds(order)
     return max(window + max(later, default=0), 2 * first)
 
@@ -267,7 +272,7 @@ def _layer_adapters(arch: ModelArchitecture, lora_r: int | None, lora_targets: l
     """LoRA's A and B of each adapted linear of one layer, in order (none without LoRA)."""
     if not lora_r:
         return []
-    return [lora_r * dim for lin in arch.lora_linears(lora_targets) for dim in (lin.in_features, lin.out_features)]
+    return [rows * width for rows, width in blocks.adapter_shapes(arch, lora_r, lora_targets)]
 
 
 def base_groups(arch: ModelArchitecture) -> list[list[int]]:
@@ -314,18 +319,45 @@ def step_gradient_bytes(groups: list[list[int]], ranks: int, stage: int) -> int:
         pieces = [-(-n // ranks) for group in groups for n in group]
         return max(max(subs, default=0) * (FLAT_GRADIENT_BYTES + FP32_GRADIENT_BYTES),
                    max(pieces, default=0) * NORM_COPY_BYTES)
-    return max(_zero12_step_bytes(groups, ranks, rank) for rank in range(ranks))
+    return zero12_step_bytes(groups, ranks, stepping_rank(groups, ranks))
+
+
+def stepping_rank(groups: list[list[int]], ranks: int) -> int:
+    """The rank whose ZeRO-1/2 optimizer step holds the most gradients (the first of equals)."""
+    return max(range(ranks), key=lambda rank: (zero12_step_bytes(groups, ranks, rank), -rank))
 
 
 def accumulated_gradient_bytes(groups: list[list[int]], ranks: int) -> int:
     """ZeRO-2's 16-bit gradients that a micro-batch leaves to the next, on the rank that holds the most: every
     gradient its partition touches, whole (`grads_in_partition`, allocated at the first reduction with the numel of
     `params_in_partition` and kept to the step, zero/stage_1_and_2.py:2184-2203)."""
-    return max(sum(sum(partition_pieces(group, ranks, rank)[1]) for group in groups)
-               for rank in range(ranks)) * REDUCE_BUCKET_ELEMENT_BYTES
+    return whole_gradient_elements(groups, ranks, accumulating_rank(groups, ranks)) * REDUCE_BUCKET_ELEMENT_BYTES
 
 
-def _zero12_step_bytes(groups: list[list[int]], ranks: int, rank: int) -> int:
+def accumulating_rank(groups: list[list[int]], ranks: int) -> int:
+    """The rank whose ZeRO-2 partition touches the most gradients, which it keeps whole from a micro-batch's first
+    reduction to the step (the first of equals): with a 1B model's two groups on 8 ranks rank 1, 617 MiB against
+    rank 0's 501."""
+    return max(range(ranks), key=lambda rank: (whole_gradient_elements(groups, ranks, rank), -rank))
+
+
+def whole_gradient_elements(groups: list[list[int]], ranks: int, rank: int) -> int:
+    """The elements of every gradient the rank's ZeRO-1/2 partition touches (each kept whole)."""
+    return sum(sum(partition_pieces(group, ranks, rank)[1]) for group in groups)
+
+
+def heaviest_rank(groups: list[list[int]], ranks: int, stage: int, phase: str) -> int:
+    """The rank that holds the most in `phase`, whose bytes the planner counts there: under ZeRO-1/2 the optimizer
+    step's partitions differ (`stepping_rank`), and under ZeRO-2 the gradients a partition keeps from the backward on
+    (`accumulating_rank`, every phase but the step); ZeRO-3 splits every parameter evenly, and ZeRO-1's backward
+    keeps the whole gradients on every rank: rank 0."""
+    if stage in (1, 2) and phase == "optimizer":
+        return stepping_rank(groups, ranks)
+    return accumulating_rank(groups, ranks) if stage == 2 else 0
+
+
+def zero12_step_bytes(groups: list[list[int]], ranks: int, rank: int) -> int:
+    """The gradients this rank's ZeRO-1/2 optimizer step holds at its peak (`step_gradient_bytes`)."""
     split = [partition_pieces(group, ranks, rank) for group in groups]
     shares = [-(-sum(group) // ranks) for group in groups]
     # the last rank's partition ends in a tensor of zeros, one more in the list (stage_1_and_2.py:2890-2891)

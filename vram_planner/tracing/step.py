@@ -35,6 +35,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError, field_name, first_line
 from vram_planner.extras import TRAIN_EXTRA, library_log_warnings_hidden, require_bitsandbytes, require_train_extra
+from vram_planner.model.components import zero_heaviest_rank
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
@@ -104,7 +105,7 @@ class PhaseComparison:
 
 
 def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlRelease | None = None,
-               progress: Callable[[str], None] | None = None) -> TraceResult:
+               progress: Callable[[str], None] | None = None, zero_rank: int | None = None) -> TraceResult:
     """Trace one GRPO step of `train` on the model described by `arch_config` (a config.json dict).
 
     Args:
@@ -112,12 +113,14 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
         train: the training configuration.
         release: the TRL release to plan for; the trace runs the installed TRL, so it must behave the same.
         progress: called with what the trace is doing as it moves from one part to the next.
+        zero_rank: under --zero-stage, the rank of num_gpus traced; None: the one whose loss phase the planner counts
+            (`vram_planner.model.components.zero_heaviest_rank`).
 
     Returns:
         Per phase ("generation", "scoring" when old or reference log-probs are computed, "training", "optimizer")
         the peak live tensor bytes and their split by component; under --fsdp, those of rank 0 of num_gpus, the
-        largest shard (vram_planner.tracing.sharded); under --zero-stage, those of rank 0 of num_gpus under
-        DeepSpeed's own engine (vram_planner.tracing.zero).
+        largest shard (vram_planner.tracing.sharded); under --zero-stage, those of `zero_rank` under DeepSpeed's own
+        engine (vram_planner.tracing.zero).
 
     Raises:
         VramPlanError: for what the trace cannot run on the CPU (4-bit weights, vLLM, DDP over several GPUs, ZeRO
@@ -129,6 +132,11 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
 
     arch = ModelArchitecture.from_config(arch_config)
     notes = check_traceable(train, release, arch.max_position_embeddings, arch_config.get("model_type"))
+    if zero_rank is None:
+        zero_rank = zero_heaviest_rank(arch, train, "training")
+    if zero_rank:
+        notes.append(f"rank {zero_rank} of {train.num_gpus} traced, whose ZeRO-{train.zero_stage} partition the "
+                     "planner counts: it holds more than rank 0's")
     start = time.perf_counter()
     with library_log_warnings_hidden():
         _import_engine()
@@ -137,7 +145,8 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
     from vram_planner.tracing.session import build_session
     from vram_planner.tracing.sharded import sharded_rank
-    from vram_planner.tracing.zero import earlier_loss, runs_earlier_loss, zero_rank
+    from vram_planner.tracing.zero import earlier_loss, runs_earlier_loss
+    from vram_planner.tracing.zero import zero_rank as zero_engine
 
     from vram_planner.tracing import trainer as own
 
@@ -165,7 +174,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
             session.trainer = own.build_trainer(session)
         # Under --fsdp, sharded_rank shards the models and replaces the counter (tracing.sharded): entered first.
         # Under --zero-stage, zero_rank builds DeepSpeed's engine around the model, counted (tracing.zero).
-        with sharded_rank(session), session.fake_mode, session.tracker, zero_rank(session, recipe), \
+        with sharded_rank(session), session.fake_mode, session.tracker, zero_engine(session, recipe, zero_rank), \
                 cuda_like_behaviour(session), head_tagging(session):
             if runs_earlier_loss(train):  # ZeRO-3's coordinator as every later step finds it (tracing.zero)
                 say("tracing an earlier step's loss")

@@ -37,6 +37,7 @@ class StepToTrace:
     release: TrlRelease | None
     card_bytes: int  # what cudaMalloc can hand out on the card: its capacity less the CUDA context and NCCL's buffers
     workspace_bytes: int  # one cuBLAS workspace on this card (vram_planner.model.cublas)
+    zero_rank: int | None = None  # under ZeRO, the rank traced (trace_step's default: the loss phase's heaviest)
 
 
 def step_need(step: StepToTrace, progress: Callable[[str], None] | None = None) -> StepNeed:
@@ -52,7 +53,7 @@ def step_need(step: StepToTrace, progress: Callable[[str], None] | None = None) 
     say = progress or (lambda what: None)
     conf = parse_allocator_conf(step.train.allocator_conf, "--allocator-conf")
     with collection_paused():
-        result = trace_step(step.config, step.train, step.release, progress)
+        result = trace_step(step.config, step.train, step.release, progress, step.zero_rank)
         say("replaying the allocations through the caching allocator model")
         stream = with_workspaces(result.steady_stream(), step.workspace_bytes)
         # the card's replay and the unlimited one serve both: the reserved figures and the need's bisection

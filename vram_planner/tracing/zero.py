@@ -5,8 +5,10 @@ DeepSpeed config in accelerate's `DeepSpeedPlugin` (accelerate/utils/dataclasses
 `set_mixed_precision`); transformers' Trainer fills its "auto" values from the training arguments
 (integrations/deepspeed.py `trainer_config_process`) and, as the config names no optimizer, hands DeepSpeed its own
 (`deepspeed_optim_sched`: `zero_allow_untested_optimizer`). `deepspeed.initialize` then builds DeepSpeed's engine and
-ZeRO optimizer around the session's fake-tensor model: this process is rank 0 of `num_gpus` on torch's fake process
-group (as `vram_planner.tracing.sharded` runs FSDP2), every collective "completes" at once and writes nothing.
+ZeRO optimizer around the session's fake-tensor model: this process is one rank of `num_gpus` on torch's fake process
+group (as `vram_planner.tracing.sharded` runs FSDP2), every collective "completes" at once and writes nothing. The rank
+is the one the planner counts (`vram_planner.model.zero.heaviest_rank`): ZeRO-1/2 split each flat group of parameters
+into equal parts, so a rank's partition touches more whole gradients or a larger piece than another's.
 
 The phases run as TRL and accelerate run them: generation inside TRL's own `unwrap_model_for_generation` (under
 ZeRO-3 it gathers every parameter when `ds3_gather_for_generation` is on, and lets each layer's hooks gather it
@@ -90,9 +92,10 @@ def deepspeed_config(session: Session) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def zero_rank(session: Session, optimizer_recipe: tuple[type, dict[str, Any]]) -> Iterator[None]:
-    """For a ZeRO config: a fake process group of `num_gpus` ranks and DeepSpeed's engine around the session's model,
-    built with the Trainer's optimizer (`optimizer_recipe`); nothing for other configs.
+def zero_rank(session: Session, optimizer_recipe: tuple[type, dict[str, Any]], rank: int = 0) -> Iterator[None]:
+    """For a ZeRO config: a fake process group of `num_gpus` ranks, this process `rank` of them, and DeepSpeed's
+    engine around the session's model, built with the Trainer's optimizer (`optimizer_recipe`); nothing for other
+    configs.
 
     Enter it inside the session's fake mode and counter: the engine's own allocations are counted as it makes them.
     """
@@ -100,7 +103,7 @@ def zero_rank(session: Session, optimizer_recipe: tuple[type, dict[str, Any]]) -
         yield
         return
     config = deepspeed_config(session)
-    with _deepspeed_on_cpu(session.train.num_gpus) as deepspeed:
+    with _deepspeed_on_cpu(session.train.num_gpus, rank) as deepspeed:
         _initialize(session, deepspeed, config, optimizer_recipe)
         try:
             with _zero_counted(session):
@@ -136,8 +139,8 @@ def _initialize(session: Session, deepspeed: Any, config: dict[str, Any], recipe
 
 
 @contextlib.contextmanager
-def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
-    """DeepSpeed imported on its CPU accelerator, rank 0 of a fake process group of `num_gpus`, with the shims of the
+def _deepspeed_on_cpu(num_gpus: int, rank: int = 0) -> Iterator[Any]:
+    """DeepSpeed imported on its CPU accelerator, `rank` of a fake process group of `num_gpus`, with the shims of the
     module's docstring; everything restored on exit."""
     import torch
     import torch.distributed as dist
@@ -149,7 +152,7 @@ def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
     # a later trace in this process would run it too (its generation held 9% less on the tiny fixture)
     linear = torch.nn.functional.linear
     # DeepSpeed's engine asserts a launcher set LOCAL_RANK (runtime/engine.py:1972)
-    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(num_gpus))
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(num_gpus))
     patched: list[tuple[Any, str, Any]] = []
     restore_shared_memory: Callable[[], None] = lambda: None
     try:
@@ -165,7 +168,7 @@ def _deepspeed_on_cpu(num_gpus: int) -> Iterator[Any]:
             setattr(owner, name, value)
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", rank=0, world_size=num_gpus, store=FakeStore())
+        dist.init_process_group("fake", rank=rank, world_size=num_gpus, store=FakeStore())
         # DeepSpeed keeps the process groups it makes in module globals, which die with this process group
         groups = importlib.import_module("deepspeed.utils.groups")
         kept = {name: copy.copy(value) for name, value in vars(groups).items() if re.fullmatch(r"_[A-Z_]+", name)}
