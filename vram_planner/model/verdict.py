@@ -32,9 +32,16 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # follows a generation of several micro-batches at once under torch's default allocator
 # (kept_tensors_in_decoding_segments): 8.2%, seed 3's Qwen3-1.7B's bfloat16 full fine-tuning, 32 x 896 tokens a
 # micro-batch, 128 sequences generated, whose kept 112 MiB forward tensors were cut one each from the decoding's
-# 194-222 MiB segments, 16 GiB beside them that no pattern counts yet (the decoding's growing keys and values are
+# 194-222 MiB segments, 16 GiB beside them that no pattern counts (the decoding's growing keys and values are
 # larger than the kept tensors only where the generation batch is; expandable segments strand none: other steps
-# without checkpointing up to 2.1%).
+# without checkpointing up to 2.1%). Why none can count it closely: each decoding step's blocks outgrow the last
+# step's segments, and each cudaMalloc that fails releases every whole free segment (release_cached_blocks; without
+# max_split_size release_available_cached_blocks releases nothing), so the segments left for the loss are those the
+# decoding made since its last release, a sawtooth in the capacity (Qwen3-0.6B's bfloat16 full fine-tuning, 32 x 896
+# tokens a micro-batch, 128 generated, at its need: 760 segments made and 621 released in the first generation, 147
+# left, 32 GiB; the kept tensors cut all of them and strand 5.9 GiB; Qwen3-1.7B's 233 and 15.4 GiB, Phi-3-mini's 180
+# and 14.6 GiB, none for Llama-3.2-1B or Mistral-7B-v0.3, whose blocks fit in the prefill's segments). A pattern
+# could only bound it, by the room beyond generation's live memory.
 # Below, the estimate is conservative where a modelled pattern strands less than it can (the need 15.5% below it, the
 # estimate 18.3% over, for held-out seed 6's Qwen2.5-3B float32 full fine-tuning with eager attention, 32 x 3,456
 # tokens a micro-batch, whose 24 GiB float32 score blocks the eager patterns weigh as they weigh the grid's smaller
