@@ -284,9 +284,9 @@ class _PrefillSegments:
         step = places * self.block_token  # segment + slack >= places x block: width x p + slack >= step x (p + c - 1)
         need = step * (self.completion - 1) - slack
         roots = [need / (self.mlp_token - step)] if self.mlp_token > step else []
-        if self.scores_token:
-            roots.append((step + math.sqrt(max(step * step + 4 * self.scores_token * need, 0)))
-                         / (2 * self.scores_token))
+        if self.scores_token:  # scores x p^2 + slack >= step x (p + c - 1); with no real root, from any length
+            discriminant = step * step + 4 * self.scores_token * need
+            roots.append((step + math.sqrt(discriminant)) / (2 * self.scores_token) if discriminant >= 0 else 0.0)
         return min(roots, default=math.inf)
 
 
