@@ -37,8 +37,11 @@ GENERATION_PATTERNS = (CACHE_IN_LOSS_SEGMENTS, CACHE_IN_PREFILL_SEGMENTS, STATES
 GATED_MLP_LIVE, PLAIN_MLP_LIVE = 3, 2
 # The segments below a step's tried for the last lengths each holds, at the least: the 2 MiB rounding makes one more
 # block fit a few tokens before the step, and flicker below it (one more fits just after each rounding up, one fewer
-# before it); further down where the segment grows little faster than the blocks (_PrefillSegments.flickering_segments)
+# before it); further down where the segment grows little faster than the blocks (_PrefillSegments.flickering_segments),
+# up to FLICKER_STEPS below the highest: where the segment outgrows the blocks by less than a 64th of its growth, the
+# rounding flickers over more sizes than an estimate tries (a bound: a config of any size stays a few hundred lengths)
 ROUNDING_STEPS = 3
+FLICKER_STEPS = 64
 
 
 def generation_patterns(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
@@ -247,8 +250,9 @@ class _PrefillSegments:
                 gap = K_ROUND_LARGE - step * (self.completion - 1)
                 longest = min(last, math.floor(gap / (step - self.mlp_token)))
         if longest >= 1:
-            lowest = segment(min(max(math.floor(start), 1), longest))
-            found.update(range(segment(longest), lowest - 1, -K_ROUND_LARGE))
+            highest = segment(longest)
+            lowest = max(segment(min(max(math.floor(start), 1), longest)), highest - FLICKER_STEPS * K_ROUND_LARGE)
+            found.update(range(highest, lowest - 1, -K_ROUND_LARGE))
         return sorted((size for size in found if size >= K_MIN_LARGE_ALLOC), reverse=True)
 
     def stair(self, segment: int) -> list[int]:
