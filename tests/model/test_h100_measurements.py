@@ -71,10 +71,10 @@ def one_trace_per_step(monkeypatch):
 
     traced, original = {}, step.trace_step
 
-    def trace_step(config, train, release=None, progress=None):
-        key = (json.dumps(config, sort_keys=True), replace(train, allocator_conf=""), release)
+    def trace_step(config, train, release=None, progress=None, zero_rank=None):
+        key = (json.dumps(config, sort_keys=True), replace(train, allocator_conf=""), release, zero_rank)
         if key not in traced:
-            traced[key] = original(config, train, release, progress)
+            traced[key] = original(config, train, release, progress, zero_rank)
         return traced[key]
 
     monkeypatch.setattr(step, "trace_step", trace_step)
