@@ -305,9 +305,9 @@ def steps_to_trace(model: str | dict[str, Any], context: Context, trains: list[T
 
 def _zero_rank(context: Context, train: TrainingConfig) -> int:
     """Under ZeRO on several GPUs, the rank the planner counts in the phase its estimate peaks in; 0 otherwise."""
-    from vram_planner.model.components import zero_heaviest_rank
+    from vram_planner.model.components import zero_heaviest_rank, zero_on_several_ranks
 
-    if train.zero_stage not in (1, 2, 3) or train.num_gpus < 2:
+    if not zero_on_several_ranks(train):  # no estimate made for nothing
         return 0
     return zero_heaviest_rank(context.arch, train, judge(context, train).estimate.peak_phase.name)
 

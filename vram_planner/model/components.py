@@ -296,10 +296,15 @@ def zero_optimizer_groups(arch: ModelArchitecture, train: TrainingConfig) -> lis
     return zero.optimizer_groups(arch, train.lora_r, train.lora_targets)
 
 
+def zero_on_several_ranks(train: TrainingConfig) -> bool:
+    """Whether DeepSpeed ZeRO partitions across several GPUs, so that the ranks may hold different bytes."""
+    return train.zero_stage in (1, 2, 3) and train.num_gpus >= 2
+
+
 def zero_heaviest_rank(arch: ModelArchitecture, train: TrainingConfig, phase: str) -> int:
     """The rank of num_gpus whose bytes the planner counts in `phase` under ZeRO (model/zero.py `heaviest_rank`);
     0 without DeepSpeed."""
-    if train.zero_stage not in (1, 2, 3) or train.num_gpus < 2:
+    if not zero_on_several_ranks(train):
         return 0
     return zero.heaviest_rank(zero_optimizer_groups(arch, train), train.num_gpus, train.zero_stage, phase)
 
