@@ -201,10 +201,15 @@ class TraceOutcome:
         return self.result.seconds + sum(part.seconds for part in (self.reserved, self.need) if part is not None)
 
     def comparison(self) -> list[Any]:
-        """Per phase: traced against analytic tensor bytes (vram_planner.tracing.step.PhaseComparison)."""
+        """Per phase: traced against analytic tensor bytes (vram_planner.tracing.step.PhaseComparison), both of the
+        traced rank under ZeRO where the planner counts another in a phase and knows the difference."""
+        from vram_planner.model.components import zero_rank_excess_bytes
         from vram_planner.tracing.step import compare_with_estimate
 
-        return compare_with_estimate(self.result, self.analytic.estimate)
+        context, train = self.analytic.context, self.analytic.train
+        excess = {p.name: zero_rank_excess_bytes(context.arch, train, p.name, self.result.zero_rank)
+                  for p in self.result.phases}
+        return compare_with_estimate(self.result, self.analytic.estimate, excess)
 
 
 def default_trace_gpu() -> tuple[GpuProfile, str | None]:

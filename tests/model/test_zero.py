@@ -198,6 +198,13 @@ def test_each_phase_is_planned_on_the_rank_that_holds_the_most_there(entry, gpus
     assert zero.heaviest_rank(groups, gpus, 1, "optimizer") == stepping
     assert zero.heaviest_rank(groups, gpus, 2, "optimizer") == stepping
     assert zero.heaviest_rank(groups, gpus, 3, "optimizer") == 0
+    # beside a trace of another rank, what the counted rank holds more: ZeRO-1/2's step, by its gradients' bytes
+    for rank in range(gpus):
+        for stage in (1, 2, 3):
+            assert zero.rank_excess_bytes(groups, gpus, stage, "training", rank) == 0
+        assert zero.rank_excess_bytes(groups, gpus, 3, "optimizer", rank) == 0
+        for stage in (1, 2):
+            assert zero.rank_excess_bytes(groups, gpus, stage, "optimizer", rank) == max(steps) - steps[rank] >= 0
 
 
 def test_a_1b_models_partitions_on_8_ranks_differ_by_a_fifth(llama_1b):

@@ -309,6 +309,15 @@ def zero_heaviest_rank(arch: ModelArchitecture, train: TrainingConfig, phase: st
     return zero.heaviest_rank(zero_optimizer_groups(arch, train), train.num_gpus, train.zero_stage, phase)
 
 
+def zero_rank_excess_bytes(arch: ModelArchitecture, train: TrainingConfig, phase: str, rank: int) -> int:
+    """Under ZeRO on several GPUs, the bytes the rank the planner counts in `phase` holds there above `rank`, where
+    that is the whole difference (model/zero.py `rank_excess_bytes`: ZeRO-1/2's optimizer step on the GPU); 0
+    otherwise."""
+    if not zero_on_several_ranks(train) or train.optimizer_offloaded:
+        return 0
+    return zero.rank_excess_bytes(zero_optimizer_groups(arch, train), train.num_gpus, train.zero_stage, phase, rank)
+
+
 def zero2_accumulated_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
     """ZeRO-2's partition buffer of whole gradients, from a micro-batch's first reduction on (model/zero.py)."""
     return zero.accumulated_gradient_bytes(zero_optimizer_groups(arch, train), train.num_gpus)

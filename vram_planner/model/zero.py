@@ -356,6 +356,17 @@ def heaviest_rank(groups: list[list[int]], ranks: int, stage: int, phase: str) -
     return accumulating_rank(groups, ranks) if stage == 2 else 0
 
 
+def rank_excess_bytes(groups: list[list[int]], ranks: int, stage: int, phase: str, rank: int) -> int:
+    """How many more bytes the rank the planner counts in `phase` (`heaviest_rank`) holds there than `rank` does,
+    where that difference is the whole difference: ZeRO-1/2's optimizer step, whose peak is its gradients beside what
+    every rank holds alike (`zero12_step_bytes`). 0 elsewhere, where the ranks hold the same or the difference
+    (ZeRO-2's whole gradients, `whole_gradient_elements`) may or may not be alive at the phase's peak."""
+    if stage not in (1, 2) or phase != "optimizer":
+        return 0
+    heaviest = heaviest_rank(groups, ranks, stage, phase)
+    return zero12_step_bytes(groups, ranks, heaviest) - zero12_step_bytes(groups, ranks, rank)
+
+
 def zero12_step_bytes(groups: list[list[int]], ranks: int, rank: int) -> int:
     """The gradients this rank's ZeRO-1/2 optimizer step holds at its peak (`step_gradient_bytes`)."""
     split = [partition_pieces(group, ranks, rank) for group in groups]

@@ -35,12 +35,14 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError, field_name, first_line
 from vram_planner.extras import TRAIN_EXTRA, library_log_warnings_hidden, require_bitsandbytes, require_train_extra
-from vram_planner.model.components import zero_heaviest_rank
+from vram_planner.model import zero
+from vram_planner.model.components import zero_heaviest_rank, zero_on_several_ranks, zero_optimizer_groups
 from vram_planner.model.phases import TENSOR_COMPONENTS, Estimate
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease, installed_trl_version, installed_version, parse_version
 from vram_planner.tracing.events import OPTIMIZER, Event, SteadyStream, steady_stream
 from vram_planner.tracing.support import check_kernels_importable, check_supported_pair, pair_for, zero_problems
+from vram_planner.units import format_gib
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class TraceResult:
     # Every allocation and free in order: the models' loading, then step 1's phases (vram_planner.tracing.events)
     events: list[Event] = field(default_factory=list, repr=False)
     gradient_blocks: tuple[tuple[int, int], ...] = ()  # (block, bytes) of the gradients zero_grad frees after it
+    zero_rank: int = 0  # under ZeRO on several GPUs, the rank of num_gpus traced
 
     def steady_stream(self) -> SteadyStream:
         """The events of step 1 and step 2, for the allocator model (`vram_planner.tracing.events.steady_stream`)."""
@@ -137,6 +140,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     if zero_rank:
         notes.append(f"rank {zero_rank} of {train.num_gpus} traced, whose ZeRO-{train.zero_stage} partition the "
                      "planner counts: it holds more than rank 0's")
+    notes += _planned_on_another_rank(arch, train, zero_rank)
     start = time.perf_counter()
     with library_log_warnings_hidden():
         _import_engine()
@@ -202,7 +206,24 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
     events, session.tracker.events = session.tracker.events, []
     return TraceResult(phases=tuple(phases), params=params, trainable_params=trainable,
                        seconds=time.perf_counter() - start, notes=tuple(notes), events=events,
-                       gradient_blocks=tuple(session.tracker.live_blocks(GRADS)))
+                       gradient_blocks=tuple(session.tracker.live_blocks(GRADS)), zero_rank=zero_rank)
+
+
+def _planned_on_another_rank(arch: Any, train: TrainingConfig, rank: int) -> list[str]:
+    """A note where ZeRO-2's phases before the step are planned on a rank other than the traced one (the rank
+    whose partition keeps the most whole gradients, `model/zero.py accumulating_rank`): their analytic figures
+    beside the trace count that rank's. The step's are compared for the traced rank (`compare_with_estimate`)."""
+    if not zero_on_several_ranks(train) or train.zero_stage != 2:
+        return []
+    groups = zero_optimizer_groups(arch, train)
+    planned = zero.accumulating_rank(groups, train.num_gpus)
+    if planned == rank:
+        return []
+    more = (zero.whole_gradient_elements(groups, train.num_gpus, planned)
+            - zero.whole_gradient_elements(groups, train.num_gpus, rank)) * zero.REDUCE_BUCKET_ELEMENT_BYTES
+    return [f"the phases before the optimizer step are planned on rank {planned}, whose ZeRO-2 partition keeps "
+            f"{format_gib(more)} more whole gradients than rank {rank}'s: their analytic figures beside this trace "
+            "count that rank's"]
 
 
 def _largest_per_phase(peaks: list[Any]) -> list[Any]:
@@ -291,16 +312,23 @@ def _release_notes(release: TrlRelease | None, problems: list[str]) -> list[str]
     return []
 
 
-def compare_with_estimate(result: TraceResult, estimate: Estimate) -> list[PhaseComparison]:
-    """Each traced phase next to the analytic phase of the same name (tensor bytes only)."""
+def compare_with_estimate(result: TraceResult, estimate: Estimate,
+                          rank_excess_bytes: dict[str, int] | None = None) -> list[PhaseComparison]:
+    """Each traced phase next to the analytic phase of the same name (tensor bytes only). `rank_excess_bytes`: per
+    phase, the gradient bytes the rank the estimate counts holds above the traced one (under ZeRO,
+    `vram_planner.model.components.zero_rank_excess_bytes`), taken off the analytic side so that both are the
+    traced rank's."""
     analytic = {p.name: p for p in estimate.phases}
+    excess = rank_excess_bytes or {}
     rows = []
     for phase in result.phases:
         other = analytic.get(phase.name)
         if other is None:
             continue
-        components = {c: (phase.components.get(c, 0), other.components.get(c, 0.0)) for c in TENSOR_COMPONENTS}
-        rows.append(PhaseComparison(phase.name, phase.peak_bytes, other.tensor_bytes, components))
+        more = excess.get(phase.name, 0)
+        components = {c: (phase.components.get(c, 0), other.components.get(c, 0.0) - (more if c == "gradients" else 0))
+                      for c in TENSOR_COMPONENTS}
+        rows.append(PhaseComparison(phase.name, phase.peak_bytes, other.tensor_bytes - more, components))
     return rows
 
 
