@@ -15,7 +15,8 @@ benchmarks/results/sharded.json and sharded.txt.
 `--zero` (an interpreter with DeepSpeed: the `deepspeed` extra) runs DeepSpeed's own engine instead, one rank of N
 (vram_planner/tracing/zero.py; each phase on the rank the planner counts there, whose ZeRO-1/2 partition holds the
 most: vram_planner/model/zero.py heaviest_rank), for Qwen2.5-0.5B and Llama-3.2-1B x N in (2, 8) x ZeRO-1/2/3 with short sequences,
-and Llama-3.2-1B with LoRA and with gradient accumulation under ZeRO-2/3 on 8, both models generating layer by layer
+and Llama-3.2-1B with LoRA, with gradient accumulation and with a reference model (beta) under ZeRO-1/2/3 on 8, both
+models generating layer by layer
 under ZeRO-3 (ds3_gather_for_generation=False) on 2 and 8, and sets DeepSpeed's estimator of the model states beside
 the optimizer step's, with why they differ: benchmarks/results/sharded.zero.json and sharded.zero.txt.
 """
@@ -72,9 +73,11 @@ UNDER_BYTES = 16 * 512
 ZERO_GRID = [(str(MODELS / "Qwen2.5-0.5B.json"), {}), (str(MODELS / "Llama-3.2-1B.json"), {})]
 ZERO_GPUS = (2, 8)
 ZERO_STAGES = (1, 2, 3)
-# LoRA (its adapters are the optimizer's only parameters) and gradient accumulation (ZeRO's non-boundary backward)
+# LoRA (its adapters are the optimizer's only parameters), gradient accumulation (ZeRO's non-boundary backward) and a
+# full fine-tune's reference model (TRL's prepare_deepspeed: ZeRO-3 partitioned, else whole on every rank)
 ZERO_MORE = [(str(MODELS / "Llama-3.2-1B.json"), knobs) for knobs in (
-    {"lora_r": 16}, {"gradient_accumulation_steps": 2}, {"lora_r": 16, "gradient_accumulation_steps": 2})]
+    {"lora_r": 16}, {"gradient_accumulation_steps": 2}, {"lora_r": 16, "gradient_accumulation_steps": 2},
+    {"beta": 0.04})]
 ZERO_MORE_GPUS, ZERO_MORE_STAGES = (8,), (1, 2, 3)
 # ZeRO-3 generating layer by layer (`--no-ds3-gather-for-generation`): the coordinator's prefetch and the round in
 # use twice (vram_planner/model/zero.py), stage 3 only

@@ -138,6 +138,24 @@ def test_a_rank_other_than_the_one_planned_is_compared_as_that_rank():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+def test_the_reference_model_is_prepared_as_trl_prepares_it_and_held_to_the_plan(stage):
+    # GRPOTrainer hands a full fine-tune's reference model to TRL's own prepare_deepspeed (trl/models/utils.py): an
+    # inference engine of the run's DeepSpeed config, ZeRO-3 partitioned (but for the parameters under TRL's
+    # persistence threshold of 10 x hidden, here the norms and the key and value biases, kept whole), else stage 0,
+    # whole on every rank; each tensor's block rounded up to 512 bytes. Rank 0 of ZeRO-1's stage-0 engine prints
+    # its memory use (DeepSpeed's see_memory_usage), which must not reach --json's stdout.
+    doc = _trace("--zero-stage", stage, "--beta", "0.04")  # parses stdout as JSON
+    reference = _component(doc, "generation", "reference_weights")
+    if stage == "3":
+        assert 2 * PARAMS / GPUS <= reference < 2 * PARAMS / GPUS * 1.15
+    else:
+        assert 2 * PARAMS <= reference < 2 * PARAMS * 1.03
+    for phase in doc["phases"]:
+        assert abs(phase["analytic_relative_error"]) < 0.02, phase["name"]
+
+
+@pytest.mark.slow
 def test_the_reduce_bucket_lives_from_start_up_under_zero3_and_within_the_backward_below(traced):
     # ZeRO-3 allocates its ipg bucket in __init__ (stage3.py:780-784) and keeps it
     assert all(p["components"]["gradients"] >= BUCKET for p in traced["3"]["phases"])

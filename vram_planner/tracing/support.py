@@ -102,9 +102,6 @@ def zero_problems(train: TrainingConfig) -> list[str]:
     if train.offloaded:
         problems.append(f"the ZeRO trace runs without ZeRO-Offload ({field_name('offload_optimizer')}, "
                         f"{field_name('offload_param')}): check plans it")
-    if train.computes_ref_logps and not train.uses_lora:
-        problems.append(f"the ZeRO trace runs no reference model ({field_name('beta')} > 0 without LoRA): check "
-                        "plans it")
     if importlib.util.find_spec("deepspeed") is None:
         problems.append("the ZeRO trace runs DeepSpeed's own engine, which is not installed (pip install "
                         "'vram-plan[deepspeed]')")

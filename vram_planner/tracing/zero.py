@@ -15,7 +15,8 @@ ZeRO-3 it gathers every parameter when `ds3_gather_for_generation` is on, and le
 otherwise), the loss's backward through `engine.backward` with accelerate's accumulation boundary
 (`DeepSpeedEngineWrapper.backward`), after an earlier step's loss under ZeRO-3 (`earlier_loss`: its parameter
 coordinator as a later step finds it), the optimizer phase as `engine.step()` runs from the second step on, with Adam's
-moments made by an earlier step (`_states_of_earlier_steps`). What DeepSpeed allocates is tagged by where it lives:
+moments made by an earlier step (`_states_of_earlier_steps`). A full fine-tune's reference model (beta > 0) is
+TRL's own `prepare_deepspeed` of it (`_prepare_reference`). What DeepSpeed allocates is tagged by where it lives:
 the 16-bit parameters (ZeRO-3: their partitions and its gathers) as weights, the fp32 master partition and Adam's
 moments as optimizer states, the reduction buckets, gradient partitions and what the step makes of them (the flat,
 fp32 and the norm's fp64 copies) as gradients, the client optimizer's own temporaries as the step's.
@@ -40,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import io
 import logging
 import os
 import re
@@ -50,7 +52,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.model.spec import TrainingConfig
-from vram_planner.tracing.counter import GRADS, STATES, STEP, WEIGHTS, PhasePeak
+from vram_planner.tracing.counter import GRADS, REFERENCE, STATES, STEP, WEIGHTS, PhasePeak
 from vram_planner.tracing.optimizer_peak import host_step_scalars, step_peak
 from vram_planner.tracing.session import Session
 
@@ -105,6 +107,8 @@ def zero_rank(session: Session, optimizer_recipe: tuple[type, dict[str, Any]], r
     config = deepspeed_config(session)
     with _deepspeed_on_cpu(session.train.num_gpus, rank) as deepspeed:
         _initialize(session, deepspeed, config, optimizer_recipe)
+        if session.ref_model is not None:
+            _prepare_reference(session, config)
         try:
             with _zero_counted(session):
                 yield
@@ -136,6 +140,31 @@ def _initialize(session: Session, deepspeed: Any, config: dict[str, Any], recipe
     for p in [*masters, *getattr(zero_optimizer, "fp32_partitioned_groups_flat", [])]:
         tracker.track(p, STATES)
     session.engine, session.optimizer = engine, zero_optimizer
+
+
+def _prepare_reference(session: Session, config: dict[str, Any]) -> None:
+    """The reference model as GRPOTrainer prepares it under DeepSpeed: TRL's own `prepare_deepspeed`
+    (trl/models/utils.py), an inference engine of the run's config, ZeRO-3 partitioned with TRL's smaller buckets and
+    persistence threshold, else stage 0 (whole on every rank)."""
+    from trl.models import prepare_deepspeed
+
+    tracker, model = session.tracker, session.ref_model
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
+    model.to = lambda *args, **kwargs: model
+    try:
+        # at stage 0 DeepSpeed's BF16_Optimizer prints rank 0's memory use to stdout (runtime/utils.py
+        # see_memory_usage), where --json prints the report
+        with tracker.tagged(REFERENCE, "deepspeed.initialize"), contextlib.redirect_stdout(io.StringIO()):
+            engine = prepare_deepspeed(model, accelerator)
+    finally:
+        del model.to
+    for p in [*model.parameters(), *model.buffers()]:
+        tracker.track(p, REFERENCE)
+        if getattr(p, "ds_tensor", None) is not None:
+            tracker.track(p.ds_tensor, REFERENCE)
+    session.ref_model = engine
+    if session.trainer is not None:
+        session.trainer.ref_model = engine
 
 
 @contextlib.contextmanager
