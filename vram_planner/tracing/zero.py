@@ -123,17 +123,10 @@ def _initialize(session: Session, deepspeed: Any, config: dict[str, Any], recipe
     cls, kwargs = recipe
     with unset_fake_temporarily():  # as run_optimizer builds it: outside the fake world, over the fake parameters
         optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
-    model.to = lambda *args, **kwargs: model  # engine.py:2093-2094 (the module's docstring)
-    try:
-        # What the engine keeps besides the parameters and the master partition: buckets and gradient partitions
-        with tracker.tagged(GRADS, "deepspeed.initialize"):
-            engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    finally:
-        del model.to
-    for p in [*model.parameters(), *model.buffers()]:
-        tracker.track(p, WEIGHTS)
-        if getattr(p, "ds_tensor", None) is not None:  # ZeRO-3: the parameter's partition, the parameter empty
-            tracker.track(p.ds_tensor, WEIGHTS)
+    # What the engine keeps besides the parameters and the master partition: buckets and gradient partitions
+    with _moved_in_place(model), tracker.tagged(GRADS, "deepspeed.initialize"):
+        engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    _count_parameters(session, model, WEIGHTS)
     # The fp32 master partitions the client optimizer steps: its parameters under ZeRO-1/2; ZeRO-3 hands it one
     # sub-group at a time (stage3.py `_optimizer_step`) and keeps them in `fp32_partitioned_groups_flat`
     masters = [p for group in zero_optimizer.optimizer.param_groups for p in group["params"]]
@@ -150,21 +143,34 @@ def _prepare_reference(session: Session, config: dict[str, Any]) -> None:
 
     tracker, model = session.tracker, session.ref_model
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
-    model.to = lambda *args, **kwargs: model
-    try:
-        # at stage 0 DeepSpeed's BF16_Optimizer prints rank 0's memory use to stdout (runtime/utils.py
-        # see_memory_usage), where --json prints the report
-        with tracker.tagged(REFERENCE, "deepspeed.initialize"), contextlib.redirect_stdout(io.StringIO()):
-            engine = prepare_deepspeed(model, accelerator)
-    finally:
-        del model.to
-    for p in [*model.parameters(), *model.buffers()]:
-        tracker.track(p, REFERENCE)
-        if getattr(p, "ds_tensor", None) is not None:
-            tracker.track(p.ds_tensor, REFERENCE)
+    # at stage 0 DeepSpeed's BF16_Optimizer prints rank 0's memory use to stdout (runtime/utils.py
+    # see_memory_usage), where --json prints the report
+    with _moved_in_place(model), tracker.tagged(REFERENCE, "deepspeed.initialize"), \
+            contextlib.redirect_stdout(io.StringIO()):
+        engine = prepare_deepspeed(model, accelerator)
+    _count_parameters(session, model, REFERENCE)
     session.ref_model = engine
     if session.trainer is not None:
         session.trainer.ref_model = engine
+
+
+@contextlib.contextmanager
+def _moved_in_place(model: Any) -> Iterator[None]:
+    """The engine's `module.to(device)` (engine.py:2093-2094) a no-op while DeepSpeed builds it (the module's
+    docstring)."""
+    model.to = lambda *args, **kwargs: model
+    try:
+        yield
+    finally:
+        del model.to
+
+
+def _count_parameters(session: Session, model: Any, tag: str) -> None:
+    """The model's parameters and buffers counted as `tag`, with ZeRO-3's partition of each (the parameter empty)."""
+    for p in [*model.parameters(), *model.buffers()]:
+        session.tracker.track(p, tag)
+        if getattr(p, "ds_tensor", None) is not None:
+            session.tracker.track(p.ds_tensor, tag)
 
 
 @contextlib.contextmanager
