@@ -34,9 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from vram_planner import engine  # noqa: E402
 from vram_planner.model import zero  # noqa: E402
-from vram_planner.model.components import zero_heaviest_rank  # noqa: E402
 from vram_planner.model.phases import TENSOR_COMPONENTS, estimate  # noqa: E402
-from vram_planner.tracing.step import trace_step  # noqa: E402
+from vram_planner.tracing.step import trace_phases_on_their_ranks  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "sharded.json"
@@ -109,16 +108,14 @@ def measure(model: str, knobs: dict, gpus: int, stage: int | None = None) -> dic
     config = json.loads(Path(model).read_text())
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                              context.capacity_bytes).phases}
-    # each phase traced on the rank the planner counts there (ZeRO-1/2's partitions differ from rank to rank)
-    ranks = {name: zero_heaviest_rank(context.arch, train, name) for name in analytic}
     start = time.perf_counter()
-    traced = {rank: trace_step(config, train, context.release, zero_rank=rank) for rank in sorted(set(ranks.values()))}
+    # each phase traced on the rank the planner counts there (ZeRO-1/2's partitions differ from rank to rank)
+    traced = trace_phases_on_their_ranks(config, train, context.release)
     seconds = time.perf_counter() - start
     phases = []
-    for phase in traced[ranks["generation"]].phases:
-        phase = next(p for p in traced[ranks[phase.name]].phases if p.name == phase.name)
+    for rank, phase in traced:
         other = analytic[phase.name]
-        phases.append({"phase": phase.name, "rank": ranks[phase.name], "trace_bytes": phase.peak_bytes,
+        phases.append({"phase": phase.name, "rank": rank, "trace_bytes": phase.peak_bytes,
                        "analytic_bytes": round(other.tensor_bytes),
                        "trace_moment": phase.moment, "analytic_moment": other.moment,
                        "components": {c: [phase.components.get(c, 0), round(other.components.get(c, 0.0))]

@@ -222,6 +222,7 @@ def test_the_analytic_model_is_held_to_the_trace(stage, gather):
     # in use twice (model/zero.py prefetching_forward_params); each phase on the rank the planner counts there
     from vram_planner import engine
     from vram_planner.model.phases import estimate
+    from vram_planner.tracing.step import trace_phases_on_their_ranks
 
     model = FIXTURES.parent.parent / "profiles" / "models" / "Qwen2.5-0.5B.json"
     context = engine.make_context(str(model), "h100-80gb")
@@ -229,25 +230,13 @@ def test_the_analytic_model_is_held_to_the_trace(stage, gather):
                                            "max_prompt_length": 32, "max_completion_length": 32, "dtype": "bfloat16",
                                            "num_gpus": 8, "zero_stage": stage,
                                            **({} if gather else {"ds3_gather_for_generation": False})})
-    traced = _traced_per_phase(json.loads(model.read_text()), context, train)
+    traced = {phase.name: phase for _, phase in trace_phases_on_their_ranks(json.loads(model.read_text()), train)}
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}
     for phase in ("generation", "training", "optimizer"):
         # never below the trace but for its 512-byte rounding of each block, within 2% above it
         assert traced[phase].peak_bytes - 2**18 <= analytic[phase].tensor_bytes
         assert analytic[phase].tensor_bytes <= traced[phase].peak_bytes * 1.02
-
-
-def _traced_per_phase(config: dict, context, train) -> dict:
-    """Each phase traced on the rank the planner counts there (ZeRO-1/2's partitions differ from rank to rank), as
-    benchmarks/sharded.py traces them."""
-    from vram_planner.model.components import zero_heaviest_rank
-    from vram_planner.tracing.step import trace_step
-
-    phases = ("generation", "training", "optimizer")
-    ranks = {phase: zero_heaviest_rank(context.arch, train, phase) for phase in phases}
-    traced = {rank: trace_step(config, train, zero_rank=rank) for rank in set(ranks.values())}
-    return {phase: traced[ranks[phase]].phase(phase) for phase in phases}
 
 
 # A small Llama whose linears are over ZeRO-3's persistence threshold (1e5 elements) and whose adapters are under it:

@@ -209,6 +209,26 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
                        gradient_blocks=tuple(session.tracker.live_blocks(GRADS)), zero_rank=zero_rank)
 
 
+def trace_phases_on_their_ranks(arch_config: dict[str, Any], train: TrainingConfig,
+                                release: TrlRelease | None = None) -> list[tuple[int, TracePhase]]:
+    """Each phase of the step traced on the rank the planner counts there (under ZeRO-1/2 the ranks' partitions
+    differ: `vram_planner.model.components.zero_heaviest_rank`), one `trace_step` per rank needed, in the order of
+    the phases: (rank, phase). Without ZeRO on several GPUs, one trace of rank 0."""
+    from vram_planner.model.architecture import ModelArchitecture
+
+    arch = ModelArchitecture.from_config(arch_config)
+    traced: dict[int, TraceResult] = {}
+
+    def on(rank: int) -> TraceResult:
+        if rank not in traced:
+            traced[rank] = trace_step(arch_config, train, release, zero_rank=rank)
+        return traced[rank]
+
+    order = on(zero_heaviest_rank(arch, train, "generation")).phases
+    ranks = [zero_heaviest_rank(arch, train, phase.name) for phase in order]
+    return [(rank, on(rank).phase(phase.name)) for rank, phase in zip(ranks, order, strict=True)]
+
+
 def _planned_on_another_rank(arch: Any, train: TrainingConfig, rank: int) -> list[str]:
     """A note where ZeRO-2's phases before the step are planned on a rank other than the traced one (the rank
     whose partition keeps the most whole gradients, `model/zero.py accumulating_rank`): their analytic figures
