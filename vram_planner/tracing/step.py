@@ -231,14 +231,14 @@ def trace_phases_on_their_ranks(arch_config: dict[str, Any], train: TrainingConf
 
 def _planned_on_another_rank(arch: Any, train: TrainingConfig, rank: int) -> list[str]:
     """A note where ZeRO-2's phases before the step are planned on a rank other than the traced one (the rank
-    whose partition keeps the most whole gradients, `model/zero.py accumulating_rank`): their analytic figures
-    beside the trace count that rank's. The step's are compared for the traced rank (`compare_with_estimate`)."""
+    whose partition keeps the most whole gradients, `zero_heaviest_rank`): their analytic figures beside the trace
+    count that rank's. The step's are compared for the traced rank (`compare_with_estimate`)."""
     if not zero_on_several_ranks(train) or train.zero_stage != 2:
         return []
-    groups = zero_optimizer_groups(arch, train)
-    planned = zero.accumulating_rank(groups, train.num_gpus)
+    planned = zero_heaviest_rank(arch, train, "training")
     if planned == rank:
         return []
+    groups = zero_optimizer_groups(arch, train)
     more = (zero.whole_gradient_elements(groups, train.num_gpus, planned)
             - zero.whole_gradient_elements(groups, train.num_gpus, rank)) * zero.REDUCE_BUCKET_ELEMENT_BYTES
     return [f"the phases before the optimizer step are planned on rank {planned}, whose ZeRO-2 partition keeps "
