@@ -48,6 +48,7 @@ class Request:
     optim: str | None = None  # transformers optimizer name: adamw_torch_fused, adamw_8bit, ...
     gradient_checkpointing: bool | None = None
     use_liger_kernel: bool | None = None
+    cast_lm_head_to_fp32: bool | None = None  # the LM head of the policy and reference in float32 (TRL 0.25+)
     use_vllm: bool | None = None
     vllm_mode: str | None = None  # colocate or server
     vllm_gpu_memory_utilization: float | None = None

@@ -209,6 +209,7 @@ def knobs(draw) -> dict[str, Any]:
         "optim": st.sampled_from(["adamw_torch_fused", "adamw_torch", "adamw_8bit", "sgd", "adafactor"]),
         "gradient_checkpointing": st.booleans(), "dtype": st.sampled_from(["float32", "bfloat16", "float16"]),
         "attn_implementation": st.sampled_from(["sdpa", "eager"]), "use_liger_kernel": st.booleans(),
+        "cast_lm_head_to_fp32": st.booleans(),
         "use_vllm": st.booleans(), "num_gpus": st.integers(1, 4), "zero_stage": st.integers(0, 3)}))
     drawn["num_generations"] = generations
     drawn["per_device_train_batch_size"] = generations * draw(st.integers(1, 3))

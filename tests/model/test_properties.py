@@ -144,7 +144,8 @@ def valid_knobs(draw) -> dict[str, Any]:
         "dtype": st.sampled_from(["float32", "bfloat16", "float16"]),
         "mixed_precision": st.sampled_from(["bf16", "fp16", "no"]),
         "attn_implementation": st.sampled_from(["sdpa", "eager", "flash_attention_2"]),
-        "use_liger_kernel": st.booleans(), "use_vllm": st.booleans(), "vllm_enable_sleep_mode": st.booleans(),
+        "use_liger_kernel": st.booleans(), "cast_lm_head_to_fp32": st.booleans(), "use_vllm": st.booleans(),
+        "vllm_enable_sleep_mode": st.booleans(),
         "vllm_gpu_memory_utilization": st.floats(0.05, 0.95), "num_gpus": st.integers(1, 8),
         "zero_stage": st.integers(0, 3), "fsdp": st.booleans(),
         "transformers_version": st.sampled_from(TRANSFORMERS_VERSIONS)}))
@@ -334,7 +335,7 @@ def test_memory_falls_along_every_run_of_the_ladder(model, card, trl_version, kn
     # same generation and optimizer batches, its smallest micro-batch (1, or under TRL 0.15-0.16 one whole group;
     # between them memory grows with the micro-batch)
     context, train = _valid(model, card, trl_version, knobs)
-    for run in ladder_runs(train, context.gpu.bf16):
+    for run in ladder_runs(train, context.gpu.bf16, context.arch):
         assert _never_rises([_peak(context, rung) for rung in run]), run
         assert _never_rises([_peak(context, with_micro_batch(rung, smallest_micro_batch(rung))) for rung in run]), run
 

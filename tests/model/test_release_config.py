@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vram_planner import engine
 from vram_planner.errors import ConfigError
 from vram_planner.model.search import ladder_runs, micro_batch_variants
 from vram_planner.model.spec import (Optimizer, TrainingConfig, as_settings, release_config, training_config,
@@ -71,7 +72,7 @@ def test_with_changes_agrees_with_training_config(base, changes):
 
 @pytest.mark.parametrize("base", BASES + [TrainingConfig(per_device_train_batch_size=1024, trl_version="0.14.0")])
 def test_every_rung_of_the_ladder_is_a_config_training_config_accepts(base):
-    for run in ladder_runs(base, gpu_bf16=False):
+    for run in ladder_runs(base, gpu_bf16=False, arch=engine.make_context("Llama-3.2-1B", "24GiB").arch):
         for rung in run:
             for variant in [rung, *micro_batch_variants(rung)]:
                 assert training_config(as_settings(variant)) == variant

@@ -24,6 +24,10 @@ def gpu(gib: float, bf16: bool = True) -> GpuProfile:
     return GpuProfile(name=f"{gib}GiB", total_memory_gib=gib, bf16=bf16, flash_attention_2=bf16)
 
 
+# the model the ladder's rungs are built for where a test names none
+LLAMA = engine.make_context("Llama-3.2-1B", "24GiB").arch
+
+
 def plan_for(model_file, gib, bf16=True, **kw):
     return engine.plan(str(model_file), gpu(gib, bf16), kw)
 
@@ -61,7 +65,7 @@ def test_micro_batch_variants_keep_generation_and_optimizer_batches():
 
 def test_rungs_add_savers_in_order_of_cost():
     user = training_config({"gradient_checkpointing": False})
-    first, *steps = list(rungs(user, gpu_bf16=True))[1:]
+    first, *steps = list(rungs(user, gpu_bf16=True, arch=LLAMA))[1:]
     # expandable segments alone first (free); the savers after it keep the user's allocator
     assert first == with_changes(user, allocator_conf="expandable_segments:True")
     assert all(step.allocator_conf == "" for step in steps)
@@ -78,7 +82,7 @@ def test_rungs_add_savers_in_order_of_cost():
 
 
 def test_no_bf16_card_skips_bf16_weights_and_uses_float16_lora():
-    steps = list(rungs(training_config({"mixed_precision": "fp16"}), gpu_bf16=False))
+    steps = list(rungs(training_config({"mixed_precision": "fp16"}), gpu_bf16=False, arch=LLAMA))
     assert all(s.dtype != "bfloat16" for s in steps)
     assert any(s.lora_r and s.dtype == "float16" for s in steps)
 
@@ -135,7 +139,7 @@ def test_plan_time_does_not_grow_with_batch_or_lengths(knobs):
 
 def exhaustive_choice(context, user):
     """The ladder judged micro-batch by micro-batch, largest first: what the plan must choose."""
-    for rung in rungs(user, context.gpu.bf16):
+    for rung in rungs(user, context.gpu.bf16, context.arch):
         for variant in micro_batch_variants(rung):
             if judge(context, variant).fits:
                 return variant
@@ -157,7 +161,7 @@ def test_the_search_chooses_what_the_exhaustive_search_chooses(model, share, gro
     # a card between what the bottom of the ladder and what the request needs, so that every rung gets chosen
     big = engine.make_context(model, gpu(1000))
     needs = judge(big, engine.make_training(big, knobs)).estimate.peak_bytes
-    least = judge(big, smallest_config(engine.make_training(big, knobs), True)).estimate.peak_bytes
+    least = judge(big, smallest_config(engine.make_training(big, knobs), True, big.arch)).estimate.peak_bytes
     context = engine.make_context(model, gpu((least + share * (needs - least)) / 0.95 / GiB))
     user = engine.make_training(context, knobs)
     # `listed` 2: the list of micro-batches grows from 2 (to 4, 16, 256): the path huge batches take
@@ -210,11 +214,11 @@ def test_the_generation_batch_shrinks_when_steps_per_generation_is_one():
 
 def test_the_generation_batch_rung_halves_the_batch_within_trl_rules():
     user = training_config({"per_device_train_batch_size": 24, "num_generations": 3})
-    sizes = [r.generation_batch_size for r in rungs(user, gpu_bf16=True) if r.num_generations == 3]
+    sizes = [r.generation_batch_size for r in rungs(user, gpu_bf16=True, arch=LLAMA) if r.num_generations == 3]
     assert 12 in sizes and 3 in sizes and all(size % 3 == 0 for size in sizes)
     # half, rounded down to a multiple of the group size
     user = training_config({"per_device_train_batch_size": 1000, "num_generations": 8})
-    sizes = [r.generation_batch_size for r in rungs(user, gpu_bf16=True) if r.num_generations == 8]
+    sizes = [r.generation_batch_size for r in rungs(user, gpu_bf16=True, arch=LLAMA) if r.num_generations == 8]
     assert sorted(set(sizes), reverse=True) == [1000, 496, 248, 120, 56, 24, 8]
 
 
@@ -237,7 +241,7 @@ def test_the_ladder_keeps_an_on_policy_run_on_policy():
     # to 2 would make it compute them (more memory, and memory no longer falling along the run the plan bisects)
     user = training_config({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 5,
                             "steps_per_generation": 5})
-    ladder = list(rungs(user, gpu_bf16=True))
+    ladder = list(rungs(user, gpu_bf16=True, arch=LLAMA))
     assert not user.computes_old_logps and not any(r.computes_old_logps for r in ladder)
     assert [r.steps_per_generation for r in ladder][-1] == 1
 

@@ -35,7 +35,7 @@ def test_the_rung_saves_at_least_what_the_card_lacked_skipping_smaller_ones(setu
     train, context = setup.train, setup.verdict.context
     ladder = [v for v in micro_batch_variants(train)
               if v.per_device_train_batch_size < train.per_device_train_batch_size]
-    ladder += list(rungs(train, context.gpu.bf16))[1:]
+    ladder += list(rungs(train, context.gpu.bf16, context.arch))[1:]
     savings = [setup.predicted_peak_bytes - judge(context, c).estimate.peak_bytes for c in ladder]
     lacked = (round(max(savings[:2])) // (2 * MiB) + 1) * 2 * MiB  # more than either of the next two rungs saves
     chosen, why = fallback_setup(setup, lacking(tmp_path, lacked))

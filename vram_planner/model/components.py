@@ -83,8 +83,25 @@ def adapter_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
 
 
 def lm_head_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """The compute-dtype copy of the output projection that generate()'s LM head makes under autocast."""
-    return arch.vocab_size * arch.hidden_size * sizes(train).compute if autocast_casts_weights(train) else 0
+    """The compute-dtype copy of the output projection that generate()'s LM head makes under autocast: of float32
+    weights, or of the float32 head of cast_lm_head_to_fp32, whose float32 linear autocast casts all the same."""
+    head_in_fp32 = train.cast_lm_head_to_fp32 and train.mixed_precision != "no"
+    casts = autocast_casts_weights(train) or head_in_fp32
+    return arch.vocab_size * arch.hidden_size * sizes(train).compute if casts else 0
+
+
+def head_tensors(arch: ModelArchitecture) -> list[int]:
+    """The output projection's parameter tensors: its weight (the embedding's, when tied) and a bias."""
+    return [arch.vocab_size * arch.hidden_size] + ([arch.vocab_size] if arch.family.lm_head_bias else [])
+
+
+def head_upcast_bytes(arch: ModelArchitecture, train: TrainingConfig, per_param: float) -> float:
+    """What GRPOConfig's cast_lm_head_to_fp32 adds to one copy of the head's tensors otherwise of `per_param` bytes
+    (a weight, its gradient, an optimizer state): TRL casts the head module to float32 in place (grpo_trainer.py
+    1.16.0:1014-1045), a tied embedding with it, so everything made after it is float32 too."""
+    if not train.cast_lm_head_to_fp32 or per_param >= FP32_BYTES:
+        return 0
+    return sum(blocks.blocks(n * FP32_BYTES) - blocks.blocks(n * per_param) for n in head_tensors(arch))
 
 
 def trainable_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
@@ -130,10 +147,12 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
         absmax = (NF4_DOUBLE_QUANT_ABSMAX_BYTES_PER_PARAM if train.bnb_4bit_use_double_quant is not False
                   else NF4_ABSMAX_BYTES_PER_PARAM)
         base = arch.linear_params * (NF4_BYTES_PER_PARAM + absmax) + (arch.params - arch.linear_params) * s.weight
+        base += head_upcast_bytes(arch, train, s.weight)
     elif train.zero_stage is not None:
         base = arch.params * 2  # DeepSpeed's bf16 engine casts the module to bf16
     else:
-        base = arch.params * s.weight + _plain_weight_rounding(arch, train, s.weight)
+        base = (arch.params * s.weight + _plain_weight_rounding(arch, train, s.weight)
+                + head_upcast_bytes(arch, train, s.weight))
     adapters = 0.0
     if train.uses_lora:
         adapters = trainable_params(arch, train) * s.trainable + _trainable_rounding(arch, train, s.trainable)
@@ -268,12 +287,15 @@ def reference_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
     if train.fsdp:  # frozen: sharded as loaded, not upcast
         return fsdp.reference_shard_bytes(arch, train)
     per_param = 2 if train.zero_stage is not None else sizes(train).weight
-    return shard_bytes(train, arch.params * per_param, 3) + _plain_weight_rounding(arch, train, per_param)
+    return (shard_bytes(train, arch.params * per_param, 3) + _plain_weight_rounding(arch, train, per_param)
+            + head_upcast_bytes(arch, train, per_param))
 
 
 def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Gradients of the trainable parameters; DDP adds its bucket copy (gradient_as_bucket_view=False)."""
     grads = trainable_params(arch, train) * sizes(train).trainable
+    if not train.uses_lora:
+        grads += head_upcast_bytes(arch, train, sizes(train).trainable)
     if train.fsdp:  # reduce-scattered into the shards' dtype (model/fsdp.py), on the host under CPU offload
         return fsdp.shard_gradient_bytes(arch, train)
     if train.zero_stage in (1, 2) and train.optimizer_offloaded:
@@ -378,7 +400,7 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     elif opt is Optimizer.sgd:
         total = 0
     elif opt in (Optimizer.rmsprop, Optimizer.adagrad):
-        total = opt.state_tensors * trainable * state_dtype
+        total = opt.state_tensors * (trainable * state_dtype + _head_state_upcast_bytes(arch, train, state_dtype))
     else:
         # exp_avg and exp_avg_sq of every tensor in whole blocks, and fused AdamW's step scalars
         if train.fsdp:
@@ -386,7 +408,8 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
             # (one per parameter, not sharded)
             return 2 * fsdp.trainable_shard_bytes(arch, train, state_dtype) + blocks.optimizer_step_scalars_bytes(
                 arch, train)
-        total = 2 * (trainable * state_dtype + _trainable_rounding(arch, train, state_dtype))
+        total = 2 * (trainable * state_dtype + _trainable_rounding(arch, train, state_dtype)
+                     + _head_state_upcast_bytes(arch, train, state_dtype))
         total += blocks.optimizer_step_scalars_bytes(arch, train) if per_parameter_storages(train) else 0
     if train.zero_stage is not None:
         total += trainable * MASTER_WEIGHT_BYTES
@@ -399,8 +422,15 @@ def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfi
         return 0
     if train.optim is Optimizer.adamw_torch:
         per_param = fsdp.master_bytes(train) if train.fsdp else sizes(train).trainable
-        return shard_bytes(train, trainable_params(arch, train) * per_param, 1)
+        return shard_bytes(train, trainable_params(arch, train) * per_param
+                           + _head_state_upcast_bytes(arch, train, per_param), 1)
     return 0
+
+
+def _head_state_upcast_bytes(arch: ModelArchitecture, train: TrainingConfig, state_dtype: float) -> float:
+    """An optimizer state of a float32 head (cast_lm_head_to_fp32) is float32: torch's optimizers keep each state in
+    its parameter's dtype. Only a trained head has one."""
+    return 0 if train.uses_lora else head_upcast_bytes(arch, train, state_dtype)
 
 
 def _small_tensor_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
@@ -499,9 +529,10 @@ def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> flo
 
 
 def generation_logits_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int) -> float:
-    """Last-token logits per decoding step: the model's output in the compute dtype (`as_generated`), generate's fp32
-    copy, and the sampling probs."""
-    return sequences * arch.vocab_size * (sizes(train).compute + FP32_BYTES + FP32_BYTES)
+    """Last-token logits per decoding step: the model's output in the compute dtype (`as_generated`; float32 from the
+    float32 head of cast_lm_head_to_fp32 outside autocast), generate's fp32 copy, and the sampling probs."""
+    head_in_fp32 = train.cast_lm_head_to_fp32 and train.mixed_precision == "no"
+    return sequences * arch.vocab_size * ((FP32_BYTES if head_in_fp32 else sizes(train).compute) + 2 * FP32_BYTES)
 
 
 def as_generated(train: TrainingConfig) -> TrainingConfig:

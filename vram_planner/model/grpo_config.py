@@ -39,6 +39,8 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
         kwargs["num_iterations"] = train.num_iterations
     if train.use_liger_kernel:
         kwargs["use_liger_kernel"] = True
+    if train.cast_lm_head_to_fp32:  # a GRPOConfig field from TRL 0.25 (spec refuses it before)
+        kwargs["cast_lm_head_to_fp32"] = True
     if train.zero_stage == 3 and not train.ds3_gather_for_generation:
         kwargs["ds3_gather_for_generation"] = False
     if train.use_vllm:

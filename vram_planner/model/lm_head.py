@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.blocks import blocks
-from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.components import FP32_BYTES, Sizes, sizes
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease
 
@@ -141,11 +141,22 @@ def _uses_fused_head(train: TrainingConfig, release: TrlRelease) -> bool:
 
 def fused_tile_bytes(train: TrainingConfig, release: TrlRelease, sequences: int) -> float:
     """The fused head's logits tile for `sequences` sequences: up to lm_head_token_chunk scored tokens by a whole
-    vocabulary chunk, whatever V is, in the compute dtype (0 where the head is not fused)."""
+    vocabulary chunk, whatever V is, in the head's compute dtype (0 where the head is not fused)."""
     if not _uses_fused_head(train, release):
         return 0.0
     scored = sequences * train.max_completion_length
-    return float(min(scored, release.lm_head_token_chunk) * release.lm_head_vocab_chunk * sizes(train).compute)
+    return float(min(scored, release.lm_head_token_chunk) * release.lm_head_vocab_chunk
+                 * _fused_head_sizes(train).compute)
+
+
+def _fused_head_sizes(train: TrainingConfig) -> Sizes:
+    """The byte widths the fused head works in. With cast_lm_head_to_fp32 TRL runs it outside autocast on float32
+    hidden states (`hidden_states.float()`, trl/trainer/utils.py 1.16.0:1629-1631) and the head's float32 weight,
+    so its tiles, its input and its weight gradient are float32 whatever the model's dtypes."""
+    s = sizes(train)
+    if not train.cast_lm_head_to_fp32:
+        return s
+    return Sizes(weight=FP32_BYTES, compute=FP32_BYTES, residual=FP32_BYTES, trainable=FP32_BYTES)
 
 
 def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease,
@@ -183,20 +194,23 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     chunk = release.lm_head_vocab_chunk
     tile_tokens = min(scored, release.lm_head_token_chunk)
     tile = fused_tile_bytes(train, release, sequences)
+    backbone_output = sequences * train.sequence_length * h * s.residual  # referenced while the head runs
+    # cast_lm_head_to_fp32's float32 copy of the backbone's output but its last position, alive to the forward's end
+    upcast_output = sequences * (train.sequence_length - 1) * h * FP32_BYTES if train.cast_lm_head_to_fp32 and (
+        s.residual != FP32_BYTES) else 0
+    s = _fused_head_sizes(train)
     casts_weight = s.weight != s.compute and not train.load_in_4bit
     weight_cast = min(vocab, chunk) * h * s.compute if casts_weight else 0
     hidden_cast = tile_tokens * h * s.compute if s.residual != s.compute else 0
     gathered_hidden = scored * h * s.residual  # hidden_states[mask] copies the scored positions
-    # The backbone's output stays referenced while the head runs.
-    backbone_output = sequences * train.sequence_length * h * s.residual
     # TRL's _fused_forward: the mask `labels != -100` (bool, one per position but the last) and `labels[mask]` (int64)
     selection = blocks(sequences * (train.sequence_length - 1)) + blocks(scored * INT64_BYTES)
     per_token = blocks(scored * FP32_BYTES)
     # the policy's pass asks for the entropy too: the loss's, and the old log-probs' where they are scored
     epilogue = (FUSED_EPILOGUE_WITH_ENTROPY if with_grad or train.computes_old_logps else FUSED_EPILOGUE) * per_token
     # a vocabulary chunk's weight cast lives through its projection, inside the loop; the epilogue after it
-    forward = (backbone_output + gathered_hidden + selection + FUSED_FORWARD_STATS * per_token + tile + hidden_cast
-               + max(weight_cast, epilogue))
+    forward = (backbone_output + upcast_output + gathered_hidden + selection + FUSED_FORWARD_STATS * per_token + tile
+               + hidden_cast + max(weight_cast, epilogue))
     if not with_grad:
         return LmHeadMemory(forward_transient=forward, saved=0, backward_transient=0)
     grad_weight = vocab * h * FP32_BYTES if not train.uses_lora else 0

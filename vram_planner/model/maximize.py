@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vram_planner.errors import ConfigError, UnknownNameError, field_name
+from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.divisors import divisors
 from vram_planner.model.search import (BATCH_FIELDS, Plan, best_plan, describe_changes, ladder_runs,
                                        smallest_micro_batch, vllm_tuned, with_micro_batch)
@@ -231,7 +232,7 @@ class SaverPeaks:
     def __init__(self, context: Context, train: TrainingConfig, field: str, allow_savers: bool,
                  memo: dict[tuple[int, bool, int], Verdict | None] | None = None) -> None:
         self.context, self.train, self.field, self.allow_savers = context, train, field, allow_savers
-        self.savers = _saver_changes(train, context.gpu.bf16, field) if allow_savers else [{}]
+        self.savers = _saver_changes(train, context.gpu.bf16, context.arch, field) if allow_savers else [{}]
         self.micro_batch_choices = (True, False) if allow_savers and field != "per_device_train_batch_size" else (
             False,)
         # the ladder's last rung at its smallest micro-batch usually needs the least: searched first
@@ -314,11 +315,12 @@ def _crossing(left: int, right: int, peak_at: Callable[[int], float], budget_byt
     return left + math.floor((budget_bytes - peak_at(left)) / rise * (right - left))
 
 
-def _saver_changes(train: TrainingConfig, gpu_bf16: bool, field: str) -> list[dict[str, Any]]:
+def _saver_changes(train: TrainingConfig, gpu_bf16: bool, arch: ModelArchitecture,
+                   field: str) -> list[dict[str, Any]]:
     """The plan's rungs before it changes the training semantics, each as the fields it sets (the first: none).
     Which savers apply does not depend on the knobs maximized, so they are found once and applied to every value."""
     changes = []
-    for run in ladder_runs(train, gpu_bf16):
+    for run in ladder_runs(train, gpu_bf16, arch):
         for rung in run:
             if any(getattr(rung, f) != getattr(train, f) for f in SEMANTIC_FIELDS):
                 return changes

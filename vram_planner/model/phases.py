@@ -622,16 +622,27 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
                                            "activations": _head_gradient_bytes(arch, train) + layer_input},
                              "embedding backward"))
     elif tied:
-        # The embedding's dense gradient joins the output projection's before they are summed.
+        # The embedding's dense gradient joins the output projection's before they are summed. Under
+        # cast_lm_head_to_fp32 the embedding is float32 and TRL's hook casts its output back to the weights' dtype,
+        # so the gradient reaches it as a float32 copy of the layers'.
         dense = _head_gradient_bytes(arch, train)
+        incoming = tokens * arch.hidden_size * m.FP32_BYTES if train.cast_lm_head_to_fp32 else layer_input
         moments.append(Phase("training", {**persistent, "gradients": all_grads + held + dense,
-                                           "activations": layer_input}, "embedding backward"))
+                                           "activations": incoming}, "embedding backward"))
     elif train.zero_stage == 1:
         # ZeRO-1 reduces once every gradient is made, the bucket beside them (`_with_zero12_bucket`): the engine's
         # allreduce_gradients after the backward (stage_1_and_2.py:958 reduce_gradients); the real 2-rank run's peak
         # (benchmarks/deepspeed_cpu.py, untied)
         moments.append(Phase("training", {**persistent, "gradients": all_grads, "activations": layer_input},
                              "every gradient made"))
+    elif not train.uses_lora and train.zero_stage is None and not train.fsdp:
+        # An untied embedding's backward ends it: its dense gradient is made beside every other one, the layers'
+        # gradient reaching it; it becomes the .grad, or is added to the one earlier micro-batches left. Until then
+        # it is a tensor of the backward (as the trace, whose splits the allocator's reserve is fitted to, tags it).
+        dense = arch.vocab_size * arch.hidden_size * s.trainable
+        made = all_grads if accumulating else all_grads - dense
+        moments.append(Phase("training", {**persistent, "gradients": made, "activations": dense + layer_input},
+                             "embedding backward"))
     return moments
 
 
@@ -783,10 +794,12 @@ def _fsdp_first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingCon
 
 
 def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Gradients that exist when backward leaves the LM head: the output projection's (with full fine-tuning)."""
+    """Gradients that exist when backward leaves the LM head: the output projection's (with full fine-tuning; float32
+    with cast_lm_head_to_fp32)."""
     if train.uses_lora:
         return 0
-    return arch.vocab_size * arch.hidden_size * m.sizes(train).trainable
+    trainable = m.sizes(train).trainable
+    return arch.vocab_size * arch.hidden_size * trainable + m.head_upcast_bytes(arch, train, trainable)
 
 
 def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) -> tuple[str, ...]:

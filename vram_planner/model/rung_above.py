@@ -11,7 +11,7 @@ from vram_planner.model.verdict import Context, judge
 
 def ladder(context: Context, user: TrainingConfig) -> list[TrainingConfig]:
     """Every rung as best_plan judges it (with vLLM's share tuned), indexed as a plan's rank counts them."""
-    return [vllm_tuned(context, rung) for run in ladder_runs(user, context.gpu.bf16) for rung in run]
+    return [vllm_tuned(context, rung) for run in ladder_runs(user, context.gpu.bf16, context.arch) for rung in run]
 
 
 def config_above(rungs: list[TrainingConfig], rank: tuple[int, int]) -> tuple[int, TrainingConfig] | None:

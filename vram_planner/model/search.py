@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vram_planner.errors import ConfigError
+from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.divisors import divisors, prime_factors
 from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, knob_names, with_changes
-from vram_planner.model.verdict import Context, Verdict, judge
+from vram_planner.model.verdict import Context, Verdict, cast_lm_head_arch_problems, judge
 from vram_planner.units import GiB
 
 if TYPE_CHECKING:
@@ -96,15 +97,16 @@ class Plan:
         return self.chosen is not None
 
 
-def rungs(user: TrainingConfig, gpu_bf16: bool) -> Iterator[TrainingConfig]:
+def rungs(user: TrainingConfig, gpu_bf16: bool, arch: ModelArchitecture) -> Iterator[TrainingConfig]:
     """Configs from the user's own down to the smallest, each with more savers than the last."""
-    for run in ladder_runs(user, gpu_bf16):
+    for run in ladder_runs(user, gpu_bf16, arch):
         yield from run
 
 
-def ladder_runs(user: TrainingConfig, gpu_bf16: bool) -> Iterator[list[TrainingConfig]]:
+def ladder_runs(user: TrainingConfig, gpu_bf16: bool, arch: ModelArchitecture) -> Iterator[list[TrainingConfig]]:
     """The rungs in runs along which memory can only fall (each rung halves what the one before it halved), so that
-    a run can be bisected; the user's config and each saver are runs of one."""
+    a run can be bisected; the user's config and each saver are runs of one. A saver TRL cannot run on this model
+    (LoRA under cast_lm_head_to_fp32 over tied embeddings) is left out."""
     yield [user]
     if not user.expandable_segments:
         # Free, but the answer only where it alone makes the config fit: the savers below keep the user's allocator.
@@ -125,7 +127,7 @@ def ladder_runs(user: TrainingConfig, gpu_bf16: bool) -> Iterator[list[TrainingC
         steps.append({"load_in_4bit": True, "dtype": "bfloat16" if gpu_bf16 else "float16"})
     for step in steps:
         candidate = _try(current, step)
-        if candidate is not None and candidate != current:
+        if candidate is not None and candidate != current and not cast_lm_head_arch_problems(candidate, arch):
             current = candidate
             yield [current]
     yield from _semantic_runs(current)
@@ -248,9 +250,9 @@ def micro_batch_variants(train: TrainingConfig) -> Iterator[TrainingConfig]:
     return (with_micro_batch(train, size) for size in micro_batch_sizes(train))
 
 
-def smallest_config(user: TrainingConfig, gpu_bf16: bool) -> TrainingConfig:
+def smallest_config(user: TrainingConfig, gpu_bf16: bool, arch: ModelArchitecture) -> TrainingConfig:
     """The bottom of the ladder: the last rung at its smallest micro-batch."""
-    *_, bottom = rungs(user, gpu_bf16)
+    *_, bottom = rungs(user, gpu_bf16, arch)
     return with_micro_batch(bottom, smallest_micro_batch(bottom))
 
 
@@ -265,7 +267,7 @@ def best_plan(context: Context, user: TrainingConfig) -> Plan:
     """The highest-ranked config that fits, the changes that lead to it and what each saved."""
     requested = judge(context, user)
     smallest, rungs_before = requested, 0
-    for run in ladder_runs(user, context.gpu.bf16):
+    for run in ladder_runs(user, context.gpu.bf16, context.arch):
         run = [vllm_tuned(context, rung) for rung in run]  # each rung with the vLLM share it needs
         own = requested if rungs_before == 0 and run[0] == user else None  # tuning vLLM makes another config
         first, (verdict, bottom) = _first_fitting_rung(context, run, own)

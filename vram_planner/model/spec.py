@@ -148,6 +148,7 @@ class TrainingConfig:
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     use_liger_kernel: bool = False
+    cast_lm_head_to_fp32: bool = False
     use_vllm: bool = False
     vllm_mode: Literal["colocate", "server"] = "colocate"
     vllm_gpu_memory_utilization: Annotated[float, Rules(gt=0, lt=1)] = 0.3
@@ -343,6 +344,28 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
     if c.vllm_mode == "server" and not c.use_vllm:
         problems.append(f"{field_name('vllm_mode')} needs {field_name('use_vllm')}")
     problems.extend(vllm_problems(c))
+    problems.extend(cast_lm_head_problems(c))
+    return problems
+
+
+def cast_lm_head_problems(c: TrainingConfig) -> list[str]:
+    """Where cast_lm_head_to_fp32 is planned: a GRPOConfig field from TRL 0.25, planned on one GPU or DDP. TRL 0.25-1.14
+    compute full logits through it under autocast, which with float32 weights (their default) is what they do without
+    it; with 16-bit weights that path is not modelled."""
+    if not c.cast_lm_head_to_fp32:
+        return []
+    flag = field_name("cast_lm_head_to_fp32")
+    if version_tuple(c.release.version) < (0, 25, 0):
+        return [f"{flag} is not a GRPOConfig field in TRL {c.release.version} (it came in 0.25)"]
+    problems = []
+    if c.zero_stage is not None or c.fsdp:
+        problems.append(f"{flag} is planned on one GPU or DDP only: vram-plan does not yet model the float32 head "
+                        f"under {field_name('zero_stage')} or {field_name('fsdp')}, whose engines hold the model in "
+                        "their own dtype")
+    if c.release.lm_head != "fused_chunked" and c.dtype != "float32":
+        problems.append(f"{flag} with {field_name('dtype')} {c.dtype} is planned from TRL 1.15 on (its fused LM head); "
+                        f"vram-plan does not model TRL {c.release.version}'s float32 head over 16-bit weights: load "
+                        "float32, or plan for TRL 1.15+")
     return problems
 
 

@@ -252,6 +252,22 @@ def lora_target_problems(train: TrainingConfig, arch: ModelArchitecture) -> list
             f"{', '.join(known)}, or all-linear"]
 
 
+def cast_lm_head_arch_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
+    """Where TRL's own cast_lm_head_to_fp32 fails at start-up: with tied embeddings it hooks
+    `model.model.embed_tokens` (grpo_trainer.py 1.16.0:1037-1043), which neither a PEFT wrapper (its `.model` is the
+    causal LM) nor a multimodal model (the text model sits one level further in) has: AttributeError."""
+    if not (train.cast_lm_head_to_fp32 and arch.tie_word_embeddings):
+        return []
+    flag = field_name("cast_lm_head_to_fp32")
+    if train.uses_lora:
+        return [f"{flag} with LoRA fails in TRL's GRPOTrainer on {arch.name or arch.model_type}, whose embeddings are "
+                "tied to the LM head ('object has no attribute embed_tokens'); train without the cast or fully"]
+    if arch.vision_params:
+        return [f"{flag} fails in TRL's GRPOTrainer on {arch.name or arch.model_type}, a multimodal model whose "
+                "embeddings are tied to the LM head ('object has no attribute embed_tokens'); train without the cast"]
+    return []
+
+
 def _vllm_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
     if not train.use_vllm:  # vLLM's model loads only for a config that starts one
         return []
@@ -263,6 +279,7 @@ def _vllm_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
 def check_training(train: TrainingConfig, context: Context) -> None:
     """Refuse settings this GPU cannot run or this model does not have, all problems at once."""
     problems = (gpu_problems(train, context.gpu) + attention_problems(train, context.arch)
-                + lora_target_problems(train, context.arch) + _vllm_problems(train, context.arch))
+                + lora_target_problems(train, context.arch) + cast_lm_head_arch_problems(train, context.arch)
+                + _vllm_problems(train, context.arch))
     if problems:
         raise ConfigError(problems)

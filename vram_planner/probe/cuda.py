@@ -112,7 +112,7 @@ class CudaMeasurer:
         for a few tokens (seconds, tokens)."""
         from vram_planner.tracing import phases as tp
         from vram_planner.tracing import trainer as own
-        from vram_planner.tracing.session import Session, _add_fused_head, _add_lora, _build_model
+        from vram_planner.tracing.session import Session, _add_lora, _build_model, add_fused_heads, cast_heads
 
         train = point.train
         config = _config_json(point.model)
@@ -137,8 +137,8 @@ class CudaMeasurer:
                 session.model = _add_lora(model, train) if train.uses_lora else model
                 if train.computes_ref_logps and not train.uses_lora:
                     session.ref_model = _build_model(config, train)
-                    _add_fused_head(session.ref_model, outputs=("log_probs",))
-                _add_fused_head(session.base_model, outputs=("log_probs", "entropy"))
+                cast_heads(session.model, session.ref_model, train)
+                add_fused_heads(session)
                 recipe = tp.optimizer_recipe(train)
                 session.trainer = own.build_trainer(session)  # the installed GRPOTrainer's own scoring and loss
                 runs = [tp.run_generation, own.run_scoring, own.run_training]

@@ -330,7 +330,7 @@ def smallest_fitting_gpu(context: Context, user_train: Any) -> GpuProfile | None
         if gpu.capacity_bytes <= context.capacity_bytes:
             continue
         other = replace(context, gpu=gpu, calibration=calibration_for(gpu.name) if picked else context.calibration)
-        if judge(other, vllm_tuned(other, smallest_config(user_train, gpu.bf16))).fits:
+        if judge(other, vllm_tuned(other, smallest_config(user_train, gpu.bf16, other.arch))).fits:
             return gpu
     return None
 

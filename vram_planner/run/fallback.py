@@ -31,7 +31,7 @@ def fallback_setup(setup: Any, snapshot: Path | None) -> tuple[Any, str]:
     lacked = moment.requested_bytes - (moment.device_free_bytes or 0) - moment.largest_free_block_bytes
     smaller = [v for v in micro_batch_variants(train)
                if v.per_device_train_batch_size < train.per_device_train_batch_size]
-    ladder = smaller + list(rungs(train, context.gpu.bf16))[1:]
+    ladder = smaller + list(rungs(train, context.gpu.bf16, context.arch))[1:]
     for candidate in ladder:
         verdict = judge(context, candidate)
         if setup.predicted_peak_bytes - verdict.estimate.peak_bytes >= lacked:

@@ -99,7 +99,8 @@ class RunSetup:
         smaller = next((v for v in micro_batch_variants(train)
                         if v.per_device_train_batch_size < train.per_device_train_batch_size), None)
         if smaller is None:
-            smaller = next(itertools.islice(rungs(train, self.verdict.context.gpu.bf16), 1, None), None)
+            context = self.verdict.context
+            smaller = next(itertools.islice(rungs(train, context.gpu.bf16, context.arch), 1, None), None)
         if smaller is None:
             return None
         return replace(self, verdict=judge(self.verdict.context, smaller))

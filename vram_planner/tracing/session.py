@@ -74,20 +74,36 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
             model = _add_lora(model, train)
         if train.computes_ref_logps and not train.uses_lora:
             session.ref_model = _build_model(arch_config, train)
+        cast_heads(model, session.ref_model, train)
     session.model = _on_fake_tensors(model, session.fake_mode)
-    fused = uses_fused_lm_head(train)
-    if fused:
-        _add_fused_head(session.base_model, outputs=("log_probs", "entropy"))
     with session.tracker.tagged(WEIGHTS, "loading the model"):  # the moment of their allocation events
         for t in [*session.model.parameters(), *session.model.buffers()]:
             session.tracker.track(t, WEIGHTS)
         if session.ref_model is not None:
             session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode)
-            if fused:
-                _add_fused_head(session.ref_model, outputs=("log_probs",))
             for t in [*session.ref_model.parameters(), *session.ref_model.buffers()]:
                 session.tracker.track(t, REFERENCE)
+    add_fused_heads(session)
     return session
+
+
+def cast_heads(model: Any, ref_model: Any, train: TrainingConfig) -> None:
+    """GRPOTrainer.__init__'s `cast_lm_head_to_fp32` on the policy (PEFT's wrapper, as TRL has it by then) and the
+    reference model."""
+    if train.cast_lm_head_to_fp32:
+        for target in (model, ref_model):
+            if target is not None:
+                _cast_lm_head_to_fp32(target)
+
+
+def add_fused_heads(session: Session) -> None:
+    """TRL's fused LM head on the policy (log-probs and entropies) and the reference (log-probs), where the release
+    scores through it (grpo_trainer.py 1.16.0:1066-1077)."""
+    if not uses_fused_lm_head(session.train):
+        return
+    _add_fused_head(session.base_model, ("log_probs", "entropy"), session.train.cast_lm_head_to_fp32)
+    if session.ref_model is not None:
+        _add_fused_head(session.ref_model, ("log_probs",), session.train.cast_lm_head_to_fp32)
 
 
 def uses_fused_lm_head(train: TrainingConfig) -> bool:
@@ -148,10 +164,33 @@ def _on_fake_tensors(model: Any, fake_mode: Any) -> Any:
     return model
 
 
-def _add_fused_head(model: Any, outputs: tuple[str, ...]) -> None:
+def _add_fused_head(model: Any, outputs: tuple[str, ...], cast_lm_head_to_fp32: bool) -> None:
     from trl.trainer.utils import add_fused_lm_head
 
-    add_fused_lm_head(model, temperature=1.0, outputs=outputs)
+    add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=cast_lm_head_to_fp32, outputs=outputs)
+
+
+def _cast_lm_head_to_fp32(target_model: Any) -> None:
+    """TRL's own cast, which is a closure inside GRPOTrainer.__init__ (grpo_trainer.py 1.16.0:1014-1043, the same
+    since 1.10), so it is written out here as the release runs it: the head module goes to float32 in place (a tied
+    embedding's weight with it: the two share one Parameter), its forward becomes a float32 linear, and a tied
+    embedding's output is cast back to the weights' dtype. Like TRL it reaches the embedding as
+    `target_model.model.embed_tokens`, which a PEFT wrapper or a multimodal model does not have (TRL fails there too;
+    spec.cast_lm_head_problems refuses those before any engine runs)."""
+    original_dtype = target_model.lm_head.weight.dtype
+    lm_head = target_model.lm_head.float()
+    target_model.lm_head = lm_head
+
+    def cast_forward_to_fp32(hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states.to(torch.float32), lm_head.weight.to(torch.float32),
+                                          None if lm_head.bias is None else lm_head.bias.to(torch.float32))
+
+    lm_head.forward = cast_forward_to_fp32
+    if target_model.config.tie_word_embeddings:
+        def cast_outputs_to_original_dtype(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+            return output.to(original_dtype)
+
+        target_model.model.embed_tokens.register_forward_hook(cast_outputs_to_original_dtype)
 
 
 def set_checkpointing(model: Any, enabled: bool, reentrant: bool = False) -> None:
