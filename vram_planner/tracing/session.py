@@ -176,7 +176,7 @@ def _cast_lm_head_to_fp32(target_model: Any) -> None:
     embedding's weight with it: the two share one Parameter), its forward becomes a float32 linear, and a tied
     embedding's output is cast back to the weights' dtype. Like TRL it reaches the embedding as
     `target_model.model.embed_tokens`, which a PEFT wrapper or a multimodal model does not have (TRL fails there too;
-    spec.cast_lm_head_problems refuses those before any engine runs)."""
+    verdict.cast_lm_head_arch_problems refuses those before any engine runs)."""
     original_dtype = target_model.lm_head.weight.dtype
     lm_head = target_model.lm_head.float()
     target_model.lm_head = lm_head
