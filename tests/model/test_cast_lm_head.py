@@ -12,7 +12,7 @@ from vram_planner import engine
 from vram_planner.errors import ConfigError
 from vram_planner.model.grpo_config import grpo_config_kwargs
 from vram_planner.model.search import rungs
-from vram_planner.model.trl_releases import trl_releases
+from vram_planner.model.trl_releases import trl_releases, version_tuple
 from vram_planner.model.verdict import judge
 from vram_planner.profiles import models
 
@@ -112,4 +112,4 @@ def test_every_release_row_from_0_25_plans_the_cast_and_none_before():
             planned = True
         except ConfigError:
             planned = False
-        assert planned == (tuple(map(int, row.min_version.split("."))) >= (0, 25, 0)), row.min_version
+        assert planned == (version_tuple(row.min_version) >= (0, 25, 0)), row.min_version

@@ -104,6 +104,12 @@ def head_upcast_bytes(arch: ModelArchitecture, train: TrainingConfig, per_param:
     return sum(blocks.blocks(n * FP32_BYTES) - blocks.blocks(n * per_param) for n in head_tensors(arch))
 
 
+def trained_head_upcast_bytes(arch: ModelArchitecture, train: TrainingConfig, per_param: float) -> float:
+    """`head_upcast_bytes` of the head's gradient or an optimizer state (torch's optimizers keep each state in its
+    parameter's dtype): only a trained head has them, none under LoRA."""
+    return 0 if train.uses_lora else head_upcast_bytes(arch, train, per_param)
+
+
 def trainable_params(arch: ModelArchitecture, train: TrainingConfig) -> int:
     if train.uses_lora:
         return arch.lora_params(train.lora_r or 0, train.lora_targets)
@@ -293,9 +299,8 @@ def reference_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> fl
 
 def gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """Gradients of the trainable parameters; DDP adds its bucket copy (gradient_as_bucket_view=False)."""
-    grads = trainable_params(arch, train) * sizes(train).trainable
-    if not train.uses_lora:
-        grads += head_upcast_bytes(arch, train, sizes(train).trainable)
+    grads = trainable_params(arch, train) * sizes(train).trainable + trained_head_upcast_bytes(
+        arch, train, sizes(train).trainable)
     if train.fsdp:  # reduce-scattered into the shards' dtype (model/fsdp.py), on the host under CPU offload
         return fsdp.shard_gradient_bytes(arch, train)
     if train.zero_stage in (1, 2) and train.optimizer_offloaded:
@@ -400,7 +405,7 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
     elif opt is Optimizer.sgd:
         total = 0
     elif opt in (Optimizer.rmsprop, Optimizer.adagrad):
-        total = opt.state_tensors * (trainable * state_dtype + _head_state_upcast_bytes(arch, train, state_dtype))
+        total = opt.state_tensors * (trainable * state_dtype + trained_head_upcast_bytes(arch, train, state_dtype))
     else:
         # exp_avg and exp_avg_sq of every tensor in whole blocks, and fused AdamW's step scalars
         if train.fsdp:
@@ -409,7 +414,7 @@ def optimizer_state_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
             return 2 * fsdp.trainable_shard_bytes(arch, train, state_dtype) + blocks.optimizer_step_scalars_bytes(
                 arch, train)
         total = 2 * (trainable * state_dtype + _trainable_rounding(arch, train, state_dtype)
-                     + _head_state_upcast_bytes(arch, train, state_dtype))
+                     + trained_head_upcast_bytes(arch, train, state_dtype))
         total += blocks.optimizer_step_scalars_bytes(arch, train) if per_parameter_storages(train) else 0
     if train.zero_stage is not None:
         total += trainable * MASTER_WEIGHT_BYTES
@@ -423,14 +428,8 @@ def optimizer_step_temporary_bytes(arch: ModelArchitecture, train: TrainingConfi
     if train.optim is Optimizer.adamw_torch:
         per_param = fsdp.master_bytes(train) if train.fsdp else sizes(train).trainable
         return shard_bytes(train, trainable_params(arch, train) * per_param
-                           + _head_state_upcast_bytes(arch, train, per_param), 1)
+                           + trained_head_upcast_bytes(arch, train, per_param), 1)
     return 0
-
-
-def _head_state_upcast_bytes(arch: ModelArchitecture, train: TrainingConfig, state_dtype: float) -> float:
-    """An optimizer state of a float32 head (cast_lm_head_to_fp32) is float32: torch's optimizers keep each state in
-    its parameter's dtype. Only a trained head has one."""
-    return 0 if train.uses_lora else head_upcast_bytes(arch, train, state_dtype)
 
 
 def _small_tensor_params(arch: ModelArchitecture, train: TrainingConfig) -> int:

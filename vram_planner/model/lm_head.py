@@ -195,14 +195,13 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     tile_tokens = min(scored, release.lm_head_token_chunk)
     tile = fused_tile_bytes(train, release, sequences)
     backbone_output = sequences * train.sequence_length * h * s.residual  # referenced while the head runs
+    head = _fused_head_sizes(train)
     # cast_lm_head_to_fp32's float32 copy of the backbone's output but its last position, alive to the forward's end
-    upcast_output = sequences * (train.sequence_length - 1) * h * FP32_BYTES if train.cast_lm_head_to_fp32 and (
-        s.residual != FP32_BYTES) else 0
-    s = _fused_head_sizes(train)
-    casts_weight = s.weight != s.compute and not train.load_in_4bit
-    weight_cast = min(vocab, chunk) * h * s.compute if casts_weight else 0
-    hidden_cast = tile_tokens * h * s.compute if s.residual != s.compute else 0
-    gathered_hidden = scored * h * s.residual  # hidden_states[mask] copies the scored positions
+    upcast_output = sequences * (train.sequence_length - 1) * h * head.residual if head.residual != s.residual else 0
+    casts_weight = head.weight != head.compute and not train.load_in_4bit
+    weight_cast = min(vocab, chunk) * h * head.compute if casts_weight else 0
+    hidden_cast = tile_tokens * h * head.compute if head.residual != head.compute else 0
+    gathered_hidden = scored * h * head.residual  # hidden_states[mask] copies the scored positions
     # TRL's _fused_forward: the mask `labels != -100` (bool, one per position but the last) and `labels[mask]` (int64)
     selection = blocks(sequences * (train.sequence_length - 1)) + blocks(scored * INT64_BYTES)
     per_token = blocks(scored * FP32_BYTES)
@@ -220,9 +219,9 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     last_chunk = vocab - chunk * ((vocab - 1) // chunk)
     # In the vocabulary loop the next chunk's weight cast is made while the previous one is still referenced; on
     # return both fp32 gradients are cast to their tensors' dtypes while the fp32 ones still exist.
-    two_weight_casts = min(vocab, 2 * chunk) * h * s.compute if casts_weight else 0
-    at_return = ((last_chunk * h * s.compute if casts_weight else 0)
-                 + (scored * h * s.residual if s.residual != FP32_BYTES else 0)
-                 + (vocab * h * s.trainable if grad_weight and s.trainable != FP32_BYTES else 0))
+    two_weight_casts = min(vocab, 2 * chunk) * h * head.compute if casts_weight else 0
+    at_return = ((last_chunk * h * head.compute if casts_weight else 0)
+                 + (scored * h * head.residual if head.residual != FP32_BYTES else 0)
+                 + (vocab * h * head.trainable if grad_weight and head.trainable != FP32_BYTES else 0))
     return LmHeadMemory(forward_transient=forward, saved=gathered_hidden + scored * FUSED_SAVED_PER_TOKEN,
                         backward_transient=base + max(two_weight_casts, at_return))

@@ -799,7 +799,7 @@ def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> floa
     if train.uses_lora:
         return 0
     trainable = m.sizes(train).trainable
-    return arch.vocab_size * arch.hidden_size * trainable + m.head_upcast_bytes(arch, train, trainable)
+    return arch.vocab_size * arch.hidden_size * trainable + m.trained_head_upcast_bytes(arch, train, trainable)
 
 
 def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) -> tuple[str, ...]:

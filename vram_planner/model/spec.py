@@ -355,8 +355,9 @@ def cast_lm_head_problems(c: TrainingConfig) -> list[str]:
     if not c.cast_lm_head_to_fp32:
         return []
     flag = field_name("cast_lm_head_to_fp32")
-    if version_tuple(c.release.version) < (0, 25, 0):
-        return [f"{flag} is not a GRPOConfig field in TRL {c.release.version} (it came in 0.25)"]
+    since = (0, 25, 0)
+    if version_tuple(c.release.version) < since:
+        return [_not_a_field_yet(c, "cast_lm_head_to_fp32", since)]
     problems = []
     if c.zero_stage is not None or c.fsdp:
         problems.append(f"{flag} is planned on one GPU or DDP only: vram-plan does not yet model the float32 head "
@@ -367,6 +368,11 @@ def cast_lm_head_problems(c: TrainingConfig) -> list[str]:
                         f"vram-plan does not model TRL {c.release.version}'s float32 head over 16-bit weights: load "
                         "float32, or plan for TRL 1.15+")
     return problems
+
+
+def _not_a_field_yet(c: TrainingConfig, field: str, since: tuple[int, int, int]) -> str:
+    return (f"{field_name(field)} is not a GRPOConfig field in TRL {c.release.version} (it came in "
+            f"{'.'.join(map(str, since[:2]))})")
 
 
 def offload_problems(c: TrainingConfig) -> list[str]:
@@ -403,8 +409,7 @@ def vllm_problems(c: TrainingConfig) -> list[str]:
                                 ("vllm_enable_sleep_mode", (0, 23, 0), False),
                                 ("vllm_tensor_parallel_size", (0, 18, 0), 1)):
         if release < since and getattr(c, field) != unset:
-            problems.append(f"{field_name(field)} is not a GRPOConfig field in TRL {c.release.version} (it came in "
-                            f"{'.'.join(map(str, since[:2]))})")
+            problems.append(_not_a_field_yet(c, field, since))
     if c.vllm_server_gpu is not None and c.vllm_mode != "server":
         problems.append(f"{field_name('vllm_server_gpu')} plans the card of vLLM's server: it needs "
                         f"{field_name('vllm_mode')} server")
