@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
+import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,12 +113,24 @@ def _decompress(data: bytes) -> bytes:
 
 
 def _unpickle(data: bytes) -> object:
+    # A damaged stream can ask for a BYTEARRAY8 of exabytes: CPython 3.11 then frees the half-made bytearray before
+    # setting its export count (PyByteArray_FromStringAndSize), and its dealloc, reading that count unset, may print
+    # "SystemError: deallocated bytearray object has exported buffers" through sys.excepthook (PyErr_Print), at random:
+    # a second line on stderr beside the refusal. Nothing of the file's is worth printing there, so the hook is mute.
+    hook = sys.excepthook
+    sys.excepthook = _mute
     try:
         return _DataOnlyUnpickler(io.BytesIO(data)).load()
     except SnapshotError:
         raise
     except Exception as exc:  # a damaged or foreign byte stream fails in many ways: all mean "not a pickle"
         raise SnapshotError("it is not a Python pickle") from exc
+    finally:
+        sys.excepthook = hook
+
+
+def _mute(*exc_info) -> None:
+    pass
 
 
 def parse_snapshot(data: object) -> Snapshot:
