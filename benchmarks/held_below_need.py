@@ -4,10 +4,12 @@ vram_planner/model/fragmentation.py and generation_patterns.py were read off thi
 
     python benchmarks/held_below_need.py "Llama-3.2-1B fp32 full adamw_8bit" "Mistral-7B-v0.3 full c1024 B8"
     python benchmarks/held_below_need.py --segments "Phi-3-mini-4k-instruct lora p512 c2048 G16 S2 beta"
+    python benchmarks/held_below_need.py --pool --seed 3 "h17 Qwen3-1.7B"
 
 Points are named as in benchmarks/results/boundary.txt; each is traced (seconds to a minute). `--segments` adds the
 segments that hold the cached memory: each one's size, the request that made it (a cudaMalloc, in which phase), and
-the live blocks that keep it from being released, the largest first.
+the live blocks that keep it from being released, the largest first. `--pool` adds, as each phase of the step begins,
+the cached blocks it starts from (those a pattern cuts its requests from), by size.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ from vram_planner.units import MiB
 SHOWN = 12  # the largest groups of each kind
 
 
-def held(model: str, settings: dict, segments: bool = False) -> list[str]:
+def held(model: str, settings: dict, segments: bool = False, pool: bool = False) -> list[str]:
     outcome = engine.check(model, CARD, settings, exact=True, calibration=default_calibration())
     stream, conf, capacity = below_need(outcome)
     allocator = CachingAllocator(conf, capacity)
     made: dict[int, tuple[int, object]] = {}  # block -> (address, its event)
     made_segment: dict[int, object] = {}  # a segment's address -> the event whose request cudaMalloc'd it
+    pools: list[str] = []
     for index, event in enumerate(stream.events):
+        if pool and (index == 0 or event.phase != stream.events[index - 1].phase):
+            pools.append(_pool_described(allocator, event, index))
         if event.kind != "alloc":
             allocator.free(made.pop(event.block)[0])
             continue
@@ -43,11 +48,19 @@ def held(model: str, settings: dict, segments: bool = False) -> list[str]:
         try:
             made[event.block] = (allocator.malloc(event.size_bytes), event)
         except OutOfMemory as failed:
-            lines = _described(allocator, made, failed, event, index, outcome.need.capacity_bytes)
+            lines = pools + _described(allocator, made, failed, event, index, outcome.need.capacity_bytes)
             return lines + (_segments_described(allocator, made, made_segment) if segments else [])
         made_segment.update({address: event for action, address, _ in allocator.segment_log[logged:]
                              if action == "segment_alloc"})
     return [f"runs {capacity / MiB:.0f} MiB: the allocator is not monotone in the capacity here"]
+
+
+def _pool_described(allocator: CachingAllocator, event, index: int) -> str:
+    """The cached blocks as a phase begins, the largest sizes first (MiB x count)."""
+    cached = Counter(round(size / MiB) for _, size in allocator.free_blocks())
+    largest = ", ".join(f"{size} x {n}" for size, n in sorted(cached.items(), reverse=True)[:2 * SHOWN])
+    return (f"  {event.phase} begins (event {index}): {sum(size * n for size, n in cached.items()) / 1024:.1f} GiB "
+            f"cached in {sum(cached.values())} blocks; MiB x count: {largest or 'none'}")
 
 
 def _segments_described(allocator: CachingAllocator, made: dict, made_segment: dict) -> list[str]:
@@ -97,6 +110,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt or boundary-heldout.txt")
     parser.add_argument("--segments", action="store_true", help="also the segments that hold the cached memory")
+    parser.add_argument("--pool", action="store_true", help="also the cached blocks each phase begins from")
     parser.add_argument("--seed", type=int, default=0, help="the held-out sweep whose labels these are")
     parser.add_argument("--largest-gib", type=float, metavar="G", help="that sweep's bound on the analytic peak")
     args = parser.parse_args()
@@ -111,7 +125,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     for label in args.points:
-        print("\n".join([f"== {label}", *held(*grid[label], segments=args.segments)]), flush=True)
+        print("\n".join([f"== {label}", *held(*grid[label], segments=args.segments, pool=args.pool)]), flush=True)
     return 0
 
 
