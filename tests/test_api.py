@@ -88,6 +88,32 @@ def test_the_request_has_a_field_for_every_knob():
     assert {"model", "gpu", "trl_version", "calibration", "safety_margin"} <= {f.name for f in fields(Request)}
 
 
+def test_a_recipes_trl_names_point_at_the_setting_and_the_arguments_that_move_no_memory_are_one_problem():
+    with pytest.raises(ConfigError) as refused:
+        api.check("Llama-3.2-1B", "t4", model_name_or_path="meta-llama/Llama-3.2-1B", learning_rate=1e-6,
+                  logging_steps=10, seed=42, output_dir="out", bf16=True)
+    assert str(refused.value) == (
+        "model_name_or_path is TRL's name: the setting here is model; bf16 is TRL's name: the setting here is "
+        "mixed_precision; learning_rate, logging_steps, seed and 1 more change no GPU memory: leave them out")
+    with pytest.raises(ConfigError, match="^learning_rate changes no GPU memory: leave it out$"):
+        Request.of({"model": "Llama-3.2-1B", "learning_rate": 1e-6})
+    with pytest.raises(ConfigError, match="^use_peft is TRL's name: the setting here is lora_r$"):
+        Request(model="Llama-3.2-1B").with_fields(use_peft=True)
+
+
+def test_the_trl_names_are_trls_and_name_a_setting_of_the_request():
+    # every name is a field of the installed TRL's GRPOConfig (with transformers' TrainingArguments), ModelConfig or
+    # ScriptArguments, or one an older release had; none is a request's own field, and each points at one
+    from trl import GRPOConfig, ModelConfig, ScriptArguments
+
+    from vram_planner.trl_names import MEMORY_NEUTRAL_ARGUMENTS, OLDER_NAMES, TRL_NAMES
+
+    trl_fields = {f.name for config in (GRPOConfig, ModelConfig, ScriptArguments) for f in fields(config)}
+    named = set(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS
+    assert named - trl_fields <= OLDER_NAMES and OLDER_NAMES <= named
+    assert not named & set(request_fields()) and set(TRL_NAMES.values()) <= set(request_fields())
+
+
 def test_an_unknown_field_names_the_closest_in_pythons_words(capsys):
     with pytest.raises(ConfigError) as refused:
         api.check("Llama-3.2-1B", "t4", max_completion_lenght=1024)

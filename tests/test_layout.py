@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data", ["vram_planner.profiles", "vram_planner.local_gpu", "vram_planner.hub", "vram_planner.extras",
               "vram_planner.profile_data"]),
     ("base", ["vram_planner.units", "vram_planner.errors", "vram_planner.files", "vram_planner.profile_cache",
-              "vram_planner.validation", "vram_planner.request", "vram_planner"]),
+              "vram_planner.validation", "vram_planner.request", "vram_planner.trl_names", "vram_planner"]),
 ]
 # Layers whose groups stand side by side: a group may import only from itself within the layer.
 SIDE_BY_SIDE = {"entry points"}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import ConfigError, closest_names, field_name
+from vram_planner.trl_names import MEMORY_NEUTRAL_ARGUMENTS, TRL_NAMES
 
 __all__ = ["Request", "DEFAULT_SAFETY_MARGIN", "CONTEXT_FIELDS", "request_fields", "knob_fields"]
 
@@ -85,7 +86,7 @@ class Request:
         names = request_fields()
         unknown = [str(key) for key in values if key not in names]
         if unknown:
-            raise ConfigError([_unknown(key, names) for key in unknown])
+            raise ConfigError(unknown_setting_problems(unknown))
         if not from_text:
             return cls(**values)
         from pydantic import ValidationError
@@ -102,7 +103,7 @@ class Request:
         names = request_fields()
         unknown = [key for key in changes if key not in names]
         if unknown:
-            raise ConfigError([_unknown(key, names) for key in unknown])
+            raise ConfigError(unknown_setting_problems(unknown))
         return replace(self, **changes)
 
     @property
@@ -123,7 +124,24 @@ def knob_fields() -> tuple[str, ...]:
     return tuple(name for name in request_fields() if name not in CONTEXT_FIELDS)
 
 
+def unknown_setting_problems(keys: list[str]) -> list[str]:
+    """One problem per key that names no setting, but the training arguments that move no memory (a recipe has
+    dozens): one for all of them, naming the first few."""
+    names = request_fields()
+    neutral = [key for key in keys if key in MEMORY_NEUTRAL_ARGUMENTS]
+    problems = [_unknown(key, names) for key in keys if key not in MEMORY_NEUTRAL_ARGUMENTS]
+    if neutral:
+        shown = ", ".join(field_name(key) for key in neutral[:3])
+        more = f" and {len(neutral) - 3} more" if len(neutral) > 3 else ""
+        one = len(neutral) == 1
+        problems.append(f"{shown}{more} {'changes' if one else 'change'} no GPU memory: leave {'it' if one else 'them'} "
+                        "out")
+    return problems
+
+
 def _unknown(key: str, names: tuple[str, ...]) -> str:
+    if key in TRL_NAMES:
+        return f"{field_name(key)} is TRL's name: the setting here is {field_name(TRL_NAMES[key])}"
     near = closest_names(key, names)
     return f"unknown setting {field_name(key)}" + (f" (did you mean {field_name(near[0])}?)" if near else "")
 

@@ -42,8 +42,13 @@ LIST_SETTINGS = {"lora_target_modules"}
 
 
 def _checked(path: Path, key: str, value: Any) -> Any:
-    """The value if its shape suits the setting; a one-line error naming the key otherwise."""
+    """The value if its shape suits the setting; a one-line error naming the key otherwise. A key that names no
+    setting keeps its value whatever its shape: the request refuses it by name (a recipe's lists and mappings too)."""
+    from vram_planner.request import request_fields
+
     name = key.replace("-", "_")
+    if name not in request_fields():
+        return value
     if name in NAME_SETTINGS:
         if value is None or isinstance(value, str):
             return value
