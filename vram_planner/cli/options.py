@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from vram_planner.errors import ConfigError, VramPlanError
+from vram_planner.errors import VramPlanError
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_ERROR = 0, 1, 2
 PATH = click.Path(path_type=Path, dir_okay=False)
@@ -115,12 +115,8 @@ def settings_from(command: str, options: dict[str, Any],
                   gpu_required: bool = True) -> tuple[str, str | None, str | None, dict]:
     """The model, the GPU, the TRL release and the knobs from the flags, over the --config file's values."""
     from vram_planner.cli.settings_file import read_settings_file
-    from vram_planner.request import request_fields, unknown_setting_problems
 
     settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
-    unknown = [key for key in settings if key not in request_fields()]
-    if unknown:  # before what is missing: a recipe's model_name_or_path is TRL's name for --model
-        raise ConfigError(unknown_setting_problems(unknown))
     for name in ("gpu", "model"):  # an empty value is a mistake, not "not given"
         if (options[name] is not None and not options[name].strip()) or settings.get(name) == "":
             raise VramPlanError(f"--{name} is empty; give a catalog name (vram-plan {name}s) or "

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vram_planner.errors import ProfileError, first_line
+from vram_planner.errors import ConfigError, ProfileError, first_line
 from vram_planner.files import MAX_SETTINGS_BYTES, load_json, load_yaml, read_text
+from vram_planner.request import request_fields, unknown_setting_problems
 
 
 def read_settings_file(path: Path) -> dict[str, Any]:
@@ -32,7 +33,13 @@ def read_settings_file(path: Path) -> dict[str, Any]:
     if named:  # YAML reads `?`, `1:` or `null:` as keys that are no setting's name
         raise ProfileError(f"--config {path}: {named[0]!r} is not a setting's name; write the flags' keys, e.g. "
                            "per_device_train_batch_size: 4")
-    return {str(k).replace("-", "_"): _checked(path, str(k), v) for k, v in data.items()}
+    settings = {str(k).replace("-", "_"): (str(k), v) for k, v in data.items()}
+    # Keys that name no setting are refused by name, whatever their values' shapes, and before what the command
+    # misses: a recipe's model is its model_name_or_path, TRL's name for it
+    unknown = [name for name in settings if name not in request_fields()]
+    if unknown:
+        raise ConfigError(unknown_setting_problems(unknown))
+    return {name: _checked(path, key, value) for name, (key, value) in settings.items()}
 
 
 # Every setting is one string, number or boolean, as its flag takes; these few are names, and the LoRA targets may
@@ -42,13 +49,8 @@ LIST_SETTINGS = {"lora_target_modules"}
 
 
 def _checked(path: Path, key: str, value: Any) -> Any:
-    """The value if its shape suits the setting; a one-line error naming the key otherwise. A key that names no
-    setting keeps its value whatever its shape: the request refuses it by name (a recipe's lists and mappings too)."""
-    from vram_planner.request import request_fields
-
+    """The value if its shape suits the setting; a one-line error naming the key otherwise."""
     name = key.replace("-", "_")
-    if name not in request_fields():
-        return value
     if name in NAME_SETTINGS:
         if value is None or isinstance(value, str):
             return value
