@@ -124,6 +124,20 @@ def test_an_unknown_field_names_the_closest_in_pythons_words(capsys):
         api.check("Llama-3.2-1B", "t4", num_generations=1)
 
 
+@pytest.mark.parametrize(("key", "suggested"), [
+    ("do_eval", None), ("save_strategy", None), ("loss_type", None), ("reward_funcs", None), ("kl_coef", None),
+    ("lora_rank", "lora_r"), ("grad_accum_steps", "gradient_accumulation_steps"), ("num_generation", "num_generations"),
+    ("per_device_batch_size", "per_device_train_batch_size"), ("gpu_name", "gpu"),
+])
+def test_an_unknown_setting_suggests_only_a_setting_it_resembles(key, suggested):
+    # a recipe's training arguments share words with the settings (_strategy, _type, max_): a suggestion below
+    # difflib's own cutoff named an unrelated one (do_eval -> model, save_strategy -> zero_stage, loss_type -> dtype)
+    with pytest.raises(ConfigError) as refused:
+        api.check("Llama-3.2-1B", "t4", **{key: 1})
+    hint = f" (did you mean {suggested}?)" if suggested else ""
+    assert str(refused.value) == f"unknown setting {key}{hint}"
+
+
 def test_maximize_fitting_gpus_and_the_catalogs_are_their_commands_documents(capsys):
     code, out, _ = run(capsys, "plan", "--gpu", "t4", "--model", "Qwen2.5-0.5B", "--maximize", "num_generations",
                        "--json")

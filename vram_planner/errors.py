@@ -71,8 +71,14 @@ class HubUnavailableError(VramPlanError):
     """A hub id that could not be resolved (no network, no such repo, or transformers missing)."""
 
 
-def closest_names(name: str, known: Iterable[str], limit: int = 3) -> list[str]:
-    """The known names closest to `name`, compared case-insensitively."""
+# A setting's name shares its vocabulary with the rest (max_, _length, num_): below difflib's default resemblance a
+# suggestion names an unrelated setting (do_eval -> model, save_strategy -> zero_stage, loss_type -> dtype)
+SETTING_CUTOFF = 0.6
+
+
+def closest_names(name: str, known: Iterable[str], limit: int = 3, cutoff: float = 0.5) -> list[str]:
+    """The known names closest to `name`, compared case-insensitively: those at least `cutoff` alike (difflib's
+    ratio), else those that contain it or that it contains."""
     by_lower: dict[str, str] = {}
     for k in known:
         by_lower.setdefault(k.lower(), k)
@@ -81,7 +87,7 @@ def closest_names(name: str, known: Iterable[str], limit: int = 3) -> list[str]:
     query = name.lower()
     if not query.strip():  # every name holds the empty string: no name is closer than another
         return []
-    matches = difflib.get_close_matches(query, list(by_lower), n=limit, cutoff=0.5)
+    matches = difflib.get_close_matches(query, list(by_lower), n=limit, cutoff=cutoff)
     if not matches:
         matches = [k for k in by_lower if query in k or k in query][:limit]
     return [by_lower[m] for m in matches]

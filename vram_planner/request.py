@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from vram_planner.errors import ConfigError, closest_names, field_name
+from vram_planner.errors import SETTING_CUTOFF, ConfigError, closest_names, field_name
 from vram_planner.trl_names import MEMORY_NEUTRAL_ARGUMENTS, TRL_NAMES
 
 __all__ = ["Request", "DEFAULT_SAFETY_MARGIN", "CONTEXT_FIELDS", "request_fields", "knob_fields"]
@@ -142,7 +142,7 @@ def unknown_setting_problems(keys: list[str]) -> list[str]:
 def _unknown(key: str, names: tuple[str, ...]) -> str:
     if key in TRL_NAMES:
         return f"{field_name(key)} is TRL's name: the setting here is {field_name(TRL_NAMES[key])}"
-    near = closest_names(key, names)
+    near = closest_names(key, names, cutoff=SETTING_CUTOFF)
     return f"unknown setting {field_name(key)}" + (f" (did you mean {field_name(near[0])}?)" if near else "")
 
 

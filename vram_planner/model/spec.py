@@ -7,7 +7,7 @@ from enum import Enum
 from functools import lru_cache
 from typing import Annotated, Any, Literal, get_args
 
-from vram_planner.errors import ConfigError, VramPlanError, closest_names, field_name, short_repr
+from vram_planner.errors import SETTING_CUTOFF, ConfigError, VramPlanError, closest_names, field_name, short_repr
 from vram_planner.errors import flag as cli_flag
 from vram_planner.model import trl_releases
 from vram_planner.model.divisors import divisors
@@ -470,7 +470,7 @@ def training_config(values: dict[str, Any]) -> TrainingConfig:
     names = knob_names()
     problems = []
     for key in (str(k) for k in values if k not in names):
-        near = closest_names(key, names)
+        near = closest_names(key, names, cutoff=SETTING_CUTOFF)
         problems.append(f"unknown setting {field_name(key)}"
                         + (f" (did you mean {field_name(near[0])}?)" if near else ""))
     known = {k: v for k, v in values.items() if k in names and v is not None}
