@@ -172,24 +172,30 @@ def test_without_the_train_extra_it_says_how_to_install_it(command):
 
 
 @pytest.mark.slow  # two steps of 512 sequences traced: about a minute
-def test_the_exact_need_is_the_runs_where_a_batch_of_shorter_prompts_needs_more(no_alloc_conf):
-    # SmolLM2-135M's full fine-tuning generating 512 sequences of 128 + 192 tokens: a batch whose longest prompt is
-    # 113 tokens needs more (the prefill's segments hold a block fewer beside nearly a block), and a run meets it
+def test_the_exact_need_is_the_runs_where_a_batch_of_shorter_prompts_needs_more(no_alloc_conf, tmp_path):
+    # SmolLM2-135M's full fine-tuning generating 512 sequences of 128 + 192 tokens, with an 8,192-word vocabulary: a
+    # batch whose longest prompt is 113 tokens needs more (the prefill's segments hold a block fewer beside nearly a
+    # block), and a run meets it. (With its own 49,152 words the sampling's float32 probabilities and multinomial's
+    # noise, 96 MiB each per decoding step, decide the need at both lengths alike: the grid's needs, 5.50 GiB each.)
     import json
+    import re
 
     from vram_planner import engine
+    from vram_planner.units import format_gib
 
+    model = tmp_path / "SmolLM2-135M-8k.json"
+    catalog = FIXTURES.parents[1] / "profiles" / "models"
+    model.write_text(json.dumps(json.loads((catalog / "SmolLM2-135M.json").read_text()) | {"vocab_size": 8192}))
     settings = {"dtype": "bfloat16", "num_generations": 8, "per_device_train_batch_size": 64,
                 "gradient_accumulation_steps": 2, "steps_per_generation": 8, "max_prompt_length": 128,
                 "max_completion_length": 192}
-    context = engine.make_context("SmolLM2-135M", "h100-80gb")
+    context = engine.make_context(str(model), "h100-80gb")
     assert engine.heavier_prompt_length(context, engine.make_training(context, settings)) == 113
-    outcome = engine.check("SmolLM2-135M", "h100-80gb", settings, exact=True)
-    needs = json.loads((FIXTURES.parents[1] / "benchmarks" / "results" / "boundary-needs.json").read_text())["points"]
-    at_113, at_128 = (needs[f"SmolLM2-135M full p128 c192 B64 S8{at}"]["allocator_need_bytes"] for at in (" at p113", ""))
-    assert at_113 > at_128  # what benchmarks/boundary.py bisected for the grid
-    assert outcome.need.capacity_bytes == at_113 and outcome.traced.train.max_prompt_length == 128
-    assert any("longest prompt is 113 tokens" in note for note in outcome.traced.estimate.notes)
+    outcome = engine.check(str(model), "h100-80gb", settings, exact=True)
+    said = [note for note in outcome.traced.estimate.notes if "longest prompt is 113 tokens" in note]
+    found = re.search(r"needs ([0-9.]+) GiB, more than ([0-9.]+) GiB with 128", said[0]) if said else None
+    assert found and float(found[1]) > float(found[2])
+    assert format_gib(outcome.need_bytes) == f"{found[1]} GiB" and outcome.traced.train.max_prompt_length == 128
     # the estimate counts that batch too
-    shorter = engine.check("SmolLM2-135M", "h100-80gb", {**settings, "max_prompt_length": 113})
+    shorter = engine.check(str(model), "h100-80gb", {**settings, "max_prompt_length": 113})
     assert outcome.analytic.estimate.peak_bytes >= shorter.estimate.peak_bytes

@@ -106,7 +106,8 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
     before the prefill's largest request beside the segment a smaller tensor pins; Qwen3-0.6B's eager LoRA, the last
     window, 6.3% under before eager attention's score segments in the prefill's pattern, 3.6% before its copies of
     the grouped keys and values; the loaded weights' rests, counted as they are, at 30 with eager attention's overflow
-    held: 1.94%; the run's need, a shorter prompt's where the analytic model says one strands more: 2.00%)."""
+    held: 1.94%; the run's need, a shorter prompt's where the analytic model says one strands more: 2.00%; the
+    sampling's noise (torch.multinomial's) traced and counted, the grid bisected again with it: 1.97%)."""
     import json
     import statistics
 

@@ -111,7 +111,7 @@ def test_generation_phase_by_hand(llama_1b):
     # autocast's cached bf16 copies of every decoder linear and of the output projection
     assert gen.components["weights"] == (4 * llama_1b.params + ROTARY + 2 * llama_1b.linear_params
                                          + 2 * 128256 * 2048)
-    assert gen.components["lm_head_buffers"] == 8 * 128256 * (2 + 4 + 4)  # logits, fp32 copy, probabilities
+    assert gen.components["lm_head_buffers"] == 8 * 128256 * (2 + 4 + 4 + 4)  # logits, fp32 copy, probs, noise
     assert gen.components["gradients"] == 0 and gen.components["activations"] == 0
 
 

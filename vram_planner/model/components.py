@@ -529,9 +529,11 @@ def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> flo
 
 def generation_logits_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int) -> float:
     """Last-token logits per decoding step: the model's output in the compute dtype (`as_generated`; float32 from the
-    float32 head of cast_lm_head_to_fp32 outside autocast), generate's fp32 copy, and the sampling probs."""
+    float32 head of cast_lm_head_to_fp32 outside autocast), generate's fp32 copy, the sampling probs and the
+    exponential noise torch.multinomial draws one sample per row with (argmax(p / q), q ~ Exp(1): a tensor like the
+    probs, aten/src/ATen/native/Distributions.cpp multinomial_out)."""
     head_in_fp32 = train.cast_lm_head_to_fp32 and train.mixed_precision == "no"
-    return sequences * arch.vocab_size * ((FP32_BYTES if head_in_fp32 else sizes(train).compute) + 2 * FP32_BYTES)
+    return sequences * arch.vocab_size * ((FP32_BYTES if head_in_fp32 else sizes(train).compute) + 3 * FP32_BYTES)
 
 
 def as_generated(train: TrainingConfig) -> TrainingConfig:

@@ -343,6 +343,13 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         elif func is aten.masked_select.default:
             count = self._selected_count(torch.broadcast_shapes(args[0].shape, args[1].shape).numel())
             out = args[0].new_empty((count,))
+        elif func is aten.multinomial.default and _draws_by_exponential_noise(args, kwargs):
+            # The device kernel draws argmax(p / q), q ~ Exp(1), in a tensor like the probabilities it allocates
+            # beside them (aten/src/ATen/native/Distributions.cpp multinomial_out: `at::empty_like(self)`), which
+            # the fake tensor's meta kernel never makes: generate()'s every sampling step holds it at its peak
+            noise = torch.empty_like(args[0])
+            self.track(noise)
+            out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         if func is aten._to_copy.default and self._is_whole_weight(args[0]):
@@ -402,6 +409,13 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         # `hidden_states[mask]` asks nonzero() how many positions the mask keeps: the completion tokens.
         count = self._selected_count(mask.numel())
         return torch.empty((count, mask.dim()), dtype=torch.long, device=mask.device)
+
+
+def _draws_by_exponential_noise(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether torch.multinomial takes its exponential-noise path: one sample per row, or any without replacement."""
+    samples = args[1] if len(args) > 1 else kwargs.get("num_samples", 1)
+    replacement = args[2] if len(args) > 2 else kwargs.get("replacement", False)
+    return samples == 1 or not replacement
 
 
 def _caller() -> str:
