@@ -49,7 +49,10 @@ FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradien
           "beta", "max_prompt_length", "max_completion_length", "num_generations", "num_iterations",
           "steps_per_generation", "generation_batch_size", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization",
           "vllm_device", "vllm_importance_sampling_correction", "model_init_kwargs", "optim", "learning_rate",
-          "logging_steps", "use_liger_loss", "use_liger_kernel", "cast_lm_head_to_fp32")
+          "logging_steps", "use_liger_loss", "use_liger_kernel", "cast_lm_head_to_fp32", "temperature", "top_p",
+          "top_k", "min_p", "repetition_penalty")
+# generate()'s own defaults for the sampling knobs a release's GRPOConfig lacks (TRL 0.14-0.15 pass temperature only)
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 TRAINER = ("trl.trainer.grpo_trainer", "GRPOTrainer")
 CONFIG = ("trl.trainer.grpo_config", "GRPOConfig")
 
@@ -739,6 +742,17 @@ def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
 
 # --- One release ----------------------------------------------------------------------------------------------------
 
+def generation_defaults(tf_src: WheelSource) -> dict[str, Any]:
+    """GenerationConfig's defaults of the sampling knobs: `self.top_k = kwargs.pop("top_k", 50)` in its __init__
+    (transformers 4; None from 5.0, where generate() applies no filter it is not given)."""
+    cls = top_level(tf_src.module("transformers.generation.configuration_utils"), ast.ClassDef, "GenerationConfig")
+    found = {}
+    for call in calls(method(cls, "__init__"), "pop"):
+        if len(call.args) == 2 and literal(call.args[0]) in GENERATION_FIELDS:
+            found[literal(call.args[0])] = literal(call.args[1])
+    return {name: found.get(name) for name in GENERATION_FIELDS}
+
+
 def release_facts(trl: Wheel, transformers: dict[str, Wheel], cache: Path) -> dict[str, Any]:
     """Everything read from one TRL release's wheel (and the transformers wheel of its time)."""
     src = WheelSource(downloaded(trl, cache))
@@ -760,6 +774,7 @@ def release_facts(trl: Wheel, transformers: dict[str, Wheel], cache: Path) -> di
                          "uploaded": tf_wheel.uploaded.isoformat().replace("+00:00", "Z"), "sha256": tf_wheel.sha256},
         "config_classes": [f"{module}.{cls.name}" for module, cls in chain],
         "defaults": defaults(chain, training_args),
+        "generation_defaults": generation_defaults(tf_src),
         "rules": batch_rules([(w, f) for w, f in functions if f is not None]),
         "behaviour": behaviour(src, trainer),
     }
@@ -815,6 +830,17 @@ def model_dtype_column(facts: dict) -> str:
     return "float32" if facts["transformers"]["major"] == 4 else "auto"
 
 
+def sampling_default(name: str) -> Callable[[dict], Any]:
+    """What generate() applies for a sampling knob left unset: GRPOConfig's default where it has the field, else
+    GenerationConfig's of the transformers of the time; "no filter" (top_k None or 0, min_p None) is the table's 0
+    and None alike."""
+    def column(facts: dict) -> Any:
+        entry = facts["defaults"][name]
+        value = entry.get("value") if entry["in"] is not None else facts["generation_defaults"][name]
+        return 0 if name == "top_k" and value is None else value
+    return column
+
+
 def tile(key: str) -> Callable[[dict], Any]:
     """A fused LM head's tile size; rows without the fused head are not compared."""
     return lambda facts: (facts["behaviour"]["fused_lm_head_tiles"] or {}).get(key, SKIP)
@@ -836,6 +862,10 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "default_vllm_mode": vllm_mode,
     "default_vllm_gpu_memory_utilization": default("vllm_gpu_memory_utilization"),
     "default_optim": default("optim"),
+    "default_temperature": sampling_default("temperature"),
+    "default_top_k": sampling_default("top_k"),
+    "accepts_sampling_filters": lambda f: all(f["defaults"][name]["in"] is not None
+                                              for name in ("top_p", "top_k", "min_p", "repetition_penalty")),
     "default_model_dtype": model_dtype_column,
     "batch_counts": lambda f: f["behaviour"]["batch_counts"],
     "generation_batch": lambda f: f["behaviour"]["generation_batch"],

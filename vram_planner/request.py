@@ -46,6 +46,11 @@ class Request:
     max_completion_length: int | None = None
     beta: float | None = None
     num_iterations: int | None = None
+    temperature: float | None = None  # generate()'s sampling (without vLLM, each filter is logits-sized)
+    top_p: float | None = None
+    top_k: int | None = None  # 0: no top-k filter
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     optim: str | None = None  # transformers optimizer name: adamw_torch_fused, adamw_8bit, ...
     gradient_checkpointing: bool | None = None
     use_liger_kernel: bool | None = None

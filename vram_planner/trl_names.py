@@ -17,8 +17,8 @@ TRL_NAMES = {
 # Training arguments whose value moves no GPU memory of the planned step: the optimizer's hyper-parameters (not its
 # kind), the schedule's length and shape, logging, where the run writes and what it is named, the rewards' scaling and
 # the loss's clipping, and where the data comes from (its prompts' length is max_prompt_length). Not here, as they
-# do move memory: sampling (top_p, top_k, min_p, repetition_penalty and temperature add logits-sized tensors to each
-# decoding step), gradient clipping's norms, saving (ZeRO-3 gathers the 16-bit weights to save), the evaluation's batch.
+# do move memory: gradient clipping's norms, saving (ZeRO-3 gathers the 16-bit weights to save), the evaluation's
+# batch (sampling's knobs, which add logits-sized tensors to each decoding step, are settings).
 MEMORY_NEUTRAL_ARGUMENTS = frozenset({
     "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2",
     "adam_epsilon", "num_train_epochs", "max_steps", "logging_steps", "logging_strategy", "logging_first_step",

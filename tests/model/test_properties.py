@@ -21,6 +21,7 @@ from vram_planner.model import activations as act
 from vram_planner.model.phases import estimate as analytic_estimate
 from vram_planner.model.calibration import UNFITTED_RESERVE_FRACTION
 from vram_planner.model.components import FP32_BYTES, sizes
+from vram_planner.model.fragmentation import pinned_layer_input_bytes
 from vram_planner.model.nccl import nccl_figure
 from vram_planner.model.search import (Plan, best_plan, ladder_runs, micro_batch_variants, smallest_micro_batch,
                                       with_micro_batch)
@@ -148,7 +149,9 @@ def valid_knobs(draw) -> dict[str, Any]:
         "vllm_enable_sleep_mode": st.booleans(),
         "vllm_gpu_memory_utilization": st.floats(0.05, 0.95), "num_gpus": st.integers(1, 8),
         "zero_stage": st.integers(0, 3), "fsdp": st.booleans(),
-        "transformers_version": st.sampled_from(TRANSFORMERS_VERSIONS)}))
+        "transformers_version": st.sampled_from(TRANSFORMERS_VERSIONS),
+        "temperature": st.floats(0.1, 2.0), "top_p": st.floats(0.05, 1.0), "top_k": st.integers(0, 200),
+        "min_p": st.floats(0.0, 0.5), "repetition_penalty": st.floats(0.8, 1.5)}))
     knobs["num_generations"] = generations
     knobs["per_device_train_batch_size"] = generations * draw(st.integers(1, 4))
     return {**knobs, **draw(LORA)}
@@ -236,13 +239,20 @@ def _more_generations(t: TrainingConfig):
                        per_device_train_batch_size=2 * t.per_device_train_batch_size)
 
 
+def _every_sampling_filter(t: TrainingConfig):
+    # each filter generate() did not run yet switched on
+    return t, _changed(t, temperature=0.7 if t.sampling_temperature == 1.0 else t.sampling_temperature,
+                       top_p=min(t.top_p, 0.9), top_k=t.sampling_top_k or 50, min_p=0.05 if t.min_p is None else t.min_p,
+                       repetition_penalty=1.1 if t.repetition_penalty == 1.0 else t.repetition_penalty)
+
+
 MORE_NEEDS_MORE = [_longer_prompt, _longer_completion, _bigger_micro_batch, _more_steps_per_generation,
-                   _more_generations]
+                   _more_generations, _every_sampling_filter]
 
 
 @settings(QUICK, max_examples=120)
 @given(law=st.sampled_from(MORE_NEEDS_MORE), **VALID)
-def test_more_tokens_a_bigger_batch_or_more_generations_never_need_less(law, model, card, trl_version, knobs):
+def test_more_tokens_a_bigger_batch_more_generations_or_sampling_filters_never_need_less(law, model, card, trl_version, knobs):
     context, train = _valid(model, card, trl_version, knobs)
     less, more = law(train)
     assert _peak(context, more) >= _peak(context, less) * (1 - FLOAT_NOISE)
@@ -260,8 +270,12 @@ def _checkpointing(context, t: TrainingConfig):
     b, length = t.per_device_train_batch_size, t.sequence_length
     layer_input = b * length * context.arch.hidden_size * sizes(t).residual
     reserve = 1 + _largest_reserve_per_byte(context.calibration)
-    held = (layer_input + act.attention_mask_bytes(t, b, length)) * reserve
-    return _changed(t, gradient_checkpointing=False), _changed(t, gradient_checkpointing=True), held
+    # And the kept inputs strand the cached segments of the layers' projections until the backward frees them
+    # (fragmentation.pinned_layer_input_bytes), a pattern with its own share of reserve.
+    off, on = _changed(t, gradient_checkpointing=False), _changed(t, gradient_checkpointing=True)
+    stranded = pinned_layer_input_bytes(context.arch, on) * (reserve - 1)
+    held = (layer_input + act.attention_mask_bytes(t, b, length)) * reserve + stranded
+    return off, on, held
 
 
 def _largest_reserve_per_byte(cal) -> float:

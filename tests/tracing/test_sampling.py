@@ -60,10 +60,18 @@ def test_drawing_several_samples_with_replacement_makes_no_noise():
     assert _traced_peak_above_probs(4, True) == _rounded(ROWS * 4 * 8)
 
 
-def test_the_last_decoding_steps_lm_head_holds_the_noise_in_the_analytic_model_as_in_the_trace(tmp_path):
+# generate()'s sampling as GRPOConfig's knobs set it: none (TRL 1.16's defaults), each filter alone, open-r1's and
+# Qwen's recipes, and all at once with a penalty over many ids
+SAMPLINGS = [{}, {"temperature": 0.7}, {"top_k": 50}, {"top_p": 0.95}, {"min_p": 0.0}, {"repetition_penalty": 1.1},
+             {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
+             {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.2}]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=lambda s: "+".join(s) or "defaults")
+def test_the_last_decoding_steps_lm_head_holds_the_sampling_in_the_analytic_model_as_in_the_trace(tmp_path, sampling):
     # A small decoder with a wide vocabulary generating 64 sequences at once from 8-token prompts: the last decoding
-    # step's sampling is the generation's peak, and the estimate without the noise was 14% under
-    # the trace there
+    # step's sampling is the generation's peak; the estimate without multinomial's noise was 14% under the trace
+    # there, and without the filters' tensors up to 46% (top_p)
     from vram_planner import engine
     from vram_planner.model.phases import estimate
     from vram_planner.tracing.step import trace_step
@@ -74,7 +82,7 @@ def test_the_last_decoding_steps_lm_head_holds_the_noise_in_the_analytic_model_a
     context = engine.make_context(str(model), "h100-80gb")
     train = engine.make_training(context, {"per_device_train_batch_size": 8, "num_generations": 8,
                                            "steps_per_generation": 8, "max_prompt_length": 8,
-                                           "max_completion_length": 8, "dtype": "float32"})
+                                           "max_completion_length": 8, "dtype": "float32", **sampling})
     traced = trace_step(config, train).phase("generation")
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}["generation"]

@@ -31,6 +31,7 @@ PASTED = "pasted config.json"
 KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "dtype", "mixed_precision",
                                           "attn_implementation", "use_liger_kernel", "cast_lm_head_to_fp32",
                                           "transformers_version")),
+               ("Sampling", ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")),
                ("LoRA and 4-bit weights", ("lora_", "load_in_4bit", "bnb_")),
                ("vLLM", ("use_vllm", "vllm_")),
                ("Several GPUs", ("num_gpus", "zero_stage", "fsdp", "offload_", "host_memory")))
@@ -64,6 +65,9 @@ KNOB_HELP = {"max_prompt_length": "Longest prompt of your dataset, in tokens (de
              "dtype": "Weights' dtype: float32 (TRL's default), bfloat16, float16.",
              "vllm_max_model_length": "vLLM's context (default: the model's, TRL 0.26+).",
              "vllm_server_gpu": "Server mode: the card trl vllm-serve runs on (planned too).",
+             "temperature": "Sampling without vLLM: each filter holds logits-sized tensors at every decoding step.",
+             "top_k": "0: no top-k filter.",
+             "min_p": "Empty: no min-p filter (0 still runs it).",
              "lora_target_modules": "Comma-separated module names, or all-linear.",
              "transformers_version": "Plan for this transformers release (default: the installed one, if of the TRL "
                                      "release's time).",
@@ -77,6 +81,8 @@ def default_text(train: TrainingConfig, name: str) -> str:
         return f"{train.steps_per_generation_resolved} (gradient_accumulation_steps)"
     if name == "lora_target_modules" and value is None:
         return "all-linear"
+    if name in ("temperature", "top_k") and value is None:
+        return str(getattr(train, f"sampling_{name}"))
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, Enum):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from vram_planner.model import blocks, fsdp, zero
+from vram_planner.model import blocks, fsdp, sampling, zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.spec import DTYPE_BYTES, Optimizer, TrainingConfig
@@ -528,12 +528,15 @@ def padded_mask_bytes(train: TrainingConfig, sequences: int, length: int) -> flo
 
 
 def generation_logits_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int) -> float:
-    """Last-token logits per decoding step: the model's output in the compute dtype (`as_generated`; float32 from the
-    float32 head of cast_lm_head_to_fp32 outside autocast), generate's fp32 copy, the sampling probs and the
-    exponential noise torch.multinomial draws one sample per row with (argmax(p / q), q ~ Exp(1): a tensor like the
+    """Last-token logits at the last decoding step: the model's output in the compute dtype (`as_generated`; float32
+    from the float32 head of cast_lm_head_to_fp32 outside autocast), generate's fp32 copy, and what sampling holds
+    beside them (model/sampling.py: the logits processors the sampling knobs switch on, the probabilities, and the
+    exponential noise torch.multinomial draws one sample per row with, argmax(p / q), q ~ Exp(1): a tensor like the
     probs, aten/src/ATen/native/Distributions.cpp multinomial_out)."""
     head_in_fp32 = train.cast_lm_head_to_fp32 and train.mixed_precision == "no"
-    return sequences * arch.vocab_size * ((FP32_BYTES if head_in_fp32 else sizes(train).compute) + 3 * FP32_BYTES)
+    logits = sequences * arch.vocab_size * ((FP32_BYTES if head_in_fp32 else sizes(train).compute) + FP32_BYTES)
+    # the last step's ids: the prompt and all completion tokens but the one it samples
+    return logits + sampling.sampling_bytes(train, sequences, arch.vocab_size, train.sequence_length - 1)
 
 
 def as_generated(train: TrainingConfig) -> TrainingConfig:

@@ -41,6 +41,7 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
         kwargs["use_liger_kernel"] = True
     if train.cast_lm_head_to_fp32:  # a GRPOConfig field from TRL 0.25 (spec refuses it before)
         kwargs["cast_lm_head_to_fp32"] = True
+    kwargs.update(sampling_kwargs(train))
     if train.zero_stage == 3 and not train.ds3_gather_for_generation:
         kwargs["ds3_gather_for_generation"] = False
     if train.use_vllm:
@@ -56,6 +57,12 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
             if train.vllm_max_model_length is not None:  # server mode: trl vllm-serve's --max_model_len instead
                 kwargs["vllm_max_model_length"] = train.vllm_max_model_length
     return kwargs
+
+
+def sampling_kwargs(train: TrainingConfig) -> dict[str, Any]:
+    """The sampling knobs given, or changed from what generate() does when they are unset."""
+    unset = {"temperature": None, "top_p": 1.0, "top_k": None, "min_p": None, "repetition_penalty": 1.0}
+    return {name: getattr(train, name) for name, default in unset.items() if getattr(train, name) != default}
 
 
 def lora_config_kwargs(train: TrainingConfig) -> dict[str, Any] | None:

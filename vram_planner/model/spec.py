@@ -142,6 +142,14 @@ class TrainingConfig:
     max_completion_length: Annotated[int, COUNT] = 512
     beta: Annotated[float, Rules(ge=0)] = 0.0
     num_iterations: Annotated[int, COUNT] = 1
+    # generate()'s sampling: each filter adds tensors of the step's logits' size (model/sampling.py); vLLM samples
+    # inside its own budget. temperature and top_k None: the release's (`sampling_temperature`, `sampling_top_k`);
+    # top_k 0 and min_p None filter nothing
+    temperature: Annotated[float | None, Rules(gt=0)] = None
+    top_p: Annotated[float, Rules(gt=0, le=1)] = 1.0
+    top_k: Annotated[int | None, Rules(ge=0, le=MAX_COUNT)] = None
+    min_p: Annotated[float | None, Rules(ge=0, le=1)] = None
+    repetition_penalty: Annotated[float, Rules(gt=0)] = 1.0
     optim: Optimizer = Optimizer.adamw_torch_fused
     gradient_checkpointing: bool = True
     dtype: Dtype = "float32"
@@ -189,6 +197,17 @@ class TrainingConfig:
     def expandable_segments(self) -> bool:
         """Whether the caching allocator grows segments in place (PYTORCH_CUDA_ALLOC_CONF expandable_segments:True)."""
         return bool(self.allocator_conf) and _expandable(self.allocator_conf)
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature generate() samples at: the knob, else the release's GRPOConfig default."""
+        return self.release.default_temperature if self.temperature is None else self.temperature
+
+    @property
+    def sampling_top_k(self) -> int:
+        """The top-k filter generate() applies (0: none): the knob, else the release's (GRPOConfig's, or before it
+        had the field, transformers 4's GenerationConfig's 50)."""
+        return self.release.default_top_k if self.top_k is None else self.top_k
 
     @property
     def release(self) -> TrlRelease:
@@ -345,7 +364,17 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
         problems.append(f"{field_name('vllm_mode')} needs {field_name('use_vllm')}")
     problems.extend(vllm_problems(c))
     problems.extend(cast_lm_head_problems(c))
+    problems.extend(sampling_problems(c))
     return problems
+
+
+def sampling_problems(c: TrainingConfig) -> list[str]:
+    """Before TRL 0.16 GRPOConfig has temperature alone; generate() then filters with GenerationConfig's top_k."""
+    if c.release.accepts_sampling_filters:
+        return []
+    given = [name for name, value, unset in (("top_p", c.top_p, 1.0), ("top_k", c.top_k, None), ("min_p", c.min_p, None),
+                                             ("repetition_penalty", c.repetition_penalty, 1.0)) if value != unset]
+    return [_not_a_field_yet(c, name, (0, 16, 0)) for name in given]
 
 
 def cast_lm_head_problems(c: TrainingConfig) -> list[str]:

@@ -44,6 +44,11 @@ class TrlRelease:
     default_vllm_mode: Literal["colocate", "server"]
     default_vllm_gpu_memory_utilization: Annotated[float | None, Rules(gt=0, lt=1)] = None
     default_optim: str
+    # generate()'s sampling when the knobs are unset (GRPOConfig's, or GenerationConfig's top_k where it has none);
+    # top_k 0: no filter
+    default_temperature: Annotated[float, Rules(gt=0)] = 1.0
+    default_top_k: Annotated[int, Rules(ge=0)] = 0
+    accepts_sampling_filters: bool = True  # GRPOConfig's top_p, top_k, min_p and repetition_penalty (0.16 on)
     default_model_dtype: Literal["float32", "bfloat16", "float16"]
     accepts_max_prompt_length: bool
     truncates_prompts: bool

@@ -175,7 +175,7 @@ def timed_decoding(session: Any) -> tuple[float, int]:
 
     train = session.train
     tokens = min(DECODE_TOKENS, train.max_completion_length)
-    config = _generation_config(session.base_model, tokens)
+    config = _generation_config(session.base_model, train, tokens)
     config.eos_token_id = None  # random weights may sample it at any step
     ids, mask = _prompt(session, train.local_generation_batch_size, train.max_prompt_length)
     torch.cuda.synchronize()

@@ -31,15 +31,11 @@ def _processor_outputs(session: Session, ids: Any) -> dict[str, Any]:
     return {"token_type_ids": torch.zeros_like(ids)} if passes_token_type_ids(session.base_model) else {}
 
 
-def _generation_config(model: Any, max_new_tokens: int, returns_cache: bool = False) -> Any:
-    """GRPOTrainer's generation settings (TRL 1.16 defaults), for `max_new_tokens` steps; with `returns_cache`,
-    generate() returns its KV cache."""
+def _generation_config(model: Any, train: TrainingConfig, max_new_tokens: int, returns_cache: bool = False) -> Any:
+    """GRPOTrainer's generation settings with the run's sampling knobs (the release's defaults where unset), for
+    `max_new_tokens` steps; with `returns_cache`, generate() returns its KV cache."""
     from transformers import GenerationConfig
-    from trl import GRPOConfig
 
-    fields = GRPOConfig.__dataclass_fields__  # TRL 0.14 has temperature only; the others keep generate()'s defaults
-    defaults = {name: fields[name].default
-                for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if name in fields}
     # A multimodal config (Gemma 3's) keeps the token ids in its text config, as the tokenizer TRL pads with does
     text = model.config.get_text_config()
     eos = getattr(text, "eos_token_id", None)
@@ -48,7 +44,9 @@ def _generation_config(model: Any, max_new_tokens: int, returns_cache: bool = Fa
     pad = pad[0] if isinstance(pad, list) else pad  # TRL pads with the tokenizer's pad token, often the first EOS
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=pad, eos_token_id=eos,
                             bos_token_id=getattr(text, "bos_token_id", None), disable_compile=True,
-                            return_dict_in_generate=returns_cache, **defaults)
+                            return_dict_in_generate=returns_cache, temperature=train.sampling_temperature,
+                            top_p=train.top_p, top_k=train.sampling_top_k, min_p=train.min_p,
+                            repetition_penalty=train.repetition_penalty)
 
 
 def run_generation(session: Session) -> PhasePeak:
@@ -68,13 +66,14 @@ def run_generation(session: Session) -> PhasePeak:
 def _generate(session: Session) -> PhasePeak:
     train, tracker, model = session.train, session.tracker, session.model
     sequences, p, c = train.local_generation_batch_size, train.max_prompt_length, train.max_completion_length
-    config = _generation_config(session.base_model, 1)
+    config = _generation_config(session.base_model, train, 1)
     tracker.reset_peak()
     with torch.no_grad(), session.generation_autocast(), tracker.tagged(ACTS, "prefill"):
         ids, mask = _prompt(session, sequences, p)
         cache_argument = train.transformers.cache_argument  # the installed transformers' (check_traceable)
-        cache = as_cache(getattr(model.generate(input_ids=ids, attention_mask=mask, generation_config=_generation_config(
-            session.base_model, 1, returns_cache=True), **_processor_outputs(session, ids)), cache_argument))
+        returning = _generation_config(session.base_model, train, 1, returns_cache=True)
+        cache = as_cache(getattr(model.generate(input_ids=ids, attention_mask=mask, generation_config=returning,
+                                                **_processor_outputs(session, ids)), cache_argument))
         del ids, mask
     prefill = PhasePeak("generation", tracker.peak, tracker.peak_split, tracker.peak_moment)
     if c < 2:
