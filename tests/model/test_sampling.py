@@ -34,7 +34,8 @@ def _traced_sampling_bytes(train: TrainingConfig, tokens: int) -> int:
     from vram_planner.tracing.counter import LiveBytes
 
     config = GenerationConfig(do_sample=True, temperature=train.sampling_temperature, top_p=train.top_p,
-                              top_k=train.sampling_top_k, min_p=train.min_p, repetition_penalty=train.repetition_penalty)
+                              top_k=train.sampling_top_k, min_p=train.min_p,
+                              repetition_penalty=train.repetition_penalty)
     processors = Decoder()._get_logits_processor(
         generation_config=config, input_ids_seq_length=tokens, encoder_input_ids=None,
         prefix_allowed_tokens_fn=None, logits_processor=None)

@@ -77,8 +77,9 @@ def test_facts_cover_every_release_pypi_listed():
     ("1.9.0", "peft_zero3_reentrant", True), ("1.16.0", "peft_zero3_reentrant", True),
     # generate()'s sampling: 0.14 passes temperature=0.9 alone, so transformers 4.48's GenerationConfig keeps
     # `kwargs.pop("top_k", 50)`; GRPOConfig's top_k 50 (0.16), None (0.18), 0 (0.27)
-    ("0.14.0", "default_temperature", 0.9), ("0.14.0", "default_top_k", 50), ("0.15.2", "accepts_sampling_filters", False),
-    ("0.16.0", "accepts_sampling_filters", True), ("0.17.0", "default_top_k", 50), ("0.17.0", "default_temperature", 0.9),
+    ("0.14.0", "default_temperature", 0.9), ("0.14.0", "default_top_k", 50),
+    ("0.15.2", "accepts_sampling_filters", False), ("0.16.0", "accepts_sampling_filters", True),
+    ("0.17.0", "default_top_k", 50), ("0.17.0", "default_temperature", 0.9),
     ("0.18.0", "default_temperature", 1.0), ("0.18.0", "default_top_k", 0), ("0.27.0", "default_top_k", 0),
 ])
 def test_extracted_facts_hold_what_the_source_says(version, column, value):

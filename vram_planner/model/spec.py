@@ -372,8 +372,8 @@ def sampling_problems(c: TrainingConfig) -> list[str]:
     """Before TRL 0.16 GRPOConfig has temperature alone; generate() then filters with GenerationConfig's top_k."""
     if c.release.accepts_sampling_filters:
         return []
-    given = [name for name, value, unset in (("top_p", c.top_p, 1.0), ("top_k", c.top_k, None), ("min_p", c.min_p, None),
-                                             ("repetition_penalty", c.repetition_penalty, 1.0)) if value != unset]
+    unset = {"top_p": 1.0, "top_k": None, "min_p": None, "repetition_penalty": 1.0}
+    given = [name for name, value in unset.items() if getattr(c, name) != value]
     return [_not_a_field_yet(c, name, (0, 16, 0)) for name in given]
 
 
