@@ -242,7 +242,8 @@ def _more_generations(t: TrainingConfig):
 def _every_sampling_filter(t: TrainingConfig):
     # each filter generate() did not run yet switched on
     return t, _changed(t, temperature=0.7 if t.sampling_temperature == 1.0 else t.sampling_temperature,
-                       top_p=min(t.top_p, 0.9), top_k=t.sampling_top_k or 50, min_p=0.05 if t.min_p is None else t.min_p,
+                       top_p=min(t.top_p, 0.9), top_k=t.sampling_top_k or 50,
+                       min_p=0.05 if t.min_p is None else t.min_p,
                        repetition_penalty=1.1 if t.repetition_penalty == 1.0 else t.repetition_penalty)
 
 
@@ -252,7 +253,8 @@ MORE_NEEDS_MORE = [_longer_prompt, _longer_completion, _bigger_micro_batch, _mor
 
 @settings(QUICK, max_examples=120)
 @given(law=st.sampled_from(MORE_NEEDS_MORE), **VALID)
-def test_more_tokens_a_bigger_batch_more_generations_or_sampling_filters_never_need_less(law, model, card, trl_version, knobs):
+def test_more_tokens_a_bigger_batch_more_generations_or_sampling_filters_never_need_less(law, model, card,
+                                                                                         trl_version, knobs):
     context, train = _valid(model, card, trl_version, knobs)
     less, more = law(train)
     assert _peak(context, more) >= _peak(context, less) * (1 - FLOAT_NOISE)
