@@ -5,7 +5,7 @@ transformers' _get_logits_processor applies the repetition penalty, then the tem
 warpers, each returning a new float32 [rows, vocab] tensor that replaces the scores it got
 (generation/logits_process.py, 5.24). generate() keeps its float32 copy of the logits throughout, and after the chain
 come the softmax's probabilities and torch.multinomial's exponential noise (components.generation_logits_bytes). The
-counts below are the trace's (tests/model/test_sampling.py holds them to transformers' own processors).
+counts below are the trace's (tests/model/test_sampling_filters.py holds them to transformers' own processors).
 """
 
 from __future__ import annotations
