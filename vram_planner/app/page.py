@@ -19,7 +19,7 @@ from vram_planner.app import views
 from vram_planner.app.query import error_line, pasted_config, query_request
 from vram_planner.errors import VramPlanError
 from vram_planner.model.grpo_config import python_snippet
-from vram_planner.model.spec import TrainingConfig, knob_types
+from vram_planner.model.spec import SAMPLING_KNOBS, TrainingConfig, knob_types
 from vram_planner.model.trl_releases import NEWEST_KNOWN, trl_release, trl_releases, version_tuple
 from vram_planner.profiles import GpuProfile, gpus, models
 from vram_planner.report.document import Report
@@ -31,7 +31,7 @@ PASTED = "pasted config.json"
 KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "dtype", "mixed_precision",
                                           "attn_implementation", "use_liger_kernel", "cast_lm_head_to_fp32",
                                           "transformers_version")),
-               ("Sampling", ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")),
+               ("Sampling", SAMPLING_KNOBS),
                ("LoRA and 4-bit weights", ("lora_", "load_in_4bit", "bnb_")),
                ("vLLM", ("use_vllm", "vllm_")),
                ("Several GPUs", ("num_gpus", "zero_stage", "fsdp", "offload_", "host_memory")))

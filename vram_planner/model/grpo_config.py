@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig, sampling_knobs_given
 from vram_planner.model.trl_releases import TrlRelease
 
 
@@ -61,8 +61,7 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
 
 def sampling_kwargs(train: TrainingConfig) -> dict[str, Any]:
     """The sampling knobs given, or changed from what generate() does when they are unset."""
-    unset = {"temperature": None, "top_p": 1.0, "top_k": None, "min_p": None, "repetition_penalty": 1.0}
-    return {name: getattr(train, name) for name, default in unset.items() if getattr(train, name) != default}
+    return {name: getattr(train, name) for name in sampling_knobs_given(train)}
 
 
 def lora_config_kwargs(train: TrainingConfig) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from functools import lru_cache
 from typing import Annotated, Any, Literal, get_args
@@ -368,13 +368,20 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
     return problems
 
 
+SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_knobs_given(c: TrainingConfig) -> list[str]:
+    """The sampling knobs away from their unset values (TrainingConfig's defaults: the release's sampling)."""
+    unset = {field.name: field.default for field in fields(TrainingConfig)}
+    return [name for name in SAMPLING_KNOBS if getattr(c, name) != unset[name]]
+
+
 def sampling_problems(c: TrainingConfig) -> list[str]:
     """Before TRL 0.16 GRPOConfig has temperature alone; generate() then filters with GenerationConfig's top_k."""
     if c.release.accepts_sampling_filters:
         return []
-    unset = {"top_p": 1.0, "top_k": None, "min_p": None, "repetition_penalty": 1.0}
-    given = [name for name, value in unset.items() if getattr(c, name) != value]
-    return [_not_a_field_yet(c, name, (0, 16, 0)) for name in given]
+    return [_not_a_field_yet(c, name, (0, 16, 0)) for name in sampling_knobs_given(c) if name != "temperature"]
 
 
 def cast_lm_head_problems(c: TrainingConfig) -> list[str]:
