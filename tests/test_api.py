@@ -101,19 +101,6 @@ def test_a_recipes_trl_names_point_at_the_setting_and_the_arguments_that_move_no
         Request(model="Llama-3.2-1B").with_fields(use_peft=True)
 
 
-def test_the_trl_names_are_trls_and_name_a_setting_of_the_request():
-    # every name is a field of the installed TRL's GRPOConfig (with transformers' TrainingArguments), ModelConfig or
-    # ScriptArguments, or one an older release had; none is a request's own field, and each points at one
-    from trl import GRPOConfig, ModelConfig, ScriptArguments
-
-    from vram_planner.trl_names import MEMORY_NEUTRAL_ARGUMENTS, OLDER_NAMES, TRL_NAMES
-
-    trl_fields = {f.name for config in (GRPOConfig, ModelConfig, ScriptArguments) for f in fields(config)}
-    named = set(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS
-    assert named - trl_fields <= OLDER_NAMES and OLDER_NAMES <= named
-    assert not named & set(request_fields()) and set(TRL_NAMES.values()) <= set(request_fields())
-
-
 def test_an_unknown_field_names_the_closest_in_pythons_words(capsys):
     with pytest.raises(ConfigError) as refused:
         api.check("Llama-3.2-1B", "t4", max_completion_lenght=1024)
@@ -125,17 +112,25 @@ def test_an_unknown_field_names_the_closest_in_pythons_words(capsys):
 
 
 @pytest.mark.parametrize(("key", "suggested"), [
-    ("do_eval", None), ("save_strategy", None), ("loss_type", None), ("reward_funcs", None), ("kl_coef", None),
+    ("system_prompt", None), ("dataset_configs", None), ("code_language", None), ("cosine_max_len", None),
+    ("kl_coef", None),
     ("lora_rank", "lora_r"), ("grad_accum_steps", "gradient_accumulation_steps"), ("num_generation", "num_generations"),
     ("per_device_batch_size", "per_device_train_batch_size"), ("gpu_name", "gpu"),
 ])
 def test_an_unknown_setting_suggests_only_a_setting_it_resembles(key, suggested):
-    # a recipe's training arguments share words with the settings (_strategy, _type, max_): a suggestion below
-    # difflib's own cutoff named an unrelated one (do_eval -> model, save_strategy -> zero_stage, loss_type -> dtype)
+    # a recipe's script arguments share words with the settings (_prompt, _max_, _len): a suggestion below difflib's
+    # own cutoff named an unrelated one (as TRL's do_eval -> model, save_strategy -> zero_stage, loss_type -> dtype
+    # did before vram_planner.trl_names classified them)
     with pytest.raises(ConfigError) as refused:
         api.check("Llama-3.2-1B", "t4", **{key: 1})
     hint = f" (did you mean {suggested}?)" if suggested else ""
     assert str(refused.value) == f"unknown setting {key}{hint}"
+
+
+def test_trls_arguments_given_as_settings_say_what_they_are():
+    with pytest.raises(ConfigError, match=r"^do_eval is not planned \(evaluation's generation\): the plan assumes it "
+                                          "is False; save_strategy changes no GPU memory: leave it out$"):
+        api.check("Llama-3.2-1B", "t4", do_eval=True, save_strategy="epoch")
 
 
 def test_maximize_fitting_gpus_and_the_catalogs_are_their_commands_documents(capsys):

@@ -1,7 +1,7 @@
 """The package's folders are its architecture: imports only point down the layers, and no modules (nor packages)
 import in a circle.
 
-cli | app -> api -> report -> engine | run | probe | advise -> tracing -> model -> profiles, local_gpu, hub, extras ->
+cli | app -> api -> report -> engine | run | probe | advise -> tracing -> model, recipe -> profiles, local_gpu, hub, extras ->
 units, errors, files, profile_cache, validation, request.
 engine, run, probe and advise sit side by side and do not import each other. The web app is a skin of its own over
 the library: it imports nothing of the command line's, and not click, and the command line nothing of its (`vram-plan
@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("report", ["vram_planner.report"]),
     ("entry points", ["vram_planner.engine", "vram_planner.run", "vram_planner.probe", "vram_planner.advise"]),
     ("tracing", ["vram_planner.tracing"]),
-    ("model", ["vram_planner.model", "vram_planner.allocator"]),
+    # a TRL recipe read as the request's fields takes the release's defaults and the model's config
+    ("model", ["vram_planner.model", "vram_planner.allocator", "vram_planner.recipe"]),
     ("data", ["vram_planner.profiles", "vram_planner.local_gpu", "vram_planner.hub", "vram_planner.extras",
               "vram_planner.profile_data"]),
     ("base", ["vram_planner.units", "vram_planner.errors", "vram_planner.files", "vram_planner.profile_cache",

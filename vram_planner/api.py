@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from vram_planner.report.maximized import MaximizedPlanReport
 
 __all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "rank", "gpus",
-           "models", "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
+           "models", "recipe", "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
 
 @dataclass(frozen=True)
 class Judged:
@@ -194,6 +194,23 @@ def trace(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
     _require_model(request)
     outcome = engine.trace(request.model, request.gpu, request.knobs, progress=progress, **_options(request))
     return _judged(trace_report(outcome), outcome.traced.context, outcome.traced.train, outcome)
+
+
+def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fields: Any) -> Request:
+    """The request a TRL recipe spells, read as TRL runs it (`vram-plan check --config recipe.yaml`): TrlParser's
+    YAML file, or its keys as a mapping; `fields` (ours) add to it or change it.
+
+        >>> api.check(api.recipe("recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml", "rtx4090"))
+    """
+    from vram_planner.files import MAX_SETTINGS_BYTES, load_yaml, read_text
+    from vram_planner.recipe import RECIPE_KEY, read_recipe
+
+    values = recipe
+    if isinstance(recipe, (str, Path)):
+        values = load_yaml(read_text(recipe, MAX_SETTINGS_BYTES, "the recipe", kind="a YAML file"), str(recipe))
+    if not isinstance(values, Mapping) or RECIPE_KEY not in values:
+        raise ConfigError([f"a recipe is TrlParser's YAML, a mapping that names {RECIPE_KEY}"])
+    return _request(None, gpu, read_recipe(values).settings, fields)
 
 
 def gpus() -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.errors import SETTING_CUTOFF, ConfigError, closest_names, field_name
-from vram_planner.trl_names import MEMORY_NEUTRAL_ARGUMENTS, TRL_NAMES
+from vram_planner.trl_names import MEMORY_NEUTRAL_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS
 
 __all__ = ["Request", "DEFAULT_SAFETY_MARGIN", "CONTEXT_FIELDS", "request_fields", "knob_fields"]
 
@@ -53,6 +53,7 @@ class Request:
     repetition_penalty: float | None = None
     optim: str | None = None  # transformers optimizer name: adamw_torch_fused, adamw_8bit, ...
     gradient_checkpointing: bool | None = None
+    use_reentrant: bool | None = None  # gradient_checkpointing_kwargs' (default: as the release runs it)
     use_liger_kernel: bool | None = None
     cast_lm_head_to_fp32: bool | None = None  # the LM head of the policy and reference in float32 (TRL 0.25+)
     use_vllm: bool | None = None
@@ -147,6 +148,9 @@ def unknown_setting_problems(keys: list[str]) -> list[str]:
 def _unknown(key: str, names: tuple[str, ...]) -> str:
     if key in TRL_NAMES:
         return f"{field_name(key)} is TRL's name: the setting here is {field_name(TRL_NAMES[key])}"
+    if key in UNPLANNED_ARGUMENTS:
+        accepted, effect = UNPLANNED_ARGUMENTS[key]
+        return f"{field_name(key)} is not planned ({effect}): the plan assumes it is {accepted[0]!r}"
     near = closest_names(key, names, cutoff=SETTING_CUTOFF)
     return f"unknown setting {field_name(key)}" + (f" (did you mean {field_name(near[0])}?)" if near else "")
 

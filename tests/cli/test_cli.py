@@ -144,26 +144,6 @@ def test_config_file_yaml_and_flags_override(capsys, tmp_path, llama_1b_file):
     assert doc["peft_config"]["target_modules"] == ["q_proj", "v_proj"]
 
 
-def test_a_trl_recipe_as_config_is_told_which_keys_are_trls_names_and_which_move_no_memory(capsys, tmp_path):
-    # A recipe's YAML as TRL's examples and open-r1 write it (TrlParser's keys), lists and mappings among them: one
-    # line naming TRL's names' settings, the arguments that move no memory at once, every other key by name
-    recipe = tmp_path / "config_demo.yaml"
-    recipe.write_text("model_name_or_path: Qwen/Qwen2.5-0.5B\nmodel_revision: main\ntorch_dtype: bfloat16\n"
-                      "bf16: true\nuse_peft: true\nlora_r: 16\nlearning_rate: 3.0e-06\nlr_scheduler_type: cosine\n"
-                      "warmup_ratio: 0.1\nlogging_steps: 1\noutput_dir: data/out\nseed: 42\nreport_to:\n- wandb\n"
-                      "reward_funcs:\n- accuracy\n- format\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n"
-                      "num_generations: 8\nper_device_train_batch_size: 8\nmax_completion_length: 1024\n")
-    err = one_line_error(capsys, "check", "--gpu", "24GiB", "--config", str(recipe))
-    assert "--model-name-or-path is TRL's name: the setting here is --model" in err
-    assert "--torch-dtype is TRL's name: the setting here is --dtype" in err
-    assert "--bf16 is TRL's name: the setting here is --mixed-precision" in err
-    assert "--use-peft is TRL's name: the setting here is --lora-r" in err
-    assert "unknown setting --reward-funcs" in err and "unknown setting --gradient-checkpointing-kwargs" in err
-    assert ("--model-revision, --learning-rate, --lr-scheduler-type and 5 more change no GPU memory: leave them out"
-            in err)
-    assert "--lora-r" not in err.replace("the setting here is --lora-r", "")  # a setting of ours is not refused
-
-
 @pytest.mark.parametrize("text,expected", [("per_device_train_batch: 4\n", "did you mean --per-device-train-batch-size"),
                                            ("- a\n- b\n", "must hold a mapping"), ("a: [\n", "not valid YAML"),
                                            # YAML reads these as {None: None} and {1: 4}: no setting's name

@@ -26,7 +26,8 @@ def build_real(kwargs, tmp_path):
                                        {"max_completion_length": 2048, "num_generations": 16,
                                         "gradient_accumulation_steps": 2},
                                        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
-                                        "repetition_penalty": 1.05}])
+                                        "repetition_penalty": 1.05},
+                                       {"use_reentrant": True}])
 def test_every_plan_builds_a_real_grpo_config(tmp_path, llama_1b_file, gib, settings_):
     gpu = GpuProfile(name="card", total_memory_gib=gib, bf16=True, flash_attention_2=True)
     result = engine.plan(str(llama_1b_file), gpu, settings_)
@@ -38,6 +39,8 @@ def test_every_plan_builds_a_real_grpo_config(tmp_path, llama_1b_file, gib, sett
     assert config.per_device_train_batch_size == verdict.train.per_device_train_batch_size
     sampling = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # no plan changes them
     assert all(getattr(config, knob) == value for knob, value in settings_.items() if knob in sampling)
+    if "use_reentrant" in settings_ and verdict.train.gradient_checkpointing:
+        assert config.gradient_checkpointing_kwargs == {"use_reentrant": True}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

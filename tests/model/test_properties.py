@@ -142,7 +142,7 @@ def valid_knobs(draw) -> dict[str, Any]:
         "max_prompt_length": st.integers(1, 3000), "max_completion_length": st.integers(1, 3000),
         "beta": st.sampled_from([0.0, 0.04]), "num_iterations": st.integers(1, 3),
         "optim": st.sampled_from([o.value for o in Optimizer]), "gradient_checkpointing": st.booleans(),
-        "dtype": st.sampled_from(["float32", "bfloat16", "float16"]),
+        "use_reentrant": st.booleans(), "dtype": st.sampled_from(["float32", "bfloat16", "float16"]),
         "mixed_precision": st.sampled_from(["bf16", "fp16", "no"]),
         "attn_implementation": st.sampled_from(["sdpa", "eager", "flash_attention_2"]),
         "use_liger_kernel": st.booleans(), "cast_lm_head_to_fp32": st.booleans(), "use_vllm": st.booleans(),

@@ -28,7 +28,7 @@ from vram_planner.request import DEFAULT_SAFETY_MARGIN, knob_fields
 DEFAULT_GPU, DEFAULT_MODEL = "rtx3080-mobile", "Llama-3.2-1B"  # the command-line contract's first example
 PASTED = "pasted config.json"
 # The knobs' fields, grouped as people look for them; the knobs not named here open the list.
-KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "dtype", "mixed_precision",
+KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "use_reentrant", "dtype", "mixed_precision",
                                           "attn_implementation", "use_liger_kernel", "cast_lm_head_to_fp32",
                                           "transformers_version")),
                ("Sampling", SAMPLING_KNOBS),

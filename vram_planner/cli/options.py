@@ -46,6 +46,8 @@ KNOBS = [
     click.option("--repetition-penalty", type=float),
     click.option("--optim", help="transformers optimizer name, e.g. adamw_torch_fused, adamw_8bit."),
     click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None),
+    click.option("--use-reentrant/--no-use-reentrant", default=None,
+                 help="Checkpointing's gradient_checkpointing_kwargs use_reentrant (default: as the TRL release runs it)."),
     click.option("--dtype", help="Weights' dtype: float32 (TRL's default), bfloat16, float16."),
     click.option("--mixed-precision", help="bf16 (default), fp16 or no."),
     click.option("--attn-implementation", help="sdpa (default), eager or flash_attention_2."),
@@ -114,7 +116,7 @@ EXACT = click.option("--exact", is_flag=True,
                           "the caching allocator model (needs the train extra; seconds to a minute).")
 
 NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin",
-             "maximize", "allow_savers", "exact", "optimize", "reward_seconds", "dataset_prompts")
+             "maximize", "allow_savers", "exact", "optimize", "reward_seconds", "dataset_prompts", "recipe_note")
 
 
 def settings_from(command: str, options: dict[str, Any],
@@ -122,7 +124,10 @@ def settings_from(command: str, options: dict[str, Any],
     """The model, the GPU, the TRL release and the knobs from the flags, over the --config file's values."""
     from vram_planner.cli.settings_file import read_settings_file
 
-    settings = read_settings_file(options["config_file"]) if options["config_file"] else {}
+    settings, recipe_note = (read_settings_file(options["config_file"], options["model"]) if options["config_file"]
+                             else ({}, None))
+    if recipe_note:  # the report's to say (vram_planner/cli/plan.py _emit), where the command answers
+        options["recipe_note"] = recipe_note
     for name in ("gpu", "model"):  # an empty value is a mistake, not "not given"
         if (options[name] is not None and not options[name].strip()) or settings.get(name) == "":
             raise VramPlanError(f"--{name} is empty; give a catalog name (vram-plan {name}s) or "

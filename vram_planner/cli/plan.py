@@ -72,6 +72,8 @@ def _render(report: Any) -> None:
 
 def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
     """The plot when asked, then the JSON document or the human view; the exit code says whether it fits."""
+    if options.get("recipe_note"):
+        report.notes.append(options["recipe_note"])
     if options["plot"]:
         from vram_planner.report.plot import plot_phases
 

@@ -1,4 +1,4 @@
-"""`--config FILE`: the same keys as the flags, from YAML or JSON."""
+"""`--config FILE`: the same keys as the flags, from YAML or JSON, or a TRL recipe (vram_planner.recipe)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from typing import Any
 
 from vram_planner.errors import ConfigError, ProfileError, first_line
 from vram_planner.files import MAX_SETTINGS_BYTES, load_json, load_yaml, read_text
+from vram_planner.recipe import is_recipe, read_recipe
 from vram_planner.request import request_fields, unknown_setting_problems
 
 
-def read_settings_file(path: Path) -> dict[str, Any]:
-    """Keys may be spelled with dashes or underscores."""
+def read_settings_file(path: Path, model: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """The settings, and for a TRL recipe one line on what of it was left out (`model`: --model's, which a recipe's
+    defaults may depend on). Keys may be spelled with dashes or underscores."""
     text = read_text(path, MAX_SETTINGS_BYTES, "--config", kind="a YAML or JSON file")
     try:
         data = load_json(text, f"--config {path}") if path.suffix.lower() == ".json" else load_yaml(
@@ -33,13 +35,16 @@ def read_settings_file(path: Path) -> dict[str, Any]:
     if named:  # YAML reads `?`, `1:` or `null:` as keys that are no setting's name
         raise ProfileError(f"--config {path}: {named[0]!r} is not a setting's name; write the flags' keys, e.g. "
                            "per_device_train_batch_size: 4")
+    if is_recipe(data):
+        recipe = read_recipe(data, model)
+        return {name: _checked(path, name, value) for name, value in recipe.settings.items()}, recipe.summary()
     settings = {str(k).replace("-", "_"): (str(k), v) for k, v in data.items()}
     # Keys that name no setting are refused by name, whatever their values' shapes, and before what the command
     # misses: a recipe's model is its model_name_or_path, TRL's name for it
     unknown = [name for name in settings if name not in request_fields()]
     if unknown:
         raise ConfigError(unknown_setting_problems(unknown))
-    return {name: _checked(path, key, value) for name, (key, value) in settings.items()}
+    return {name: _checked(path, key, value) for name, (key, value) in settings.items()}, None
 
 
 # Every setting is one string, number or boolean, as its flag takes; these few are names, and the LoRA targets may

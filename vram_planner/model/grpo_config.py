@@ -33,6 +33,8 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
         "fp16": train.mixed_precision == "fp16",
         "model_init_kwargs": model_init,
     }
+    if train.gradient_checkpointing and train.use_reentrant is not None:
+        kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": train.use_reentrant}
     if train.steps_per_generation is not None:
         kwargs["steps_per_generation"] = train.steps_per_generation
     if train.num_iterations != 1:

@@ -152,6 +152,9 @@ class TrainingConfig:
     repetition_penalty: Annotated[float, Rules(gt=0)] = 1.0
     optim: Optimizer = Optimizer.adamw_torch_fused
     gradient_checkpointing: bool = True
+    # gradient_checkpointing_kwargs={'use_reentrant': ...} (no effect without checkpointing, as in TRL); None: as the
+    # release sets it up
+    use_reentrant: bool | None = None
     dtype: Dtype = "float32"
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -272,11 +275,13 @@ class TrainingConfig:
 
     @property
     def reentrant_checkpointing(self) -> bool:
-        """Whether gradient checkpointing runs reentrant (torch.utils.checkpoint's use_reentrant=True), as the release
-        sets it up (profiles/trl.toml checkpointing_reentrant, peft_zero3_reentrant)."""
+        """Whether gradient checkpointing runs reentrant (torch.utils.checkpoint's use_reentrant=True): as the run's
+        gradient_checkpointing_kwargs say, else as the release sets it up (profiles/trl.toml checkpointing_reentrant);
+        TRL forces it under ZeRO-3 with LoRA whatever they say (peft_zero3_reentrant)."""
         release = self.release
         forced = release.peft_zero3_reentrant and self.uses_lora and self.zero_stage == 3
-        return self.gradient_checkpointing and (release.checkpointing_reentrant or forced)
+        chosen = release.checkpointing_reentrant if self.use_reentrant is None else self.use_reentrant
+        return self.gradient_checkpointing and (chosen or forced)
 
     @property
     def first_layer_input_needs_grad(self) -> bool:

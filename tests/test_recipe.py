@@ -1,0 +1,243 @@
+"""A TRL recipe (TrlParser's YAML) read as TRL runs it: `--config recipe.yaml` and api.recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import json_of, one_line_error, run
+from vram_planner import api
+from vram_planner.errors import ConfigError
+from vram_planner.recipe import MODEL_CONFIG_LORA, PEFT_DEFAULT_TARGETS, is_recipe, read_recipe
+from vram_planner.request import request_fields
+from vram_planner.trl_names import (MEMORY_NEUTRAL_ARGUMENTS, OLDER_NAMES, TRL_NAMES, UNPLANNED_ARGUMENTS,
+                                    same_value)
+
+# open-r1's recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml as it is published (its system prompt shortened)
+OPEN_R1_DEMO = """\
+# Model arguments
+model_name_or_path: Qwen/Qwen2.5-1.5B-Instruct
+model_revision: main
+torch_dtype: bfloat16
+attn_implementation: flash_attention_2
+
+# Data training arguments
+dataset_name: open-r1/OpenR1-Math-220k
+dataset_configs:
+- default
+system_prompt: "You are a helpful AI Assistant that provides well-reasoned and detailed responses."
+
+# GRPO trainer config
+bf16: true
+use_vllm: true
+vllm_device: auto
+vllm_gpu_memory_utilization: 0.7
+do_eval: false
+gradient_accumulation_steps: 4
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+hub_model_id: Qwen2.5-1.5B-Open-R1-GRPO
+hub_strategy: every_save
+learning_rate: 2.0e-05
+log_completions: true
+log_level: info
+logging_first_step: true
+logging_steps: 1
+logging_strategy: steps
+lr_scheduler_type: cosine
+max_prompt_length: 512
+max_completion_length: 1024
+max_steps: -1
+num_generations: 16
+num_train_epochs: 1
+output_dir: data/Qwen2.5-1.5B-Open-R1-GRPO
+overwrite_output_dir: true
+per_device_eval_batch_size: 16
+per_device_train_batch_size: 16
+push_to_hub: true
+report_to:
+- wandb
+reward_funcs:
+- accuracy
+- format
+save_strategy: "epoch"
+save_total_limit: 1
+seed: 42
+warmup_ratio: 0.1
+"""
+# what the recipe plans, as our flags spell it
+OPEN_R1_DEMO_FLAGS = ["--model", "Qwen/Qwen2.5-1.5B-Instruct", "--dtype", "bfloat16", "--attn-implementation",
+                      "flash_attention_2", "--mixed-precision", "bf16", "--use-vllm", "--vllm-gpu-memory-utilization",
+                      "0.7", "--gradient-accumulation-steps", "4", "--gradient-checkpointing", "--no-use-reentrant",
+                      "--max-prompt-length", "512", "--max-completion-length", "1024", "--num-generations", "16",
+                      "--per-device-train-batch-size", "16"]
+
+
+@pytest.mark.parametrize("release", [None, "0.16.0", "0.19.0"])
+def test_open_r1s_recipe_is_judged_as_its_flags_are(capsys, tmp_path, release):
+    recipe = tmp_path / "config_demo.yaml"
+    recipe.write_text(OPEN_R1_DEMO)
+    pinned = ["--trl-version", release] if release else []
+    code, doc = json_of(capsys, "check", "--gpu", "h100-80gb", "--config", str(recipe), *pinned)
+    assert doc["notes"][-1] == ("Read as a TRL recipe: 25 of its keys move no GPU memory here and are left out; "
+                                "dataset_configs, system_prompt are the training script's own, not planned")
+    flags_code, flags_doc = json_of(capsys, "check", "--gpu", "h100-80gb", *OPEN_R1_DEMO_FLAGS, *pinned)
+    assert (code, {**doc, "notes": doc["notes"][:-1]}) == (flags_code, flags_doc)
+    code, out, err = run(capsys, "check", "--gpu", "h100-80gb", "--config", str(recipe), *pinned)
+    assert code in (0, 1) and err == "" and "Note: Read as a TRL recipe: 25 of its keys" in out
+
+
+def test_a_recipe_that_leaves_the_model_to_the_command_line_takes_the_flags(capsys, tmp_path):
+    recipe = tmp_path / "grpo.yaml"  # as `trl grpo --model_name_or_path M --config grpo.yaml` is run
+    recipe.write_text("use_peft: true\nlearning_rate: 1.0e-6\nbf16: true\nper_device_train_batch_size: 8\n")
+    _, doc = json_of(capsys, "check", "--gpu", "24GiB", "--model", "Llama-3.2-1B", "--config", str(recipe))
+    assert doc["peft_config"] == {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"],
+                                  "task_type": "CAUSAL_LM"}
+    assert doc["notes"][-1] == "Read as a TRL recipe: 1 of its keys moves no GPU memory here and is left out"
+    assert "check needs --model" in one_line_error(capsys, "check", "--gpu", "24GiB", "--config", str(recipe))
+
+
+def test_lora_is_on_only_with_use_peft_and_takes_model_configs_defaults_and_pefts_targets():
+    full = read_recipe({"model_name_or_path": "Qwen2.5-0.5B", "lora_r": 64, "lora_alpha": 8})
+    assert "lora_r" not in full.settings and {"lora_r", "lora_alpha"} <= set(full.left_out)  # TRL: full fine-tuning
+    lora = read_recipe({"model_name_or_path": "Qwen2.5-0.5B", "use_peft": True, "lora_alpha": 8})
+    assert lora.settings | {"lora_alpha": MODEL_CONFIG_LORA["lora_alpha"]} == {
+        "model": "Qwen2.5-0.5B", **MODEL_CONFIG_LORA, "lora_target_modules": PEFT_DEFAULT_TARGETS["qwen2"]}
+    assert lora.settings["lora_alpha"] == 8
+    assert read_recipe({"model_name_or_path": "phi-2", "use_peft": True}).settings["lora_target_modules"] == [
+        "q_proj", "v_proj", "fc1", "fc2"]
+    undropped = read_recipe({"model_name_or_path": "Qwen2.5-0.5B", "use_peft": True, "disable_dropout": True})
+    assert undropped.settings["lora_dropout"] == 0.0
+    with pytest.raises(ConfigError, match="PEFT has no default LoRA targets for model_type 'phi3'"):
+        read_recipe({"model_name_or_path": "Phi-3-mini-4k-instruct", "use_peft": True})
+    named = read_recipe({"model_name_or_path": "Phi-3-mini-4k-instruct", "use_peft": True,
+                         "lora_target_modules": "all-linear"})
+    assert named.settings["lora_target_modules"] == "all-linear"
+
+
+def test_pefts_default_targets_are_the_installed_pefts():
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as targets
+
+    from vram_planner.model.architecture import FAMILIES, MODEL_TYPE_ALIASES
+
+    for model_type in {*FAMILIES, *MODEL_TYPE_ALIASES}:
+        assert PEFT_DEFAULT_TARGETS.get(model_type) == targets.get(model_type), model_type
+
+
+def test_trls_names_become_the_requests_fields():
+    recipe = read_recipe({"model_name_or_path": "Llama-3.2-1B", "dtype": "auto", "fp16": True, "bf16": False,
+                          "generation_batch_size": 96, "per_device_train_batch_size": 8, "use_peft": True,
+                          "load_in_4bit": True, "use_bnb_nested_quant": True, "vllm_max_model_len": 2048,
+                          "activation_checkpointing": False, "adafactor": True,
+                          "model_init_kwargs": {"attn_implementation": "eager"}})
+    assert recipe.settings == {
+        "model": "Llama-3.2-1B", "dtype": "bfloat16",  # auto: the checkpoint's config.json names bfloat16
+        "mixed_precision": "fp16", "steps_per_generation": 12, "per_device_train_batch_size": 8,
+        "load_in_4bit": True, "bnb_4bit_use_double_quant": True, "vllm_max_model_length": 2048,
+        "gradient_checkpointing": False, "optim": "adafactor", "attn_implementation": "eager",
+        **MODEL_CONFIG_LORA, "lora_target_modules": ["q_proj", "v_proj"]}
+    assert read_recipe({"model_name_or_path": "Llama-3.2-1B", "bf16": False}).settings["mixed_precision"] == "no"
+    # TRL's script lays model_init_kwargs over ModelConfig's dtype
+    assert read_recipe({"model_name_or_path": "Llama-3.2-1B", "torch_dtype": "float32",
+                        "model_init_kwargs": {"dtype": "bfloat16"}}).settings["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("recipe,problem", [
+    ({"torch_compile": True}, "torch_compile True is not planned (compiled graphs' own buffers); the plan assumes "
+                              "False"),
+    ({"eval_strategy": "steps"}, "eval_strategy 'steps' is not planned (evaluation's generation)"),
+    ({"deepspeed": "ds.json"}, "plan it with zero_stage and num_gpus"),
+    ({"fsdp": "full_shard auto_wrap"}, "plan FSDP2 with fsdp: true"),
+    ({"use_dora": True, "use_peft": True}, "use_dora True is not planned (DoRA's"),
+    ({"gradient_checkpointing_kwargs": {"use_reentrant": False, "every_n_layers": 2}},
+     "gradient_checkpointing_kwargs every_n_layers: 2 is not planned"),
+    ({"generation_batch_size": 20, "per_device_train_batch_size": 8}, "must be a multiple of the global batch"),
+    ({"generation_batch_size": 16, "steps_per_generation": 2}, "cannot both be set"),
+    ({"bf16": True, "fp16": True}, "cannot both be true"),
+    ({"model_init_kwargs": {"device_map": "auto"}}, "model_init_kwargs device_map: 'auto' is not planned"),
+])
+def test_what_moves_memory_unplanned_is_refused_with_what_it_would_change(capsys, tmp_path, recipe, problem):
+    with pytest.raises(ConfigError, match="^.*" + problem.replace("(", r"\(").replace(")", r"\)")):
+        read_recipe({"model_name_or_path": "Llama-3.2-1B", **recipe})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(json.dumps({"model_name_or_path": "Llama-3.2-1B", **recipe}))
+    assert problem in one_line_error(capsys, "check", "--gpu", "24GiB", "--config", str(path))
+
+
+def test_every_argument_of_trls_configs_is_read_left_out_or_refused_and_each_default_is_planned():
+    # every field of the installed TRL's GRPOConfig (with TrainingArguments), ModelConfig, ScriptArguments and its
+    # grpo script's arguments is the request's, one of TRL's names for it, memory-neutral, or unplanned with its
+    # default among the values planned; every listed name is such a field, or one an older release had
+    from trl import GRPOConfig, ModelConfig, ScriptArguments
+    from trl.scripts.grpo import GRPOScriptArguments
+    from trl.scripts.utils import DatasetMixtureConfig
+
+    classes = (GRPOConfig, ModelConfig, ScriptArguments, GRPOScriptArguments, DatasetMixtureConfig)
+    trl_fields = {f.name: f for config in classes for f in dataclasses.fields(config)}
+    listed = set(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | set(UNPLANNED_ARGUMENTS)
+    assert set(trl_fields) - set(request_fields()) - listed == set()
+    assert listed - set(trl_fields) == OLDER_NAMES
+    assert not (MEMORY_NEUTRAL_ARGUMENTS | set(UNPLANNED_ARGUMENTS)) & set(request_fields())
+    assert not MEMORY_NEUTRAL_ARGUMENTS & set(UNPLANNED_ARGUMENTS) and set(TRL_NAMES.values()) <= set(request_fields())
+    for name, (accepted, _) in UNPLANNED_ARGUMENTS.items():
+        if name in trl_fields:
+            field = trl_fields[name]
+            default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+            assert same_value(default, accepted), (name, default)
+
+
+NEUTRAL_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=False),
+                           st.text(max_size=20), st.lists(st.text(max_size=8), max_size=3))
+
+
+@settings(max_examples=150, deadline=None)
+@given(neutral=st.dictionaries(st.sampled_from(sorted(MEMORY_NEUTRAL_ARGUMENTS)), NEUTRAL_VALUES, max_size=8),
+       script=st.dictionaries(st.from_regex(r"\Azz_[a-z_]{1,12}\Z"), NEUTRAL_VALUES, max_size=3),
+       knobs=st.fixed_dictionaries({}, optional={"per_device_train_batch_size": st.sampled_from([4, 8, 16]),
+                                                 "use_peft": st.booleans(), "bf16": st.booleans(),
+                                                 "torch_dtype": st.sampled_from(["bfloat16", "float32", "auto"]),
+                                                 "gradient_checkpointing_kwargs": st.just({"use_reentrant": True}),
+                                                 "max_completion_length": st.sampled_from([64, 1024])}))
+def test_what_moves_no_memory_never_changes_the_request(neutral, script, knobs):
+    base = read_recipe({"model_name_or_path": "SmolLM2-135M", **knobs})
+    noisy = read_recipe({"model_name_or_path": "SmolLM2-135M", **neutral, **script, **knobs})
+    assert noisy.settings == base.settings
+    assert set(noisy.left_out) - set(base.left_out) == set(neutral) and set(noisy.script_keys) == set(script)
+    assert is_recipe({**neutral, **script, **knobs}) == bool(set(neutral) | {"use_peft", "bf16", "torch_dtype",
+                                                                            "gradient_checkpointing_kwargs"} & {
+        *neutral, *knobs})
+
+
+def test_the_libraries_recipe_is_the_command_lines(tmp_path):
+    path = tmp_path / "config_demo.yaml"
+    path.write_text(OPEN_R1_DEMO)
+    request = api.recipe(path, "h100-80gb")
+    assert (request.model, request.dtype, request.use_reentrant, request.num_generations) == (
+        "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", False, 16)
+    assert api.recipe(path, "h100-80gb", use_vllm=False).use_vllm is False
+    assert api.check(request).to_dict() == api.check("Qwen/Qwen2.5-1.5B-Instruct", "h100-80gb",
+                                                     dtype="bfloat16", attn_implementation="flash_attention_2",
+                                                     mixed_precision="bf16", use_vllm=True,
+                                                     vllm_gpu_memory_utilization=0.7, gradient_accumulation_steps=4,
+                                                     gradient_checkpointing=True, use_reentrant=False,
+                                                     max_prompt_length=512, max_completion_length=1024,
+                                                     num_generations=16, per_device_train_batch_size=16).to_dict()
+    with pytest.raises(ConfigError, match="a recipe is TrlParser's YAML"):
+        api.recipe({"per_device_train_batch_size": 4})
+
+
+def test_the_recipes_use_reentrant_decides_whether_old_trls_lora_checkpointing_fails(capsys, tmp_path):
+    # TRL 0.15 left checkpointing reentrant (transformers 4's default) with nothing making the frozen embedding's
+    # output require grad: LoRA fails at the first backward, unless the recipe turns use_reentrant off as open-r1's do
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: Qwen2.5-0.5B\nuse_peft: true\ngradient_checkpointing: true\n")
+    assert "fails at the first backward" in one_line_error(capsys, "check", "--gpu", "24GiB", "--config", str(recipe),
+                                                           "--trl-version", "0.15")
+    recipe.write_text(recipe.read_text() + "gradient_checkpointing_kwargs:\n  use_reentrant: false\n")
+    code, _, err = run(capsys, "check", "--gpu", "24GiB", "--config", str(recipe), "--trl-version", "0.15")
+    assert code in (0, 1) and err == ""
