@@ -14,8 +14,8 @@ from vram_planner import api
 from vram_planner.errors import ConfigError
 from vram_planner.recipe import MODEL_CONFIG_LORA, PEFT_DEFAULT_TARGETS, is_recipe, read_recipe
 from vram_planner.request import request_fields
-from vram_planner.trl_names import (MEMORY_NEUTRAL_ARGUMENTS, OLDER_NAMES, TRL_NAMES, UNPLANNED_ARGUMENTS,
-                                    same_value)
+from vram_planner.trl_names import (MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, OLDER_NAMES, TRL_NAMES,
+                                    UNPLANNED_ARGUMENTS, same_value)
 
 # open-r1's recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml as it is published (its system prompt shortened)
 OPEN_R1_DEMO = """\
@@ -150,7 +150,8 @@ def test_trls_names_become_the_requests_fields():
 @pytest.mark.parametrize("recipe,problem", [
     ({"torch_compile": True}, "torch_compile True is not planned (compiled graphs' own buffers); the plan assumes "
                               "False"),
-    ({"eval_strategy": "steps"}, "eval_strategy 'steps' is not planned (evaluation's generation)"),
+    ({"resume_from_checkpoint": "out/checkpoint-50"}, "resume_from_checkpoint 'out/checkpoint-50' is not planned "
+                                                      "(the checkpoint's optimizer states"),
     ({"deepspeed": "ds.json"}, "plan it with zero_stage and num_gpus"),
     ({"fsdp": "full_shard auto_wrap"}, "plan FSDP2 with fsdp: true"),
     ({"use_dora": True, "use_peft": True}, "use_dora True is not planned (DoRA's"),
@@ -169,6 +170,20 @@ def test_what_moves_memory_unplanned_is_refused_with_what_it_would_change(capsys
     assert problem in one_line_error(capsys, "check", "--gpu", "24GiB", "--config", str(path))
 
 
+def test_evaluation_is_named_as_not_planned_and_the_step_is_still_judged(capsys, tmp_path):
+    # open-r1's Qwen2.5-Math-7B config_simple_rl.yaml evaluates every 100 steps
+    recipe = tmp_path / "config_simple_rl.yaml"
+    recipe.write_text("model_name_or_path: Qwen2.5-7B\ntorch_dtype: bfloat16\ndo_eval: true\neval_strategy: steps\n"
+                      "eval_steps: 100\nper_device_eval_batch_size: 16\nlearning_rate: 1.5e-06\n")
+    _, doc = json_of(capsys, "check", "--gpu", "h100-80gb", "--config", str(recipe))
+    assert doc["notes"][-1] == (
+        "Read as a TRL recipe: 3 of its keys move no GPU memory here and are left out; evaluation (do_eval True, "
+        "eval_strategy 'steps') is not planned: it runs between optimizer steps, without gradients, from "
+        "per_device_eval_batch_size")
+    assert doc == json_of(capsys, "check", "--gpu", "h100-80gb", "--model", "Qwen2.5-7B", "--dtype", "bfloat16")[1] | {
+        "notes": doc["notes"]}
+
+
 def test_every_argument_of_trls_configs_is_read_left_out_or_refused_and_each_default_is_planned():
     # every field of the installed TRL's GRPOConfig (with TrainingArguments), ModelConfig, ScriptArguments and its
     # grpo script's arguments is the request's, one of TRL's names for it, memory-neutral, or unplanned with its
@@ -184,6 +199,7 @@ def test_every_argument_of_trls_configs_is_read_left_out_or_refused_and_each_def
     assert listed - set(trl_fields) == OLDER_NAMES
     assert not (MEMORY_NEUTRAL_ARGUMENTS | set(UNPLANNED_ARGUMENTS)) & set(request_fields())
     assert not MEMORY_NEUTRAL_ARGUMENTS & set(UNPLANNED_ARGUMENTS) and set(TRL_NAMES.values()) <= set(request_fields())
+    assert NOTED_ARGUMENTS <= set(UNPLANNED_ARGUMENTS)
     for name, (accepted, _) in UNPLANNED_ARGUMENTS.items():
         if name in trl_fields:
             field = trl_fields[name]

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vram_planner.errors import ConfigError, closest_names
-from vram_planner.trl_names import MEMORY_NEUTRAL_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS, same_value
+from vram_planner.trl_names import (MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS,
+                                    same_value)
 
 # Every TrlParser recipe names its model so; a settings file of ours names `model`
 RECIPE_KEY = "model_name_or_path"
@@ -46,12 +47,16 @@ class Recipe:
     left_out: tuple[str, ...]  # TRL's arguments that move no GPU memory here (or have the value planned)
     script_keys: tuple[str, ...]  # keys no TRL config has: the training script's own
     given: frozenset[str] = frozenset()  # every key of the recipe
+    not_planned: tuple[str, ...] = ()  # what the recipe runs beside the planned step (evaluation), as `key value`
 
     def summary(self) -> str:
         """One line on what was read and left out, for the person who gave the recipe."""
         count = len(self.left_out)
         parts = [f"Read as a TRL recipe: {count} of its keys {'moves' if count == 1 else 'move'} no GPU memory here "
                  f"and {'is' if count == 1 else 'are'} left out"]
+        if self.not_planned:
+            parts.append(f"evaluation ({', '.join(self.not_planned)}) is not planned: it runs between optimizer "
+                         "steps, without gradients, from per_device_eval_batch_size")
         if self.script_keys:
             named = [key + (f" (not {near[0]}?)" if (near := _planned_near(key, self.given)) else "")
                      for key in self.script_keys]
@@ -81,6 +86,7 @@ def read_recipe(values: Mapping[str, Any], model: Any = None) -> Recipe:
     settings: dict[str, Any] = {}
     left_out: list[str] = []
     script_keys: list[str] = []
+    not_planned: list[str] = []
     problems: list[str] = []
     for key, value in given.items():
         if key in _TRANSLATED:
@@ -99,6 +105,8 @@ def read_recipe(values: Mapping[str, Any], model: Any = None) -> Recipe:
             accepted, effect = UNPLANNED_ARGUMENTS[key]
             if same_value(value, accepted):
                 left_out.append(key)
+            elif key in NOTED_ARGUMENTS:
+                not_planned.append(f"{key} {value!r}")
             else:
                 problems.append(f"{key} {value!r} is not planned ({effect}); the plan assumes {accepted[0]!r}")
         else:
@@ -108,7 +116,7 @@ def read_recipe(values: Mapping[str, Any], model: Any = None) -> Recipe:
     problems += _translated(given, settings, left_out)
     if problems:
         raise ConfigError(problems)
-    return Recipe(settings, tuple(left_out), tuple(script_keys), frozenset(given))
+    return Recipe(settings, tuple(left_out), tuple(script_keys), frozenset(given), tuple(not_planned))
 
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too

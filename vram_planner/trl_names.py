@@ -134,6 +134,9 @@ UNPLANNED_ARGUMENTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "vllm_dtype": (("auto", None), "vLLM's weights in another dtype"),
     "reward_model_name_or_path": ((None,), "a reward model on the GPU"),  # TRL's grpo script
 }
+# Of those, the ones a recipe may keep: evaluation runs between optimizer steps, without gradients, from its own
+# batch, so the training step's plan still holds for training; the note says evaluation is not in it.
+NOTED_ARGUMENTS = frozenset({"do_eval", "eval_strategy", "evaluation_strategy", "eval_on_start"})
 
 # Those of older releases, which recipes pinned to them still spell: ModelConfig's torch_dtype (dtype from TRL 0.22),
 # GRPOConfig's fields that later releases renamed or removed, and TrainingArguments' fields that transformers 5 removed
