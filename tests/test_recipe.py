@@ -84,8 +84,12 @@ def test_open_r1s_recipe_is_judged_as_its_flags_are(capsys, tmp_path, release):
     recipe.write_text(OPEN_R1_DEMO)
     pinned = ["--trl-version", release] if release else []
     code, doc = json_of(capsys, "check", "--gpu", "h100-80gb", "--config", str(recipe), *pinned)
+    older = ("vllm_device (TRL up to 0.17), torch_dtype (TRL up to 0.26) are fields of an older release than the TRL "
+             "1.16.0 planned: --trl-version 0.17 plans the recipe as written; " if release is None else
+             "vllm_device (TRL up to 0.17) is a field of an older release than the TRL 0.19.0 planned: --trl-version "
+             "0.17 plans the recipe as written; " if release == "0.19.0" else "")
     assert doc["notes"][-1] == ("Read as a TRL recipe: 25 of its keys move no GPU memory here and are left out; "
-                                "dataset_configs, system_prompt are the training script's own, not planned")
+                                f"{older}dataset_configs, system_prompt are the training script's own, not planned")
     flags_code, flags_doc = json_of(capsys, "check", "--gpu", "h100-80gb", *OPEN_R1_DEMO_FLAGS, *pinned)
     assert (code, {**doc, "notes": doc["notes"][:-1]}) == (flags_code, flags_doc)
     code, out, err = run(capsys, "check", "--gpu", "h100-80gb", "--config", str(recipe), *pinned)
@@ -179,7 +183,8 @@ def test_evaluation_is_named_as_not_planned_and_the_step_is_still_judged(capsys,
     assert doc["notes"][-1] == (
         "Read as a TRL recipe: 3 of its keys move no GPU memory here and are left out; evaluation (do_eval True, "
         "eval_strategy 'steps') is not planned: it runs between optimizer steps, without gradients, from "
-        "per_device_eval_batch_size")
+        "per_device_eval_batch_size; torch_dtype (TRL up to 0.26) is a field of an older release than the TRL 1.16.0 "
+        "planned: --trl-version 0.26 plans the recipe as written")
     assert doc == json_of(capsys, "check", "--gpu", "h100-80gb", "--model", "Qwen2.5-7B", "--dtype", "bfloat16")[1] | {
         "notes": doc["notes"]}
 

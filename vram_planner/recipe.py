@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vram_planner.errors import ConfigError, closest_names
-from vram_planner.trl_names import (MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS,
-                                    same_value)
+from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, TRL_NAMES,
+                                    UNPLANNED_ARGUMENTS, same_value)
 
 # Every TrlParser recipe names its model so; a settings file of ours names `model`
 RECIPE_KEY = "model_name_or_path"
@@ -48,6 +48,7 @@ class Recipe:
     script_keys: tuple[str, ...]  # keys no TRL config has: the training script's own
     given: frozenset[str] = frozenset()  # every key of the recipe
     not_planned: tuple[str, ...] = ()  # what the recipe runs beside the planned step (evaluation), as `key value`
+    older_release: str = ""  # where the recipe names fields of releases before the one planned: which, and until when
 
     def summary(self) -> str:
         """One line on what was read and left out, for the person who gave the recipe."""
@@ -57,6 +58,8 @@ class Recipe:
         if self.not_planned:
             parts.append(f"evaluation ({', '.join(self.not_planned)}) is not planned: it runs between optimizer "
                          "steps, without gradients, from per_device_eval_batch_size")
+        if self.older_release:
+            parts.append(self.older_release)
         if self.script_keys:
             named = [key + (f" (not {near[0]}?)" if (near := _planned_near(key, self.given)) else "")
                      for key in self.script_keys]
@@ -74,8 +77,8 @@ def is_recipe(values: Mapping[str, Any]) -> bool:
     return any(key not in ours and key in TRL_ARGUMENTS for key in (str(k).replace("-", "_") for k in values))
 
 
-def read_recipe(values: Mapping[str, Any], model: Any = None) -> Recipe:
-    """The request's fields a recipe spells (`model`, given, over its model_name_or_path); ConfigError with every
+def read_recipe(values: Mapping[str, Any], model: Any = None, trl_version: str | None = None) -> Recipe:
+    """The request's fields a recipe spells (`model` and `trl_version`, given, over its own); ConfigError with every
     problem at once."""
     from vram_planner.request import request_fields
 
@@ -116,7 +119,8 @@ def read_recipe(values: Mapping[str, Any], model: Any = None) -> Recipe:
     problems += _translated(given, settings, left_out)
     if problems:
         raise ConfigError(problems)
-    return Recipe(settings, tuple(left_out), tuple(script_keys), frozenset(given), tuple(not_planned))
+    return Recipe(settings, tuple(left_out), tuple(script_keys), frozenset(given), tuple(not_planned),
+                  _older_release(given, trl_version or settings.get("trl_version")))
 
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too
@@ -146,6 +150,23 @@ def _translated(given: dict[str, Any], settings: dict[str, Any], left_out: list[
     problems += _generation_batch(given, settings)
     problems += _lora(given, settings, left_out)
     return problems
+
+
+def _older_release(given: dict[str, Any], trl_version: str | None) -> str:
+    """Which of the recipe's fields a release before the planned one last had, for the note."""
+    from vram_planner.model.trl_releases import trl_release, version_tuple
+
+    older = sorted((key for key in given if key in LAST_RELEASE_WITH), key=lambda k: version_tuple(LAST_RELEASE_WITH[k]))
+    try:
+        planned = trl_release(trl_version).version
+    except Exception:  # an unknown release is the request's to refuse, with its own words
+        return ""
+    older = [key for key in older if version_tuple(LAST_RELEASE_WITH[key]) < version_tuple(planned)]
+    if not older:
+        return ""
+    named = ", ".join(f"{key} (TRL up to {LAST_RELEASE_WITH[key]})" for key in older)
+    return (f"{named} {'is a field' if len(older) == 1 else 'are fields'} of an older release than the TRL "
+            f"{planned} planned: --trl-version {LAST_RELEASE_WITH[older[0]]} plans the recipe as written")
 
 
 def _take(given: dict[str, Any], settings: dict[str, Any], key: str, field: str) -> None:

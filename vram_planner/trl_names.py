@@ -153,6 +153,15 @@ OLDER_NAMES = frozenset({
 })
 
 
+# Fields an older recipe names that later releases dropped -> the last release with it (GRPOConfig, ModelConfig): a
+# recipe that names one was written for that release or an earlier one, whose parser alone accepts it
+LAST_RELEASE_WITH = {
+    "vllm_device": "0.17", "vllm_dtype": "0.17", "vllm_max_model_len": "0.17", "vllm_enable_prefix_caching": "0.17",
+    "torch_dtype": "0.26", "wandb_log_unique_prompts": "0.26", "use_liger_loss": "0.27",
+    "vllm_guided_decoding_regex": "0.27",
+}
+
+
 def same_value(value: Any, accepted: tuple[Any, ...]) -> bool:
     """Whether a recipe's value is one of these, a boolean only a boolean (YAML's 0 is not false)."""
     return any(value is option or (_kind(value) == _kind(option) and value == option) for option in accepted)
