@@ -773,6 +773,10 @@ def release_facts(trl: Wheel, transformers: dict[str, Wheel], cache: Path) -> di
         "transformers": {"version": tf_wheel.version, "major": Version(tf_wheel.version).major,
                          "uploaded": tf_wheel.uploaded.isoformat().replace("+00:00", "Z"), "sha256": tf_wheel.sha256},
         "config_classes": [f"{module}.{cls.name}" for module, cls in chain],
+        # the fields a recipe of this release may name (GRPOConfig's own and ModelConfig's; TrainingArguments' are
+        # transformers')
+        "fields": sorted({name for _, cls in chain for name in class_fields(cls)}
+                         | set(class_fields(resolve(src, "trl", "ModelConfig", ast.ClassDef)[1]))),
         "defaults": defaults(chain, training_args),
         "generation_defaults": generation_defaults(tf_src),
         "rules": batch_rules([(w, f) for w, f in functions if f is not None]),

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import json_of, one_line_error, run
+from helpers import benchmark_module, json_of, one_line_error, run
 from vram_planner import api
 from vram_planner.errors import ConfigError
 from vram_planner.recipe import MODEL_CONFIG_LORA, PEFT_DEFAULT_TARGETS, is_recipe, read_recipe
 from vram_planner.request import request_fields
-from vram_planner.trl_names import (MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, OLDER_NAMES, TRL_NAMES,
-                                    UNPLANNED_ARGUMENTS, same_value)
+from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, OLDER_NAMES,
+                                    TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
 
 # open-r1's recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml as it is published (its system prompt shortened)
 OPEN_R1_DEMO = """\
@@ -262,3 +262,17 @@ def test_the_recipes_use_reentrant_decides_whether_old_trls_lora_checkpointing_f
     recipe.write_text(recipe.read_text() + "gradient_checkpointing_kwargs:\n  use_reentrant: false\n")
     code, _, err = run(capsys, "check", "--gpu", "24GiB", "--config", str(recipe), "--trl-version", "0.15")
     assert code in (0, 1) and err == ""
+
+
+def test_the_fields_of_older_releases_are_those_their_wheels_had():
+    # benchmarks/trl_releases.py's facts: each release's GRPOConfig and ModelConfig fields, read from its wheel
+    releases = benchmark_module("trl_releases").load_facts()["releases"]
+    final = [r for r in releases if not r["prerelease"]]
+    for name, last in LAST_RELEASE_WITH.items():
+        having = [r["version"] for r in final if name in r["fields"]]
+        assert having and ".".join(having[-1].split(".")[:2]) == last, (name, having[-1:])
+    newest = set(final[-1]["fields"])
+    every = set().union(*(r["fields"] for r in final))
+    # every field a release had and the newest dropped is named where a recipe may still spell it
+    assert {name for name in every - newest if name not in request_fields()} <= OLDER_NAMES
+    assert {name for name in every if name in OLDER_NAMES} - set(request_fields()) <= set(LAST_RELEASE_WITH)
