@@ -234,6 +234,22 @@ def test_what_moves_no_memory_never_changes_the_request(neutral, script, knobs):
         *neutral, *knobs})
 
 
+def test_the_generation_batch_is_read_for_the_micro_batch_and_gpus_given_beside_the_recipe(capsys, tmp_path):
+    # open-r1's OpenR1-Zero-7B-Math config_v08.00.yaml: 512 completions a generation, micro-batches of 4, on 8 GPUs
+    recipe = {"model_name_or_path": "Qwen2.5-0.5B", "generation_batch_size": 512, "per_device_train_batch_size": 4,
+              "num_generations": 16, "gradient_accumulation_steps": 16}
+    assert read_recipe(recipe).settings["steps_per_generation"] == 128
+    assert read_recipe(recipe, {"num_gpus": 8}).settings["steps_per_generation"] == 16
+    assert read_recipe(recipe, {"num_gpus": 8, "per_device_train_batch_size": 8}).settings[
+        "steps_per_generation"] == 8
+    path = tmp_path / "config_v08.00.yaml"
+    path.write_text(json.dumps(recipe))
+    _, doc = json_of(capsys, "check", "--gpu", "h100-80gb", "--config", str(path), "--num-gpus", "8",
+                     "--zero-stage", "3")
+    assert doc["config"]["steps_per_generation"] == 16
+    assert api.recipe(recipe, "h100-80gb", num_gpus=8).steps_per_generation == 16
+
+
 def test_the_libraries_recipe_is_the_command_lines(tmp_path):
     path = tmp_path / "config_demo.yaml"
     path.write_text(OPEN_R1_DEMO)

@@ -210,7 +210,7 @@ def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fie
         values = load_yaml(read_text(recipe, MAX_SETTINGS_BYTES, "the recipe", kind="a YAML file"), str(recipe))
     if not isinstance(values, Mapping) or RECIPE_KEY not in values:
         raise ConfigError([f"a recipe is TrlParser's YAML, a mapping that names {RECIPE_KEY}"])
-    return _request(None, gpu, read_recipe(values).settings, fields)
+    return _request(None, gpu, read_recipe(values, fields).settings, fields)
 
 
 def gpus() -> list[dict[str, Any]]:

@@ -77,14 +77,16 @@ def is_recipe(values: Mapping[str, Any]) -> bool:
     return any(key not in ours and key in TRL_ARGUMENTS for key in (str(k).replace("-", "_") for k in values))
 
 
-def read_recipe(values: Mapping[str, Any], model: Any = None, trl_version: str | None = None) -> Recipe:
-    """The request's fields a recipe spells (`model` and `trl_version`, given, over its own); ConfigError with every
-    problem at once."""
+def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = None) -> Recipe:
+    """The request's fields a recipe spells; ConfigError with every problem at once. `beside`: the request's fields
+    given with it (the command line's flags, api.recipe's keyword arguments), which win over the recipe's, so its
+    model, release, micro-batch and GPUs are those the recipe's names are read for."""
     from vram_planner.request import request_fields
 
     given = {str(key).replace("-", "_"): value for key, value in values.items()}
-    if model is not None:
-        given[RECIPE_KEY] = model
+    beside = {key: value for key, value in (beside or {}).items() if value is not None}
+    if "model" in beside:
+        given[RECIPE_KEY] = beside["model"]
     fields = set(request_fields())
     settings: dict[str, Any] = {}
     left_out: list[str] = []
@@ -116,11 +118,11 @@ def read_recipe(values: Mapping[str, Any], model: Any = None, trl_version: str |
             script_keys.append(key)
     if given.get(RECIPE_KEY) is not None:
         settings["model"] = given[RECIPE_KEY]
-    problems += _translated(given, settings, left_out)
+    problems += _translated(given, settings, left_out, beside)
     if problems:
         raise ConfigError(problems)
     return Recipe(settings, tuple(left_out), tuple(script_keys), frozenset(given), tuple(not_planned),
-                  _older_release(given, trl_version or settings.get("trl_version")))
+                  _older_release(given, {**settings, **beside}.get("trl_version")))
 
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too
@@ -128,8 +130,10 @@ _TRANSLATED = frozenset(TRL_NAMES) | {"dtype", "use_reentrant"}
 TRL_ARGUMENTS = frozenset(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | frozenset(UNPLANNED_ARGUMENTS)
 
 
-def _translated(given: dict[str, Any], settings: dict[str, Any], left_out: list[str]) -> list[str]:
-    """TRL's names as the request's fields, in place; the problems found."""
+def _translated(given: dict[str, Any], settings: dict[str, Any], left_out: list[str],
+                beside: dict[str, Any]) -> list[str]:
+    """TRL's names as the request's fields, in place (`beside`: the fields given with the recipe); the problems
+    found."""
     problems: list[str] = []
     _take(given, settings, "use_reentrant", "use_reentrant")
     _take(given, settings, "vllm_max_model_len", "vllm_max_model_length")
@@ -147,7 +151,7 @@ def _translated(given: dict[str, Any], settings: dict[str, Any], left_out: list[
     problems += _model_init(given, settings)
     if settings.get("dtype") == "auto" and not problems and "model" in settings:
         problems += _checkpoint_dtype(settings)
-    problems += _generation_batch(given, settings)
+    problems += _generation_batch(given, settings, {**settings, **beside})
     problems += _lora(given, settings, left_out)
     return problems
 
@@ -236,7 +240,7 @@ def _checkpoint_dtype(settings: dict[str, Any]) -> list[str]:
     return [] if dtype in DTYPES or dtype is None else [f"dtype auto: the checkpoint's {dtype} is not planned"]
 
 
-def _generation_batch(given: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+def _generation_batch(given: dict[str, Any], settings: dict[str, Any], context: dict[str, Any]) -> list[str]:
     """generation_batch_size: the prompts-times-generations of one generation, over the global batch."""
     size = given.get("generation_batch_size")
     if size is None:
@@ -245,13 +249,16 @@ def _generation_batch(given: dict[str, Any], settings: dict[str, Any]) -> list[s
         return ["generation_batch_size and steps_per_generation cannot both be set (GRPOConfig refuses it)"]
     from vram_planner.model.trl_releases import trl_release
 
-    batch = settings.get("per_device_train_batch_size")
+    batch = context.get("per_device_train_batch_size")
     if batch is None:
         try:
-            batch = trl_release(settings.get("trl_version")).default_per_device_train_batch_size
+            batch = trl_release(context.get("trl_version")).default_per_device_train_batch_size
         except Exception:  # an unknown release is the request's to refuse, with its own words
             return []
-    global_batch = batch * (settings.get("num_gpus") if isinstance(settings.get("num_gpus"), int) else 1)
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
+        return []  # the request refuses the micro-batch itself
+    gpus = context.get("num_gpus")
+    global_batch = batch * (gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus > 0 else 1)
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % global_batch:
         return [f"generation_batch_size {size!r} must be a multiple of the global batch "
                 f"(per_device_train_batch_size x GPUs = {global_batch})"]

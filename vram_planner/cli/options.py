@@ -124,8 +124,8 @@ def settings_from(command: str, options: dict[str, Any],
     """The model, the GPU, the TRL release and the knobs from the flags, over the --config file's values."""
     from vram_planner.cli.settings_file import read_settings_file
 
-    settings, recipe_note = (read_settings_file(options["config_file"], options["model"], options["trl_version"])
-                             if options["config_file"] else ({}, None))
+    settings, recipe_note = (read_settings_file(options["config_file"], options) if options["config_file"]
+                             else ({}, None))
     if recipe_note:  # the report's to say (vram_planner/cli/plan.py _emit), where the command answers
         options["recipe_note"] = recipe_note
     for name in ("gpu", "model"):  # an empty value is a mistake, not "not given"

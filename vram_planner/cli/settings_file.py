@@ -12,10 +12,10 @@ from vram_planner.recipe import is_recipe, read_recipe
 from vram_planner.request import request_fields, unknown_setting_problems
 
 
-def read_settings_file(path: Path, model: str | None = None,
-                       trl_version: str | None = None) -> tuple[dict[str, Any], str | None]:
-    """The settings, and for a TRL recipe one line on what of it was left out (`model` and `trl_version`: the
-    flags', which a recipe's defaults and note depend on). Keys may be spelled with dashes or underscores."""
+def read_settings_file(path: Path, flags: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
+    """The settings, and for a TRL recipe one line on what of it was left out (`flags`: the request's fields the
+    command line gives, which a recipe is read for: vram_planner.recipe.read_recipe). Keys may be spelled with
+    dashes or underscores."""
     text = read_text(path, MAX_SETTINGS_BYTES, "--config", kind="a YAML or JSON file")
     try:
         data = load_json(text, f"--config {path}") if path.suffix.lower() == ".json" else load_yaml(
@@ -37,7 +37,7 @@ def read_settings_file(path: Path, model: str | None = None,
         raise ProfileError(f"--config {path}: {named[0]!r} is not a setting's name; write the flags' keys, e.g. "
                            "per_device_train_batch_size: 4")
     if is_recipe(data):
-        recipe = read_recipe(data, model, trl_version)
+        recipe = read_recipe(data, flags)
         return {name: _checked(path, name, value) for name, value in recipe.settings.items()}, recipe.summary()
     settings = {str(k).replace("-", "_"): (str(k), v) for k, v in data.items()}
     # Keys that name no setting are refused by name, whatever their values' shapes, and before what the command
