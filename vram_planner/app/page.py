@@ -1,5 +1,6 @@
-"""The Gradio page: pick a card and a model (or paste a config.json), set the knobs, and see at once the verdict,
-the bars per phase, the plan's changes, the GRPOConfig to copy and the longest completion that fits.
+"""The Gradio page: pick a card and a model (or paste a config.json), set the knobs (or fill them from a pasted TRL
+recipe), and see at once the verdict, the bars per phase, the plan's changes, the GRPOConfig to copy and the longest
+completion that fits.
 
 Every evaluation goes through the HTTP API's path (query.py): the page's fields become query parameters, read into the
 same request, so the page, the API and the CLI judge the same config the same way.
@@ -175,6 +176,11 @@ def build_page(allow_local_files: bool = True) -> gr.Blocks:
                 with gr.Accordion("…or paste a config.json", open=False):
                     pasted = gr.Textbox(label="config.json (used instead of the model above)", lines=6,
                                         elem_id="pasted_config")
+                with gr.Accordion("…or fill the fields from a TRL recipe", open=False):
+                    recipe = gr.Textbox(label="The recipe's YAML (trl grpo --config, open-r1's recipes)", lines=6,
+                                        elem_id="recipe")
+                    read_recipe = gr.Button("Read the recipe into the fields", elem_id="read_recipe")
+                    recipe_note = gr.Markdown(elem_id="recipe_note")
                 with gr.Row():
                     release = gr.Dropdown(releases, value=UNSET, label="trl_version", allow_custom_value=True,
                                           elem_id="trl_version")
@@ -214,7 +220,46 @@ def build_page(allow_local_files: bool = True) -> gr.Blocks:
             return exact_output(knobs, allow_local_files, *values)
 
         exact_button.click(evaluate_exactly, inputs, [exact], api_visibility="private")
+
+        def fill(text: str) -> list[Any]:
+            return recipe_fields(knobs, text)
+
+        read_recipe.click(fill, [recipe], [recipe_note, model, pasted, release, *(k.widget for k in knobs)],
+                          api_visibility="private")
     return page
+
+
+def recipe_fields(knobs: list[Knob], text: str) -> list[Any]:
+    """The page's fields as a pasted TRL recipe sets them (api.recipe: what it leaves unset is emptied), after a line
+    on what was read; on a bad recipe, that line's error and the fields as they were."""
+    from vram_planner.files import load_yaml
+    from vram_planner.recipe import read_recipe
+
+    try:
+        values = load_yaml(text or "", "the pasted recipe")
+        if not isinstance(values, dict) or not values:
+            raise VramPlanError("the pasted recipe holds no mapping of TRL's arguments")
+        recipe = read_recipe(values)
+    except VramPlanError as exc:
+        return [f"✘ error: {views.page_words(error_line(exc))}", *(gr.update() for _ in range(3 + len(knobs)))]
+    except Exception as exc:  # yaml's own errors, without importing yaml here
+        return [f"✘ error: the pasted recipe is not valid YAML: {views.page_words(str(exc).splitlines()[0])}",
+                *(gr.update() for _ in range(3 + len(knobs)))]
+    settings = recipe.settings
+    model = settings.get("model")
+    return [views.page_words(recipe.summary()), gr.update(value=model) if model else gr.update(), "",
+            settings.get("trl_version") or UNSET, *(_field_text(settings.get(k.name)) for k in knobs)]
+
+
+def _field_text(value: Any) -> str:
+    """A field's text as its widget holds it: a switch's true/false, a list's names by commas, UNSET for none."""
+    if value is None:
+        return UNSET
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def _knob_fields() -> list[Knob]:

@@ -1,0 +1,45 @@
+"""The page's fields filled from a pasted TRL recipe: the request they then hold is the one api.recipe reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_recipe import OPEN_R1_DEMO
+from vram_planner import api
+from vram_planner.files import load_yaml
+from vram_planner.request import DEFAULT_SAFETY_MARGIN
+
+
+@pytest.fixture(scope="module")
+def page_and_knobs():
+    gr = pytest.importorskip("gradio")
+    from vram_planner.app import page
+
+    with gr.Blocks():
+        knobs = page._knob_fields()
+    return page, knobs
+
+
+@pytest.mark.parametrize("recipe", [OPEN_R1_DEMO, "model_name_or_path: Qwen2.5-0.5B\nuse_peft: true\nlora_r: 8\n"
+                                                 "generation_batch_size: 64\nper_device_train_batch_size: 8\n"
+                                                 "temperature: 0.7\nlearning_rate: 1.0e-6\n"])
+def test_the_filled_fields_hold_the_recipes_request(page_and_knobs, recipe):
+    page, knobs = page_and_knobs
+    note, model, pasted, release, *values = page.recipe_fields(knobs, recipe)
+    assert note.startswith("Read as a TRL recipe: ") and pasted == "" and release == page.UNSET
+    request, _ = page.page_request(knobs, True, "h100-80gb", model["value"], pasted, release, DEFAULT_SAFETY_MARGIN,
+                                   tuple(values))
+    expected = api.recipe(load_yaml(recipe, "recipe"), "h100-80gb")
+    # the same training config (a list of LoRA targets is the page's comma-separated text)
+    assert api.resolve(request)[1] == api.resolve(expected)[1]
+    assert request.model == expected.model
+
+
+@pytest.mark.parametrize("text,said", [("a: [\n", "not valid YAML"), ("- a\n", "holds no mapping"),
+                                       ("model_name_or_path: Qwen2.5-0.5B\ntorch_compile: true\n",
+                                        "torch_compile True is not planned")])
+def test_a_bad_recipe_is_one_line_and_leaves_the_fields(page_and_knobs, text, said):
+    page, knobs = page_and_knobs
+    note, *rest = page.recipe_fields(knobs, text)
+    assert note.startswith("✘ error: ") and said in note and "\n" not in note
+    assert all(update == {"__type__": "update"} for update in rest)
