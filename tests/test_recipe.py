@@ -292,3 +292,21 @@ def test_the_fields_of_older_releases_are_those_their_wheels_had():
     # every field a release had and the newest dropped is named where a recipe may still spell it
     assert {name for name in every - newest if name not in request_fields()} <= OLDER_NAMES
     assert {name for name in every if name in OLDER_NAMES} - set(request_fields()) <= set(LAST_RELEASE_WITH)
+
+
+@pytest.mark.parametrize("gpu", ["rtx4090", "rtx4060-laptop", "rtx3080-mobile"])
+def test_the_plans_edits_to_the_recipe_make_the_recipe_of_the_plans_choice(capsys, tmp_path, gpu):
+    # the lines `plan --config recipe.yaml` prints, laid over the recipe, are the config the plan chose
+    recipe = tmp_path / "config_demo.yaml"
+    recipe.write_text(OPEN_R1_DEMO.replace("Qwen/Qwen2.5-1.5B-Instruct", "Qwen2.5-1.5B"))
+    code, out, _ = run(capsys, "plan", "--gpu", gpu, "--config", str(recipe))
+    assert code in (0, 1)
+    _, planned = json_of(capsys, "plan", "--gpu", gpu, "--config", str(recipe))
+    block = out.split(f"In {recipe}, set (the rest as it is):\n")[1].strip().splitlines()
+    assert block and all(": " in line and not line.startswith(" ") for line in block)
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(recipe.read_text() + "\n".join(block) + "\n")  # YAML: a later key wins
+    code, checked = json_of(capsys, "check", "--gpu", gpu, "--config", str(edited))
+    assert (code == 0) == planned["fits"]
+    same = ("config", "peft_config", "quantization_config", "peak_bytes")
+    assert {key: checked[key] for key in same} == {key: planned[key] for key in same}

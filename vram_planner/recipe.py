@@ -303,3 +303,40 @@ def _planned_near(key: str, given: frozenset[str]) -> list[str]:
 
 
 __all__ = ["Recipe", "is_recipe", "read_recipe"]
+
+
+def recipe_edits(recipe: Recipe, requested: Any, chosen: Any) -> dict[str, Any]:
+    """What to set in the recipe for the plan's choice, in the recipe's own names: the arguments TRL would be given
+    for the chosen config (vram_planner.model.grpo_config) that differ from those of the config the recipe asked for.
+    `requested` and `chosen` are TrainingConfigs."""
+    before, after = _recipe_arguments(recipe, requested), _recipe_arguments(recipe, chosen)
+    return {key: value for key, value in after.items() if before.get(key, _UNSET) != value}
+
+
+_UNSET = object()
+
+
+def _recipe_arguments(recipe: Recipe, train: Any) -> dict[str, Any]:
+    """The recipe's arguments that give TRL this config (GRPOConfig's, then ModelConfig's for the model's loading,
+    LoRA and 4-bit weights)."""
+    from vram_planner.model.grpo_config import grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
+
+    arguments = grpo_config_kwargs(train)
+    loading = arguments.pop("model_init_kwargs", {})
+    dtype_key = "torch_dtype" if "torch_dtype" in recipe.given or "torch_dtype" in loading else "dtype"
+    arguments[dtype_key] = loading.get("dtype", loading.get("torch_dtype"))
+    arguments["attn_implementation"] = loading.get("attn_implementation", "sdpa")
+    if "generation_batch_size" in recipe.given and "steps_per_generation" in arguments:
+        arguments["generation_batch_size"] = (arguments.pop("steps_per_generation") * train.per_device_train_batch_size
+                                              * train.num_gpus)
+    if "vllm_max_model_len" in recipe.given and "vllm_max_model_length" in arguments:
+        arguments["vllm_max_model_len"] = arguments.pop("vllm_max_model_length")
+    lora = lora_config_kwargs(train)
+    if lora is not None:
+        arguments.update(use_peft=True, lora_r=lora["r"], lora_alpha=lora["lora_alpha"],
+                         lora_dropout=lora["lora_dropout"], lora_target_modules=lora["target_modules"])
+    quantization = quantization_config_kwargs(train)
+    if quantization is not None:
+        arguments.update(load_in_4bit=True, bnb_4bit_quant_type=quantization["bnb_4bit_quant_type"],
+                         use_bnb_nested_quant=quantization["bnb_4bit_use_double_quant"])
+    return arguments

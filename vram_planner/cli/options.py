@@ -116,7 +116,7 @@ EXACT = click.option("--exact", is_flag=True,
                           "the caching allocator model (needs the train extra; seconds to a minute).")
 
 NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin",
-             "maximize", "allow_savers", "exact", "optimize", "reward_seconds", "dataset_prompts", "recipe_note")
+             "maximize", "allow_savers", "exact", "optimize", "reward_seconds", "dataset_prompts", "recipe")
 
 
 def settings_from(command: str, options: dict[str, Any],
@@ -124,10 +124,9 @@ def settings_from(command: str, options: dict[str, Any],
     """The model, the GPU, the TRL release and the knobs from the flags, over the --config file's values."""
     from vram_planner.cli.settings_file import read_settings_file
 
-    settings, recipe_note = (read_settings_file(options["config_file"], options) if options["config_file"]
-                             else ({}, None))
-    if recipe_note:  # the report's to say (vram_planner/cli/plan.py _emit), where the command answers
-        options["recipe_note"] = recipe_note
+    settings, recipe = read_settings_file(options["config_file"], options) if options["config_file"] else ({}, None)
+    if recipe is not None:  # the report's to speak of (vram_planner/cli/plan.py _emit), where the command answers
+        options["recipe"] = recipe
     for name in ("gpu", "model"):  # an empty value is a mistake, not "not given"
         if (options[name] is not None and not options[name].strip()) or settings.get(name) == "":
             raise VramPlanError(f"--{name} is empty; give a catalog name (vram-plan {name}s) or "

@@ -57,7 +57,27 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         report = api.plan(request_from(command, options), optimize=options["optimize"], **speed)
     else:
         report = api.check(request_from(command, options), **speed)
-    _emit(report, options, lambda: _render(report))
+
+    def human() -> None:
+        _render(report)
+        if command == "plan" and options.get("recipe") is not None:
+            _recipe_edits(report, options["recipe"], options["config_file"])
+
+    _emit(report, options, human)
+
+
+def _recipe_edits(report: Any, recipe: Any, path: Any) -> None:
+    """What to set in the recipe for the plan's choice, as YAML lines to paste (never wrapped)."""
+    import json
+
+    from vram_planner.recipe import recipe_edits
+
+    plan = report.judged.result
+    edits = recipe_edits(recipe, plan.requested.train, report.judged.train)
+    if edits:
+        click.echo(f"\nIn {path}, set (the rest as it is):")
+        for key, value in edits.items():
+            click.echo(f"{key}: {json.dumps(value)}")
 
 
 def _render(report: Any) -> None:
@@ -72,8 +92,8 @@ def _render(report: Any) -> None:
 
 def _emit(report: Any, options: dict[str, Any], human: Any) -> None:
     """The plot when asked, then the JSON document or the human view; the exit code says whether it fits."""
-    if options.get("recipe_note"):
-        report.notes.append(options["recipe_note"])
+    if options.get("recipe") is not None:
+        report.notes.append(options["recipe"].summary())
     if options["plot"]:
         from vram_planner.report.plot import plot_phases
 

@@ -8,14 +8,14 @@ from typing import Any
 
 from vram_planner.errors import ConfigError, ProfileError, first_line
 from vram_planner.files import MAX_SETTINGS_BYTES, load_json, load_yaml, read_text
-from vram_planner.recipe import is_recipe, read_recipe
+from vram_planner.recipe import Recipe, is_recipe, read_recipe
 from vram_planner.request import request_fields, unknown_setting_problems
 
 
-def read_settings_file(path: Path, flags: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
-    """The settings, and for a TRL recipe one line on what of it was left out (`flags`: the request's fields the
-    command line gives, which a recipe is read for: vram_planner.recipe.read_recipe). Keys may be spelled with
-    dashes or underscores."""
+def read_settings_file(path: Path, flags: dict[str, Any] | None = None) -> tuple[dict[str, Any], Recipe | None]:
+    """The settings, and a TRL recipe's reading where the file is one (`flags`: the request's fields the command
+    line gives, which a recipe is read for: vram_planner.recipe.read_recipe). Keys may be spelled with dashes or
+    underscores."""
     text = read_text(path, MAX_SETTINGS_BYTES, "--config", kind="a YAML or JSON file")
     try:
         data = load_json(text, f"--config {path}") if path.suffix.lower() == ".json" else load_yaml(
@@ -38,7 +38,7 @@ def read_settings_file(path: Path, flags: dict[str, Any] | None = None) -> tuple
                            "per_device_train_batch_size: 4")
     if is_recipe(data):
         recipe = read_recipe(data, flags)
-        return {name: _checked(path, name, value) for name, value in recipe.settings.items()}, recipe.summary()
+        return {name: _checked(path, name, value) for name, value in recipe.settings.items()}, recipe
     settings = {str(k).replace("-", "_"): (str(k), v) for k, v in data.items()}
     # Keys that name no setting are refused by name, whatever their values' shapes, and before what the command
     # misses: a recipe's model is its model_name_or_path, TRL's name for it
