@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 
 from helpers import benchmark_module, json_of, one_line_error, run
 from vram_planner import api
+from vram_planner.cli import main
 from vram_planner.errors import ConfigError
 from vram_planner.recipe import MODEL_CONFIG_LORA, PEFT_DEFAULT_TARGETS, is_recipe, read_recipe
 from vram_planner.request import request_fields
@@ -310,3 +314,34 @@ def test_the_plans_edits_to_the_recipe_make_the_recipe_of_the_plans_choice(capsy
     assert (code == 0) == planned["fits"]
     same = ("config", "peft_config", "quantization_config", "peak_bytes")
     assert {key: checked[key] for key in same} == {key: planned[key] for key in same}
+
+
+# Every argument a recipe may name, and values of every shape YAML gives
+RECIPE_KEYS = sorted(set(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | set(UNPLANNED_ARGUMENTS) | set(request_fields())
+                     - {"model", "gpu", "calibration", "host_memory"})
+ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-3, 5000), st.floats(-2, 1e4, allow_nan=False),
+                      st.sampled_from(["auto", "bfloat16", "float16", "steps", "no", "all-linear", "cuda:1", "",
+                                       "q_proj,v_proj", "0.17", "1.16"]),
+                      st.text(max_size=12), st.lists(st.sampled_from(["q_proj", "v_proj", 3]), max_size=3),
+                      st.dictionaries(st.sampled_from(["use_reentrant", "dtype", "every_n_layers", "device_map",
+                                                       "attn_implementation"]),
+                                      st.one_of(st.booleans(), st.integers(1, 3), st.just("bfloat16")), max_size=2))
+CLASS_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception|Warning)\b|Traceback")
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None)
+@given(recipe=st.dictionaries(st.sampled_from(RECIPE_KEYS), ANY_VALUE, max_size=6),
+       command=st.sampled_from(["check", "plan"]))
+def test_any_recipe_gives_a_verdict_a_plan_or_one_clear_line(tmp_path_factory, recipe, command):
+    # through the command line as a user runs it: exit 0 or 1 with a report, or 2 with one line naming no class
+    path = tmp_path_factory.mktemp("recipe") / "recipe.yaml"
+    path.write_text(json.dumps({"model_name_or_path": "SmolLM2-135M", **recipe}))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([command, "--gpu", "24GiB", "--config", str(path)])
+    if code == 2:
+        assert out.getvalue() == "" and err.getvalue().count("\n") == 1 and err.getvalue().startswith("error: ")
+        assert not CLASS_NAME.search(err.getvalue()), err.getvalue()
+    else:
+        assert code in (0, 1) and "Read as a TRL recipe" in out.getvalue(), err.getvalue()
