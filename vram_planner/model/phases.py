@@ -794,12 +794,13 @@ def _fsdp_first_layer_gradient_bytes(arch: ModelArchitecture, train: TrainingCon
 
 
 def _head_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Gradients that exist when backward leaves the LM head: the output projection's (with full fine-tuning; float32
-    with cast_lm_head_to_fp32)."""
+    """Gradients that exist when backward leaves the LM head: the output projection's, its bias's where it has one
+    (phi's), with full fine-tuning; float32 with cast_lm_head_to_fp32."""
     if train.uses_lora:
         return 0
     trainable = m.sizes(train).trainable
-    return arch.vocab_size * arch.hidden_size * trainable + m.trained_head_upcast_bytes(arch, train, trainable)
+    head = arch.vocab_size * (arch.hidden_size + (1 if arch.family.lm_head_bias else 0))
+    return head * trainable + m.trained_head_upcast_bytes(arch, train, trainable)
 
 
 def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) -> tuple[str, ...]:
