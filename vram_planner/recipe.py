@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vram_planner.errors import ConfigError, closest_names
-from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, TRL_NAMES,
-                                    UNPLANNED_ARGUMENTS, same_value)
+from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS,
+                                    RUN_CARRIED_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
 
 # Every TrlParser recipe names its model so; a settings file of ours names `model`
 RECIPE_KEY = "model_name_or_path"
@@ -49,6 +49,12 @@ class Recipe:
     given: frozenset[str] = frozenset()  # every key of the recipe
     not_planned: tuple[str, ...] = ()  # what the recipe runs beside the planned step (evaluation), as `key value`
     older_release: str = ""  # where the recipe names fields of releases before the one planned: which, and until when
+    values: Mapping[str, Any] | None = None  # the recipe's keys and values as given
+
+    @property
+    def run_arguments(self) -> dict[str, Any]:
+        """How the recipe trains, which `vram-plan run` carries into its GRPOConfig (trl_names.RUN_CARRIED_ARGUMENTS)."""
+        return {key: value for key, value in (self.values or {}).items() if key in RUN_CARRIED_ARGUMENTS}
 
     def summary(self) -> str:
         """One line on what was read and left out, for the person who gave the recipe."""
@@ -122,7 +128,7 @@ def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = No
     if problems:
         raise ConfigError(problems)
     return Recipe(settings, tuple(left_out), tuple(script_keys), frozenset(given), tuple(not_planned),
-                  _older_release(given, {**settings, **beside}.get("trl_version")))
+                  _older_release(given, {**settings, **beside}.get("trl_version")), given)
 
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too

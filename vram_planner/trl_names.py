@@ -83,6 +83,23 @@ MEMORY_NEUTRAL_ARGUMENTS = frozenset({
     "vllm_structured_outputs_regex", "vllm_model_impl",
 })
 
+# Of those, what `vram-plan run --config recipe.yaml` carries into the GRPOConfig it starts: how the recipe trains
+# (the optimizer's hyper-parameters, the schedule, seeds, the loss's scalars). Where the run writes, logs and saves is
+# the run's own (its flags, and the checkpoints it resumes from); the rewards are its --reward's, whose count
+# reward_weights would have to match.
+RUN_CARRIED_ARGUMENTS = frozenset({
+    "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio", "warmup_steps", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "num_train_epochs", "seed", "data_seed",
+    "full_determinism", "epsilon", "epsilon_high", "delta", "scale_rewards", "loss_type", "importance_sampling_level",
+    "mask_truncated_completions", "multi_objective_aggregation", "off_policy_mask_threshold",
+    "use_bias_correction_kl", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
+    "vespo_k_neg", "vespo_lambda_neg", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap", "sync_ref_model", "ref_model_mixup_alpha",
+    "ref_model_sync_steps", "log_completions", "num_completions_to_print", "shuffle_dataset", "tf32",
+    "torch_empty_cache_steps", "chat_template_kwargs", "router_aux_loss_coef",
+})
+
 # Arguments that move GPU memory in ways the plan does not count: the values under which the run is the planned one
 # (each release's default among them) -> what another value adds or changes.
 UNPLANNED_ARGUMENTS: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -368,3 +368,29 @@ def test_a_hub_model_offline_is_refused_before_anything_else(capsys, monkeypatch
     # a dry run says it and goes on
     code, out, _ = run(capsys, *flags, "--dry-run")
     assert code == 0 and "the hub cannot be reached" in " ".join(out.split())
+
+
+def test_a_recipes_training_arguments_come_along_and_the_config_is_trls(capsys, tiny_model_folder, tmp_path):
+    # open-r1's recipe trains with its learning rate, schedule and seed; where the run writes and saves is the run's
+    recipe = tmp_path / "config_demo.yaml"
+    recipe.write_text("model_name_or_path: Qwen/Qwen2.5-1.5B-Instruct\nlearning_rate: 2.0e-05\n"
+                      "lr_scheduler_type: cosine\nwarmup_ratio: 0.1\nseed: 42\nmax_grad_norm: 0.2\n"
+                      "output_dir: data/Qwen2.5-1.5B-Open-R1-GRPO\nsave_strategy: epoch\nreward_weights: [1.0, 0.5]\n")
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, "run", "--config", str(recipe), "--model", str(tiny_model_folder), "--dataset",
+                          "math-sample", "--output-dir", str(out), "--dry-run", *SMALL)
+    config = stdout.split("GRPOConfig(")[1].split("\n")[0]
+    assert code == 0 and "learning_rate=2e-05" in config and "seed=42" in config and "max_grad_norm=0.2" in config
+    assert f"output_dir='{out}'" in config and "save_strategy" not in config and "reward_weights" not in config
+    said = " ".join(stdout.split())
+    assert ("from the recipe: learning_rate, lr_scheduler_type, seed, max_grad_norm carried into the GRPOConfig; "
+            "warmup_ratio left out (not a field of the installed TRL's GRPOConfig)") in said
+    from trl import GRPOConfig
+
+    from vram_planner.files import load_yaml
+    from vram_planner.recipe import read_recipe
+    from vram_planner.run.setup import RunSetup
+
+    carried, _ = RunSetup.recipe_arguments_of(read_recipe(load_yaml(recipe.read_text(), "recipe")))
+    args = GRPOConfig(output_dir=str(out), use_cpu=True, report_to="none", **carried)
+    assert (args.learning_rate, args.lr_scheduler_type, args.seed) == (2e-05, "cosine", 42)

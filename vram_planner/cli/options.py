@@ -87,7 +87,8 @@ KNOBS = [
 # What a config is judged against besides the card (`gpus --model` judges it on every card).
 MODEL_CONTEXT = [
     click.option("--model", help="Catalog name, config.json, model folder or hub id."),
-    click.option("--config", "config_file", type=PATH, help="YAML/JSON file with the same keys as the flags."),
+    click.option("--config", "config_file", type=PATH,
+                 help="YAML/JSON file with the same keys as the flags, or a TRL recipe (trl grpo --config's YAML)."),
     click.option("--trl-version", help="Plan for this TRL release (default: the installed one)."),
     click.option("--calibration", type=PATH, help="Calibration profile to use."),
     click.option("--safety-margin", type=click.FloatRange(0, 0.5), default=0.05, show_default=True,

@@ -69,8 +69,13 @@ def run(**options: Any) -> None:
     settings["rewards"] = list(settings["rewards"]) or ["format", "correctness"]
     settings["output_dir"] = settings["output_dir"] or Path(output_dir_name(model_id))
     argv = click.get_current_context().find_root().obj["argv"]  # the command line, as the user gave it
+    recipe_note = None
+    if options.get("recipe") is not None:  # a TRL recipe as --config: how it trains comes along
+        settings["recipe_arguments"], recipe_note = RunSetup.recipe_arguments_of(options["recipe"])
     setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, command=argv,
                                dry_run=dry_run, **settings)
+    if recipe_note:
+        setup.notes.append(recipe_note)
     if on_cpu:
         setup.notes.append(CPU_RANKS_NOTE if setup.train.num_gpus > 1 else CPU_NOTE)
     echo = click.echo if is_main_process() else (lambda *args, **kwargs: None)

@@ -38,6 +38,8 @@ class RunSetup:
     command: list[str] | None = None  # the command line's arguments that started it, for the run's record
     dry_run: bool = False  # checks only: what needs the hub is noted, not refused, where the hub cannot be reached
     record_frames: bool = False  # the allocator's history keeps each allocation's Python frames (slower, larger)
+    # how a TRL recipe given as --config trains (its learning rate, schedule, seed, ...: recipe_run_arguments)
+    recipe_arguments: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_steps == 0 or self.max_steps < -1:
@@ -108,7 +110,7 @@ class RunSetup:
     def grpo_kwargs(self, on_this_machine: bool = True) -> dict[str, Any]:
         """GRPOConfig's keywords for the run; `on_this_machine`: adapted to a machine without CUDA, as the run
         started here uses them (else as the plan's GPU runs them)."""
-        kwargs = grpo_config_kwargs(self.train)
+        kwargs = {**self.recipe_arguments, **grpo_config_kwargs(self.train)}
         kwargs.update(output_dir=str(self.output_dir), max_steps=self.max_steps, save_steps=self.save_steps,
                       logging_steps=1, report_to=[])
         if self.on_cpu and on_this_machine:  # tests and smoke runs: no autocast on the CPU
@@ -116,6 +118,22 @@ class RunSetup:
             if self.train.num_gpus > 1:  # accelerate's cpu flag turns FSDP and DeepSpeed off: see gloo_ranks
                 kwargs.update(use_cpu=False, dataloader_pin_memory=False)  # nothing to pin for
         return kwargs
+
+    @staticmethod
+    def recipe_arguments_of(recipe: Any) -> tuple[dict[str, Any], str]:
+        """What of a recipe's training arguments the run carries: those the installed TRL's GRPOConfig has, and a
+        note naming them and those it has not."""
+        import dataclasses
+
+        from trl import GRPOConfig
+
+        fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+        wanted = recipe.run_arguments
+        carried = {key: value for key, value in wanted.items() if key in fields}
+        note = f"from the recipe: {', '.join(carried) or 'nothing'} carried into the GRPOConfig"
+        if missing := [key for key in wanted if key not in fields]:
+            note += f"; {', '.join(missing)} left out (not a field of the installed TRL's GRPOConfig)"
+        return carried, note + "; where it writes, logs and saves, and its rewards, are the run's flags'"
 
     def describe(self) -> str:
         """The exact configuration, for --dry-run and the run's first lines."""
