@@ -19,7 +19,7 @@ from vram_planner.errors import ConfigError
 from vram_planner.recipe import MODEL_CONFIG_LORA, PEFT_DEFAULT_TARGETS, is_recipe, read_recipe
 from vram_planner.request import request_fields
 from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, OLDER_NAMES,
-                                    TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
+                                    RUN_CARRIED_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
 
 # open-r1's recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml as it is published (its system prompt shortened)
 OPEN_R1_DEMO = """\
@@ -208,7 +208,7 @@ def test_every_argument_of_trls_configs_is_read_left_out_or_refused_and_each_def
     assert listed - set(trl_fields) == OLDER_NAMES
     assert not (MEMORY_NEUTRAL_ARGUMENTS | set(UNPLANNED_ARGUMENTS)) & set(request_fields())
     assert not MEMORY_NEUTRAL_ARGUMENTS & set(UNPLANNED_ARGUMENTS) and set(TRL_NAMES.values()) <= set(request_fields())
-    assert NOTED_ARGUMENTS <= set(UNPLANNED_ARGUMENTS)
+    assert NOTED_ARGUMENTS <= set(UNPLANNED_ARGUMENTS) and RUN_CARRIED_ARGUMENTS <= MEMORY_NEUTRAL_ARGUMENTS
     for name, (accepted, _) in UNPLANNED_ARGUMENTS.items():
         if name in trl_fields:
             field = trl_fields[name]
