@@ -1,8 +1,8 @@
 """The package's folders are its architecture: imports only point down the layers, and no modules (nor packages)
 import in a circle.
 
-cli | app -> api -> report -> engine | run | probe | advise -> tracing -> model, recipe -> profiles, local_gpu, hub, extras ->
-units, errors, files, profile_cache, validation, request.
+cli | app -> api -> report -> engine | run | probe | advise -> tracing -> model, recipe -> profiles, local_gpu, hub,
+extras -> units, errors, files, profile_cache, validation, request.
 engine, run, probe and advise sit side by side and do not import each other. The web app is a skin of its own over
 the library: it imports nothing of the command line's, and not click, and the command line nothing of its (`vram-plan
 app` starts it as a process). Every import counts: at the top of a module, inside a function, under TYPE_CHECKING.

@@ -104,8 +104,8 @@ def test_a_recipe_that_leaves_the_model_to_the_command_line_takes_the_flags(caps
     recipe = tmp_path / "grpo.yaml"  # as `trl grpo --model_name_or_path M --config grpo.yaml` is run
     recipe.write_text("use_peft: true\nlearning_rate: 1.0e-6\nbf16: true\nper_device_train_batch_size: 8\n")
     _, doc = json_of(capsys, "check", "--gpu", "24GiB", "--model", "Llama-3.2-1B", "--config", str(recipe))
-    assert doc["peft_config"] == {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"],
-                                  "task_type": "CAUSAL_LM"}
+    assert doc["peft_config"] == {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+                                  "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
     assert doc["notes"][-1] == "Read as a TRL recipe: 1 of its keys moves no GPU memory here and is left out"
     assert "check needs --model" in one_line_error(capsys, "check", "--gpu", "24GiB", "--config", str(recipe))
 

@@ -203,13 +203,13 @@ def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fie
         >>> api.check(api.recipe("recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml", "rtx4090"))
     """
     from vram_planner.files import MAX_SETTINGS_BYTES, load_yaml, read_text
-    from vram_planner.recipe import RECIPE_KEY, read_recipe
+    from vram_planner.recipe import is_recipe, read_recipe
 
     values = recipe
     if isinstance(recipe, (str, Path)):
         values = load_yaml(read_text(recipe, MAX_SETTINGS_BYTES, "the recipe", kind="a YAML file"), str(recipe))
-    if not isinstance(values, Mapping) or RECIPE_KEY not in values:
-        raise ConfigError([f"a recipe is TrlParser's YAML, a mapping that names {RECIPE_KEY}"])
+    if not isinstance(values, Mapping) or not is_recipe(values):
+        raise ConfigError(["a recipe is TrlParser's YAML: a mapping of TRL's arguments (model_name_or_path, ...)"])
     return _request(None, gpu, read_recipe(values, fields).settings, fields)
 
 

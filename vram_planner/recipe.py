@@ -53,7 +53,7 @@ class Recipe:
 
     @property
     def run_arguments(self) -> dict[str, Any]:
-        """How the recipe trains, which `vram-plan run` carries into its GRPOConfig (trl_names.RUN_CARRIED_ARGUMENTS)."""
+        """How the recipe trains, which `vram-plan run` carries into its GRPOConfig (RUN_CARRIED_ARGUMENTS)."""
         return {key: value for key, value in (self.values or {}).items() if key in RUN_CARRIED_ARGUMENTS}
 
     def summary(self) -> str:
@@ -166,7 +166,8 @@ def _older_release(given: dict[str, Any], trl_version: str | None) -> str:
     """Which of the recipe's fields a release before the planned one last had, for the note."""
     from vram_planner.model.trl_releases import trl_release, version_tuple
 
-    older = sorted((key for key in given if key in LAST_RELEASE_WITH), key=lambda k: version_tuple(LAST_RELEASE_WITH[k]))
+    older = sorted((key for key in given if key in LAST_RELEASE_WITH),
+                   key=lambda key: version_tuple(LAST_RELEASE_WITH[key]))
     try:
         planned = trl_release(trl_version).version
     except Exception:  # an unknown release is the request's to refuse, with its own words

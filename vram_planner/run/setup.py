@@ -38,7 +38,7 @@ class RunSetup:
     command: list[str] | None = None  # the command line's arguments that started it, for the run's record
     dry_run: bool = False  # checks only: what needs the hub is noted, not refused, where the hub cannot be reached
     record_frames: bool = False  # the allocator's history keeps each allocation's Python frames (slower, larger)
-    # how a TRL recipe given as --config trains (its learning rate, schedule, seed, ...: recipe_run_arguments)
+    # how a TRL recipe given as --config trains (its learning rate, schedule, seed, ...: recipe_arguments_of)
     recipe_arguments: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
