@@ -5,7 +5,7 @@ Its names become the request's (model_name_or_path is the model, use_peft turns 
 bf16/fp16 are the mixed precision, generation_batch_size is steps_per_generation, ...); the arguments that move no GPU
 memory are left out and counted (vram_planner.trl_names); one that moves memory in a way the plan does not count is
 refused unless it has the value the plan assumes; the keys no TRL config has are the training script's own (open-r1's
-reward_funcs, system_prompt), left out and named. Pure Python: the model's config is read only where the recipe leaves
+system_prompt, dataset_configs), left out and named. Pure Python: the model's config is read only where the recipe leaves
 TRL to take something from it (dtype auto, PEFT's default LoRA targets).
 """
 
