@@ -112,7 +112,9 @@ def test_a_recipe_that_leaves_the_model_to_the_command_line_takes_the_flags(caps
 
 def test_lora_is_on_only_with_use_peft_and_takes_model_configs_defaults_and_pefts_targets():
     full = read_recipe({"model_name_or_path": "Qwen2.5-0.5B", "lora_r": 64, "lora_alpha": 8})
-    assert "lora_r" not in full.settings and {"lora_r", "lora_alpha"} <= set(full.left_out)  # TRL: full fine-tuning
+    assert "lora_r" not in full.settings and full.unused_lora == ("lora_r", "lora_alpha")  # TRL: full fine-tuning
+    assert full.summary() == ("Read as a TRL recipe; lora_r, lora_alpha are unused without use_peft: true, so TRL "
+                              "trains the whole model, as planned")
     lora = read_recipe({"model_name_or_path": "Qwen2.5-0.5B", "use_peft": True, "lora_alpha": 8})
     assert lora.settings | {"lora_alpha": MODEL_CONFIG_LORA["lora_alpha"]} == {
         "model": "Qwen2.5-0.5B", **MODEL_CONFIG_LORA, "lora_target_modules": PEFT_DEFAULT_TARGETS["qwen2"]}

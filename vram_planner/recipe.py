@@ -50,6 +50,7 @@ class Recipe:
     not_planned: tuple[str, ...] = ()  # what the recipe runs beside the planned step (evaluation), as `key value`
     older_release: str = ""  # where the recipe names fields of releases before the one planned: which, and until when
     values: Mapping[str, Any] | None = None  # the recipe's keys and values as given
+    unused_lora: tuple[str, ...] = ()  # LoRA's keys without use_peft, which TRL leaves unused
 
     @property
     def run_arguments(self) -> dict[str, Any]:
@@ -60,10 +61,13 @@ class Recipe:
         """One line on what was read and left out, for the person who gave the recipe."""
         count = len(self.left_out)
         parts = [f"Read as a TRL recipe: {count} of its keys {'moves' if count == 1 else 'move'} no GPU memory here "
-                 f"and {'is' if count == 1 else 'are'} left out"]
+                 f"and {'is' if count == 1 else 'are'} left out" if count else "Read as a TRL recipe"]
         if self.not_planned:
             parts.append(f"evaluation ({', '.join(self.not_planned)}) is not planned: it runs between optimizer "
                          "steps, without gradients, from per_device_eval_batch_size")
+        if self.unused_lora:
+            parts.append(f"{', '.join(self.unused_lora)} {'is' if len(self.unused_lora) == 1 else 'are'} unused "
+                         "without use_peft: true, so TRL trains the whole model, as planned")
         if self.older_release:
             parts.append(self.older_release)
         if self.script_keys:
@@ -127,8 +131,9 @@ def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = No
     problems += _translated(given, settings, left_out, beside)
     if problems:
         raise ConfigError(problems)
+    unused_lora = () if given.get("use_peft") else tuple(f for f in LORA_FIELDS if given.get(f) is not None)
     return Recipe(settings, tuple(left_out), tuple(script_keys), frozenset(given), tuple(not_planned),
-                  _older_release(given, {**settings, **beside}.get("trl_version")), given)
+                  _older_release(given, {**settings, **beside}.get("trl_version")), given, unused_lora)
 
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too
@@ -158,7 +163,7 @@ def _translated(given: dict[str, Any], settings: dict[str, Any], left_out: list[
     if settings.get("dtype") == "auto" and not problems and "model" in settings:
         problems += _checkpoint_dtype(settings)
     problems += _generation_batch(given, settings, {**settings, **beside})
-    problems += _lora(given, settings, left_out)
+    problems += _lora(given, settings)
     return problems
 
 
@@ -273,11 +278,10 @@ def _generation_batch(given: dict[str, Any], settings: dict[str, Any], context: 
     return []
 
 
-def _lora(given: dict[str, Any], settings: dict[str, Any], left_out: list[str]) -> list[str]:
+def _lora(given: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     """LoRA only with use_peft, as TRL's get_peft_config: ModelConfig's defaults, PEFT's targets for the model."""
     lora = {field: given[field] for field in LORA_FIELDS if given.get(field) is not None}
-    if not given.get("use_peft"):
-        left_out.extend(lora)  # TRL builds no LoraConfig: the LoRA fields are unused
+    if not given.get("use_peft"):  # TRL builds no LoraConfig: the LoRA fields are unused (Recipe.unused_lora)
         return []
     settings.update({**MODEL_CONFIG_LORA, **lora})
     if given.get("disable_dropout"):  # every nn.Dropout's p to 0, PEFT's LoRA dropout too
