@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from helpers import benchmark_module, json_of, one_line_error, run
 from vram_planner import api
 from vram_planner.cli import main
-from vram_planner.errors import ConfigError
+from vram_planner.errors import ConfigError, ProfileError
 from vram_planner.recipe import MODEL_CONFIG_LORA, PEFT_DEFAULT_TARGETS, is_recipe, read_recipe
 from vram_planner.request import request_fields
 from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, OLDER_NAMES,
@@ -272,6 +272,10 @@ def test_the_libraries_recipe_is_the_command_lines(tmp_path):
                                                      num_generations=16, per_device_train_batch_size=16).to_dict()
     with pytest.raises(ConfigError, match="a recipe is TrlParser's YAML"):
         api.recipe({"per_device_train_batch_size": 4})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model_name_or_path: [\n")
+    with pytest.raises(ProfileError, match=f"^{broken} is not valid YAML: "):
+        api.recipe(broken)
 
 
 def test_the_recipes_use_reentrant_decides_whether_old_trls_lora_checkpointing_fails(capsys, tmp_path):

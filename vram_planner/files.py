@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vram_planner.errors import ProfileError, VramPlanError
+from vram_planner.errors import ProfileError, VramPlanError, first_line
 from vram_planner.units import GiB, MiB
 
 # The most each kind of file may hold. A config.json or a calibration is kilobytes (a vision model's config.json with
@@ -192,9 +192,9 @@ def check_json_lines_nesting(path: Path, label: str, line_limit: int = MAX_DATA_
 
 
 def load_yaml(text: str, label: str) -> Any:
-    """YAML text's value (as yaml.safe_load reads it), refused in one line when nested deeper than MAX_NESTING:
-    counted over the parser's events, which come without recursion (PyYAML's composer recurses, and fails near 500
-    levels; LibYAML's scanner stops flow nesting at 1,000 itself, with its own words)."""
+    """YAML text's value (as yaml.safe_load reads it), refused in one line when it is not YAML (`label` names it) or
+    nested deeper than MAX_NESTING: counted over the parser's events, which come without recursion (PyYAML's composer
+    recurses, and fails near 500 levels; LibYAML's scanner stops flow nesting at 1,000 itself, with its own words)."""
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # LibYAML's, where PyYAML was built with it: 3x faster
@@ -208,8 +208,8 @@ def load_yaml(text: str, label: str) -> Any:
                     raise deeper
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
+        return yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader, LibYAML's or PyYAML's
     except yaml.YAMLError as exc:
         if "maximum nesting depth" in str(getattr(exc, "problem", "")):
             raise deeper from exc
-        raise
-    return yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader, LibYAML's or PyYAML's
+        raise ProfileError(f"{label} is not valid YAML: {first_line(exc)}") from exc

@@ -25,8 +25,6 @@ def read_settings_file(path: Path, flags: dict[str, Any] | None = None) -> tuple
     except (json.JSONDecodeError, ValueError) as exc:
         raise ProfileError(f"--config {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: "
                            f"{first_line(exc)}") from exc
-    except Exception as exc:  # yaml.YAMLError, without importing yaml at module import
-        raise ProfileError(f"--config {path} is not valid YAML: {first_line(exc)}") from exc
     if data is None or data == {}:  # an empty or all-comment file is the wrong file, or one not written yet
         raise ProfileError(f"--config {path} holds no settings; write the flags' keys in it (e.g. "
                            "per_device_train_batch_size: 4) or leave --config out")
