@@ -44,18 +44,27 @@ class Recipe:
     """What a recipe asks for, as the request's fields, and what of it the plan leaves out."""
 
     settings: dict[str, Any]
+    values: Mapping[str, Any]  # the recipe's keys (underscored) and values, the model given beside it in
     left_out: tuple[str, ...]  # TRL's arguments that move no GPU memory here (or have the value planned)
     script_keys: tuple[str, ...]  # keys no TRL config has: the training script's own
-    given: frozenset[str] = frozenset()  # every key of the recipe
     not_planned: tuple[str, ...] = ()  # what the recipe runs beside the planned step (evaluation), as `key value`
     older_release: str = ""  # where the recipe names fields of releases before the one planned: which, and until when
-    values: Mapping[str, Any] | None = None  # the recipe's keys and values as given
-    unused_lora: tuple[str, ...] = ()  # LoRA's keys without use_peft, which TRL leaves unused
+
+    @property
+    def given(self) -> frozenset[str]:
+        return frozenset(self.values)
+
+    @property
+    def unused_lora(self) -> tuple[str, ...]:
+        """LoRA's keys without use_peft, which TRL leaves unused."""
+        if self.values.get("use_peft"):
+            return ()
+        return tuple(field for field in LORA_FIELDS if self.values.get(field) is not None)
 
     @property
     def run_arguments(self) -> dict[str, Any]:
         """How the recipe trains, which `vram-plan run` carries into its GRPOConfig (RUN_CARRIED_ARGUMENTS)."""
-        return {key: value for key, value in (self.values or {}).items() if key in RUN_CARRIED_ARGUMENTS}
+        return {key: value for key, value in self.values.items() if key in RUN_CARRIED_ARGUMENTS}
 
     def summary(self) -> str:
         """One line on what was read and left out, for the person who gave the recipe."""
@@ -131,9 +140,8 @@ def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = No
     problems += _translated(given, settings, left_out, beside)
     if problems:
         raise ConfigError(problems)
-    unused_lora = () if given.get("use_peft") else tuple(f for f in LORA_FIELDS if given.get(f) is not None)
-    return Recipe(settings, tuple(left_out), tuple(script_keys), frozenset(given), tuple(not_planned),
-                  _older_release(given, {**settings, **beside}.get("trl_version")), given, unused_lora)
+    return Recipe(settings, given, tuple(left_out), tuple(script_keys), tuple(not_planned),
+                  _older_release(given, {**settings, **beside}.get("trl_version")))
 
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too
