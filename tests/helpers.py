@@ -9,6 +9,7 @@ import contextlib
 import functools
 import importlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from vram_planner.cli import main
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.profiles import model_config
 
+# `SomethingError:`, `KeyError`, `Exception`, a traceback: what a user should never read.
+CLASS_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception|Warning|Interrupt)\b|\bException\b|Traceback|"
+                        r"StopIteration|SystemExit")
 FIXTURES = Path(__file__).parent / "fixtures"
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 H100_SNAPSHOTS = FIXTURES / "snapshots" / "h100"

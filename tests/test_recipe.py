@@ -6,13 +6,12 @@ import contextlib
 import dataclasses
 import io
 import json
-import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import benchmark_module, json_of, one_line_error, run
+from helpers import CLASS_NAME, benchmark_module, json_of, one_line_error, run
 from vram_planner import api
 from vram_planner.cli import main
 from vram_planner.errors import ConfigError, ProfileError
@@ -332,7 +331,6 @@ ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-3, 5000), st.floats
                       st.dictionaries(st.sampled_from(["use_reentrant", "dtype", "every_n_layers", "device_map",
                                                        "attn_implementation"]),
                                       st.one_of(st.booleans(), st.integers(1, 3), st.just("bfloat16")), max_size=2))
-CLASS_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception|Warning)\b|Traceback")
 
 
 @pytest.mark.slow

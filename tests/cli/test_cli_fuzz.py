@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from helpers import CURRENT, FIXTURES, LLAMA_1B, unwritable_targets
+from helpers import CLASS_NAME, CURRENT, FIXTURES, LLAMA_1B, unwritable_targets
 from vram_planner import files, profiles
 from vram_planner.cli import main
 
@@ -31,9 +30,6 @@ BASE = {
     "trace": ["trace", "--gpu", "24GiB", "--model", str(TINY), *SHORT],
 }
 TRAINING_COMMANDS = list(BASE)
-# `SomethingError:`, `KeyError`, `Exception`, a traceback: what a user should never read.
-CLASS_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception|Warning|Interrupt)\b|\bException\b|Traceback|"
-                        r"StopIteration|SystemExit")
 SECONDS = 10.0  # "within seconds"; the analytic commands answer in milliseconds
 OOM_LOG = CURRENT + "\n"  # an OOM to advise on, so that what is under test is the other input
 
