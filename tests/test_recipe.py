@@ -313,6 +313,9 @@ def test_the_plans_edits_to_the_recipe_make_the_recipe_of_the_plans_choice(capsy
     _, planned = json_of(capsys, "plan", "--gpu", gpu, "--config", str(recipe))
     block = out.split(f"In {recipe}, set (the rest as it is):\n")[1].strip().splitlines()
     assert block and all(": " in line and not line.startswith(" ") for line in block)
+    # the JSON document and the library give the same edits
+    assert {line.split(": ", 1)[0]: json.loads(line.split(": ", 1)[1]) for line in block} == planned["recipe_edits"]
+    assert api.recipe_edits(recipe, api.plan(api.recipe(recipe, gpu))) == planned["recipe_edits"]
     edited = tmp_path / "edited.yaml"
     edited.write_text(recipe.read_text() + "\n".join(block) + "\n")  # YAML: a later key wins
     code, checked = json_of(capsys, "check", "--gpu", gpu, "--config", str(edited))
@@ -349,3 +352,18 @@ def test_any_recipe_gives_a_verdict_a_plan_or_one_clear_line(tmp_path_factory, r
         assert not CLASS_NAME.search(err.getvalue()), err.getvalue()
     else:
         assert code in (0, 1) and "Read as a TRL recipe" in out.getvalue(), err.getvalue()
+
+
+def test_a_recipe_the_plan_keeps_has_no_edits_and_check_has_none_to_give(capsys, tmp_path):
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text("model_name_or_path: SmolLM2-135M\nper_device_train_batch_size: 4\nnum_generations: 4\n"
+                      "max_completion_length: 128\nbf16: true\n")
+    code, out, _ = run(capsys, "plan", "--gpu", "h200", "--config", str(recipe))
+    _, planned = json_of(capsys, "plan", "--gpu", "h200", "--config", str(recipe))
+    assert code == 0 and planned["recipe_edits"] == {} and "set (the rest as it is)" not in out
+    _, checked = json_of(capsys, "check", "--gpu", "h200", "--config", str(recipe))
+    assert checked["recipe_edits"] is None
+    _, plain = json_of(capsys, "plan", "--gpu", "rtx4090", "--model", "Qwen2.5-1.5B")
+    assert plain["recipe_edits"] is None
+    with pytest.raises(ConfigError, match="takes the report api.plan gave"):
+        api.recipe_edits(recipe, api.check(api.recipe(recipe, "h200")))

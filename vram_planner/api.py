@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from vram_planner.report.maximized import MaximizedPlanReport
 
 __all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "rank", "gpus",
-           "models", "recipe", "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
+           "models", "recipe", "recipe_edits", "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
 
 @dataclass(frozen=True)
 class Judged:
@@ -202,15 +202,39 @@ def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fie
 
         >>> api.check(api.recipe("recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml", "rtx4090"))
     """
+    from vram_planner.recipe import read_recipe
+
+    return _request(None, gpu, read_recipe(_recipe_values(recipe), fields).settings, fields)
+
+
+def recipe_edits(recipe: str | Path | Mapping[str, Any], report: Report) -> dict[str, Any]:
+    """What to set in a recipe for the choice of `plan(recipe(...))`, in the recipe's own names (the lines `vram-plan
+    plan --config recipe.yaml` ends with, its JSON's `recipe_edits`); empty when the recipe is the choice.
+
+        >>> report = api.plan(api.recipe("config_demo.yaml", "rtx4090"))
+        >>> api.recipe_edits("config_demo.yaml", report)
+        {'per_device_train_batch_size': 4, 'gradient_accumulation_steps': 16, ...}
+    """
+    from vram_planner.recipe import read_recipe
+    from vram_planner.recipe import recipe_edits as edits
+
+    result = getattr(report.judged, "result", None)
+    if report.command != "plan" or getattr(result, "requested", None) is None:
+        raise ConfigError(["recipe_edits takes the report api.plan gave for that recipe"])
+    return edits(read_recipe(_recipe_values(recipe), {}), result.requested.train, report.judged.train)
+
+
+def _recipe_values(recipe: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    # a recipe's keys: TrlParser's YAML file read, or the mapping itself
     from vram_planner.files import MAX_SETTINGS_BYTES, load_yaml, read_text
-    from vram_planner.recipe import is_recipe, read_recipe
+    from vram_planner.recipe import is_recipe
 
     values = recipe
     if isinstance(recipe, (str, Path)):
         values = load_yaml(read_text(recipe, MAX_SETTINGS_BYTES, "the recipe", kind="a YAML file"), str(recipe))
     if not isinstance(values, Mapping) or not is_recipe(values):
         raise ConfigError(["a recipe is TrlParser's YAML: a mapping of TRL's arguments (model_name_or_path, ...)"])
-    return _request(None, gpu, read_recipe(values, fields).settings, fields)
+    return values
 
 
 def gpus() -> list[dict[str, Any]]:

@@ -58,26 +58,27 @@ def _execute(command: str, options: dict[str, Any]) -> None:
     else:
         report = api.check(request_from(command, options), **speed)
 
+    if command == "plan" and options.get("recipe") is not None:
+        from vram_planner.recipe import recipe_edits
+
+        report.recipe_edits = recipe_edits(options["recipe"], report.judged.result.requested.train,
+                                           report.judged.train)
+
     def human() -> None:
         _render(report)
-        if command == "plan" and options.get("recipe") is not None:
-            _recipe_edits(report, options["recipe"], options["config_file"])
+        if report.recipe_edits:
+            _print_recipe_edits(report.recipe_edits, options["config_file"])
 
     _emit(report, options, human)
 
 
-def _recipe_edits(report: Any, recipe: Any, path: Any) -> None:
+def _print_recipe_edits(edits: dict[str, Any], path: Any) -> None:
     """What to set in the recipe for the plan's choice, as YAML lines to paste (never wrapped)."""
     import json
 
-    from vram_planner.recipe import recipe_edits
-
-    plan = report.judged.result
-    edits = recipe_edits(recipe, plan.requested.train, report.judged.train)
-    if edits:
-        click.echo(f"\nIn {path}, set (the rest as it is):")
-        for key, value in edits.items():
-            click.echo(f"{key}: {json.dumps(value)}")
+    click.echo(f"\nIn {path}, set (the rest as it is):")
+    for key, value in edits.items():
+        click.echo(f"{key}: {json.dumps(value)}")
 
 
 def _render(report: Any) -> None:

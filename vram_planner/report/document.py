@@ -214,6 +214,9 @@ class Report(Document):
     requested_peak_bytes: int | None = None
     smallest_config_peak_bytes: int | None = None
     smallest_fitting_gpu: str | None = None
+    # `plan --config recipe.yaml` only: the recipe's arguments to set for the plan's choice, in the recipe's own names
+    # (vram_planner.recipe.recipe_edits; empty: the recipe is the choice)
+    recipe_edits: dict[str, Any] | None = None
     # `trace` only. engine "trace": each phase's tensor_bytes were counted on fake tensors; its components add the
     # CUDA context and allocator reserve as check does (total_bytes, peak_bytes); fits comes from `exact`.
     engine: Literal["analytic", "trace"] = "analytic"
