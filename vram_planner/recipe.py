@@ -49,6 +49,7 @@ class Recipe:
     script_keys: tuple[str, ...]  # keys no TRL config has: the training script's own
     not_planned: tuple[str, ...] = ()  # what the recipe runs beside the planned step (evaluation), as `key value`
     older_release: str = ""  # where the recipe names fields of releases before the one planned: which, and until when
+    command_line: bool = False  # TRL's arguments given on the command line, alone or over a recipe file's
 
     @property
     def given(self) -> frozenset[str]:
@@ -69,8 +70,10 @@ class Recipe:
     def summary(self) -> str:
         """One line on what was read and left out, for the person who gave the recipe."""
         count = len(self.left_out)
-        parts = [f"Read as a TRL recipe: {count} of its keys {'moves' if count == 1 else 'move'} no GPU memory here "
-                 f"and {'is' if count == 1 else 'are'} left out" if count else "Read as a TRL recipe"]
+        read = "Read as TRL's arguments" if self.command_line else "Read as a TRL recipe"
+        parts = [f"{read}: {count} of {'them' if self.command_line else 'its keys'} "
+                 f"{'moves' if count == 1 else 'move'} no GPU memory here and {'is' if count == 1 else 'are'} left "
+                 "out" if count else read]
         if self.not_planned:
             parts.append(f"evaluation ({', '.join(self.not_planned)}) is not planned: it runs between optimizer "
                          "steps, without gradients, from per_device_eval_batch_size")
@@ -96,10 +99,12 @@ def is_recipe(values: Mapping[str, Any]) -> bool:
     return any(key not in ours and key in TRL_ARGUMENTS for key in (str(k).replace("-", "_") for k in values))
 
 
-def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = None) -> Recipe:
+def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = None,
+                command_line: bool = False) -> Recipe:
     """The request's fields a recipe spells; ConfigError with every problem at once. `beside`: the request's fields
     given with it (the command line's flags, api.recipe's keyword arguments), which win over the recipe's, so its
-    model, release, micro-batch and GPUs are those the recipe's names are read for."""
+    model, release, micro-batch and GPUs are those the recipe's names are read for. `command_line`: TRL's arguments
+    came on the command line (the note says so)."""
     from vram_planner.request import request_fields
 
     given = {str(key).replace("-", "_"): value for key, value in values.items()}
@@ -141,7 +146,7 @@ def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = No
     if problems:
         raise ConfigError(problems)
     return Recipe(settings, given, tuple(left_out), tuple(script_keys), tuple(not_planned),
-                  _older_release(given, {**settings, **beside}.get("trl_version")))
+                  _older_release(given, {**settings, **beside}.get("trl_version")), command_line)
 
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too

@@ -179,6 +179,50 @@ LAST_RELEASE_WITH = {
 }
 
 
+# TRL's arguments that are also the request's fields, by the same name: spelled as TRL's command line spells them
+# (`--lora_r 16`), they mean what TRL makes of them (LoRA only with use_peft: vram_planner.cli.trl_arguments)
+SHARED_ARGUMENTS = frozenset({
+    "attn_implementation", "beta", "bnb_4bit_quant_type", "cast_lm_head_to_fp32", "ds3_gather_for_generation", "dtype",
+    "fsdp", "gradient_accumulation_steps", "gradient_checkpointing", "load_in_4bit", "lora_alpha", "lora_dropout",
+    "lora_r", "lora_target_modules", "max_completion_length", "max_prompt_length", "min_p", "num_generations",
+    "num_iterations", "optim", "per_device_train_batch_size", "repetition_penalty", "steps_per_generation",
+    "temperature", "top_k", "top_p", "use_liger_kernel", "use_vllm", "vllm_enable_sleep_mode",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_mode", "vllm_tensor_parallel_size",
+})
+
+# How TRL's parser (transformers' HfArgumentParser, TRL's own copy from 1.x) reads a command line: these arguments are
+# booleans (a bare flag is true; else yes/no, true/false, t/f, y/n or 1/0; `--no_X` where the default is true), these
+# take one or more values (nargs "+"; report_to, typed str or a list, takes one), every other one value. Held to the
+# installed TRL's parser by tests/cli/test_trl_arguments.py; the older releases' booleans are those of their
+# TrainingArguments and GRPOConfig.
+BOOLEAN_ARGUMENTS = frozenset({
+    "activation_checkpointing", "auto_find_batch_size", "average_tokens_across_devices", "batch_eval_metrics", "bf16",
+    "bf16_full_eval", "cast_lm_head_to_fp32", "dataloader_drop_last", "dataloader_in_order",
+    "dataloader_persistent_workers", "dataloader_pin_memory", "dataset_streaming", "ddp_broadcast_buffers",
+    "ddp_find_unused_parameters", "ddp_static_graph", "disable_dropout", "disable_tqdm", "do_eval", "do_predict",
+    "do_train", "ds3_gather_for_generation", "enable_jit_checkpoint", "eval_do_concat_batches", "eval_on_start",
+    "eval_use_gather_object", "fp16", "fp16_full_eval", "full_determinism", "gradient_checkpointing",
+    "greater_is_better", "hub_always_push", "hub_private_repo", "ignore_bias_buffers", "ignore_data_skip",
+    "include_num_input_tokens_seen", "load_best_model_at_end", "load_in_4bit", "load_in_8bit", "log_completions",
+    "log_multimodal", "log_on_each_node", "log_unique_prompts", "logging_first_step", "logging_nan_inf_filter",
+    "mask_truncated_completions", "prediction_loss_only", "push_to_hub", "remove_unused_columns",
+    "restore_callback_states_from_checkpoint", "save_on_each_node", "save_only_model", "shuffle_dataset",
+    "skip_memory_metrics", "streaming", "sync_ref_model", "tf32", "torch_compile", "trust_remote_code",
+    "use_adaptive_entropy", "use_bias_correction_kl", "use_bnb_nested_quant", "use_cache", "use_cpu", "use_dora",
+    "use_liger_kernel", "use_peft", "use_rslora", "use_transformers_continuous_batching", "use_transformers_paged",
+    "use_vllm", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",
+    # older releases'
+    "adafactor", "dispatch_batches", "group_by_length", "include_inputs_for_metrics", "include_tokens_per_second",
+    "jit_mode_eval", "no_cuda", "overwrite_output_dir", "save_safetensors", "split_batches", "tpu_metrics_debug",
+    "use_ipex", "use_legacy_prediction_loop", "use_liger_loss", "use_mps_device", "vllm_enable_prefix_caching",
+    "wandb_log_unique_prompts",
+})
+LIST_ARGUMENTS = frozenset({
+    "datasets", "debug", "include_for_metrics", "label_names", "lora_modules_to_save", "lora_target_modules",
+    "lora_target_parameters", "reward_funcs", "reward_weights",
+})
+
+
 def same_value(value: Any, accepted: tuple[Any, ...]) -> bool:
     """Whether a recipe's value is one of these, a boolean only a boolean (YAML's 0 is not false)."""
     return any(value is option or (_kind(value) == _kind(option) and value == option) for option in accepted)

@@ -177,8 +177,9 @@ def build_page(allow_local_files: bool = True) -> gr.Blocks:
                     pasted = gr.Textbox(label="config.json (used instead of the model above)", lines=6,
                                         elem_id="pasted_config")
                 with gr.Accordion("…or fill the fields from a TRL recipe", open=False):
-                    recipe = gr.Textbox(label="The recipe's YAML (trl grpo --config, open-r1's recipes)", lines=6,
-                                        elem_id="recipe")
+                    recipe = gr.Textbox(label="The recipe's YAML (trl grpo --config, open-r1's recipes), or the "
+                                              "training command's TRL arguments (--use_peft --lora_r 16 ...)",
+                                        lines=6, elem_id="recipe")
                     read_recipe = gr.Button("Read the recipe into the fields", elem_id="read_recipe")
                     recipe_note = gr.Markdown(elem_id="recipe_note")
                 with gr.Row():
@@ -230,16 +231,21 @@ def build_page(allow_local_files: bool = True) -> gr.Blocks:
 
 
 def recipe_fields(knobs: list[Knob], text: str) -> list[Any]:
-    """The page's fields as a pasted TRL recipe sets them (api.recipe: what it leaves unset is emptied), after a line
-    on what was read; on a bad recipe, that line's error and the fields as they were."""
+    """The page's fields as a pasted TRL recipe sets them (api.recipe: what it leaves unset is emptied), or a pasted
+    TRL command line (trl_arguments), after a line on what was read; on a bad recipe, that line's error and the
+    fields as they were."""
     from vram_planner.files import load_yaml
     from vram_planner.recipe import read_recipe
+    from vram_planner.trl_arguments import command_line_arguments, is_command_line
 
     try:
-        values = load_yaml(text or "", "the pasted recipe")
-        if not isinstance(values, dict) or not values:
-            raise VramPlanError("the pasted recipe holds no mapping of TRL's arguments")
-        recipe = read_recipe(values)
+        if is_command_line(text or ""):
+            recipe = read_recipe(command_line_arguments(text), command_line=True)
+        else:
+            values = load_yaml(text or "", "the pasted recipe")
+            if not isinstance(values, dict) or not values:
+                raise VramPlanError("the pasted recipe holds no mapping of TRL's arguments")
+            recipe = read_recipe(values)
     except VramPlanError as exc:
         return [f"✘ error: {views.page_words(error_line(exc))}", *(gr.update() for _ in range(3 + len(knobs)))]
     settings = recipe.settings

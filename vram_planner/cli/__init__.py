@@ -17,6 +17,7 @@ import click
 
 from vram_planner.cli.console import OutputClosed, encode_anywhere, outputs_closed, terminal
 from vram_planner.cli.options import EXIT_ERROR, EXIT_FITS, KNOBS, MAXIMIZE, MODEL_CONTEXT, PATH
+from vram_planner.cli.trl_arguments import TrlArgumentsCommand
 from vram_planner.errors import UnknownNameError, VramPlanError, first_line, flag, one_line, short_repr
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` exits with, and never a verdict
@@ -80,7 +81,7 @@ def _gpus_options(command):
     return command
 
 
-@app.command("gpus")
+@app.command("gpus", cls=TrlArgumentsCommand)
 @_gpus_options
 def list_gpus(**options) -> None:
     """The GPU catalog: capacity as CUDA reports it, bf16 and FlashAttention-2 support. With --model (and knobs):

@@ -68,7 +68,7 @@ def gpus_for_model(options: dict[str, Any]) -> int:
 
     if options["allow_savers"] and options["maximize"] is None:
         raise VramPlanError("--allow-savers goes with --maximize FIELD")
-    if not options["model"] and not options["config_file"]:
+    if not options["model"] and not options["config_file"] and not options.get("trl_arguments"):
         raise VramPlanError("knobs and --maximize on `gpus` need --model (e.g. vram-plan gpus --model Llama-3.2-1B "
                             "--lora-r 16)")
     request = request_from("gpus", {**options, "gpu": None}, gpu_required=False)

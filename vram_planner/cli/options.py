@@ -117,7 +117,8 @@ EXACT = click.option("--exact", is_flag=True,
                           "the caching allocator model (needs the train extra; seconds to a minute).")
 
 NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin",
-             "maximize", "allow_savers", "exact", "optimize", "reward_seconds", "dataset_prompts", "recipe")
+             "maximize", "allow_savers", "exact", "optimize", "reward_seconds", "dataset_prompts", "recipe",
+             "trl_arguments")
 
 
 def settings_from(command: str, options: dict[str, Any],
@@ -125,7 +126,7 @@ def settings_from(command: str, options: dict[str, Any],
     """The model, the GPU, the TRL release and the knobs from the flags, over the --config file's values."""
     from vram_planner.cli.settings_file import read_settings_file
 
-    settings, recipe = read_settings_file(options["config_file"], options) if options["config_file"] else ({}, None)
+    settings, recipe = read_settings_file(options["config_file"], options, options.get("trl_arguments"))
     if recipe is not None:  # the report's to speak of (vram_planner/cli/plan.py _emit), where the command answers
         options["recipe"] = recipe
     for name in ("gpu", "model"):  # an empty value is a mistake, not "not given"

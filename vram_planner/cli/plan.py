@@ -9,6 +9,7 @@ import click
 from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT,
                                       request_from)
 from vram_planner.cli.speed import CHECK_SPEED, PLAN_SPEED
+from vram_planner.cli.trl_arguments import TrlArgumentsCommand
 from vram_planner.errors import VramPlanError
 
 
@@ -20,7 +21,7 @@ def training_command(command: str, doc: str, extra: tuple = ()) -> click.Command
     run.__doc__ = doc
     for option in reversed(CONTEXT + REPORT + KNOBS + list(extra)):
         run = option(run)
-    return click.command(command)(run)
+    return click.command(command, cls=TrlArgumentsCommand)(run)
 
 
 plan = training_command("plan", "The best config that fits, the changes that lead to it, and where the memory goes; "
@@ -67,15 +68,22 @@ def _execute(command: str, options: dict[str, Any]) -> None:
     def human() -> None:
         _render(report)
         if report.recipe_edits:
-            _print_recipe_edits(report.recipe_edits, options["config_file"])
+            _print_recipe_edits(report.recipe_edits, options["config_file"], bool(options.get("trl_arguments")))
 
     _emit(report, options, human)
 
 
-def _print_recipe_edits(edits: dict[str, Any], path: Any) -> None:
-    """What to set in the recipe for the plan's choice, as YAML lines to paste (never wrapped)."""
+def _print_recipe_edits(edits: dict[str, Any], path: Any, command_line: bool) -> None:
+    """What to set in the recipe for the plan's choice, never wrapped: YAML lines to paste into the file, or where
+    TRL's arguments came on the command line (which win over the file's), the arguments to add to that command."""
     import json
 
+    if command_line:
+        from vram_planner.trl_arguments import trl_command_line
+
+        click.echo("\nAdd to the TRL command's arguments (they win over those before them and the --config file's):")
+        click.echo(trl_command_line(edits))
+        return
     click.echo(f"\nIn {path}, set (the rest as it is):")
     for key, value in edits.items():
         click.echo(f"{key}: {json.dumps(value)}")

@@ -8,6 +8,8 @@ from typing import Any
 import click
 
 from vram_planner.cli.options import CONTEXT, EXIT_ERROR, EXIT_FITS, KNOBS, resolve
+from vram_planner.cli.trl_arguments import TrlArgumentsCommand
+from vram_planner.errors import VramPlanError
 
 
 def _output_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
@@ -41,7 +43,23 @@ def _run_options(function: Any) -> Any:
     return function
 
 
-@click.command("run")
+def _run_arguments_of_trl(trl_arguments: dict[str, Any]) -> dict[str, Any]:
+    """TRL's own spelling of the run's flags (`--output_dir`, `--max_steps`, `--save_steps` on the command line),
+    where the flag itself is not given: the run's settings they make."""
+    from click.core import ParameterSource
+
+    context = click.get_current_context()
+    taken = {}
+    for key in ("output_dir", "max_steps", "save_steps"):
+        if key in trl_arguments and context.get_parameter_source(key) in (None, ParameterSource.DEFAULT):
+            value = trl_arguments[key]
+            if key != "output_dir" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise VramPlanError(f"--{key} takes a whole number of steps (got {value!r})")
+            taken[key] = Path(str(value)) if key == "output_dir" else value
+    return taken
+
+
+@click.command("run", cls=TrlArgumentsCommand)
 @_run_options
 def run(**options: Any) -> None:
     """Start the GRPO run the plan recommends (TRL's GRPOTrainer), logging memory per step."""
@@ -61,6 +79,7 @@ def run(**options: Any) -> None:
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite",
                 "record_frames")
     settings = {k: options.pop(k) for k in run_keys}
+    settings.update(_run_arguments_of_trl(options.get("trl_arguments") or {}))
     dry_run, auto_fallback, verbose = (options.pop(k) for k in ("dry_run", "auto_fallback", "verbose"))
     context, knobs = resolve("run", options)
     _check_installed_trl(context.release)
@@ -117,7 +136,6 @@ CPU_RANKS_NOTE = ("no CUDA device: started on this machine each rank trains on t
 def _check_installed_trl(release: Any) -> None:
     """The run starts the installed TRL's GRPOTrainer with the keywords of the release planned for: another
     --trl-version's GRPOConfig would not take them (TRL 0.14's max_prompt_length is gone from 1.x, say)."""
-    from vram_planner.errors import VramPlanError
     from vram_planner.model.trl_releases import installed_trl_version, parse_version
 
     installed = installed_trl_version()

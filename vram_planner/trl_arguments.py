@@ -1,0 +1,161 @@
+"""TRL's own command-line arguments (`--use_peft --lora_r 16 --bf16 true`, as `trl grpo` and TRL's scripts take them,
+HfArgumentParser's), parsed as TRL's parser parses them, for a recipe's reading (vram_planner.recipe): what a user
+pastes from the command that trains. Pure Python.
+
+An option whose name, dashes read as underscores, is one of TRL's arguments (trl_names), or `--no_X` for a boolean X,
+is TRL's, unless the command knows it as its own. A boolean takes no value (true) or one of yes/no, true/false, t/f,
+y/n, 1/0; a list argument one or more values; every other one value, a number where it reads as one, JSON where it
+is a mapping (TrainingArguments reads `--gradient_checkpointing_kwargs '{"use_reentrant": false}'` so). Any other
+option is left to the command.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from vram_planner.errors import VramPlanError
+from vram_planner.recipe import TRL_ARGUMENTS
+from vram_planner.trl_names import BOOLEAN_ARGUMENTS, LIST_ARGUMENTS, SHARED_ARGUMENTS
+
+# transformers' string_to_bool
+TRUTH = {"yes": True, "true": True, "t": True, "y": True, "1": True,
+         "no": False, "false": False, "f": False, "n": False, "0": False}
+# ModelConfig.__post_init__ makes a list of one target the name itself (PEFT reads "all-linear" only as a string)
+ONE_IS_THE_NAME = frozenset({"lora_target_modules"})
+
+
+def split_trl_arguments(args: list[str], known: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """The command's own arguments, and TRL's, parsed (a later one wins, as in argparse). VramPlanError where one of
+    TRL's is given a value TRL's parser refuses."""
+    ours: list[str] = []
+    trl: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        token = args[i]
+        spelled, has_value, inline = token.partition("=")
+        name = _trl_name(spelled, known)
+        if name is None:
+            ours.append(token)
+            i += 1
+            continue
+        i += 1
+        values = [inline] if has_value else []
+        while not has_value and i < len(args) and not _is_option(args[i]):
+            values.append(args[i])
+            i += 1
+        key, value = _parsed(spelled, name, values)
+        trl.pop(key, None)  # the later spelling's place
+        trl[key] = value
+    return ours, trl
+
+
+def _trl_name(spelled: str, known: set[str]) -> str | None:
+    # TRL's argument an option names (underscored), or None: the command's own, or no one's
+    if not spelled.startswith("--") or spelled in known:
+        return None
+    name = spelled[2:].replace("-", "_")
+    if name in TRL_ARGUMENTS or name in SHARED_ARGUMENTS:
+        return name
+    if name.startswith("no_") and name[3:] in BOOLEAN_ARGUMENTS:
+        return name
+    return None
+
+
+def _is_option(token: str) -> bool:
+    # `-1` and `-0.5` are values; `-h` and `--x` are options
+    if not token.startswith("-") or token == "-":
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return True
+    return False
+
+
+def _parsed(spelled: str, name: str, values: list[str]) -> tuple[str, Any]:
+    if name not in TRL_ARGUMENTS and name not in SHARED_ARGUMENTS:  # --no_X
+        if values:
+            raise VramPlanError(f"{spelled} takes no value (TRL's parser sets {name[3:]} to false with it)")
+        return name[3:], False
+    if name in BOOLEAN_ARGUMENTS:
+        if not values:
+            return name, True
+        if len(values) == 1 and values[0].lower() in TRUTH:
+            return name, TRUTH[values[0].lower()]
+        raise VramPlanError(f"{spelled} takes yes/no, true/false, t/f, y/n or 1/0, as TRL's parser does "
+                            f"(got {' '.join(values)!r})")
+    if name in LIST_ARGUMENTS:
+        if not values:
+            raise VramPlanError(f"{spelled} needs one or more values, as TRL's parser does")
+        items = [_scalar(value) for value in values]
+        return name, items[0] if len(items) == 1 and name in ONE_IS_THE_NAME else items
+    if len(values) != 1:
+        raise VramPlanError(f"{spelled} takes one value, as TRL's parser does"
+                            + (f" (got {len(values)}: {shlex.join(values)})" if values else ""))
+    return name, _scalar(values[0])
+
+
+def _scalar(text: str) -> Any:
+    """A value as TRL's dataclass fields take it: an integer, a number, a mapping in JSON, None, or the text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text == "None":
+        return None
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise VramPlanError(f"{text!r} is not a JSON mapping: {exc.msg}") from exc
+    return text
+
+
+def is_command_line(text: str) -> bool:
+    """Whether pasted text is a command line (its first option starts a line or follows the command) rather than a
+    recipe's YAML."""
+    words = text.split()
+    return any(word.startswith("--") for word in words[:1]) or (
+        len(words) > 1 and not words[0].endswith(":") and any(word.startswith("--") for word in words))
+
+
+def command_line_arguments(text: str) -> dict[str, Any]:
+    """TRL's arguments of a pasted command (`trl grpo --use_peft ...`, `accelerate launch --num_processes 2 grpo.py
+    --bf16 true ...`, continued over lines or not): what comes before the first option, or up to the script, is the
+    command; VramPlanError where one is not TRL's."""
+    try:
+        words = shlex.split(text.replace("\\\n", " "))
+    except ValueError as exc:
+        raise VramPlanError(f"the pasted command cannot be read as a shell line: {exc}") from exc
+    scripts = [i for i, word in enumerate(words) if word.endswith(".py")]  # accelerate's own options come before it
+    first = scripts[-1] + 1 if scripts else next((i for i, word in enumerate(words) if word.startswith("--")),
+                                                 len(words))
+    rest, arguments = split_trl_arguments(words[first:], set())
+    if rest:
+        options = [word for word in rest if word.startswith("--")]
+        if "--config" in options:
+            raise VramPlanError("the pasted command's --config file is on your machine: paste its YAML here, or "
+                                "the command without it")
+        raise VramPlanError(f"{options[0] if options else rest[0]} is not one of TRL's arguments")
+    if not arguments:
+        raise VramPlanError("the pasted command names none of TRL's arguments")
+    return arguments
+
+
+def trl_command_line(edits: dict[str, Any]) -> str:
+    """TRL's arguments that set these values, one shell line (the plan's edits to a TRL command)."""
+    tokens: list[str] = []
+    for key, value in edits.items():
+        tokens.append(f"--{key}")
+        if isinstance(value, bool):
+            tokens.append("true" if value else "false")
+        elif isinstance(value, (list, tuple)):
+            tokens += [str(item) for item in value]
+        elif isinstance(value, dict):
+            tokens.append(json.dumps(value))
+        else:
+            tokens.append(str(value))
+    return shlex.join(tokens)
