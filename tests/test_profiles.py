@@ -100,6 +100,22 @@ def test_sizes_work_for_any_card():
     assert GpuProfile.from_name("16GB").capacity_bytes == 16 * 10**9
 
 
+@pytest.mark.parametrize("size, binary", [("16GB", "16GiB"), ("24 gb", "24GiB"), ("0.5TB", "0.5TiB"),
+                                          ("12000MB", "12000MiB")])
+def test_a_size_in_gb_is_read_as_written_and_the_verdict_says_what_a_card_sold_so_has(size, binary):
+    # cards are sold in binary gigabytes: a 16 GB card has 16 GiB, not 16 x 10^9 bytes; the reading stands (it is
+    # what was written), and the verdict's notes say so once, with the spelling that means the card
+    from vram_planner import api
+
+    note = GpuProfile.from_name(size).note
+    assert f"has {binary} (CUDA reports a little less)" in note and f"or {binary}" in note
+    notes = api.check("Qwen2.5-0.5B", size).notes
+    assert notes.count(note) == 1
+    for other in ("16GiB", "15.7G", "rtx4090"):
+        assert GpuProfile.from_name(other).note == "" and not any("powers of 1000" in n
+                                                                  for n in api.check("Qwen2.5-0.5B", other).notes)
+
+
 def test_model_catalog_is_broad():
     names = {m.name for m in models()}
     assert len(names) >= 20

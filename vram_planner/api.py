@@ -246,7 +246,8 @@ def gpus() -> list[dict[str, Any]]:
     from vram_planner.profiles import gpus as catalog
     from vram_planner.validation import to_jsonable
 
-    return [{**to_jsonable(g), "capacity_bytes": g.capacity_bytes} for g in catalog()]
+    return [{**{k: v for k, v in to_jsonable(g).items() if k != "note"}, "capacity_bytes": g.capacity_bytes}
+            for g in catalog()]  # a note is a verdict's, on a size given in GB
 
 
 def models() -> list[dict[str, Any]]:

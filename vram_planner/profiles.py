@@ -18,7 +18,7 @@ from typing import Annotated
 
 from vram_planner.errors import ProfileError, UnknownNameError, closest_names, field_name, json_kind, short_repr
 from vram_planner.profile_cache import cached
-from vram_planner.units import GiB, MiB, looks_like_size, parse_size_bytes
+from vram_planner.units import GiB, MiB, binary_spelling, looks_like_size, parse_size_bytes
 from vram_planner.validation import Rules, error_message, validate
 
 PROFILES_ENV = "VRAM_PLAN_PROFILES"
@@ -46,6 +46,7 @@ class GpuProfile:
     segment: Literal["consumer", "laptop", "workstation", "datacenter", "custom"] = "custom"
     capacity_source: Literal["measured", "estimated", "user"] = "estimated"
     source: str = ""
+    note: str = ""  # what a verdict on this card says of it (a size given in GB: how it was read)
     # Speed figures from the vendor's datasheet (profiles/gpus.toml); None where the catalog has none (a size given
     # on the command line): the step-time model then has nothing to predict with.
     memory_bandwidth_gb_s: Annotated[float | None, Rules(gt=0, le=10**6)] = None
@@ -75,9 +76,15 @@ class GpuProfile:
             return local_gpu_profile()
         if looks_like_size(key):
             size = parse_size_bytes(name)
+            note = ""
+            binary = binary_spelling(name)
+            if binary is not None:
+                note = (f"The card's size {name.strip()} is read in powers of 1000, {size:,} bytes ({size / GiB:.2f} "
+                        f"GiB); a card sold with that memory has {binary} (CUDA reports a little less): give its "
+                        f"catalog name (vram-plan gpus) or {binary}")
             return cls(name=name.strip(), total_memory_gib=size / GiB, bf16=True, flash_attention_2=True,
                        source="size given on the command line (assumed bf16 and FlashAttention-2 capable)",
-                       capacity_source="user")
+                       capacity_source="user", note=note)
         catalog = gpu_catalog()
         if key in catalog:
             return catalog[key]

@@ -31,6 +31,16 @@ def parse_size_bytes(text: str) -> int:
     return size
 
 
+def binary_spelling(text: str) -> str | None:
+    """A size in the SI's units (kB, MB, GB, TB: powers of 1000, which cards' memory is not sold in) spelled in the
+    binary ones ('16GB' -> '16GiB'); None for any other text."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if unit not in ("kb", "mb", "gb", "tb"):
+        return None
+    return f"{match.group(1)}{unit[0].upper()}iB"
+
+
 def looks_like_size(text: str) -> bool:
     match = _SIZE.match(text)
     return bool(match) and match.group(2).lower() in _UNITS and match.group(2) != ""

@@ -181,8 +181,9 @@ def _estimate(context: Context, train: TrainingConfig, first_micro_batch: bool =
         est = replace(est, notes=est.notes + (nccl_note(nccl),))
     if vllm_comm.bytes:
         est = replace(est, notes=est.notes + (vllm_comm.source,))
-    if context.release.note:
-        est = replace(est, notes=est.notes + (context.release.note,))
+    for note in (context.release.note, context.gpu.note):
+        if note:
+            est = replace(est, notes=est.notes + (note,))
     return est
 
 
