@@ -117,9 +117,9 @@ def _scalar(text: str) -> Any:
 def is_command_line(text: str) -> bool:
     """Whether pasted text is a command line (its first option starts a line or follows the command) rather than a
     recipe's YAML."""
-    words = text.split()
-    return any(word.startswith("--") for word in words[:1]) or (
-        len(words) > 1 and not words[0].endswith(":") and any(word.startswith("--") for word in words))
+    words = text.split()  # (YAML's `---` starts a document, not an option)
+    options = [word[2:3].isalpha() and word.startswith("--") for word in words]
+    return any(options[:1]) or (len(words) > 1 and not words[0].endswith(":") and any(options))
 
 
 def command_line_arguments(text: str) -> dict[str, Any]:

@@ -21,9 +21,10 @@ def page_and_knobs():
     return page, knobs
 
 
-@pytest.mark.parametrize("recipe", [OPEN_R1_DEMO, "model_name_or_path: Qwen2.5-0.5B\nuse_peft: true\nlora_r: 8\n"
-                                                 "generation_batch_size: 64\nper_device_train_batch_size: 8\n"
-                                                 "temperature: 0.7\nlearning_rate: 1.0e-6\n"])
+@pytest.mark.parametrize("recipe", [OPEN_R1_DEMO, "---\n" + OPEN_R1_DEMO,
+                                    "model_name_or_path: Qwen2.5-0.5B\nuse_peft: true\nlora_r: 8\n"
+                                    "generation_batch_size: 64\nper_device_train_batch_size: 8\n"
+                                    "temperature: 0.7\nlearning_rate: 1.0e-6\n"])
 def test_the_filled_fields_hold_the_recipes_request(page_and_knobs, recipe):
     page, knobs = page_and_knobs
     note, model, pasted, release, *values = page.recipe_fields(knobs, recipe)

@@ -16,7 +16,7 @@ def read_settings_file(path: Path | None, flags: dict[str, Any] | None = None,
                        trl_arguments: dict[str, Any] | None = None) -> tuple[dict[str, Any], Recipe | None]:
     """The settings, and a TRL recipe's reading where the file is one or TRL's command-line arguments are given
     (`flags`: the request's fields the command line gives, which a recipe is read for: vram_planner.recipe.
-    read_recipe; `trl_arguments`: TRL's own, vram_planner.cli.trl_arguments, which win over the file's as in TRL's
+    read_recipe; `trl_arguments`: TRL's own, vram_planner.trl_arguments, which win over the file's as in TRL's
     parser). Keys may be spelled with dashes or underscores. No file and no TRL arguments: no settings."""
     if path is None:
         if not trl_arguments:

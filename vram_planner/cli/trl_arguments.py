@@ -19,4 +19,3 @@ class TrlArgumentsCommand(click.Command):
         if trl:
             ctx.params["trl_arguments"] = trl
         return rest
-
