@@ -198,9 +198,11 @@ def trace(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
 
 def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fields: Any) -> Request:
     """The request a TRL recipe spells, read as TRL runs it (`vram-plan check --config recipe.yaml`): TrlParser's
-    YAML file, or its keys as a mapping; `fields` (ours) add to it or change it.
+    YAML file, its keys as a mapping, or the training command's TRL arguments as one string; `fields` (ours) add to
+    it or change it.
 
         >>> api.check(api.recipe("recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml", "rtx4090"))
+        >>> api.check(api.recipe("trl grpo --model_name_or_path Qwen/Qwen2.5-1.5B --use_peft --bf16 true", "rtx4090"))
     """
     from vram_planner.recipe import read_recipe
 
@@ -208,8 +210,9 @@ def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fie
 
 
 def recipe_edits(recipe: str | Path | Mapping[str, Any], report: Report) -> dict[str, Any]:
-    """What to set in a recipe for the choice of `plan(recipe(...))`, in the recipe's own names (the lines `vram-plan
-    plan --config recipe.yaml` ends with, its JSON's `recipe_edits`); empty when the recipe is the choice.
+    """What to set in a recipe (as `recipe` takes it) for the choice of `plan(recipe(...))`, in the recipe's own names
+    (the lines `vram-plan plan --config recipe.yaml` ends with, its JSON's `recipe_edits`); empty when the recipe is
+    the choice.
 
         >>> report = api.plan(api.recipe("config_demo.yaml", "rtx4090"))
         >>> api.recipe_edits("config_demo.yaml", report)
@@ -225,16 +228,26 @@ def recipe_edits(recipe: str | Path | Mapping[str, Any], report: Report) -> dict
 
 
 def _recipe_values(recipe: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
-    # a recipe's keys: TrlParser's YAML file read, or the mapping itself
+    # a recipe's keys: TrlParser's YAML file read, a command's TRL arguments parsed, or the mapping itself
     from vram_planner.files import MAX_SETTINGS_BYTES, load_yaml, read_text
     from vram_planner.recipe import is_recipe
+    from vram_planner.trl_arguments import command_line_arguments, is_command_line
 
     values = recipe
+    if isinstance(recipe, str) and is_command_line(recipe) and not _is_file(recipe):
+        return command_line_arguments(recipe)
     if isinstance(recipe, (str, Path)):
         values = load_yaml(read_text(recipe, MAX_SETTINGS_BYTES, "the recipe", kind="a YAML file"), str(recipe))
     if not isinstance(values, Mapping) or not is_recipe(values):
         raise ConfigError(["a recipe is TrlParser's YAML: a mapping of TRL's arguments (model_name_or_path, ...)"])
     return values
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except OSError:  # a name too long for the system to look up is none of its files
+        return False
 
 
 def gpus() -> list[dict[str, Any]]:

@@ -224,3 +224,15 @@ def test_any_trl_command_line_gives_a_verdict_a_plan_or_one_clear_line(arguments
         assert not CLASS_NAME.search(err.getvalue()), err.getvalue()
     else:
         assert code in (0, 1), err.getvalue()
+
+
+def test_the_library_reads_a_pasted_command_as_the_command_line_does(capsys):
+    from vram_planner import api
+
+    text = "trl grpo " + shlex.join(PASTED)
+    report = api.check(api.recipe(text, "rtx4090"))
+    _, doc = json_of(capsys, "check", "--gpu", "rtx4090", *PASTED)
+    assert {**report.to_dict(), "notes": []} == {**doc, "notes": []}
+    planned = api.plan(api.recipe(text, "rtx4060-laptop"))
+    assert api.recipe_edits(text, planned) == json_of(capsys, "plan", "--gpu", "rtx4060-laptop", *PASTED)[1][
+        "recipe_edits"]
