@@ -236,3 +236,9 @@ def test_the_library_reads_a_pasted_command_as_the_command_line_does(capsys):
     planned = api.plan(api.recipe(text, "rtx4060-laptop"))
     assert api.recipe_edits(text, planned) == json_of(capsys, "plan", "--gpu", "rtx4060-laptop", *PASTED)[1][
         "recipe_edits"]
+
+
+@pytest.mark.parametrize("command", ["plan", "check", "trace", "gpus", "run"])
+def test_each_command_that_takes_them_says_so_in_its_help(capsys, command):
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0 and "TRL's own arguments are read too" in " ".join(out.split())
