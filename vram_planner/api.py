@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vram_planner.model.verdict import Context
     from vram_planner.report.cards import CardsReport
     from vram_planner.model.ranking import Ranking
+    from vram_planner.recipe import Recipe as RecipeReading
     from vram_planner.report.maximized import MaximizedPlanReport
 
 __all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "rank", "gpus",
@@ -209,22 +210,24 @@ def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fie
     return _request(None, gpu, read_recipe(_recipe_values(recipe), fields).settings, fields)
 
 
-def recipe_edits(recipe: str | Path | Mapping[str, Any], report: Report) -> dict[str, Any]:
-    """What to set in a recipe (as `recipe` takes it) for the choice of `plan(recipe(...))`, in the recipe's own names
-    (the lines `vram-plan plan --config recipe.yaml` ends with, its JSON's `recipe_edits`); empty when the recipe is
-    the choice.
+def recipe_edits(recipe: str | Path | Mapping[str, Any] | RecipeReading, report: Report) -> dict[str, Any]:
+    """What to set in a recipe (as `recipe` takes it, or as vram_planner.recipe.read_recipe read it) for the choice of
+    `plan(recipe(...))`, in the recipe's own names (the lines `vram-plan plan --config recipe.yaml` ends with, its
+    JSON's `recipe_edits`); empty when the recipe is the choice.
 
         >>> report = api.plan(api.recipe("config_demo.yaml", "rtx4090"))
         >>> api.recipe_edits("config_demo.yaml", report)
         {'per_device_train_batch_size': 4, 'gradient_accumulation_steps': 16, ...}
     """
+    from vram_planner.recipe import Recipe as RecipeReading
     from vram_planner.recipe import read_recipe
     from vram_planner.recipe import recipe_edits as edits
 
     result = getattr(report.judged, "result", None)
     if report.command != "plan" or getattr(result, "requested", None) is None:
         raise ConfigError(["recipe_edits takes the report api.plan gave for that recipe"])
-    return edits(read_recipe(_recipe_values(recipe), {}), result.requested.train, report.judged.train)
+    read = recipe if isinstance(recipe, RecipeReading) else read_recipe(_recipe_values(recipe), {})
+    return edits(read, result.requested.train, report.judged.train)
 
 
 def _recipe_values(recipe: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from vram_planner.errors import ConfigError, closest_names
 from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS,
-                                    RUN_CARRIED_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
+                                    RUN_CARRIED_ARGUMENTS, TRL_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
 
 # Every TrlParser recipe names its model so; a settings file of ours names `model`
 RECIPE_KEY = "model_name_or_path"
@@ -151,7 +151,6 @@ def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = No
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too
 _TRANSLATED = frozenset(TRL_NAMES) | {"dtype", "use_reentrant"}
-TRL_ARGUMENTS = frozenset(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | frozenset(UNPLANNED_ARGUMENTS)
 
 
 def _translated(given: dict[str, Any], settings: dict[str, Any], left_out: list[str],

@@ -16,8 +16,7 @@ import shlex
 from typing import Any
 
 from vram_planner.errors import VramPlanError
-from vram_planner.recipe import TRL_ARGUMENTS
-from vram_planner.trl_names import BOOLEAN_ARGUMENTS, LIST_ARGUMENTS, SHARED_ARGUMENTS
+from vram_planner.trl_names import BOOLEAN_ARGUMENTS, LIST_ARGUMENTS, SHARED_ARGUMENTS, TRL_ARGUMENTS
 
 # transformers' string_to_bool
 TRUTH = {"yes": True, "true": True, "t": True, "y": True, "1": True,

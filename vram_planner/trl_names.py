@@ -179,6 +179,9 @@ LAST_RELEASE_WITH = {
 }
 
 
+# TRL's arguments the tables above name (those TRL names as the request's fields do are SHARED_ARGUMENTS)
+TRL_ARGUMENTS = frozenset(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | frozenset(UNPLANNED_ARGUMENTS)
+
 # TRL's arguments that are also the request's fields, by the same name: spelled as TRL's command line spells them
 # (`--lora_r 16`), they mean what TRL makes of them (LoRA only with use_peft: vram_planner.cli.trl_arguments)
 SHARED_ARGUMENTS = frozenset({

@@ -60,10 +60,7 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         report = api.check(request_from(command, options), **speed)
 
     if command == "plan" and options.get("recipe") is not None:
-        from vram_planner.recipe import recipe_edits
-
-        report.recipe_edits = recipe_edits(options["recipe"], report.judged.result.requested.train,
-                                           report.judged.train)
+        report.recipe_edits = api.recipe_edits(options["recipe"], report)
 
     def human() -> None:
         _render(report)

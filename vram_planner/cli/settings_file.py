@@ -42,7 +42,7 @@ def read_settings_file(path: Path | None, flags: dict[str, Any] | None = None,
         raise ProfileError(f"--config {path}: {named[0]!r} is not a setting's name; write the flags' keys, e.g. "
                            "per_device_train_batch_size: 4")
     if trl_arguments:
-        data = {**{str(key).replace("-", "_"): value for key, value in data.items()}, **trl_arguments}
+        data = {**data, **trl_arguments}  # read_recipe underscores the file's keys, the later spelling winning
     if trl_arguments or is_recipe(data):
         recipe = read_recipe(data, flags, command_line=bool(trl_arguments))
         return {name: _checked(f"--config {path}", name, value) for name, value in recipe.settings.items()}, recipe
