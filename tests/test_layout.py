@@ -25,9 +25,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("report", ["vram_planner.report"]),
     ("entry points", ["vram_planner.engine", "vram_planner.run", "vram_planner.probe", "vram_planner.advise"]),
     ("tracing", ["vram_planner.tracing"]),
-    # a TRL recipe (or TRL's command-line arguments) read as the request's fields takes the release's defaults and
-    # the model's config
-    ("model", ["vram_planner.model", "vram_planner.allocator", "vram_planner.recipe", "vram_planner.trl_arguments"]),
+    # a TRL recipe (or TRL's command-line arguments, and the launcher's) read as the request's fields takes the
+    # release's defaults, the model's config and TRL's accelerate configs
+    ("model", ["vram_planner.model", "vram_planner.allocator", "vram_planner.recipe", "vram_planner.trl_arguments",
+               "vram_planner.launcher"]),
     ("data", ["vram_planner.profiles", "vram_planner.local_gpu", "vram_planner.hub", "vram_planner.extras",
               "vram_planner.profile_data"]),
     ("base", ["vram_planner.units", "vram_planner.errors", "vram_planner.files", "vram_planner.profile_cache",

@@ -17,8 +17,8 @@ from vram_planner.cli import main
 from vram_planner.errors import ConfigError, ProfileError
 from vram_planner.recipe import MODEL_CONFIG_LORA, PEFT_DEFAULT_TARGETS, is_recipe, read_recipe
 from vram_planner.request import request_fields
-from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS, OLDER_NAMES,
-                                    RUN_CARRIED_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
+from vram_planner.trl_names import (LAST_RELEASE_WITH, LAUNCH_ARGUMENTS, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS,
+                                    OLDER_NAMES, RUN_CARRIED_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
 
 # open-r1's recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml as it is published (its system prompt shortened)
 OPEN_R1_DEMO = """\
@@ -161,8 +161,8 @@ def test_trls_names_become_the_requests_fields():
                               "False"),
     ({"resume_from_checkpoint": "out/checkpoint-50"}, "resume_from_checkpoint 'out/checkpoint-50' is not planned "
                                                       "(the checkpoint's optimizer states"),
-    ({"deepspeed": "ds.json"}, "plan it with zero_stage and num_gpus"),
-    ({"fsdp": "full_shard auto_wrap"}, "plan FSDP2 with fsdp: true"),
+    ({"deepspeed": "ds.json"}, "the DeepSpeed config ds.json is not a file here"),
+    ({"fsdp": "full_shard auto_wrap"}, "plan FSDP2 as TRL launches it, --accelerate_config fsdp2"),
     ({"use_dora": True, "use_peft": True}, "use_dora True is not planned (DoRA's"),
     ({"gradient_checkpointing_kwargs": {"use_reentrant": False, "every_n_layers": 2}},
      "gradient_checkpointing_kwargs every_n_layers: 2 is not planned"),
@@ -204,7 +204,7 @@ def test_every_argument_of_trls_configs_is_read_left_out_or_refused_and_each_def
 
     classes = (GRPOConfig, ModelConfig, ScriptArguments, GRPOScriptArguments, DatasetMixtureConfig)
     trl_fields = {f.name: f for config in classes for f in dataclasses.fields(config)}
-    listed = set(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | set(UNPLANNED_ARGUMENTS)
+    listed = set(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | set(UNPLANNED_ARGUMENTS) | LAUNCH_ARGUMENTS
     assert set(trl_fields) - set(request_fields()) - listed == set()
     assert listed - set(trl_fields) == OLDER_NAMES
     assert not (MEMORY_NEUTRAL_ARGUMENTS | set(UNPLANNED_ARGUMENTS)) & set(request_fields())

@@ -17,7 +17,8 @@ from typing import Any
 
 from vram_planner.errors import ConfigError, closest_names
 from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS,
-                                    RUN_CARRIED_ARGUMENTS, TRL_ARGUMENTS, TRL_NAMES, UNPLANNED_ARGUMENTS, same_value)
+                                    RUN_CARRIED_ARGUMENTS, SHARED_ARGUMENTS, TRL_ARGUMENTS, TRL_NAMES,
+                                    UNPLANNED_ARGUMENTS, same_value)
 
 # Every TrlParser recipe names its model so; a settings file of ours names `model`
 RECIPE_KEY = "model_name_or_path"
@@ -50,6 +51,7 @@ class Recipe:
     not_planned: tuple[str, ...] = ()  # what the recipe runs beside the planned step (evaluation), as `key value`
     older_release: str = ""  # where the recipe names fields of releases before the one planned: which, and until when
     command_line: bool = False  # TRL's arguments given on the command line, alone or over a recipe file's
+    launch_notes: tuple[str, ...] = ()  # how the launcher's options were read (vram_planner.launcher)
 
     @property
     def given(self) -> frozenset[str]:
@@ -82,6 +84,7 @@ class Recipe:
                          "without use_peft: true, so TRL trains the whole model, as planned")
         if self.older_release:
             parts.append(self.older_release)
+        parts += self.launch_notes
         if self.script_keys:
             named = [key + (f" (not {near[0]}?)" if (near := _planned_near(key, self.given)) else "")
                      for key in self.script_keys]
@@ -117,13 +120,23 @@ def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = No
     script_keys: list[str] = []
     not_planned: list[str] = []
     problems: list[str] = []
+    launch_options: dict[str, Any] = {}
     for key, value in given.items():
         if key in _TRANSLATED:
             continue
+        if is_launch_key(key):  # trl grpo hands the keys its parser does not know to accelerate launch
+            launch_options[key] = value
+            continue
+        if key == "deepspeed":
+            if value not in (None, ""):
+                launch_options["deepspeed_config_file"] = value
+            else:
+                left_out.append(key)
+            continue
         if key == "fsdp" and not isinstance(value, bool):  # TrainingArguments': "full_shard auto_wrap", a list
             if value:
-                problems.append(f"fsdp {value!r}: the Trainer's FSDP options are not read; plan FSDP2 with fsdp: "
-                                "true and num_gpus")
+                problems.append(f"fsdp {value!r}: the Trainer's FSDP options are not read; plan FSDP2 as TRL launches "
+                                "it, --accelerate_config fsdp2 --num_processes N (or fsdp: true and num_gpus)")
             continue
         if key in fields:
             if key not in LORA_FIELDS:
@@ -143,10 +156,44 @@ def read_recipe(values: Mapping[str, Any], beside: Mapping[str, Any] | None = No
     if given.get(RECIPE_KEY) is not None:
         settings["model"] = given[RECIPE_KEY]
     problems += _translated(given, settings, left_out, beside)
+    launch = _launch(launch_options, given, {**settings, **beside})
+    settings.update(launch.settings)
+    problems += launch.problems
     if problems:
         raise ConfigError(problems)
     return Recipe(settings, given, tuple(left_out), tuple(script_keys), tuple(not_planned),
-                  _older_release(given, {**settings, **beside}.get("trl_version")), command_line)
+                  _older_release(given, {**settings, **beside}.get("trl_version")), command_line,
+                  tuple(launch.notes))
+
+
+def is_launch_key(key: str) -> bool:
+    """Whether a recipe's key is the launcher's (accelerate launch's, TRL's accelerate_config) rather than TRL's."""
+    from vram_planner.launcher import is_launch_option
+
+    return is_launch_option(key) and key not in TRL_ARGUMENTS and key not in SHARED_ARGUMENTS
+
+
+def _launch(options: dict[str, Any], given: dict[str, Any], request: dict[str, Any]) -> Any:
+    """How the launcher's options read (vram_planner.launcher.Launch), beside the request's fields read so far."""
+    from vram_planner.launcher import Launch, launch_settings
+    from vram_planner.model.trl_releases import trl_release
+
+    if not options:
+        return Launch()
+    try:
+        release_default = trl_release(request.get("trl_version")).default_mixed_precision
+    except Exception:  # an unknown release is the request's to refuse, with its own words
+        release_default = "bf16"
+    # TrainingArguments takes accelerate's mixed precision where neither bf16 nor fp16 is true; TRL from 0.19 on
+    # makes bf16 true where neither is given (its release's default_mixed_precision)
+    bf16, fp16 = given.get("bf16"), given.get("fp16")
+    if fp16 is True:
+        precision = "fp16"
+    elif bf16 is True or (bf16 is None and fp16 is None and release_default != "no"):
+        precision = "bf16"
+    else:
+        precision = None
+    return launch_settings(options, precision, gpus_given=request.get("num_gpus") is not None)
 
 
 # The keys read below rather than copied: TRL's names of a setting, and two fields of ours that those names set too

@@ -5,8 +5,10 @@ pastes from the command that trains. Pure Python.
 An option whose name, dashes read as underscores, is one of TRL's arguments (trl_names), or `--no_X` for a boolean X,
 is TRL's, unless the command knows it as its own. A boolean takes no value (true) or one of yes/no, true/false, t/f,
 y/n, 1/0; a list argument one or more values; every other one value, a number where it reads as one, JSON where it
-is a mapping (TrainingArguments reads `--gradient_checkpointing_kwargs '{"use_reentrant": false}'` so). Any other
-option is left to the command.
+is a mapping (TrainingArguments reads `--gradient_checkpointing_kwargs '{"use_reentrant": false}'` so). An option of
+accelerate launch's (`--num_processes 8`, `--use_deepspeed`, TRL's `--accelerate_config zero3`) is the launcher's, as
+`trl grpo` hands the options its parser does not know to accelerate (trl/cli/commands/training.py): its switches take
+no value, the rest one (vram_planner.launcher reads them). Any other option is left to the command.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shlex
 from typing import Any
 
 from vram_planner.errors import VramPlanError
+from vram_planner.launcher import LAUNCH_FLAGS, is_launch_option
 from vram_planner.trl_names import BOOLEAN_ARGUMENTS, LIST_ARGUMENTS, SHARED_ARGUMENTS, TRL_ARGUMENTS
 
 # transformers' string_to_bool
@@ -25,41 +28,49 @@ TRUTH = {"yes": True, "true": True, "t": True, "y": True, "1": True,
 ONE_IS_THE_NAME = frozenset({"lora_target_modules"})
 
 
-def split_trl_arguments(args: list[str], known: set[str]) -> tuple[list[str], dict[str, Any]]:
-    """The command's own arguments, and TRL's, parsed (a later one wins, as in argparse). VramPlanError where one of
-    TRL's is given a value TRL's parser refuses."""
+def split_trl_arguments(args: list[str], known: set[str], trl: bool = True) -> tuple[list[str], dict[str, Any]]:
+    """The command's own arguments, and TRL's and the launcher's, parsed (a later one wins, as in argparse).
+    VramPlanError where one of TRL's is given a value TRL's parser refuses. `trl`: False takes the launcher's options
+    only (those before the script of `accelerate launch`)."""
     ours: list[str] = []
-    trl: dict[str, Any] = {}
+    found: dict[str, Any] = {}
     i = 0
     while i < len(args):
         token = args[i]
         spelled, has_value, inline = token.partition("=")
-        name = _trl_name(spelled, known)
+        name = _trl_name(spelled, known, trl)
         if name is None:
             ours.append(token)
             i += 1
             continue
         i += 1
         values = [inline] if has_value else []
-        while not has_value and i < len(args) and not _is_option(args[i]):
+        launcher = not trl or (is_launch_option(name) and not _is_trls(name))
+        while not has_value and not (launcher and name in LAUNCH_FLAGS) and i < len(args) and not _is_option(args[i]):
             values.append(args[i])
             i += 1
-        key, value = _parsed(spelled, name, values)
-        trl.pop(key, None)  # the later spelling's place
-        trl[key] = value
-    return ours, trl
+        key, value = _launch_parsed(spelled, name, values) if launcher else _parsed(spelled, name, values)
+        found.pop(key, None)  # the later spelling's place
+        found[key] = value
+    return ours, found
 
 
-def _trl_name(spelled: str, known: set[str]) -> str | None:
-    # TRL's argument an option names (underscored), or None: the command's own, or no one's
+def _trl_name(spelled: str, known: set[str], trl: bool = True) -> str | None:
+    # TRL's argument or the launcher's option an option names (underscored), or None: the command's own, or no one's
     if not spelled.startswith("--") or spelled in known:
         return None
     name = spelled[2:].replace("-", "_")
-    if name in TRL_ARGUMENTS or name in SHARED_ARGUMENTS:
+    if not trl:
+        return name if is_launch_option(name) else None
+    if _is_trls(name) or is_launch_option(name):
         return name
     if name.startswith("no_") and name[3:] in BOOLEAN_ARGUMENTS:
         return name
     return None
+
+
+def _is_trls(name: str) -> bool:
+    return name in TRL_ARGUMENTS or name in SHARED_ARGUMENTS
 
 
 def _is_option(token: str) -> bool:
@@ -73,8 +84,19 @@ def _is_option(token: str) -> bool:
     return False
 
 
+def _launch_parsed(spelled: str, name: str, values: list[str]) -> tuple[str, Any]:
+    # accelerate launch's store_true switches take no value, its other options one
+    if name in LAUNCH_FLAGS:
+        if values:
+            raise VramPlanError(f"{spelled} takes no value (accelerate launch's switch)")
+        return name, True
+    if len(values) != 1:
+        raise VramPlanError(f"{spelled} takes one value, as accelerate launch does")
+    return name, _scalar(values[0])
+
+
 def _parsed(spelled: str, name: str, values: list[str]) -> tuple[str, Any]:
-    if name not in TRL_ARGUMENTS and name not in SHARED_ARGUMENTS:  # --no_X
+    if not _is_trls(name):  # --no_X
         if values:
             raise VramPlanError(f"{spelled} takes no value (TRL's parser sets {name[3:]} to false with it)")
         return name[3:], False
@@ -123,15 +145,20 @@ def is_command_line(text: str) -> bool:
 
 def command_line_arguments(text: str) -> dict[str, Any]:
     """TRL's arguments of a pasted command (`trl grpo --use_peft ...`, `accelerate launch --num_processes 2 grpo.py
-    --bf16 true ...`, continued over lines or not): what comes before the first option, or up to the script, is the
-    command; VramPlanError where one is not TRL's."""
+    --bf16 true ...`, continued over lines or not), with the launcher's options (accelerate launch's before the
+    script, and those `trl grpo` hands to it): what comes before the first option is the command; VramPlanError where
+    an option is neither TRL's nor the launcher's."""
     try:
         words = shlex.split(text.replace("\\\n", " "))
     except ValueError as exc:
         raise VramPlanError(f"the pasted command cannot be read as a shell line: {exc}") from exc
-    scripts = [i for i, word in enumerate(words) if word.endswith(".py")]  # accelerate's own options come before it
-    first = scripts[-1] + 1 if scripts else next((i for i, word in enumerate(words) if word.startswith("--")),
-                                                 len(words))
+    options = next((i for i, word in enumerate(words) if word.startswith("-")), len(words))
+    script = None if words[:1] == ["trl"] else next((i for i, word in enumerate(words) if word.endswith(".py")), None)
+    launcher: dict[str, Any] = {}
+    first = options
+    if script is not None:
+        first = script + 1
+        launcher = _launcher_options(words[:min(options, script)], words[min(options, script):script])
     rest, arguments = split_trl_arguments(words[first:], set())
     if rest:
         options = [word for word in rest if word.startswith("--")]
@@ -141,7 +168,33 @@ def command_line_arguments(text: str) -> dict[str, Any]:
         raise VramPlanError(f"{options[0] if options else rest[0]} is not one of TRL's arguments")
     if not arguments:
         raise VramPlanError("the pasted command names none of TRL's arguments")
-    return arguments
+    return {**launcher, **arguments}
+
+
+# The interpreters' and launchers' words before a script whose options say nothing of memory
+INTERPRETERS = ("python", "python3", "uv", "run")
+
+
+def _launcher_options(command: list[str], words: list[str]) -> dict[str, Any]:
+    """accelerate launch's options before the script; an interpreter's are its own; another launcher's (torchrun,
+    deepspeed) are not read, and said so."""
+    if not words:
+        return {}
+    if command[:2] == ["accelerate", "launch"]:
+        rest, options = split_trl_arguments(words, set(), trl=False)
+        unread = [word for word in rest if word.startswith("--")]
+        if unread:
+            raise VramPlanError(f"{unread[0]} is not one of accelerate launch's options")
+        # accelerate's options that TRL's arguments share a name with (gradient_accumulation_steps, debug) are
+        # accelerate's here, and the Trainer's own decide
+        return {name: value for name, value in options.items() if not _is_trls(name)}
+    interpreter = command and all(word.rsplit("/", 1)[-1].startswith(INTERPRETERS) for word in command)
+    if interpreter and "-m" not in words:  # `python -m torch.distributed.run` is torchrun
+        return {}
+    name = " ".join(command) or words[0]
+    raise VramPlanError(f"{name}'s options ({shlex.join(words)}) are not read here: paste the command as accelerate "
+                        "launch or trl grpo runs it, or plan the processes with --num-gpus (and --zero-stage or "
+                        "--fsdp)")
 
 
 def trl_command_line(edits: dict[str, Any]) -> str:

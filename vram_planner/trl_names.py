@@ -107,7 +107,6 @@ UNPLANNED_ARGUMENTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "torch_compile_backend": ((None,), "compiled graphs' own buffers (it turns torch_compile on)"),
     "torch_compile_mode": ((None,), "compiled graphs' own buffers (it turns torch_compile on)"),
     "torchdynamo": ((None,), "compiled graphs' own buffers"),
-    "deepspeed": ((None, ""), "DeepSpeed's engine: plan it with zero_stage and num_gpus (and accelerate's config)"),
     "fsdp_config": ((None, {}), "FSDP: plan it with fsdp and num_gpus"),
     "fsdp_min_num_params": ((0,), "FSDP: plan it with fsdp and num_gpus"),
     "fsdp_transformer_layer_cls_to_wrap": ((None,), "FSDP: plan it with fsdp and num_gpus"),
@@ -179,8 +178,12 @@ LAST_RELEASE_WITH = {
 }
 
 
+# TrainingArguments' that say how the run is launched, read with the launcher's options (vram_planner.launcher): the
+# DeepSpeed config (a path to its JSON, the JSON, or a mapping)
+LAUNCH_ARGUMENTS = frozenset({"deepspeed"})
+
 # TRL's arguments the tables above name (those TRL names as the request's fields do are SHARED_ARGUMENTS)
-TRL_ARGUMENTS = frozenset(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | frozenset(UNPLANNED_ARGUMENTS)
+TRL_ARGUMENTS = frozenset(TRL_NAMES) | MEMORY_NEUTRAL_ARGUMENTS | frozenset(UNPLANNED_ARGUMENTS) | LAUNCH_ARGUMENTS
 
 # TRL's arguments that are also the request's fields, by the same name: spelled as TRL's command line spells them
 # (`--lora_r 16`), they mean what TRL makes of them (LoRA only with use_peft: vram_planner.cli.trl_arguments)

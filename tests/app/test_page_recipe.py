@@ -64,3 +64,15 @@ def test_a_pasted_trl_command_fills_the_fields_as_the_same_keys_do(page_and_knob
                            "per_device_train_batch_size": 8, "generation_batch_size": 64, "bf16": True,
                            "learning_rate": 1e-6, "lora_target_modules": ["q_proj", "v_proj"]}, "h100-80gb")
     assert api.resolve(request)[1] == api.resolve(expected)[1] and request.model == expected.model
+
+
+def test_a_pasted_multi_gpu_launch_fills_the_gpus_and_the_strategy(page_and_knobs):
+    page, knobs = page_and_knobs
+    command = ("accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml --num_processes 4 "
+               "grpo.py --model_name_or_path Qwen2.5-0.5B --bf16 true")
+    note, model, pasted, release, *values = page.recipe_fields(knobs, command)
+    assert "is not a file here: read as TRL's examples/accelerate_configs/deepspeed_zero3.yaml" in note
+    request, _ = page.page_request(knobs, True, "h100-80gb", model["value"], pasted, release, DEFAULT_SAFETY_MARGIN,
+                                   tuple(values))
+    train = api.resolve(request)[1]
+    assert (train.num_gpus, train.zero_stage) == (4, 3) and train == api.resolve(api.recipe(command, "h100-80gb"))[1]

@@ -171,7 +171,19 @@ def test_the_plans_arguments_added_to_the_command_make_it_the_plans_choice(capsy
     (["--no_gradient_checkpointing", "3"], "--no_gradient_checkpointing takes no value"),
     (["--gradient_checkpointing_kwargs", "{use_reentrant"], "is not a JSON mapping"),
     (["--lora_target_modules"], "--lora_target_modules needs one or more values"),
-    (["--deepspeed", "ds.json"], "deepspeed 'ds.json' is not planned"),
+    (["--deepspeed", "ds.json"], "the DeepSpeed config ds.json is not a file here"),
+    (["--fsdp", "full_shard auto_wrap"], "the Trainer's FSDP options are not read"),
+    (["--multi_gpu=yes"], "--multi_gpu takes no value (accelerate launch's switch)"),
+    (["--num_processes"], "--num_processes takes one value, as accelerate launch does"),
+    (["--num_processes", "0", "--multi_gpu"], "num_processes 0 is not a number of processes"),
+    (["--accelerate_config", "zer3"], "did you mean zero3"),
+    (["--accelerate_config", "fsdp1"], "fsdp_version 1 is not planned"),
+    (["--mixed_precision", "fp8"], "mixed_precision 'fp8' is not planned (FP8 training)"),
+    (["--use_megatron_lm"], "use_megatron_lm True is not planned"),
+    (["--use_deepspeed", "--offload_optimizer_device", "nvme"], "offload_optimizer_device 'nvme' is not planned"),
+    (["--use_fsdp", "--fsdp_version", "2", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"],
+     "fsdp_sharding_strategy 'SHARD_GRAD_OP' is not planned"),
+    (["--use_deepspeed", "--use_fsdp"], "DeepSpeed and FSDP cannot both launch the run"),
     (["--use_dora"], "use_dora True is not planned"),
     (["--foo_bar", "3"], "No such option '--foo_bar'"),
 ])
@@ -199,12 +211,17 @@ def test_gpus_and_run_take_trls_arguments(capsys, tmp_path):
 
 
 TOKENS = st.one_of(st.sampled_from(["true", "no", "1", "0", "-1", "8", "0.5", "bfloat16", "q_proj", "{", "{}",
-                                    '{"use_reentrant": false}', "None", "all-linear", "--x", "="]),
+                                    '{"use_reentrant": false}', "None", "all-linear", "--x", "=", "zero3", "fsdp2",
+                                    "cpu", "bf16"]),
                    st.text(max_size=6))
-# (TrainingArguments' --debug is vram-plan's own: the traceback of an error)
+# (TrainingArguments' --debug is vram-plan's own: the traceback of an error); with the launcher's options that trl
+# grpo hands to accelerate (vram_planner.launcher)
 NAMES = st.sampled_from(sorted((BOOLEAN_ARGUMENTS | LIST_ARGUMENTS | SHARED_ARGUMENTS
                                 | {"model_name_or_path", "use_peft", "deepspeed", "torch_compile", "learning_rate",
-                                   "no_gradient_checkpointing", "generation_batch_size", "vllm_max_model_len"})
+                                   "no_gradient_checkpointing", "generation_batch_size", "vllm_max_model_len",
+                                   "num_processes", "accelerate_config", "config_file", "use_deepspeed", "zero_stage",
+                                   "use_fsdp", "fsdp_version", "multi_gpu", "mixed_precision",
+                                   "offload_optimizer_device", "fsdp_offload_params", "dynamo_backend"})
                                - {"debug"}))
 
 
@@ -241,4 +258,5 @@ def test_the_library_reads_a_pasted_command_as_the_command_line_does(capsys):
 @pytest.mark.parametrize("command", ["plan", "check", "trace", "gpus", "run"])
 def test_each_command_that_takes_them_says_so_in_its_help(capsys, command):
     code, out, _ = run(capsys, command, "--help")
-    assert code == 0 and "TRL's own arguments are read too" in " ".join(out.split())
+    said = " ".join(out.split())
+    assert code == 0 and "TRL's own arguments are read too" in said and "--accelerate_config zero3" in said

@@ -39,7 +39,18 @@ TRL_CONFIGS: dict[str, dict[str, Any]] = {
         "fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": False, "fsdp_reshard_after_forward": True,
         "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_version": 2}},
+    # the two the plan never prints, read where a launch names them (vram_planner.launcher)
+    "fsdp1": {**_COMMON, "distributed_type": "FSDP", "enable_cpu_affinity": False, "fsdp_config": {
+        "fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_forward_prefetch": True, "fsdp_offload_params": False, "fsdp_reshard_after_forward": "FULL_SHARD",
+        "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_sync_module_states": True, "fsdp_use_orig_params": True,
+        "fsdp_version": 1}},
+    "single_gpu": {**_COMMON, "distributed_type": "NO", "gpu_ids": "all"},
 }
+# TRL's repository keeps the same files as examples/accelerate_configs/<name>.yaml, the paths its docs launch with
+TRL_EXAMPLE_CONFIGS = {"deepspeed_zero1": "zero1", "deepspeed_zero2": "zero2", "deepspeed_zero3": "zero3",
+                       "fsdp1": "fsdp1", "fsdp2": "fsdp2", "multi_gpu": "multi_gpu", "single_gpu": "single_gpu"}
 # The file TRL ships for each strategy of the plan (TrainingConfig.distributed); ZeRO stage 0 has none of its own and
 # takes zero1's with stage 0.
 TRL_CONFIG_NAMES = {"ddp": "multi_gpu", "zero0": "zero1", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",

@@ -1,0 +1,242 @@
+"""How a run is launched, read as accelerate reads it: accelerate launch's options (and those `trl grpo` hands it),
+TRL's accelerate configs and a DeepSpeed config, as the plan's GPUs and strategy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import CLASS_NAME, json_of, one_line_error
+from vram_planner import api
+from vram_planner.launcher import (DEEPSPEED_ZERO_DEFAULTS, LAUNCH_FLAGS, LAUNCH_OPTIONS, NEUTRAL_OPTIONS,
+                                   OVERLAP_DEFAULT_STAGE, PREFIXED_WITH_THEIR_SWITCH, READ_OPTIONS, UNPLANNED_OPTIONS,
+                                   launch_settings, read_deepspeed_config)
+from vram_planner.model.accelerate_config import TRL_CONFIGS, TRL_EXAMPLE_CONFIGS
+from vram_planner.recipe import read_recipe
+from vram_planner.request import request_fields
+from vram_planner.trl_arguments import command_line_arguments
+
+MODEL = ["--model_name_or_path", "Qwen2.5-0.5B"]
+# what each of TRL's shipped configs launches (num_processes 8 in every file), as vram-plan's own options say it
+TRL_CONFIG_PLANS = {"zero1": ["--zero-stage", "1", "--num-gpus", "8"],
+                    "zero2": ["--zero-stage", "2", "--num-gpus", "8"],
+                    "zero3": ["--zero-stage", "3", "--num-gpus", "8"], "fsdp2": ["--fsdp", "--num-gpus", "8"],
+                    "multi_gpu": ["--num-gpus", "8"], "single_gpu": []}
+COMPARED = ("peak_bytes", "config", "assumptions", "fits")
+
+
+def _accelerate_options():
+    from accelerate.commands.launch import launch_command_parser
+
+    names = {spelled[2:].replace("-", "_"): action for action in launch_command_parser()._actions
+             for spelled in action.option_strings if spelled.startswith("--") and spelled != "--help"}
+    return names, {name for name, action in names.items() if action.nargs == 0}
+
+
+def test_every_option_of_accelerate_launch_is_read_neutral_or_refused_and_its_switches_take_no_value():
+    names, switches = _accelerate_options()
+    own = {name for name in names if not name.startswith(PREFIXED_WITH_THEIR_SWITCH)}
+    assert own - LAUNCH_OPTIONS == set() and LAUNCH_OPTIONS - own == {"accelerate_config"}
+    assert LAUNCH_FLAGS == switches
+    assert not READ_OPTIONS & set(UNPLANNED_OPTIONS) and not (READ_OPTIONS | set(UNPLANNED_OPTIONS)) & (
+        NEUTRAL_OPTIONS - LAUNCH_FLAGS)
+    for name, (accepted, _) in UNPLANNED_OPTIONS.items():  # accelerate's own default is a value planned
+        default = names[name].default
+        assert default is None or default is False or str(default).lower() in {str(a).lower() for a in accepted}, name
+
+
+def test_the_deepspeed_defaults_the_plan_counts_are_deepspeeds():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = {field.alias or name: field.default for name, field in DeepSpeedZeroConfig.model_fields.items()}
+    assert {key: fields[key] for key in DEEPSPEED_ZERO_DEFAULTS} == DEEPSPEED_ZERO_DEFAULTS
+    for stage in range(4):
+        assert DeepSpeedZeroConfig(stage=stage).overlap_comm == (stage == OVERLAP_DEFAULT_STAGE)
+
+
+@pytest.mark.parametrize("name", sorted(TRL_CONFIG_PLANS))
+def test_each_config_trl_ships_plans_what_vram_plans_own_options_say(capsys, name):
+    code, launched = json_of(capsys, "check", "--gpu", "h100", *MODEL, "--accelerate_config", name)
+    expected_code, expected = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B",
+                                      *TRL_CONFIG_PLANS[name])
+    assert code == expected_code and {k: launched[k] for k in COMPARED} == {k: expected[k] for k in COMPARED}
+
+
+def test_fsdp1_is_refused_in_one_line(capsys):
+    err = one_line_error(capsys, "check", "--gpu", "h100", *MODEL, "--accelerate_config", "fsdp1")
+    assert "fsdp_version 1 is not planned" in err and "as TRL's fsdp2 config" in err
+
+
+@pytest.mark.parametrize("launch, ours", [
+    (["--accelerate_config", "zero3", "--num_processes", "4"], ["--zero-stage", "3", "--num-gpus", "4"]),
+    (["--use_deepspeed", "--num-processes=2"], ["--zero-stage", "2", "--num-gpus", "2"]),
+    (["--use_deepspeed", "--zero_stage", "3", "--num_processes", "4", "--offload_optimizer_device", "cpu",
+      "--offload_param_device", "cpu"],
+     ["--zero-stage", "3", "--num-gpus", "4", "--offload-optimizer", "cpu", "--offload-param", "cpu"]),
+    (["--use_fsdp", "--fsdp_version", "2", "--fsdp_offload_params", "true", "--num_processes", "2"],
+     ["--fsdp", "--num-gpus", "2", "--offload-param", "cpu"]),
+    (["--multi_gpu", "--num_processes", "2"], ["--num-gpus", "2"]),
+    (["--num_processes", "2"], ["--num-gpus", "2"]),  # accelerate turns multi-GPU on where it finds several
+    (["--accelerate_config", "zero2", "--num_processes", "2", "--zero_stage", "1"], ["--zero-stage", "1",
+                                                                                      "--num-gpus", "2"]),
+    # vram-plan's own options win over the launcher's
+    (["--accelerate_config", "zero3", "--num-gpus", "2"], ["--zero-stage", "3", "--num-gpus", "2"]),
+])
+def test_accelerate_launchs_options_plan_what_vram_plans_own_options_say(capsys, launch, ours):
+    code, launched = json_of(capsys, "check", "--gpu", "h100", *MODEL, *launch)
+    expected_code, expected = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", *ours)
+    assert code == expected_code and {k: launched[k] for k in COMPARED} == {k: expected[k] for k in COMPARED}
+
+
+def test_an_accelerate_config_file_and_a_deepspeed_config_are_read_where_they_are(capsys, tmp_path):
+    config = tmp_path / "my_zero3.yaml"
+    config.write_text(yaml.safe_dump({**TRL_CONFIGS["zero3"], "num_processes": 4}))
+    _, from_file = json_of(capsys, "check", "--gpu", "h100", *MODEL, "--config_file", str(config))
+    deepspeed = tmp_path / "ds_config.json"
+    deepspeed.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                           "offload_optimizer": {"device": "cpu"}},
+                                     "train_micro_batch_size_per_gpu": "auto"}))
+    _, from_json = json_of(capsys, "check", "--gpu", "h100", *MODEL, "--deepspeed", str(deepspeed),
+                           "--num_processes", "4")
+    _, ours = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "3",
+                      "--num-gpus", "4")
+    _, offloaded = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "3",
+                           "--num-gpus", "4", "--offload-optimizer", "cpu")
+    assert {k: from_file[k] for k in COMPARED} == {k: ours[k] for k in COMPARED}
+    assert {k: from_json[k] for k in COMPARED} == {k: offloaded[k] for k in COMPARED}
+    notes = " ".join(from_json["notes"])
+    assert "reduce_bucket_size 'auto'" in notes and "an upper bound" in notes
+    # the launcher's options win over the file's
+    _, two = json_of(capsys, "check", "--gpu", "h100", *MODEL, "--config_file", str(config), "--num_processes", "2")
+    _, ours_two = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "3",
+                          "--num-gpus", "2")
+    assert {k: two[k] for k in COMPARED} == {k: ours_two[k] for k in COMPARED} != {k: ours[k] for k in COMPARED}
+
+
+def test_a_trl_example_config_that_is_no_file_here_is_read_as_trls_and_said_so(capsys):
+    path = "examples/accelerate_configs/deepspeed_zero2.yaml"
+    _, launched = json_of(capsys, "check", "--gpu", "h100", *MODEL, "--config_file", path, "--num_processes", "2")
+    _, ours = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "2",
+                      "--num-gpus", "2")
+    assert {k: launched[k] for k in COMPARED} == {k: ours[k] for k in COMPARED}
+    assert any(f"{path} is not a file here: read as TRL's" in note for note in launched["notes"])
+    assert set(TRL_EXAMPLE_CONFIGS.values()) <= set(TRL_CONFIGS)
+    err = one_line_error(capsys, "check", "--gpu", "h100", *MODEL, "--config_file", "configs/mine.yaml")
+    assert "the accelerate config configs/mine.yaml is not a file here" in err
+
+
+@pytest.mark.parametrize("zero, said", [
+    ({"stage": 2, "overlap_comm": True}, "overlap_comm True is not planned at stage 2"),
+    ({"stage": 3, "stage3_max_live_parameters": 2e9}, "stage3_max_live_parameters 2000000000.0 is not planned"),
+    ({"stage": 2, "allgather_bucket_size": 2e8}, "allgather_bucket_size 200000000.0 is not planned"),
+    ({"stage": 3, "offload_param": {"device": "nvme"}}, "offload_param_device 'nvme' is not planned"),
+])
+def test_a_deepspeed_config_the_plan_does_not_count_is_refused_with_what_it_counts(capsys, tmp_path, zero, said):
+    deepspeed = tmp_path / "ds.json"
+    deepspeed.write_text(json.dumps({"zero_optimization": zero}))
+    err = one_line_error(capsys, "check", "--gpu", "h100", *MODEL, "--deepspeed", str(deepspeed), "--num_processes",
+                         "2")
+    assert said in err
+
+
+def test_deepspeeds_defaults_and_stage_3s_overlap_are_planned_as_they_are():
+    for zero in ({"stage": 3, "overlap_comm": True, **DEEPSPEED_ZERO_DEFAULTS}, {"stage": 1, "overlap_comm": False}):
+        launch = launch_settings({"deepspeed_config_file": {"zero_optimization": zero}, "num_processes": 2})
+        assert not launch.problems and launch.settings == {"num_gpus": 2, "zero_stage": zero["stage"]}
+    launch = launch_settings({"deepspeed_config_file": json.dumps({"zero_optimization": {"stage": 2},
+                                                                   "optimizer": {"type": "Lamb"}})})
+    assert launch.problems == ["the DeepSpeed config's optimizer 'Lamb' is not planned; leave the optimizer to the "
+                               "Trainer's optim"]
+
+
+@pytest.mark.parametrize("recipe, precision", [
+    ({"mixed_precision": "no"}, "bf16"),  # TRL 1.16 makes bf16 true: accelerate's is left out
+    ({"mixed_precision": "no", "bf16": False}, "no"),  # neither flag true: accelerate's is TrainingArguments'
+    ({"mixed_precision": "fp16", "bf16": False}, "fp16"),
+    ({"mixed_precision": "fp16", "bf16": True}, "bf16"),
+    ({"mixed_precision": "bf16", "trl_version": "0.14.0"}, "bf16"),  # 0.14's bf16 defaults to false
+    ({"mixed_precision": "fp16", "trl_version": "0.14.0"}, "fp16"),
+    ({"trl_version": "0.14.0"}, None),
+])
+def test_accelerates_mixed_precision_counts_where_trls_bf16_and_fp16_leave_it(recipe, precision):
+    read = read_recipe({"model_name_or_path": "SmolLM2-135M", "use_peft": True, **recipe})
+    assert read.settings.get("mixed_precision", "bf16" if "trl_version" not in recipe else None) == precision
+
+
+def test_a_pasted_launch_command_reads_the_launchers_options_and_trls():
+    assert command_line_arguments(
+        "accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml --num_processes 8 \\\n"
+        "  grpo.py --model_name_or_path Qwen/Qwen2.5-7B --bf16 true --gradient_accumulation_steps 4") == {
+        "config_file": "examples/accelerate_configs/deepspeed_zero3.yaml", "num_processes": 8,
+        "model_name_or_path": "Qwen/Qwen2.5-7B", "bf16": True, "gradient_accumulation_steps": 4}
+    # accelerate's own gradient_accumulation_steps before the script is not TRL's (the Trainer's is)
+    assert "gradient_accumulation_steps" not in command_line_arguments(
+        "accelerate launch --use_deepspeed --gradient_accumulation_steps 8 grpo.py --model_name_or_path m")
+    # trl grpo hands the options its parser does not know to accelerate launch; it has no script
+    assert command_line_arguments("trl grpo --model_name_or_path m --accelerate_config zero3 --num_processes 2 "
+                                  "--reward_funcs my_rewards.py") == {
+        "model_name_or_path": "m", "accelerate_config": "zero3", "num_processes": 2, "reward_funcs": ["my_rewards.py"]}
+    assert command_line_arguments("python -u grpo.py --model_name_or_path m") == {"model_name_or_path": "m"}
+    for command in ("torchrun --nproc_per_node 8 grpo.py --model_name_or_path m",
+                    "python -m torch.distributed.run --nproc_per_node 8 grpo.py --model_name_or_path m"):
+        with pytest.raises(Exception, match="are not read here: paste the command as accelerate launch"):
+            command_line_arguments(command)
+    with pytest.raises(Exception, match="--foo is not one of accelerate launch's options"):
+        command_line_arguments("accelerate launch --foo 2 grpo.py --model_name_or_path m")
+
+
+def test_the_library_reads_a_pasted_launch_command_as_the_cli_reads_its_options(capsys):
+    pasted = "accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml grpo.py " \
+             "--model_name_or_path Qwen2.5-0.5B --num_generations 8"
+    request = api.recipe(pasted, "h100")
+    assert request.num_gpus == 8 and request.zero_stage == 3
+    report = api.check(request)
+    _, cli = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "3",
+                     "--num-gpus", "8", "--num-generations", "8")
+    assert json.loads(report.to_json())["peak_bytes"] == cli["peak_bytes"]
+
+
+LAUNCH_VALUES = {
+    "accelerate_config": st.sampled_from(sorted(TRL_CONFIGS) + ["zero4", "nope.yaml"]),
+    "num_processes": st.one_of(st.integers(-1, 9), st.sampled_from(["2", "x"])),
+    "multi_gpu": st.booleans(), "use_deepspeed": st.booleans(), "use_fsdp": st.booleans(),
+    "zero_stage": st.one_of(st.integers(-1, 4), st.just("3")),
+    "offload_optimizer_device": st.sampled_from(["none", "cpu", "nvme", "disk"]),
+    "offload_param_device": st.sampled_from(["none", "cpu", "nvme"]),
+    "fsdp_version": st.sampled_from(["1", "2", 2]), "fsdp_offload_params": st.sampled_from(["true", "false", True]),
+    "mixed_precision": st.sampled_from(["no", "bf16", "fp16", "fp8", "int4"]),
+    "dynamo_backend": st.sampled_from(["no", "inductor"]), "cpu": st.booleans(), "gpu_ids": st.just("0,1"),
+    "fsdp_sharding_strategy": st.sampled_from(["FULL_SHARD", "HYBRID_SHARD"]),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(options=st.fixed_dictionaries({}, optional=LAUNCH_VALUES), precision=st.sampled_from([None, "bf16", "fp16"]))
+def test_any_launch_reads_as_the_requests_fields_or_one_line_problems(options, precision):
+    launch = launch_settings(options, precision)
+    assert all(isinstance(problem, str) and "\n" not in problem and not CLASS_NAME.search(problem)
+               for problem in launch.problems + launch.notes)
+    assert set(launch.settings) <= set(request_fields())
+    if not launch.problems:
+        assert launch.settings.get("num_gpus", 1) >= 1 and launch.settings.get("zero_stage", 0) in (0, 1, 2, 3)
+        assert not ("zero_stage" in launch.settings and launch.settings.get("fsdp"))
+
+
+def test_read_deepspeed_config_takes_a_mapping_json_text_or_a_path(tmp_path):
+    config = {"zero_optimization": {"stage": 1}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    from vram_planner.launcher import Launch
+
+    for source in (config, json.dumps(config), str(path)):
+        launch = Launch()
+        assert read_deepspeed_config(source, launch) == {"use_deepspeed": True, "zero_stage": 1}
+        assert not launch.problems
+    launch = Launch()
+    read_deepspeed_config("{not json", launch)
+    assert launch.problems and launch.problems[0].startswith("the DeepSpeed config is not JSON")
