@@ -4,6 +4,7 @@ TRL's accelerate configs and a DeepSpeed config, as the plan's GPUs and strategy
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -12,9 +13,10 @@ from hypothesis import strategies as st
 
 from helpers import CLASS_NAME, json_of, one_line_error
 from vram_planner import api
+from vram_planner.errors import VramPlanError
 from vram_planner.launcher import (DEEPSPEED_ZERO_DEFAULTS, LAUNCH_FLAGS, LAUNCH_OPTIONS, NEUTRAL_OPTIONS,
-                                   OVERLAP_DEFAULT_STAGE, PREFIXED_WITH_THEIR_SWITCH, READ_OPTIONS, UNPLANNED_OPTIONS,
-                                   launch_settings, read_deepspeed_config)
+                                   OVERLAP_DEFAULT_STAGE, PREFIXED_WITH_THEIR_SWITCH, READ_OPTIONS, TORCHRUN_OPTIONS,
+                                   TORCHRUN_SWITCHES, UNPLANNED_OPTIONS, launch_settings, read_deepspeed_config)
 from vram_planner.model.accelerate_config import TRL_CONFIGS, TRL_EXAMPLE_CONFIGS
 from vram_planner.recipe import read_recipe
 from vram_planner.request import request_fields
@@ -27,6 +29,12 @@ TRL_CONFIG_PLANS = {"zero1": ["--zero-stage", "1", "--num-gpus", "8"],
                     "zero3": ["--zero-stage", "3", "--num-gpus", "8"], "fsdp2": ["--fsdp", "--num-gpus", "8"],
                     "multi_gpu": ["--num-gpus", "8"], "single_gpu": []}
 COMPARED = ("peak_bytes", "config", "assumptions", "fits")
+
+
+@pytest.fixture(autouse=True)
+def no_default_accelerate_config(monkeypatch, tmp_path):
+    # accelerate launch reads $HF_HOME/accelerate/default_config.yaml where no config is named: none here
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
 
 
 def _accelerate_options():
@@ -182,12 +190,40 @@ def test_a_pasted_launch_command_reads_the_launchers_options_and_trls():
                                   "--reward_funcs my_rewards.py") == {
         "model_name_or_path": "m", "accelerate_config": "zero3", "num_processes": 2, "reward_funcs": ["my_rewards.py"]}
     assert command_line_arguments("python -u grpo.py --model_name_or_path m") == {"model_name_or_path": "m"}
-    for command in ("torchrun --nproc_per_node 8 grpo.py --model_name_or_path m",
-                    "python -m torch.distributed.run --nproc_per_node 8 grpo.py --model_name_or_path m"):
-        with pytest.raises(Exception, match="are not read here: paste the command as accelerate launch"):
-            command_line_arguments(command)
-    with pytest.raises(Exception, match="--foo is not one of accelerate launch's options"):
-        command_line_arguments("accelerate launch --foo 2 grpo.py --model_name_or_path m")
+    # torchrun's processes per node times its nodes; a count it takes from the machine is --num-gpus's
+    for command, read in (("torchrun --nproc_per_node 8 grpo.py", {"num_processes": 8}),
+                          ("python -m torch.distributed.run --nproc-per-node=4 --nnodes 2 --standalone grpo.py",
+                           {"num_processes": 8}),
+                          ("torchrun --nproc_per_node gpu --rdzv_backend c10d grpo.py", {"multi_gpu": True}),
+                          ("torchrun --nnodes 1:4 --nproc_per_node 8 grpo.py", {"multi_gpu": True})):
+        assert command_line_arguments(command + " --model_name_or_path m") == {**read, "model_name_or_path": "m"}
+    for command, said in (("deepspeed --num_gpus 8 grpo.py", "deepspeed's options (--num_gpus 8) are not read here"),
+                          ("python -m foo grpo.py", "python's options (-m foo) are not read here"),
+                          ("torchrun --foo 1 grpo.py", "--foo is not one of torchrun's options"),
+                          ("torchrun --nproc_per_node", "--nproc_per_node takes one value"),
+                          ("accelerate launch --foo 2 grpo.py", "--foo is not one of accelerate launch's options")):
+        with pytest.raises(VramPlanError, match=re.escape(said)):
+            command_line_arguments(command.replace("grpo.py", "grpo.py --model_name_or_path m")
+                                   if "grpo.py" in command else command + " grpo.py --model_name_or_path m")
+
+
+def test_torchruns_options_are_those_of_the_installed_torch():
+    from torch.distributed.run import get_args_parser
+
+    names = {spelled.lstrip("-").replace("-", "_"): action for action in get_args_parser()._actions
+             for spelled in action.option_strings if spelled.startswith("--") and spelled != "--help"}
+    assert set(names) == TORCHRUN_OPTIONS
+    assert {name for name, action in names.items() if action.nargs == 0} == TORCHRUN_SWITCHES
+
+
+def test_a_torchrun_command_with_a_deepspeed_config_plans_what_vram_plans_own_options_say(capsys, tmp_path):
+    deepspeed = tmp_path / "ds_config.json"
+    deepspeed.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    pasted = f"torchrun --nproc_per_node 4 grpo.py --model_name_or_path Qwen2.5-0.5B --deepspeed {deepspeed}"
+    report = api.check(api.recipe(pasted, "h100"))
+    _, cli = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "2",
+                     "--num-gpus", "4")
+    assert {k: json.loads(report.to_json())[k] for k in COMPARED} == {k: cli[k] for k in COMPARED}
 
 
 def test_the_library_reads_a_pasted_launch_command_as_the_cli_reads_its_options(capsys):
@@ -240,3 +276,24 @@ def test_read_deepspeed_config_takes_a_mapping_json_text_or_a_path(tmp_path):
     launch = Launch()
     read_deepspeed_config("{not json", launch)
     assert launch.problems and launch.problems[0].startswith("the DeepSpeed config is not JSON")
+
+
+def test_accelerates_default_config_is_read_where_the_command_names_none(capsys, tmp_path):
+    default = tmp_path / "hf_home" / "accelerate" / "default_config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text(yaml.safe_dump({**TRL_CONFIGS["zero2"], "num_processes": 2}))
+    _, ours = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "2",
+                      "--num-gpus", "2")
+    for pasted in ("accelerate launch grpo.py --model_name_or_path Qwen2.5-0.5B",
+                   "trl grpo --model_name_or_path Qwen2.5-0.5B"):
+        request = api.recipe(pasted, "h100")
+        assert (request.num_gpus, request.zero_stage) == (2, 2)
+        report = json.loads(api.check(request).to_json())
+        assert {k: report[k] for k in COMPARED} == {k: ours[k] for k in COMPARED}
+        read = read_recipe(command_line_arguments(pasted), command_line=True)
+        assert f"accelerate's default config {default} is read" in read.summary()
+    # a config named, --cpu, or a launcher other than accelerate's leaves it unread
+    assert api.recipe("accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml grpo.py "
+                      "--model_name_or_path Qwen2.5-0.5B", "h100").zero_stage == 3
+    assert api.recipe("python grpo.py --model_name_or_path Qwen2.5-0.5B", "h100").num_gpus in (None, 1)
+    assert api.recipe("trl grpo --model_name_or_path Qwen2.5-0.5B --accelerate_config zero3", "h100").zero_stage == 3

@@ -95,6 +95,18 @@ UNPLANNED_DEEPSPEED_SECTIONS = ("data_types", "communication_data_type", "compre
 DEEPSPEED_ADAM = ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam")
 
 
+# torchrun's options (torch/distributed/run.py get_args_parser, torch 2.13): its switches, and those read (how many
+# processes per node, how many nodes); the rest say where and how the processes meet and log
+TORCHRUN_SWITCHES = frozenset({"standalone", "module", "no_python", "run_path", "virtual_local_rank"})
+TORCHRUN_OPTIONS = TORCHRUN_SWITCHES | frozenset({
+    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts",
+    "monitor_interval", "start_method", "event_log_handler", "role", "log_dir", "redirects", "tee",
+    "local_ranks_filter", "duplicate_stdout_filters", "duplicate_stderr_filters", "node_rank", "master_addr",
+    "master_port", "local_addr", "logs_specs", "numa_binding", "signals_to_handle", "shutdown_timeout"})
+# torchrun's short spellings
+TORCHRUN_SHORT = {"-m": "module", "-r": "redirects", "-t": "tee"}
+
+
 @dataclass
 class Launch:
     """What the launch reads as, for a recipe's reading: the request's fields, the notes for the person, the problems
@@ -167,8 +179,8 @@ def _strategy(options: dict[str, Any], launch: Launch, from_file: bool, gpus_giv
             launch.settings["num_gpus"] = 1  # distributed_type NO: one process, whatever num_processes says
         return
     if processes is None and not gpus_given:
-        launch.notes.append("num_processes is not given: accelerate starts one process per GPU it sees, which only "
-                            "your machine knows; planned for --num-gpus (1 unless given)")
+        launch.notes.append("num_processes is not given: the launcher starts one process per GPU it sees, which "
+                            "only your machine knows; planned for --num-gpus (1 unless given)")
     elif processes is not None:
         launch.settings["num_gpus"] = processes
     if deepspeed:
@@ -236,6 +248,9 @@ def _config_file(options: dict[str, Any], launch: Launch) -> dict[str, Any] | No
             return None
     if path is None:
         return None
+    if Path(str(path)) == default_accelerate_config():
+        launch.notes.append(f"accelerate's default config {path} is read, as accelerate launch reads it where no "
+                            "--config_file is given")
     example = _trl_example(str(path))
     if example is not None:
         launch.notes.append(f"{path} is not a file here: read as TRL's examples/accelerate_configs/"
@@ -362,3 +377,45 @@ def _json_mapping(text: str, launch: Launch, label: str = "the DeepSpeed config"
         launch.problems.append(f"{label} is not a JSON mapping")
         return None
     return value
+
+
+def default_accelerate_config() -> Path | None:
+    """The config `accelerate config` wrote, which accelerate launch (and trl grpo through it) reads where no
+    --config_file is given: $HF_HOME/accelerate/default_config.yaml (accelerate/commands/config/config_args.py);
+    None where there is none."""
+    import os
+
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    path = Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
+    return path if path.is_file() else None
+
+
+def torchrun_options(words: list[str]) -> dict[str, Any]:
+    """torchrun's options before the script (`torchrun --nproc_per_node 8`, `python -m torch.distributed.run ...`)
+    as the launch options they amount to: nproc_per_node x nnodes processes, each a rank of the Trainer's data
+    parallelism (DDP, or DeepSpeed where TrainingArguments' --deepspeed names a config); VramPlanError for an option
+    torchrun does not have. A count torchrun takes from the machine ("gpu", "auto") or an elastic range of nodes is
+    left to --num-gpus, with a note."""
+    from vram_planner.errors import VramPlanError
+
+    found: dict[str, str] = {}
+    i = 0
+    while i < len(words):
+        spelled, has_value, inline = words[i].partition("=")
+        name = TORCHRUN_SHORT.get(spelled) or spelled.lstrip("-").replace("-", "_")
+        if not spelled.startswith("-") or name not in TORCHRUN_OPTIONS:
+            raise VramPlanError(f"{spelled} is not one of torchrun's options")
+        if name in TORCHRUN_SWITCHES:
+            i += 1
+            continue
+        if not has_value:
+            i += 1
+            if i >= len(words):
+                raise VramPlanError(f"{spelled} takes one value, as torchrun does")
+            inline = words[i]
+        found[name] = inline
+        i += 1
+    per_node, nodes = found.get("nproc_per_node", "1"), found.get("nnodes", "1")
+    if per_node.isdigit() and nodes.isdigit() and int(per_node) >= 1:
+        return {"num_processes": int(per_node) * int(nodes)}
+    return {"multi_gpu": True}  # as many processes as the machine shows: --num-gpus decides

@@ -18,7 +18,7 @@ import shlex
 from typing import Any
 
 from vram_planner.errors import VramPlanError
-from vram_planner.launcher import LAUNCH_FLAGS, is_launch_option
+from vram_planner.launcher import LAUNCH_FLAGS, default_accelerate_config, is_launch_option, torchrun_options
 from vram_planner.trl_names import BOOLEAN_ARGUMENTS, LIST_ARGUMENTS, SHARED_ARGUMENTS, TRL_ARGUMENTS
 
 # transformers' string_to_bool
@@ -160,6 +160,8 @@ def command_line_arguments(text: str) -> dict[str, Any]:
         first = script + 1
         launcher = _launcher_options(words[:min(options, script)], words[min(options, script):script])
     rest, arguments = split_trl_arguments(words[first:], set())
+    if words[:1] == ["trl"] or words[:2] == ["accelerate", "launch"]:
+        launcher = _with_default_config({**launcher, **arguments}, launcher)
     if rest:
         options = [word for word in rest if word.startswith("--")]
         if "--config" in options:
@@ -171,15 +173,21 @@ def command_line_arguments(text: str) -> dict[str, Any]:
     return {**launcher, **arguments}
 
 
+def _with_default_config(given: dict[str, Any], launcher: dict[str, Any]) -> dict[str, Any]:
+    # accelerate launch reads the config `accelerate config` wrote where none is named (and not for --cpu)
+    default = default_accelerate_config()
+    if default is None or "config_file" in given or "accelerate_config" in given or given.get("cpu"):
+        return launcher
+    return {"config_file": str(default), **launcher}
+
+
 # The interpreters' and launchers' words before a script whose options say nothing of memory
 INTERPRETERS = ("python", "python3", "uv", "run")
 
 
 def _launcher_options(command: list[str], words: list[str]) -> dict[str, Any]:
-    """accelerate launch's options before the script; an interpreter's are its own; another launcher's (torchrun,
-    deepspeed) are not read, and said so."""
-    if not words:
-        return {}
+    """accelerate launch's and torchrun's options before the script; an interpreter's are its own; another
+    launcher's (DeepSpeed's) are not read, and said so."""
     if command[:2] == ["accelerate", "launch"]:
         rest, options = split_trl_arguments(words, set(), trl=False)
         unread = [word for word in rest if word.startswith("--")]
@@ -188,13 +196,19 @@ def _launcher_options(command: list[str], words: list[str]) -> dict[str, Any]:
         # accelerate's options that TRL's arguments share a name with (gradient_accumulation_steps, debug) are
         # accelerate's here, and the Trainer's own decide
         return {name: value for name, value in options.items() if not _is_trls(name)}
+    if not words:
+        return {}
     interpreter = command and all(word.rsplit("/", 1)[-1].startswith(INTERPRETERS) for word in command)
-    if interpreter and "-m" not in words:  # `python -m torch.distributed.run` is torchrun
+    if command[-1:] and command[-1].rsplit("/", 1)[-1] == "torchrun":
+        return torchrun_options(words)
+    if interpreter and words[:2] == ["-m", "torch.distributed.run"]:
+        return torchrun_options(words[2:])
+    if interpreter and "-m" not in words:
         return {}
     name = " ".join(command) or words[0]
     raise VramPlanError(f"{name}'s options ({shlex.join(words)}) are not read here: paste the command as accelerate "
-                        "launch or trl grpo runs it, or plan the processes with --num-gpus (and --zero-stage or "
-                        "--fsdp)")
+                        "launch, torchrun or trl grpo runs it, or plan the processes with --num-gpus (and "
+                        "--zero-stage or --fsdp)")
 
 
 def trl_command_line(edits: dict[str, Any]) -> str:

@@ -11,6 +11,12 @@ from vram_planner.files import load_yaml
 from vram_planner.request import DEFAULT_SAFETY_MARGIN
 
 
+@pytest.fixture(autouse=True)
+def no_default_accelerate_config(monkeypatch, tmp_path):
+    # a pasted accelerate launch or trl grpo reads $HF_HOME/accelerate/default_config.yaml where no config is named
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+
+
 @pytest.fixture(scope="module")
 def page_and_knobs():
     gr = pytest.importorskip("gradio")

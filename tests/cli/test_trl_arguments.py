@@ -34,6 +34,12 @@ PASTED_RECIPE = {"model_name_or_path": "Qwen2.5-1.5B", "use_peft": True, "lora_r
                  "gradient_checkpointing_kwargs": {"use_reentrant": False}}
 
 
+@pytest.fixture(autouse=True)
+def no_default_accelerate_config(monkeypatch, tmp_path):
+    # a pasted accelerate launch or trl grpo reads $HF_HOME/accelerate/default_config.yaml where no config is named
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+
+
 def _installed_trl_classes():
     pytest.importorskip("trl")
     from trl import GRPOConfig, ModelConfig, ScriptArguments
