@@ -297,3 +297,23 @@ def test_accelerates_default_config_is_read_where_the_command_names_none(capsys,
                       "--model_name_or_path Qwen2.5-0.5B", "h100").zero_stage == 3
     assert api.recipe("python grpo.py --model_name_or_path Qwen2.5-0.5B", "h100").num_gpus in (None, 1)
     assert api.recipe("trl grpo --model_name_or_path Qwen2.5-0.5B --accelerate_config zero3", "h100").zero_stage == 3
+
+
+def test_the_deepspeed_configs_the_plan_reads_need_no_more_than_the_defaults_it_counts():
+    # benchmarks/deepspeed_configs.py traced each with DeepSpeed's own engine: those the launcher plans at the
+    # defaults need no more, in no phase, and one it refuses needs more
+    from pathlib import Path
+
+    rows = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "deepspeed_configs.json")
+                      .read_text())
+    refused_above = False
+    for row in rows:
+        base = next(r for r in rows if r["stage"] == row["stage"])
+        launch = launch_settings({"deepspeed_config_file": {"zero_optimization": {"stage": row["stage"],
+                                                                                  **row["zero_optimization"]}},
+                                  "num_processes": 2})
+        above = row["need_bytes"] > base["need_bytes"]
+        if not launch.problems:
+            assert not above and all(row["peak_bytes"][p] <= base["peak_bytes"][p] for p in base["peak_bytes"]), row
+        refused_above |= above and bool(launch.problems)
+    assert refused_above and {row["stage"] for row in rows} == {2, 3}
