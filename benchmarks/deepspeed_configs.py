@@ -63,6 +63,13 @@ def traced(stage: int, zero: dict) -> dict:
             "need_bytes": outcome.need.capacity_bytes, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def versions() -> dict[str, str]:
+    """The libraries whose code the traces ran."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("torch", "deepspeed", "accelerate", "transformers", "trl")}
+
+
 def main() -> int:
     rows = []
     for stage, name, zero in CONFIGS:
@@ -77,10 +84,10 @@ def main() -> int:
         lines.append(f"{row['stage']:>5}  {row['config']:32} {peaks['generation'] / 2**20:10.0f} "
                      f"{peaks['training'] / 2**20:9.0f} {peaks['optimizer'] / 2**20:9.0f} "
                      f"{row['need_bytes'] / 2**20:7.0f} {row['need_bytes'] / base['need_bytes'] - 1:+7.1%}")
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines + ["versions: " + ", ".join(f"{k} {v}" for k, v in versions().items())]) + "\n"
     print(text, end="")
     (RESULTS / "deepspeed_configs.txt").write_text(text)
-    (RESULTS / "deepspeed_configs.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (RESULTS / "deepspeed_configs.json").write_text(json.dumps({"versions": versions(), "rows": rows}, indent=1) + "\n")
     return 0
 
 
