@@ -156,6 +156,10 @@ def test_deepspeeds_defaults_and_stage_3s_overlap_are_planned_as_they_are():
     for zero in ({"stage": 3, "overlap_comm": True, **DEEPSPEED_ZERO_DEFAULTS}, {"stage": 1, "overlap_comm": False}):
         launch = launch_settings({"deepspeed_config_file": {"zero_optimization": zero}, "num_processes": 2})
         assert not launch.problems and launch.settings == {"num_gpus": 2, "zero_stage": zero["stage"]}
+    # DeepSpeed offloads parameters at ZeRO-3 only
+    launch = launch_settings({"use_deepspeed": True, "zero_stage": 2, "offload_param_device": "cpu",
+                              "num_processes": 2})
+    assert launch.settings == {"num_gpus": 2, "zero_stage": 2} and "at ZeRO-3 only" in launch.notes[0]
     launch = launch_settings({"deepspeed_config_file": json.dumps({"zero_optimization": {"stage": 2},
                                                                    "optimizer": {"type": "Lamb"}})})
     assert launch.problems == ["the DeepSpeed config's optimizer 'Lamb' is not planned; leave the optimizer to the "

@@ -199,6 +199,8 @@ def _strategy(options: dict[str, Any], launch: Launch, from_file: bool, gpus_giv
                                        "CPU or not at all")
             elif device not in ("none", "cpu"):
                 launch.problems.append(f"{name} {device!r} is not a device DeepSpeed offloads to (none, cpu, nvme)")
+            elif device == "cpu" and field_name == "offload_param" and stage != 3:
+                launch.notes.append(f"{name} 'cpu' is left out: DeepSpeed offloads parameters at ZeRO-3 only")
             elif device == "cpu":
                 launch.settings[field_name] = "cpu"
     if fsdp:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vram_planner.errors import ConfigError, closest_names
 from vram_planner.trl_names import (LAST_RELEASE_WITH, MEMORY_NEUTRAL_ARGUMENTS, NOTED_ARGUMENTS,
                                     RUN_CARRIED_ARGUMENTS, SHARED_ARGUMENTS, TRL_ARGUMENTS, TRL_NAMES,
                                     UNPLANNED_ARGUMENTS, same_value)
+
+if TYPE_CHECKING:
+    from vram_planner.launcher import Launch
 
 # Every TrlParser recipe names its model so; a settings file of ours names `model`
 RECIPE_KEY = "model_name_or_path"
@@ -173,7 +176,7 @@ def is_launch_key(key: str) -> bool:
     return is_launch_option(key) and key not in TRL_ARGUMENTS and key not in SHARED_ARGUMENTS
 
 
-def _launch(options: dict[str, Any], given: dict[str, Any], request: dict[str, Any]) -> Any:
+def _launch(options: dict[str, Any], given: dict[str, Any], request: dict[str, Any]) -> Launch:
     """How the launcher's options read (vram_planner.launcher.Launch), beside the request's fields read so far."""
     from vram_planner.launcher import Launch, launch_settings
     from vram_planner.model.trl_releases import trl_release
