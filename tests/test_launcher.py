@@ -321,3 +321,27 @@ def test_the_deepspeed_configs_the_plan_reads_need_no_more_than_the_defaults_it_
             assert not above and all(row["peak_bytes"][p] <= base["peak_bytes"][p] for p in base["peak_bytes"]), row
         refused_above |= above and bool(launch.problems)
     assert refused_above and {row["stage"] for row in rows} == {2, 3}
+
+
+LAUNCHERS = st.sampled_from(["accelerate launch", "trl grpo", "torchrun", "python -m torch.distributed.run",
+                             "python", "deepspeed", "uv run"])
+LAUNCH_WORDS = st.lists(st.sampled_from(
+    ["--num_processes", "--num-processes=4", "2", "8", "--multi_gpu", "--use_deepspeed", "--zero_stage", "3",
+     "--accelerate_config", "zero3", "fsdp2", "--config_file", "examples/accelerate_configs/fsdp2.yaml",
+     "--nproc_per_node", "gpu", "--nnodes", "1:2", "--standalone", "--mixed_precision", "bf16", "--use_fsdp",
+     "--fsdp_version", "--offload_optimizer_device", "cpu", "--debug", "-m", "--foo", "x"]), max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(launcher=LAUNCHERS, before=LAUNCH_WORDS, after=LAUNCH_WORDS)
+def test_any_pasted_launch_command_reads_or_is_one_line(launcher, before, after):
+    script = "" if launcher.startswith("trl") else " grpo.py"
+    text = f"{launcher} {' '.join(before)}{script} --model_name_or_path SmolLM2-135M {' '.join(after)}"
+    try:
+        read = read_recipe(command_line_arguments(text), command_line=True)
+    except VramPlanError as error:
+        said = str(error)
+        assert "\n" not in said.strip() and not CLASS_NAME.search(said), said
+        return
+    assert set(read.settings) <= set(request_fields()) and read.settings["model"] == "SmolLM2-135M"
+    assert read.settings.get("num_gpus", 1) >= 1
