@@ -139,9 +139,15 @@ def test_a_trl_example_config_that_is_no_file_here_is_read_as_trls_and_said_so(c
 
 
 @pytest.mark.parametrize("zero, said", [
-    ({"stage": 2, "overlap_comm": True}, "overlap_comm True is not planned at stage 2"),
+    ({"stage": 2, "overlap_comm": True}, "the DeepSpeed config's overlap_comm True is not planned: the plan counts "
+                                         "DeepSpeed's defaults (overlap_comm False), as --zero-stage 2 plans it"),
     ({"stage": 3, "stage3_max_live_parameters": 2e9}, "stage3_max_live_parameters 2000000000.0 is not planned"),
-    ({"stage": 2, "allgather_bucket_size": 2e8}, "allgather_bucket_size 200000000.0 is not planned"),
+    # transformers' example ds_config_zero2.json
+    ({"stage": 2, "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_bucket_size": 2e8,
+      "contiguous_gradients": True, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+     "reduce_bucket_size 200000000.0, allgather_bucket_size 200000000.0, overlap_comm True are not planned: the plan "
+     "counts DeepSpeed's defaults (reduce_bucket_size 500000000, allgather_bucket_size 500000000, overlap_comm "
+     "False)"),
     ({"stage": 3, "offload_param": {"device": "nvme"}}, "offload_param_device 'nvme' is not planned"),
 ])
 def test_a_deepspeed_config_the_plan_does_not_count_is_refused_with_what_it_counts(capsys, tmp_path, zero, said):
@@ -156,6 +162,18 @@ def test_deepspeeds_defaults_and_stage_3s_overlap_are_planned_as_they_are():
     for zero in ({"stage": 3, "overlap_comm": True, **DEEPSPEED_ZERO_DEFAULTS}, {"stage": 1, "overlap_comm": False}):
         launch = launch_settings({"deepspeed_config_file": {"zero_optimization": zero}, "num_processes": 2})
         assert not launch.problems and launch.settings == {"num_gpus": 2, "zero_stage": zero["stage"]}
+    # transformers' example ds_config_zero3.json plans as vram-plan's ZeRO-3 with both offloads, "auto" noted
+    hf_zero3 = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                "stage3_gather_16bit_weights_on_model_save": True}
+    launch = launch_settings({"deepspeed_config_file": {"zero_optimization": hf_zero3, "bf16": {"enabled": "auto"}},
+                              "num_processes": 2})
+    assert not launch.problems and launch.settings == {"num_gpus": 2, "zero_stage": 3, "offload_optimizer": "cpu",
+                                                       "offload_param": "cpu"}
+    assert "'auto'" in launch.notes[0] and "an upper bound" in launch.notes[0]
     # DeepSpeed offloads parameters at ZeRO-3 only
     launch = launch_settings({"use_deepspeed": True, "zero_stage": 2, "offload_param_device": "cpu",
                               "num_processes": 2})

@@ -318,22 +318,26 @@ def read_deepspeed_config(source: Any, launch: Launch) -> dict[str, Any]:
         device = (zero.get(section) or {}).get("device") if isinstance(zero.get(section) or {}, Mapping) else None
         if device is not None:
             options[name] = device
-    autos = []
+    autos, unplanned = [], []
     for key, default in DEEPSPEED_ZERO_DEFAULTS.items():
         value = zero.get(key, default)
         if value == "auto" and key in AUTO_FILLED:
             autos.append(key)
         elif value != default:
-            launch.problems.append(f"zero_optimization.{key} {value!r} is not planned; the plan counts DeepSpeed's "
-                                   f"default {default!r}")
+            unplanned.append((key, value, default))
     overlap = zero.get("overlap_comm")
     # overlapped reduction doubles the reduce buckets; transformers' "auto" ones (hidden_size^2) stay far below one
     # default bucket (benchmarks/results/deepspeed_configs.txt)
     doubled_auto = overlap is True and zero.get("reduce_bucket_size") == "auto"
     if (overlap is not None and isinstance(stage, int) and bool(overlap) != (stage == OVERLAP_DEFAULT_STAGE)
             and not doubled_auto):
-        launch.problems.append(f"zero_optimization.overlap_comm {overlap!r} is not planned at stage {stage}; the plan "
-                               f"counts DeepSpeed's default {stage == OVERLAP_DEFAULT_STAGE}")
+        unplanned.append(("overlap_comm", overlap, stage == OVERLAP_DEFAULT_STAGE))
+    if unplanned:
+        launch.problems.append(
+            f"the DeepSpeed config's {', '.join(f'{key} {value!r}' for key, value, _ in unplanned)} "
+            f"{'is' if len(unplanned) == 1 else 'are'} not planned: the plan counts DeepSpeed's defaults "
+            f"({', '.join(f'{key} {default!r}' for key, _, default in unplanned)}), as --zero-stage "
+            f"{stage} plans it")
     if autos:
         launch.notes.append(f"the DeepSpeed config's {', '.join(autos)} 'auto' (transformers sizes them from the "
                             "model's hidden size) are planned at DeepSpeed's defaults, which are larger"
