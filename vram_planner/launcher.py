@@ -29,7 +29,7 @@ LAUNCH_FLAGS = frozenset({
 # The options read into the plan (TRL's --accelerate_config becomes accelerate's --config_file:
 # trl/cli/accelerate_config.py)
 READ_OPTIONS = frozenset({
-    "accelerate_config", "config_file", "num_processes", "num_machines", "multi_gpu", "use_deepspeed", "zero_stage",
+    "accelerate_config", "config_file", "num_processes", "multi_gpu", "use_deepspeed", "zero_stage",
     "offload_optimizer_device", "offload_param_device", "deepspeed_config_file", "use_fsdp", "fsdp_version",
     "fsdp_offload_params", "mixed_precision"})
 # Options whose other values change memory in ways the plan does not count: the values it plans, and what they do
@@ -51,25 +51,27 @@ UNPLANNED_OPTIONS: dict[str, tuple[tuple[Any, ...], str]] = {
     "fsdp_forward_prefetch": ((None, False, "false"), "FSDP gathering the next layer during the forward"),
     "fsdp_auto_wrap_policy": ((None, "TRANSFORMER_BASED_WRAP"), "FSDP wrapping other than per decoder layer"),
 }
-# The rest of accelerate launch's options: where the processes run, what they log, how they meet
+# The rest of accelerate launch's options: where the processes run, what they log, how they meet (num_machines too:
+# num_processes counts every machine's)
 NEUTRAL_OPTIONS = frozenset({
-    "quiet", "num_cpu_threads_per_process", "enable_cpu_affinity", "dynamo_mode", "dynamo_use_fullgraph",
-    "dynamo_use_dynamic", "dynamo_use_regional_compilation", "gpu_ids", "same_network", "machine_rank",
-    "main_process_ip", "main_process_port", "tee", "log_dir", "role", "rdzv_backend", "rdzv_conf", "max_restarts",
-    "monitor_interval", "module", "no_python", "tpu_cluster", "no_tpu_cluster", "tpu_use_sudo", "vm", "env",
-    "main_training_function", "downcast_bf16", "offload_optimizer_nvme_path", "offload_param_nvme_path",
-    "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
-    "deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter", "deepspeed_multinode_launcher",
-    "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "fsdp_backward_prefetch", "fsdp_state_dict_type",
-    "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "aws_access_key_id",
-    "aws_secret_access_key", "debug", "mpirun_hostfile", "fp8_use_autocast_during_eval", "fp8_margin", "fp8_interval",
-    "fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_override_linear_precision", "fp8_opt_level",
-    "fp8_enable_fsdp_float8_all_gather", "fp8_pad_inner_dim"})
+    "num_machines", "quiet", "num_cpu_threads_per_process", "enable_cpu_affinity", "dynamo_mode",
+    "dynamo_use_fullgraph", "dynamo_use_dynamic", "dynamo_use_regional_compilation", "gpu_ids", "same_network",
+    "machine_rank", "main_process_ip", "main_process_port", "tee", "log_dir", "role", "rdzv_backend", "rdzv_conf",
+    "max_restarts", "monitor_interval", "module", "no_python", "tpu_cluster", "no_tpu_cluster", "tpu_use_sudo",
+    "vm", "env", "main_training_function", "downcast_bf16", "offload_optimizer_nvme_path",
+    "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag",
+    "zero3_save_16bit_model", "deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
+    "deepspeed_multinode_launcher", "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap",
+    "fsdp_backward_prefetch", "fsdp_state_dict_type", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
+    "fsdp_sync_module_states", "aws_access_key_id", "aws_secret_access_key", "debug", "mpirun_hostfile",
+    "fp8_use_autocast_during_eval", "fp8_margin", "fp8_interval", "fp8_format", "fp8_amax_history_len",
+    "fp8_amax_compute_algo", "fp8_override_linear_precision", "fp8_opt_level", "fp8_enable_fsdp_float8_all_gather",
+    "fp8_pad_inner_dim"})
 # Megatron-LM's and the parallelism config's options: used only with use_megatron_lm / use_parallelism_config
 PREFIXED_WITH_THEIR_SWITCH = ("megatron_lm_", "parallelism_config_")
 LAUNCH_OPTIONS = READ_OPTIONS | frozenset(UNPLANNED_OPTIONS) | NEUTRAL_OPTIONS | LAUNCH_FLAGS
 
-# TRL's shipped accelerate configs that TRL_CONFIGS (model/accelerate_config.py) does not print: its FSDP1 and one GPU
+# accelerate's distributed types, as the launcher's switch each amounts to
 DISTRIBUTED_FLAGS = {"DEEPSPEED": "use_deepspeed", "FSDP": "use_fsdp", "MULTI_GPU": "multi_gpu",
                      "MEGATRON_LM": "use_megatron_lm", "XLA": "tpu", "TPU": "tpu", "MULTI_CPU": "cpu"}
 # accelerate's distributed types that run on GPUs other than NVIDIA's (Intel, Ascend, ...): not planned
@@ -85,13 +87,13 @@ DEEPSPEED_ZERO_DEFAULTS: dict[str, Any] = {
     "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
     "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False, "round_robin_gradients": False,
-    "memory_efficient_linear": True, "stage3_module_granularity_threshold": 0}
+    "memory_efficient_linear": True, "stage3_module_granularity_threshold": 0, "zenflow": None}
 AUTO_FILLED = frozenset({"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"})
 # overlap_comm's default: on at stage 3, off below (DeepSpeedZeroConfig.overlap_comm_valid)
 OVERLAP_DEFAULT_STAGE = 3
 # DeepSpeed config sections that change memory in ways the plan does not count
 UNPLANNED_DEEPSPEED_SECTIONS = ("data_types", "communication_data_type", "compression_training", "sparse_attention",
-                                "pipeline", "amp", "fp8", "zenflow")
+                                "pipeline", "amp", "fp8")
 # DeepSpeed's own optimizer in place of the Trainer's: Adam and AdamW keep the same two float32 states per element
 DEEPSPEED_ADAM = ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam")
 
