@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from helpers import CLASS_NAME, json_of, one_line_error
 from vram_planner import api
 from vram_planner.errors import VramPlanError
+from vram_planner.files import MAX_NESTING
 from vram_planner.launcher import (DEEPSPEED_ZERO_DEFAULTS, LAUNCH_FLAGS, LAUNCH_OPTIONS, NEUTRAL_OPTIONS,
                                    OVERLAP_DEFAULT_STAGE, PREFIXED_WITH_THEIR_SWITCH, READ_OPTIONS, TORCHRUN_OPTIONS,
                                    TORCHRUN_SWITCHES, UNPLANNED_OPTIONS, launch_settings, read_deepspeed_config)
@@ -298,6 +299,10 @@ def test_read_deepspeed_config_takes_a_mapping_json_text_or_a_path(tmp_path):
     launch = Launch()
     read_deepspeed_config("{not json", launch)
     assert launch.problems and launch.problems[0].startswith("the DeepSpeed config is not JSON")
+    launch = Launch()  # deeper than any config: one line, not json's recursion
+    read_deepspeed_config('{"a": ' * 100_000, launch)
+    assert launch.problems == [f"the DeepSpeed config is nested more than {MAX_NESTING} levels deep; no file "
+                               "vram-plan reads is"]
 
 
 def test_accelerates_default_config_is_read_where_the_command_names_none(capsys, tmp_path):

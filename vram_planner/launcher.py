@@ -161,6 +161,11 @@ def _accepted(value: Any, accepted: tuple[Any, ...]) -> bool:
     return value in accepted
 
 
+def _whole(value: Any) -> bool:
+    # a whole number as accelerate's int options take it (YAML's true is no count)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _truth(value: Any) -> bool:
     # accelerate's string booleans ("true"/"false" in the fsdp_* options), YAML's booleans
     return value is True or (isinstance(value, str) and value.lower() in ("true", "yes", "1"))
@@ -168,7 +173,7 @@ def _truth(value: Any) -> bool:
 
 def _strategy(options: dict[str, Any], launch: Launch, from_file: bool, gpus_given: bool) -> None:
     processes = options.get("num_processes")
-    if processes is not None and (not isinstance(processes, int) or isinstance(processes, bool) or processes < 1):
+    if processes is not None and (not _whole(processes) or processes < 1):
         launch.problems.append(f"num_processes {processes!r} is not a number of processes (1 or more)")
         return
     deepspeed = bool(options.get("use_deepspeed")) or (not from_file and options.get("zero_stage") is not None)
@@ -189,7 +194,7 @@ def _strategy(options: dict[str, Any], launch: Launch, from_file: bool, gpus_giv
     if deepspeed:
         stage = options.get("zero_stage")
         stage = 2 if stage is None else stage
-        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        if not _whole(stage) or stage not in (0, 1, 2, 3):
             launch.problems.append(f"zero_stage {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
             return
         launch.settings["zero_stage"] = stage
@@ -253,7 +258,7 @@ def _config_file(options: dict[str, Any], launch: Launch) -> dict[str, Any] | No
             return None
     if path is None:
         return None
-    if Path(str(path)) == default_accelerate_config():
+    if Path(str(path)) == default_accelerate_config_path():
         launch.notes.append(f"accelerate's default config {path} is read, as accelerate launch reads it where no "
                             "--config_file is given")
     example = _trl_example(str(path))
@@ -383,10 +388,16 @@ def _read_mapping(path: str, what: str, launch: Launch, yaml: bool) -> dict[str,
 
 
 def _json_mapping(text: str, launch: Launch, label: str = "the DeepSpeed config") -> dict[str, Any] | None:
+    from vram_planner.errors import VramPlanError
+    from vram_planner.files import load_json
+
     try:
-        value = json.loads(text)
+        value = load_json(text, label)  # refuses nesting deeper than any config, which json.loads recurses into
     except json.JSONDecodeError as exc:
         launch.problems.append(f"{label} is not JSON: {exc.msg} (line {exc.lineno})")
+        return None
+    except VramPlanError as exc:
+        launch.problems.append(str(exc))
         return None
     if not isinstance(value, dict):
         launch.problems.append(f"{label} is not a JSON mapping")
@@ -396,13 +407,18 @@ def _json_mapping(text: str, launch: Launch, label: str = "the DeepSpeed config"
 
 def default_accelerate_config() -> Path | None:
     """The config `accelerate config` wrote, which accelerate launch (and trl grpo through it) reads where no
-    --config_file is given: $HF_HOME/accelerate/default_config.yaml (accelerate/commands/config/config_args.py);
-    None where there is none."""
+    --config_file is given; None where there is none."""
+    path = default_accelerate_config_path()
+    return path if path.is_file() else None
+
+
+def default_accelerate_config_path() -> Path:
+    """Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml
+    (accelerate/commands/config/config_args.py)."""
     import os
 
     home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    path = Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
-    return path if path.is_file() else None
+    return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
 
 
 def torchrun_options(words: list[str]) -> dict[str, Any]:

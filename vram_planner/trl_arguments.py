@@ -128,8 +128,10 @@ def _scalar(text: str) -> Any:
     if text == "None":
         return None
     if text.startswith("{"):
-        try:
-            return json.loads(text)
+        from vram_planner.files import load_json  # imported here, not at every command's start
+
+        try:  # refuses nesting deeper than any argument's, which json.loads recurses into
+            return load_json(text, "a JSON mapping given as an argument")
         except json.JSONDecodeError as exc:
             raise VramPlanError(f"{text!r} is not a JSON mapping: {exc.msg}") from exc
     return text
@@ -152,13 +154,14 @@ def command_line_arguments(text: str) -> dict[str, Any]:
         words = shlex.split(text.replace("\\\n", " "))
     except ValueError as exc:
         raise VramPlanError(f"the pasted command cannot be read as a shell line: {exc}") from exc
-    options = next((i for i, word in enumerate(words) if word.startswith("-")), len(words))
+    first_option = next((i for i, word in enumerate(words) if word.startswith("-")), len(words))
     script = None if words[:1] == ["trl"] else next((i for i, word in enumerate(words) if word.endswith(".py")), None)
     launcher: dict[str, Any] = {}
-    first = options
+    first = first_option
     if script is not None:
         first = script + 1
-        launcher = _launcher_options(words[:min(options, script)], words[min(options, script):script])
+        command_end = min(first_option, script)
+        launcher = _launcher_options(words[:command_end], words[command_end:script])
     rest, arguments = split_trl_arguments(words[first:], set())
     if words[:1] == ["trl"] or words[:2] == ["accelerate", "launch"]:
         launcher = _with_default_config({**launcher, **arguments}, launcher)

@@ -176,6 +176,7 @@ def test_the_plans_arguments_added_to_the_command_make_it_the_plans_choice(capsy
     (["--lora_r", "8", "16"], "--lora_r takes one value, as TRL's parser does (got 2: 8 16)"),
     (["--no_gradient_checkpointing", "3"], "--no_gradient_checkpointing takes no value"),
     (["--gradient_checkpointing_kwargs", "{use_reentrant"], "is not a JSON mapping"),
+    (["--gradient_checkpointing_kwargs", '{"a": ' * 5000], "is nested more than"),
     (["--lora_target_modules"], "--lora_target_modules needs one or more values"),
     (["--deepspeed", "ds.json"], "the DeepSpeed config ds.json is not a file here"),
     (["--fsdp", "full_shard auto_wrap"], "the Trainer's FSDP options are not read"),
