@@ -77,9 +77,9 @@ DISTRIBUTED_FLAGS = {"DEEPSPEED": "use_deepspeed", "FSDP": "use_fsdp", "MULTI_GP
 # accelerate's distributed types that run on GPUs other than NVIDIA's (Intel, Ascend, ...): not planned
 OTHER_DEVICES = ("MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU", "MULTI_NEURON")
 # DeepSpeed's default zero_optimization values (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig, 0.19.8), which
-# the plan counts; "auto" is transformers' to fill from the model (integrations/deepspeed.py trainer_config_finalize:
-# hidden_size^2, 0.9 x that, 10 x hidden_size), smaller than these for every catalog model; other values are refused,
-# as some need more than the defaults (benchmarks/results/deepspeed_configs.txt: a 4e8 bucket with overlap_comm)
+# the plan counts; a config's other values are refused, as some need more than the defaults
+# (benchmarks/results/deepspeed_configs.txt), but for those the plan models (PLANNED_ZERO_KEYS) and those that move no
+# memory (NEUTRAL_ZERO_KEYS)
 DEEPSPEED_ZERO_DEFAULTS: dict[str, Any] = {
     "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000, "contiguous_gradients": True,
     "reduce_scatter": True, "allgather_partitions": True, "use_multi_rank_bucket_allreduce": True,
@@ -88,9 +88,15 @@ DEEPSPEED_ZERO_DEFAULTS: dict[str, Any] = {
     "stage3_max_reuse_distance": 1_000_000_000, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
     "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False, "round_robin_gradients": False,
     "memory_efficient_linear": True, "stage3_module_granularity_threshold": 0, "zenflow": None}
-AUTO_FILLED = frozenset({"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"})
-# overlap_comm's default: on at stage 3, off below (DeepSpeedZeroConfig.overlap_comm_valid)
-OVERLAP_DEFAULT_STAGE = 3
+# The zero_optimization values the plan counts as the config gives them (TrainingConfig's fields of the same names;
+# "auto" as transformers fills it, model/zero.py reduce_bucket_elements), overlap_comm among them
+PLANNED_ZERO_KEYS = ("reduce_bucket_size", "overlap_comm")
+# ZeRO-1/2 all-gather the updated partitions in place, in shards of allgather_bucket_size (`all_gather_dp_groups`,
+# deepspeed/runtime/utils.py:1019-1054, or all_gather_into_tensor without shards where the backend has it)
+NEUTRAL_ZERO_KEYS = ("allgather_bucket_size",)
+# transformers fills these "auto" from the hidden size too (integrations/deepspeed.py trainer_config_finalize:
+# 0.9 x hidden_size^2, 10 x hidden_size), smaller than the defaults the plan counts for every catalog model
+AUTO_FILLED = frozenset({"stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"})
 # DeepSpeed config sections that change memory in ways the plan does not count
 UNPLANNED_DEEPSPEED_SECTIONS = ("data_types", "communication_data_type", "compression_training", "sparse_attention",
                                 "pipeline", "amp", "fp8")
@@ -198,6 +204,7 @@ def _strategy(options: dict[str, Any], launch: Launch, from_file: bool, gpus_giv
             launch.problems.append(f"zero_stage {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
             return
         launch.settings["zero_stage"] = stage
+        launch.settings.update({key: options[key] for key in PLANNED_ZERO_KEYS if key in options})
         for name, field_name in (("offload_optimizer_device", "offload_optimizer"),
                                  ("offload_param_device", "offload_param")):
             device = str(options.get(name) or "none").lower()
@@ -325,20 +332,14 @@ def read_deepspeed_config(source: Any, launch: Launch) -> dict[str, Any]:
         device = (zero.get(section) or {}).get("device") if isinstance(zero.get(section) or {}, Mapping) else None
         if device is not None:
             options[name] = device
+    options.update({key: zero[key] for key in PLANNED_ZERO_KEYS if zero.get(key) is not None})
     autos, unplanned = [], []
     for key, default in DEEPSPEED_ZERO_DEFAULTS.items():
         value = zero.get(key, default)
         if value == "auto" and key in AUTO_FILLED:
             autos.append(key)
-        elif value != default:
+        elif value != default and key not in PLANNED_ZERO_KEYS + NEUTRAL_ZERO_KEYS:
             unplanned.append((key, value, default))
-    overlap = zero.get("overlap_comm")
-    # overlapped reduction doubles the reduce buckets; transformers' "auto" ones (hidden_size^2) stay far below one
-    # default bucket (benchmarks/results/deepspeed_configs.txt)
-    doubled_auto = overlap is True and zero.get("reduce_bucket_size") == "auto"
-    if (overlap is not None and isinstance(stage, int) and bool(overlap) != (stage == OVERLAP_DEFAULT_STAGE)
-            and not doubled_auto):
-        unplanned.append(("overlap_comm", overlap, stage == OVERLAP_DEFAULT_STAGE))
     if unplanned:
         launch.problems.append(
             f"the DeepSpeed config's {', '.join(f'{key} {value!r}' for key, value, _ in unplanned)} "
@@ -347,10 +348,8 @@ def read_deepspeed_config(source: Any, launch: Launch) -> dict[str, Any]:
             f"{stage} plans it")
     if autos:
         launch.notes.append(f"the DeepSpeed config's {', '.join(autos)} 'auto' (transformers sizes them from the "
-                            "model's hidden size) are planned at DeepSpeed's defaults, which are larger"
-                            + (", overlap_comm's two buckets included"
-                               if doubled_auto and stage != OVERLAP_DEFAULT_STAGE else "")
-                            + ": the per-GPU figures are an upper bound there")
+                            "model's hidden size) are planned at DeepSpeed's defaults, which are larger: the per-GPU "
+                            "figures are an upper bound there")
     optimizer = config.get("optimizer")
     if isinstance(optimizer, Mapping):
         kind = str(optimizer.get("type", "")).lower()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
@@ -68,3 +70,44 @@ def test_accelerate_launches_the_printed_config_as_planned(tmp_path_factory, str
     assert ("offload" in launcher.per_gpu_label(train)) == train.offloaded
     assert launcher.launch_line(train) == (f"accelerate launch --config_file {launcher.CONFIG_FILE} "
                                            f"{launcher.SCRIPT_FILE}")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(stage=st.sampled_from([1, 2, 3]), bucket=st.sampled_from(["auto", 200_000_000, 500_000_000, 12_345]),
+       overlap=st.sampled_from([None, True, False]), offload=st.sampled_from([{}, {"offload_optimizer": "cpu"}]))
+def test_a_plan_with_its_own_buckets_names_a_deepspeed_config_accelerate_and_our_launcher_read_as_planned(
+        tmp_path_factory, stage, bucket, overlap, offload):
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from vram_planner.launcher import launch_settings
+
+    try:
+        train = training_config({"zero_stage": stage, "num_gpus": 4, "reduce_bucket_size": bucket,
+                                 "overlap_comm": overlap, "dtype": "bfloat16", **offload})
+    except ConfigError:
+        return  # ZeRO-1 with overlap_comm, ZeRO-1 with offload: refused
+    folder = tmp_path_factory.mktemp("launch")
+    deepspeed = folder / launcher.DEEPSPEED_FILE
+    text = launcher.accelerate_config_yaml(train, str(deepspeed))
+    assert (launcher.deepspeed_config(train) is None) == (bucket == 500_000_000 and overlap is None)
+    if launcher.deepspeed_config(train) is None:
+        assert "deepspeed_config_file" not in text
+        return
+    deepspeed.write_text(launcher.deepspeed_config_json(train))
+    args = launched(text, folder)
+    # accelerate's launcher hands the ranks the file (and the fields its config gave, which its plugin checks
+    # against the file, commands/launch.py launch_command), and its plugin reads the planned values from it
+    config = yaml.safe_load(text)
+    fields = [*config["deepspeed_config"], *(["mixed_precision"] if "mixed_precision" in config else [])]
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    _, env = prepare_deepspeed_cmd_env(args)
+    with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}):
+        zero = DeepSpeedPlugin().deepspeed_config["zero_optimization"]
+    assert (zero["stage"], zero["reduce_bucket_size"], zero.get("overlap_comm")) == (stage, bucket, overlap)
+    # and the file, pasted back into vram-plan as a launch, is the same plan
+    config = folder / launcher.CONFIG_FILE
+    config.write_text(text)
+    read = launch_settings({"config_file": str(config)}, "bf16")
+    assert not read.problems
+    assert training_config({**read.settings, "dtype": "bfloat16"}) == train

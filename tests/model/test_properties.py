@@ -149,6 +149,7 @@ def valid_knobs(draw) -> dict[str, Any]:
         "vllm_enable_sleep_mode": st.booleans(),
         "vllm_gpu_memory_utilization": st.floats(0.05, 0.95), "num_gpus": st.integers(1, 8),
         "zero_stage": st.integers(0, 3), "fsdp": st.booleans(),
+        "reduce_bucket_size": st.sampled_from(["auto", 10**6, 2e8, "5e8"]), "overlap_comm": st.booleans(),
         "transformers_version": st.sampled_from(TRANSFORMERS_VERSIONS),
         "temperature": st.floats(0.1, 2.0), "top_p": st.floats(0.05, 1.0), "top_k": st.integers(0, 200),
         "min_p": st.floats(0.0, 0.5), "repetition_penalty": st.floats(0.8, 1.5)}))
@@ -445,9 +446,18 @@ def test_several_gpus_are_said_with_their_strategy_and_their_accelerate_config(m
     assert per_gpu(report) == f", per GPU, {train.num_gpus} x {launch.label.split(' x ')[1]}"
     config = yaml.safe_load(launcher.accelerate_config_yaml(shown) or "")
     assert config == launch.accelerate_config
-    assert config["num_processes"] == train.num_gpus and config["mixed_precision"] == shown.mixed_precision
+    assert config["num_processes"] == train.num_gpus
     assert ("deepspeed_config" in config) == (train.zero_stage is not None)
     assert ("fsdp_config" in config) == train.fsdp
-    if train.zero_stage is not None:
-        assert config["deepspeed_config"]["zero_stage"] == train.zero_stage
+    deepspeed = launcher.deepspeed_config(shown)
+    assert deepspeed == launch.deepspeed_config
+    if deepspeed is None:
+        assert config["mixed_precision"] == shown.mixed_precision
+        if train.zero_stage is not None:
+            assert config["deepspeed_config"]["zero_stage"] == train.zero_stage
+    else:  # the plan's own buckets: the stage and mixed precision live in the DeepSpeed config it names
+        assert "mixed_precision" not in config and deepspeed["bf16"] == {"enabled": "auto"}
+        assert config["deepspeed_config"]["deepspeed_config_file"] == launch.deepspeed_config_file
+        assert deepspeed["zero_optimization"]["stage"] == train.zero_stage
+        assert deepspeed["zero_optimization"]["reduce_bucket_size"] == train.reduce_bucket_size
 

@@ -339,3 +339,35 @@ def test_the_micro_batch_moments_advise_reads_are_the_loss_phases(llama_1b, knob
         moment = next(p for p in micro_batch_moments(llama_1b, train, trl_release(), Calibration(), first)
                       if p.moment == loss.moment)
         assert moment.components == {k: loss.components[k] for k in moment.components}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_reduction_bucket_is_the_configs_size_and_overlap_doubles_it_below_stage_3(llama_1b, stage):
+    def bucket(**knobs):
+        return zero.reduce_bucket_bytes(llama_1b, training_config({"zero_stage": stage, "num_gpus": 2, **knobs}))
+
+    assert bucket() == 500_000_000 * 2
+    assert bucket(reduce_bucket_size="2e8") == bucket(reduce_bucket_size=2e8) == 200_000_000 * 2
+    assert bucket(reduce_bucket_size="auto") == llama_1b.hidden_size ** 2 * 2  # transformers' fill
+    if stage != 1:  # refused under ZeRO-1 (below)
+        assert bucket(overlap_comm=True) == (1 if stage == 3 else 2) * bucket()
+    assert bucket(overlap_comm=False) == bucket()
+    # a smaller bucket never needs more in the loss, whose reductions it sets
+    peaks = [{p.name: p.tensor_bytes for p in estimate(llama_1b, training_config(
+        {"zero_stage": stage, "num_gpus": 2, "reduce_bucket_size": size}), trl_release(None), Calibration(),
+        80 * GiB).phases}["training"] for size in (1_000_000, 200_000_000, 500_000_000)]
+    assert peaks == sorted(peaks)
+
+
+@pytest.mark.parametrize("knobs, said", [
+    ({"reduce_bucket_size": "2e8"}, "--reduce-bucket-size / --overlap-comm need --zero-stage 1, 2 or 3"),
+    ({"overlap_comm": True, "zero_stage": 0}, "--reduce-bucket-size / --overlap-comm need --zero-stage 1, 2 or 3"),
+    ({"overlap_comm": True, "zero_stage": 1}, "--overlap-comm on under ZeRO-1 is not planned"),
+    ({"reduce_bucket_size": "0", "zero_stage": 2}, "--reduce-bucket-size should be a number of elements"),
+    ({"reduce_bucket_size": "5e8.5", "zero_stage": 2}, "--reduce-bucket-size should be a number of elements"),
+])
+def test_a_bucket_the_engines_do_not_have_is_one_clear_line(capsys, knobs, said):
+    flags = [word for key, value in knobs.items() for word in (
+        [f"--{key.replace('_', '-')}"] if value is True else [f"--{key.replace('_', '-')}", str(value)])]
+    assert said in one_line_error(capsys, "check", "--gpu", "h100", "--model", "Llama-3.2-1B", "--num-gpus", "2",
+                                  *flags)

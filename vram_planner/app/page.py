@@ -35,7 +35,8 @@ KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "use
                ("Sampling", SAMPLING_KNOBS),
                ("LoRA and 4-bit weights", ("lora_", "load_in_4bit", "bnb_")),
                ("vLLM", ("use_vllm", "vllm_")),
-               ("Several GPUs", ("num_gpus", "zero_stage", "fsdp", "offload_", "host_memory")))
+               ("Several GPUs", ("num_gpus", "zero_stage", "fsdp", "ds3_", "reduce_bucket_size", "overlap_comm",
+                                 "offload_", "host_memory")))
 UNSET = ""  # a dropdown's value for "not given": the release's default
 
 
@@ -65,6 +66,7 @@ KNOB_HELP = {"max_prompt_length": "Longest prompt of your dataset, in tokens (de
              "optim": "transformers optimizer name, e.g. adamw_torch_fused, adamw_8bit.",
              "dtype": "Weights' dtype: float32 (TRL's default), bfloat16, float16.",
              "vllm_max_model_length": "vLLM's context (default: the model's, TRL 0.26+).",
+             "reduce_bucket_size": "ZeRO: DeepSpeed's gradient reduction bucket, like 2e8, or auto (default 5e8).",
              "vllm_server_gpu": "Server mode: the card trl vllm-serve runs on (planned too).",
              "temperature": "Sampling without vLLM: each filter holds logits-sized tensors at every decoding step.",
              "top_k": "0: no top-k filter.",

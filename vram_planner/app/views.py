@@ -4,10 +4,10 @@ longest completion that fits, the notes."""
 
 from __future__ import annotations
 
-from typing import Any
-
+import json
 import re
 from html import escape
+from typing import Any
 
 from vram_planner.errors import spelled
 from vram_planner.report.document import Report, per_gpu
@@ -144,8 +144,11 @@ def launch_markdown(report: Report) -> str:
     import yaml
 
     config = yaml.safe_dump(launch.accelerate_config, sort_keys=True)
+    deepspeed = ("" if launch.deepspeed_config is None else
+                 f"**{launch.deepspeed_config_file}** (the DeepSpeed config it names)\n\n"
+                 f"```json\n{json.dumps(launch.deepspeed_config, indent=2)}\n```\n\n")
     return (f"**{launch.accelerate_config_file}** ({launch.label}: TRL's own accelerate config for it)\n\n"
-            f"```yaml\n{config}```\n\n**Launch** (the code above saved as {SCRIPT_FILE}):\n\n"
+            f"```yaml\n{config}```\n\n{deepspeed}**Launch** (the code above saved as {SCRIPT_FILE}):\n\n"
             f"```bash\n{launch.launch_command}\n```\n\n")
 
 

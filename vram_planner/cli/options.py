@@ -74,6 +74,12 @@ KNOBS = [
     click.option("--fsdp/--no-fsdp", default=None),
     click.option("--ds3-gather-for-generation/--no-ds3-gather-for-generation", default=None,
                  help="ZeRO-3: gather the whole model to generate (TRL's default), or layer by layer."),
+    click.option("--reduce-bucket-size", metavar="ELEMENTS",
+                 help="ZeRO: DeepSpeed's gradient reduction bucket, like 2e8, or auto (hidden size squared, as "
+                      "transformers fills it; default 5e8)."),
+    click.option("--overlap-comm/--no-overlap-comm", default=None,
+                 help="ZeRO-2/3: reduce gradients beside the backward, in two buckets below stage 3 (DeepSpeed's "
+                      "default: on at stage 3 only)."),
     click.option("--offload-optimizer", help="cpu: ZeRO-Offload's optimizer on the host (--zero-stage 2 or 3)."),
     click.option("--offload-param", help="cpu: ZeRO-3's parameters on the host, or FSDP2's CPU offload (--fsdp)."),
     click.option("--host-memory", metavar="SIZE", help="RAM of one node for offloaded states, like 512GiB "

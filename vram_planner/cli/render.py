@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
@@ -201,6 +202,10 @@ def launch_text(report: Report, train: TrainingConfig, console: Console) -> None
     # the labels unwrapped too: each names the file the lines below it are
     console.print(Text(f"{launch.accelerate_config_file} ({launch.label}):", style="bold"), soft_wrap=True)
     print_code(config.rstrip("\n"), console)
+    if launch.deepspeed_config is not None:
+        console.print(Text(f"{launch.deepspeed_config_file} (the DeepSpeed config it names):", style="bold"),
+                      soft_wrap=True)
+        print_code(json.dumps(launch.deepspeed_config, indent=2), console)
     console.print(Text(f"Launch (the code above saved as {SCRIPT_FILE}):", style="bold"), soft_wrap=True)
     print_code(launch.launch_command, console)
 

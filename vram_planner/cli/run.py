@@ -73,8 +73,9 @@ def run(**options: Any) -> None:
     from vram_planner.run.launch import is_main_process, library_output, train
     from vram_planner.run.out_of_memory import RunOutOfMemory
     from vram_planner.run.setup import RunSetup
-    from vram_planner.run.several import (CONFIG_NAME, accelerate_config_yaml, end_ranks, launch, launch_command,
-                                          needs_launcher)
+    from vram_planner.model.accelerate_config import deepspeed_config_json
+    from vram_planner.run.several import (CONFIG_NAME, DEEPSPEED_NAME, accelerate_config_yaml, end_ranks, launch,
+                                          launch_command, needs_launcher)
 
     run_keys = ("dataset", "rewards", "output_dir", "max_steps", "save_steps", "resume", "overwrite",
                 "record_frames")
@@ -102,8 +103,10 @@ def run(**options: Any) -> None:
         prepared = prepare(setup)
         echo(setup.describe())
         if needs_launcher(setup.train):
+            deepspeed = deepspeed_config_json(setup.train)
             echo(f"{setup.output_dir / CONFIG_NAME}:\n{accelerate_config_yaml(setup, planned=dry_run)}"
-                 f"command: {' '.join(launch_command(setup, argv))}")
+                 + ("" if deepspeed is None else f"{setup.output_dir / DEEPSPEED_NAME}:\n{deepspeed}")
+                 + f"command: {' '.join(launch_command(setup, argv))}")
             if dry_run:
                 raise click.exceptions.Exit(EXIT_FITS)
             clear_previous_run(setup)

@@ -10,11 +10,13 @@ copies to the installed TRL's files and loads what `plan` prints with accelerate
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.spec import DEEPSPEED_REDUCE_BUCKET_SIZE, TrainingConfig
 
 CONFIG_FILE = "accelerate_config.yaml"  # the name the launch line gives the printed config
+DEEPSPEED_FILE = "ds_config.json"  # the DeepSpeed config the printed accelerate config names, where it needs one
 SCRIPT_FILE = "train_grpo.py"  # the name the launch line gives the printed GRPOConfig code
 
 _COMMON: dict[str, Any] = {
@@ -89,15 +91,25 @@ def trl_config_name(train: TrainingConfig) -> str | None:
     return TRL_CONFIG_NAMES.get(strategy(train))
 
 
-def accelerate_config(train: TrainingConfig) -> dict[str, Any] | None:
-    """TRL's accelerate config for the plan's strategy with its processes and mixed precision (None on one GPU)."""
+def accelerate_config(train: TrainingConfig, deepspeed_file: str = DEEPSPEED_FILE) -> dict[str, Any] | None:
+    """TRL's accelerate config for the plan's strategy with its processes and mixed precision (None on one GPU).
+    Where the plan's DeepSpeed buckets are not DeepSpeed's defaults, which accelerate's config cannot say, its
+    DeepSpeed section names the DeepSpeed config (`deepspeed_config`) at `deepspeed_file` instead, as accelerate asks:
+    the stage, offload devices and mixed precision then live in that file alone."""
     name = trl_config_name(train)
     if name is None:
         return None
     config = copy.deepcopy(TRL_CONFIGS[name])
     config.update(num_processes=train.num_gpus, mixed_precision=train.mixed_precision)
     deepspeed = config.get("deepspeed_config")
-    if deepspeed is not None:
+    if deepspeed is not None and deepspeed_config(train) is not None:
+        # accelerate refuses a mixed precision beside a DeepSpeed config file (DeepSpeedPlugin's
+        # `_deepspeed_config_checks`): the file's "auto" takes GRPOConfig's bf16/fp16
+        del config["mixed_precision"]
+        config["deepspeed_config"] = {"deepspeed_config_file": deepspeed_file,
+                                      "deepspeed_multinode_launcher": deepspeed["deepspeed_multinode_launcher"],
+                                      "zero3_init_flag": deepspeed["zero3_init_flag"]}
+    elif deepspeed is not None:
         deepspeed["zero_stage"] = train.zero_stage
         if "gradient_accumulation_steps" in deepspeed:
             # transformers refuses a DeepSpeed value other than GRPOConfig's (HfTrainerDeepSpeedConfig.fill_match)
@@ -110,14 +122,42 @@ def accelerate_config(train: TrainingConfig) -> dict[str, Any] | None:
     return config
 
 
-def accelerate_config_yaml(train: TrainingConfig) -> str | None:
+def deepspeed_config(train: TrainingConfig) -> dict[str, Any] | None:
+    """The DeepSpeed config of the plan's ZeRO run where its buckets are not DeepSpeed's defaults (None otherwise):
+    the stage, offload devices and buckets planned; "auto" where transformers fills the value from GRPOConfig
+    (integrations/deepspeed.py `trainer_config_process`) or from the model (reduce_bucket_size)."""
+    if train.zero_stage is None or (train.reduce_bucket_size == DEEPSPEED_REDUCE_BUCKET_SIZE
+                                    and train.overlap_comm is None):
+        return None
+    zero: dict[str, Any] = {"stage": train.zero_stage, "reduce_bucket_size": train.reduce_bucket_size}
+    if train.overlap_comm is not None:
+        zero["overlap_comm"] = train.overlap_comm
+    for section, device in (("offload_optimizer", train.offload_optimizer), ("offload_param", train.offload_param)):
+        if device != "none":
+            zero[section] = {"device": device}
+    if train.zero_stage == 3:  # as TRL's zero3.yaml saves the model (zero3_save_16bit_model)
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    precision = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    return {**precision, "zero_optimization": zero, "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+
+
+def deepspeed_config_json(train: TrainingConfig) -> str | None:
+    """The DeepSpeed config file's text (None where the accelerate config needs none)."""
+    config = deepspeed_config(train)
+    return None if config is None else json.dumps(config, indent=2) + "\n"
+
+
+def accelerate_config_yaml(train: TrainingConfig, deepspeed_file: str = DEEPSPEED_FILE) -> str | None:
     """The accelerate config file as text, with a first comment line that says where it comes from."""
-    config = accelerate_config(train)
+    config = accelerate_config(train, deepspeed_file)
     if config is None:
         return None
     import yaml
 
     offloaded = ", and its CPU offload" if train.offloaded else ""
+    if deepspeed_config(train) is not None:
+        offloaded = f", its DeepSpeed settings in {deepspeed_file}"
     origin = (f"# TRL's accelerate_configs/{trl_config_name(train)}.yaml with the plan's {train.num_gpus} processes "
               f"and mixed precision{offloaded}\n")
     return origin + yaml.safe_dump(config, sort_keys=True)

@@ -207,12 +207,16 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
     377 MiB of weights on 8 ranks there, not the 1060 MiB prefetched in a later micro-batch)."""
     trainable = m.trainable_params(arch, train)
     tied = arch.tie_word_embeddings and not train.uses_lora
-    # ZeRO-2's partition buffer, from a micro-batch's first reduction on, unless the earlier ones left it
-    kept = 0 if accumulating or train.zero_stage != 2 else m.zero2_accumulated_gradient_bytes(arch, train)
+    # ZeRO-2's partition buffer, from a micro-batch's first reduction on: a new one in each micro-batch, beside the
+    # one the earlier left while its gradients are still to be reduced (`_release_ipg_buffers` drops the engine's
+    # reference at each backward's end, zero/stage_1_and_2.py:924-931; the gradients are views of it)
+    kept = m.zero2_accumulated_gradient_bytes(arch, train) if train.zero_stage == 2 else 0
     # ZeRO-3 under accumulation counted without the waiting head gradient, as it was: its sharded trace peaks in the
     # LM head's backward there (Llama-3.2-1B on 8), above this moment
     waits = tied and not (accumulating and train.zero_stage == 3)
-    reducing = zero.reducing_bucket_gradient_bytes(arch, trainable, waits, train.uses_lora, kept)
+    bucket = zero.reduce_bucket_elements(arch, train)
+    reducing = zero.reducing_bucket_gradient_bytes(arch, trainable, waits, train.uses_lora, kept, bucket,
+                                                   train.num_gpus)
     kept_before = max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
     # ZeRO-3 gathers the layer it differentiates, its LoRA adapters too (16-bit: TRL builds them in the weights' dtype
     # under ZeRO-3), unless its coordinator holds every one already (`prefetched`). The adapters are what reentrant
@@ -222,7 +226,7 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
                 if train.uses_lora else 0)
     gathered = ((arch.layer_params + adapters) * zero.GATHERED_PARAM_BYTES
                 if train.zero_stage == 3 and not prefetched else 0)
-    if trainable > zero.REDUCE_BUCKET_ELEMENTS:
+    if trainable > bucket:
         return [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before
                                    + reducing, "activations": layer_activations[0]}, "reducing a gradient bucket")]
     # an untied output projection, gathered as the backward starts, is still held beside the embedding (the
@@ -245,11 +249,37 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
     return moments
 
 
+def _reduces_in_backward(arch: ModelArchitecture, train: TrainingConfig, after: bool = False) -> bool:
+    """Whether ZeRO-1/2 reduce more than one bucket: the trainable parameters outgrow it. ZeRO-2 (and ZeRO-1 with
+    overlap_comm) reduce them inside the backward, ZeRO-1 without it once the backward ends (`after`)."""
+    inside = train.zero_stage == 2 or zero.overlaps_reduction(train)
+    return inside != after and m.trainable_params(arch, train) > zero.reduce_bucket_elements(arch, train)
+
+
+def _zero1_partition_moment(arch: ModelArchitecture, train: TrainingConfig, persistent: dict[str, float],
+                            all_grads: float) -> Phase:
+    """ZeRO-1 reducing bucket after bucket once the backward ends (`reduce_gradients`, zero/stage_1_and_2.py:971-976),
+    the parameters in the model's order: each gradient is copied into the bucket (its own tensor freed; one larger
+    than the bucket is reduced as it is, `extra_large_param_to_reduce`, :1436-1443), and the first reduction, which
+    reaches rank 0's partition, makes its flat copy and then the buffer of every gradient the partition touches
+    (`grads_in_partition`, :2183-2194) while the rest are still whole. The bucket is added with the others
+    (`_with_zero12_bucket`). The sharded traces on 2: Qwen2.5-0.5B with "auto" buckets, every gradient, the 479 MiB
+    partition buffer and the bucket; Llama-3.2-1B with 2e8 ones, its embedding larger than the bucket, the same."""
+    bucket = zero.reduce_bucket_elements(arch, train)
+    order = m.zero_optimizer_groups(arch, train)[0]
+    flat = zero.bucket_reductions(order, bucket)[0][0]
+    moved = 0 if order[0] > bucket else flat
+    partition = m.zero2_accumulated_gradient_bytes(arch, train)
+    gradients = all_grads + max(partition, flat * zero.REDUCE_BUCKET_ELEMENT_BYTES) - moved * (
+        zero.REDUCE_BUCKET_ELEMENT_BYTES)
+    return Phase("training", {**persistent, "gradients": gradients}, "reducing the gradients after the backward")
+
+
 def _with_zero_buffers(phase: Phase, arch: ModelArchitecture, train: TrainingConfig) -> Phase:
     """DeepSpeed's gradient reduction bucket (model/zero.py), as gradients: ZeRO-3 holds it from start-up (ZeRO-1/2
     within each backward only, `_with_zero12_bucket`); and ZeRO-3's gradient partition, kept from start-up, in the
     phases before the loss (the loss and the step count it in their gradients)."""
-    bucket = zero.reduce_bucket_bytes(train.zero_stage) if train.zero_stage == 3 else 0
+    bucket = zero.reduce_bucket_bytes(arch, train) if train.zero_stage == 3 else 0
     partition = m.zero3_gradient_partition_bytes(arch, train) if phase.name in ("generation", "scoring") else 0
     if not bucket + partition:
         return phase
@@ -484,7 +514,7 @@ def _with_zero12_bucket(moment: Phase, arch: ModelArchitecture, train: TrainingC
     if not left_by_earlier and (moment.moment.startswith("forward")
                                 or (moment.moment == "LM head backward" and head_waits)):
         return moment
-    gradients = moment.components.get("gradients", 0.0) + zero.reduce_bucket_bytes(train.zero_stage)
+    gradients = moment.components.get("gradients", 0.0) + zero.reduce_bucket_bytes(arch, train)
     return Phase(moment.name, {**moment.components, "gradients": gradients}, moment.moment)
 
 
@@ -621,6 +651,17 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
                                            "gradients": all_grads + held + (0 if accumulating else unreduced),
                                            "activations": _head_gradient_bytes(arch, train) + layer_input},
                              "embedding backward"))
+    elif tied and train.zero_stage == 2 and not train.optimizer_offloaded and _reduces_in_backward(arch, train):
+        # ZeRO-2 reducing inside the backward: the partition buffer, the output projection's gradient waiting, and
+        # the embedding's dense gradient made beside it (the sharded trace of Qwen2.5-0.5B on 2 with "auto" buckets)
+        dense = _head_gradient_bytes(arch, train)
+        # under accumulation the earlier micro-batches' buffer (`grads_before`) holds the embedding's gradient too
+        rank = m.zero_heaviest_rank(arch, train, "training")
+        made = zero.partition_reduced_before_embedding(arch, train.num_gpus, rank,
+                                                       zero.reduce_bucket_elements(arch, train))
+        kept = grads_before + (m.zero2_accumulated_gradient_bytes(arch, train) if made else 0)
+        moments.append(Phase("training", {**persistent, "gradients": kept + dense,
+                                           "activations": dense + layer_input}, "embedding backward"))
     elif tied:
         # The embedding's dense gradient joins the output projection's before they are summed. Under
         # cast_lm_head_to_fp32 the embedding is float32 and TRL's hook casts its output back to the weights' dtype,
@@ -643,6 +684,8 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         made = all_grads if accumulating else all_grads - dense
         moments.append(Phase("training", {**persistent, "gradients": made, "activations": dense + layer_input},
                              "embedding backward"))
+    if train.zero_stage == 1 and not train.optimizer_offloaded and _reduces_in_backward(arch, train, after=True):
+        moments.append(_zero1_partition_moment(arch, train, persistent, all_grads))
     return moments
 
 

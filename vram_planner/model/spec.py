@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from functools import lru_cache
@@ -22,6 +23,8 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # of a few such counts stay finite as floats, so bytes never overflow.
 MAX_COUNT = 2**40
 COUNT = Rules(gt=0, le=MAX_COUNT)
+# DeepSpeed's default reduce_bucket_size, in elements (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig)
+DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
 
 
 class Optimizer(str, Enum):
@@ -87,6 +90,25 @@ def _host_memory(value: str | None) -> str | None:
     except VramPlanError as exc:
         raise ValueError(f"a memory size such as 512GiB ({exc})") from exc
     return value.strip()
+
+
+def _bucket_elements(value: Any) -> int | str:
+    # DeepSpeed configs write sizes as JSON numbers such as 2e8 (a float), the command line as text ("2e8")
+    if value == "auto" and isinstance(value, str):
+        return value
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        number = None
+    elif isinstance(number, float):
+        number = int(number) if math.isfinite(number) and number.is_integer() else None
+    if number is not None and 0 < number <= MAX_COUNT:
+        return number
+    raise ValueError("a number of elements such as 2e8 (1 to 2^40), or auto")
 
 
 def _known_release(value: str | None) -> str | None:
@@ -179,6 +201,12 @@ class TrainingConfig:
     fsdp: bool = False
     # ZeRO-3 generation gathers the whole model (TRL's default) or lets each layer gather itself (False)
     ds3_gather_for_generation: bool = True
+    # DeepSpeed's gradient reduction bucket, in elements (zero_optimization.reduce_bucket_size; "auto": transformers
+    # fills it with hidden_size^2), and whether its reduction overlaps the backward (None: DeepSpeed's default, on at
+    # stage 3 only); vram_planner/model/zero.py counts them
+    reduce_bucket_size: Annotated[int | Literal["auto"], Before(_bucket_elements)] = (
+        DEEPSPEED_REDUCE_BUCKET_SIZE)
+    overlap_comm: bool | None = None
     # ZeRO-Offload (DeepSpeed's offload_optimizer / offload_param devices) and FSDP2's CPUOffloadPolicy (--offload-param
     # under --fsdp): which model states live in the host's RAM (vram_planner/model/offload.py)
     offload_optimizer: Literal["none", "cpu"] = "none"
@@ -352,6 +380,15 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
                         f"{field_name('lora_dropout')} need {field_name('lora_r')}")
     if c.zero_stage is not None and c.fsdp:
         problems.append(f"choose one of {field_name('zero_stage')} and {field_name('fsdp')}")
+    if (c.reduce_bucket_size != DEEPSPEED_REDUCE_BUCKET_SIZE or c.overlap_comm is not None) and c.zero_stage not in (
+            1, 2, 3):
+        problems.append(f"{field_name('reduce_bucket_size')} / {field_name('overlap_comm')} need "
+                        f"{field_name('zero_stage')} 1, 2 or 3 (DeepSpeed's ZeRO reduces gradients in buckets)")
+    elif c.overlap_comm and c.zero_stage == 1:
+        problems.append(f"{field_name('overlap_comm')} on under ZeRO-1 is not planned (it then reduces inside the "
+                        f"backward of an accumulation's last micro-batch, keeping other ranks' gradients larger than "
+                        f"the bucket whole); plan it with {field_name('zero_stage')} 2, or turn "
+                        f"{field_name('overlap_comm')} off")
     if not c.ds3_gather_for_generation and c.zero_stage != 3:
         problems.append(f"{field_name('ds3_gather_for_generation')} off needs {field_name('zero_stage')} 3 (only "
                         "ZeRO-3 gathers for generation)")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from vram_planner.model import blocks
 from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.spec import DEEPSPEED_REDUCE_BUCKET_SIZE, TrainingConfig
 
 # ZeRO-1/2 convert the 16-bit gradient partition to an fp32 copy in step() (zero/stage_1_and_2.py:3118
 # `single_grad_partition = flat_grad_partition.to(self.single_partition_of_fp32_groups[i].dtype)`, set as the fp32
@@ -58,14 +59,15 @@ FLAT_GRADIENT_BYTES = 2
 NORM_COPY_BYTES = 8
 # The gradient reduction bucket ("ipg" bucket): DeepSpeed's default reduce_bucket_size is 5e8 elements
 # (zero/config.py:113). TRL's accelerate configs set none, and accelerate (accelerator.py, `hidden_size_based_keys`)
-# and transformers fill it from the hidden size only where a DeepSpeed config file says "auto", so the default holds.
-# ZeRO-1/2 allocate it at a micro-batch's first gradient (zero/stage_1_and_2.py:3259-3270; one buffer, as overlap_comm
-# is off below stage 3, zero/config.py:384-387) and release it when that backward ends (`_release_ipg_buffers`,
-# :924-931, from the epilogue at :1061; the sharded trace sees it only in the loss phase), in the 16-bit gradients'
-# dtype (:1253-1254 and :397-404; no separate accumulation dtype by default, engine.py:1806-1807);
-# ZeRO-3 allocates it at start-up and keeps it (zero/stage3.py:780-784), in the 16-bit communication dtype. Its size
-# does not depend on the model's.
-REDUCE_BUCKET_ELEMENTS = 500_000_000
+# and transformers fill it from the hidden size only where a DeepSpeed config file says "auto"
+# (`reduce_bucket_elements`), so the default holds unless a config names it (TrainingConfig.reduce_bucket_size).
+# ZeRO-1/2 allocate it at a micro-batch's first gradient (zero/stage_1_and_2.py:3259-3270; a second one where
+# overlap_comm is on, :3272-3277, off by default below stage 3, zero/config.py:384-387) and release it when that
+# backward ends (`_release_ipg_buffers`, :924-931, from the epilogue at :1061; the sharded trace sees it only in the
+# loss phase), in the 16-bit gradients' dtype (:1253-1254 and :397-404; no separate accumulation dtype by default,
+# engine.py:1806-1807); ZeRO-3 allocates one at start-up, overlap_comm or not, and keeps it (zero/stage3.py:780-784),
+# in the 16-bit communication dtype. Its size does not depend on the model's.
+REDUCE_BUCKET_ELEMENTS = DEEPSPEED_REDUCE_BUCKET_SIZE
 REDUCE_BUCKET_ELEMENT_BYTES = 2
 # ZeRO-3's parameter coordinator, once it holds a complete trace of the modules' order (recorded in a micro-batch's
 # forward and backward, complete at the next forward's `reset_step`, partitioned_param_coordinator.py:251-280),
@@ -190,10 +192,27 @@ def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora
     return max(window + max(later, default=0), 2 * first)
 
 
-def reduce_bucket_bytes(zero_stage: int | None) -> int:
-    """The gradient reduction bucket one rank holds under ZeRO-1, 2 or 3 (none without DeepSpeed, nor at stage 0,
-    whose BF16_Optimizer accumulates into its fp32 gradient buffers)."""
-    return REDUCE_BUCKET_ELEMENTS * REDUCE_BUCKET_ELEMENT_BYTES if zero_stage in (1, 2, 3) else 0
+def reduce_bucket_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """The gradient reduction bucket's size in elements: the config's reduce_bucket_size, "auto" as transformers
+    fills it from the model's hidden size (hidden_size^2, `trainer_config_finalize`, integrations/deepspeed.py:
+    202-231)."""
+    size = train.reduce_bucket_size
+    return arch.hidden_size * arch.hidden_size if size == "auto" else size
+
+
+def overlaps_reduction(train: TrainingConfig) -> bool:
+    """Whether DeepSpeed overlaps the gradient reduction with the backward: overlap_comm, on by default at stage 3
+    only (`overlap_comm_valid`, zero/config.py:384-387)."""
+    return train.zero_stage == 3 if train.overlap_comm is None else train.overlap_comm
+
+
+def reduce_bucket_bytes(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """The gradient reduction buckets one rank holds under ZeRO-1, 2 or 3 (none without DeepSpeed, nor at stage 0,
+    whose BF16_Optimizer accumulates into its fp32 gradient buffers): two below stage 3 with overlap_comm."""
+    if train.zero_stage not in (1, 2, 3):
+        return 0
+    buffers = 2 if train.zero_stage != 3 and overlaps_reduction(train) else 1
+    return buffers * reduce_bucket_elements(arch, train) * REDUCE_BUCKET_ELEMENT_BYTES
 
 
 def deepspeed_estimate_bytes(total_params: int, num_gpus: int, stage: int, largest_layer: int = 0) -> int:
@@ -207,7 +226,8 @@ def deepspeed_estimate_bytes(total_params: int, num_gpus: int, stage: int, large
 
 
 def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied_head_waits: bool,
-                                   lora: bool = False, partition_buffer: int = 0) -> int:
+                                   lora: bool = False, partition_buffer: int = 0,
+                                   bucket: int = REDUCE_BUCKET_ELEMENTS, ranks: int = 1) -> int:
     """ZeRO-2/3's 16-bit gradients, besides the bucket, while they reduce a full bucket: the bucket's gradients
     flattened into one new tensor for the collective (ZeRO-2: `allreduce_bucket`, zero/stage_1_and_2.py:2360-2367,
     reached from `reduce_ipg_grads` :2229 through `average_tensor` :1708 with use_multi_rank_bucket_allreduce, on by
@@ -221,39 +241,79 @@ def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied
     (`partition_buffer`, bytes; none where the caller counts it already). Seen so by the sharded trace
     (benchmarks/results/sharded.zero.txt: Llama-3.2-1B on 8 flattens 8 layers and the final norm, 486574080
     elements, beside an MLP matrix's 32 MiB gradient; on 2, the embedding's gradient arrives beside the 1.2 GB
-    buffer)."""
-    if trainable <= REDUCE_BUCKET_ELEMENTS or lora:
-        return min(trainable, REDUCE_BUCKET_ELEMENTS) * REDUCE_BUCKET_ELEMENT_BYTES
+    buffer). `bucket`: its size in elements (`reduce_bucket_elements`); `ranks`: the data-parallel ranks."""
+    if trainable <= bucket or lora:
+        return min(trainable, bucket) * REDUCE_BUCKET_ELEMENT_BYTES
     order = backward_order(arch)
     waiting = arch.vocab_size * arch.hidden_size if tied_head_waits else 0
     # the embedding's gradient, which comes last, is the waiting one summed into it
-    (flat, arriving, i), *later = bucket_reductions(order)
+    (flat, arriving, i), *later = bucket_reductions(order, bucket)
     first = flat + arriving + (0 if i == len(order) - 1 else waiting)
     after = max((arriving + (0 if i == len(order) - 1 else waiting) for _, arriving, i in later), default=0)
-    return max(first * REDUCE_BUCKET_ELEMENT_BYTES, partition_buffer + after * REDUCE_BUCKET_ELEMENT_BYTES)
+    return max(first * REDUCE_BUCKET_ELEMENT_BYTES, partition_buffer + after * REDUCE_BUCKET_ELEMENT_BYTES,
+               partition_buffer + _last_reduction_elements(arch, order, bucket, ranks) * REDUCE_BUCKET_ELEMENT_BYTES)
+
+
+def _last_reduction_elements(arch: ModelArchitecture, order: list[int], bucket: int, ranks: int) -> int:
+    """The 16-bit gradient elements the backward's epilogue holds while it reduces what the bucket holds last
+    (`independent_gradient_partition_epilogue`, zero/stage_1_and_2.py:1016-1018): their flat copy for the collective,
+    and where that is the embedding alone, larger than the bucket, its gradient too, which bypasses the bucket
+    (`extra_large_param_to_reduce`, :1436-1443); its flat copy is a view where it lies in one rank's partition (one
+    slice; `_flatten_dense_tensors` of one tensor). The sharded trace of Llama-3.2-1B on 8 with 2e8 buckets: the
+    embedding's 501 MiB gradient and its flat copy beside the partition buffer."""
+    start = max((i for _, _, i in bucket_reductions(order, bucket)), default=0)
+    last = sum(order[start:])
+    if last <= bucket or len(order) - start > 1:
+        return last
+    embedding_slices = -(-last // -(-sum(base_groups(arch)[0]) // ranks))
+    return last * (2 if embedding_slices > 1 else 1)
 
 
 def backward_order(arch: ModelArchitecture) -> list[int]:
     """The base model's parameters' numels in the order its backward makes their gradients: an untied output
     projection, the final norm, each decoder layer from the last (its linears from the last, their biases, its
     norms), the embedding."""
-    layer = [n for lin in reversed(arch.layer_linears())
-             for n in ((lin.out_features,) if lin.bias else ()) + (lin.in_features * lin.out_features,)]
-    layer += [arch.norm_params] * arch.family.norms_per_layer
-    rest = arch.layer_params - sum(layer)  # q/k norms
-    head = [] if arch.tie_word_embeddings else [arch.lm_head_params]
-    return [*head, arch.norm_params, *([*layer, *([rest] if rest > 0 else [])] * arch.num_layers),
-            arch.embedding_params]
+    return [numel for numel, _ in _backward_params(arch)]
 
 
-def bucket_reductions(numels: list[int]) -> list[tuple[int, int, int]]:
+def _backward_params(arch: ModelArchitecture) -> list[tuple[int, int]]:
+    """`backward_order`'s parameters as (numel, optimizer group): 0 the matrices, 1 the norms, biases and the rest
+    (`base_groups`)."""
+    layer = [pair for lin in reversed(arch.layer_linears())
+             for pair in (((lin.out_features, 1),) if lin.bias else ()) + ((lin.in_features * lin.out_features, 0),)]
+    layer += [(arch.norm_params, 1)] * arch.family.norms_per_layer
+    rest = arch.layer_params - sum(n for n, _ in layer)  # q/k norms
+    head = [] if arch.tie_word_embeddings else [(arch.lm_head_params, 0)]
+    return [*head, (arch.norm_params, 1), *([*layer, *([(rest, 1)] if rest > 0 else [])] * arch.num_layers),
+            (arch.embedding_params, 0)]
+
+
+def partition_reduced_before_embedding(arch: ModelArchitecture, ranks: int, rank: int, bucket: int) -> bool:
+    """Whether ZeRO-2 has reduced a gradient of the rank's partition, and so allocated its partition buffer
+    (`grads_in_partition`, zero/stage_1_and_2.py:2183-2194), before the embedding's gradient is made: the backward
+    reduces the model's parameters from the last (`backward_order`), the embedding's arrival reduces what the bucket
+    holds then, and the rank's partition of the matrices' group is its share of it in the model's order
+    (`base_groups`). The norms' group is not judged: `backward_order` puts a layer's norms after its linears, while
+    its backward makes the first norm's gradient last, so a partition boundary inside the norms of the layer a
+    reduction ends at is not placed. The sharded trace: Qwen2.5-0.5B on 2 with "auto" buckets has rank 0's buffer
+    there; Llama-3.2-1B on 2 with the default bucket not (layers 7 to 0 still in the bucket, rank 0's norms'
+    partition ending 1,024 elements into layer 8's)."""
+    params = _backward_params(arch)
+    before = max((i for _, _, i in bucket_reductions([n for n, _ in params], bucket) if 0 < i < len(params) - 1),
+                 default=0)
+    reduced = sum(n for n, group in params[:before] if group == 0)
+    matrices = sum(base_groups(arch)[0])
+    return reduced > 0 and (rank + 1) * -(-matrices // ranks) > matrices - reduced
+
+
+def bucket_reductions(numels: list[int], bucket: int = REDUCE_BUCKET_ELEMENTS) -> list[tuple[int, int, int]]:
     """Each reduction of a full bucket as the gradients `numels` reach it in turn: (the elements it flattens, those of
     the gradient whose arrival set it off, that gradient's index). ZeRO-2 reduces when `bucket.elements +
     param.numel() > reduce_bucket_size` (zero/stage_1_and_2.py:1422), ZeRO-3 the same for a bucket holding any
     (zero/stage3.py:1583)."""
     reductions, filled = [], 0
     for i, numel in enumerate(numels):
-        if filled and filled + numel > REDUCE_BUCKET_ELEMENTS:
+        if filled and filled + numel > bucket:
             reductions.append((filled, numel, i))
             filled = 0
         filled += numel

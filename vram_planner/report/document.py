@@ -84,6 +84,9 @@ class DistributedReport:
     offload_param: str = "none"  # cpu: ZeRO-3's parameters, or FSDP2's shards, on the host
     host_bytes: int = 0  # the host RAM one node needs for the offloaded states (0 without offload)
     host_memory_bytes: int | None = None  # one node's RAM it is judged against (--host-memory or this machine's)
+    # the DeepSpeed config file the accelerate config names, where the plan's buckets are not DeepSpeed's defaults
+    deepspeed_config: dict[str, Any] | None = None
+    deepspeed_config_file: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -106,7 +109,10 @@ def distributed_report(train: Any, host_bytes: int = 0) -> DistributedReport | N
                              accelerate_config=config, accelerate_config_file=launcher.CONFIG_FILE,
                              launch_command=command, offload_optimizer=train.offload_optimizer,
                              offload_param=train.offload_param, host_bytes=host_bytes,
-                             host_memory_bytes=offload.host_memory_bytes(train) if train.offloaded else None)
+                             host_memory_bytes=offload.host_memory_bytes(train) if train.offloaded else None,
+                             deepspeed_config=launcher.deepspeed_config(train),
+                             deepspeed_config_file=(None if launcher.deepspeed_config(train) is None
+                                                    else launcher.DEEPSPEED_FILE))
 
 
 def gpu_count_report(fewest: Any) -> GpuCountReport:  # fewest: vram_planner.model.fewest_gpus.Fewest

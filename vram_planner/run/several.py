@@ -13,11 +13,12 @@ from typing import Any, NoReturn
 
 from vram_planner.errors import VramPlanError
 from vram_planner.files import write_atomically
-from vram_planner.model.accelerate_config import CONFIG_FILE
+from vram_planner.model.accelerate_config import CONFIG_FILE, DEEPSPEED_FILE, deepspeed_config_json
 from vram_planner.model.spec import TrainingConfig
 
 # `setup` below is run/launch.py's RunSetup, which imports this module: typed Any, so the two make no import circle
 CONFIG_NAME = CONFIG_FILE  # TRL's accelerate config for the plan's strategy, beside the run's output
+DEEPSPEED_NAME = DEEPSPEED_FILE  # the DeepSpeed config it names, where the plan's buckets need one
 
 
 def launched_worker() -> bool:
@@ -55,11 +56,12 @@ def accelerate_config_yaml(setup: Any, planned: bool = False) -> str:
 
     from vram_planner.model.accelerate_config import accelerate_config, accelerate_config_yaml as config_text
 
-    text = config_text(setup.train) or ""
+    deepspeed_file = str(setup.output_dir / DEEPSPEED_NAME)
+    text = config_text(setup.train, deepspeed_file) or ""
     if planned or not setup.on_cpu or not text:
         return text
     origin = text.splitlines(keepends=True)[0]
-    config = {**(accelerate_config(setup.train) or {}), "mixed_precision": "no"}
+    config = {**(accelerate_config(setup.train, deepspeed_file) or {}), "mixed_precision": "no"}
     return (origin.rstrip("\n") + "; no CUDA here: ranks on the CPU with gloo, in float32\n"
             + yaml.safe_dump(config, sort_keys=True))
 
@@ -125,6 +127,9 @@ def launch(setup: Any, argv: list[str], verbose: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     write_atomically(setup.output_dir / CONFIG_NAME, accelerate_config_yaml(setup))
+    deepspeed = deepspeed_config_json(setup.train)
+    if deepspeed is not None:
+        write_atomically(setup.output_dir / DEEPSPEED_NAME, deepspeed)
     args = launch_command_parser().parse_args(launch_command(setup, argv)[2:])
     # torch's elastic modules each set their logger's own level, so the parent's alone does not quiet them
     loggers = [logging.getLogger(name) for name in ["torch.distributed", *logging.root.manager.loggerDict]

@@ -90,7 +90,24 @@ def deepspeed_config(session: Session) -> dict[str, Any]:
                   train_batch_size=micro * train.gradient_accumulation_steps * train.num_gpus,
                   gradient_clipping=MAX_GRAD_NORM,
                   zero_allow_untested_optimizer=True)  # transformers/integrations/deepspeed.py:589
+    # a DeepSpeed config file's bucket and overlap, "auto" filled as transformers fills it
+    zero = config["zero_optimization"] = dict(config["zero_optimization"])
+    bucket = train.reduce_bucket_size
+    zero["reduce_bucket_size"] = _hidden_size(session.model) ** 2 if bucket == "auto" else bucket
+    if train.overlap_comm is not None:
+        zero["overlap_comm"] = train.overlap_comm
     return config
+
+
+def _hidden_size(model: Any) -> int:
+    """The hidden size transformers fills a DeepSpeed config's "auto" buckets from (`trainer_config_finalize`,
+    integrations/deepspeed.py:211-222): the config's, else its largest, else its text model's."""
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        if getattr(config, "hidden_size", None) is not None:
+            return config.hidden_size
+        if getattr(config, "hidden_sizes", None):
+            return max(config.hidden_sizes)
+    raise ValueError("the model's config has no hidden size to fill DeepSpeed's 'auto' buckets from")
 
 
 @contextlib.contextmanager
