@@ -31,7 +31,10 @@ def _close(measured: float, planned: float, within: float = 0.01) -> bool:
     ["--fsdp"],
     pytest.param(["--zero-stage", "2"], marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
     pytest.param(["--zero-stage", "3"], marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
-], ids=["ddp", "fsdp2", "zero2", "zero3"])
+    # a bucket of its own: the accelerate config names the DeepSpeed config the run writes beside it
+    pytest.param(["--zero-stage", "2", "--reduce-bucket-size", "auto", "--overlap-comm"],
+                 marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")),
+], ids=["ddp", "fsdp2", "zero2", "zero3", "zero2-buckets"])
 def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, monkeypatch, tiny_model_folder, tmp_path,
                                                                 flags):
     out = tmp_path / "run"
@@ -43,9 +46,15 @@ def test_two_cpu_ranks_train_and_hold_the_plans_per_rank_bytes(capsys, monkeypat
     assert code == 0, stdout
     assert not extensions.exists()  # nothing compiled: a minute per session on two cores
     config = (out / "accelerate_config.yaml").read_text()
-    assert "num_processes: 2" in config and "mixed_precision: 'no'" in config  # float32 ranks on the CPU
-    expected = {0: "distributed_type: MULTI_GPU", 1: "fsdp_version: 2"}.get(len(flags)) or f"zero_stage: {flags[1]}"
-    assert expected in config
+    if "--reduce-bucket-size" in flags:  # the stage and precision live in the DeepSpeed config, "auto" the GRPOConfig's
+        deepspeed = json.loads((out / "ds_config.json").read_text())
+        assert f"deepspeed_config_file: {out / 'ds_config.json'}" in config and "mixed_precision" not in config
+        assert deepspeed["zero_optimization"] == {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True}
+    else:
+        assert "num_processes: 2" in config and "mixed_precision: 'no'" in config  # float32 ranks on the CPU
+        expected = ({0: "distributed_type: MULTI_GPU", 1: "fsdp_version: 2"}.get(len(flags))
+                    or f"zero_stage: {flags[1]}")
+        assert expected in config
     record = json.loads((out / "vram-plan-run.json").read_text())
     assert record["outcome"]["status"] == "finished" and record["outcome"]["steps"] == 1
     # rank 0 alone writes: one line per logged step, one record that holds both ranks

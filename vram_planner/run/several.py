@@ -61,7 +61,9 @@ def accelerate_config_yaml(setup: Any, planned: bool = False) -> str:
     if planned or not setup.on_cpu or not text:
         return text
     origin = text.splitlines(keepends=True)[0]
-    config = {**(accelerate_config(setup.train, deepspeed_file) or {}), "mixed_precision": "no"}
+    config = accelerate_config(setup.train, deepspeed_file) or {}
+    if "mixed_precision" in config:  # none beside a DeepSpeed config file, whose "auto" follows the GRPOConfig
+        config["mixed_precision"] = "no"
     return (origin.rstrip("\n") + "; no CUDA here: ranks on the CPU with gloo, in float32\n"
             + yaml.safe_dump(config, sort_keys=True))
 
