@@ -36,6 +36,8 @@ GRID = ([{"zero_stage": stage, "num_gpus": 2, "reduce_bucket_size": size, **({} 
            {"zero_stage": 2, "num_gpus": 2, "reduce_bucket_size": 200_000_000, "overlap_comm": True, "lora_r": 16},
            {"zero_stage": 2, "num_gpus": 2, "reduce_bucket_size": "auto", "overlap_comm": True, "lora_r": 16},
            {"zero_stage": 3, "num_gpus": 2, "reduce_bucket_size": 200_000_000, "lora_r": 16},
+           {"zero_stage": 3, "num_gpus": 2, "reduce_bucket_size": "auto", "lora_r": 16},
+           {"zero_stage": 3, "num_gpus": 2, "reduce_bucket_size": "auto", "lora_r": 16, "gradient_accumulation_steps": 2},
            {"zero_stage": 2, "num_gpus": 2, "reduce_bucket_size": 200_000_000, "overlap_comm": True,
             "gradient_accumulation_steps": 2},
            {"zero_stage": 2, "num_gpus": 2, "reduce_bucket_size": "auto", "gradient_accumulation_steps": 2},

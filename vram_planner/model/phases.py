@@ -227,17 +227,18 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
     gathered = ((arch.layer_params + adapters) * zero.GATHERED_PARAM_BYTES
                 if train.zero_stage == 3 and not prefetched else 0)
     if trainable > bucket:
-        return [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before
-                                   + reducing, "activations": layer_activations[0]}, "reducing a gradient bucket")]
-    # an untied output projection, gathered as the backward starts, is still held beside the embedding (the
-    # largest layer, in `persistent`) there: the sharded trace of benchmarks/deepspeed_cpu.py's untied model
-    head = (min(arch.embedding_params, arch.lm_head_params) * zero.GATHERED_PARAM_BYTES
-            if train.zero_stage == 3 and not arch.tie_word_embeddings else 0)
-    moments = [Phase("training", {**persistent, "weights": persistent["weights"] + head,
-                                  "gradients": kept_before + reducing},
-                     "reducing the gradient bucket after the backward")]
+        moments = [Phase("training", {**persistent, "weights": layer_weights + gathered, "gradients": kept_before
+                                      + reducing, "activations": layer_activations[0]}, "reducing a gradient bucket")]
+    else:
+        # an untied output projection, gathered as the backward starts, is still held beside the embedding (the
+        # largest layer, in `persistent`) there: the sharded trace of benchmarks/deepspeed_cpu.py's untied model
+        head = (min(arch.embedding_params, arch.lm_head_params) * zero.GATHERED_PARAM_BYTES
+                if train.zero_stage == 3 and not arch.tie_word_embeddings else 0)
+        moments = [Phase("training", {**persistent, "weights": persistent["weights"] + head,
+                                      "gradients": kept_before + reducing},
+                         "reducing the gradient bucket after the backward")]
     if gathered:
-        # with no reduction inside it, the backward's own peak: a layer gathered while it is differentiated, the
+        # the backward's own peak, reductions inside it or not: a layer gathered while it is differentiated, the
         # activations of the last one's backward (the sharded trace: Llama-3.2-1B with LoRA on 8); or, as the first
         # one's fetches its largest module before its backward's working tensors exist (`fetching_activations`), that
         # module's all-gather buffer beside it (a small Llama with LoRA on 4)
