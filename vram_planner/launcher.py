@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vram_planner.model.spec import DEEPSPEED_REDUCE_BUCKET_SIZE
+
 # accelerate launch's options that take no value (store_true; --no_tpu_cluster stores a constant)
 LAUNCH_FLAGS = frozenset({
     "quiet", "cpu", "multi_gpu", "tpu", "enable_cpu_affinity", "dynamo_use_fullgraph", "dynamo_use_dynamic",
@@ -81,7 +83,8 @@ OTHER_DEVICES = ("MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUS
 # (benchmarks/results/deepspeed_configs.txt), but for those the plan models (PLANNED_ZERO_KEYS) and those that move no
 # memory (NEUTRAL_ZERO_KEYS)
 DEEPSPEED_ZERO_DEFAULTS: dict[str, Any] = {
-    "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000, "contiguous_gradients": True,
+    "reduce_bucket_size": DEEPSPEED_REDUCE_BUCKET_SIZE, "allgather_bucket_size": 500_000_000,
+    "contiguous_gradients": True,
     "reduce_scatter": True, "allgather_partitions": True, "use_multi_rank_bucket_allreduce": True,
     "sub_group_size": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
     "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000,

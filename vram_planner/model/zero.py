@@ -247,26 +247,34 @@ def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied
     order = backward_order(arch)
     waiting = arch.vocab_size * arch.hidden_size if tied_head_waits else 0
     # the embedding's gradient, which comes last, is the waiting one summed into it
-    (flat, arriving, i), *later = bucket_reductions(order, bucket)
+    reductions = bucket_reductions(order, bucket)
+    (flat, arriving, i), *later = reductions
     first = flat + arriving + (0 if i == len(order) - 1 else waiting)
     after = max((arriving + (0 if i == len(order) - 1 else waiting) for _, arriving, i in later), default=0)
+    last = _last_reduction_elements(arch, order[reductions[-1][2]:], bucket, ranks)
     return max(first * REDUCE_BUCKET_ELEMENT_BYTES, partition_buffer + after * REDUCE_BUCKET_ELEMENT_BYTES,
-               partition_buffer + _last_reduction_elements(arch, order, bucket, ranks) * REDUCE_BUCKET_ELEMENT_BYTES)
+               partition_buffer + last * REDUCE_BUCKET_ELEMENT_BYTES)
 
 
-def _last_reduction_elements(arch: ModelArchitecture, order: list[int], bucket: int, ranks: int) -> int:
+def _last_reduction_elements(arch: ModelArchitecture, bucketed: list[int], bucket: int, ranks: int) -> int:
     """The 16-bit gradient elements the backward's epilogue holds while it reduces what the bucket holds last
     (`independent_gradient_partition_epilogue`, zero/stage_1_and_2.py:1016-1018): their flat copy for the collective,
     and where that is the embedding alone, larger than the bucket, its gradient too, which bypasses the bucket
     (`extra_large_param_to_reduce`, :1436-1443); its flat copy is a view where it lies in one rank's partition (one
     slice; `_flatten_dense_tensors` of one tensor). The sharded trace of Llama-3.2-1B on 8 with 2e8 buckets: the
-    embedding's 501 MiB gradient and its flat copy beside the partition buffer."""
-    start = max((i for _, _, i in bucket_reductions(order, bucket)), default=0)
-    last = sum(order[start:])
-    if last <= bucket or len(order) - start > 1:
+    embedding's 501 MiB gradient and its flat copy beside the partition buffer. `bucketed`: the gradients the last
+    reduction holds, in the backward's order."""
+    last = sum(bucketed)
+    if last <= bucket or len(bucketed) > 1:
         return last
-    embedding_slices = -(-last // -(-sum(base_groups(arch)[0]) // ranks))
+    embedding_slices = -(-last // _matrices_partition_elements(arch, ranks))
     return last * (2 if embedding_slices > 1 else 1)
+
+
+def _matrices_partition_elements(arch: ModelArchitecture, ranks: int) -> int:
+    """One rank's share of the matrices' optimizer group (`base_groups`), which ZeRO-1/2 split into equal parts, the
+    embedding first."""
+    return -(-sum(base_groups(arch)[0]) // ranks)
 
 
 def backward_order(arch: ModelArchitecture) -> list[int]:
@@ -303,7 +311,7 @@ def partition_reduced_before_embedding(arch: ModelArchitecture, ranks: int, rank
                  default=0)
     reduced = sum(n for n, group in params[:before] if group == 0)
     matrices = sum(base_groups(arch)[0])
-    return reduced > 0 and (rank + 1) * -(-matrices // ranks) > matrices - reduced
+    return reduced > 0 and (rank + 1) * _matrices_partition_elements(arch, ranks) > matrices - reduced
 
 
 def bucket_reductions(numels: list[int], bucket: int = REDUCE_BUCKET_ELEMENTS) -> list[tuple[int, int, int]]:

@@ -105,14 +105,14 @@ def distributed_report(train: Any, host_bytes: int = 0) -> DistributedReport | N
                               launcher.launch_line(train))
     if config is None or label is None or command is None:
         return None
+    deepspeed = launcher.deepspeed_config(train)
     return DistributedReport(num_gpus=train.num_gpus, strategy=launcher.strategy(train), label=label,
                              accelerate_config=config, accelerate_config_file=launcher.CONFIG_FILE,
                              launch_command=command, offload_optimizer=train.offload_optimizer,
                              offload_param=train.offload_param, host_bytes=host_bytes,
                              host_memory_bytes=offload.host_memory_bytes(train) if train.offloaded else None,
-                             deepspeed_config=launcher.deepspeed_config(train),
-                             deepspeed_config_file=(None if launcher.deepspeed_config(train) is None
-                                                    else launcher.DEEPSPEED_FILE))
+                             deepspeed_config=deepspeed,
+                             deepspeed_config_file=None if deepspeed is None else launcher.DEEPSPEED_FILE)
 
 
 def gpu_count_report(fewest: Any) -> GpuCountReport:  # fewest: vram_planner.model.fewest_gpus.Fewest
