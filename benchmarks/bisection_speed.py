@@ -69,7 +69,7 @@ def bisected(events, conf, card: int, spacing: dict) -> tuple[int, int, int, flo
     from vram_planner.allocator import replay as replay_module
     from vram_planner.allocator.replay import Replays
     from vram_planner.tracing.collection import collection_paused
-    from vram_planner.tracing.need import least_capacity
+    from vram_planner.allocator.need import least_capacity
 
     with patch.multiple(replay_module, **spacing) if spacing else contextlib.nullcontext():
         start = time.perf_counter()

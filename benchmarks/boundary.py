@@ -176,7 +176,7 @@ def below_need(outcome):
     from vram_planner.allocator import parse_allocator_conf
     from vram_planner.model.cublas import workspace_bytes
     from vram_planner.tracing.events import with_workspaces
-    from vram_planner.tracing.need import granule_bytes
+    from vram_planner.allocator.need import granule_bytes
 
     conf = parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf")
     capability = outcome.traced.context.gpu.compute_capability

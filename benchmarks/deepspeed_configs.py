@@ -9,7 +9,8 @@ sets 2e8 and overlap_comm. The plan counts them (vram_planner/model/zero.py, Tra
 overlap_comm). Each config here is traced on one rank with DeepSpeed's own engine (the sharded trace, `vram-plan trace
 --zero-stage S --reduce-bucket-size B`), its tensor peak per phase printed beside the analytic model's, and the need
 (bisected with the allocator model) beside the analytic "fits from". Full fine-tuning of Qwen2.5-0.5B and
-Llama-3.2-1B (tied embeddings larger and smaller than a 2e8 bucket), LoRA, accumulation, 2 and 8 ranks.
+Llama-3.2-1B (tied embeddings larger and smaller than a 2e8 bucket), LoRA, accumulation, 2 and 8 ranks; Llama-3.2-3B
+on 2; and five configs at TRL's own batch and lengths, Qwen2.5-0.5B to Llama-3.1-8B.
 Writes benchmarks/results/deepspeed_configs.json and .txt; tests/test_launcher.py holds the analytic model to it.
 """
 
@@ -42,13 +43,22 @@ GRID = ([{"zero_stage": stage, "num_gpus": 2, "reduce_bucket_size": size, **({} 
             "gradient_accumulation_steps": 2},
            {"zero_stage": 2, "num_gpus": 2, "reduce_bucket_size": "auto", "gradient_accumulation_steps": 2},
            {"zero_stage": 2, "num_gpus": 2, "gradient_accumulation_steps": 2}])
+# Larger models and TRL's own batch and lengths (only the dtype set: `defaults`), on the layouts whose steps strand
+# the most beside DeepSpeed's buffers (vram_planner/model/zero_replay.py), DeepSpeed's defaults
+LARGER = [("Llama-3.2-3B", {"zero_stage": 2, "num_gpus": 2})]
+DEFAULTS = {"dtype": "bfloat16"}
+AT_TRLS_DEFAULTS = [("Qwen2.5-0.5B", {"zero_stage": 2, "num_gpus": 8}),
+                    ("Qwen2.5-1.5B", {"zero_stage": 2, "num_gpus": 8}),
+                    ("Llama-3.2-1B", {"zero_stage": 1, "num_gpus": 4}),
+                    ("Qwen2.5-7B", {"zero_stage": 2, "num_gpus": 4}),
+                    ("Llama-3.1-8B", {"zero_stage": 2, "num_gpus": 2})]
 
 
-def traced(model: str, settings: dict) -> dict:
+def traced(model: str, settings: dict, base: dict = BASE) -> dict:
     from vram_planner import engine
 
     start = time.perf_counter()
-    outcome = engine.trace(model, "h100", {**BASE, **settings})
+    outcome = engine.trace(model, "h100", {**base, **settings})
     compared = {c.name: c for c in outcome.comparison()}
     return {"model": model, "settings": settings, "rank": outcome.result.zero_rank,
             "traced_bytes": {name: c.trace_bytes for name, c in compared.items()},
@@ -65,19 +75,21 @@ def versions() -> dict[str, str]:
     return {name: version(name) for name in ("torch", "deepspeed", "accelerate", "transformers", "trl")}
 
 
-def label(settings: dict) -> str:
+def label(settings: dict, base: dict = BASE) -> str:
     shown = {"reduce_bucket_size": "bucket", "overlap_comm": "overlap", "gradient_accumulation_steps": "GA",
              "lora_r": "r", "num_gpus": "N"}
-    return " ".join(f"{shown[k]}={v}" for k, v in settings.items() if k in shown)
+    said = " ".join(f"{shown[k]}={v}" for k, v in settings.items() if k in shown)
+    return said if base is BASE else f"{said} TRL's batch"
 
 
 def main() -> int:
     rows = []
-    for model in MODELS:
-        for settings in GRID:
-            rows.append(traced(model, settings))
-            print(f"{model} ZeRO-{settings['zero_stage']} {label(settings)}: {rows[-1]['seconds']} s",
-                  file=sys.stderr, flush=True)
+    for model, settings, base in ([(model, settings, BASE) for model in MODELS for settings in GRID]
+                                  + [(model, settings, BASE) for model, settings in LARGER]
+                                  + [(model, settings, DEFAULTS) for model, settings in AT_TRLS_DEFAULTS]):
+        rows.append({**traced(model, settings, base), **({"base": base} if base is not BASE else {})})
+        print(f"{model} ZeRO-{settings['zero_stage']} {label(settings, base)}: {rows[-1]['seconds']} s",
+              file=sys.stderr, flush=True)
     text = report(rows)
     print(text, end="")
     (RESULTS / "deepspeed_configs.txt").write_text(text)
@@ -96,13 +108,17 @@ def report(rows: list[dict]) -> str:
         cells = [f"{row['traced_bytes'][p] / 2**20:6.0f}/{row['analytic_bytes'][p] / 2**20:6.0f} "
                  f"({row['analytic_bytes'][p] / row['traced_bytes'][p] - 1:+5.1%})"
                  for p in ("generation", "training", "optimizer")]
-        lines.append(f"{row['model']:13} {row['settings']['zero_stage']:>5}  {label(row['settings']):34} "
+        config = label(row["settings"], row.get("base", BASE))
+        lines.append(f"{row['model']:13} {row['settings']['zero_stage']:>5}  {config:34} "
                      f"{cells[0]:>22} {cells[1]:>22} {cells[2]:>22} {row['need_bytes'] / 2**20:6.0f} "
                      f"{row['fits_from_bytes'] / 2**20:9.0f}")
-    worst = max((abs(r["analytic_bytes"][p] / r["traced_bytes"][p] - 1), r["model"], label(r["settings"]), p)
+    worst = max((abs(r["analytic_bytes"][p] / r["traced_bytes"][p] - 1), r["model"],
+                 label(r["settings"], r.get("base", BASE)), p)
                 for r in rows for p in r["traced_bytes"])
     lines.append(f"worst phase: {worst[0]:.2%} ({worst[1]} {worst[2]}, {worst[3]})")
-    # the allocator's overhead under DeepSpeed, which the analytic reserve does not yet count (issue 27)
+    lines.append("every config bfloat16; \"TRL's batch\": TRL's own batch and lengths, the others "
+                 + ", ".join(f"{k} {v}" for k, v in BASE.items() if k != "dtype"))
+    # where the allocator needs more than the estimate's reserve counts, beyond the safety margin
     windows = [r for r in rows if r["need_bytes"] > r["fits_from_bytes"]]
     lines.append(f"need above the analytic 'fits from' (windows): {len(windows)} of {len(rows)}, at most "
                  f"{max((r['need_bytes'] / r['fits_from_bytes'] - 1 for r in windows), default=0):.1%}")

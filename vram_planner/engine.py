@@ -165,7 +165,7 @@ class TraceOutcome:
     analytic: Verdict
     result: Any  # vram_planner.tracing.step.TraceResult: tensor bytes only, per phase and component
     reserved: Any = None  # vram_planner.tracing.reserve.ReservedMemory: the allocator model's reserved bytes
-    need: Any = None  # vram_planner.tracing.need.Need: the least capacity the step runs in, bisected
+    need: Any = None  # vram_planner.allocator.need.Need: the least capacity the step runs in, bisected
     elapsed_seconds: float | None = None  # the answer's wall time, every step traced for it included
 
     @property

@@ -128,9 +128,9 @@ def attribute(error: OomError, verdict: Any) -> Attribution | None:
 
 
 def _fused(train: Any, release: Any) -> bool:
-    from vram_planner.model.lm_head import _uses_fused_head
+    from vram_planner.model.lm_head import uses_fused_head
 
-    return _uses_fused_head(train, release)
+    return uses_fused_head(train, release)
 
 
 def _attribution(match: Any, request: int, verdict: Any) -> Attribution:

@@ -129,11 +129,11 @@ def logit_positions(train: TrainingConfig, release: TrlRelease) -> int:
 
 def drops_logits_to_keep(train: TrainingConfig, release: TrlRelease) -> bool:
     """Whether this TRL release's logits cover the whole sequence because transformers ignores its keyword."""
-    return release.lm_head == "full_logits" and not _uses_fused_head(train, release) and not (
+    return release.lm_head == "full_logits" and not uses_fused_head(train, release) and not (
         train.transformers.honours(release.logits_to_keep_argument))
 
 
-def _uses_fused_head(train: TrainingConfig, release: TrlRelease) -> bool:
+def uses_fused_head(train: TrainingConfig, release: TrlRelease) -> bool:
     if train.use_liger_kernel and release.liger in ("fused_loss", "chunked_logprobs"):
         return True
     return release.lm_head == "fused_chunked"
@@ -142,7 +142,7 @@ def _uses_fused_head(train: TrainingConfig, release: TrlRelease) -> bool:
 def fused_tile_bytes(train: TrainingConfig, release: TrlRelease, sequences: int) -> float:
     """The fused head's logits tile for `sequences` sequences: up to lm_head_token_chunk scored tokens by a whole
     vocabulary chunk, whatever V is, in the head's compute dtype (0 where the head is not fused)."""
-    if not _uses_fused_head(train, release):
+    if not uses_fused_head(train, release):
         return 0.0
     scored = sequences * train.max_completion_length
     return float(min(scored, release.lm_head_token_chunk) * release.lm_head_vocab_chunk
@@ -165,7 +165,7 @@ def lm_head_memory(arch: ModelArchitecture, train: TrainingConfig, release: TrlR
     s = sizes(train)
     scored = sequences * train.max_completion_length
     h, vocab = arch.hidden_size, arch.vocab_size
-    if not _uses_fused_head(train, release):
+    if not uses_fused_head(train, release):
         logits = sequences * logit_positions(train, release) * vocab
         forward, saved, backward = full_logits_bytes(train, release)
         inside = _logit_bytes(train)[1]  # the model's logits and accelerate's copy, made before its forward returns

@@ -31,6 +31,7 @@ from vram_planner.model.stranding import loaded_weight_segment_bytes
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
 from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure
+from vram_planner.model.zero_replay import zero12_loss_stranded_bytes, zero12_step_stranded_bytes
 
 if TYPE_CHECKING:
     from vram_planner.model.vllm import VllmBudget
@@ -152,7 +153,7 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     workspaces = cublas_workspace_bytes(compute_capability)
     comm = vllm_comm.bytes if colocated is not None else 0.0  # they stay through sleep mode: not in its pool
     phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch, nccl_bytes,
-                                  comm) for p in raw)
+                                  comm, steady=not first_micro_batch) for p in raw)
     return Estimate(phases=phases, params=arch.params, trainable_params=m.trainable_params(arch, train),
                     notes=_notes(arch, train, release) + tuple(vllm_notes), vllm=vllm,
                     host_bytes=offload.host_bytes(arch, train))
@@ -321,26 +322,29 @@ def micro_batch_moments(arch: ModelArchitecture, train: TrainingConfig, release:
 def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: TrainingConfig,
                    context_bytes: float | None = None, workspace_bytes: float = 0.0,
                    arch: ModelArchitecture | None = None, nccl_bytes: float = 0.0,
-                   vllm_comm_bytes: float = 0.0) -> Phase:
+                   vllm_comm_bytes: float = 0.0, steady: bool = True) -> Phase:
     """The phase's tensors plus vLLM's reservation, the CUDA context (`context_bytes`, as `estimate` takes it), NCCL's
     buffers, colocated vLLM's tensor-parallel communicators, the cuBLAS workspaces and the allocator's reserve (with
-    the model's allocation patterns when `arch` is given)."""
+    the model's allocation patterns when `arch` is given; `steady`: a phase after an optimizer step, which DeepSpeed's
+    buffers have left their segments by)."""
     components = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     components["vllm_reservation"] = reservation  # what vLLM holds in this phase (VllmBudget.reservation_in)
     components["cuda_context"] = float(resolved_context_bytes(cal) if context_bytes is None else context_bytes)
     components["nccl_buffers"] = float(nccl_bytes)  # outside the caching allocator, like the context
     components["vllm_communicators"] = float(vllm_comm_bytes)  # beside vLLM's budget, not inside it
     components["cublas_workspaces"] = float(workspace_bytes)
-    components["allocator_overhead"] = _reserve(phase, cal, train, arch)
+    components["allocator_overhead"] = _reserve(phase, cal, train, arch, steady)
     return Phase(phase.name, components, phase.moment)
 
 
-def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelArchitecture | None = None) -> float:
+def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelArchitecture | None = None,
+             steady: bool = True) -> float:
     """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting. The patterns
     are the same at every moment of a phase but generation's: at its prefill the decoding's blocks (and the segments
     they strand) do not exist yet, and the prefill's own largest requests are over by the decoding
     (generation_patterns.PREFILL_PATTERNS). Generation's heaviest moment is chosen with them (`arch`), the other
-    phases' without."""
+    phases' without. Under ZeRO-1/2 what DeepSpeed's own buffers strand (model/zero_replay.py) is added as it is, in
+    the optimizer step and in the loss of a `steady` step (one after an optimizer step)."""
     tensors = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     patterns_of = expandable_patterns if train.expandable_segments else reserve_patterns
     patterns = patterns_of(arch, train, phase.name) if arch is not None else None
@@ -349,6 +353,10 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
         patterns = {name: value if (name in PREFILL_PATTERNS) == prefilling else 0.0
                     for name, value in patterns.items()}
     exact = loaded_weight_segment_bytes(arch, train) if arch is not None else 0.0
+    if arch is not None and phase.name == "optimizer":
+        exact += zero12_step_stranded_bytes(arch, train)
+    elif arch is not None and phase.name == "training" and steady:
+        exact += zero12_loss_stranded_bytes(arch, train)
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns, exact)
 
 

@@ -50,15 +50,16 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # benchmarks/reserve_fit.py). A verdict whose peak lies that close to the card could be the other way round:
 # `check --exact` decides it.
 # Under DeepSpeed (benchmarks/deepspeed_configs.py: one rank's traced step, its need bisected through the allocator
-# model, beside the analytic peak; benchmarks/results/deepspeed_configs.txt) ZeRO-1/2 have needed up to 13.1% more
-# than the estimate (Qwen2.5-0.5B's full fine-tuning on 2 ranks, DeepSpeed's default buckets): the optimizer step's
-# fp32 gradient partition (942 MiB) finds no segment, as the partially used ones strand 1.2 GiB (the partition
-# buffer cut from the reduction's 942 MiB flat-copy segment, the step's flat 16-bit copy from the gradient norm's
-# 1,040 MiB fp64 segment; Llama-3.2-1B's two 2,358 MiB segments of the earlier step's fp32 partition, half used
-# each), which the reserve fitted to one GPU's steps does not count; ZeRO-3 up to 5.4% (Llama-3.2-1B on 2).
+# model, beside the analytic peak; benchmarks/results/deepspeed_configs.txt) ZeRO-1/2's optimizer step strands what
+# its fp32 gradient partition cannot use, and the next backward's reduction buckets what the first step's Adam moments
+# leave of the segments they were cut from (model/zero_replay.py counts both: every config whose estimate peaks in the
+# step needs at most 0.7% more); their loss has needed up to 9.1% more than the estimate (Qwen2.5-0.5B's full
+# fine-tuning on 8 ranks with "auto" buckets and two micro-batches: two gradient partition buffers cut from the LM
+# head's freed logits segments, which the replay does not see, 0.3 GiB beside them); ZeRO-3 up to 5.4% (Llama-3.2-1B
+# on 2).
 NEED_ABOVE_ESTIMATE = 0.05
 NEED_ABOVE_ESTIMATE_DECODING_SEGMENTS = 0.09
-NEED_ABOVE_ESTIMATE_ZERO12 = 0.14
+NEED_ABOVE_ESTIMATE_ZERO12 = 0.10
 NEED_ABOVE_ESTIMATE_ZERO3 = 0.06
 NEED_BELOW_ESTIMATE = 0.17
 

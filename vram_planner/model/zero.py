@@ -31,6 +31,8 @@ leaves out the flat copy and the gradients kept whole), and ZeRO-3 22 P / N and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from vram_planner.model import blocks
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import DEEPSPEED_REDUCE_BUCKET_SIZE, TrainingConfig
@@ -306,12 +308,30 @@ def partition_reduced_before_embedding(arch: ModelArchitecture, ranks: int, rank
     reduction ends at is not placed. The sharded trace: Qwen2.5-0.5B on 2 with "auto" buckets has rank 0's buffer
     there; Llama-3.2-1B on 2 with the default bucket not (layers 7 to 0 still in the bucket, rank 0's norms'
     partition ending 1,024 elements into layer 8's)."""
+    last_before = len(_backward_params(arch)) - 1
+    return any(i < last_before for i in _partition_reductions(arch, ranks, rank, bucket))
+
+
+def partition_buffer_reduction(arch: ModelArchitecture, ranks: int, rank: int, bucket: int) -> int:
+    """Which of the backward's reductions (`bucket_reductions` of `backward_order`, then the epilogue's) first reduces
+    a gradient of the rank's partition, and so allocates ZeRO-2's partition buffer after its flat copy
+    (`partition_reduced_before_embedding`); the epilogue's where none of the backward's does. The sharded trace of
+    Qwen2.5-1.5B on 4 with the default bucket: rank 1's 767 MiB buffer after the second reduction."""
+    reductions = [i for _, _, i in bucket_reductions(backward_order(arch), bucket) if i > 0]
+    touching = next(_partition_reductions(arch, ranks, rank, bucket), None)
+    return reductions.index(touching) if touching is not None else len(reductions)
+
+
+def _partition_reductions(arch: ModelArchitecture, ranks: int, rank: int, bucket: int) -> Iterator[int]:
+    """The backward's reductions that reduce a gradient of the rank's partition of the matrices' group, as the index
+    of the gradient whose arrival sets each off."""
     params = _backward_params(arch)
-    before = max((i for _, _, i in bucket_reductions([n for n, _ in params], bucket) if 0 < i < len(params) - 1),
-                 default=0)
-    reduced = sum(n for n, group in params[:before] if group == 0)
     matrices = sum(base_groups(arch)[0])
-    return reduced > 0 and (rank + 1) * _matrices_partition_elements(arch, ranks) > matrices - reduced
+    share = _matrices_partition_elements(arch, ranks)
+    for _, _, i in bucket_reductions([n for n, _ in params], bucket):
+        reduced = sum(n for n, group in params[:i] if group == 0)
+        if i > 0 and reduced > 0 and (rank + 1) * share > matrices - reduced:
+            yield i
 
 
 def bucket_reductions(numels: list[int], bucket: int = REDUCE_BUCKET_ELEMENTS) -> list[tuple[int, int, int]]:

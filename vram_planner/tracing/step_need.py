@@ -25,7 +25,7 @@ class StepNeed:
 
     result: Any  # vram_planner.tracing.step.TraceResult
     reserved: Any  # vram_planner.tracing.reserve.ReservedMemory
-    need: Any  # vram_planner.tracing.need.Need
+    need: Any  # vram_planner.allocator.need.Need
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def step_need(step: StepToTrace, progress: Callable[[str], None] | None = None) 
     from vram_planner.allocator.replay import Replays
     from vram_planner.tracing.collection import collection_paused
     from vram_planner.tracing.events import with_workspaces
-    from vram_planner.tracing.need import least_capacity
+    from vram_planner.allocator.need import least_capacity
     from vram_planner.tracing.reserve import reserved_memory
     from vram_planner.tracing.step import trace_step
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import FIXTURES
 from vram_planner.allocator import parse_allocator_conf, replay_events
 from vram_planner.allocator.conf import AllocatorConf
-from vram_planner.tracing.need import NEAR_TRIES, granule_bytes, least_capacity
+from vram_planner.allocator.need import NEAR_TRIES, granule_bytes, least_capacity
 from vram_planner.units import MiB
 
 DEFAULT, EXPANDABLE = AllocatorConf(), parse_allocator_conf("expandable_segments:True", "--allocator-conf")

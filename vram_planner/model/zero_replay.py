@@ -1,0 +1,220 @@
+"""DeepSpeed ZeRO-1/2's own large buffers, allocated and freed in the order DeepSpeed 0.19.8 does, replayed through the
+allocator model: what their segments strand when the optimizer step asks for its fp32 gradient partition, and when
+the next loss's backward asks for its reduction buckets.
+
+The step (zero/stage_1_and_2.py:3013-3170) copies each gradient its partition holds to fp64 for the norm, one at a
+time, then flattens the partition's 16-bit gradients and converts the flat copy to fp32 (`single_grad_partition`,
+:3114-3118), both the partition's size, alive at once beside the Adam moments, the fp32 master partition and the
+16-bit model. At the need the allocator has none of those large blocks free: each request that finds no cached block
+makes cudaMalloc fail and frees every whole free segment, so what is cached is what the living buffers leave of the
+segments they were cut from. The sharded traces (benchmarks/deepspeed_configs.py) show it: Qwen2.5-0.5B on 2 ranks
+cuts the 471 MiB flat copy from the segment of the norm's 1,039 MiB fp64 copy of the embedding's gradient (569 MiB
+beside it) and its 479 MiB gradient partition buffer from a 944 MiB segment (465 MiB beside it), so the 942 MiB fp32
+copy takes a segment of its own over 1,034 MiB that nothing uses; Llama-3.2-1B on 2 cuts the flat copy from the
+previous step's 2,358 MiB fp32 copy and its partition buffer from a 2,358 MiB segment, 2,340 MiB beside them.
+
+No fitted coefficient weighs this: the buffers' sizes and order are DeepSpeed's, the rules the allocator model's. The
+stream leaves out the steps' activations and the 16-bit gradients autograd makes: at the need their segments are free
+and released before the step asks for its large blocks. Where one of them outlives the backward's start in a segment
+these buffers are later cut from, the trace strands more than this counts (Qwen2.5-1.5B on 4: the tied embedding's
+gradient cut from the start-up's zeroed fp32 segment moves the partition buffer there, 1,445 MiB beside the buffers
+against the replay's 928). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from itertools import count
+
+from vram_planner.allocator.replay import ALLOC, FREE
+from vram_planner.model import components as m
+from vram_planner.model import zero
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.lm_head import uses_fused_head
+from vram_planner.model.spec import TrainingConfig
+
+# The master weights' and gradients' fp32 copies (zero/stage_1_and_2.py:560-577, :3118)
+FP32_BYTES = 4
+
+
+def zero12_step_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What DeepSpeed's large buffers strand when ZeRO-1/2's optimizer step needs most: the least capacity their
+    replay runs in (allocator.need.least_capacity) less the most bytes they hold at once. Nothing without ZeRO-1/2,
+    with the optimizer offloaded (its partitions live on the host), or under expandable segments (each request
+    mapped page by page: nothing strands)."""
+    return float(_stranded_bytes(*_replay_arguments(arch, train))) if _replayed(arch, train) else 0.0
+
+
+def _replayed(arch: ModelArchitecture, train: TrainingConfig) -> bool:
+    return (train.zero_stage in (1, 2) and not train.optimizer_offloaded and not train.expandable_segments
+            and m.trainable_params(arch, train) > 0)
+
+
+def _replay_arguments(arch: ModelArchitecture, train: TrainingConfig) -> tuple:
+    """step_events' arguments for this config, hashable."""
+    groups = m.zero_optimizer_groups(arch, train)
+    bucket = zero.reduce_bucket_elements(arch, train)
+    rank = zero.stepping_rank(groups, train.num_gpus)
+    if train.uses_lora:  # the adapters' gradients, in one reduction after the backward
+        order, buffer_after = None, 0
+    else:
+        order = tuple(zero.backward_order(arch))
+        buffer_after = zero.partition_buffer_reduction(arch, train.num_gpus, rank, bucket)
+    return (tuple(map(tuple, groups)), train.num_gpus, rank, bucket, zero.overlaps_reduction(train),
+            train.gradient_accumulation_steps, _state_tensors(train), order, buffer_after, _head_gradients(arch, train))
+
+
+def _head_gradients(arch: ModelArchitecture, train: TrainingConfig) -> tuple[int, ...]:
+    """The output projection's weight gradient as its backward makes it, in bytes: TRL's fused head (1.15 on)
+    accumulates it in fp32 and casts it to the weight's dtype on return (model/lm_head.py), older releases make it in
+    the weight's dtype; none under LoRA (the head is frozen)."""
+    if train.uses_lora:
+        return ()
+    gradient = arch.vocab_size * arch.hidden_size
+    cast = (gradient * zero.REDUCE_BUCKET_ELEMENT_BYTES,)
+    return (gradient * FP32_BYTES, *cast) if uses_fused_head(train, train.release) else cast
+
+
+def zero12_loss_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What DeepSpeed's large buffers strand when the next loss's backward asks for its reduction buckets: what the
+    segments holding a living buffer hold beside it once the cache's whole free segments are released, as a card at
+    the need releases them (allocator.caching's release on a failed cudaMalloc). The first step's Adam moments are cut
+    from the smallest free segment that holds them, a reduction bucket's where the partition's states are smaller
+    than the bucket, and that segment is then too short for the bucket: Qwen2.5-0.5B's LoRA on 2 with two 2e8
+    buckets (overlap_comm) kept two 16.8 MiB moments in a 382 MiB bucket segment, 348 MiB beside them, when the next
+    backward asked for its second bucket. Nothing where zero12_step_stranded_bytes counts nothing."""
+    return float(_rest_at_next_buckets(*_replay_arguments(arch, train))) if _replayed(arch, train) else 0.0
+
+
+def _state_tensors(train: TrainingConfig) -> tuple[int, ...]:
+    """Bytes per element of each optimizer state the partition keeps (Adam's two fp32 moments)."""
+    opt = train.optim
+    if opt.is_8bit:
+        return (1,) * opt.state_tensors
+    return (FP32_BYTES,) * opt.state_tensors
+
+
+@functools.lru_cache(maxsize=256)
+def _stranded_bytes(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
+                    accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None, buffer_after: int,
+                    head: tuple[int, ...]) -> int:
+    # plan's searches estimate one config thousands of times: the replay runs once per model and layout
+    from vram_planner.allocator.need import least_capacity
+
+    events = step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order, buffer_after, head)
+    need = least_capacity(events)
+    return max(0, need.capacity_bytes - need.tensor_peak_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _rest_at_next_buckets(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
+                          accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None,
+                          buffer_after: int, head: tuple[int, ...]) -> int:
+    from vram_planner.allocator.caching import CachingAllocator
+    from vram_planner.model.stranding import rest_beside_large_blocks
+
+    events = step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order, buffer_after, head)
+    allocator, addresses, requested = CachingAllocator(), {}, {}
+    for action, block, size in events:
+        if action == ALLOC:
+            addresses[block] = allocator.malloc(size)
+            requested[addresses[block]] = size
+        else:
+            requested.pop(addresses[block])
+            allocator.free(addresses.pop(block))
+    allocator.empty_cache()
+    made = [allocator.malloc(size) for size in head]
+    for address, size in zip(made, head):
+        requested[address] = size
+    if len(made) > 1:  # the fp32 accumulation, freed once cast
+        allocator.free(made[0])
+        del requested[made[0]]
+    bucket_bytes = bucket * zero.REDUCE_BUCKET_ELEMENT_BYTES
+    for _ in range(2 if overlap else 1):
+        requested[allocator.malloc(bucket_bytes)] = bucket_bytes
+    return rest_beside_large_blocks(allocator, requested)
+
+
+def step_events(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
+                accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None, buffer_after: int,
+                head: tuple[int, ...] = ()) -> list[tuple[str, int, int]]:
+    """The stream, as the sharded trace runs it: DeepSpeed's start-up, a step's `accumulation` backwards, the
+    optimizer step that made the moments, then the optimizer step beside them, on `rank` of `ranks` (the one whose
+    step holds the most, zero.stepping_rank). `groups`: the trainable parameters' numels per optimizer group (a LoRA
+    run's frozen base model lies in segments of its own, whose rests are the weights', not the step's); `order`: the
+    gradients' numels in the backward's order (None: every trainable gradient reduced once, after the backward);
+    `buffer_after`: the reduction after whose flat copy the partition buffer is made
+    (zero.partition_buffer_reduction); `head`: the output projection's weight gradient as its backward makes it, the
+    last kept to the backward's last reduction (`_head_gradients`: a tied head's waits for the embedding's; an untied
+    one's is copied into the bucket sooner, which the stream does not place)."""
+    ids = count()
+    events: list[tuple[str, int, int]] = []
+
+    def alloc(n_bytes: int) -> int:
+        block = next(ids)
+        events.append((ALLOC, block, int(n_bytes)))
+        return block
+
+    def free(block: int) -> None:
+        events.append((FREE, block, 0))
+
+    shares = [-(-sum(group) // ranks) for group in groups]
+    split = [zero.partition_pieces(list(group), ranks, rank) for group in groups]
+    grad = zero.REDUCE_BUCKET_ELEMENT_BYTES
+    # start-up: the trainable parameters as loaded, in 16 bits, each group flattened into one buffer of the whole group
+    # (:509-524, padded to the ranks) and its parameters freed; the rank's fp32 master partition made from a clone of
+    # its 16-bit partition (:560-577); a zeroed fp32 gradient per group, freed once all exist
+    # (`initialize_optimizer_states`, :934-951)
+    loaded = [alloc(numel * grad) for group in groups for numel in group]
+    for share in shares:
+        alloc(share * ranks * grad)
+    for block in loaded:
+        free(block)
+    for share in shares:
+        clone = alloc(share * grad)
+        alloc(share * FP32_BYTES)
+        free(clone)
+    for zeroed in [alloc(share * FP32_BYTES) for share in shares]:
+        free(zeroed)
+    # the gradients the step keeps whole until their fp32 copy exists (zero.zero12_step_bytes): ZeRO-2's partition
+    # buffer, from the first reduction on (:2184-2203)
+    kept = sum((sum(whole) + share - sum(pieces)) * grad for (pieces, whole), share in zip(split, shares))
+    reductions = [flat for flat, _, i in zero.bucket_reductions(list(order), bucket) if i > 0] if order else []
+    flats = [*reductions, sum(map(sum, groups)) - sum(reductions)]
+    partition = None
+    for _ in range(accumulation):
+        made = [alloc(size) for size in head]
+        for block in made[:-1]:
+            free(block)
+        buckets = [alloc(bucket * grad) for _ in range(2 if overlap else 1)]
+        # each full bucket's gradients flattened for the collective (zero.reducing_bucket_gradient_bytes), then what
+        # the bucket holds last, as the backward ends; the partition buffer after the first of its gradients
+        for k, flat in enumerate(flats):
+            if made and k == len(flats) - 1:
+                free(made[-1])
+            free(alloc(flat * grad))
+            if partition is None and k >= buffer_after:
+                partition = alloc(kept)
+        for block in buckets:
+            free(block)
+    # the step that made the moments, as the trace runs it: each group's fp32 gradient beside its new moments
+    for share in shares:
+        fp32 = alloc(share * FP32_BYTES)
+        for element_bytes in states:
+            alloc(share * element_bytes)
+        free(fp32)
+    # the norm: each gradient piece of the partition copied to fp64, one at a time (:2684)
+    for pieces, _ in split:
+        for piece in pieces:
+            free(alloc(piece * zero.NORM_COPY_BYTES))
+    for i, ((pieces, _), share) in enumerate(zip(split, shares)):
+        tensors = len(pieces) + (sum(pieces) < share)
+        flat = alloc(share * zero.FLAT_GRADIENT_BYTES) if tensors > 1 else None
+        fp32 = alloc(share * FP32_BYTES)
+        if flat is not None:
+            free(flat)
+        if i == 0 and partition is not None:
+            free(partition)
+            partition = None
+        free(fp32)
+    return events
