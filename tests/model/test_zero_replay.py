@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from vram_planner.allocator.need import least_capacity
 from vram_planner.allocator.sizes import K_LARGE_BUFFER, allocation_size
 from vram_planner.model import components as m
 from vram_planner.model import zero
@@ -14,7 +15,8 @@ from vram_planner.model.phases import estimate
 from vram_planner.model.resolve import catalog_architecture, resolve_model
 from vram_planner.model.spec import training_config
 from vram_planner.model.trl_releases import trl_release
-from vram_planner.model.zero_replay import zero12_loss_stranded_bytes, zero12_step_stranded_bytes
+from vram_planner.model.zero_replay import (_replay_arguments, _without_repeats, step_events,
+                                           zero12_loss_stranded_bytes, zero12_step_stranded_bytes)
 from vram_planner.profiles import models
 from vram_planner.units import GiB
 
@@ -69,6 +71,10 @@ def test_every_catalog_model_replays_on_any_layout(entry):
         shares = [-(-sum(group) // train.num_gpus) for group in m.zero_optimizer_groups(arch, train)]
         assert 0 <= stranded <= 3 * sum(shares) * 4 + step.components["gradients"], (entry.name, knobs)
         assert step.components["allocator_overhead"] >= stranded
+        # the runs of requests freed at once, replayed without those that change nothing, decide the same need
+        events = step_events(*_replay_arguments(arch, train))
+        full, compact = least_capacity(events), least_capacity(_without_repeats(events))
+        assert (full.capacity_bytes, full.tensor_peak_bytes) == (compact.capacity_bytes, compact.tensor_peak_bytes)
 
 
 def test_the_next_backwards_bucket_finds_the_first_steps_moments_in_the_last_ones_segment():

@@ -27,6 +27,7 @@ import functools
 from itertools import count
 
 from vram_planner.allocator.replay import ALLOC, FREE
+from vram_planner.allocator.sizes import K_SMALL_SIZE
 from vram_planner.model import components as m
 from vram_planner.model import zero
 from vram_planner.model.architecture import ModelArchitecture
@@ -101,7 +102,8 @@ def _stranded_bytes(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, 
     # plan's searches estimate one config thousands of times: the replay runs once per model and layout
     from vram_planner.allocator.need import least_capacity
 
-    events = step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order, buffer_after, head)
+    events = _without_repeats(step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order,
+                                          buffer_after, head))
     need = least_capacity(events)
     return max(0, need.capacity_bytes - need.tensor_peak_bytes)
 
@@ -113,7 +115,8 @@ def _rest_at_next_buckets(groups: tuple[tuple[int, ...], ...], ranks: int, rank:
     from vram_planner.allocator.caching import CachingAllocator
     from vram_planner.model.stranding import rest_beside_large_blocks
 
-    events = step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order, buffer_after, head)
+    events = _without_repeats(step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order,
+                                          buffer_after, head))
     allocator, addresses, requested = CachingAllocator(), {}, {}
     for action, block, size in events:
         if action == ALLOC:
@@ -133,6 +136,30 @@ def _rest_at_next_buckets(groups: tuple[tuple[int, ...], ...], ranks: int, rank:
     for _ in range(2 if overlap else 1):
         requested[allocator.malloc(bucket_bytes)] = bucket_bytes
     return rest_beside_large_blocks(allocator, requested)
+
+
+def _without_repeats(events: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The stream without the requests that change nothing: in a run of requests each freed at once (a bucket's flat
+    copies, the norm's copies one gradient at a time), one no larger than an earlier one of the run in the same pool
+    is cut from the block that one left free and merged back into it, so replaying the run without it decides the
+    same, faster."""
+    kept: list[tuple[str, int, int]] = []
+    largest = {False: 0, True: 0}  # the run's largest request so far, per pool (small: up to 1 MiB)
+    i = 0
+    while i < len(events):
+        action, block, size = events[i]
+        paired = action == ALLOC and i + 1 < len(events) and events[i + 1][:2] == (FREE, block)
+        if not paired:
+            largest = {False: 0, True: 0}
+            kept.append(events[i])
+            i += 1
+            continue
+        pool = size <= K_SMALL_SIZE
+        if size > largest[pool]:
+            largest[pool] = size
+            kept += events[i:i + 2]
+        i += 2
+    return kept
 
 
 def step_events(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
