@@ -10,7 +10,7 @@ overlap_comm). Each config here is traced on one rank with DeepSpeed's own engin
 --zero-stage S --reduce-bucket-size B`), its tensor peak per phase printed beside the analytic model's, and the need
 (bisected with the allocator model) beside the analytic "fits from". Full fine-tuning of Qwen2.5-0.5B and
 Llama-3.2-1B (tied embeddings larger and smaller than a 2e8 bucket), LoRA, accumulation, 2 and 8 ranks; Llama-3.2-3B
-on 2; and five configs at TRL's own batch and lengths, Qwen2.5-0.5B to Llama-3.1-8B.
+on 2 and Qwen2.5-1.5B on 4; and five configs at TRL's own batch and lengths, Qwen2.5-0.5B to Llama-3.1-8B.
 Writes benchmarks/results/deepspeed_configs.json and .txt; tests/test_launcher.py holds the analytic model to it.
 """
 
@@ -45,7 +45,7 @@ GRID = ([{"zero_stage": stage, "num_gpus": 2, "reduce_bucket_size": size, **({} 
            {"zero_stage": 2, "num_gpus": 2, "gradient_accumulation_steps": 2}])
 # Larger models and TRL's own batch and lengths (only the dtype set: `defaults`), on the layouts whose steps strand
 # the most beside DeepSpeed's buffers (vram_planner/model/zero_replay.py), DeepSpeed's defaults
-LARGER = [("Llama-3.2-3B", {"zero_stage": 2, "num_gpus": 2})]
+LARGER = [("Llama-3.2-3B", {"zero_stage": 2, "num_gpus": 2}), ("Qwen2.5-1.5B", {"zero_stage": 2, "num_gpus": 4})]
 DEFAULTS = {"dtype": "bfloat16"}
 AT_TRLS_DEFAULTS = [("Qwen2.5-0.5B", {"zero_stage": 2, "num_gpus": 8}),
                     ("Qwen2.5-1.5B", {"zero_stage": 2, "num_gpus": 8}),

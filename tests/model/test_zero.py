@@ -371,3 +371,21 @@ def test_a_bucket_the_engines_do_not_have_is_one_clear_line(capsys, knobs, said)
         [f"--{key.replace('_', '-')}"] if value is True else [f"--{key.replace('_', '-')}", str(value)])]
     assert said in one_line_error(capsys, "check", "--gpu", "h100", "--model", "Llama-3.2-1B", "--num-gpus", "2",
                                   *flags)
+
+
+def test_a_later_bucket_is_flattened_beside_the_partition_buffer_where_it_spans_partitions():
+    # Qwen2.5-1.5B on 4, DeepSpeed's 5e8 bucket: rank 1's buffer comes after the second reduction; the embedding's
+    # arrival then reduces the first layers, which belong to ranks 0 and 1, so average_tensor flattens them beside the
+    # buffer and the embedding's gradient (the sharded trace: 624.8 + 766.6 + 445.1 MiB)
+    arch = resolve_model("Qwen2.5-1.5B")
+    order = zero.backward_order(arch)
+    reductions = zero.bucket_reductions(order, zero.REDUCE_BUCKET_ELEMENTS)
+    assert zero.partition_buffer_reduction(arch, 4, 1, zero.REDUCE_BUCKET_ELEMENTS) == 1
+    (_, _, first), (_, _, second), (flat, arriving, third) = reductions[:3]
+    assert zero._spans_partitions(arch, 4, second, third) and third == len(order) - 1
+    buffer = 766 * 2**20
+    held = zero.reducing_bucket_gradient_bytes(arch, arch.params, True, partition_buffer=buffer, ranks=4, rank=1)
+    assert held == buffer + (flat + arriving) * zero.REDUCE_BUCKET_ELEMENT_BYTES
+    # on one rank nothing spans, and without the rank the later reduction's copy is not placed
+    assert not zero._spans_partitions(arch, 1, second, third)
+    assert zero.reducing_bucket_gradient_bytes(arch, arch.params, True, partition_buffer=buffer, ranks=4) < held

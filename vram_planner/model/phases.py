@@ -20,7 +20,7 @@ from vram_planner.model import inference
 from vram_planner.model import offload
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration, allocator_reserve_bytes
-from vram_planner.model.cublas import cublas_workspace_bytes
+from vram_planner.model.cublas import TRAINING_THREADS, cublas_workspace_bytes
 from vram_planner.model.cuda_context import context_bytes as resolved_context_bytes
 from vram_planner.model.expandable_pages import expandable_patterns
 from vram_planner.model.fragmentation import reserve_patterns
@@ -216,8 +216,9 @@ def _reducing_moments(arch: ModelArchitecture, train: TrainingConfig, persistent
     # LM head's backward there (Llama-3.2-1B on 8), above this moment
     waits = tied and not (accumulating and train.zero_stage == 3)
     bucket = zero.reduce_bucket_elements(arch, train)
+    rank = m.zero_heaviest_rank(arch, train, "training") if train.zero_stage == 2 else None
     reducing = zero.reducing_bucket_gradient_bytes(arch, trainable, waits, train.uses_lora, kept, bucket,
-                                                   train.num_gpus)
+                                                   train.num_gpus, rank)
     kept_before = max(grads_before, m.zero3_gradient_partition_bytes(arch, train))
     # ZeRO-3 gathers the layer it differentiates, its LoRA adapters too (16-bit: TRL builds them in the weights' dtype
     # under ZeRO-3), unless its coordinator holds every one already (`prefetched`). The adapters are what reentrant
@@ -333,18 +334,19 @@ def with_overheads(phase: Phase, cal: Calibration, reservation: float, train: Tr
     components["nccl_buffers"] = float(nccl_bytes)  # outside the caching allocator, like the context
     components["vllm_communicators"] = float(vllm_comm_bytes)  # beside vLLM's budget, not inside it
     components["cublas_workspaces"] = float(workspace_bytes)
-    components["allocator_overhead"] = _reserve(phase, cal, train, arch, steady)
+    components["allocator_overhead"] = _reserve(phase, cal, train, arch, steady, workspace_bytes)
     return Phase(phase.name, components, phase.moment)
 
 
 def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelArchitecture | None = None,
-             steady: bool = True) -> float:
+             steady: bool = True, workspace_bytes: float = 0.0) -> float:
     """What the caching allocator holds beyond the phase's tensors, under the run's allocator setting. The patterns
     are the same at every moment of a phase but generation's: at its prefill the decoding's blocks (and the segments
     they strand) do not exist yet, and the prefill's own largest requests are over by the decoding
     (generation_patterns.PREFILL_PATTERNS). Generation's heaviest moment is chosen with them (`arch`), the other
-    phases' without. Under ZeRO-1/2 what DeepSpeed's own buffers strand (model/zero_replay.py) is added as it is, in
-    the optimizer step and in the loss of a `steady` step (one after an optimizer step)."""
+    phases' without. Under ZeRO-1/2 what DeepSpeed's own buffers strand beside the cuBLAS workspaces
+    (model/zero_replay.py; `workspace_bytes` for the step's threads) is added as it is, in the optimizer step and in
+    the loss of a `steady` step (one after an optimizer step)."""
     tensors = {c: phase.components.get(c, 0.0) for c in TENSOR_COMPONENTS}
     patterns_of = expandable_patterns if train.expandable_segments else reserve_patterns
     patterns = patterns_of(arch, train, phase.name) if arch is not None else None
@@ -353,10 +355,11 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
         patterns = {name: value if (name in PREFILL_PATTERNS) == prefilling else 0.0
                     for name, value in patterns.items()}
     exact = loaded_weight_segment_bytes(arch, train) if arch is not None else 0.0
+    workspace = int(workspace_bytes) // TRAINING_THREADS
     if arch is not None and phase.name == "optimizer":
-        exact += zero12_step_stranded_bytes(arch, train)
+        exact += zero12_step_stranded_bytes(arch, train, workspace)
     elif arch is not None and phase.name == "training" and steady:
-        exact += zero12_loss_stranded_bytes(arch, train)
+        exact += zero12_loss_stranded_bytes(arch, train, workspace)
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns, exact)
 
 

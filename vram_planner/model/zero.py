@@ -229,7 +229,8 @@ def deepspeed_estimate_bytes(total_params: int, num_gpus: int, stage: int, large
 
 def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied_head_waits: bool,
                                    lora: bool = False, partition_buffer: int = 0,
-                                   bucket: int = REDUCE_BUCKET_ELEMENTS, ranks: int = 1) -> int:
+                                   bucket: int = REDUCE_BUCKET_ELEMENTS, ranks: int = 1,
+                                   rank: int | None = None) -> int:
     """ZeRO-2/3's 16-bit gradients, besides the bucket, while they reduce a full bucket: the bucket's gradients
     flattened into one new tensor for the collective (ZeRO-2: `allreduce_bucket`, zero/stage_1_and_2.py:2360-2367,
     reached from `reduce_ipg_grads` :2229 through `average_tensor` :1708 with use_multi_rank_bucket_allreduce, on by
@@ -243,7 +244,12 @@ def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied
     (`partition_buffer`, bytes; none where the caller counts it already). Seen so by the sharded trace
     (benchmarks/results/sharded.zero.txt: Llama-3.2-1B on 8 flattens 8 layers and the final norm, 486574080
     elements, beside an MLP matrix's 32 MiB gradient; on 2, the embedding's gradient arrives beside the 1.2 GB
-    buffer). `bucket`: its size in elements (`reduce_bucket_elements`); `ranks`: the data-parallel ranks."""
+    buffer). A later reduction flattens its bucket too where the bucket's gradients belong to more than one rank's
+    partition (`average_tensor` flattens one slice per destination, a lone slice being a view, zero/stage_1_and_2.py:
+    1660-1706): with the partition buffer of ZeRO-2's `rank` already made (`partition_buffer_reduction`), that copy
+    lies beside it (Qwen2.5-1.5B on 4, rank 1: the embedding's arrival flattens 624.8 MiB of the first layers beside
+    its 766.6 MiB buffer and the embedding's 445.1 MiB gradient). `bucket`: its size in elements
+    (`reduce_bucket_elements`); `ranks`: the data-parallel ranks."""
     if trainable <= bucket or lora:
         return min(trainable, bucket) * REDUCE_BUCKET_ELEMENT_BYTES
     order = backward_order(arch)
@@ -254,8 +260,30 @@ def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied
     first = flat + arriving + (0 if i == len(order) - 1 else waiting)
     after = max((arriving + (0 if i == len(order) - 1 else waiting) for _, arriving, i in later), default=0)
     last = _last_reduction_elements(arch, order[reductions[-1][2]:], bucket, ranks)
-    return max(first * REDUCE_BUCKET_ELEMENT_BYTES, partition_buffer + after * REDUCE_BUCKET_ELEMENT_BYTES,
-               partition_buffer + last * REDUCE_BUCKET_ELEMENT_BYTES)
+    beside_buffer = 0
+    if rank is not None and partition_buffer:
+        made_after = partition_buffer_reduction(arch, ranks, rank, bucket)
+        starts = [0] + [i for _, _, i in reductions]
+        beside_buffer = max((flat + arriving + (0 if i == len(order) - 1 else waiting)
+                             for k, (flat, arriving, i) in enumerate(reductions)
+                             if k > made_after and _spans_partitions(arch, ranks, starts[k], i)), default=0)
+    return max(first * REDUCE_BUCKET_ELEMENT_BYTES,
+               partition_buffer + max(after, last, beside_buffer) * REDUCE_BUCKET_ELEMENT_BYTES)
+
+
+def _spans_partitions(arch: ModelArchitecture, ranks: int, start: int, end: int) -> bool:
+    """Whether the gradients `start` to `end` (exclusive) of the backward's order hold elements of more than one
+    rank's partition of the matrices' group: the backward makes that group's gradients in the reverse of its flat
+    order (`backward_order`, `base_groups`)."""
+    params = _backward_params(arch)
+    total = sum(n for n, group in params if group == 0)
+    before = sum(n for n, group in params[:start] if group == 0)
+    within = sum(n for n, group in params[start:end] if group == 0)
+    if not within:
+        return False
+    share = _matrices_partition_elements(arch, ranks)
+    low, high = total - before - within, total - before
+    return (low // share) != ((high - 1) // share)
 
 
 def _last_reduction_elements(arch: ModelArchitecture, bucketed: list[int], bucket: int, ranks: int) -> int:

@@ -14,11 +14,13 @@ copy takes a segment of its own over 1,034 MiB that nothing uses; Llama-3.2-1B o
 previous step's 2,358 MiB fp32 copy and its partition buffer from a 2,358 MiB segment, 2,340 MiB beside them.
 
 No fitted coefficient weighs this: the buffers' sizes and order are DeepSpeed's, the rules the allocator model's. The
-stream leaves out the steps' activations and the 16-bit gradients autograd makes: at the need their segments are free
-and released before the step asks for its large blocks. Where one of them outlives the backward's start in a segment
-these buffers are later cut from, the trace strands more than this counts (Qwen2.5-1.5B on 4: the tied embedding's
-gradient cut from the start-up's zeroed fp32 segment moves the partition buffer there, 1,445 MiB beside the buffers
-against the replay's 928). Pure Python, no torch.
+cuBLAS workspaces are in the stream too: made as the generation and the first backward begin and kept, they are cut
+from the start-up's freed segments (Qwen2.5-0.5B's 260 MiB embedding segment, 196 MiB beside them; Qwen2.5-1.5B's
+446 MiB one, which is then too short for the head's 445 MiB gradient, so that lands in the zeroed fp32 segment and
+the partition buffer beside it). With them the replay strands what the traces' segments held: 1,241 against 1,230
+MiB for Qwen2.5-0.5B on 2, 1,838 against 1,827 for Qwen2.5-1.5B on 4. The stream leaves out the steps' activations
+and the 16-bit gradients autograd makes: at the need their segments are free and released before the step asks for
+its large blocks. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ from vram_planner.model.spec import TrainingConfig
 FP32_BYTES = 4
 
 
-def zero12_step_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+def zero12_step_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, workspace_bytes: int = 0) -> float:
     """What DeepSpeed's large buffers strand when ZeRO-1/2's optimizer step needs most: the least capacity their
     replay runs in (allocator.need.least_capacity) less the most bytes they hold at once. Nothing without ZeRO-1/2,
     with the optimizer offloaded (its partitions live on the host), or under expandable segments (each request
-    mapped page by page: nothing strands)."""
-    return float(_stranded_bytes(*_replay_arguments(arch, train))) if _replayed(arch, train) else 0.0
+    mapped page by page: nothing strands). `workspace_bytes`: one thread's cuBLAS workspace on the card
+    (model/cublas.py), which the generation's and the backward's first matrix products make and keep."""
+    if not _replayed(arch, train):
+        return 0.0
+    return float(_stranded_bytes(*_replay_arguments(arch, train, workspace_bytes)))
 
 
 def _replayed(arch: ModelArchitecture, train: TrainingConfig) -> bool:
@@ -51,7 +56,7 @@ def _replayed(arch: ModelArchitecture, train: TrainingConfig) -> bool:
             and m.trainable_params(arch, train) > 0)
 
 
-def _replay_arguments(arch: ModelArchitecture, train: TrainingConfig) -> tuple:
+def _replay_arguments(arch: ModelArchitecture, train: TrainingConfig, workspace_bytes: int = 0) -> tuple:
     """step_events' arguments for this config, hashable."""
     groups = m.zero_optimizer_groups(arch, train)
     bucket = zero.reduce_bucket_elements(arch, train)
@@ -62,7 +67,8 @@ def _replay_arguments(arch: ModelArchitecture, train: TrainingConfig) -> tuple:
         order = tuple(zero.backward_order(arch))
         buffer_after = zero.partition_buffer_reduction(arch, train.num_gpus, rank, bucket)
     return (tuple(map(tuple, groups)), train.num_gpus, rank, bucket, zero.overlaps_reduction(train),
-            train.gradient_accumulation_steps, _state_tensors(train), order, buffer_after, _head_gradients(arch, train))
+            train.gradient_accumulation_steps, _state_tensors(train), order, buffer_after, _head_gradients(arch, train),
+            workspace_bytes)
 
 
 def _head_gradients(arch: ModelArchitecture, train: TrainingConfig) -> tuple[int, ...]:
@@ -76,15 +82,18 @@ def _head_gradients(arch: ModelArchitecture, train: TrainingConfig) -> tuple[int
     return (gradient * FP32_BYTES, *cast) if uses_fused_head(train, train.release) else cast
 
 
-def zero12_loss_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+def zero12_loss_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, workspace_bytes: int = 0) -> float:
     """What DeepSpeed's large buffers strand when the next loss's backward asks for its reduction buckets: what the
     segments holding a living buffer hold beside it once the cache's whole free segments are released, as a card at
     the need releases them (allocator.caching's release on a failed cudaMalloc). The first step's Adam moments are cut
     from the smallest free segment that holds them, a reduction bucket's where the partition's states are smaller
     than the bucket, and that segment is then too short for the bucket: Qwen2.5-0.5B's LoRA on 2 with two 2e8
     buckets (overlap_comm) kept two 16.8 MiB moments in a 382 MiB bucket segment, 348 MiB beside them, when the next
-    backward asked for its second bucket. Nothing where zero12_step_stranded_bytes counts nothing."""
-    return float(_rest_at_next_buckets(*_replay_arguments(arch, train))) if _replayed(arch, train) else 0.0
+    backward asked for its second bucket. Nothing where zero12_step_stranded_bytes counts nothing; `workspace_bytes`
+    as it says."""
+    if not _replayed(arch, train):
+        return 0.0
+    return float(_rest_at_next_buckets(*_replay_arguments(arch, train, workspace_bytes)))
 
 
 def _state_tensors(train: TrainingConfig) -> tuple[int, ...]:
@@ -98,12 +107,12 @@ def _state_tensors(train: TrainingConfig) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=256)
 def _stranded_bytes(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
                     accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None, buffer_after: int,
-                    head: tuple[int, ...]) -> int:
+                    head: tuple[int, ...], workspace: int) -> int:
     # plan's searches estimate one config thousands of times: the replay runs once per model and layout
     from vram_planner.allocator.need import least_capacity
 
     events = _without_repeats(step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order,
-                                          buffer_after, head))
+                                          buffer_after, head, workspace))
     need = least_capacity(events)
     return max(0, need.capacity_bytes - need.tensor_peak_bytes)
 
@@ -111,12 +120,12 @@ def _stranded_bytes(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, 
 @functools.lru_cache(maxsize=256)
 def _rest_at_next_buckets(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
                           accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None,
-                          buffer_after: int, head: tuple[int, ...]) -> int:
+                          buffer_after: int, head: tuple[int, ...], workspace: int) -> int:
     from vram_planner.allocator.caching import CachingAllocator
     from vram_planner.model.stranding import rest_beside_large_blocks
 
     events = _without_repeats(step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order,
-                                          buffer_after, head))
+                                          buffer_after, head, workspace))
     allocator, addresses, requested = CachingAllocator(), {}, {}
     for action, block, size in events:
         if action == ALLOC:
@@ -164,7 +173,7 @@ def _without_repeats(events: list[tuple[str, int, int]]) -> list[tuple[str, int,
 
 def step_events(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
                 accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None, buffer_after: int,
-                head: tuple[int, ...] = ()) -> list[tuple[str, int, int]]:
+                head: tuple[int, ...] = (), workspace: int = 0) -> list[tuple[str, int, int]]:
     """The stream, as the sharded trace runs it: DeepSpeed's start-up, a step's `accumulation` backwards, the
     optimizer step that made the moments, then the optimizer step beside them, on `rank` of `ranks` (the one whose
     step holds the most, zero.stepping_rank). `groups`: the trainable parameters' numels per optimizer group (a LoRA
@@ -173,7 +182,10 @@ def step_events(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, buck
     `buffer_after`: the reduction after whose flat copy the partition buffer is made
     (zero.partition_buffer_reduction); `head`: the output projection's weight gradient as its backward makes it, the
     last kept to the backward's last reduction (`_head_gradients`: a tied head's waits for the embedding's; an untied
-    one's is copied into the bucket sooner, which the stream does not place)."""
+    one's is copied into the bucket sooner, which the stream does not place); `workspace`: one thread's cuBLAS
+    workspace, the generation's made after the start-up and the backward's as the first backward begins, both kept
+    (none: 0), which best fit cuts from the start-up's freed segments (Qwen2.5-1.5B on 4: from the embedding's 446
+    MiB one, too short then for the head's 445 MiB gradient)."""
     ids = count()
     events: list[tuple[str, int, int]] = []
 
@@ -208,8 +220,12 @@ def step_events(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, buck
     kept = sum((sum(whole) + share - sum(pieces)) * grad for (pieces, whole), share in zip(split, shares))
     reductions = [flat for flat, _, i in zero.bucket_reductions(list(order), bucket) if i > 0] if order else []
     flats = [*reductions, sum(map(sum, groups)) - sum(reductions)]
+    if workspace:
+        alloc(workspace)
     partition = None
-    for _ in range(accumulation):
+    for micro_batch in range(accumulation):
+        if workspace and micro_batch == 0:
+            alloc(workspace)
         made = [alloc(size) for size in head]
         for block in made[:-1]:
             free(block)
