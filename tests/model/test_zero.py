@@ -382,10 +382,10 @@ def test_a_later_bucket_is_flattened_beside_the_partition_buffer_where_it_spans_
     reductions = zero.bucket_reductions(order, zero.REDUCE_BUCKET_ELEMENTS)
     assert zero.partition_buffer_reduction(arch, 4, 1, zero.REDUCE_BUCKET_ELEMENTS) == 1
     (_, _, first), (_, _, second), (flat, arriving, third) = reductions[:3]
-    assert zero._spans_partitions(arch, 4, second, third) and third == len(order) - 1
+    assert zero._spans_partitions(arch, 4, [first, second, third])[2] and third == len(order) - 1
     buffer = 766 * 2**20
     held = zero.reducing_bucket_gradient_bytes(arch, arch.params, True, partition_buffer=buffer, ranks=4, rank=1)
     assert held == buffer + (flat + arriving) * zero.REDUCE_BUCKET_ELEMENT_BYTES
     # on one rank nothing spans, and without the rank the later reduction's copy is not placed
-    assert not zero._spans_partitions(arch, 1, second, third)
+    assert not zero._spans_partitions(arch, 1, [first, second, third])[2]
     assert zero.reducing_bucket_gradient_bytes(arch, arch.params, True, partition_buffer=buffer, ranks=4) < held

@@ -32,6 +32,7 @@ leaves out the flat copy and the gradients kept whole), and ZeRO-3 22 P / N and 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import accumulate
 
 from vram_planner.model import blocks
 from vram_planner.model.architecture import ModelArchitecture
@@ -263,27 +264,32 @@ def reducing_bucket_gradient_bytes(arch: ModelArchitecture, trainable: int, tied
     beside_buffer = 0
     if rank is not None and partition_buffer:
         made_after = partition_buffer_reduction(arch, ranks, rank, bucket)
-        starts = [0] + [i for _, _, i in reductions]
+        spanning = _spans_partitions(arch, ranks, [i for _, _, i in reductions])
         beside_buffer = max((flat + arriving + (0 if i == len(order) - 1 else waiting)
                              for k, (flat, arriving, i) in enumerate(reductions)
-                             if k > made_after and _spans_partitions(arch, ranks, starts[k], i)), default=0)
+                             if k > made_after and spanning[k]), default=0)
     return max(first * REDUCE_BUCKET_ELEMENT_BYTES,
                partition_buffer + max(after, last, beside_buffer) * REDUCE_BUCKET_ELEMENT_BYTES)
 
 
-def _spans_partitions(arch: ModelArchitecture, ranks: int, start: int, end: int) -> bool:
-    """Whether the gradients `start` to `end` (exclusive) of the backward's order hold elements of more than one
-    rank's partition of the matrices' group: the backward makes that group's gradients in the reverse of its flat
-    order (`backward_order`, `base_groups`)."""
-    params = _backward_params(arch)
-    total = sum(n for n, group in params if group == 0)
-    before = sum(n for n, group in params[:start] if group == 0)
-    within = sum(n for n, group in params[start:end] if group == 0)
-    if not within:
-        return False
-    share = _matrices_partition_elements(arch, ranks)
-    low, high = total - before - within, total - before
-    return (low // share) != ((high - 1) // share)
+def _spans_partitions(arch: ModelArchitecture, ranks: int, ends: list[int]) -> list[bool]:
+    """For each bucket the backward reduces in turn, ending before the gradient `ends[k]` of the backward's order (and
+    starting where the one before ended), whether it holds elements of more than one rank's partition of the matrices'
+    group: the backward makes that group's gradients in the reverse of its flat order (`backward_order`,
+    `base_groups`)."""
+    reduced = _matrices_reduced(arch)
+    total, share = reduced[-1], _matrices_partition_elements(arch, ranks)
+    spanning, start = [], 0
+    for end in ends:
+        low, high = total - reduced[end], total - reduced[start]
+        spanning.append(high > low and low // share != (high - 1) // share)
+        start = end
+    return spanning
+
+
+def _matrices_reduced(arch: ModelArchitecture) -> list[int]:
+    """The matrices' group's elements among the backward's first i gradients, for i from 0 to all of them."""
+    return [0, *accumulate(n if group == 0 else 0 for n, group in _backward_params(arch))]
 
 
 def _last_reduction_elements(arch: ModelArchitecture, bucketed: list[int], bucket: int, ranks: int) -> int:
@@ -336,7 +342,7 @@ def partition_reduced_before_embedding(arch: ModelArchitecture, ranks: int, rank
     reduction ends at is not placed. The sharded trace: Qwen2.5-0.5B on 2 with "auto" buckets has rank 0's buffer
     there; Llama-3.2-1B on 2 with the default bucket not (layers 7 to 0 still in the bucket, rank 0's norms'
     partition ending 1,024 elements into layer 8's)."""
-    last_before = len(_backward_params(arch)) - 1
+    last_before = len(backward_order(arch)) - 1
     return any(i < last_before for i in _partition_reductions(arch, ranks, rank, bucket))
 
 
@@ -353,12 +359,10 @@ def partition_buffer_reduction(arch: ModelArchitecture, ranks: int, rank: int, b
 def _partition_reductions(arch: ModelArchitecture, ranks: int, rank: int, bucket: int) -> Iterator[int]:
     """The backward's reductions that reduce a gradient of the rank's partition of the matrices' group, as the index
     of the gradient whose arrival sets each off."""
-    params = _backward_params(arch)
-    matrices = sum(base_groups(arch)[0])
-    share = _matrices_partition_elements(arch, ranks)
-    for _, _, i in bucket_reductions([n for n, _ in params], bucket):
-        reduced = sum(n for n, group in params[:i] if group == 0)
-        if i > 0 and reduced > 0 and (rank + 1) * share > matrices - reduced:
+    reduced = _matrices_reduced(arch)
+    matrices, share = sum(base_groups(arch)[0]), _matrices_partition_elements(arch, ranks)
+    for _, _, i in bucket_reductions(backward_order(arch), bucket):
+        if i > 0 and reduced[i] > 0 and (rank + 1) * share > matrices - reduced[i]:
             yield i
 
 

@@ -58,17 +58,24 @@ def _replayed(arch: ModelArchitecture, train: TrainingConfig) -> bool:
 
 def _replay_arguments(arch: ModelArchitecture, train: TrainingConfig, workspace_bytes: int = 0) -> tuple:
     """step_events' arguments for this config, hashable."""
-    groups = m.zero_optimizer_groups(arch, train)
     bucket = zero.reduce_bucket_elements(arch, train)
-    rank = zero.stepping_rank(groups, train.num_gpus)
-    if train.uses_lora:  # the adapters' gradients, in one reduction after the backward
-        order, buffer_after = None, 0
-    else:
-        order = tuple(zero.backward_order(arch))
-        buffer_after = zero.partition_buffer_reduction(arch, train.num_gpus, rank, bucket)
-    return (tuple(map(tuple, groups)), train.num_gpus, rank, bucket, zero.overlaps_reduction(train),
-            train.gradient_accumulation_steps, _state_tensors(train), order, buffer_after, _head_gradients(arch, train),
-            workspace_bytes)
+    targets = None if train.lora_targets is None else tuple(train.lora_targets)
+    groups, rank, order, buffer_after = _layout(arch, train.lora_r, targets, train.num_gpus, bucket)
+    return (groups, train.num_gpus, rank, bucket, zero.overlaps_reduction(train), train.gradient_accumulation_steps,
+            _state_tensors(train), order, buffer_after, _head_gradients(arch, train), workspace_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(arch: ModelArchitecture, lora_r: int | None, lora_targets: tuple[str, ...] | None, ranks: int,
+            bucket: int) -> tuple:
+    """The optimizer groups, the stepping rank, the backward's order and the reduction the partition buffer follows:
+    the same for every estimate of a layout (plan's searches ask thousands), so worked out once."""
+    groups = zero.optimizer_groups(arch, lora_r, None if lora_targets is None else list(lora_targets))
+    rank = zero.stepping_rank(groups, ranks)
+    if lora_r is not None:  # the adapters' gradients, in one reduction after the backward
+        return tuple(map(tuple, groups)), rank, None, 0
+    return (tuple(map(tuple, groups)), rank, tuple(zero.backward_order(arch)),
+            zero.partition_buffer_reduction(arch, ranks, rank, bucket))
 
 
 def _head_gradients(arch: ModelArchitecture, train: TrainingConfig) -> tuple[int, ...]:
