@@ -103,10 +103,26 @@ def make_training_auto(context: Context, settings: dict[str, Any] | None = None)
     the config fits (or, where none does, the closest try on a whole node), and the search (model/fewest_gpus.py)."""
     if not _auto_gpus(settings):
         return make_training(context, settings), None
-    from vram_planner.model.fewest_gpus import fewest_gpus
+    from vram_planner.model.fewest_gpus import fewest_gpus, strategies_named
 
-    found = fewest_gpus(context, make_training(context, {k: v for k, v in settings.items() if k != "num_gpus"}))
+    given = {k: v for k, v in settings.items() if k != "num_gpus"}
+    strategies = strategies_named(given)
+    found = fewest_gpus(context, _search_base(context, given, strategies), strategies=strategies)
     return found.closest.train, found
+
+
+def _search_base(context: Context, settings: dict[str, Any], strategies: list[dict[str, Any]]) -> TrainingConfig:
+    """The user's knobs as a valid config for the search to change: as given, else under the first strategy that
+    takes them (an offload, or DeepSpeed's buckets, need a ZeRO stage); the knobs' own error where none does."""
+    try:
+        return make_training(context, settings)
+    except ConfigError as refused:
+        for knobs in strategies:
+            try:
+                return make_training(context, {**settings, **knobs})
+            except ConfigError:
+                continue
+        raise refused
 
 
 @overload

@@ -94,3 +94,45 @@ def test_make_training_auto_reads_auto(settings_):
     train, found = engine.make_training_auto(context, settings_)
     assert found is not None and train == found.closest.train
     assert engine.make_training_auto(context, {"num_gpus": 2})[1] is None
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(model=st.sampled_from(MODELS), card=st.sampled_from(CARDS), knobs=KNOBS,
+       named=st.fixed_dictionaries({}, optional={
+           "reduce_bucket_size": st.sampled_from([200_000_000, "auto"]), "overlap_comm": st.booleans(),
+           "offload_optimizer": st.sampled_from(["cpu"]), "offload_param": st.sampled_from(["cpu"]),
+           "ds3_gather_for_generation": st.sampled_from([False])}).filter(bool))
+def test_knobs_that_need_a_strategy_choose_among_the_strategies_that_take_them(model, card, knobs, named):
+    """`--num-gpus auto` with an offload or a DeepSpeed knob and no stage: every strategy tried takes the knobs (the
+    rules hold each config), the chosen one keeps them, and where the knobs are refused under every strategy the
+    error is the knobs' own."""
+    context = engine.make_context(model, card)
+    try:
+        train, found = engine.make_training_auto(context, {**knobs, **named, "num_gpus": "auto"})
+    except ConfigError:
+        for strategy in auto.STRATEGIES:
+            with pytest.raises(ConfigError):
+                engine.make_training(context, {**knobs, **strategy, **named})
+        return
+    assert found.tried and train == found.closest.train
+    for verdict in found.tried:
+        assert all(getattr(verdict.train, k) == (200_000_000 if k == "reduce_bucket_size" and v == 2e8 else v)
+                   for k, v in named.items())
+        if set(named) - {"offload_optimizer", "offload_param"}:  # DeepSpeed's own knobs
+            assert verdict.train.zero_stage == 3 if "ds3_gather_for_generation" in named else verdict.train.zero_stage
+        if set(named) & {"offload_optimizer", "offload_param"}:
+            assert verdict.train.offloaded
+
+
+def test_deepspeed_knobs_with_auto_search_the_zero_stages_only():
+    context = engine.make_context("Qwen2.5-7B", "h100")
+    train, found = engine.make_training_auto(context, {"num_gpus": "auto", "reduce_bucket_size": 200_000_000,
+                                                       "host_memory": "32GiB"})
+    assert {v.train.distributed for v in found.tried} == {"zero2", "zero3"}
+    assert found.chosen is not None and train.reduce_bucket_size == 200_000_000 and train.num_gpus > 1
+    # a stage named as well: that stage only, as before
+    _, staged = engine.make_training_auto(context, {"num_gpus": "auto", "zero_stage": 3, "overlap_comm": False})
+    assert {v.train.distributed for v in staged.tried} == {"zero3"}
+    # a knob no strategy takes: its own error
+    with pytest.raises(ConfigError, match="need"):
+        engine.make_training_auto(context, {"num_gpus": "auto", "overlap_comm": True, "fsdp": True})

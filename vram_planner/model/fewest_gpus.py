@@ -3,13 +3,15 @@
 Every count from 1 to a node's GPUs is tried with every strategy (DDP, ZeRO-2, ZeRO-3, FSDP2, then each with its CPU
 offload), the user's knobs otherwise as given; the first count on which one fits wins, and of its strategies the
 first in that order (the ones that move less data first: DDP all-reduces gradients only, ZeRO-3 and FSDP2 gather
-parameters every layer, offload copies states over PCIe every step). A strategy the user named is the only one tried.
+parameters every layer, offload copies states over PCIe every step). A ZeRO stage or FSDP the user named is the only
+strategy tried; an offload the user named is kept in every strategy, and a strategy that cannot take it, or the
+DeepSpeed knobs named (buckets, overlap, ZeRO-3's gathering), is left out by the rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from vram_planner.errors import ConfigError
 from vram_planner.model.accelerate_config import strategy_label
@@ -69,7 +71,7 @@ def _strategies_on(fewest: Fewest, count: int) -> list[Verdict]:
 
 
 def strategies_for(user: TrainingConfig) -> list[dict[str, Any]]:
-    """The strategies to try: the user's own where they named one (a ZeRO stage, FSDP or an offload), else all."""
+    """The strategies to try for a config: its own where it has one (a ZeRO stage, FSDP or an offload), else all."""
     named = user.zero_stage is not None or user.fsdp or user.offloaded
     if not named:
         return list(STRATEGIES)
@@ -77,11 +79,25 @@ def strategies_for(user: TrainingConfig) -> list[dict[str, Any]]:
     return [own]
 
 
-def candidates(user: TrainingConfig, count: int) -> list[TrainingConfig]:
-    """The user's config on `count` GPUs under each strategy to try; those the rules refuse (a batch the number of
-    generations does not divide) are left out."""
+def strategies_named(settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The strategies to try for the knobs a user gave with `--num-gpus auto`: none but the user's own where they
+    named a ZeRO stage or FSDP (an empty change); else each strategy with the offloads the user named, once each."""
+    named = {field: settings[field] for field in STRATEGY_FIELDS if settings.get(field) is not None}
+    if named.get("zero_stage") is not None or named.get("fsdp"):
+        return [{}]
+    unique: list[dict[str, Any]] = []
+    for knobs in ({**strategy, **named} for strategy in STRATEGIES):
+        if knobs not in unique:
+            unique.append(knobs)
+    return unique
+
+
+def candidates(user: TrainingConfig, count: int, strategies: list[dict[str, Any]] | None = None) -> list[TrainingConfig]:
+    """The user's config on `count` GPUs under each strategy to try (`strategies_for` the config unless given); those
+    the rules refuse (a batch the number of generations does not divide, an offload or a DeepSpeed knob the strategy
+    cannot take) are left out."""
     configs = []
-    for knobs in strategies_for(user):
+    for knobs in strategies_for(user) if strategies is None else strategies:
         try:
             configs.append(with_changes(user, num_gpus=count, **knobs))
         except ConfigError:
@@ -89,11 +105,13 @@ def candidates(user: TrainingConfig, count: int) -> list[TrainingConfig]:
     return configs
 
 
-def fewest_gpus(context: Context, user: TrainingConfig, most: int = MAX_GPUS_PER_NODE) -> Fewest:
-    """The fewest GPUs of the context's card, up to `most`, and the strategy on which `user` fits."""
+def fewest_gpus(context: Context, user: TrainingConfig, most: int = MAX_GPUS_PER_NODE,
+                strategies: list[dict[str, Any]] | None = None) -> Fewest:
+    """The fewest GPUs of the context's card, up to `most`, and the strategy (of `strategies`, else `strategies_for`
+    the config) on which `user` fits."""
     tried: list[Verdict] = []
     for count in range(1, most + 1):
-        for train in candidates(user, count):
+        for train in candidates(user, count, strategies):
             verdict = judge(context, train)
             tried.append(verdict)
             if verdict.fits:
