@@ -255,20 +255,27 @@ def test_the_generation_batch_is_read_for_the_micro_batch_and_gpus_given_beside_
     assert api.recipe(recipe, "h100-80gb", num_gpus=8).steps_per_generation == 16
 
 
-def test_the_libraries_recipe_is_the_command_lines(tmp_path):
+def test_the_libraries_recipe_is_the_command_lines(capsys, tmp_path):
     path = tmp_path / "config_demo.yaml"
     path.write_text(OPEN_R1_DEMO)
     request = api.recipe(path, "h100-80gb")
     assert (request.model, request.dtype, request.use_reentrant, request.num_generations) == (
         "Qwen/Qwen2.5-1.5B-Instruct", "bfloat16", False, 16)
     assert api.recipe(path, "h100-80gb", use_vllm=False).use_vllm is False
-    assert api.check(request).to_dict() == api.check("Qwen/Qwen2.5-1.5B-Instruct", "h100-80gb",
-                                                     dtype="bfloat16", attn_implementation="flash_attention_2",
-                                                     mixed_precision="bf16", use_vllm=True,
-                                                     vllm_gpu_memory_utilization=0.7, gradient_accumulation_steps=4,
-                                                     gradient_checkpointing=True, use_reentrant=False,
-                                                     max_prompt_length=512, max_completion_length=1024,
-                                                     num_generations=16, per_device_train_batch_size=16).to_dict()
+    spelled = api.check("Qwen/Qwen2.5-1.5B-Instruct", "h100-80gb", dtype="bfloat16",
+                        attn_implementation="flash_attention_2", mixed_precision="bf16", use_vllm=True,
+                        vllm_gpu_memory_utilization=0.7, gradient_accumulation_steps=4, gradient_checkpointing=True,
+                        use_reentrant=False, max_prompt_length=512, max_completion_length=1024, num_generations=16,
+                        per_device_train_batch_size=16).to_dict()
+    # the recipe's report is those knobs' and says what reading the recipe left out, as `--config` does
+    from_recipe = api.check(request).to_dict()
+    summary = request.reading.summary()
+    assert "evaluation" not in summary and summary.startswith("Read as a TRL recipe: ")
+    assert from_recipe["notes"] == [*spelled["notes"], summary]
+    assert {**from_recipe, "notes": spelled["notes"]} == spelled
+    _, on_the_command_line = json_of(capsys, "check", "--gpu", "h100-80gb", "--config", str(path))
+    assert from_recipe == on_the_command_line
+    assert api.plan(request).notes[-1] == summary == api.plan(request.with_fields(beta=0.04)).notes[-1]
     with pytest.raises(ConfigError, match="a recipe is TrlParser's YAML"):
         api.recipe({"per_device_train_batch_size": 4})
     broken = tmp_path / "broken.yaml"

@@ -23,7 +23,7 @@ from vram_planner.errors import ConfigError, VramPlanError, field_name
 from vram_planner.model import search
 from vram_planner.model import verdict as verdict_module
 from vram_planner.report.document import Report, plan_report, verdict_report
-from vram_planner.request import Request
+from vram_planner.request import Request, request_fields
 
 if TYPE_CHECKING:
     from vram_planner.model.spec import TrainingConfig
@@ -33,8 +33,16 @@ if TYPE_CHECKING:
     from vram_planner.recipe import Recipe as RecipeReading
     from vram_planner.report.maximized import MaximizedPlanReport
 
-__all__ = ["Request", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "rank", "gpus",
+__all__ = ["Request", "RecipeRequest", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "rank", "gpus",
            "models", "recipe", "recipe_edits", "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeRequest(Request):
+    """The request a TRL recipe spells (`recipe`), with how the recipe was read: what it leaves out (evaluation, the
+    training script's own keys) is the report's to say, as `vram-plan check --config recipe.yaml` says it."""
+
+    reading: RecipeReading | None = None
+
 
 @dataclass(frozen=True)
 class Judged:
@@ -71,12 +79,12 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
 
         outcome = engine.check(*_engine_call(request), exact=True, progress=progress, **_options(request))
         report = check_step_time(exact_check_report(outcome), outcome.analytic, reward_seconds, dataset_prompts)
-        return _judged(report, outcome.traced.context, outcome.traced.train, outcome)
+        return _judged(report, outcome.traced.context, outcome.traced.train, outcome, request)
     context, train, fewest = resolve_gpu_count(request)
     verdict = verdict_module.judge(context, train)
     report = check_step_time(_with_gpu_count(verdict_report(verdict), fewest, context), verdict, reward_seconds,
                              dataset_prompts)
-    return _judged(report, context, train, verdict)
+    return _judged(report, context, train, verdict, request)
 
 
 def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
@@ -105,12 +113,12 @@ def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings
 
         result = engine.plan(*_engine_call(request), exact=True, progress=progress, **_options(request))
         shown = result.plan.chosen or result.plan.smallest
-        return _judged(exact_plan_report(result), result.plan.requested.context, shown.train, result)
+        return _judged(exact_plan_report(result), result.plan.requested.context, shown.train, result, request)
     context, train, fewest = resolve_gpu_count(request)
     result = search.best_plan(context, train)
     report, shown = plan_step_times(_with_gpu_count(plan_report(result), fewest, context), result, context, train,
                                     optimize, reward_seconds, dataset_prompts)
-    return _judged(report, context, shown, result)
+    return _judged(report, context, shown, result, request)
 
 
 def rank(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
@@ -155,7 +163,7 @@ def maximize(model: str | dict[str, Any] | Request, gpu: str | None = None, fiel
     context, train = resolve(request)
     result = maximize_field(context, train, knob, allow_savers)
     return _judged(maximized_report(result), context, result.plan.chosen.train if result.plan.chosen else train,
-                   result)
+                   result, request)
 
 
 def fitting_gpus(model: str | dict[str, Any] | Request, settings: Mapping[str, Any] | None = None, *,
@@ -194,20 +202,22 @@ def trace(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
     request = _request(model, gpu, settings, fields)
     _require_model(request)
     outcome = engine.trace(request.model, request.gpu, request.knobs, progress=progress, **_options(request))
-    return _judged(trace_report(outcome), outcome.traced.context, outcome.traced.train, outcome)
+    return _judged(trace_report(outcome), outcome.traced.context, outcome.traced.train, outcome, request)
 
 
-def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fields: Any) -> Request:
+def recipe(recipe: str | Path | Mapping[str, Any], gpu: str | None = None, **fields: Any) -> RecipeRequest:
     """The request a TRL recipe spells, read as TRL runs it (`vram-plan check --config recipe.yaml`): TrlParser's
     YAML file, its keys as a mapping, or the training command's TRL arguments as one string; `fields` (ours) add to
-    it or change it.
+    it or change it. The reports of check, plan, maximize and trace for it say in a note what the recipe leaves out.
 
         >>> api.check(api.recipe("recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml", "rtx4090"))
         >>> api.check(api.recipe("trl grpo --model_name_or_path Qwen/Qwen2.5-1.5B --use_peft --bf16 true", "rtx4090"))
     """
     from vram_planner.recipe import read_recipe
 
-    return _request(None, gpu, read_recipe(_recipe_values(recipe), fields).settings, fields)
+    reading = read_recipe(_recipe_values(recipe), fields)
+    spelled = _request(None, gpu, reading.settings, fields)
+    return RecipeRequest(**{name: getattr(spelled, name) for name in request_fields()}, reading=reading)
 
 
 def recipe_edits(recipe: str | Path | Mapping[str, Any] | RecipeReading, report: Report) -> dict[str, Any]:
@@ -356,6 +366,9 @@ def _engine_call(request: Request) -> tuple[Any, Any, dict[str, Any]]:
     return request.model, request.gpu, request.knobs
 
 
-def _judged(report: Any, context: Context, train: TrainingConfig, result: Any) -> Any:
+def _judged(report: Any, context: Context, train: TrainingConfig, result: Any, request: Request) -> Any:
     report.judged = Judged(context, train, result)
+    reading = getattr(request, "reading", None)
+    if reading is not None and (summary := reading.summary()) not in report.notes:
+        report.notes.append(summary)  # as the command line's `--config recipe.yaml` says it
     return report
