@@ -1,6 +1,6 @@
 """DeepSpeed configs' buckets, traced with DeepSpeed's own engine beside what the analytic model counts for them.
 
-    python benchmarks/deepspeed_configs.py          # about five minutes on two cores
+    python benchmarks/deepspeed_configs.py          # about ten minutes on two cores
 
 A DeepSpeed config (`--deepspeed ds_config.json`, accelerate's deepspeed_config_file) may set the gradient
 reduction bucket (reduce_bucket_size: a number of elements, or transformers' "auto", hidden_size^2) and whether its
@@ -10,7 +10,10 @@ overlap_comm). Each config here is traced on one rank with DeepSpeed's own engin
 --zero-stage S --reduce-bucket-size B`), its tensor peak per phase printed beside the analytic model's, and the need
 (bisected with the allocator model) beside the analytic "fits from". Full fine-tuning of Qwen2.5-0.5B and
 Llama-3.2-1B (tied embeddings larger and smaller than a 2e8 bucket), LoRA, accumulation, 2 and 8 ranks; Llama-3.2-3B
-on 2 and Qwen2.5-1.5B on 4; and five configs at TRL's own batch and lengths, Qwen2.5-0.5B to Llama-3.1-8B.
+on 2 and Qwen2.5-1.5B on 4; five configs at TRL's own batch and lengths, Qwen2.5-0.5B to Llama-3.1-8B; and ZeRO-3's
+coordinator's sizes (stage3_prefetch_bucket_size, stage3_param_persistence_threshold: transformers' "auto", as its
+example ds_config_zero3.json names them, smaller and larger buckets, no persistent parameters), two micro-batches
+where the later one prefetches.
 Writes benchmarks/results/deepspeed_configs.json and .txt; tests/test_launcher.py holds the analytic model to it.
 """
 
@@ -54,6 +57,26 @@ AT_TRLS_DEFAULTS = [("Qwen2.5-0.5B", {"zero_stage": 2, "num_gpus": 8}),
                     ("Llama-3.1-8B", {"zero_stage": 2, "num_gpus": 2})]
 
 
+AUTO_SIZES = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+              "stage3_param_persistence_threshold": "auto"}
+ZERO3_COORDINATOR = [
+    ("Qwen2.5-0.5B", {"zero_stage": 3, "num_gpus": 2, **AUTO_SIZES}),
+    ("Qwen2.5-0.5B", {"zero_stage": 3, "num_gpus": 2, "lora_r": 16, "gradient_accumulation_steps": 2, **AUTO_SIZES}),
+    ("Qwen2.5-0.5B", {"zero_stage": 3, "num_gpus": 8, "lora_r": 16, "gradient_accumulation_steps": 2, **AUTO_SIZES}),
+    ("Qwen2.5-0.5B", {"zero_stage": 3, "num_gpus": 8, "lora_r": 16, "gradient_accumulation_steps": 2,
+                      "stage3_prefetch_bucket_size": 200_000_000}),
+    ("Llama-3.2-1B", {"zero_stage": 3, "num_gpus": 2, "gradient_accumulation_steps": 2}),
+    ("Llama-3.2-1B", {"zero_stage": 3, "num_gpus": 2, "gradient_accumulation_steps": 2,
+                      "stage3_prefetch_bucket_size": 10_000_000}),
+    ("Llama-3.2-1B", {"zero_stage": 3, "num_gpus": 2, "gradient_accumulation_steps": 2,
+                      "stage3_prefetch_bucket_size": 200_000_000}),
+    ("Llama-3.2-1B", {"zero_stage": 3, "num_gpus": 8, "lora_r": 16, "gradient_accumulation_steps": 2, **AUTO_SIZES}),
+    ("Llama-3.2-1B", {"zero_stage": 3, "num_gpus": 2, "stage3_param_persistence_threshold": 0}),
+    ("Qwen2.5-7B", {"zero_stage": 3, "num_gpus": 4, "gradient_accumulation_steps": 2}),
+    ("Qwen2.5-7B", {"zero_stage": 3, "num_gpus": 4, "gradient_accumulation_steps": 2,
+                    "stage3_prefetch_bucket_size": 10_000_000})]
+
+
 def traced(model: str, settings: dict, base: dict = BASE) -> dict:
     from vram_planner import engine
 
@@ -77,7 +100,8 @@ def versions() -> dict[str, str]:
 
 def label(settings: dict, base: dict = BASE) -> str:
     shown = {"reduce_bucket_size": "bucket", "overlap_comm": "overlap", "gradient_accumulation_steps": "GA",
-             "lora_r": "r", "num_gpus": "N"}
+             "lora_r": "r", "num_gpus": "N", "stage3_prefetch_bucket_size": "prefetch",
+             "stage3_param_persistence_threshold": "persist"}
     said = " ".join(f"{shown[k]}={v}" for k, v in settings.items() if k in shown)
     return said if base is BASE else f"{said} TRL's batch"
 
@@ -85,7 +109,7 @@ def label(settings: dict, base: dict = BASE) -> str:
 def main() -> int:
     rows = []
     for model, settings, base in ([(model, settings, BASE) for model in MODELS for settings in GRID]
-                                  + [(model, settings, BASE) for model, settings in LARGER]
+                                  + [(model, settings, BASE) for model, settings in LARGER + ZERO3_COORDINATOR]
                                   + [(model, settings, DEFAULTS) for model, settings in AT_TRLS_DEFAULTS]):
         rows.append({**traced(model, settings, base), **({"base": base} if base is not BASE else {})})
         print(f"{model} ZeRO-{settings['zero_stage']} {label(settings, base)}: {rows[-1]['seconds']} s",
@@ -102,14 +126,14 @@ def report(rows: list[dict]) -> str:
     """The table: per config, each phase's traced and analytic tensor peaks, the need and the "fits from"."""
     lines = ["one rank (the one the plan counts), tensor peaks per phase in MiB: traced with DeepSpeed's engine / "
              "analytic (error); need (bisected, CUDA context and NCCL included) and the analytic 'fits from'",
-             f"{'model':13} {'stage':>5}  {'config':34} {'generation':>22} {'training':>22} {'optimizer':>22} "
+             f"{'model':13} {'stage':>5}  {'config':52} {'generation':>22} {'training':>22} {'optimizer':>22} "
              f"{'need':>6} {'fits from':>9}"]
     for row in rows:
         cells = [f"{row['traced_bytes'][p] / 2**20:6.0f}/{row['analytic_bytes'][p] / 2**20:6.0f} "
                  f"({row['analytic_bytes'][p] / row['traced_bytes'][p] - 1:+5.1%})"
                  for p in ("generation", "training", "optimizer")]
         config = label(row["settings"], row.get("base", BASE))
-        lines.append(f"{row['model']:13} {row['settings']['zero_stage']:>5}  {config:34} "
+        lines.append(f"{row['model']:13} {row['settings']['zero_stage']:>5}  {config:52} "
                      f"{cells[0]:>22} {cells[1]:>22} {cells[2]:>22} {row['need_bytes'] / 2**20:6.0f} "
                      f"{row['fits_from_bytes'] / 2**20:9.0f}")
     worst = max((abs(r["analytic_bytes"][p] / r["traced_bytes"][p] - 1), r["model"],

@@ -117,11 +117,10 @@ def test_an_accelerate_config_file_and_a_deepspeed_config_are_read_where_they_ar
     _, ours = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "3",
                       "--num-gpus", "4")
     _, offloaded = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "3",
-                           "--num-gpus", "4", "--offload-optimizer", "cpu")
+                           "--num-gpus", "4", "--offload-optimizer", "cpu", "--stage3-prefetch-bucket-size", "auto")
     assert {k: from_file[k] for k in COMPARED} == {k: ours[k] for k in COMPARED}
     assert {k: from_json[k] for k in COMPARED} == {k: offloaded[k] for k in COMPARED}
-    notes = " ".join(from_json["notes"])
-    assert "stage3_prefetch_bucket_size 'auto'" in notes and "an upper bound" in notes
+    assert "an upper bound" not in " ".join(from_json["notes"])
     # the launcher's options win over the file's
     _, two = json_of(capsys, "check", "--gpu", "h100", *MODEL, "--config_file", str(config), "--num_processes", "2")
     _, ours_two = json_of(capsys, "check", "--gpu", "h100", "--model", "Qwen2.5-0.5B", "--zero-stage", "3",
@@ -179,9 +178,10 @@ def test_transformers_example_zero2_config_is_planned_with_its_buckets(capsys, t
 def test_deepspeeds_defaults_and_stage_3s_overlap_are_planned_as_they_are():
     for zero in ({"stage": 3, "overlap_comm": True, **DEEPSPEED_ZERO_DEFAULTS}, {"stage": 1, "overlap_comm": False}):
         launch = launch_settings({"deepspeed_config_file": {"zero_optimization": zero}, "num_processes": 2})
-        planned = {key: zero[key] for key in ("reduce_bucket_size", "overlap_comm") if key in zero}
+        planned = {key: zero[key] for key in ("reduce_bucket_size", "overlap_comm", "stage3_prefetch_bucket_size",
+                                              "stage3_param_persistence_threshold") if key in zero}
         assert not launch.problems and launch.settings == {"num_gpus": 2, "zero_stage": zero["stage"], **planned}
-    # transformers' example ds_config_zero3.json plans as vram-plan's ZeRO-3 with both offloads, "auto" noted
+    # transformers' example ds_config_zero3.json plans as vram-plan's ZeRO-3 with both offloads, its "auto" sizes
     hf_zero3 = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                 "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
                 "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
@@ -192,8 +192,17 @@ def test_deepspeeds_defaults_and_stage_3s_overlap_are_planned_as_they_are():
                               "num_processes": 2})
     assert not launch.problems and launch.settings == {"num_gpus": 2, "zero_stage": 3, "offload_optimizer": "cpu",
                                                        "offload_param": "cpu", "reduce_bucket_size": "auto",
-                                                       "overlap_comm": True}
-    assert "'auto'" in launch.notes[0] and "an upper bound" in launch.notes[0]
+                                                       "overlap_comm": True, "stage3_prefetch_bucket_size": "auto",
+                                                       "stage3_param_persistence_threshold": "auto"}
+    assert not launch.notes
+    # no prefetch: planned as the default's rounds, an upper bound, said; below stage 3 DeepSpeed reads none of them
+    launch = launch_settings({"deepspeed_config_file": {"zero_optimization": {
+        "stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}}, "num_processes": 2})
+    assert launch.settings == {"num_gpus": 2, "zero_stage": 3, "stage3_param_persistence_threshold": 0}
+    assert "stage3_prefetch_bucket_size 0" in launch.notes[0] and "an upper bound" in launch.notes[0]
+    launch = launch_settings({"deepspeed_config_file": {"zero_optimization": {
+        "stage": 2, "stage3_prefetch_bucket_size": "auto", "stage3_max_live_parameters": 1e8}}, "num_processes": 2})
+    assert not launch.problems and not launch.notes and launch.settings == {"num_gpus": 2, "zero_stage": 2}
     # DeepSpeed offloads parameters at ZeRO-3 only
     launch = launch_settings({"use_deepspeed": True, "zero_stage": 2, "offload_param_device": "cpu",
                               "num_processes": 2})
@@ -358,8 +367,9 @@ def test_the_analytic_model_holds_what_deepspeeds_engine_holds_with_each_configs
                          .read_text())
     for row in results["rows"]:
         zero = {"stage": row["settings"]["zero_stage"], "reduce_bucket_size": row["settings"].get(
-            "reduce_bucket_size", 500_000_000), **({"overlap_comm": row["settings"]["overlap_comm"]}
-                                                  if "overlap_comm" in row["settings"] else {})}
+            "reduce_bucket_size", 500_000_000), **{key: row["settings"][key] for key in (
+                "overlap_comm", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+                if key in row["settings"]}}
         launch = launch_settings({"deepspeed_config_file": {"zero_optimization": zero},
                                   "num_processes": row["settings"]["num_gpus"]})
         assert not launch.problems
@@ -370,9 +380,17 @@ def test_the_analytic_model_holds_what_deepspeeds_engine_holds_with_each_configs
                                                                    row["rank"])
             traced = row["traced_bytes"][phase.name]
             # at TRL's own batch one known miss: Qwen2.5-7B on 4, whose loss reduces a bucket beside its first layer's
-            # backward 82 MiB (0.19%) above the estimate's moment
-            below = 0.999 if "base" not in row else 0.997
-            assert traced * below <= analytic <= traced * 1.02, (row["model"], row["settings"], phase.name)
+            # backward 82 MiB (0.19%) above the estimate's moment; and prefetch rounds smaller than the MLP's
+            # matrices (transformers' "auto" bucket on Qwen2.5-0.5B with LoRA), whose rounds the trace holds up to
+            # 1.7 MiB (0.14%) larger than the forward's order counts them
+            small_rounds = row["settings"].get("stage3_prefetch_bucket_size") == "auto" and row["model"] == "Qwen2.5-0.5B"
+            below = 0.997 if "base" in row else 0.998 if small_rounds else 0.999
+            # what ZeRO-3's later micro-batch holds past max_live_parameters is counted at its bound, two of the
+            # largest parameters (a round's last one, the module fetched beyond the limit); Llama-3.2-1B's LoRA on 8
+            # with transformers' "auto" sizes holds 28 MiB of it in its backward (+2.3%)
+            past_max_live = row["model"] == "Llama-3.2-1B" and row["settings"].get("stage3_prefetch_bucket_size") == "auto"
+            above = 1.025 if past_max_live else 1.02
+            assert traced * below <= analytic <= traced * above, (row["model"], row["settings"], phase.name)
         # the need, bisected through the allocator model, within the band near_boundary reads for the strategy
         peak = verdict.estimate.peak_bytes
         assert row["need_bytes"] <= peak * (1 + need_above_estimate(verdict.train)), row

@@ -92,14 +92,13 @@ DEEPSPEED_ZERO_DEFAULTS: dict[str, Any] = {
     "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False, "round_robin_gradients": False,
     "memory_efficient_linear": True, "stage3_module_granularity_threshold": 0, "zenflow": None}
 # The zero_optimization values the plan counts as the config gives them (TrainingConfig's fields of the same names;
-# "auto" as transformers fills it, model/zero.py reduce_bucket_elements), overlap_comm among them
+# "auto" as transformers fills it, model/zero.py reduce_bucket_elements), overlap_comm among them; ZeRO-3's
+# coordinator's at stage 3 (below it DeepSpeed reads none of them)
 PLANNED_ZERO_KEYS = ("reduce_bucket_size", "overlap_comm")
+PLANNED_ZERO3_KEYS = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 # ZeRO-1/2 all-gather the updated partitions in place, in shards of allgather_bucket_size (`all_gather_dp_groups`,
 # deepspeed/runtime/utils.py:1019-1054, or all_gather_into_tensor without shards where the backend has it)
 NEUTRAL_ZERO_KEYS = ("allgather_bucket_size",)
-# transformers fills these "auto" from the hidden size too (integrations/deepspeed.py trainer_config_finalize:
-# 0.9 x hidden_size^2, 10 x hidden_size), smaller than the defaults the plan counts for every catalog model
-AUTO_FILLED = frozenset({"stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"})
 # DeepSpeed config sections that change memory in ways the plan does not count
 UNPLANNED_DEEPSPEED_SECTIONS = ("data_types", "communication_data_type", "compression_training", "sparse_attention",
                                 "pipeline", "amp", "fp8")
@@ -207,7 +206,8 @@ def _strategy(options: dict[str, Any], launch: Launch, from_file: bool, gpus_giv
             launch.problems.append(f"zero_stage {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
             return
         launch.settings["zero_stage"] = stage
-        launch.settings.update({key: options[key] for key in PLANNED_ZERO_KEYS if key in options})
+        launch.settings.update({key: options[key] for key in (*PLANNED_ZERO_KEYS, *PLANNED_ZERO3_KEYS)
+                                if key in options})
         for name, field_name in (("offload_optimizer_device", "offload_optimizer"),
                                  ("offload_param_device", "offload_param")):
             device = str(options.get(name) or "none").lower()
@@ -336,12 +336,20 @@ def read_deepspeed_config(source: Any, launch: Launch) -> dict[str, Any]:
         if device is not None:
             options[name] = device
     options.update({key: zero[key] for key in PLANNED_ZERO_KEYS if zero.get(key) is not None})
-    autos, unplanned = [], []
+    zero3_keys = PLANNED_ZERO3_KEYS if stage == 3 else ()
+    options.update({key: zero[key] for key in zero3_keys if zero.get(key) is not None})
+    if stage == 3 and zero.get("stage3_prefetch_bucket_size") in (0, 0.0):
+        # no prefetch round, but the coordinator keeps what it gathers for reuse (`__params_to_release`): between
+        # nothing prefetched and the default's rounds (sharded traces: 4-7% under the latter), so planned as those
+        del options["stage3_prefetch_bucket_size"]
+        launch.notes.append("the DeepSpeed config's stage3_prefetch_bucket_size 0 is planned at DeepSpeed's default "
+                            "(5e7): with no prefetch the coordinator still keeps what it gathers, a few percent less; "
+                            "the per-GPU figures are an upper bound there")
+    unplanned = []
     for key, default in DEEPSPEED_ZERO_DEFAULTS.items():
         value = zero.get(key, default)
-        if value == "auto" and key in AUTO_FILLED:
-            autos.append(key)
-        elif value != default and key not in PLANNED_ZERO_KEYS + NEUTRAL_ZERO_KEYS:
+        moves_nothing = key.startswith("stage3_") and stage != 3
+        if value != default and key not in (*PLANNED_ZERO_KEYS, *zero3_keys, *NEUTRAL_ZERO_KEYS) and not moves_nothing:
             unplanned.append((key, value, default))
     if unplanned:
         launch.problems.append(
@@ -349,10 +357,6 @@ def read_deepspeed_config(source: Any, launch: Launch) -> dict[str, Any]:
             f"{'is' if len(unplanned) == 1 else 'are'} not planned: the plan counts DeepSpeed's defaults "
             f"({', '.join(f'{key} {default!r}' for key, _, default in unplanned)}), as --zero-stage "
             f"{stage} plans it")
-    if autos:
-        launch.notes.append(f"the DeepSpeed config's {', '.join(autos)} 'auto' (transformers sizes them from the "
-                            "model's hidden size) are planned at DeepSpeed's defaults, which are larger: the per-GPU "
-                            "figures are an upper bound there")
     optimizer = config.get("optimizer")
     if isinstance(optimizer, Mapping):
         kind = str(optimizer.get("type", "")).lower()

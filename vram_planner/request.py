@@ -80,6 +80,8 @@ class Request:
     ds3_gather_for_generation: bool | None = None  # ZeRO-3: gather the whole model to generate (TRL's default)
     reduce_bucket_size: int | str | None = None  # ZeRO: DeepSpeed's reduction bucket in elements, or "auto"
     overlap_comm: bool | None = None  # ZeRO: reduce beside the backward (DeepSpeed's default: at stage 3 only)
+    stage3_prefetch_bucket_size: int | str | None = None  # ZeRO-3: elements a prefetch round gathers, or "auto"
+    stage3_param_persistence_threshold: int | str | None = None  # ZeRO-3: largest parameter kept gathered, or "auto"
     offload_optimizer: str | None = None  # cpu: ZeRO-Offload's optimizer on the host (zero_stage 2 or 3)
     offload_param: str | None = None  # cpu: ZeRO-3's parameters on the host, or FSDP2's CPU offload
     host_memory: str | None = None  # RAM of one node for offloaded states, like "512GiB" (default: this machine's)

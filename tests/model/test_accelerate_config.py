@@ -74,9 +74,11 @@ def test_accelerate_launches_the_printed_config_as_planned(tmp_path_factory, str
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None)
 @given(stage=st.sampled_from([1, 2, 3]), bucket=st.sampled_from(["auto", 200_000_000, 500_000_000, 12_345]),
-       overlap=st.sampled_from([None, True, False]), offload=st.sampled_from([{}, {"offload_optimizer": "cpu"}]))
+       overlap=st.sampled_from([None, True, False]), offload=st.sampled_from([{}, {"offload_optimizer": "cpu"}]),
+       coordinator=st.sampled_from([{}, {"stage3_prefetch_bucket_size": "auto"},
+                                    {"stage3_prefetch_bucket_size": 10**7, "stage3_param_persistence_threshold": 0}]))
 def test_a_plan_with_its_own_buckets_names_a_deepspeed_config_accelerate_and_our_launcher_read_as_planned(
-        tmp_path_factory, stage, bucket, overlap, offload):
+        tmp_path_factory, stage, bucket, overlap, offload, coordinator):
     from accelerate.utils import DeepSpeedPlugin
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
@@ -84,13 +86,14 @@ def test_a_plan_with_its_own_buckets_names_a_deepspeed_config_accelerate_and_our
 
     try:
         train = training_config({"zero_stage": stage, "num_gpus": 4, "reduce_bucket_size": bucket,
-                                 "overlap_comm": overlap, "dtype": "bfloat16", **offload})
+                                 "overlap_comm": overlap, "dtype": "bfloat16", **offload, **coordinator})
     except ConfigError:
-        return  # ZeRO-1 with overlap_comm, ZeRO-1 with offload: refused
+        return  # ZeRO-1 with overlap_comm, ZeRO-1 with offload, ZeRO-3's sizes below stage 3: refused
     folder = tmp_path_factory.mktemp("launch")
     deepspeed = folder / launcher.DEEPSPEED_FILE
     text = launcher.accelerate_config_yaml(train, str(deepspeed))
-    assert (launcher.deepspeed_config(train) is None) == (bucket == 500_000_000 and overlap is None)
+    assert (launcher.deepspeed_config(train) is None) == (bucket == 500_000_000 and overlap is None
+                                                         and not coordinator)
     if launcher.deepspeed_config(train) is None:
         assert "deepspeed_config_file" not in text
         return
@@ -105,6 +108,7 @@ def test_a_plan_with_its_own_buckets_names_a_deepspeed_config_accelerate_and_our
     with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}):
         zero = DeepSpeedPlugin().deepspeed_config["zero_optimization"]
     assert (zero["stage"], zero["reduce_bucket_size"], zero.get("overlap_comm")) == (stage, bucket, overlap)
+    assert all(zero[key] == value for key, value in coordinator.items())
     # and the file, pasted back into vram-plan as a launch, is the same plan
     config = folder / launcher.CONFIG_FILE
     config.write_text(text)

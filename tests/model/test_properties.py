@@ -150,6 +150,8 @@ def valid_knobs(draw) -> dict[str, Any]:
         "vllm_gpu_memory_utilization": st.floats(0.05, 0.95), "num_gpus": st.integers(1, 8),
         "zero_stage": st.integers(0, 3), "fsdp": st.booleans(),
         "reduce_bucket_size": st.sampled_from(["auto", 10**6, 2e8, "5e8"]), "overlap_comm": st.booleans(),
+        "stage3_prefetch_bucket_size": st.sampled_from(["auto", 10**6, 2e8]),
+        "stage3_param_persistence_threshold": st.sampled_from(["auto", 0, 10**4]),
         "transformers_version": st.sampled_from(TRANSFORMERS_VERSIONS),
         "temperature": st.floats(0.1, 2.0), "top_p": st.floats(0.05, 1.0), "top_k": st.integers(0, 200),
         "min_p": st.floats(0.0, 0.5), "repetition_penalty": st.floats(0.8, 1.5)}))
@@ -460,4 +462,6 @@ def test_several_gpus_are_said_with_their_strategy_and_their_accelerate_config(m
         assert config["deepspeed_config"]["deepspeed_config_file"] == launch.deepspeed_config_file
         assert deepspeed["zero_optimization"]["stage"] == train.zero_stage
         assert deepspeed["zero_optimization"]["reduce_bucket_size"] == train.reduce_bucket_size
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+            assert deepspeed["zero_optimization"].get(key, getattr(TrainingConfig(), key)) == getattr(train, key)
 

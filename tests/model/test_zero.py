@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -117,14 +118,16 @@ def _training_phase(arch: ModelArchitecture, **knobs) -> dict[str, float]:
 
 def test_zero3s_later_micro_batches_hold_max_live_parameters_gathered(llama_1b):
     # Each step's first micro-batch records the coordinator's trace again (TRL's gathered generation invalidates it)
-    # and gathers one layer at a time; the later ones prefetch up to stage3_max_live_parameters (1e9) and a prefetch
-    # bucket (5e7), of Llama-3.2-1B's 1.24e9 (model/zero.py; the sharded trace holds 1.026e9)
+    # and gathers one layer at a time; the later ones prefetch up to stage3_max_live_parameters (1e9) and past it, of
+    # Llama-3.2-1B's 1.24e9 (model/zero.py; the sharded trace holds 1.026e9)
     partitions = 2 * llama_1b.params / 8
     layer_by_layer = partitions + 2 * zero.largest_layer_params(llama_1b)
     # at most the largest layer and the decoder layer whose gradients reduce (the heaviest moment's)
     assert _training_phase(llama_1b)["weights"] <= layer_by_layer + 2 * llama_1b.layer_params
+    # past the limit by two MLP matrices at most (a round's last parameter, the module fetched), under a default bucket
+    mlp = llama_1b.hidden_size * llama_1b.intermediate_size
     assert _training_phase(llama_1b, gradient_accumulation_steps=2)["weights"] == pytest.approx(
-        partitions + 2 * 1.05e9, rel=1e-3)
+        partitions + 2 * (zero.MAX_LIVE_PARAMETERS + 2 * mlp), rel=1e-3)
     # without the gather, the generation's forwards record a trace the first micro-batch's forward follows and its
     # backward invalidates (the second records the loss's, the third prefetches it): that forward holds them with the
     # round in use twice beside them (model/zero.py prefetching_forward_params)
@@ -154,7 +157,8 @@ def test_zero3s_later_micro_batches_hold_max_live_parameters_gathered(llama_1b):
     # the backward holds them too only from the third micro-batch on
     assert later.phases[-2].tensor_bytes > two.phases[-2].tensor_bytes
     assert layer_by_layer < partitions + 2 * 1.05e9
-    assert zero.prefetched_params(10**6) == 10**6  # a small model whole
+    assert zero.prefetched_params(10**6, 10**5) == 10**6  # a small model whole
+    assert zero.prefetched_params(10**10, 10**8) == zero.MAX_LIVE_PARAMETERS + zero.PREFETCH_BUCKET_ELEMENTS
 
 
 def test_before_trl_1_5_every_later_steps_loss_holds_max_live_parameters(llama_1b):
@@ -162,13 +166,14 @@ def test_before_trl_1_5_every_later_steps_loss_holds_max_live_parameters(llama_1
     # trace complete (1.5 on invalidates it: profiles/trl.toml zero3_trace_kept_across_generation), so every step
     # after the first prefetches in its loss, accumulating or not; its first micro-batch records the trace
     partitions = 2 * llama_1b.params / 8
+    prefetched = zero.MAX_LIVE_PARAMETERS + 2 * llama_1b.hidden_size * llama_1b.intermediate_size
     train = training_config({"num_gpus": 8, "zero_stage": 3, "dtype": "bfloat16", "per_device_train_batch_size": 2})
     for version, kept in (("1.4.0", True), ("1.5.0", False), ("0.20.0", True)):
         release = trl_release(version)
         assert release.zero3_trace_kept_across_generation is kept
         weights = next(p for p in estimate(llama_1b, train, release, Calibration(), 80 * GiB).phases
                        if p.name == "training").components["weights"]
-        assert (weights == pytest.approx(partitions + 2 * 1.05e9, rel=1e-3)) is kept
+        assert (weights == pytest.approx(partitions + 2 * prefetched, rel=1e-3)) is kept
         first = estimate(llama_1b, train, release, Calibration(), 80 * GiB, first_micro_batch=True).phases
         assert next(p for p in first if p.name == "training").components["weights"] < partitions + 2 * 0.5e9
 
@@ -284,17 +289,21 @@ def test_the_forward_order_holds_every_parameter_transformers_builds(path):
 @pytest.mark.parametrize("entry", models(), ids=lambda e: e.name)
 def test_every_catalog_models_forward_order_adds_up_to_its_parameters(entry):
     arch = catalog_architecture(entry)
-    for r in (None, 16):
+    # DeepSpeed's default prefetch bucket, transformers' "auto" (0.9 x hidden_size^2) and one under a parameter
+    for r, bucket in itertools.product((None, 16), (zero.PREFETCH_BUCKET_ELEMENTS,
+                                                    int(0.9 * arch.hidden_size ** 2), 1000)):
         params = zero.forward_params(arch, r, None)
         assert sum(params) == arch.params - arch.vision_params + (arch.lora_params(r, None) if r else 0)
-        peak = zero.prefetching_forward_params(arch, r, None)
+        peak = zero.prefetching_forward_params(arch, r, None, bucket)
         # every parameter up to max_live_parameters (and the last round's overshoot) with one round twice: at most a
         # bucket past the largest parameter a round can end on, or the embedding twice at the forward's first fetch
         window = min(sum(params), zero.MAX_LIVE_PARAMETERS + max(params[1:]))
         assert min(sum(params), zero.MAX_LIVE_PARAMETERS) < peak
-        assert peak <= max(window + zero.PREFETCH_BUCKET_ELEMENTS + max(params[1:]), 2 * params[0])
-        if sum(params[1:]) > 2 * zero.PREFETCH_BUCKET_ELEMENTS:
-            assert peak >= window + zero.PREFETCH_BUCKET_ELEMENTS
+        assert peak <= max(window + bucket + max(params[1:]), 2 * params[0])
+        if sum(params[1:]) > 2 * bucket:
+            assert peak >= window + min(bucket, max(params[1:]))
+        # a smaller bucket holds less, never more
+        assert peak <= zero.prefetching_forward_params(arch, r, None, 2 * bucket)
 
 
 @pytest.mark.parametrize("path", family_fixture_files(), ids=lambda p: p.stem)
@@ -306,6 +315,10 @@ def test_persistent_parameters_are_deepspeeds(path):
         assert zero.persistent_params(arch, None, None) == sum(n for n in numels if n <= 100_000)
     # r x 64 elements per adapter matrix here: every one persistent
     assert zero.persistent_params(arch, 8, None) - zero.persistent_params(arch, None, None) == arch.lora_params(8, None)
+    # transformers' "auto" threshold (10 x hidden_size) and none
+    auto = 10 * arch.hidden_size
+    assert zero.persistent_params(arch, 8, None, auto) == sum(n for n in zero.forward_params(arch, 8, None) if n <= auto)
+    assert zero.persistent_params(arch, 8, None, 0) == 0
 
 
 def test_a_prefetching_forward_holds_the_round_in_use_twice(llama_1b):

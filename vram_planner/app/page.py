@@ -36,7 +36,7 @@ KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "use
                ("LoRA and 4-bit weights", ("lora_", "load_in_4bit", "bnb_")),
                ("vLLM", ("use_vllm", "vllm_")),
                ("Several GPUs", ("num_gpus", "zero_stage", "fsdp", "ds3_", "reduce_bucket_size", "overlap_comm",
-                                 "offload_", "host_memory")))
+                                 "stage3_", "offload_", "host_memory")))
 UNSET = ""  # a dropdown's value for "not given": the release's default
 
 
@@ -67,6 +67,10 @@ KNOB_HELP = {"max_prompt_length": "Longest prompt of your dataset, in tokens (de
              "dtype": "Weights' dtype: float32 (TRL's default), bfloat16, float16.",
              "vllm_max_model_length": "vLLM's context (default: the model's, TRL 0.26+).",
              "reduce_bucket_size": "ZeRO: DeepSpeed's gradient reduction bucket, like 2e8, or auto (default 5e8).",
+             "stage3_prefetch_bucket_size": "ZeRO-3: elements a prefetch round gathers ahead, like 5e7 (default), or "
+                                            "auto.",
+             "stage3_param_persistence_threshold": "ZeRO-3: parameters this small stay gathered, like 1e5 (default), "
+                                                   "or auto.",
              "vllm_server_gpu": "Server mode: the card trl vllm-serve runs on (planned too).",
              "temperature": "Sampling without vLLM: each filter holds logits-sized tensors at every decoding step.",
              "top_k": "0: no top-k filter.",

@@ -80,6 +80,12 @@ KNOBS = [
     click.option("--overlap-comm/--no-overlap-comm", default=None,
                  help="ZeRO-2/3: reduce gradients beside the backward, in two buckets below stage 3 (DeepSpeed's "
                       "default: on at stage 3 only)."),
+    click.option("--stage3-prefetch-bucket-size", metavar="ELEMENTS",
+                 help="ZeRO-3: elements a prefetch round gathers ahead, like 5e7 (DeepSpeed's default), or auto "
+                      "(0.9 x hidden size squared, as transformers fills it)."),
+    click.option("--stage3-param-persistence-threshold", metavar="ELEMENTS",
+                 help="ZeRO-3: parameters of at most this many elements stay gathered, like 1e5 (DeepSpeed's "
+                      "default), or auto (10 x hidden size)."),
     click.option("--offload-optimizer", help="cpu: ZeRO-Offload's optimizer on the host (--zero-stage 2 or 3)."),
     click.option("--offload-param", help="cpu: ZeRO-3's parameters on the host, or FSDP2's CPU offload (--fsdp)."),
     click.option("--host-memory", metavar="SIZE", help="RAM of one node for offloaded states, like 512GiB "

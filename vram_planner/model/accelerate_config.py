@@ -13,7 +13,12 @@ import copy
 import json
 from typing import Any
 
-from vram_planner.model.spec import DEEPSPEED_REDUCE_BUCKET_SIZE, TrainingConfig
+from vram_planner.model.spec import (DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, DEEPSPEED_PREFETCH_BUCKET_SIZE,
+                                     DEEPSPEED_REDUCE_BUCKET_SIZE, TrainingConfig)
+
+# ZeRO-3's coordinator's sizes as DeepSpeed's defaults have them: a config file names them only where the plan differs
+ZERO3_COORDINATOR_DEFAULTS = {"stage3_prefetch_bucket_size": DEEPSPEED_PREFETCH_BUCKET_SIZE,
+                              "stage3_param_persistence_threshold": DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD}
 
 CONFIG_FILE = "accelerate_config.yaml"  # the name the launch line gives the printed config
 DEEPSPEED_FILE = "ds_config.json"  # the DeepSpeed config the printed accelerate config names, where it needs one
@@ -123,15 +128,19 @@ def accelerate_config(train: TrainingConfig, deepspeed_file: str = DEEPSPEED_FIL
 
 
 def deepspeed_config(train: TrainingConfig) -> dict[str, Any] | None:
-    """The DeepSpeed config of the plan's ZeRO run where its buckets are not DeepSpeed's defaults (None otherwise):
-    the stage, offload devices and buckets planned; "auto" where transformers fills the value from GRPOConfig
-    (integrations/deepspeed.py `trainer_config_process`) or from the model (reduce_bucket_size)."""
+    """The DeepSpeed config of the plan's ZeRO run where its buckets or ZeRO-3's prefetch and persistence sizes are
+    not DeepSpeed's defaults (None otherwise): the stage, offload devices and those sizes planned; "auto" where
+    transformers fills the value from GRPOConfig (integrations/deepspeed.py `trainer_config_process`) or from the
+    model (the sizes)."""
+    coordinator = {key: getattr(train, key) for key, default in ZERO3_COORDINATOR_DEFAULTS.items()
+                   if getattr(train, key) != default}
     if train.zero_stage is None or (train.reduce_bucket_size == DEEPSPEED_REDUCE_BUCKET_SIZE
-                                    and train.overlap_comm is None):
+                                    and train.overlap_comm is None and not coordinator):
         return None
     zero: dict[str, Any] = {"stage": train.zero_stage, "reduce_bucket_size": train.reduce_bucket_size}
     if train.overlap_comm is not None:
         zero["overlap_comm"] = train.overlap_comm
+    zero.update(coordinator)
     for section, device in (("offload_optimizer", train.offload_optimizer), ("offload_param", train.offload_param)):
         if device != "none":
             zero[section] = {"device": device}

@@ -174,11 +174,12 @@ def _zero3_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
 
 def zero3_persistent_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """ZeRO-3's persistent parameters, gathered again in 16 bits beside their partitions as its optimizer step ends
-    (model/zero.py PARAM_PERSISTENCE_THRESHOLD); none on one GPU, where a parameter's gather is a view of its
+    (model/zero.py persistent_params, up to the config's threshold); none on one GPU, where a parameter's gather is a view of its
     partition (`NoGatherHandle`, partition_parameters.py:74)."""
     if train.zero_stage != 3 or train.num_gpus == 1:
         return 0
-    return zero.persistent_params(arch, train.lora_r, train.lora_targets) * zero.GATHERED_PARAM_BYTES
+    threshold = zero.persistence_threshold_elements(arch, train)
+    return zero.persistent_params(arch, train.lora_r, train.lora_targets, threshold) * zero.GATHERED_PARAM_BYTES
 
 
 def zero3_fetch_buffer_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -197,7 +198,9 @@ def zero3_prefetching_forward_bytes(arch: ModelArchitecture, train: TrainingConf
     gathers nothing."""
     if train.zero_stage != 3 or train.num_gpus == 1:
         return 0
-    gathered = zero.prefetching_forward_params(arch, train.lora_r, train.lora_targets) * zero.GATHERED_PARAM_BYTES
+    prefetch = zero.prefetch_bucket_elements(arch, train)
+    gathered = zero.prefetching_forward_params(arch, train.lora_r, train.lora_targets,
+                                               prefetch) * zero.GATHERED_PARAM_BYTES
     return gathered - _zero3_gathered_bytes(arch, train)
 
 
@@ -234,7 +237,8 @@ def zero3_follows_generation_trace(train: TrainingConfig) -> bool:
 def _zero3_prefetched_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """ZeRO-3's prefetch up to max_live_parameters gathered in 16 bits (model/zero.py), beyond the largest layer."""
     params = arch.params + (trainable_params(arch, train) if train.uses_lora else 0)
-    return zero.prefetched_params(params) * zero.GATHERED_PARAM_BYTES - _zero3_gathered_bytes(arch, train)
+    largest = zero.largest_after_embedding(zero.forward_params(arch, train.lora_r, train.lora_targets))
+    return zero.prefetched_params(params, largest) * zero.GATHERED_PARAM_BYTES - _zero3_gathered_bytes(arch, train)
 
 
 def generation_weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -5,7 +5,7 @@ offload), the user's knobs otherwise as given; the first count on which one fits
 first in that order (the ones that move less data first: DDP all-reduces gradients only, ZeRO-3 and FSDP2 gather
 parameters every layer, offload copies states over PCIe every step). A ZeRO stage or FSDP the user named is the only
 strategy tried; an offload the user named is kept in every strategy, and a strategy that cannot take it, or the
-DeepSpeed knobs named (buckets, overlap, ZeRO-3's gathering), is left out by the rules.
+DeepSpeed knobs named (buckets, overlap, ZeRO-3's gathering and coordinator sizes), is left out by the rules.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ MAX_COUNT = 2**40
 COUNT = Rules(gt=0, le=MAX_COUNT)
 # DeepSpeed's default reduce_bucket_size, in elements (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig)
 DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
+# ZeRO-3's coordinator's prefetch bucket and persistence threshold, in elements (zero/config.py:222, :228)
+DEEPSPEED_PREFETCH_BUCKET_SIZE = 50_000_000
+DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
 
 class Optimizer(str, Enum):
@@ -94,6 +97,15 @@ def _host_memory(value: str | None) -> str | None:
 
 def _bucket_elements(value: Any) -> int | str:
     # DeepSpeed configs write sizes as JSON numbers such as 2e8 (a float), the command line as text ("2e8")
+    return _elements(value, least=1)
+
+
+def _zero3_elements(value: Any) -> int | str:
+    # as _bucket_elements, and 0 as DeepSpeed takes it (zero/config.py: ge=0): no parameter kept gathered
+    return _elements(value, least=0)
+
+
+def _elements(value: Any, least: int) -> int | str:
     if value == "auto" and isinstance(value, str):
         return value
     number = value
@@ -106,9 +118,9 @@ def _bucket_elements(value: Any) -> int | str:
         number = None
     elif isinstance(number, float):
         number = int(number) if math.isfinite(number) and number.is_integer() else None
-    if number is not None and 0 < number <= MAX_COUNT:
+    if number is not None and least <= number <= MAX_COUNT:
         return number
-    raise ValueError("a number of elements such as 2e8 (1 to 2^40), or auto")
+    raise ValueError(f"a number of elements such as 2e8 ({least} to 2^40), or auto")
 
 
 def _known_release(value: str | None) -> str | None:
@@ -207,6 +219,13 @@ class TrainingConfig:
     reduce_bucket_size: Annotated[int | Literal["auto"], Before(_bucket_elements)] = (
         DEEPSPEED_REDUCE_BUCKET_SIZE)
     overlap_comm: bool | None = None
+    # ZeRO-3's coordinator: how many elements a prefetch round gathers ahead of the module fetched, and the largest
+    # parameter kept gathered after the optimizer step ("auto": transformers fills 0.9 x hidden_size^2 and
+    # 10 x hidden_size); vram_planner/model/zero.py counts them
+    stage3_prefetch_bucket_size: Annotated[int | Literal["auto"], Before(_bucket_elements)] = (
+        DEEPSPEED_PREFETCH_BUCKET_SIZE)
+    stage3_param_persistence_threshold: Annotated[int | Literal["auto"], Before(_zero3_elements)] = (
+        DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD)
     # ZeRO-Offload (DeepSpeed's offload_optimizer / offload_param devices) and FSDP2's CPUOffloadPolicy (--offload-param
     # under --fsdp): which model states live in the host's RAM (vram_planner/model/offload.py)
     offload_optimizer: Literal["none", "cpu"] = "none"
@@ -389,6 +408,10 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
                         f"backward of an accumulation's last micro-batch, keeping other ranks' gradients larger than "
                         f"the bucket whole); plan it with {field_name('zero_stage')} 2, or turn "
                         f"{field_name('overlap_comm')} off")
+    if (c.stage3_prefetch_bucket_size != DEEPSPEED_PREFETCH_BUCKET_SIZE
+            or c.stage3_param_persistence_threshold != DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD) and c.zero_stage != 3:
+        problems.append(f"{field_name('stage3_prefetch_bucket_size')} / {field_name('stage3_param_persistence_threshold')}"
+                        f" need {field_name('zero_stage')} 3 (ZeRO-3's parameter coordinator)")
     if not c.ds3_gather_for_generation and c.zero_stage != 3:
         problems.append(f"{field_name('ds3_gather_for_generation')} off needs {field_name('zero_stage')} 3 (only "
                         "ZeRO-3 gathers for generation)")

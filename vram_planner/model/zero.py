@@ -36,7 +36,8 @@ from itertools import accumulate
 
 from vram_planner.model import blocks
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.spec import DEEPSPEED_REDUCE_BUCKET_SIZE, TrainingConfig
+from vram_planner.model.spec import (DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, DEEPSPEED_PREFETCH_BUCKET_SIZE,
+                                     DEEPSPEED_REDUCE_BUCKET_SIZE, TrainingConfig)
 
 # ZeRO-1/2 convert the 16-bit gradient partition to an fp32 copy in step() (zero/stage_1_and_2.py:3118
 # `single_grad_partition = flat_grad_partition.to(self.single_partition_of_fp32_groups[i].dtype)`, set as the fp32
@@ -79,10 +80,11 @@ REDUCE_BUCKET_ELEMENT_BYTES = 2
 # parameter whose later use the prefetch has reached or that is used again within `stage3_max_reuse_distance`
 # (`__params_to_release`, :634-666). TRL's accelerate configs set none of them and name no DeepSpeed config file, so
 # nothing "auto" is filled from the hidden size (accelerate/accelerator.py:2296-2326) and DeepSpeed's defaults hold:
-# max_live_parameters and max_reuse_distance 1e9, prefetch_bucket_size 5e7 (zero/config.py:222, :245, :251). TRL 1.5
+# max_live_parameters and max_reuse_distance 1e9, prefetch_bucket_size 5e7 (zero/config.py:222, :245, :251), unless
+# a DeepSpeed config names the bucket (below). TRL 1.5
 # on invalidates the trace when its gathered generation puts the hooks back (trl/models/utils.py `add_hooks`), so
 # each step's first micro-batch records it again and gathers layer by layer; its later micro-batches hold up to
-# max_live_parameters, planned with one prefetch bucket more: the limit bounds what a round may start with
+# max_live_parameters and past it (`prefetched_params`): the limit bounds what a round may start with
 # (`__n_available_params`, counted as each all-gather is submitted, partitioned_param_coordinator.py:593), a round
 # ends only at the first parameter that takes it past its count (`while ... numel_prefetching <
 # max_params_to_prefetch`, :457-476), and the module being fetched gathers what it needs beyond the limit (:381); the
@@ -95,14 +97,17 @@ REDUCE_BUCKET_ELEMENT_BYTES = 2
 # its parameters exist twice (`prefetching_forward_params`); the rounds submitted after it hold their parameters once, in
 # their buffers. The sharded trace of Qwen2.5-0.5B with LoRA in its second micro-batch: the whole model gathered, a
 # 99.4 MiB round twice.
+# The prefetch bucket is the config's `stage3_prefetch_bucket_size` (TrainingConfig's; "auto": transformers fills
+# int(0.9 x hidden_size^2), integrations/deepspeed.py:234-238), DeepSpeed's default 5e7.
 MAX_LIVE_PARAMETERS = 1_000_000_000
-PREFETCH_BUCKET_ELEMENTS = 50_000_000
+PREFETCH_BUCKET_ELEMENTS = DEEPSPEED_PREFETCH_BUCKET_SIZE
 # As ZeRO-3's optimizer step ends it gathers again every parameter of at most `stage3_param_persistence_threshold`
 # elements (`persistent_parameters`, stage3.py:2840-2841; `ds_persist`, partition_parameters.py:1292; default 1e5,
 # zero/config.py:228, no model-wide cap by default, :235): norms and biases, and a small model's LoRA adapters (r x
 # 4,864 elements in Qwen2.5-0.5B's MLP at r=16). They stay until TRL's next generation partitions them with the rest
-# (GatheredParameters' exit); the loss fetches and releases them as any other.
-PARAM_PERSISTENCE_THRESHOLD = 100_000
+# (GatheredParameters' exit); the loss fetches and releases them as any other. The threshold is the config's
+# `stage3_param_persistence_threshold` ("auto": 10 x hidden_size, integrations/deepspeed.py:239-242).
+PARAM_PERSISTENCE_THRESHOLD = DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD
 # The estimator's other multipliers (zero/stage_1_and_2.py:4029-4031): 16-bit parameters, and per parameter of the
 # partition 2 (16-bit gradients) + 4 (fp32 gradients) + 4 (fp32 parameters) + 8 (Adam's momentum and variance).
 ESTIMATE_PARAM_BYTES = 2
@@ -133,10 +138,16 @@ def fetched_module_params(arch: ModelArchitecture) -> int:
     return max((lin.params for lin in arch.layer_linears()), default=0)
 
 
-def prefetched_params(params: int) -> int:
-    """The parameters ZeRO-3 holds gathered in a micro-batch whose coordinator has a complete trace: up to
-    max_live_parameters and a prefetch bucket, at most the whole model."""
-    return min(params, MAX_LIVE_PARAMETERS + PREFETCH_BUCKET_ELEMENTS)
+def prefetched_params(params: int, largest: int) -> int:
+    """The parameters ZeRO-3 holds gathered in a micro-batch whose coordinator has a complete trace, at most the whole
+    model: max_live_parameters, passed by the round that reaches it by part of its last parameter and by the module
+    fetched beyond it (each at most `largest`, the largest parameter after the embedding), and in every sharded trace
+    by less than DeepSpeed's default prefetch bucket, whatever bucket the config names: near the limit a round
+    gathers only what the limit leaves (`min(max_n_available - n_available, prefetch_bucket_sz)`), so the bucket's
+    size does not move what is held past it. A later micro-batch's traces: Llama-3.2-1B on 2 holds 1.020e9, 1.026e9
+    and 1.026e9 parameters with buckets of 1e7, 5e7 and 2e8 (1.034e9 counted), Qwen2.5-7B on 4 1.024e9 with 1e7 and
+    5e7 (1.05e9 counted)."""
+    return min(params, MAX_LIVE_PARAMETERS + min(2 * largest, PREFETCH_BUCKET_ELEMENTS))
 
 
 def forward_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> list[int]:
@@ -148,30 +159,31 @@ def forward_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: li
     return [arch.embedding_params, *layer * arch.num_layers, *tail]
 
 
-def persistent_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> int:
-    """The parameters ZeRO-3 gathers again after its optimizer step (`PARAM_PERSISTENCE_THRESHOLD`); a vision tower's
-    are not counted."""
-    return sum(n for n in forward_params(arch, lora_r, lora_targets) if n <= PARAM_PERSISTENCE_THRESHOLD)
+def persistent_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None,
+                      threshold: int = PARAM_PERSISTENCE_THRESHOLD) -> int:
+    """The parameters ZeRO-3 gathers again after its optimizer step, each of at most `threshold` elements; a vision
+    tower's are not counted."""
+    return sum(n for n in forward_params(arch, lora_r, lora_targets) if n <= threshold)
 
 
-def _largest_after_embedding(order: list[int]) -> int:
+def largest_after_embedding(order: list[int]) -> int:
     # the embedding is gathered first, on its own: the later rounds' overshoot is at most the largest of the rest
     return max(order[1:], default=0)
 
 
-def _prefetch_rounds(order: list[int]) -> list[int]:
+def _prefetch_rounds(order: list[int], prefetch: int) -> list[int]:
     """The parameters of each prefetch round of a forward whose coordinator has a complete trace, from its first
     fetch on. Each module's fetch submits a round of up to `min(max_live_parameters - n_available,
-    prefetch_bucket_size)` (partitioned_param_coordinator.py:452-484) that adds parameters while it holds fewer, so it
+    prefetch_bucket_size)` (`prefetch`) (partitioned_param_coordinator.py:452-484) that adds parameters while it holds fewer, so it
     ends past that by part of its last one; the rounds run ahead of the fetches, back to back. Once the limit is
     reached each round has the room a module's release left (at most the largest parameter after the embedding, which
     is gathered first): one more round, past that by as much, stands for them."""
     available, rounds, i = 0, [], 0
-    largest = _largest_after_embedding(order)
+    largest = largest_after_embedding(order)
     while i < len(order):
-        limit = min(MAX_LIVE_PARAMETERS - available, PREFETCH_BUCKET_ELEMENTS)
+        limit = min(MAX_LIVE_PARAMETERS - available, prefetch)
         if limit <= 0:
-            return [*rounds, min(PREFETCH_BUCKET_ELEMENTS, largest) + largest]
+            return [*rounds, min(prefetch, largest) + largest]
         numel = 0
         while i < len(order) and numel < limit:
             numel += order[i]
@@ -181,7 +193,8 @@ def _prefetch_rounds(order: list[int]) -> list[int]:
     return rounds
 
 
-def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None) -> int:
+def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None,
+                               prefetch: int = PREFETCH_BUCKET_ELEMENTS) -> int:
     """What a forward whose coordinator prefetches holds gathered at its peak, in parameters: up to
     max_live_parameters, which the last round submitted passes by part of its last parameter (the module being run
     is always in flight already, so no fetch passes it further), and the round in use twice, in its buffer and
@@ -190,9 +203,24 @@ def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora
     with LoRA on 8, its second micro-batch the whole model and a 99 MiB round twice; Llama-3.2-1B with LoRA, 1.064e9
     parameters' worth."""
     order = forward_params(arch, lora_r, lora_targets)
-    window = min(sum(order), MAX_LIVE_PARAMETERS + _largest_after_embedding(order))
-    first, *later = _prefetch_rounds(order)
+    window = min(sum(order), MAX_LIVE_PARAMETERS + largest_after_embedding(order))
+    first, *later = _prefetch_rounds(order, prefetch)
     return max(window + max(later, default=0), 2 * first)
+
+
+def prefetch_bucket_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """ZeRO-3's prefetch bucket in elements, which sizes the forward's rounds (`prefetching_forward_params`): the
+    config's stage3_prefetch_bucket_size, "auto" as transformers fills it (int(0.9 x hidden_size^2),
+    `trainer_config_finalize`, integrations/deepspeed.py:234-238)."""
+    size = train.stage3_prefetch_bucket_size
+    return int(0.9 * arch.hidden_size * arch.hidden_size) if size == "auto" else size
+
+
+def persistence_threshold_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:
+    """ZeRO-3's persistence threshold in elements: the config's stage3_param_persistence_threshold, "auto" as
+    transformers fills it (10 x hidden_size, integrations/deepspeed.py:239-242)."""
+    size = train.stage3_param_persistence_threshold
+    return 10 * arch.hidden_size if size == "auto" else size
 
 
 def reduce_bucket_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:

@@ -96,6 +96,11 @@ def deepspeed_config(session: Session) -> dict[str, Any]:
     zero["reduce_bucket_size"] = _hidden_size(session.model) ** 2 if bucket == "auto" else bucket
     if train.overlap_comm is not None:
         zero["overlap_comm"] = train.overlap_comm
+    if stage == 3:  # ZeRO-3's coordinator's, "auto" filled as transformers fills it (trainer_config_finalize)
+        hidden = _hidden_size(session.model)
+        prefetch, threshold = train.stage3_prefetch_bucket_size, train.stage3_param_persistence_threshold
+        zero["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden) if prefetch == "auto" else prefetch
+        zero["stage3_param_persistence_threshold"] = 10 * hidden if threshold == "auto" else threshold
     return config
 
 
