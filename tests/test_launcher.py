@@ -383,12 +383,13 @@ def test_the_analytic_model_holds_what_deepspeeds_engine_holds_with_each_configs
             # backward 82 MiB (0.19%) above the estimate's moment; and prefetch rounds smaller than the MLP's
             # matrices (transformers' "auto" bucket on Qwen2.5-0.5B with LoRA), whose rounds the trace holds up to
             # 1.7 MiB (0.14%) larger than the forward's order counts them
-            small_rounds = row["settings"].get("stage3_prefetch_bucket_size") == "auto" and row["model"] == "Qwen2.5-0.5B"
+            auto_prefetch = row["settings"].get("stage3_prefetch_bucket_size") == "auto"
+            small_rounds = auto_prefetch and row["model"] == "Qwen2.5-0.5B"
             below = 0.997 if "base" in row else 0.998 if small_rounds else 0.999
             # what ZeRO-3's later micro-batch holds past max_live_parameters is counted at its bound, two of the
             # largest parameters (a round's last one, the module fetched beyond the limit); Llama-3.2-1B's LoRA on 8
             # with transformers' "auto" sizes holds 28 MiB of it in its backward (+2.3%)
-            past_max_live = row["model"] == "Llama-3.2-1B" and row["settings"].get("stage3_prefetch_bucket_size") == "auto"
+            past_max_live = auto_prefetch and row["model"] == "Llama-3.2-1B"
             above = 1.025 if past_max_live else 1.02
             assert traced * below <= analytic <= traced * above, (row["model"], row["settings"], phase.name)
         # the need, bisected through the allocator model, within the band near_boundary reads for the strategy

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
     from vram_planner.recipe import Recipe as RecipeReading
     from vram_planner.report.maximized import MaximizedPlanReport
 
-__all__ = ["Request", "RecipeRequest", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "rank", "gpus",
-           "models", "recipe", "recipe_edits", "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
+__all__ = ["Request", "RecipeRequest", "Report", "Judged", "check", "plan", "maximize", "fitting_gpus", "trace", "rank",
+           "gpus", "models", "recipe", "recipe_edits", "resolve", "resolve_gpu_count", "VramPlanError", "ConfigError"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class RecipeRequest(Request):

@@ -317,7 +317,8 @@ def test_persistent_parameters_are_deepspeeds(path):
     assert zero.persistent_params(arch, 8, None) - zero.persistent_params(arch, None, None) == arch.lora_params(8, None)
     # transformers' "auto" threshold (10 x hidden_size) and none
     auto = 10 * arch.hidden_size
-    assert zero.persistent_params(arch, 8, None, auto) == sum(n for n in zero.forward_params(arch, 8, None) if n <= auto)
+    assert zero.persistent_params(arch, 8, None, auto) == sum(
+        n for n in zero.forward_params(arch, 8, None) if n <= auto)
     assert zero.persistent_params(arch, 8, None, 0) == 0
 
 

@@ -174,8 +174,8 @@ def _zero3_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> flo
 
 def zero3_persistent_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """ZeRO-3's persistent parameters, gathered again in 16 bits beside their partitions as its optimizer step ends
-    (model/zero.py persistent_params, up to the config's threshold); none on one GPU, where a parameter's gather is a view of its
-    partition (`NoGatherHandle`, partition_parameters.py:74)."""
+    (model/zero.py persistent_params, up to the config's threshold); none on one GPU, where a parameter's gather is a
+    view of its partition (`NoGatherHandle`, partition_parameters.py:74)."""
     if train.zero_stage != 3 or train.num_gpus == 1:
         return 0
     threshold = zero.persistence_threshold_elements(arch, train)

@@ -11,7 +11,8 @@ DeepSpeed knobs named (buckets, overlap, ZeRO-3's gathering and coordinator size
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from vram_planner.errors import ConfigError
 from vram_planner.model.accelerate_config import strategy_label
@@ -92,7 +93,8 @@ def strategies_named(settings: Mapping[str, Any]) -> list[dict[str, Any]]:
     return unique
 
 
-def candidates(user: TrainingConfig, count: int, strategies: list[dict[str, Any]] | None = None) -> list[TrainingConfig]:
+def candidates(user: TrainingConfig, count: int,
+               strategies: list[dict[str, Any]] | None = None) -> list[TrainingConfig]:
     """The user's config on `count` GPUs under each strategy to try (`strategies_for` the config unless given); those
     the rules refuse (a batch the number of generations does not divide, an offload or a DeepSpeed knob the strategy
     cannot take) are left out."""

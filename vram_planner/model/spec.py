@@ -410,8 +410,9 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
                         f"{field_name('overlap_comm')} off")
     if (c.stage3_prefetch_bucket_size != DEEPSPEED_PREFETCH_BUCKET_SIZE
             or c.stage3_param_persistence_threshold != DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD) and c.zero_stage != 3:
-        problems.append(f"{field_name('stage3_prefetch_bucket_size')} / {field_name('stage3_param_persistence_threshold')}"
-                        f" need {field_name('zero_stage')} 3 (ZeRO-3's parameter coordinator)")
+        problems.append(f"{field_name('stage3_prefetch_bucket_size')} / "
+                        f"{field_name('stage3_param_persistence_threshold')} need {field_name('zero_stage')} 3 "
+                        "(ZeRO-3's parameter coordinator)")
     if not c.ds3_gather_for_generation and c.zero_stage != 3:
         problems.append(f"{field_name('ds3_gather_for_generation')} off needs {field_name('zero_stage')} 3 (only "
                         "ZeRO-3 gathers for generation)")

@@ -174,7 +174,8 @@ def largest_after_embedding(order: list[int]) -> int:
 def _prefetch_rounds(order: list[int], prefetch: int) -> list[int]:
     """The parameters of each prefetch round of a forward whose coordinator has a complete trace, from its first
     fetch on. Each module's fetch submits a round of up to `min(max_live_parameters - n_available,
-    prefetch_bucket_size)` (`prefetch`) (partitioned_param_coordinator.py:452-484) that adds parameters while it holds fewer, so it
+    prefetch_bucket_size)`, the bucket `prefetch` elements (partitioned_param_coordinator.py:452-484), that adds
+    parameters while it holds fewer, so it
     ends past that by part of its last one; the rounds run ahead of the fetches, back to back. Once the limit is
     reached each round has the room a module's release left (at most the largest parameter after the embedding, which
     is gathered first): one more round, past that by as much, stands for them."""
