@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vram_planner.model.spec import DEEPSPEED_REDUCE_BUCKET_SIZE
+from vram_planner.model.spec import (DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD, DEEPSPEED_PREFETCH_BUCKET_SIZE,
+                                     DEEPSPEED_REDUCE_BUCKET_SIZE)
 
 # accelerate launch's options that take no value (store_true; --no_tpu_cluster stores a constant)
 LAUNCH_FLAGS = frozenset({
@@ -86,8 +87,9 @@ DEEPSPEED_ZERO_DEFAULTS: dict[str, Any] = {
     "reduce_bucket_size": DEEPSPEED_REDUCE_BUCKET_SIZE, "allgather_bucket_size": 500_000_000,
     "contiguous_gradients": True,
     "reduce_scatter": True, "allgather_partitions": True, "use_multi_rank_bucket_allreduce": True,
-    "sub_group_size": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
-    "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000,
+    "sub_group_size": 1_000_000_000, "stage3_prefetch_bucket_size": DEEPSPEED_PREFETCH_BUCKET_SIZE,
+    "stage3_param_persistence_threshold": DEEPSPEED_PARAM_PERSISTENCE_THRESHOLD,
+    "stage3_max_live_parameters": 1_000_000_000,
     "stage3_max_reuse_distance": 1_000_000_000, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
     "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False, "round_robin_gradients": False,
     "memory_efficient_linear": True, "stage3_module_granularity_threshold": 0, "zenflow": None}

@@ -71,15 +71,6 @@ def _strategies_on(fewest: Fewest, count: int) -> list[Verdict]:
     return [v for v in fewest.tried if v.train.num_gpus == count]
 
 
-def strategies_for(user: TrainingConfig) -> list[dict[str, Any]]:
-    """The strategies to try for a config: its own where it has one (a ZeRO stage, FSDP or an offload), else all."""
-    named = user.zero_stage is not None or user.fsdp or user.offloaded
-    if not named:
-        return list(STRATEGIES)
-    own = {field: getattr(user, field) for field in STRATEGY_FIELDS}
-    return [own]
-
-
 def strategies_named(settings: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The strategies to try for the knobs a user gave with `--num-gpus auto`: none but the user's own where they
     named a ZeRO stage or FSDP (an empty change); else each strategy with the offloads the user named, once each."""
@@ -93,13 +84,19 @@ def strategies_named(settings: Mapping[str, Any]) -> list[dict[str, Any]]:
     return unique
 
 
-def candidates(user: TrainingConfig, count: int,
-               strategies: list[dict[str, Any]] | None = None) -> list[TrainingConfig]:
-    """The user's config on `count` GPUs under each strategy to try (`strategies_for` the config unless given); those
-    the rules refuse (a batch the number of generations does not divide, an offload or a DeepSpeed knob the strategy
-    cannot take) are left out."""
+def _strategies_of(user: TrainingConfig) -> list[dict[str, Any]]:
+    """The strategies to try for a config given whole: as `strategies_named` takes the strategy it has (a ZeRO stage,
+    FSDP or an offload), its fields at their defaults left unnamed."""
+    unset = TrainingConfig()
+    return strategies_named({field: getattr(user, field) for field in STRATEGY_FIELDS
+                             if getattr(user, field) != getattr(unset, field)})
+
+
+def candidates(user: TrainingConfig, count: int, strategies: list[dict[str, Any]]) -> list[TrainingConfig]:
+    """The user's config on `count` GPUs under each strategy to try; those the rules refuse (a batch the number of
+    generations does not divide, an offload or a DeepSpeed knob the strategy cannot take) are left out."""
     configs = []
-    for knobs in strategies_for(user) if strategies is None else strategies:
+    for knobs in strategies:
         try:
             configs.append(with_changes(user, num_gpus=count, **knobs))
         except ConfigError:
@@ -109,9 +106,10 @@ def candidates(user: TrainingConfig, count: int,
 
 def fewest_gpus(context: Context, user: TrainingConfig, most: int = MAX_GPUS_PER_NODE,
                 strategies: list[dict[str, Any]] | None = None) -> Fewest:
-    """The fewest GPUs of the context's card, up to `most`, and the strategy (of `strategies`, else `strategies_for`
-    the config) on which `user` fits."""
+    """The fewest GPUs of the context's card, up to `most`, and the strategy (of `strategies`, else those the config's
+    own strategy fields name) on which `user` fits."""
     tried: list[Verdict] = []
+    strategies = _strategies_of(user) if strategies is None else strategies
     for count in range(1, most + 1):
         for train in candidates(user, count, strategies):
             verdict = judge(context, train)

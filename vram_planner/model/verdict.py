@@ -53,9 +53,9 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # model, beside the analytic peak; benchmarks/results/deepspeed_configs.txt) ZeRO-1/2's optimizer step strands what
 # its fp32 gradient partition cannot use, and the next backward's reduction buckets what the first step's Adam moments
 # leave of the segments they were cut from (model/zero_replay.py counts both: every config whose estimate peaks in the
-# step needs 2.4% to 3.1% less than it); their loss has needed up to 6.4% more than the estimate (Llama-3.2-1B's ZeRO-1 on 4
-# at TRL's own batch; Qwen2.5-0.5B's ZeRO-2 on 8 with "auto" buckets and two micro-batches 5.1%: its partition
-# buffers cut from the LM head's freed logits segments, which the replay does not see); ZeRO-3 up to 5.4%
+# step needs 2.4% to 3.1% less than it); their loss has needed up to 6.4% more than the estimate (Llama-3.2-1B's
+# ZeRO-1 on 4 at TRL's own batch; Qwen2.5-0.5B's ZeRO-2 on 8 with "auto" buckets and two micro-batches 5.1%: its
+# partition buffers cut from the LM head's freed logits segments, which the replay does not see); ZeRO-3 up to 5.4%
 # (Llama-3.2-1B on 2).
 NEED_ABOVE_ESTIMATE = 0.05
 NEED_ABOVE_ESTIMATE_DECODING_SEGMENTS = 0.09

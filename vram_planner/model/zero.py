@@ -31,7 +31,7 @@ leaves out the flat copy and the gradients kept whole), and ZeRO-3 22 P / N and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import accumulate
 
 from vram_planner.model import blocks
@@ -209,27 +209,36 @@ def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora
     return max(window + max(later, default=0), 2 * first)
 
 
+# transformers' fill of a DeepSpeed config's "auto" sizes from the model's hidden size (`trainer_config_finalize`,
+# integrations/deepspeed.py:202-242): the reduction bucket at every stage, the coordinator's two at ZeRO-3
+AUTO_FILLED_SIZES: dict[str, Callable[[int], int]] = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h}
+
+
+def deepspeed_size(train: TrainingConfig, key: str, hidden_size: int) -> int:
+    """One of the config's DeepSpeed sizes (AUTO_FILLED_SIZES' keys) in elements, "auto" filled from `hidden_size` as
+    transformers fills it."""
+    value = getattr(train, key)
+    return AUTO_FILLED_SIZES[key](hidden_size) if value == "auto" else value
+
+
 def prefetch_bucket_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:
     """ZeRO-3's prefetch bucket in elements, which sizes the forward's rounds (`prefetching_forward_params`): the
-    config's stage3_prefetch_bucket_size, "auto" as transformers fills it (int(0.9 x hidden_size^2),
-    `trainer_config_finalize`, integrations/deepspeed.py:234-238)."""
-    size = train.stage3_prefetch_bucket_size
-    return int(0.9 * arch.hidden_size * arch.hidden_size) if size == "auto" else size
+    config's stage3_prefetch_bucket_size ("auto": int(0.9 x hidden_size^2))."""
+    return deepspeed_size(train, "stage3_prefetch_bucket_size", arch.hidden_size)
 
 
 def persistence_threshold_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:
-    """ZeRO-3's persistence threshold in elements: the config's stage3_param_persistence_threshold, "auto" as
-    transformers fills it (10 x hidden_size, integrations/deepspeed.py:239-242)."""
-    size = train.stage3_param_persistence_threshold
-    return 10 * arch.hidden_size if size == "auto" else size
+    """ZeRO-3's persistence threshold in elements: the config's stage3_param_persistence_threshold ("auto":
+    10 x hidden_size)."""
+    return deepspeed_size(train, "stage3_param_persistence_threshold", arch.hidden_size)
 
 
 def reduce_bucket_elements(arch: ModelArchitecture, train: TrainingConfig) -> int:
-    """The gradient reduction bucket's size in elements: the config's reduce_bucket_size, "auto" as transformers
-    fills it from the model's hidden size (hidden_size^2, `trainer_config_finalize`, integrations/deepspeed.py:
-    202-231)."""
-    size = train.reduce_bucket_size
-    return arch.hidden_size * arch.hidden_size if size == "auto" else size
+    """The gradient reduction bucket's size in elements: the config's reduce_bucket_size ("auto": hidden_size^2)."""
+    return deepspeed_size(train, "reduce_bucket_size", arch.hidden_size)
 
 
 def overlaps_reduction(train: TrainingConfig) -> bool:

@@ -26,6 +26,7 @@ its large blocks. Pure Python, no torch.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from itertools import count
 
 from vram_planner.allocator.replay import ALLOC, FREE
@@ -48,7 +49,7 @@ def zero12_step_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, w
     (model/cublas.py), which the generation's and the backward's first matrix products make and keep."""
     if not _replayed(arch, train):
         return 0.0
-    return float(_stranded_bytes(*_replay_arguments(arch, train, workspace_bytes)))
+    return float(_stranding(*_replay_arguments(arch, train, workspace_bytes))[0])
 
 
 def _replayed(arch: ModelArchitecture, train: TrainingConfig) -> bool:
@@ -100,7 +101,7 @@ def zero12_loss_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, w
     as it says."""
     if not _replayed(arch, train):
         return 0.0
-    return float(_rest_at_next_buckets(*_replay_arguments(arch, train, workspace_bytes)))
+    return float(_stranding(*_replay_arguments(arch, train, workspace_bytes))[1])
 
 
 def _state_tensors(train: TrainingConfig) -> tuple[int, ...]:
@@ -112,46 +113,48 @@ def _state_tensors(train: TrainingConfig) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _stranded_bytes(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
-                    accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None, buffer_after: int,
-                    head: tuple[int, ...], workspace: int) -> int:
-    # plan's searches estimate one config thousands of times: the replay runs once per model and layout
-    from vram_planner.allocator.need import least_capacity
-
-    events = _without_repeats(step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order,
-                                          buffer_after, head, workspace))
-    need = least_capacity(events)
-    return max(0, need.capacity_bytes - need.tensor_peak_bytes)
-
-
-@functools.lru_cache(maxsize=256)
-def _rest_at_next_buckets(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
-                          accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None,
-                          buffer_after: int, head: tuple[int, ...], workspace: int) -> int:
+def _stranding(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
+               accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None, buffer_after: int,
+               head: tuple[int, ...], workspace: int) -> tuple[int, int]:
+    """The stream of step_events replayed (plan's searches estimate one config thousands of times: once per model and
+    layout): what the step strands (the least capacity it runs in less its tensor peak), and what the segments holding
+    a living buffer hold beside it when, the cache's free segments released, the next backward opens."""
     from vram_planner.allocator.caching import CachingAllocator
+    from vram_planner.allocator.need import least_capacity
     from vram_planner.model.stranding import rest_beside_large_blocks
 
     events = _without_repeats(step_events(groups, ranks, rank, bucket, overlap, accumulation, states, order,
                                           buffer_after, head, workspace))
+    need = least_capacity(events)
     allocator, addresses, requested = CachingAllocator(), {}, {}
+
+    def alloc(n_bytes: int) -> int:
+        address = allocator.malloc(n_bytes)
+        requested[address] = n_bytes
+        return address
+
+    def free(address: int) -> None:
+        del requested[address]
+        allocator.free(address)
+
     for action, block, size in events:
         if action == ALLOC:
-            addresses[block] = allocator.malloc(size)
-            requested[addresses[block]] = size
+            addresses[block] = alloc(size)
         else:
-            requested.pop(addresses[block])
-            allocator.free(addresses.pop(block))
+            free(addresses.pop(block))
     allocator.empty_cache()
-    made = [allocator.malloc(size) for size in head]
-    for address, size in zip(made, head):
-        requested[address] = size
-    if len(made) > 1:  # the fp32 accumulation, freed once cast
-        allocator.free(made[0])
-        del requested[made[0]]
-    bucket_bytes = bucket * zero.REDUCE_BUCKET_ELEMENT_BYTES
-    for _ in range(2 if overlap else 1):
-        requested[allocator.malloc(bucket_bytes)] = bucket_bytes
-    return rest_beside_large_blocks(allocator, requested)
+    _backward_opening(alloc, free, head, bucket, overlap)
+    return max(0, need.capacity_bytes - need.tensor_peak_bytes), rest_beside_large_blocks(allocator, requested)
+
+
+def _backward_opening(alloc: Callable[[int], int], free: Callable[[int], None], head: tuple[int, ...], bucket: int,
+                      overlap: bool) -> tuple[list[int], list[int]]:
+    """What a backward asks for first: the output projection's weight gradient as `head` makes it (all but the last,
+    the fp32 accumulation, freed once cast), then its reduction buckets (two with overlap_comm)."""
+    made = [alloc(size) for size in head]
+    for block in made[:-1]:
+        free(block)
+    return made, [alloc(bucket * zero.REDUCE_BUCKET_ELEMENT_BYTES) for _ in range(2 if overlap else 1)]
 
 
 def _without_repeats(events: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
@@ -233,10 +236,7 @@ def step_events(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, buck
     for micro_batch in range(accumulation):
         if workspace and micro_batch == 0:
             alloc(workspace)
-        made = [alloc(size) for size in head]
-        for block in made[:-1]:
-            free(block)
-        buckets = [alloc(bucket * grad) for _ in range(2 if overlap else 1)]
+        made, buckets = _backward_opening(alloc, free, head, bucket, overlap)
         # each full bucket's gradients flattened for the collective (zero.reducing_bucket_gradient_bytes), then what
         # the bucket holds last, as the backward ends; the partition buffer after the first of its gradients
         for k, flat in enumerate(flats):

@@ -52,6 +52,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError
 from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.zero import AUTO_FILLED_SIZES, deepspeed_size
 from vram_planner.tracing.counter import GRADS, REFERENCE, STATES, STEP, WEIGHTS, PhasePeak
 from vram_planner.tracing.optimizer_peak import host_step_scalars, step_peak
 from vram_planner.tracing.session import Session
@@ -90,17 +91,14 @@ def deepspeed_config(session: Session) -> dict[str, Any]:
                   train_batch_size=micro * train.gradient_accumulation_steps * train.num_gpus,
                   gradient_clipping=MAX_GRAD_NORM,
                   zero_allow_untested_optimizer=True)  # transformers/integrations/deepspeed.py:589
-    # a DeepSpeed config file's bucket and overlap, "auto" filled as transformers fills it
+    # a DeepSpeed config file's bucket and overlap, and at ZeRO-3 its coordinator's sizes, "auto" filled as
+    # transformers fills it
     zero = config["zero_optimization"] = dict(config["zero_optimization"])
-    bucket = train.reduce_bucket_size
-    zero["reduce_bucket_size"] = _hidden_size(session.model) ** 2 if bucket == "auto" else bucket
+    sizes = [key for key in AUTO_FILLED_SIZES if key == "reduce_bucket_size" or stage == 3]
+    hidden = _hidden_size(session.model) if any(getattr(train, key) == "auto" for key in sizes) else 0
+    zero.update({key: deepspeed_size(train, key, hidden) for key in sizes})
     if train.overlap_comm is not None:
         zero["overlap_comm"] = train.overlap_comm
-    if stage == 3:  # ZeRO-3's coordinator's, "auto" filled as transformers fills it (trainer_config_finalize)
-        hidden = _hidden_size(session.model)
-        prefetch, threshold = train.stage3_prefetch_bucket_size, train.stage3_param_persistence_threshold
-        zero["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden) if prefetch == "auto" else prefetch
-        zero["stage3_param_persistence_threshold"] = 10 * hidden if threshold == "auto" else threshold
     return config
 
 
