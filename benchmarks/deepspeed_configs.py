@@ -1,6 +1,8 @@
 """DeepSpeed configs' buckets, traced with DeepSpeed's own engine beside what the analytic model counts for them.
 
     python benchmarks/deepspeed_configs.py          # about ten minutes on two cores
+    python benchmarks/deepspeed_configs.py --from-results   # the committed traces and needs against the analytic
+                                                            # model as it is, tracing nothing (seconds)
 
 A DeepSpeed config (`--deepspeed ds_config.json`, accelerate's deepspeed_config_file) may set the gradient
 reduction bucket (reduce_bucket_size: a number of elements, or transformers' "auto", hidden_size^2) and whether its
@@ -106,7 +108,28 @@ def label(settings: dict, base: dict = BASE) -> str:
     return said if base is BASE else f"{said} TRL's batch"
 
 
+def analytic(model: str, settings: dict, rank: int) -> dict:
+    """The analytic side of a row, as traced() records it: each phase's tensor peak on the traced rank and the
+    "fits from" capacity."""
+    from vram_planner import engine
+    from vram_planner.model.components import zero_rank_excess_bytes
+
+    verdict = engine.check(model, "h100", settings)
+    return {"analytic_bytes": {p.name: round(p.tensor_bytes - zero_rank_excess_bytes(
+                verdict.context.arch, verdict.train, p.name, rank)) for p in verdict.estimate.phases},
+            "fits_from_bytes": round(verdict.estimate.peak_bytes / (1 - verdict.context.safety_margin))}
+
+
+def from_results() -> list[dict]:
+    """The committed rows with their analytic side recomputed (the traces and needs as committed)."""
+    document = json.loads((RESULTS / "deepspeed_configs.json").read_text())
+    return [{**row, **analytic(row["model"], {**row.get("base", document["base"]), **row["settings"]}, row["rank"])}
+            for row in document["rows"]]
+
+
 def main() -> int:
+    if "--from-results" in sys.argv[1:]:
+        return write(from_results())
     rows = []
     for model, settings, base in ([(model, settings, BASE) for model in MODELS for settings in GRID]
                                   + [(model, settings, BASE) for model, settings in LARGER + ZERO3_COORDINATOR]
@@ -114,6 +137,10 @@ def main() -> int:
         rows.append({**traced(model, settings, base), **({"base": base} if base is not BASE else {})})
         print(f"{model} ZeRO-{settings['zero_stage']} {label(settings, base)}: {rows[-1]['seconds']} s",
               file=sys.stderr, flush=True)
+    return write(rows)
+
+
+def write(rows: list[dict]) -> int:
     text = report(rows)
     print(text, end="")
     (RESULTS / "deepspeed_configs.txt").write_text(text)

@@ -395,9 +395,10 @@ def test_the_analytic_model_holds_what_deepspeeds_engine_holds_with_each_configs
         # the need, bisected through the allocator model, within the band near_boundary reads for the strategy
         peak = verdict.estimate.peak_bytes
         assert row["need_bytes"] <= peak * (1 + need_above_estimate(verdict.train)), row
-        if verdict.train.zero_stage in (1, 2) and verdict.estimate.peak_phase.name == "optimizer":
-            # ZeRO-1/2's optimizer step: what DeepSpeed's buffers strand counted (model/zero_replay.py), so the
-            # estimate is never more than 1% below the need, nor more than 6% above it
+        if verdict.train.zero_stage in (1, 2, 3) and verdict.estimate.peak_phase.name == "optimizer":
+            # ZeRO's optimizer step: what DeepSpeed's buffers strand counted (model/zero_replay.py), so the estimate is
+            # never more than 1% below the need, nor more than 6% above it (ZeRO-3's full fine-tuning of
+            # Llama-3.2-1B on 2 with DeepSpeed's 5e8 bucket 5.1% below it before its step was replayed)
             assert row["need_bytes"] * 0.99 <= peak <= row["need_bytes"] * 1.06, row
 
 

@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO-1/2's large buffers replayed through the allocator model: what they strand at the optimizer step
-(vram_planner/model/zero_replay.py). tests/test_launcher.py holds the estimate it makes to the needs of
+"""DeepSpeed ZeRO-1/2's and ZeRO-3's large buffers replayed through the allocator model: what they strand at the
+optimizer step (vram_planner/model/zero_replay.py). tests/test_launcher.py holds the estimate it makes to the needs of
 benchmarks/deepspeed_configs.py's traces, DeepSpeed's own engine run on one rank."""
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from vram_planner.model.phases import estimate
 from vram_planner.model.resolve import catalog_architecture, resolve_model
 from vram_planner.model.spec import training_config
 from vram_planner.model.trl_releases import trl_release
-from vram_planner.model.zero_replay import (_replay_arguments, _without_repeats, step_events,
-                                           zero12_loss_stranded_bytes, zero12_step_stranded_bytes)
+from vram_planner.model.zero_replay import (_replay_arguments, _state_tensors, _without_repeats, step_events,
+                                           zero3_step_events,
+                                           zero3_step_stranded_bytes, zero12_loss_stranded_bytes,
+                                           zero12_step_stranded_bytes)
 from vram_planner.profiles import models
 from vram_planner.units import GiB
 
@@ -97,3 +99,54 @@ def test_the_next_backwards_bucket_finds_the_first_steps_moments_in_the_last_one
                      for first in (False, True))
     assert steady.components["allocator_overhead"] >= stranded
     assert first.components["allocator_overhead"] < stranded
+
+
+@pytest.mark.parametrize("knobs", [
+    {},  # one GPU
+    {"num_gpus": 2, "zero_stage": 2},
+    {"num_gpus": 2, "fsdp": True},
+    {"num_gpus": 2, "zero_stage": 3, "offload_optimizer": "cpu"},
+    {"num_gpus": 2, "zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+    {"num_gpus": 2, "zero_stage": 3, "allocator_conf": "expandable_segments:True"},
+], ids=str)
+def test_nothing_strands_where_no_zero3_step_runs_on_the_gpu_in_whole_segments(knobs):
+    assert zero3_step_stranded_bytes(resolve_model("Llama-3.2-1B"), _train(**knobs)) == 0
+
+
+def test_zero3s_flat_copy_lands_in_the_previous_steps_fp32_segment_beside_a_large_bucket():
+    # Llama-3.2-1B on 2 with DeepSpeed's 5e8-element bucket: the start-up cuts the bucket (954 MiB) and the gradient
+    # partition's buffer (1,179 MiB) from the zeroed fp32 gradient's freed 2,358 MiB segment, 226 MiB beside them;
+    # the step's flat 16-bit copy finds no room there and is cut from the previous step's fp32 segment, 1,179 MiB
+    # beside it, so the fp32 copy takes a segment of its own. The sharded trace held those two rests at its need
+    arch = resolve_model("Llama-3.2-1B")
+    train = _train(num_gpus=2, zero_stage=3, reduce_bucket_size=500_000_000)
+    share = sum(-(-numel // 2) for group in zero.optimizer_groups(arch, None, None) for numel in group)
+    fp32_segment = allocation_size(share * 4, K_LARGE_BUFFER)
+    beside = (fp32_segment - share * 2) + (fp32_segment - 500_000_000 * 2 - share * 2)
+    stranded = zero3_step_stranded_bytes(arch, train)
+    assert beside <= stranded <= beside + 16 * 2**20
+    # transformers' "auto" bucket (hidden^2 elements, 8 MiB) leaves room for the flat copy beside the buffer
+    assert zero3_step_stranded_bytes(arch, _train(num_gpus=2, zero_stage=3, reduce_bucket_size="auto")) < 32 * 2**20
+    step = estimate(arch, train, trl_release(), default_calibration(), 80 * GiB).phases[-1]
+    assert step.name == "optimizer" and step.components["allocator_overhead"] >= stranded
+
+
+@pytest.mark.parametrize("entry", models(), ids=lambda e: e.name)
+def test_every_catalog_model_replays_zero3s_step_on_the_segments_of_deepspeeds_own_start_up(entry):
+    arch = catalog_architecture(entry)
+    for knobs in ({"num_gpus": 2, "zero_stage": 3}, {"num_gpus": 8, "zero_stage": 3, "reduce_bucket_size": "auto"},
+                  {"num_gpus": 4, "zero_stage": 3, "lora_r": 16, "reduce_bucket_size": 200_000_000}):
+        train = _train(**knobs)
+        groups = tuple(map(tuple, zero.optimizer_groups(arch, train.lora_r, None)))
+        layout = (groups, train.num_gpus, zero.reduce_bucket_elements(arch, train), _state_tensors(train))
+        # the start-up made again from the segments it leaves needs what DeepSpeed's requests themselves need
+        per_request = least_capacity(_without_repeats(zero3_step_events(*layout, per_request=True)))
+        remade = least_capacity(_without_repeats(zero3_step_events(*layout)))
+        assert (remade.capacity_bytes, remade.tensor_peak_bytes) == (
+            per_request.capacity_bytes, per_request.tensor_peak_bytes), (entry.name, knobs)
+        stranded = zero3_step_stranded_bytes(arch, train)
+        assert stranded == remade.capacity_bytes - remade.tensor_peak_bytes
+        # no more than a sub-group's fp32 and flat copies and the start-up's fp32 gradient could leave beside them
+        ranks = train.num_gpus
+        largest = max(sum(sub) for group in groups for sub in zero.sub_group_partitions([-(-n // ranks) for n in group]))
+        assert 0 <= stranded <= largest * (4 + 2 + 4) + 64 * 2**20, (entry.name, knobs)

@@ -31,7 +31,8 @@ from vram_planner.model.stranding import loaded_weight_segment_bytes
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
 from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure
-from vram_planner.model.zero_replay import zero12_loss_stranded_bytes, zero12_step_stranded_bytes
+from vram_planner.model.zero_replay import (zero3_step_stranded_bytes, zero12_loss_stranded_bytes,
+                                           zero12_step_stranded_bytes)
 
 if TYPE_CHECKING:
     from vram_planner.model.vllm import VllmBudget
@@ -357,7 +358,7 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
     exact = loaded_weight_segment_bytes(arch, train) if arch is not None else 0.0
     workspace = int(workspace_bytes) // TRAINING_THREADS
     if arch is not None and phase.name == "optimizer":
-        exact += zero12_step_stranded_bytes(arch, train, workspace)
+        exact += zero12_step_stranded_bytes(arch, train, workspace) + zero3_step_stranded_bytes(arch, train, workspace)
     elif arch is not None and phase.name == "training" and steady:
         exact += zero12_loss_stranded_bytes(arch, train, workspace)
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns, exact)

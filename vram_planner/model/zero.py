@@ -541,13 +541,18 @@ def zero12_step_bytes(groups: list[list[int]], ranks: int, rank: int) -> int:
 
 
 def _sub_groups(partitions: list[int]) -> list[int]:
-    """ZeRO-3's sub-groups of a group's parameter partitions (`_create_fp16_sub_groups`, zero/stage3.py:1210-1233)."""
+    """The elements of each of ZeRO-3's sub-groups of a group's parameter partitions."""
+    return [sum(sub) for sub in sub_group_partitions(partitions)]
+
+
+def sub_group_partitions(partitions: list[int]) -> list[list[int]]:
+    """ZeRO-3's sub-groups of a group's parameter partitions (`_create_fp16_sub_groups`, zero/stage3.py:1210-1233):
+    each closes at the partition that brings it to SUB_GROUP_ELEMENTS, the last at the group's end."""
     if sum(partitions) <= SUB_GROUP_ELEMENTS:
-        return [sum(partitions)]
-    subs, size = [], 0
+        return [list(partitions)]
+    subs: list[list[int]] = [[]]
     for n in partitions:
-        size += n
-        if size >= SUB_GROUP_ELEMENTS:
-            subs.append(size)
-            size = 0
-    return subs + ([size] if size else [])
+        subs[-1].append(n)
+        if sum(subs[-1]) >= SUB_GROUP_ELEMENTS:
+            subs.append([])
+    return [sub for sub in subs if sub]

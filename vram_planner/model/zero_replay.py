@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO-1/2's own large buffers, allocated and freed in the order DeepSpeed 0.19.8 does, replayed through the
-allocator model: what their segments strand when the optimizer step asks for its fp32 gradient partition, and when
-the next loss's backward asks for its reduction buckets.
+"""DeepSpeed ZeRO-1/2's and ZeRO-3's own large buffers, allocated and freed in the order DeepSpeed 0.19.8 does,
+replayed through the allocator model: what their segments strand when the optimizer step asks for its fp32 gradient
+partition, and (ZeRO-1/2) when the next loss's backward asks for its reduction buckets. ZeRO-3's at the end
+(zero3_step_stranded_bytes).
 
 The step (zero/stage_1_and_2.py:3013-3170) copies each gradient its partition holds to fp64 for the norm, one at a
 time, then flattens the partition's 16-bit gradients and converts the flat copy to fp32 (`single_grad_partition`,
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from itertools import count
 
 from vram_planner.allocator.replay import ALLOC, FREE
-from vram_planner.allocator.sizes import K_SMALL_SIZE
+from vram_planner.allocator.sizes import K_SMALL_BUFFER, K_SMALL_SIZE
 from vram_planner.model import components as m
 from vram_planner.model import zero
 from vram_planner.model.architecture import ModelArchitecture
@@ -268,3 +269,151 @@ def step_events(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, buck
             partition = None
         free(fp32)
     return events
+
+
+def zero3_step_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, workspace_bytes: int = 0) -> float:
+    """What DeepSpeed's large buffers strand when ZeRO-3's optimizer step needs most, as zero12_step_stranded_bytes
+    says for ZeRO-1/2 (zero3_step_events: the start-up's flat buffers, a step's sub-groups). Where the reduction
+    bucket is large, the start-up cuts it and the gradient partition's buffer from the segment of the zeroed fp32
+    gradient it has just freed, too little is left beside them for a sub-group's flat 16-bit copy, which best fit
+    then cuts from the segment of the previous step's fp32 gradient, so the fp32 copy takes a segment of its own:
+    the sharded trace of Llama-3.2-1B on 2 with a 5e8-element bucket held 1,179 MiB beside the flat copy and 226 MiB
+    beside the two buffers when the step asked for its 2,357 MiB fp32 gradient; with transformers' "auto" bucket
+    (hidden^2 elements, 8 MiB) the flat copy fits beside the buffers and nothing strands. Nothing with an offload
+    (the partitions live on the host) or under expandable segments."""
+    if not (train.zero_stage == 3 and train.offload_optimizer != "cpu" and train.offload_param != "cpu"
+            and not train.expandable_segments and m.trainable_params(arch, train) > 0):
+        return 0.0
+    targets = None if train.lora_targets is None else tuple(train.lora_targets)
+    groups = tuple(map(tuple, zero.optimizer_groups(arch, train.lora_r, None if targets is None else list(targets))))
+    return float(_zero3_stranding(groups, train.num_gpus, zero.reduce_bucket_elements(arch, train),
+                                  _state_tensors(train), workspace_bytes))
+
+
+@functools.lru_cache(maxsize=256)
+def _zero3_stranding(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: int, states: tuple[int, ...],
+                     workspace: int) -> int:
+    from vram_planner.allocator.need import least_capacity
+
+    need = least_capacity(_without_repeats(zero3_step_events(groups, ranks, bucket, states, workspace)))
+    return max(0, need.capacity_bytes - need.tensor_peak_bytes)
+
+
+def _partitioning_requests(groups: tuple[tuple[int, ...], ...], ranks: int) -> list[tuple[str, int, int]]:
+    """ZeRO-3's start-up up to its flat buffer, request by request: the trainable parameters loaded whole in 16 bits,
+    each replaced by its partition (a rank's ceil(numel / ranks) elements), the partitions moved into one flat buffer
+    and freed (`_create_fp16_partitions_with_defragmentation`, zero/stage3.py:913-975). The flat buffer is the block
+    "flat"; the others are numbered."""
+    grad = zero.REDUCE_BUCKET_ELEMENT_BYTES
+    partitions = [-(-numel // ranks) for group in groups for numel in group]
+    events: list[tuple[str, int | str, int]] = [(ALLOC, i, numel * grad)
+                                                for i, numel in enumerate(n for group in groups for n in group)]
+    for i, partition in enumerate(partitions):
+        events += [(ALLOC, len(partitions) + i, partition * grad), (FREE, i, 0)]
+    events.append((ALLOC, "flat", sum(partitions) * grad))
+    return events + [(FREE, len(partitions) + i, 0) for i in range(len(partitions))]
+
+
+@functools.lru_cache(maxsize=64)
+def _partitioned_segments(groups: tuple[tuple[int, ...], ...], ranks: int) -> tuple[tuple[tuple[int, bool], ...], ...]:
+    """The segments `_partitioning_requests` leave, in address order, each its blocks as (bytes, live); the live one,
+    the flat buffer, as it was asked for."""
+    from vram_planner.allocator.caching import CachingAllocator
+
+    allocator, addresses, flat = CachingAllocator(), {}, 0
+    for action, block, size in _partitioning_requests(groups, ranks):
+        if action == ALLOC:
+            addresses[block] = allocator.malloc(size)
+            flat = size if block == "flat" else flat
+        else:
+            allocator.free(addresses.pop(block))
+    return tuple(tuple((flat if live else size, live) for _, size, live in segment)
+                 for segment in sorted(allocator.segment_blocks(), key=lambda segment: segment[0][0]))
+
+
+def zero3_step_events(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: int, states: tuple[int, ...],
+                      workspace: int = 0, per_request: bool = False) -> list[tuple[str, int | str, int]]:
+    """ZeRO-3's own large buffers as the sharded trace makes them (DeepSpeed 0.19.8, zero/stage3.py): the start-up's
+    flat buffer of the 16-bit partitions (`_partitioning_requests`); per sub-group the fp32 master partition, a clone
+    of the flat partition's fp32 conversion (`_create_fp32_partitions`, :1081-1174); a zeroed fp32 gradient of the
+    largest sub-group, freed once every sub-group has its view of it (`initialize_optimizer_states`, :1301-1371); the
+    reduction bucket (`reduce_bucket_size` 16-bit elements, with contiguous_gradients, on by default) and the 16-bit
+    gradient partition's buffer (`_setup_for_real_optimizer`, :779-793), both kept; the cuBLAS workspaces (zero12's
+    step_events says where); the step that made the moments, as the trace runs it (each sub-group's zeroed fp32
+    gradient beside its new moments); the norm's fp64 copy of one gradient partition at a time; then a step's
+    sub-groups in turn, each flattening its 16-bit gradients (a view where the sub-group is one tensor) and converting
+    the flat copy to fp32 (`_prepare_fp32_grad_for_sub_group`, :2683-2696), the fp32 copy freed after its update. The
+    forward's and backward's gathered parameters and the activations are left out: at the need their segments are
+    free and released before the step asks for its blocks.
+
+    The start-up comes as the segments it leaves (`_partitioned_segments`), made again in address order (a new
+    segment lies above every earlier one, and no request finds a free block until the free ones are freed): the same
+    allocator state in a third of the requests, so that a plan's searches replay the step in time; `per_request`:
+    as DeepSpeed's requests themselves (tests/model/test_zero_replay.py holds the two to the same need)."""
+    ids = count()
+    events: list[tuple[str, int | str, int]] = []
+
+    def alloc(n_bytes: int) -> int:
+        block = next(ids)
+        events.append((ALLOC, block, int(n_bytes)))
+        return block
+
+    def free(block: int) -> None:
+        events.append((FREE, block, 0))
+
+    partitions = [-(-numel // ranks) for group in groups for numel in group]
+    subs = [sub for group in groups for sub in zero.sub_group_partitions([-(-numel // ranks) for numel in group])]
+    if per_request:
+        events += [(action, ("start-up", block), size) for action, block, size in _partitioning_requests(groups, ranks)]
+    else:
+        _remade(_partitioned_segments(groups, ranks), alloc, free)
+    for sub in subs:
+        converted = alloc(sum(sub) * FP32_BYTES)
+        alloc(sum(sub) * FP32_BYTES)
+        free(converted)
+    free(alloc(max(map(sum, subs)) * FP32_BYTES))
+    alloc(bucket * zero.REDUCE_BUCKET_ELEMENT_BYTES)
+    alloc(sum(partitions) * zero.REDUCE_BUCKET_ELEMENT_BYTES)
+    for _ in range(2 if workspace else 0):
+        alloc(workspace)
+    for sub in subs:
+        zeroed = alloc(sum(sub) * FP32_BYTES)
+        for element_bytes in states:
+            alloc(sum(sub) * element_bytes)
+        free(zeroed)
+    for partition in partitions:
+        free(alloc(partition * zero.NORM_COPY_BYTES))
+    for sub in subs:
+        flat = alloc(sum(sub) * zero.FLAT_GRADIENT_BYTES) if len(sub) > 1 else None
+        fp32 = alloc(sum(sub) * FP32_BYTES)
+        if flat is not None:
+            free(flat)
+        free(fp32)
+    return events
+
+
+def _remade(segments: tuple[tuple[tuple[int, bool], ...], ...], alloc: Callable[[int], int],
+            free: Callable[[int], None]) -> None:
+    """Requests that leave these segments (address order; each its blocks as (bytes, live)) and nothing else: a large
+    one asked for whole, then, where it holds a live block, freed and cut into its blocks; a small one (2 MiB, no
+    request of which reaches the large pool) block by block, its free ones in requests of the small pool; every free
+    block freed once all exist."""
+    placeholders = []
+    for segment in segments:
+        if sum(size for size, _ in segment) == K_SMALL_BUFFER:
+            for size, live in segment:
+                pieces = [size] if live else [min(K_SMALL_SIZE, size - i) for i in range(0, size, K_SMALL_SIZE)]
+                made = [alloc(piece) for piece in pieces]
+                placeholders += [] if live else made
+            continue
+        whole = alloc(sum(size for size, _ in segment))
+        if not any(live for _, live in segment):
+            placeholders.append(whole)
+            continue
+        free(whole)
+        for size, live in segment:
+            block = alloc(size)
+            if not live:
+                placeholders.append(block)
+    for block in placeholders:
+        free(block)
