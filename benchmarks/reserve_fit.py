@@ -5,6 +5,7 @@
     python benchmarks/reserve_fit.py --write   # also store it in profiles/calibrations/default.json
     python benchmarks/reserve_fit.py --from-needs   # on the committed needs, whatever code made them
     python benchmarks/reserve_fit.py --write --keep-loss   # store generation's refit, the loss phase's as shipped
+    python benchmarks/reserve_fit.py --write --keep-default   # store expandable segments' refit alone
 
 Writes benchmarks/results/reserve_fit.txt (each point's error with the shipped, the fitted and the left-out
 coefficients) and reserve_fit.json (the coefficients and errors).
@@ -343,6 +344,9 @@ def main() -> int:
     parser.add_argument("--from-needs", action="store_true", help="the committed needs, whatever code made them")
     parser.add_argument("--keep-loss", action="store_true",
                         help="store the loss phase's shipped coefficients as they are, refitting generation's only")
+    parser.add_argument("--keep-default", action="store_true",
+                        help="store the shipped coefficients under torch's default allocator (the loss phase's and "
+                             "generation's) as they are, refitting expandable segments' only")
     args = parser.parse_args()
     cache, key = committed_needs(args.from_needs)
     grid = rows(cache)
@@ -357,11 +361,17 @@ def main() -> int:
              "", f"{len(grid)} steps that run out in the loss phase (torch's default allocator)",
              *fit_summary(grid, shipped, coefficients, left_out)]
     lines[-1] += " (each model's points under the others' fit)"
-    if args.keep_loss:  # the refit above is shown, the shipped coefficients stay
+    if args.keep_loss or args.keep_default:  # the refit above is shown, the shipped coefficients stay
         coefficients = dict(shipped)
-        lines.append("stored:    the shipped coefficients (--keep-loss)")
+        lines.append(f"stored:    the shipped coefficients ({'--keep-default' if args.keep_default else '--keep-loss'})")
     generating = generation_rows(cache, coefficients)  # beside the loss phase's coefficients stored
     generation = fit_generation(generating)
+    if args.keep_default:
+        shown = generation
+        generation = {name: default_calibration().allocator_reserve["default"]["generation"].get(name, 0.0)
+                      for name in GENERATION_PATTERNS}
+        lines.append("generation's refit: " + ", ".join(f"{k} {v}" for k, v in shown.items())
+                     + "; stored: the shipped coefficients (--keep-default)")
     moved = [p for p in generating if abs(generation_error(p, generation) - generation_error(p, {})) >= 0.0005]
     lines += ["", f"generation's patterns, over the {len(generating)} steps under torch's default allocator: "
               + ", ".join(f"{k} {v}" for k, v in generation.items()),

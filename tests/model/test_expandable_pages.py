@@ -12,8 +12,8 @@ from helpers import catalog_architecture
 from vram_planner.allocator import CachingAllocator, parse_allocator_conf
 from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE
 from vram_planner.model.calibration import default_calibration
-from vram_planner.model.expandable_pages import (EXPANDABLE_PATTERNS, GRADIENT_PAGES, KEPT_ACTIVATION_PAGES,
-                                                 expandable_patterns, islands_bytes)
+from vram_planner.model.expandable_pages import (CHECKPOINTED_INPUT_RUNS, EXPANDABLE_PATTERNS, GRADIENT_PAGES,
+                                                 KEPT_ACTIVATION_PAGES, expandable_patterns, islands_bytes)
 from vram_planner.model.fragmentation import reserve_patterns
 from vram_planner.model.phases import estimate
 from vram_planner.model.spec import TrainingConfig
@@ -73,9 +73,11 @@ def test_the_patterns_follow_the_knobs():
     assert set(patterns) == set(EXPANDABLE_PATTERNS)
     assert patterns[GRADIENT_PAGES] == 24 * 896 * 4864 * 4
     assert patterns[KEPT_ACTIVATION_PAGES] == 0  # TRL checkpoints by default
+    assert patterns[CHECKPOINTED_INPUT_RUNS] == 24 * K_SMALL_BUFFER  # a few MiB a layer beside its kept input
     lora = replace(full, dtype="bfloat16", lora_r=16, gradient_checkpointing=False)
     patterns = expandable_patterns(arch, lora, "training")
     assert patterns[GRADIENT_PAGES] == 0
+    assert patterns[CHECKPOINTED_INPUT_RUNS] == 0  # no kept input: kept activations
     tokens = lora.micro_batch_completions * lora.sequence_length  # 8 x 768: a 10.5 MiB residual stream
     assert patterns[KEPT_ACTIVATION_PAGES] == 24 * tokens * 896 * 2
     longer = replace(lora, max_completion_length=4096)  # 8 x 4,608 tokens: 63 MiB, a page each
