@@ -158,6 +158,22 @@ def _backward_opening(alloc: Callable[[int], int], free: Callable[[int], None], 
     return made, [alloc(bucket * zero.REDUCE_BUCKET_ELEMENT_BYTES) for _ in range(2 if overlap else 1)]
 
 
+def _recorder() -> tuple[list[tuple[str, int | str, int]], Callable[[int], int], Callable[[int], None]]:
+    """An event list, and the alloc and free that append to it (alloc numbers the blocks in order)."""
+    ids = count()
+    events: list[tuple[str, int | str, int]] = []
+
+    def alloc(n_bytes: int) -> int:
+        block = next(ids)
+        events.append((ALLOC, block, int(n_bytes)))
+        return block
+
+    def free(block: int) -> None:
+        events.append((FREE, block, 0))
+
+    return events, alloc, free
+
+
 def _without_repeats(events: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """The stream without the requests that change nothing: in a run of requests each freed at once (a bucket's flat
     copies, the norm's copies one gradient at a time), one no larger than an earlier one of the run in the same pool
@@ -197,17 +213,7 @@ def step_events(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, buck
     workspace, the generation's made after the start-up and the backward's as the first backward begins, both kept
     (none: 0), which best fit cuts from the start-up's freed segments (Qwen2.5-1.5B on 4: from the embedding's 446
     MiB one, too short then for the head's 445 MiB gradient)."""
-    ids = count()
-    events: list[tuple[str, int, int]] = []
-
-    def alloc(n_bytes: int) -> int:
-        block = next(ids)
-        events.append((ALLOC, block, int(n_bytes)))
-        return block
-
-    def free(block: int) -> None:
-        events.append((FREE, block, 0))
-
+    events, alloc, free = _recorder()
     shares = [-(-sum(group) // ranks) for group in groups]
     split = [zero.partition_pieces(list(group), ranks, rank) for group in groups]
     grad = zero.REDUCE_BUCKET_ELEMENT_BYTES
@@ -350,17 +356,7 @@ def zero3_step_events(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: i
     segment lies above every earlier one, and no request finds a free block until the free ones are freed): the same
     allocator state in a third of the requests, so that a plan's searches replay the step in time; `per_request`:
     as DeepSpeed's requests themselves (tests/model/test_zero_replay.py holds the two to the same need)."""
-    ids = count()
-    events: list[tuple[str, int | str, int]] = []
-
-    def alloc(n_bytes: int) -> int:
-        block = next(ids)
-        events.append((ALLOC, block, int(n_bytes)))
-        return block
-
-    def free(block: int) -> None:
-        events.append((FREE, block, 0))
-
+    events, alloc, free = _recorder()
     partitions = [-(-numel // ranks) for group in groups for numel in group]
     subs = [sub for group in groups for sub in zero.sub_group_partitions([-(-numel // ranks) for numel in group])]
     if per_request:
