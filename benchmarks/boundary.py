@@ -80,8 +80,8 @@ CONFIGS = {
     "fp32 full adamw_8bit expandable": {"optim": "adamw_8bit", "allocator_conf": EXPANDABLE},
     "full c1024 B8 8bit expandable": {"dtype": "bfloat16", "max_completion_length": 1024, "optim": "adamw_8bit",
                                       "allocator_conf": EXPANDABLE},
-    # A laptop card's step: four short completions a micro-batch, with expandable segments, whose small tensors
-    # kept a layer keep a small-pool page mapped each, a large share of a step of a gigabyte or two
+    # A laptop card's step: four short completions a micro-batch, with expandable segments, where the free runs
+    # beside each layer's checkpointed input keep a few MiB mapped, a large share of a step of a gigabyte or two
     "lora c256 B4 expandable": {**BF16_LORA, "num_generations": 4, "per_device_train_batch_size": 4,
                                 "max_completion_length": 256, "allocator_conf": EXPANDABLE},
     "lora c1024 B16 nogc expandable": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,

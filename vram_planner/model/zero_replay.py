@@ -287,11 +287,10 @@ def zero3_step_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, wo
     beside the two buffers when the step asked for its 2,357 MiB fp32 gradient; with transformers' "auto" bucket
     (hidden^2 elements, 8 MiB) the flat copy fits beside the buffers and nothing strands. Nothing with an offload
     (the partitions live on the host) or under expandable segments."""
-    if not (train.zero_stage == 3 and train.offload_optimizer != "cpu" and train.offload_param != "cpu"
-            and not train.expandable_segments and m.trainable_params(arch, train) > 0):
+    if not (train.zero_stage == 3 and not train.optimizer_offloaded and not train.expandable_segments
+            and m.trainable_params(arch, train) > 0):
         return 0.0
-    targets = None if train.lora_targets is None else tuple(train.lora_targets)
-    groups = tuple(map(tuple, zero.optimizer_groups(arch, train.lora_r, None if targets is None else list(targets))))
+    groups = tuple(map(tuple, zero.optimizer_groups(arch, train.lora_r, train.lora_targets)))
     return float(_zero3_stranding(groups, train.num_gpus, zero.reduce_bucket_elements(arch, train),
                                   _state_tensors(train), workspace_bytes))
 
@@ -360,7 +359,7 @@ def zero3_step_events(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: i
     partitions = [-(-numel // ranks) for group in groups for numel in group]
     subs = [sub for group in groups for sub in zero.sub_group_partitions([-(-numel // ranks) for numel in group])]
     if per_request:
-        events += [(action, ("start-up", block), size) for action, block, size in _partitioning_requests(groups, ranks)]
+        events += [(action, f"start-up {block}", size) for action, block, size in _partitioning_requests(groups, ranks)]
     else:
         _remade(_partitioned_segments(groups, ranks), alloc, free)
     for sub in subs:
