@@ -14,7 +14,8 @@ from vram_planner.allocator import CachingAllocator
 from vram_planner.model.fragmentation import (EAGER_OVERFLOW, EAGER_SCORES, LATE_GRADIENT, LATER_MICRO_BATCH,
                                               LAYER_GRADIENTS, PINNED_LAYER_INPUTS, PREFILL_STATES, SOFTCAPPED_SCORES,
                                               STATES_IN_HEAD_TILE, eager_overflow_bytes, late_gradient_bytes,
-                                              largest_request_bytes, pinned_layer_input_bytes, prefill_state_bytes,
+                                              largest_request_bytes, layer_gradient_bytes, pinned_layer_input_bytes,
+                                              prefill_state_bytes,
                                               reserve_patterns, states_in_head_tile_bytes, stranded_by_gradients)
 from vram_planner.model.generation_patterns import GENERATION_PATTERNS
 from vram_planner.model.lm_head import fused_tile_bytes
@@ -137,6 +138,21 @@ def test_the_patterns_follow_the_knobs():
     assert reserve_patterns(arch, replace(lora, allocator_conf="expandable_segments:True"),
                             "training") == {}
     assert set(reserve_patterns(arch, lora, "training")) >= {PINNED_LAYER_INPUTS, LATE_GRADIENT}
+
+
+@pytest.mark.parametrize("knobs, whole", [
+    ({}, True),
+    ({"num_gpus": 2, "zero_stage": 1}, True),  # reduces copies of the gradients, keeps them whole to the step
+    ({"num_gpus": 2, "zero_stage": 2}, False),  # keeps its partition
+    ({"num_gpus": 2, "zero_stage": 3}, False),
+    ({"num_gpus": 2, "fsdp": True}, False),
+    ({"lora_r": 16}, False),
+], ids=str)
+def test_the_gradients_patterns_weigh_a_backward_that_keeps_every_gradient_whole(knobs, whole):
+    arch = catalog_architecture("Llama-3.2-1B")
+    train = TrainingConfig(dtype="bfloat16", per_device_train_batch_size=8, num_generations=8, **knobs)
+    counted = (late_gradient_bytes(arch, train), layer_gradient_bytes(arch, train))
+    assert (min(counted) > 0) if whole else counted == (0, 0)
 
 
 def test_a_later_micro_batch_and_full_fine_tunings_gradients_have_patterns_of_their_own():
