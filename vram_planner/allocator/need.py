@@ -73,7 +73,7 @@ def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf =
             fails_at = card_bytes // granule * granule  # any capacity up to the next multiple replays the same
     held = roomy.max_reserved_bytes
     runs_at = held
-    tensor_peak = _live_peak(events)
+    tensor_peak = live_peak_bytes(events)
     tensors_floor = -(-tensor_peak // granule) * granule - granule
     fails_at = max(tensors_floor, fails_at if fails_at is not None else tensors_floor)
     step = granule
@@ -128,7 +128,7 @@ def _runs_out_above(runs_at: int, top: int, granule: int, replay) -> int | None:
     return None
 
 
-def _live_peak(events: list[tuple[str, int, int]]) -> int:
+def live_peak_bytes(events: list[tuple[str, int, int]]) -> int:
     """The most bytes live at once, each allocation rounded up to the allocator's 512-byte blocks: no capacity
     below it can hold the step, whatever the allocator does."""
     sizes: dict[int, int] = {}

@@ -298,10 +298,16 @@ def zero3_step_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, wo
 @functools.lru_cache(maxsize=256)
 def _zero3_stranding(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: int, states: tuple[int, ...],
                      workspace: int) -> int:
-    from vram_planner.allocator.need import least_capacity
+    from vram_planner.allocator.need import least_capacity, live_peak_bytes
 
+    as_requested = zero3_step_events(groups, ranks, bucket, states, workspace, per_request=True)
     need = least_capacity(_without_repeats(zero3_step_events(groups, ranks, bucket, states, workspace)))
-    return max(0, need.capacity_bytes - need.tensor_peak_bytes)
+    if need.capacity_bytes <= sum(size for segment in _partitioned_segments(groups, ranks) for size, _ in segment):
+        # the start-up itself is what a card that small runs short of, and its own requests release segments there
+        # that the remade start-up holds at once: they decide (tiny layouts only)
+        need = least_capacity(_without_repeats(as_requested))
+    # the tensors as DeepSpeed's own requests make them: the remade start-up holds its free blocks for a moment
+    return max(0, need.capacity_bytes - live_peak_bytes(as_requested))
 
 
 def _partitioning_requests(groups: tuple[tuple[int, ...], ...], ranks: int) -> list[tuple[str, int, int]]:
@@ -321,18 +327,17 @@ def _partitioning_requests(groups: tuple[tuple[int, ...], ...], ranks: int) -> l
 
 @functools.lru_cache(maxsize=64)
 def _partitioned_segments(groups: tuple[tuple[int, ...], ...], ranks: int) -> tuple[tuple[tuple[int, bool], ...], ...]:
-    """The segments `_partitioning_requests` leave, in address order, each its blocks as (bytes, live); the live one,
-    the flat buffer, as it was asked for."""
+    """The segments `_partitioning_requests` leave, in address order, each its blocks as (bytes, live): the live one
+    is the flat buffer's, with the rest of the block it was cut from where that was too short to split off."""
     from vram_planner.allocator.caching import CachingAllocator
 
-    allocator, addresses, flat = CachingAllocator(), {}, 0
+    allocator, addresses = CachingAllocator(), {}
     for action, block, size in _partitioning_requests(groups, ranks):
         if action == ALLOC:
             addresses[block] = allocator.malloc(size)
-            flat = size if block == "flat" else flat
         else:
             allocator.free(addresses.pop(block))
-    return tuple(tuple((flat if live else size, live) for _, size, live in segment)
+    return tuple(tuple((size, live) for _, size, live in segment)
                  for segment in sorted(allocator.segment_blocks(), key=lambda segment: segment[0][0]))
 
 
@@ -390,9 +395,10 @@ def zero3_step_events(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: i
 def _remade(segments: tuple[tuple[tuple[int, bool], ...], ...], alloc: Callable[[int], int],
             free: Callable[[int], None]) -> None:
     """Requests that leave these segments (address order; each its blocks as (bytes, live)) and nothing else: a large
-    one asked for whole, then, where it holds a live block, freed and cut into its blocks; a small one (2 MiB, no
-    request of which reaches the large pool) block by block, its free ones in requests of the small pool; every free
-    block freed once all exist."""
+    one asked for whole, then, where it holds a live block, freed and cut into its blocks, each asked for as large as
+    it is; a small one (2 MiB, no request of which reaches the large pool) block by block, its free ones in requests
+    of the small pool; every free block freed once all exist. The live blocks are as large as their blocks, not as
+    their requests: the tensors' bytes are the requests' (`_zero3_stranding`)."""
     placeholders = []
     for segment in segments:
         if sum(size for size, _ in segment) == K_SMALL_BUFFER:
