@@ -84,6 +84,8 @@ CONFIGS = {
     # beside each layer's checkpointed input keep a few MiB mapped, a large share of a step of a gigabyte or two
     "lora c256 B4 expandable": {**BF16_LORA, "num_generations": 4, "per_device_train_batch_size": 4,
                                 "max_completion_length": 256, "allocator_conf": EXPANDABLE},
+    "lora p1024 c384 B8 8bit": {**BF16_LORA, "num_generations": 8, "per_device_train_batch_size": 8,
+                                "max_prompt_length": 1024, "max_completion_length": 384, "optim": "adamw_8bit"},
     "lora c1024 B16 nogc expandable": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,
                                        "max_completion_length": 1024, "gradient_checkpointing": False,
                                        "allocator_conf": EXPANDABLE},
