@@ -363,7 +363,8 @@ def main() -> int:
     lines[-1] += " (each model's points under the others' fit)"
     if args.keep_loss or args.keep_default:  # the refit above is shown, the shipped coefficients stay
         coefficients = dict(shipped)
-        lines.append(f"stored:    the shipped coefficients ({'--keep-default' if args.keep_default else '--keep-loss'})")
+        kept = "--keep-default" if args.keep_default else "--keep-loss"
+        lines.append(f"stored:    the shipped coefficients ({kept})")
     generating = generation_rows(cache, coefficients)  # beside the loss phase's coefficients stored
     generation = fit_generation(generating)
     if args.keep_default:

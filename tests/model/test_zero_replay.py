@@ -149,7 +149,8 @@ def test_every_catalog_model_replays_zero3s_step_on_the_segments_of_deepspeeds_o
         assert stranded == max(0, per_request.capacity_bytes - per_request.tensor_peak_bytes)
         # no more than a sub-group's fp32 and flat copies and the start-up's fp32 gradient could leave beside them
         ranks = train.num_gpus
-        largest = max(sum(sub) for group in groups for sub in zero.sub_group_partitions([-(-n // ranks) for n in group]))
+        largest = max(sum(sub) for group in groups
+                      for sub in zero.sub_group_partitions([-(-n // ranks) for n in group]))
         assert 0 <= stranded <= largest * (4 + 2 + 4) + 64 * 2**20, (entry.name, knobs)
 
 

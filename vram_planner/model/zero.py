@@ -551,8 +551,11 @@ def sub_group_partitions(partitions: list[int]) -> list[list[int]]:
     if sum(partitions) <= SUB_GROUP_ELEMENTS:
         return [list(partitions)]
     subs: list[list[int]] = [[]]
+    size = 0
     for n in partitions:
         subs[-1].append(n)
-        if sum(subs[-1]) >= SUB_GROUP_ELEMENTS:
+        size += n
+        if size >= SUB_GROUP_ELEMENTS:
             subs.append([])
+            size = 0
     return [sub for sub in subs if sub]

@@ -361,8 +361,9 @@ def zero3_step_events(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: i
     allocator state in a third of the requests, so that a plan's searches replay the step in time; `per_request`:
     as DeepSpeed's requests themselves (tests/model/test_zero_replay.py holds the two to the same need)."""
     events, alloc, free = _recorder()
-    partitions = [-(-numel // ranks) for group in groups for numel in group]
-    subs = [sub for group in groups for sub in zero.sub_group_partitions([-(-numel // ranks) for numel in group])]
+    grouped = [[-(-numel // ranks) for numel in group] for group in groups]
+    partitions = [partition for group in grouped for partition in group]
+    subs = [sub for group in grouped for sub in zero.sub_group_partitions(group)]
     if per_request:
         events += [(action, f"start-up {block}", size) for action, block, size in _partitioning_requests(groups, ranks)]
     else:
@@ -405,7 +406,8 @@ def _remade(segments: tuple[tuple[tuple[int, bool], ...], ...], alloc: Callable[
             for size, live in segment:
                 pieces = [size] if live else [min(K_SMALL_SIZE, size - i) for i in range(0, size, K_SMALL_SIZE)]
                 made = [alloc(piece) for piece in pieces]
-                placeholders += [] if live else made
+                if not live:
+                    placeholders += made
             continue
         whole = alloc(sum(size for size, _ in segment))
         if not any(live for _, live in segment):
