@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from helpers import within_seconds
 from vram_planner import api, engine
+from vram_planner.errors import ConfigError
 from vram_planner.model.ranking import SPEED_KNOBS, knob_changes, rank_configs
 from vram_planner.model.spec import knob_names
 from vram_planner.model.verdict import judge
@@ -44,6 +45,10 @@ def test_with_room_to_spare_the_fastest_drops_checkpointing(llama_1b_file):
     assert plan.chosen.train == train and train.gradient_checkpointing
     assert not ranking.fastest.train.gradient_checkpointing
     assert "gradient_checkpointing" in knob_changes(train, ranking.fastest.train)
+    # and the plan says why for the way it goes: not the saver's "recompute the rest (~20% slower)"
+    change, = [c for c in api.plan(str(llama_1b_file), "h100-80gb", optimize="speed").changes
+               if c.knob == "gradient_checkpointing"]
+    assert (change.before, change.after) == (True, False) and change.reason.startswith("no recomputation (~20% faster)")
 
 
 def test_nothing_fits_nothing_ranked(llama_1b_file):
@@ -96,3 +101,41 @@ def test_whatever_the_config_every_ranked_one_fits_in_order(llama_1b_file, card,
     if plan.fits:
         assert ranking.memory_choice in ranking.ranked
         assert all(r.train.generation_batch_size == plan.chosen.train.generation_batch_size for r in ranking.ranked)
+
+
+# What a change's reason says when the change goes each way (the memory plan's savers, or --optimize speed undoing
+# them and growing the micro-batch)
+SAVER_WAY = {"gradient_checkpointing": ("recompute the rest", lambda before, after: after is True),
+             "use_vllm": ("faster decoding", lambda before, after: after is True),
+             "load_in_4bit": ("(QLoRA)", lambda before, after: after is True),
+             "lora_r": ("train LoRA adapters", lambda before, after: after is not None),
+             "optim": ("8-bit states", lambda before, after: "8bit" in after),
+             "dtype": ("16-bit weights", lambda before, after: after != "float32"),
+             "per_device_train_batch_size": ("more accumulation", lambda before, after: after < before)}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(card=st.sampled_from(["t4", "rtx3060-12gb", "rtx4090", "rtx3080-mobile", "h100-80gb"]),
+       knobs=st.fixed_dictionaries({}, optional={
+           "per_device_train_batch_size": st.sampled_from([1, 2, 4, 8, 16]), "use_vllm": st.just(True),
+           "lora_r": st.sampled_from([8, 64]), "optim": st.sampled_from(["adamw_8bit", "adamw_torch_fused"]),
+           "dtype": st.sampled_from(["bfloat16", "float32"]), "gradient_checkpointing": st.booleans(),
+           "max_completion_length": st.sampled_from([256, 1024, 4096])}),
+       optimize=st.sampled_from(["memory", "speed"]))
+def test_every_change_says_why_for_the_way_it_goes(llama_1b_file, card, knobs, optimize):
+    # --optimize speed turns savers off (checkpointing, vLLM, 8-bit states) where the card has room: the reason is
+    # the other way's, not the saver's
+    try:
+        report = api.plan(str(llama_1b_file), card, {"num_generations": 8, **knobs}, optimize=optimize)
+    except ConfigError:
+        return  # a config TRL refuses (a batch the generations do not divide)
+    for change in report.changes:
+        names = change.knob.split(" + ")
+        befores, afters = ([change.before], [change.after]) if len(names) == 1 else (
+            str(change.before).split(", "), str(change.after).split(", "))
+        parts = change.reason.split("; ")
+        assert len(parts) == len(names) and all(parts), change
+        for name, before, after, part in zip(names, befores, afters, parts):
+            if name in SAVER_WAY and len(names) == 1:
+                words, saver_way = SAVER_WAY[name]
+                assert (words in part) == saver_way(before, after), change

@@ -35,23 +35,58 @@ SHORTEST_COMPLETION = 64
 SHORTEST_COMPLETION_BEFORE_FEWER_GENERATIONS = 256
 FEWEST_GENERATIONS = 2
 
-REASONS = {
-    "per_device_train_batch_size": "same generation and optimizer batch, more accumulation",
-    "gradient_checkpointing": "keep layer inputs, recompute the rest (~20% slower)",
-    "optim": "bitsandbytes 8-bit states: 2 bytes/param, not 8",
-    "dtype": "16-bit weights: half the bytes of weights, grads, states",
-    "allocator_conf": "PYTORCH_CUDA_ALLOC_CONF: PyTorch's cache grows segments in place and fragments less (free)",
-    "lora_r": "train LoRA adapters, not every weight",
-    "load_in_4bit": "4-bit base weights under the adapters (QLoRA)",
-    "generation_batch_size": "smaller generation batch: fewer prompts per optimizer step",
-    "max_completion_length": "shorter completions",
-    "num_generations": "smaller groups per prompt",
-    "use_vllm": "generate in vLLM (CUDA graphs, paged KV cache) beside the trainer: faster decoding, a share of the card",
-    "vllm_max_model_length": "vLLM's context: prompt + completion; the model's whole context needs a larger share to "
-                             "start",
-    "vllm_gpu_memory_utilization": "vLLM's share: its start-up needs and a whole generation round's KV cache, "
-                                   "the smallest multiple of 0.05 of the card",
+# What each change does, said for the way it goes: the memory plan's savers one way, `--optimize speed` may undo them
+# (checkpointing off, 32-bit states, full fine-tuning, vLLM off) and grow the micro-batch. Per knob: whether the
+# change goes the saver's way (before, after), the reason that way, and the reason the other way.
+REASONS: dict[str, tuple[Callable[[Any, Any], bool], str, str]] = {
+    "per_device_train_batch_size": (lambda before, after: after < before,
+                                    "same generation and optimizer batch, more accumulation",
+                                    "same generation and optimizer batch, fewer and fuller passes"),
+    "gradient_checkpointing": (lambda before, after: bool(after),
+                               "keep layer inputs, recompute the rest (~20% slower)",
+                               "no recomputation (~20% faster): every layer's activations kept for the backward"),
+    "optim": (lambda before, after: "8bit" in str(after),
+              "bitsandbytes 8-bit states: 2 bytes/param, not 8",
+              "32-bit optimizer states: no quantization in the optimizer step"),
+    "dtype": (lambda before, after: after != "float32",
+              "16-bit weights: half the bytes of weights, grads, states",
+              "float32 weights: twice the bytes of 16-bit ones"),
+    "allocator_conf": (lambda before, after: "expandable_segments:True" in str(after),
+                       "PYTORCH_CUDA_ALLOC_CONF: PyTorch's cache grows segments in place and fragments less (free)",
+                       "PYTORCH_CUDA_ALLOC_CONF: PyTorch's cache in fixed segments"),
+    "lora_r": (lambda before, after: after is not None,
+               "train LoRA adapters, not every weight",
+               "full fine-tuning: every weight trained, with its gradients and optimizer states"),
+    "load_in_4bit": (lambda before, after: bool(after),
+                     "4-bit base weights under the adapters (QLoRA)",
+                     "16-bit base weights under the adapters: no dequantization in every matmul"),
+    "generation_batch_size": (lambda before, after: after < before,
+                              "smaller generation batch: fewer prompts per optimizer step",
+                              "larger generation batch: more prompts per optimizer step"),
+    "max_completion_length": (lambda before, after: after < before, "shorter completions", "longer completions"),
+    "num_generations": (lambda before, after: after < before, "smaller groups per prompt", "larger groups per prompt"),
+    "use_vllm": (lambda before, after: bool(after),
+                 "generate in vLLM (CUDA graphs, paged KV cache) beside the trainer: faster decoding, a share of the "
+                 "card",
+                 "generate in the trainer with transformers: no vLLM share of the card, slower decoding"),
+    "vllm_max_model_length": (lambda before, after: True,
+                              "vLLM's context: prompt + completion (the model's whole context needs a larger share "
+                              "to start)", ""),
+    "vllm_gpu_memory_utilization": (lambda before, after: True,
+                                    "vLLM's share: its start-up needs and a whole generation round's KV cache, "
+                                    "the smallest multiple of 0.05 of the card", ""),
 }
+
+
+def reason(knob: str, before: Any, after: Any) -> str:
+    """Why a change of `knob` from `before` to `after` is made, for the way it goes ("" for a knob without one)."""
+    if knob not in REASONS:
+        return ""
+    saver_way, saver, other = REASONS[knob]
+    try:
+        return saver if saver_way(before, after) else other
+    except TypeError:  # a value that does not compare (None beside a number): the saver's way
+        return saver
 
 
 @dataclass(frozen=True)
@@ -68,9 +103,11 @@ class Change:
     # are made are reported with the change that pays for them (describe_changes).
     cost_bytes: float = 0.0
 
+    reasons: tuple[str, ...] = ()  # each knob's, for the way it goes (reason())
+
     @property
     def reason(self) -> str:
-        return "; ".join(REASONS.get(k, "") for k in self.knob.split(" + "))
+        return "; ".join(self.reasons)
 
     @property
     def net_saved_bytes(self) -> float:
@@ -78,9 +115,10 @@ class Change:
         return self.saved_bytes - self.cost_bytes
 
 
-def change(knob: str, before: Any, after: Any, net_saved_bytes: float, settings: dict[str, Any]) -> Change:
+def change(knob: str, before: Any, after: Any, net_saved_bytes: float, settings: dict[str, Any],
+           reasons: tuple[str, ...]) -> Change:
     """A change that takes `net_saved_bytes` off the peak, said as a saving or as a cost."""
-    return Change(knob, before, after, max(net_saved_bytes, 0.0), settings, max(-net_saved_bytes, 0.0))
+    return Change(knob, before, after, max(net_saved_bytes, 0.0), settings, max(-net_saved_bytes, 0.0), reasons)
 
 
 @dataclass(frozen=True)
@@ -432,7 +470,8 @@ def describe_changes(context: Context, user: TrainingConfig, rung: TrainingConfi
         after_peak = judge(context, step).estimate.peak_bytes
         settings = {f: getattr(step, f) for f in knob_names() if getattr(step, f) != getattr(current, f)}
         steps.append(change(" + ".join(knobs), _values(current, knobs), _values(step, knobs),
-                            before_peak - after_peak, settings))
+                            before_peak - after_peak, settings,
+                            tuple(reason(k, _value(current, k), _value(step, k)) for k in knobs)))
         current, before_peak, pending = step, after_peak, []
     # vLLM's share is set, not saved: raising it costs the trainer memory and is reported as it is
     # a vLLM step that neither saves nor costs (a shorter context, which lets vLLM start in the share the next step
@@ -466,7 +505,7 @@ def _paid_for(steps: list[Change]) -> tuple[Change, ...]:
 def _join(first: Change, second: Change) -> Change:
     return change(f"{first.knob} + {second.knob}", f"{first.before}, {second.before}",
                   f"{first.after}, {second.after}", first.net_saved_bytes + second.net_saved_bytes,
-                  {**first.settings, **second.settings})
+                  {**first.settings, **second.settings}, first.reasons + second.reasons)
 
 
 def _value(train: TrainingConfig, knob: str) -> Any:
