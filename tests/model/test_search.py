@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 from helpers import FIXTURES, within_seconds
 from vram_planner import engine
 from vram_planner.model import search
+from vram_planner.errors import ConfigError
 from vram_planner.model.divisors import divisors, prime_factors
 from vram_planner.model.search import (best_plan, micro_batch_sizes, micro_batch_variants, rungs, smallest_config,
                                        with_micro_batch)
 from vram_planner.model.spec import MAX_COUNT, training_config, with_changes
 from vram_planner.model.verdict import judge
 from vram_planner.profiles import GpuProfile
+from vram_planner.report.document import plan_report
 from vram_planner.units import GiB
 
 
@@ -255,3 +257,23 @@ def test_divisors_are_every_divisor_and_huge_numbers_factor_quickly():
         assert prime_factors((2**31 - 1) * (2**61 - 1)) == {2**31 - 1: 1, 2**61 - 1: 1}
         assert prime_factors(2**127 - 1) == {2**127 - 1: 1}
         assert prime_factors((2**61 - 1) ** 2 * 12) == {2: 2, 3: 1, 2**61 - 1: 2}
+
+
+@settings(max_examples=40, deadline=None)
+@given(gib=st.sampled_from([3, 6, 8, 12, 16, 24]), knobs=st.fixed_dictionaries({}, optional={
+    "per_device_train_batch_size": st.sampled_from([2, 8, 32]), "max_completion_length": st.sampled_from([256, 2048]),
+    "use_vllm": st.just(True), "optim": st.sampled_from(["adamw_torch", "adamw_8bit"]),
+    "gradient_accumulation_steps": st.sampled_from([1, 4]), "steps_per_generation": st.sampled_from([1, 4])}))
+def test_the_changes_settings_make_the_chosen_config(gib, knobs):
+    # what --json's changes carry for a program to apply: a smaller micro-batch sets the accumulation too
+    try:
+        result = engine.plan("Qwen2.5-1.5B", gpu(gib), {"num_generations": 8, **knobs})
+    except ConfigError:
+        return  # a batch TRL refuses
+    if not result.fits:
+        return
+    settings_ = {name: value for change in result.changes for name, value in change.settings.items()}
+    assert with_changes(result.requested.train, **settings_) == result.chosen.train
+    reported = plan_report(result).changes
+    assert [c.settings for c in reported] == [
+        {name: getattr(value, "value", value) for name, value in c.settings.items()} for c in result.changes]

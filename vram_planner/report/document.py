@@ -5,6 +5,7 @@ notebook shows it as a short table."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from vram_planner.model import accelerate_config as launcher
@@ -41,6 +42,9 @@ class ChangeReport:
     saved_bytes: int  # what the change takes off the peak; never negative
     cost_bytes: int  # what it adds (vLLM's share raised so that vLLM starts and holds a round); never negative
     reason: str
+    # every field of the config the change sets, to its new value, as --config files name them: a smaller
+    # micro-batch sets the accumulation that keeps the batches too, so each change applied in turn gives `config`
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -320,7 +324,10 @@ def plan_report(plan: Plan) -> Report:
     report = verdict_report(shown, command="plan")
     report.fits = plan.fits
     report.changes = [ChangeReport(knob=c.knob, before=c.before, after=c.after, saved_bytes=round(c.saved_bytes),
-                                   cost_bytes=round(c.cost_bytes), reason=c.reason) for c in plan.changes]
+                                   cost_bytes=round(c.cost_bytes), reason=c.reason,
+                                   settings={name: value.value if isinstance(value, Enum) else value
+                                             for name, value in c.settings.items()})
+                      for c in plan.changes]
     report.requested_peak_bytes = round(plan.requested.estimate.peak_bytes)
     if not plan.fits:
         report.smallest_config_peak_bytes = round(plan.smallest.estimate.peak_bytes)
