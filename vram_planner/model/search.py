@@ -69,6 +69,7 @@ REASONS: dict[str, tuple[Callable[[Any, Any], bool], str, str]] = {
                  "generate in vLLM (CUDA graphs, paged KV cache) beside the trainer: faster decoding, a share of the "
                  "card",
                  "generate in the trainer with transformers: no vLLM share of the card, slower decoding"),
+    # vLLM's share and context are set to what it needs, whichever way they go
     "vllm_max_model_length": (lambda before, after: True,
                               "vLLM's context: prompt + completion (the model's whole context needs a larger share "
                               "to start)", ""),
@@ -83,10 +84,7 @@ def reason(knob: str, before: Any, after: Any) -> str:
     if knob not in REASONS:
         return ""
     saver_way, saver, other = REASONS[knob]
-    try:
-        return saver if saver_way(before, after) else other
-    except TypeError:  # a value that does not compare (None beside a number): the saver's way
-        return saver
+    return saver if saver_way(before, after) else other
 
 
 @dataclass(frozen=True)
