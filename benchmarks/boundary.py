@@ -226,7 +226,7 @@ def row(label: str, model: str, settings: dict, traced: dict, shorter: tuple[int
         need_prompt, traced = shorter
     need, held = traced["allocator_need_bytes"] + context, traced["allocator_held_bytes"] + context
     peak = verdict.estimate.peak_bytes
-    fits_from = peak / (1 - verdict.context.safety_margin)
+    fits_from = verdict.fits_from_bytes
     return {"point": label, "attn_implementation": verdict.train.attn_implementation,
             "gradient_checkpointing": verdict.train.gradient_checkpointing,
             "analytic_bytes": peak, "fits_from_bytes": fits_from, "need_bytes": need,

@@ -89,13 +89,8 @@ def traced(model: str, settings: dict, base: dict = BASE) -> dict:
             "traced_bytes": {name: c.trace_bytes for name, c in compared.items()},
             "analytic_bytes": {name: round(c.analytic_bytes) for name, c in compared.items()},
             "need_bytes": outcome.need_bytes,
-            "fits_from_bytes": fits_from_bytes(outcome.analytic),
+            "fits_from_bytes": round(outcome.analytic.fits_from_bytes),
             "seconds": round(time.perf_counter() - start, 1)}
-
-
-def fits_from_bytes(verdict) -> int:
-    """The least card on which `check` says "fits": the analytic peak with the safety margin kept free."""
-    return round(verdict.estimate.peak_bytes / (1 - verdict.context.safety_margin))
 
 
 def versions() -> dict[str, str]:
@@ -122,7 +117,7 @@ def analytic(model: str, settings: dict, rank: int) -> dict:
     verdict = engine.check(model, "h100", settings)
     return {"analytic_bytes": {p.name: round(p.tensor_bytes - zero_rank_excess_bytes(
                 verdict.context.arch, verdict.train, p.name, rank)) for p in verdict.estimate.phases},
-            "fits_from_bytes": fits_from_bytes(verdict)}
+            "fits_from_bytes": round(verdict.fits_from_bytes)}
 
 
 def from_results() -> list[dict]:

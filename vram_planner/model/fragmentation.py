@@ -131,9 +131,9 @@ def forward_after_backward(train: TrainingConfig) -> bool:
 def layer_gradient_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """The MLP's weight gradients, one per layer, where the backward makes them whole (keeps_whole_gradients) and the
     blocks that layer's intermediate activations freed can hold them (tokens x intermediate in the compute dtype at
-    least a gradient, hidden x intermediate in the trainable dtype): best fit cuts each gradient from such a block, and what
-    is left of it is too short for the next layer's intermediate; it stays cached, pinned by the gradient, until the
-    optimizer step. At the need of Llama-3.2-1B in float32 30 blocks of 96 MiB each held a 64 MiB gradient beside
+    least a gradient, hidden x intermediate in the trainable dtype): best fit cuts each gradient from such a block,
+    and what is left of it is too short for the next layer's intermediate; it stays cached, pinned by the gradient,
+    until the optimizer step. At the need of Llama-3.2-1B in float32 30 blocks of 96 MiB each held a 64 MiB gradient beside
     32 MiB nobody could use, and Mistral-7B-v0.3 in bfloat16 left 56 and 24 MiB beside its 112 and 32 MiB gradients.
     Counted as stranded_by_gradients bounds it, for the fit to weigh."""
     if not keeps_whole_gradients(train):

@@ -29,8 +29,8 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # the backward asked for a 176 MiB block; no pattern counts that yet, and the 5% margin does not cover it, so such a
 # "fits" is flagged near the boundary); 4.9% before it (held-out SmolLM2-135M's float32 LoRA with eager attention,
 # 64 x 704 tokens a micro-batch; with SDPA 4.0%, seed 1's SmolLM2-135M's LoRA). Eager attention had a band of its own
-# (6.7%: seed 4's Qwen2.5-1.5B's LoRA, 16 x 5,568 tokens a micro-batch, whose second step's forward cut a checkpointed 261
-# MiB layer input from a 22 GiB score segment the first step's backward left) until the overflow of the inputs into
+# (6.7%: seed 4's Qwen2.5-1.5B's LoRA, 16 x 5,568 tokens a micro-batch, whose second step's forward cut a checkpointed
+# 261 MiB layer input from a 22 GiB score segment the first step's backward left) until the overflow of the inputs into
 # the score segments was counted at every length for a forward that runs in a backward's cache
 # (fragmentation.eager_overflow_bytes, 2026-11-29: -1.1%). Steps without gradient checkpointing whose loss forward
 # follows a generation of several micro-batches at once under torch's default allocator
@@ -61,9 +61,9 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # one GPU (Qwen2.5-0.5B's ZeRO-2 on 8 with "auto" buckets and two micro-batches: its partition buffers cut from the LM
 # head's freed logits segments, which the replay does not see; Llama-3.2-1B's ZeRO-1 on 4 at TRL's own batch 6.4%
 # until ZeRO-1's whole gradients were weighed as one GPU's, fragmentation.keeps_whole_gradients: 1.5%; a band of
-# their own, 7%, until then). ZeRO-3's step is replayed too (a sub-group's flat 16-bit copy and fp32 copy beside the start-up's bucket and
-# gradient buffer): its configs need at most 3.0% more than the estimate (Qwen2.5-0.5B's LoRA on 8 with a 2e8
-# prefetch bucket); 5.4% before the replay (Llama-3.2-1B on 2 with DeepSpeed's 5e8 bucket).
+# their own, 7%, until then). ZeRO-3's step is replayed too (a sub-group's flat 16-bit copy and fp32 copy beside the
+# start-up's bucket and gradient buffer): its configs need at most 3.0% more than the estimate (Qwen2.5-0.5B's LoRA on
+# 8 with a 2e8 prefetch bucket); 5.4% before the replay (Llama-3.2-1B on 2 with DeepSpeed's 5e8 bucket).
 NEED_ABOVE_ESTIMATE = 0.08
 NEED_ABOVE_ESTIMATE_DECODING_SEGMENTS = 0.09
 NEED_BELOW_ESTIMATE = 0.17
@@ -149,6 +149,11 @@ class Verdict:
         vllm = self.estimate.vllm
         return (self.estimate.peak_bytes <= self.context.budget_bytes and (vllm is None or vllm.problem is None)
                 and self.host_fits)
+
+    @property
+    def fits_from_bytes(self) -> float:
+        """The least card capacity on which this estimate "fits": its peak with the safety margin kept free."""
+        return self.estimate.peak_bytes / (1 - self.context.safety_margin)
 
     @property
     def host_fits(self) -> bool:
