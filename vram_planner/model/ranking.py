@@ -16,7 +16,7 @@ from typing import Any
 
 from vram_planner.errors import ConfigError
 from vram_planner.model import search
-from vram_planner.model.spec import Optimizer, TrainingConfig, knob_names, with_changes
+from vram_planner.model.spec import Optimizer, TrainingConfig, knob_names, plain_value, with_changes
 from vram_planner.model.step_time import StepTime, efficiency_from, step_time
 from vram_planner.model.verdict import Context, Verdict, check_training
 
@@ -160,9 +160,6 @@ def _try(train: TrainingConfig, changes: dict[str, Any]) -> TrainingConfig | Non
 
 def knob_changes(before: TrainingConfig, after: TrainingConfig) -> dict[str, tuple[Any, Any]]:
     """The knobs that differ, each as (before, after), in values a person reads (optimizer names, not enums)."""
-    def shown(value: Any) -> Any:
-        return value.value if isinstance(value, Optimizer) else value
-
-    return {name: (shown(getattr(before, name)), shown(getattr(after, name))) for name in knob_names()
+    return {name: (plain_value(getattr(before, name)), plain_value(getattr(after, name))) for name in knob_names()
             if getattr(before, name) != getattr(after, name)}
 

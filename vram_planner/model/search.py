@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from vram_planner.errors import ConfigError
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.divisors import divisors, prime_factors
-from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, knob_names, with_changes
+from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, knob_names, plain_value, with_changes
 from vram_planner.model.verdict import Context, Verdict, cast_lm_head_arch_problems, judge
 from vram_planner.units import GiB
 
@@ -511,7 +511,7 @@ def _value(train: TrainingConfig, knob: str) -> Any:
     value = getattr(train, knob)
     if knob == "allocator_conf" and not value:
         return "unset"
-    return value.value if isinstance(value, Optimizer) else value
+    return plain_value(value)
 
 
 def _values(train: TrainingConfig, knobs: list[str]) -> Any:

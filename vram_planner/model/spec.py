@@ -364,6 +364,11 @@ class TrainingConfig:
         return self.lora_target_modules
 
 
+def plain_value(value: Any) -> Any:
+    """A knob's value as people and files write it: an enum's (the optimizer's name), anything else as it is."""
+    return value.value if isinstance(value, Enum) else value
+
+
 def command_line_flags(settings: dict[str, Any]) -> str:
     """Settings as the flags that set them: `--lora-r 16 --load-in-4bit --no-gradient-checkpointing`."""
     words = []
@@ -371,7 +376,7 @@ def command_line_flags(settings: dict[str, Any]) -> str:
         if isinstance(value, bool):
             words.append(cli_flag(name) if value else "--no-" + cli_flag(name)[2:])
         elif value is not None:
-            value = value.value if isinstance(value, Enum) else value
+            value = plain_value(value)
             words.append(f"{cli_flag(name)} {','.join(value) if isinstance(value, list) else value}")
     return " ".join(words)
 

@@ -5,7 +5,6 @@ notebook shows it as a short table."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from vram_planner.model import accelerate_config as launcher
@@ -15,6 +14,7 @@ from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_prob
                                             quantization_config_kwargs)
 from vram_planner.model.phases import COMPONENTS, Phase
 from vram_planner.model.search import Plan, smallest_config, vllm_fallback_note, vllm_tuned
+from vram_planner.model.spec import plain_value
 from vram_planner.model.verdict import Context, Verdict, judge, need_above_estimate
 from vram_planner.profiles import GpuProfile, gpus
 from vram_planner.units import GiB
@@ -325,8 +325,7 @@ def plan_report(plan: Plan) -> Report:
     report.fits = plan.fits
     report.changes = [ChangeReport(knob=c.knob, before=c.before, after=c.after, saved_bytes=round(c.saved_bytes),
                                    cost_bytes=round(c.cost_bytes), reason=c.reason,
-                                   settings={name: value.value if isinstance(value, Enum) else value
-                                             for name, value in c.settings.items()})
+                                   settings={name: plain_value(value) for name, value in c.settings.items()})
                       for c in plan.changes]
     report.requested_peak_bytes = round(plan.requested.estimate.peak_bytes)
     if not plan.fits:
