@@ -5,7 +5,8 @@ Prints the median of N runs of each command and their ratio; the targets are a p
 0.15x `import torch` on the same machine in the same run (the commands take turns, so a machine whose speed drifts
 slows both alike). It also times the same command with a knob given (`--lora-r 16`: pydantic validates it, so it
 loads), and the libraries the README's command cannot do without (click, rich), imported alone and doing the least a
-planner must (one rich table printed): the floor under any planner built on them. With --instructions, valgrind
+planner must (one rich table printed): the floor under any planner built on them, and `check --num-gpus auto` (whose
+replays a later process reads back), its first run and a later one. With --instructions, valgrind
 counts the instructions of the planner and of that floor: what vram-plan's own code costs, to the percent, on a busy
 machine too.
 
@@ -23,10 +24,15 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 PLAN = ["vram-plan", "--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B"]
+# `--num-gpus auto` replays DeepSpeed's buffers through the allocator model on each count it tries (a bisection each,
+# kept in the cache folder for the next process): a 7B and an 8B model on consumer cards, which need several
+AUTO = [["check", "--gpu", "rtx4090", "--model", "Qwen2.5-7B", "--num-gpus", "auto"],
+        ["check", "--gpu", "16GiB", "--model", "Llama-3.1-8B", "--num-gpus", "auto"]]
 KNOB = ["--lora-r", "16"]
 TORCH = [sys.executable, "-c", "import torch"]
 LIBRARIES = [sys.executable, "-c", "import click, rich.console, rich.table"]
@@ -60,6 +66,31 @@ def interleaved_wall_times(commands: dict[str, list[str]], runs: dict[str, int])
             if round_ * runs[name] // rounds != (round_ + 1) * runs[name] // rounds:
                 times[name].append(wall_time(command))
     return times
+
+
+def auto_gpus_lines(vram_plan: str, runs: int) -> list[str]:
+    """`--num-gpus auto`'s wall time in a cache folder of its own: the first run (the catalogs parsed, every
+    bisection made), then the runs after it (what an earlier process kept)."""
+    import os
+
+    lines = []
+    for command in AUTO:
+        first, later = [], []
+        for _ in range(runs):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "VRAM_PLAN_CACHE": cache}
+                timed = [_wall_time_in(env, [vram_plan, *command]) for _ in range(2)]
+            first.append(timed[0])
+            later.append(timed[1])
+        lines.append(f"vram-plan {' '.join(command)}: first run median {statistics.median(first):.3f} s, "
+                     f"later runs {statistics.median(later):.3f} s ({runs} each)")
+    return lines
+
+
+def _wall_time_in(env: dict[str, str], command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=False, stdout=subprocess.DEVNULL, env=env)  # exit 1: the config does not fit
+    return time.perf_counter() - start
 
 
 def instructions(command: list[str]) -> int | None:
@@ -121,6 +152,7 @@ def main() -> None:
         f"ratio planner / import torch: {ratio:.3f}  (targets: planner under {PLANNER_TARGET_S:.3f} s and under "
         f"{RATIO_TARGET:.2f}x import torch: {'met' if met else 'MISSED'})",
     ]
+    lines += auto_gpus_lines(args.vram_plan, few)
     if args.instructions:
         lines += instruction_lines(plan_cmd)
     text = "\n".join(lines)

@@ -190,3 +190,23 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert profile_cache.cache_home() == tmp_path / "home" / ".cache" / "vram-plan"
+
+
+def test_a_sources_version_changes_with_each_python_file_it_names(tmp_path):
+    package, module = tmp_path / "package", tmp_path / "module.py"
+    package.mkdir()
+    (package / "a.py").write_text("A = 1\n")
+    module.write_text("B = 2\n")
+
+    def version() -> str:
+        profile_cache.sources_version.cache_clear()
+        return profile_cache.sources_version(package, module)
+
+    seen = [version()]
+    (package / "notes.txt").write_text("not code\n")
+    assert version() == seen[-1]
+    for change in (lambda: (package / "a.py").write_text("A = 10\n"), lambda: (package / "b.py").write_text(""),
+                   lambda: module.write_text("B = 20\n")):
+        change()
+        assert version() not in seen
+        seen.append(version())

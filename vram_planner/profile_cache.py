@@ -70,6 +70,14 @@ def _digest(text: str) -> str:
 
 
 @lru_cache(maxsize=None)
+def sources_version(*paths: Path) -> str:
+    """The Python files at `paths` (files, or folders whose .py files count), as they are now: a `version` for
+    `remembered` where what it keeps is worked out by their code alone."""
+    files = sorted(f for path in paths for f in (path.glob("*.py") if path.is_dir() else [path]))
+    return _text(*((f.name, s.st_size, s.st_mtime_ns) for f, s in ((f, f.stat()) for f in files)))
+
+
+@lru_cache(maxsize=None)
 def _code_version(module: str) -> str:
     """The loader's module and the validation rules' module, as their files are now."""
     files = [sys.modules[module].__file__, sys.modules["vram_planner.validation"].__file__]

@@ -184,3 +184,36 @@ def test_zero3s_start_up_remade_from_its_segments_runs_out_where_its_requests_do
                 for events in (as_requested, remade)]
         assert runs[0] == runs[1], capacity
     assert _zero3_stranding(*layout) in {max(0, need - live_peak_bytes(as_requested)) for need in needs}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_layouts_replay_is_kept_for_the_next_process_and_made_again_when_its_code_changes(tmp_path, monkeypatch,
+                                                                                          stage):
+    # `--num-gpus auto` asks for a bisection on every count it tries: a later process reads the answer back, and a
+    # change to the allocator model or the streams' makers (their files' sizes or times) replays it anew
+    import vram_planner.allocator.need as need_module
+    from vram_planner import profile_cache
+    from vram_planner.model import zero_replay
+
+    monkeypatch.setenv("VRAM_PLAN_CACHE", str(tmp_path / "cache"))
+    arch, train = resolve_model("Qwen2.5-0.5B"), _train(num_gpus=2, zero_stage=stage)
+    stranded = zero12_step_stranded_bytes if stage == 2 else zero3_step_stranded_bytes
+
+    def new_process() -> None:
+        zero_replay._stranding.cache_clear()
+        zero_replay._zero3_stranding.cache_clear()
+        profile_cache.sources_version.cache_clear()
+
+    new_process()
+    first = stranded(arch, train)
+    assert first > 0  # the layout strands: a bisection worth keeping
+    bisected = []
+    monkeypatch.setattr(need_module, "least_capacity",
+                        lambda *args, **kwargs: bisected.append(1) or least_capacity(*args, **kwargs))
+    new_process()
+    assert stranded(arch, train) == first and not bisected
+    source = tmp_path / "zero_replay.py"
+    source.write_text("# a changed copy of the code\n")
+    monkeypatch.setattr(zero_replay, "_REPLAY_SOURCES", (*zero_replay._REPLAY_SOURCES, source))
+    new_process()
+    assert stranded(arch, train) == first and bisected

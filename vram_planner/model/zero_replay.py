@@ -29,7 +29,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from itertools import count
+from pathlib import Path
 
+from vram_planner import allocator as allocator_package
 from vram_planner.allocator.replay import ALLOC, FREE
 from vram_planner.allocator.sizes import K_SMALL_BUFFER, K_SMALL_SIZE
 from vram_planner.model import components as m
@@ -37,6 +39,10 @@ from vram_planner.model import zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.lm_head import uses_fused_head
 from vram_planner.model.spec import TrainingConfig
+
+# What the replays' answers depend on beyond their layout: the allocator model, and the streams' makers (this
+# module, zero.py and what they use of the memory model's)
+_REPLAY_SOURCES = (Path(allocator_package.__file__).parent, Path(__file__).parent)
 
 # The master weights' and gradients' fp32 copies (zero/stage_1_and_2.py:560-577, :3118)
 FP32_BYTES = 4
@@ -114,12 +120,27 @@ def _state_tensors(train: TrainingConfig) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _stranding(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
-               accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None, buffer_after: int,
-               head: tuple[int, ...], workspace: int) -> tuple[int, int]:
-    """The stream of step_events replayed (plan's searches estimate one config thousands of times: once per model and
-    layout): what the step strands (the least capacity it runs in less its tensor peak), and what the segments holding
-    a living buffer hold beside it when, the cache's free segments released, the next backward opens."""
+def _stranding(*layout) -> tuple[int, int]:
+    """_replayed_stranding, once per layout (plan's searches estimate one config thousands of times) and, kept in
+    the user's cache folder, once per layout and version of the code that replays it."""
+    return _remembered("zero12", layout, lambda: _replayed_stranding(*layout))
+
+
+def _remembered(name: str, layout: tuple, replay: Callable[[], object]):
+    """`replay()`, as an earlier process on this machine worked it out for `layout`: its bisections take a tenth of
+    a second or so each, and `--num-gpus auto` asks for one or two on every count of GPUs it tries (a second, where
+    the estimate without them takes a tenth)."""
+    from vram_planner.profile_cache import remembered, sources_version
+
+    return remembered((__name__, name, *layout), sources_version(*_REPLAY_SOURCES), replay)
+
+
+def _replayed_stranding(groups: tuple[tuple[int, ...], ...], ranks: int, rank: int, bucket: int, overlap: bool,
+                        accumulation: int, states: tuple[int, ...], order: tuple[int, ...] | None, buffer_after: int,
+                        head: tuple[int, ...], workspace: int) -> tuple[int, int]:
+    """The stream of step_events replayed: what the step strands (the least capacity it runs in less its tensor
+    peak), and what the segments holding a living buffer hold beside it when, the cache's free segments released,
+    the next backward opens."""
     from vram_planner.allocator.caching import CachingAllocator
     from vram_planner.allocator.need import least_capacity
     from vram_planner.model.stranding import rest_beside_large_blocks
@@ -296,8 +317,12 @@ def zero3_step_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, wo
 
 
 @functools.lru_cache(maxsize=256)
-def _zero3_stranding(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: int, states: tuple[int, ...],
-                     workspace: int) -> int:
+def _zero3_stranding(*layout) -> int:
+    return _remembered("zero3", layout, lambda: _replayed_zero3_stranding(*layout))
+
+
+def _replayed_zero3_stranding(groups: tuple[tuple[int, ...], ...], ranks: int, bucket: int, states: tuple[int, ...],
+                              workspace: int) -> int:
     from vram_planner.allocator.need import least_capacity, live_peak_bytes
 
     as_requested = zero3_step_events(groups, ranks, bucket, states, workspace, per_request=True)
