@@ -37,6 +37,7 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +130,7 @@ def compared(base: list[tuple], other: list[tuple], ratio: float) -> tuple[bool,
     return True, resized, powers
 
 
-def rows(fixtures: list[Path]) -> list[str]:
+def table(fixtures: list[Path]) -> list[str]:
     lines = [f"{'fixture':24} {'knobs':16} {'variant':16} {'events':>7} {'aligned':>8} {'resized':>8} {'products':>9}"]
     for path in fixtures:
         config = json.loads(path.read_text())
@@ -147,25 +148,25 @@ def rows(fixtures: list[Path]) -> list[str]:
                 lines.append(f"{path.stem:24} {knobs_name:16} {name:16} {len(a):7d} {'yes' if aligned else 'NO':>8} "
                              f"{resized if aligned else '':>8} {powers if aligned else '':>9}")
             print(f"{path.stem} {knobs_name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return lines
+    aligned = sum(" yes " in line for line in lines[1:])
+    return [*lines, f"{aligned} of {len(lines) - 1} variants aligned event for event"]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def fixture_main(description: str, table: Callable[[list[Path]], list[str]], results: Path) -> int:
+    """A fixture benchmark's command line: `table` over the fixtures named (default: every tiny-*.json), printed,
+    and written to `results` when it covered them all."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--fixtures", nargs="*", help="fixture names (default: every tiny-*.json)")
     args = parser.parse_args()
     fixtures = sorted(FIXTURES.glob("tiny-*.json"))
     if args.fixtures:
         fixtures = [p for p in fixtures if p.stem in args.fixtures]
-    lines = rows(fixtures)
-    aligned = [line for line in lines[1:] if " yes " in line]
-    lines.append(f"{len(aligned)} of {len(lines) - 1} variants aligned event for event")
-    text = "\n".join(lines)
+    text = "\n".join(table(fixtures))
     print(text)
     if not args.fixtures:
-        RESULTS.write_text(text + "\n")
+        results.write_text(text + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fixture_main(__doc__.splitlines()[0], table, RESULTS))

@@ -24,7 +24,6 @@ min(tokens, chunk)). Writes benchmarks/results/stream_template.txt.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -32,7 +31,7 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-from stream_shape import BASE, FIXTURES, KNOBS, text_config, traced_events, varied, with_free_runs_sorted
+from stream_shape import BASE, KNOBS, fixture_main, text_config, traced_events, varied, with_free_runs_sorted
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "stream_template.txt"
@@ -151,7 +150,8 @@ def tried(template: Template) -> tuple[int, int, int]:
     return allocations, 1, sum(a[2] != b[2] for a, b in zip(made, fresh) if a[0] == "alloc")
 
 
-def rows(fixtures: list[Path]) -> list[str]:
+def table(fixtures: list[Path]) -> list[str]:
+    exact = 0
     lines = [f"{'fixture':24} {'knobs':16} {'traces':>6} {'requests':>9} {'aligned':>8} {'other size':>10} "
              f"{'seconds':>8}"]
     for path in fixtures:
@@ -164,28 +164,12 @@ def rows(fixtures: list[Path]) -> list[str]:
                 lines.append(f"{path.stem:24} {knobs_name:16} no template: {exc}")
                 continue
             allocations, aligned, wrong = tried(template)
+            exact += bool(aligned) and not wrong
             lines.append(f"{path.stem:24} {knobs_name:16} {template.traces + 1:6d} {allocations:9d} "
                          f"{'yes' if aligned else 'NO':>8} {wrong:10d} {time.perf_counter() - start:8.0f}")
             print(lines[-1], file=sys.stderr)
-    return lines
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fixtures", nargs="*", help="fixture names (default: every tiny-*.json)")
-    args = parser.parse_args()
-    fixtures = sorted(FIXTURES.glob("tiny-*.json"))
-    if args.fixtures:
-        fixtures = [p for p in fixtures if p.stem in args.fixtures]
-    lines = rows(fixtures)
-    exact = [line for line in lines[1:] if " yes          0 " in line]
-    lines.append(f"{len(exact)} of {len(lines) - 1} templates exact at sizes no trace was made at")
-    text = "\n".join(lines)
-    print(text)
-    if not args.fixtures:
-        RESULTS.write_text(text + "\n")
-    return 0
+    return [*lines, f"{exact} of {len(lines) - 1} templates exact at sizes no trace was made at"]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fixture_main(__doc__.splitlines()[0], table, RESULTS))
