@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import os
 import platform
 import re
 import shutil
@@ -50,9 +51,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vram_planner"
 PLANNER_TARGET_S, RATIO_TARGET = 0.25, 0.15
 
 
-def wall_time(command: list[str]) -> float:
+def wall_time(command: list[str], env: dict[str, str] | None = None, check: bool = True) -> float:
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=check, stdout=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
 
 
@@ -71,26 +72,19 @@ def interleaved_wall_times(commands: dict[str, list[str]], runs: dict[str, int])
 def auto_gpus_lines(vram_plan: str, runs: int) -> list[str]:
     """`--num-gpus auto`'s wall time in a cache folder of its own: the first run (the catalogs parsed, every
     bisection made), then the runs after it (what an earlier process kept)."""
-    import os
-
     lines = []
     for command in AUTO:
         first, later = [], []
         for _ in range(runs):
             with tempfile.TemporaryDirectory() as cache:
                 env = {**os.environ, "VRAM_PLAN_CACHE": cache}
-                timed = [_wall_time_in(env, [vram_plan, *command]) for _ in range(2)]
+                # exit 1 is an answer (the config fits on no count), not a failure
+                timed = [wall_time([vram_plan, *command], env, check=False) for _ in range(2)]
             first.append(timed[0])
             later.append(timed[1])
         lines.append(f"vram-plan {' '.join(command)}: first run median {statistics.median(first):.3f} s, "
                      f"later runs {statistics.median(later):.3f} s ({runs} each)")
     return lines
-
-
-def _wall_time_in(env: dict[str, str], command: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(command, check=False, stdout=subprocess.DEVNULL, env=env)  # exit 1: the config does not fit
-    return time.perf_counter() - start
 
 
 def instructions(command: list[str]) -> int | None:
