@@ -31,7 +31,7 @@ RANDOM_SAMPLE = 2  # per cache, drawn with a fixed seed
 def known_points() -> dict[str, tuple[str, dict]]:
     """label -> (model, settings) of every grid point and every held-out table's point."""
     known = {label: (model, settings) for label, model, settings in points(list(MODELS), False)}
-    for table in sorted(RESULTS.glob("boundary-heldout-seed*.json")):
+    for table in sorted(RESULTS.glob("boundary-heldout-*seed*.json")):
         for row in json.loads(table.read_text()):
             known[point_label(row["model"], row["settings"])] = (row["model"], row["settings"])
     return known

@@ -80,7 +80,8 @@ def varied(config: dict, changes: dict) -> dict | None:
 
 
 def traced_events(config: dict, settings: dict) -> list[tuple]:
-    """The traced step's events, step 2 after step 1, as `check --exact` replays them."""
+    """The traced step's events, step 2 after step 1, as `check --exact` replays them: (kind, block, bytes, phase,
+    moment, layer)."""
     from vram_planner import engine
 
     with tempfile.TemporaryDirectory() as folder:
@@ -89,7 +90,8 @@ def traced_events(config: dict, settings: dict) -> list[tuple]:
         outcome = engine.check(str(path), "h100-80gb", settings, exact=True)
     events = outcome.result.steady_stream().events
     named: dict[int, int] = {}  # blocks numbered by their first event, as two traces number them apart
-    return [(e.kind, named.setdefault(e.block, len(named)), e.size_bytes, e.phase, e.moment) for e in events]
+    return [(e.kind, named.setdefault(e.block, len(named)), e.size_bytes, e.phase, e.moment, e.layer)
+            for e in events]
 
 
 def outside_decoding(events: list[tuple]) -> list[tuple]:

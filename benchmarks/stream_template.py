@@ -17,9 +17,10 @@ x2) and compared with a fresh trace there: the same requests in the same order, 
 table counts that tenth trace among its traces.
 
 What it leaves out, for the engine that would replay such templates in `check`: the loops whose counts change with the
-config (the layers, the decoding steps, the fused head's and TRL's chunks, the micro-batches and scoring chunks), so the
-completion length and the layers stay the fixture's here, and the sizes past a chunk (the fused head's tiles at
-min(tokens, chunk)). Writes benchmarks/results/stream_template.txt.
+config (the layers, which benchmarks/stream_layers.py makes from the trace's layer marks, the decoding steps, the fused
+head's and TRL's chunks, the micro-batches and scoring chunks), so the completion length and the layers stay the
+fixture's here, and the sizes past a chunk (the fused head's tiles at min(tokens, chunk)). Writes
+benchmarks/results/stream_template.txt.
 """
 
 from __future__ import annotations

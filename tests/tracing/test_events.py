@@ -3,7 +3,9 @@ growth of the decoding steps, the steady-state stream of two steps, and its repl
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections import Counter
 
 import pytest
 
@@ -55,6 +57,25 @@ def test_every_event_has_its_bytes_phase_and_moment(traced):
     # Phases run one after the other: each phase's events are one run of the stream.
     order = [e.phase for i, e in enumerate(result.events) if i == 0 or result.events[i - 1].phase != e.phase]
     assert order == [LOADING, *STEP_PHASES]
+
+
+def test_each_event_names_the_decoder_layer_it_belongs_to(traced):
+    result, _ = traced
+
+    def layers_in_turn(phase: str) -> list[int]:
+        return [layer for layer, _ in itertools.groupby(e.layer for e in result.events
+                                                        if e.phase == phase and e.layer != -1)]
+
+    assert {e.layer for e in result.events} == {-1, 0, 1}
+    assert layers_in_turn(LOADING) == layers_in_turn(OPTIMIZER) == []  # they loop over parameters, not layers
+    assert layers_in_turn("scoring") == [0, 1]
+    assert layers_in_turn("training") == [0, 1, 0]  # the loss forward upwards, its backward downwards
+    # each decoding step grows every layer's keys and values in turn
+    growth = [e.layer for e in result.events if e.moment == "decoding steps" and e.kind == ALLOC]
+    assert len(growth) > 8 and growth[:8] == [0, 0, 1, 1, 0, 0, 1, 1]
+    forward = Counter(e.layer for e in result.events if e.phase == "training" and e.moment == "forward")
+    backward = Counter(e.layer for e in result.events if e.moment == "backward through the decoder")
+    assert forward[0] == forward[1] > 0 and backward[0] > 0 and backward[1] > 0
 
 
 def test_each_free_frees_a_live_block_of_its_size(traced):
@@ -173,3 +194,15 @@ def test_an_out_of_memory_names_the_phase_and_moment_and_puts_that_phase_over_th
     assert "in training (backward, step 1)" in note and "after freeing its cache" in note
     assert reserved.by_phase["training"] > capacity
     assert not reserved_memory(stream, parse_allocator_conf(None), 400 * MiB).out_of_memory
+
+
+def test_a_sliding_window_layer_puts_its_window_on_the_device_in_its_first_update():
+    # transformers 5 makes the window on the host with the cache and moves it in the layer's first update
+    pytest.importorskip("trl")
+    from vram_planner.tracing.step import trace_step
+
+    gemma2 = json.loads((FIXTURES / "tiny-gemma2.json").read_text())
+    result = trace_step(gemma2, TrainingConfig(**SHORT, attn_implementation="eager"))
+    windows = [e.layer for e in result.events
+               if e.moment == "prefill" and e.kind == ALLOC and e.size_bytes == 8 and e.layer != -1]
+    assert windows == [0, 2]  # gemma-2's sliding layers, one 8-byte window each

@@ -29,6 +29,7 @@ CUDA_BLOCK_BYTES = 512
 WEIGHTS, REFERENCE, GRADS, STATES = "weights", "reference_weights", "gradients", "optimizer_states"
 KV, ACTS, HEAD = "kv_cache", "activations", "lm_head_buffers"
 STEP = "optimizer_step"  # everything the optimizer step allocates, split into states and temporaries afterwards
+LAYER_OF_NODE = "vram_planner_layer"  # an autograd node's metadata key: the decoder layer whose forward made it
 _TRACING_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -64,6 +65,9 @@ class PhaseState:
         self.tag = ACTS
         self.phase = LOADING  # the step's phase running now (vram_planner.tracing.events names them)
         self.moment = ""
+        # The decoder layer whose forward runs now (patches.layer_marking), -1 outside one; a backward op takes its
+        # layer from the autograd node running it, which the forward marked (LAYER_OF_NODE in its metadata).
+        self.layer = -1
         self.peak_moment = ""
         self.peak_split: dict[str, int] = {}
         self.selected_tokens: tuple[int, int] | None = None  # (mask elements, selected elements) of a boolean index
@@ -117,7 +121,13 @@ class LiveBytes(PhaseState, TorchDispatchMode):
 
     def _event(self, kind: str, block: int, raw: int) -> None:
         if raw:  # the CUDA allocator never sees an empty storage (no block, a null pointer)
-            self.events.append(Event(kind, block, raw, self.phase, self.moment))
+            self.events.append(Event(kind, block, raw, self.phase, self.moment, self._layer_now()))
+
+    def _layer_now(self) -> int:
+        if self.layer >= 0:
+            return self.layer
+        node = torch._C._current_autograd_node()
+        return -1 if node is None else node.metadata.get(LAYER_OF_NODE, -1)
 
     def _unrepeatable(self) -> None:
         """What runs now rewrites what was counted before it: a call being recorded cannot be replayed."""
@@ -166,7 +176,7 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             self.events[start:] = [e for e in window if e.block not in gone]
 
     def record_growth(self, tensors: list[Any], before: list[tuple[int, int]],
-                      steps: list[list[tuple[int, ...]]]) -> None:
+                      steps: list[list[tuple[int, ...]]], layers: list[int]) -> None:
         """Events of storages that a real run makes anew at every step (a KV cache growing by concatenation) where
         the trace grew them in fewer steps, `unrecorded`.
 
@@ -175,17 +185,20 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             before: (block, bytes) of each one's storage before the growth.
             steps: per step, the bytes of each one's new storage, in groups made together: a group's new blocks are
                 allocated, then the blocks they replace are freed.
+            layers: the decoder layer of each one's cache.
         """
         self._unrepeatable()
-        current = list(before)
+        current, outside = list(before), self.layer
         for step in steps:
             first = 0
             for group in step:
+                self.layer = layers[first]
                 made = [(self._new_block(size), size) for size in group]
                 for i, block in enumerate(made, start=first):
                     self._event(FREE, *current[i])
                     current[i] = block
                 first += len(group)
+        self.layer = outside
         for t, (block, size) in zip(tensors, current, strict=True):
             record = self._live.get(id(t.untyped_storage()))
             if record is not None:
@@ -210,7 +223,8 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             self.by_tag[record[2]] += record[1]
             self.total += record[1]
             if self._script is not None:
-                self._script.steps.append((ALLOC, record[4], raw, record[2], self.phase, self.moment))
+                self._script.steps.append((ALLOC, record[4], raw, record[2], self.phase, self.moment,
+                                           self._layer_now()))
             return
         if st.nbytes() != record[0]:  # resized in place (resize_, set_): CUDA allocates anew, copies, frees
             self._unrepeatable()
@@ -237,7 +251,8 @@ class LiveBytes(PhaseState, TorchDispatchMode):
                 if not self._summed_in_place(key, record):
                     self._event(FREE, record[4], record[5])
                     if self._script is not None:
-                        self._script.steps.append((FREE, record[4], record[5], record[2], self.phase, self.moment))
+                        self._script.steps.append((FREE, record[4], record[5], record[2], self.phase, self.moment,
+                                                   self._layer_now()))
         return freed
 
     def _summed_in_place(self, key: int, freed: list[Any]) -> bool:
@@ -306,14 +321,15 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         """Count `steps` (a recording's, their blocks renumbered) as if what made them ran again: each block gets a
         new number in the events. The blocks in `made_by_call` are storages the caller keeps: their functions make
         them (through this counter, which then counts their frees when they go). It ends at the recording's `end`
-        (tag, moment, phase), as what ran left them."""
+        (tag, moment, phase), as what ran left them, in the layer it began in."""
         blocks: dict[int, int] = {}
+        layer = self.layer
         for step in steps:
             if step[0] == PEAK:
                 self.moment = step[1]
                 self._note_peak()
                 continue
-            kind, block, raw, tag, self.phase, self.moment = step
+            kind, block, raw, tag, self.phase, self.moment, self.layer = step
             if block in made_by_call:
                 self.tag = tag
                 made_by_call[block]()
@@ -326,6 +342,7 @@ class LiveBytes(PhaseState, TorchDispatchMode):
                 self.by_tag[tag] -= _rounded(raw)
                 self.total -= _rounded(raw)
         self.tag, self.moment, self.phase = end
+        self.layer = layer
 
 
     # Dispatch
@@ -437,8 +454,8 @@ PEAK = "peak"  # a recording's step: the peak was looked at (after an op), at th
 
 @dataclass
 class Script:
-    """A recording (`LiveBytes.recording`): (ALLOC or FREE, block, bytes, tag, phase, moment) per storage made or
-    freed and (PEAK, moment) where the peak was looked at; `broken` where something rewrote what was counted."""
+    """A recording (`LiveBytes.recording`): (ALLOC or FREE, block, bytes, tag, phase, moment, layer) per storage
+    made or freed and (PEAK, moment) where the peak was looked at; `broken` where something rewrote what was counted."""
 
     steps: list[tuple[Any, ...]] = field(default_factory=list)
     broken: bool = False

@@ -22,6 +22,7 @@ class Event(NamedTuple):
     size_bytes: int  # the storage's bytes as requested (the allocator rounds them)
     phase: str  # LOADING or a phase of the step ("generation", "scoring", "training", OPTIMIZER)
     moment: str  # where in the phase ("prefill", "forward", ...)
+    layer: int = -1  # the decoder layer it belongs to (its forward, backward or cache), -1 for none
 
 
 def live_bytes(events: Iterable[Event], block_bytes: int = 512) -> list[int]:
@@ -64,7 +65,7 @@ def steady_stream(events: Sequence[Event], gradients: Iterable[tuple[int, int]])
     made = {e.block for e in repeated if e.kind == ALLOC}
     start = len(stream)
     # A free of a block made before the repeated phases (none is expected) has nothing to free in step 2.
-    stream += [Event(e.kind, e.block + offset, e.size_bytes, e.phase, e.moment) for e in repeated if e.block in made]
+    stream += [e._replace(block=e.block + offset) for e in repeated if e.block in made]
     spans.update({phase: span for phase, span in _spans(stream[start:], start).items() if phase != OPTIMIZER})
     return SteadyStream(stream, spans, start)
 

@@ -51,7 +51,7 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
         for owner, name, value in patches:
             setattr(owner, name, value)
         heads = _head_gradients_tagged(session.tracker) if fused else contextlib.nullcontext()
-        with _tagged_cache_updates(session.tracker), heads:
+        with _tagged_cache_updates(session.tracker), _sliding_window_tensor_on_the_device(session.tracker), heads:
             yield
     finally:
         for owner, name, value in saved:
@@ -172,6 +172,39 @@ def _head_gradients_tagged(tracker: LiveBytes) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _sliding_window_tensor_on_the_device(tracker: LiveBytes) -> Iterator[None]:
+    """transformers 5's sliding-window cache layer makes its window as a tensor on the host when the cache is made
+    and moves it to the device in its first update, inside its layer's forward (cache_utils.py,
+    DynamicSlidingWindowLayer.lazy_initialization): on the CPU the move is none, so the host tensor is forgotten and
+    the move made a copy. Releases without it: nothing."""
+    from transformers import cache_utils
+
+    layer_class = getattr(cache_utils, "DynamicSlidingWindowLayer", None)
+    if layer_class is None or "lazy_initialization" not in layer_class.__dict__:
+        yield
+        return
+    init, lazy = layer_class.__init__, layer_class.lazy_initialization
+
+    def made(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        window = getattr(self, "_sliding_window_tensor", None)
+        if window is not None:
+            tracker.forget([window])
+
+    def moved(self: Any, *args: Any, **kwargs: Any) -> None:
+        window = getattr(self, "_sliding_window_tensor", None)
+        lazy(self, *args, **kwargs)
+        if window is not None and self._sliding_window_tensor is window:
+            self._sliding_window_tensor = window.clone()
+
+    layer_class.__init__, layer_class.lazy_initialization = made, moved
+    try:
+        yield
+    finally:
+        layer_class.__init__, layer_class.lazy_initialization = init, lazy
+
+
+@contextlib.contextmanager
 def _tagged_cache_updates(tracker: LiveBytes) -> Iterator[None]:
     """Count what the KV cache allocates and keeps as kv_cache (`Cache.update` in transformers 5; 4.x's
     DynamicCache has an update of its own)."""
@@ -234,3 +267,59 @@ def _switch_to_backbone_backward(tracker: LiveBytes) -> Callable[[Any], None]:
     def hook(grad: Any) -> None:
         tracker.tag, tracker.moment = ACTS, "backward through the decoder"
     return hook
+
+
+@contextlib.contextmanager
+def layer_marking(session: Session) -> Iterator[None]:
+    """Mark each event with the decoder layer it belongs to (`Event.layer`): its forward (generation, scoring, the
+    loss, a checkpointed layer's recomputation) by the layer's forward hooks, its backward by the autograd nodes its
+    forward made, which a forward hook marks in their metadata (the backward runs no module hooks of its own)."""
+    from vram_planner.tracing.counter import LAYER_OF_NODE
+
+    tracker = session.tracker
+    outer: list[int] = []
+
+    def entering(index: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            _mark_nodes((args, kwargs), -1, LAYER_OF_NODE)  # what fed the layer was made before it
+            outer.append(tracker.layer)
+            tracker.layer = index
+        return hook
+
+    def leaving(index: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            _mark_nodes(output, index, LAYER_OF_NODE)
+            tracker.layer = outer.pop() if outer else -1
+        return hook
+
+    handles = []
+    for top in (session.base_model, session.ref_model):
+        for index, layer in enumerate(_decoder_layers(top)):
+            handles.append(layer.register_forward_pre_hook(entering(index), with_kwargs=True, prepend=True))
+            handles.append(layer.register_forward_hook(leaving(index), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _decoder_layers(top: Any) -> list[Any]:
+    """The decoder layers of a transformers model (its text model's, for a multimodal one); none for no model."""
+    if top is None or not hasattr(top, "get_decoder"):
+        return []
+    return list(getattr(top.get_decoder(), "layers", None) or [])
+
+
+def _mark_nodes(value: Any, layer: int, key: str) -> None:
+    """Mark `layer` in the metadata of every autograd node that made the tensors in `value` and is not marked yet,
+    and of those before it: a layer's nodes, once what fed it is marked before it runs."""
+    from torch.utils._pytree import tree_flatten
+
+    stack = [getattr(t, "grad_fn", None) for t in tree_flatten(value)[0]]
+    while stack:
+        node = stack.pop()
+        if node is None or key in node.metadata:
+            continue
+        node.metadata[key] = layer
+        stack.extend(next_node for next_node, _ in node.next_functions)

@@ -122,22 +122,25 @@ def _grow_cache(session: Session, cache: Any, tokens: int) -> None:
         # The step before the last runs as itself: a sliding-window layer's storage is then what it is in a real run.
         with tracker.unrecorded(before):
             for count in (sum(added[:-2]), *added[-2:-1]):
-                _update(cache, layers, count)
-        tracker.record_growth(_cache_tensors(layers), before, growth)
+                _update(cache, layers, count, tracker)
+        tracker.record_growth(_cache_tensors(layers), before, growth, [i for i, _ in layers for _ in (0, 1)])
         added = added[-1:]
     for count in added:
-        _update(cache, layers, count)
+        _update(cache, layers, count, tracker)
 
 
 def _cache_tensors(layers: list[tuple[int, Any]]) -> list[Any]:
     return [t for _, layer in layers for t in (layer.keys, layer.values)]
 
 
-def _update(cache: Any, layers: list[tuple[int, Any]], count: int) -> None:
-    """Every layer's cache update with `count` new tokens (no-op for none)."""
+def _update(cache: Any, layers: list[tuple[int, Any]], count: int, tracker: Any) -> None:
+    """Every layer's cache update with `count` new tokens (no-op for none), each counted in its layer."""
+    outside = tracker.layer
     for i, layer in layers if count else ():
+        tracker.layer = i
         # No reference to the old keys and values beyond the cache's: the concatenation frees them, as in a forward.
         cache.update(_new_tokens(layer.keys, count), _new_tokens(layer.values, count), i)
+    tracker.layer = outside
 
 
 def _new_tokens(t: Any, count: int) -> Any:

@@ -168,7 +168,7 @@ def _left_freed(recorded: _Recorded, events_after: list[Any]) -> _Recorded | Non
             break
         if event.block in blocks:
             index, raw, tag = blocks[event.block]
-            frees.append((FREE, index, raw, tag, event.phase, event.moment))
+            frees.append((FREE, index, raw, tag, event.phase, event.moment, event.layer))
     if len(frees) != len(blocks):
         return None
     # autocast frees its casts in its cache's hash order: frees in a row leave the allocator the same in any order

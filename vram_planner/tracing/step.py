@@ -146,7 +146,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
         _import_engine()
     from vram_planner.tracing import phases as tp
     from vram_planner.tracing.counter import GRADS
-    from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging
+    from vram_planner.tracing.patches import cuda_like_behaviour, head_tagging, layer_marking
     from vram_planner.tracing.session import build_session
     from vram_planner.tracing.sharded import sharded_rank
     from vram_planner.tracing.zero import earlier_loss, runs_earlier_loss
@@ -179,7 +179,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
         # Under --fsdp, sharded_rank shards the models and replaces the counter (tracing.sharded): entered first.
         # Under --zero-stage, zero_rank builds DeepSpeed's engine around the model, counted (tracing.zero).
         with sharded_rank(session), session.fake_mode, session.tracker, zero_engine(session, recipe, zero_rank), \
-                cuda_like_behaviour(session), head_tagging(session):
+                cuda_like_behaviour(session), head_tagging(session), layer_marking(session):
             if runs_earlier_loss(train):  # ZeRO-3's coordinator as every later step finds it (tracing.zero)
                 say("tracing an earlier step's loss")
                 with _explained("tracing an earlier step's loss"):
