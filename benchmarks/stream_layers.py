@@ -10,7 +10,8 @@ change with the config left out. The layers are the first of those loops. The tr
 layer it belongs to (`Event.layer`: a layer's forward hooks in the forward, the autograd nodes its forward made in the
 backward, the layer a cache update grows), so the events of one layer are known wherever they run: the prefill, the
 decoding steps' cache growth, the last decoding step, the scoring passes, the loss forward, a checkpointed layer's
-recomputation and the backward.
+recomputation and the backward; the weights' allocations at loading and the optimizer step's in the layers of the
+parameters they belong to.
 
 Each fixture is traced with 2p + 3 layers, p the period of its layer types as the installed transformers lays them out
 (1; gemma-2's alternating sliding and full attention 2, gemma-3's five sliding and one full 6), and the unit of layers
@@ -21,9 +22,9 @@ first of their type (the first layer of each type and the last do more in the ba
 blocks; what the unit frees of the layer below it, a copy frees of the copy below it (the corresponding request of the
 unit's last layer), what it frees of the layer above it, of the copy above; the layer above the copies frees the last
 copy's; a free outside the layers of a block the unit made (a cache dropped after generation) frees the copies' blocks
-beside it. The result is compared with a fresh trace with 2p more layers over the step's phases (loading and the
-optimizer step loop over the parameters, not the layers: the next loop to mark): the same requests in the same order,
-of the same size, in the same layer ("exact"). Writes benchmarks/results/stream_layers.txt.
+beside it. The result is compared with a fresh trace with 2p more layers, the whole stream that `check --exact`
+replays (loading, step 1, zero_grad, step 2): the same requests in the same order, of the same size, in the same layer
+("exact"). Writes benchmarks/results/stream_layers.txt.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from stream_shape import BASE, KNOBS, fixture_main, text_config, traced_events, 
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "stream_layers.txt"
-STEP_PHASES = ("generation", "scoring", "training")
 COPIES = 2
 # stream_shape's knobs, and a run without gradient checkpointing (no layer runs again in the backward)
 LAYER_KNOBS = {**KNOBS, "lora-bf16-nogc": {**KNOBS["lora-bf16"], "gradient_checkpointing": False}}
@@ -66,13 +66,6 @@ def with_layers(config: dict, layers: int) -> dict:
     out = json.loads(json.dumps(config))
     text_config(out)["num_hidden_layers"] = layers
     return out
-
-
-def step_events(config: dict, settings: dict) -> list[tuple]:
-    """The step's events (both steps' generation, scoring and training), blocks numbered by their first event."""
-    kept = [e for e in traced_events(config, settings) if e[3] in STEP_PHASES]
-    named: dict[int, int] = {}
-    return [(e[0], named.setdefault(e[1], len(named)), *e[2:]) for e in kept]
 
 
 def owners(events: list[tuple]) -> list[int]:
@@ -161,9 +154,9 @@ def table(fixtures: list[Path]) -> list[str]:
         for knobs_name, knobs in LAYER_KNOBS.items():
             start = time.perf_counter()
             settings = {**BASE, **knobs}
-            fresh = renumbered(step_events(with_layers(config, deep), settings))
+            fresh = renumbered(traced_events(with_layers(config, deep), settings))
             try:
-                made = renumbered(expanded(step_events(with_layers(config, shallow), settings), unit, COPIES))
+                made = renumbered(expanded(traced_events(with_layers(config, shallow), settings), unit, COPIES))
             except ValueError as exc:
                 lines.append(f"{path.stem:24} {knobs_name:16} no loop: {exc}")
                 continue

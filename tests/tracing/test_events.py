@@ -67,7 +67,8 @@ def test_each_event_names_the_decoder_layer_it_belongs_to(traced):
                                                         if e.phase == phase and e.layer != -1)]
 
     assert {e.layer for e in result.events} == {-1, 0, 1}
-    assert layers_in_turn(LOADING) == layers_in_turn(OPTIMIZER) == []  # they loop over parameters, not layers
+    assert layers_in_turn(LOADING) == [0, 1, 0, 1]  # the policy's weights, then the reference's, in their layers
+    assert layers_in_turn(OPTIMIZER) == [0, 1]  # each state and temporary in its parameter's layer
     assert layers_in_turn("scoring") == [0, 1]
     assert layers_in_turn("training") == [0, 1, 0]  # the loss forward upwards, its backward downwards
     # each decoding step grows every layer's keys and values in turn

@@ -65,6 +65,6 @@ def test_a_gemma2_step_with_four_layers_more_is_made_from_its_trace_request_for_
     assert bench.period(config) == 2
     unit = bench.copied_unit(2)
     shallow = unit.stop + 2
-    fresh = bench.renumbered(bench.step_events(bench.with_layers(config, shallow + 4), settings))
-    made = bench.renumbered(bench.expanded(bench.step_events(bench.with_layers(config, shallow), settings), unit, 2))
+    fresh = bench.renumbered(bench.traced_events(bench.with_layers(config, shallow + 4), settings))
+    made = bench.renumbered(bench.expanded(bench.traced_events(bench.with_layers(config, shallow), settings), unit, 2))
     assert len(fresh) > 30_000 and made == fresh

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vram_planner.tracing.events import ALLOC, FREE, LOADING, Event
+from vram_planner.tracing.events import ALLOC, FREE, LOADING, OPTIMIZER, Event
 
 aten = torch.ops.aten
 # The CUDA caching allocator rounds every block up to 512 bytes (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp);
@@ -108,7 +108,8 @@ class LiveBytes(PhaseState, TorchDispatchMode):
     def __init__(self) -> None:
         PhaseState.__init__(self)
         TorchDispatchMode.__init__(self)
-        # id(storage) -> [raw bytes, rounded bytes, tag, weakref, block (the id its events carry), the block's bytes]
+        # id(storage) -> [raw bytes, rounded bytes, tag, weakref, block (the id its events carry), the block's bytes,
+        # the decoder layer its allocation belongs to]
         self._live: dict[int, list[Any]] = {}
         self.by_tag: Counter[str] = Counter()
         self.total = 0
@@ -219,12 +220,12 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         if record is None:
             raw = st.nbytes()
             ref = weakref.ref(st, self._freed_callback(key))
-            record = self._live[key] = [raw, _rounded(raw), tag or self.tag, ref, self._new_block(raw), raw]
+            layer = self._layer_now()
+            record = self._live[key] = [raw, _rounded(raw), tag or self.tag, ref, self._new_block(raw), raw, layer]
             self.by_tag[record[2]] += record[1]
             self.total += record[1]
             if self._script is not None:
-                self._script.steps.append((ALLOC, record[4], raw, record[2], self.phase, self.moment,
-                                           self._layer_now()))
+                self._script.steps.append((ALLOC, record[4], raw, record[2], self.phase, self.moment, layer))
             return
         if st.nbytes() != record[0]:  # resized in place (resize_, set_): CUDA allocates anew, copies, frees
             self._unrepeatable()
@@ -371,8 +372,15 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             out = func(*args, **kwargs)
         if func is aten._to_copy.default and self._is_whole_weight(args[0]):
             self.track(out, self._live[id(args[0].untyped_storage())][2])  # autocast's cast of a weight
-        for t in tree_flatten(out)[0]:
-            self.track(t)
+        outputs = tree_flatten(out)[0]
+        if self.phase == OPTIMIZER and self.layer < 0:  # each output in the layer of the parameter it updates
+            for t, layer in zip(outputs, self._layers_computed_from(func, args, len(outputs)), strict=True):
+                self.layer = layer
+                self.track(t)
+            self.layer = -1
+        else:
+            for t in outputs:
+                self.track(t)
         if self.in_backward and func is aten.add.Tensor and _same_layout_operands(args, kwargs):
             # Autograd sums the gradients that reach one input in place (InputBuffer::accumulate) when it holds the
             # last reference, but never for tensor subclasses like FakeTensor, which get `old + new` instead. Look
@@ -383,6 +391,21 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         else:
             self._note_peak()
         return out
+
+    def _layers_computed_from(self, func: Any, args: Any, outputs: int) -> list[int]:
+        """The layer of the parameter each output of an optimizer-step op is computed from: a foreach op's i-th
+        output's is its first list's i-th tensor's, another op's its first tensor argument's (-1 for none)."""
+        first = None
+        if func.overloadpacket.__name__.startswith("_foreach_"):
+            first = next((a for a in args if isinstance(a, (list, tuple)) and len(a) == outputs), None)
+        if first is None:
+            first = [next((a for a in args if isinstance(a, torch.Tensor)), None)] * outputs
+        layers = []
+        for t in first:
+            st = _storage(t)
+            record = self._live.get(id(st)) if st is not None else None
+            layers.append(record[6] if record is not None else -1)
+        return layers
 
     def _sum_operands(self, out: Any, args: Any) -> tuple[list[Any], set[int]] | None:
         st = _storage(out)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from vram_planner.tracing.counter import ACTS, GRADS, HEAD, KV, LiveBytes
-from vram_planner.tracing.session import Session
+from vram_planner.tracing.session import Session, decoder_layers
 
 _HEAD_SUFFIX = ": LM head"
 
@@ -294,7 +294,7 @@ def layer_marking(session: Session) -> Iterator[None]:
 
     handles = []
     for top in (session.base_model, session.ref_model):
-        for index, layer in enumerate(_decoder_layers(top)):
+        for index, layer in enumerate(decoder_layers(top)):
             handles.append(layer.register_forward_pre_hook(entering(index), with_kwargs=True, prepend=True))
             handles.append(layer.register_forward_hook(leaving(index), with_kwargs=True))
     try:
@@ -302,13 +302,6 @@ def layer_marking(session: Session) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _decoder_layers(top: Any) -> list[Any]:
-    """The decoder layers of a transformers model (its text model's, for a multimodal one); none for no model."""
-    if top is None or not hasattr(top, "get_decoder"):
-        return []
-    return list(getattr(top.get_decoder(), "layers", None) or [])
 
 
 def _mark_nodes(value: Any, layer: int, key: str) -> None:

@@ -77,14 +77,32 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
         cast_heads(model, session.ref_model, train)
     session.model = _on_fake_tensors(model, session.fake_mode)
     with session.tracker.tagged(WEIGHTS, "loading the model"):  # the moment of their allocation events
-        for t in [*session.model.parameters(), *session.model.buffers()]:
-            session.tracker.track(t, WEIGHTS)
+        _track_in_layers(session.tracker, session.model, WEIGHTS)
         if session.ref_model is not None:
             session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode)
-            for t in [*session.ref_model.parameters(), *session.ref_model.buffers()]:
-                session.tracker.track(t, REFERENCE)
+            _track_in_layers(session.tracker, session.ref_model, REFERENCE)
     add_fused_heads(session)
     return session
+
+
+def _track_in_layers(tracker: LiveBytes, model: Any, tag: str) -> None:
+    """Count the model's parameters and buffers as `tag`, each in its decoder layer (`Event.layer`)."""
+    layer_of = {id(t): index for index, layer in enumerate(decoder_layers(model))
+                for t in [*layer.parameters(), *layer.buffers()]}
+    for t in [*model.parameters(), *model.buffers()]:
+        tracker.layer = layer_of.get(id(t), -1)
+        tracker.track(t, tag)
+    tracker.layer = -1
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers of a transformers model (its text model's, for a multimodal one; under PEFT's wrapper, its
+    base model's); none for no model."""
+    if model is not None and hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    if model is None or not hasattr(model, "get_decoder"):
+        return []
+    return list(getattr(model.get_decoder(), "layers", None) or [])
 
 
 def cast_heads(model: Any, ref_model: Any, train: TrainingConfig) -> None:
