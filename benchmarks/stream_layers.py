@@ -1,8 +1,8 @@
 """A traced step's layers as a loop: the step of a deeper model made from the trace of a shallow one, held to a fresh
 trace of the deeper model, request for request.
 
-    python benchmarks/stream_layers.py         # every fixture architecture: LoRA bf16 with and without checkpointing,
-                                               # full fp32 + beta
+    python benchmarks/stream_layers.py         # every fixture architecture: LoRA bf16 with and without checkpointing
+                                               # and checkpointed reentrantly, full fp32 + beta
     python benchmarks/stream_layers.py --fixtures tiny-qwen3
 
 benchmarks/stream_template.py made a step's requests at other sizes from a few traces, with the loops whose counts
@@ -41,8 +41,10 @@ from stream_shape import BASE, KNOBS, fixture_main, text_config, traced_events, 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "stream_layers.txt"
 COPIES = 2
-# stream_shape's knobs, and a run without gradient checkpointing (no layer runs again in the backward)
-LAYER_KNOBS = {**KNOBS, "lora-bf16-nogc": {**KNOBS["lora-bf16"], "gradient_checkpointing": False}}
+# stream_shape's knobs, a run without gradient checkpointing (no layer runs again in the backward) and one that
+# checkpoints reentrantly (a layer's forward inside one autograd node, its backward a backward of its own)
+LAYER_KNOBS = {**KNOBS, "lora-bf16-nogc": {**KNOBS["lora-bf16"], "gradient_checkpointing": False},
+               "lora-reentrant": {**KNOBS["lora-bf16"], "use_reentrant": True}}
 
 
 def period(config: dict) -> int:

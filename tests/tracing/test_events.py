@@ -207,3 +207,13 @@ def test_a_sliding_window_layer_puts_its_window_on_the_device_in_its_first_updat
     windows = [e.layer for e in result.events
                if e.moment == "prefill" and e.kind == ALLOC and e.size_bytes == 8 and e.layer != -1]
     assert windows == [0, 2]  # gemma-2's sliding layers, one 8-byte window each
+
+
+def test_a_layer_checkpointed_reentrantly_runs_its_backward_in_its_layer():
+    # its forward makes no graph but one node of its own, whose backward recomputes the layer and runs a backward
+    pytest.importorskip("trl")
+    from vram_planner.tracing.step import trace_step
+
+    result = trace_step(TINY, TrainingConfig(**SHORT, lora_r=8, use_reentrant=True))
+    backward = Counter(e.layer for e in result.events if e.moment == "backward through the decoder")
+    assert min(backward[0], backward[1]) > 4 * backward[-1]

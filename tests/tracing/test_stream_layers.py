@@ -19,28 +19,29 @@ def bench():
 
 def synthetic(layers: int, period: int) -> list[tuple]:
     """A forward that keeps each layer's activations and frees the layer below's output between layers, then a
-    backward that frees them from the top down; a layer's sizes follow its type (its index modulo `period`)."""
-    events, block = [], iter(range(10_000))
-    phase = ("alloc", next(block), 64, "training", "forward", -1)
-    events.append(phase)
-    below, kept = phase[1], []
+    backward that frees them and the gradient from above from the top down; a layer's sizes follow its type (its
+    index modulo `period`)."""
+    blocks = iter(range(10_000))
+
+    def event(kind: str, made: tuple[int, int], moment: str, layer: int) -> tuple:
+        return (kind, made[0], made[1], "training", moment, layer)
+
+    below = (next(blocks), 64)  # the embeddings
+    events, kept = [event("alloc", below, "forward", -1)], []
     for layer in range(layers):
-        size = 100 + layer % period
-        acts, out = next(block), next(block)
-        events += [("alloc", acts, size, "training", "forward", layer), ("alloc", out, 10, "training", "forward", layer),
-                   ("free", below, 0, "training", "forward", -1)]
+        acts, out = (next(blocks), 100 + layer % period), (next(blocks), 10)
+        events += [event("alloc", acts, "forward", layer), event("alloc", out, "forward", layer),
+                   event("free", below, "forward", -1)]
         below = out
-        kept.append((acts, size))
-    head = next(block)
-    events += [("alloc", head, 500, "training", "forward", -1), ("free", below, 0, "training", "forward", -1)]
-    grad = head
+        kept.append(acts)
+    grad = (next(blocks), 500)  # the LM head's
+    events += [event("alloc", grad, "forward", -1), event("free", below, "forward", -1)]
     for layer in reversed(range(layers)):
-        acts, size = kept[layer]
-        new = next(block)
-        events += [("alloc", new, 20 + layer % period, "training", "backward", layer),
-                   ("free", acts, size, "training", "backward", layer), ("free", grad, 0, "training", "backward", layer)]
+        new = (next(blocks), 20 + layer % period)
+        events += [event("alloc", new, "backward", layer), event("free", kept[layer], "backward", layer),
+                   event("free", grad, "backward", layer)]
         grad = new
-    return [*events, ("free", grad, 0, "training", "backward", -1)]
+    return [*events, event("free", grad, "backward", -1)]
 
 
 @pytest.mark.parametrize("period", [1, 2, 3])

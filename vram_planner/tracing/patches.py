@@ -273,17 +273,22 @@ def _switch_to_backbone_backward(tracker: LiveBytes) -> Callable[[Any], None]:
 def layer_marking(session: Session) -> Iterator[None]:
     """Mark each event with the decoder layer it belongs to (`Event.layer`): its forward (generation, scoring, the
     loss, a checkpointed layer's recomputation) by the layer's forward hooks, its backward by the autograd nodes its
-    forward made, which a forward hook marks in their metadata (the backward runs no module hooks of its own)."""
+    forward made, which a forward hook marks in their metadata (the backward runs no module hooks of its own). A
+    layer checkpointed reentrantly runs its forward without a graph inside one node of its own, whose backward
+    (the recomputation, then a backward of its own graph) counts in that layer."""
+    import torch.utils.checkpoint as checkpoint
+
     from vram_planner.tracing.counter import LAYER_OF_NODE
 
     tracker = session.tracker
     outer: list[int] = []
+    entered = [-1]  # the layer entered last
 
     def entering(index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
             _mark_nodes((args, kwargs), -1, LAYER_OF_NODE)  # what fed the layer was made before it
             outer.append(tracker.layer)
-            tracker.layer = index
+            tracker.layer = entered[0] = index
         return hook
 
     def leaving(index: int) -> Callable[..., None]:
@@ -292,14 +297,31 @@ def layer_marking(session: Session) -> Iterator[None]:
             tracker.layer = outer.pop() if outer else -1
         return hook
 
+    reentrant = checkpoint.CheckpointFunction
+    forward, backward = reentrant.forward, reentrant.backward
+
+    def checkpointed(ctx: Any, *args: Any) -> Any:
+        out = forward(ctx, *args)
+        ctx.vram_planner_layer = entered[0]
+        return out
+
+    def run_back(ctx: Any, *grads: Any) -> Any:
+        saved, tracker.layer = tracker.layer, getattr(ctx, "vram_planner_layer", -1)
+        try:
+            return backward(ctx, *grads)
+        finally:
+            tracker.layer = saved
+
     handles = []
     for top in (session.base_model, session.ref_model):
         for index, layer in enumerate(decoder_layers(top)):
             handles.append(layer.register_forward_pre_hook(entering(index), with_kwargs=True, prepend=True))
             handles.append(layer.register_forward_hook(leaving(index), with_kwargs=True))
+    reentrant.forward, reentrant.backward = staticmethod(checkpointed), staticmethod(run_back)
     try:
         yield
     finally:
+        reentrant.forward, reentrant.backward = staticmethod(forward), staticmethod(backward)
         for handle in handles:
             handle.remove()
 
