@@ -36,7 +36,7 @@ from collections import defaultdict
 from itertools import count
 from pathlib import Path
 
-from stream_shape import BASE, KNOBS, fixture_main, text_config, traced_events, with_free_runs_sorted
+from stream_shape import BASE, KNOBS, fixture_main, numbered, text_config, traced_events, with_free_runs_sorted
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "stream_layers.txt"
@@ -51,8 +51,7 @@ def period(config: dict) -> int:
     """The period of the decoder's layer types as the installed transformers lays them out (1 where it names none)."""
     from transformers import CONFIG_MAPPING
 
-    probe = json.loads(json.dumps(config))
-    text_config(probe)["num_hidden_layers"] = 24
+    probe = with_layers(config, 24)
     built = CONFIG_MAPPING[probe["model_type"]](**{k: v for k, v in probe.items() if k != "model_type"})
     types = getattr(built.get_text_config(), "layer_types", None) or ["layer"] * 24
     return next(p for p in range(1, 25) if all(types[i] == types[i + p] for i in range(24 - p)))
@@ -140,8 +139,7 @@ def expanded(events: list[tuple], unit: range, copies: int) -> list[tuple]:
 
 
 def renumbered(events: list[tuple]) -> list[tuple]:
-    named: dict[int, int] = {}
-    return with_free_runs_sorted([(e[0], named.setdefault(e[1], len(named)), *e[2:]) for e in events])
+    return with_free_runs_sorted(numbered(events))
 
 
 def table(fixtures: list[Path]) -> list[str]:

@@ -88,17 +88,19 @@ def traced_events(config: dict, settings: dict) -> list[tuple]:
         path = Path(folder) / "config.json"
         path.write_text(json.dumps(config))
         outcome = engine.check(str(path), "h100-80gb", settings, exact=True)
-    events = outcome.result.steady_stream().events
-    named: dict[int, int] = {}  # blocks numbered by their first event, as two traces number them apart
-    return [(e.kind, named.setdefault(e.block, len(named)), e.size_bytes, e.phase, e.moment, e.layer)
-            for e in events]
+    return numbered([tuple(e) for e in outcome.result.steady_stream().events])
+
+
+def numbered(events: list[tuple]) -> list[tuple]:
+    """The events with their blocks numbered by their first event, as two traces number them apart."""
+    named: dict[int, int] = {}
+    return [(e[0], named.setdefault(e[1], len(named)), *e[2:]) for e in events]
 
 
 def outside_decoding(events: list[tuple]) -> list[tuple]:
     """The events of the phases around the decoding, their blocks numbered again."""
-    kept = [e for e in events if e[4] not in DECODING and not e[4].startswith(tuple(f"{d}:" for d in DECODING))]
-    named: dict[int, int] = {}
-    return [(e[0], named.setdefault(e[1], len(named)), *e[2:]) for e in kept]
+    return numbered([e for e in events
+                     if e[4] not in DECODING and not e[4].startswith(tuple(f"{d}:" for d in DECODING))])
 
 
 def with_free_runs_sorted(events: list[tuple]) -> list[tuple]:

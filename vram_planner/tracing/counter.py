@@ -120,9 +120,10 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         self._sum: tuple[list[Any], set[int]] | None = None  # a gradient sum's output record and its operands
         self._script: Script | None = None  # what a call being recorded does (`recording`)
 
-    def _event(self, kind: str, block: int, raw: int) -> None:
+    def _event(self, kind: str, block: int, raw: int, layer: int | None = None) -> None:
         if raw:  # the CUDA allocator never sees an empty storage (no block, a null pointer)
-            self.events.append(Event(kind, block, raw, self.phase, self.moment, self._layer_now()))
+            layer = self._layer_now() if layer is None else layer
+            self.events.append(Event(kind, block, raw, self.phase, self.moment, layer))
 
     def _layer_now(self) -> int:
         if self.layer >= 0:
@@ -135,9 +136,9 @@ class LiveBytes(PhaseState, TorchDispatchMode):
         if self._script is not None:
             self._script.broken = True
 
-    def _new_block(self, raw: int) -> int:
+    def _new_block(self, raw: int, layer: int | None = None) -> int:
         self._blocks += 1
-        self._event(ALLOC, self._blocks, raw)
+        self._event(ALLOC, self._blocks, raw, layer)
         return self._blocks
 
     def live_blocks(self, tag: str) -> list[tuple[int, int]]:
@@ -221,7 +222,8 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             raw = st.nbytes()
             ref = weakref.ref(st, self._freed_callback(key))
             layer = self._layer_now()
-            record = self._live[key] = [raw, _rounded(raw), tag or self.tag, ref, self._new_block(raw), raw, layer]
+            record = self._live[key] = [raw, _rounded(raw), tag or self.tag, ref, self._new_block(raw, layer), raw,
+                                        layer]
             self.by_tag[record[2]] += record[1]
             self.total += record[1]
             if self._script is not None:
@@ -250,10 +252,11 @@ class LiveBytes(PhaseState, TorchDispatchMode):
                 self.by_tag[record[2]] -= record[1]
                 self.total -= record[1]
                 if not self._summed_in_place(key, record):
-                    self._event(FREE, record[4], record[5])
+                    layer = self._layer_now()
+                    self._event(FREE, record[4], record[5], layer)
                     if self._script is not None:
                         self._script.steps.append((FREE, record[4], record[5], record[2], self.phase, self.moment,
-                                                   self._layer_now()))
+                                                   layer))
         return freed
 
     def _summed_in_place(self, key: int, freed: list[Any]) -> bool:
@@ -395,13 +398,13 @@ class LiveBytes(PhaseState, TorchDispatchMode):
     def _layers_computed_from(self, func: Any, args: Any, outputs: int) -> list[int]:
         """The layer of the parameter each output of an optimizer-step op is computed from: a foreach op's i-th
         output's is its first list's i-th tensor's, another op's its first tensor argument's (-1 for none)."""
-        first = None
+        sources = None
         if func.overloadpacket.__name__.startswith("_foreach_"):
-            first = next((a for a in args if isinstance(a, (list, tuple)) and len(a) == outputs), None)
-        if first is None:
-            first = [next((a for a in args if isinstance(a, torch.Tensor)), None)] * outputs
+            sources = next((a for a in args if isinstance(a, (list, tuple)) and len(a) == outputs), None)
+        if sources is None:
+            sources = [next((a for a in args if isinstance(a, torch.Tensor)), None)] * outputs
         layers = []
-        for t in first:
+        for t in sources:
             st = _storage(t)
             record = self._live.get(id(st)) if st is not None else None
             layers.append(record[6] if record is not None else -1)

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vram_planner.tracing.counter import ACTS, GRADS, HEAD, KV, LiveBytes
+from vram_planner.tracing.counter import ACTS, GRADS, HEAD, KV, LAYER_OF_NODE, LiveBytes
 from vram_planner.tracing.session import Session, decoder_layers
 
 _HEAD_SUFFIX = ": LM head"
@@ -278,22 +278,20 @@ def layer_marking(session: Session) -> Iterator[None]:
     (the recomputation, then a backward of its own graph) counts in that layer."""
     import torch.utils.checkpoint as checkpoint
 
-    from vram_planner.tracing.counter import LAYER_OF_NODE
-
     tracker = session.tracker
     outer: list[int] = []
     entered = [-1]  # the layer entered last
 
     def entering(index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
-            _mark_nodes((args, kwargs), -1, LAYER_OF_NODE)  # what fed the layer was made before it
+            _mark_nodes((args, kwargs), -1)  # what fed the layer was made before it
             outer.append(tracker.layer)
             tracker.layer = entered[0] = index
         return hook
 
     def leaving(index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            _mark_nodes(output, index, LAYER_OF_NODE)
+            _mark_nodes(output, index)
             tracker.layer = outer.pop() if outer else -1
         return hook
 
@@ -326,7 +324,7 @@ def layer_marking(session: Session) -> Iterator[None]:
             handle.remove()
 
 
-def _mark_nodes(value: Any, layer: int, key: str) -> None:
+def _mark_nodes(value: Any, layer: int) -> None:
     """Mark `layer` in the metadata of every autograd node that made the tensors in `value` and is not marked yet,
     and of those before it: a layer's nodes, once what fed it is marked before it runs."""
     from torch.utils._pytree import tree_flatten
@@ -334,7 +332,7 @@ def _mark_nodes(value: Any, layer: int, key: str) -> None:
     stack = [getattr(t, "grad_fn", None) for t in tree_flatten(value)[0]]
     while stack:
         node = stack.pop()
-        if node is None or key in node.metadata:
+        if node is None or LAYER_OF_NODE in node.metadata:
             continue
-        node.metadata[key] = layer
+        node.metadata[LAYER_OF_NODE] = layer
         stack.extend(next_node for next_node, _ in node.next_functions)
