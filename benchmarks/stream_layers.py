@@ -36,7 +36,8 @@ from collections import defaultdict
 from itertools import count
 from pathlib import Path
 
-from stream_shape import BASE, KNOBS, fixture_main, numbered, text_config, traced_events, with_free_runs_sorted
+from stream_shape import (BASE, KNOBS, fixture_main, numbered, request_for_request, text_config, traced_events,
+                          with_free_runs_sorted)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "stream_layers.txt"
@@ -160,8 +161,7 @@ def table(fixtures: list[Path]) -> list[str]:
             except ValueError as exc:
                 lines.append(f"{path.stem:24} {knobs_name:16} no loop: {exc}")
                 continue
-            aligned = len(made) == len(fresh) and all(a[:2] == b[:2] and a[3:] == b[3:] for a, b in zip(made, fresh))
-            other = sum(a[2] != b[2] for a, b in zip(made, fresh)) if aligned else len(fresh)
+            aligned, other = request_for_request(made, fresh)
             exact += aligned and not other
             lines.append(f"{path.stem:24} {knobs_name:16} {every:6d} {f'{shallow}->{deep}':>7} {len(fresh):7d} "
                          f"{len(made):7d} {'yes' if aligned else 'NO':>8} {other:6d} "

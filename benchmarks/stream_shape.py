@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,14 +80,14 @@ def varied(config: dict, changes: dict) -> dict | None:
 
 def traced_events(config: dict, settings: dict) -> list[tuple]:
     """The traced step's events, step 2 after step 1, as `check --exact` replays them: (kind, block, bytes, phase,
-    moment, layer)."""
+    moment, layer). The step at the longest prompt, without the need's bisection (`check --exact` also traces a
+    shorter prompt where the analytic model says it may need more, and answers with the step that needs more)."""
     from vram_planner import engine
+    from vram_planner.tracing.step import trace_step
 
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "config.json"
-        path.write_text(json.dumps(config))
-        outcome = engine.check(str(path), "h100-80gb", settings, exact=True)
-    return numbered([tuple(e) for e in outcome.result.steady_stream().events])
+    context = engine.make_context(config, "h100-80gb")
+    result = trace_step(config, engine.make_training(context, settings), context.release)
+    return numbered([tuple(e) for e in result.steady_stream().events])
 
 
 def numbered(events: list[tuple]) -> list[tuple]:
@@ -116,6 +115,13 @@ def with_free_runs_sorted(events: list[tuple]) -> list[tuple]:
         run = []
         out.append(event)
     return out[:-1]
+
+
+def request_for_request(made: list[tuple], fresh: list[tuple]) -> tuple[bool, int]:
+    """(whether a made stream makes a fresh trace's requests in its order, in the same blocks, phases, moments and
+    layers; how many are of another size, every one where they are not aligned)."""
+    aligned = len(made) == len(fresh) and all(a[:2] == b[:2] and a[3:] == b[3:] for a, b in zip(made, fresh))
+    return aligned, sum(a[2] != b[2] for a, b in zip(made, fresh)) if aligned else len(fresh)
 
 
 def compared(base: list[tuple], other: list[tuple], ratio: float) -> tuple[bool, int, int]:

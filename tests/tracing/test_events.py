@@ -140,7 +140,7 @@ def test_the_recorded_cache_growth_is_what_running_every_decoding_step_allocates
 
 def test_a_huge_completion_records_a_bounded_number_of_cache_steps():
     pytest.importorskip("trl")
-    from vram_planner.tracing.phases import MAX_CACHE_UPDATES
+    from vram_planner.tracing.cache_growth import MAX_CACHE_UPDATES
     from vram_planner.tracing.step import trace_step
 
     result = trace_step(TINY, TrainingConfig(**SHORT | {"max_completion_length": 10**6}))

@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from vram_planner.tracing.cache_growth import growth_requests
 from vram_planner.tracing.events import ALLOC, FREE, LOADING, OPTIMIZER, Event
 
 aten = torch.ops.aten
@@ -190,16 +191,14 @@ class LiveBytes(PhaseState, TorchDispatchMode):
             layers: the decoder layer of each one's cache.
         """
         self._unrepeatable()
-        current, outside = list(before), self.layer
-        for step in steps:
-            first = 0
-            for group in step:
-                self.layer = layers[first]
-                made = [(self._new_block(size), size) for size in group]
-                for i, block in enumerate(made, start=first):
-                    self._event(FREE, *current[i])
-                    current[i] = block
-                first += len(group)
+        current, made, outside = list(before), list(before), self.layer
+        for allocated, i, size in growth_requests(steps):
+            self.layer = layers[i]
+            if allocated:
+                made[i] = (self._new_block(size), size)
+            else:
+                self._event(FREE, *current[i])
+                current[i] = made[i]
         self.layer = outside
         for t, (block, size) in zip(tensors, current, strict=True):
             record = self._live.get(id(t.untyped_storage()))

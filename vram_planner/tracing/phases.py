@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from vram_planner.model.spec import Optimizer, TrainingConfig
+from vram_planner.tracing.cache_growth import CacheLayer, additions, growth
 from vram_planner.tracing.counter import ACTS, GRADS, HEAD, STEP, PhasePeak
 from vram_planner.tracing.optimizer_peak import step_peak
 from vram_planner.tracing.session import Session, input_grads, set_checkpointing
@@ -93,11 +94,6 @@ def _generate(session: Session) -> PhasePeak:
     return max(prefill, last, key=lambda phase: phase.peak_bytes)
 
 
-# The most cache updates (layers x decoding steps) whose allocations the trace records between the prefill and the
-# last decoding step: up to four events each, in every replayed step.
-MAX_CACHE_UPDATES = 4096
-
-
 def _grow_cache(session: Session, cache: Any, tokens: int) -> None:
     """Grow every layer of the cache by `tokens`, as the decoding steps do: one concatenation per layer and step.
 
@@ -114,16 +110,15 @@ def _grow_cache(session: Session, cache: Any, tokens: int) -> None:
         return
     tracker = session.tracker
     recorded = hasattr(tracker, "record_growth")
-    steps = max(1, min(tokens, MAX_CACHE_UPDATES // len(layers))) if recorded else tokens
-    added = [tokens * step // steps - tokens * (step - 1) // steps for step in range(1, steps + 1)]
+    added = additions(tokens, len(layers), recorded)
     if recorded:
         before = [tracker.block_of(t) for t in _cache_tensors(layers)]
-        growth = _growth(layers, added[:-1])
+        steps = growth([_as_cache_layer(i, layer) for i, layer in layers], added[:-1])
         # The step before the last runs as itself: a sliding-window layer's storage is then what it is in a real run.
         with tracker.unrecorded(before):
             for count in (sum(added[:-2]), *added[-2:-1]):
                 _update(cache, layers, count, tracker)
-        tracker.record_growth(_cache_tensors(layers), before, growth, [i for i, _ in layers for _ in (0, 1)])
+        tracker.record_growth(_cache_tensors(layers), before, steps, [i for i, _ in layers for _ in (0, 1)])
         added = added[-1:]
     for count in added:
         _update(cache, layers, count, tracker)
@@ -149,23 +144,9 @@ def _new_tokens(t: Any, count: int) -> Any:
     return t.new_zeros((*t.shape[:-2], count, t.shape[-1]))
 
 
-def _growth(layers: list[tuple[int, Any]], added: list[int]) -> list[list[tuple[int, ...]]]:
-    """Per step, the bytes of each layer's next keys and values storage (`_cache_tensors`' order), grouped as the
-    concatenations of `added` tokens make them (transformers' cache layers): a DynamicLayer replaces its keys, then
-    its values; a sliding-window layer makes both before it replaces them, and keeps window - 1 tokens."""
-    kept = {i: layer.keys.shape[-2] for i, layer in layers}
-    per_token = {i: (_bytes_per_token(layer.keys), _bytes_per_token(layer.values)) for i, layer in layers}
-    steps = []
-    for count in added:
-        step: list[tuple[int, ...]] = []
-        for i, layer in layers:
-            tokens = kept[i] + count
-            sizes = (per_token[i][0] * tokens, per_token[i][1] * tokens)
-            window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
-            step += [sizes] if window else [sizes[:1], sizes[1:]]
-            kept[i] = min(tokens, window - 1) if window else tokens
-        steps.append(step)
-    return steps
+def _as_cache_layer(i: int, layer: Any) -> CacheLayer:
+    window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+    return CacheLayer(i, _bytes_per_token(layer.keys), _bytes_per_token(layer.values), layer.keys.shape[-2], window)
 
 
 def _bytes_per_token(t: Any) -> int:

@@ -1,0 +1,143 @@
+"""The torch-free copy of the exact engine at the boundary grid's hardest points: each point's whole stream made from
+traces of the same model with a few layers at short lengths, held to the point's own trace, request for request.
+
+    python benchmarks/copy_at_boundary.py          # the grid's window and points > 1% under, the held-out windows
+    python benchmarks/copy_at_boundary.py --points "Qwen3-0.6B lora p1024 c384 B8 8bit"
+
+benchmarks/stream_copy.py holds the copy (the widths, the batch, the lengths and the layers at once) to fresh traces
+of tiny fixtures. The points where `check`'s analytic answer is furthest under the need (benchmarks/results/
+boundary.txt: the window and the points more than 1% under) are catalog models at real widths, up to 1,408 tokens
+and 512 sequences generated at once, 8-bit AdamW, eager attention, 64 micro-batches a generation. Here each is made
+from seven traces of its own model with 2p + 3 (+ the rest of the depth modulo p) layers, at its widths, batch and
+knobs, at the six lengths of benchmarks/stream_lengths.py (32 to 64 prompt tokens, 64 to 128 completion tokens) and
+once with the decoding steps grouped two tokens at a time (as a deeper trace groups them past MAX_CACHE_UPDATES): its
+requests' sizes as polynomials in the lengths, its cache growth run by vram_planner.tracing.cache_growth for the
+point's lengths and depth, its layers copied by their period up to the point's depth. Compared with the point's own
+trace at its longest prompt (the stream `check --exact` replays there): "exact" where every request agrees, in order, in
+size and in layer; an exact stream replays to the point's need through the allocator model by construction, so
+`check` replaying it would have no window there. The seconds are the seven traces' and the copy's (the trace of the
+point itself, and its need's bisection, aside). Writes benchmarks/results/copy_at_boundary.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from boundary import CARD, MODELS, points
+from stream_layers import copied_unit, expanded, period, renumbered, with_layers
+from stream_lengths import LENGTHS, LengthTemplate, lattice
+from stream_shape import request_for_request, text_config, traced_events
+
+from vram_planner.model.calibration import default_calibration
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "copy_at_boundary.txt"
+# boundary.txt's window and its points more than 1% under their need (2026-12-02)
+HARDEST = ("Qwen3-0.6B lora p1024 c384 B8 8bit", "Qwen3-0.6B lora p256 c128 B8 S64 eager",
+           "Llama-3.2-1B lora p1024 c384 B8 8bit", "SmolLM2-135M lora c1024 B16 nogc",
+           "Qwen2.5-0.5B lora p1024 c384 B8 8bit", "Llama-3.2-1B fp32 full adamw_8bit",
+           "SmolLM2-135M lora p512 c128 B8 S64")
+# the held-out sweeps' windows (benchmarks/results/boundary-heldout-rejudged.txt): (sweep, point)
+HELD_OUT_WINDOWS = (("boundary-heldout-seed3", "h17 Qwen3-1.7B"), ("boundary-heldout-24gib-seed2", "h31 SmolLM2-1.7B"),
+                    ("boundary-heldout-24gib-seed7", "h12 SmolLM2-135M"))
+
+
+def config_of(model: str) -> dict:
+    from vram_planner.profiles import model_config
+
+    return model_config(model)[0]
+
+
+def lengths_of(model: str, settings: dict) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """The point's prompt and completion lengths (TRL's defaults where it sets none) and the short lengths to trace,
+    on the same side as the point's of the fused LM head's token tile (TRL 1.15 on: a micro-batch's completion tokens
+    up to lm_head_token_chunk, a size that stops growing there). Past the tile the head loops over tiles, and where
+    a tile makes requests of its own (float32 weights cast under autocast) the short lengths make other requests:
+    that loop is not made yet."""
+    from vram_planner import engine
+    from vram_planner.model.lm_head import uses_fused_head
+
+    context = engine.make_context(model, CARD, calibration=default_calibration())
+    train = engine.make_training(context, settings)
+    prompt, completion = train.max_prompt_length, train.max_completion_length
+    sequences = train.per_device_train_batch_size
+    lengths = LENGTHS
+    if uses_fused_head(train, context.release):
+        tile = context.release.lm_head_token_chunk
+        if sequences * completion > tile:
+            lengths = lattice(LENGTHS[0][0], 32 * -(-tile // (32 * sequences)))
+        elif sequences * max(c for _, c in LENGTHS) >= tile:
+            raise ValueError("no short completions keep the fused head's tile below its token chunk")
+    return prompt, completion, lengths
+
+
+def copied(config: dict, settings: dict, prompt: int, completion: int,
+           lengths: tuple[tuple[int, int], ...]) -> tuple[list[tuple], int, int]:
+    """(the point's stream made from a shallow model's traces, the shallow model's layers, its traces)."""
+    depth = text_config(config)["num_hidden_layers"]
+    every = period(config)
+    unit = copied_unit(every)
+    shallow = unit.stop + 2 + (depth - unit.stop - 2) % every
+    template = LengthTemplate(with_layers(config, shallow), settings, lengths)
+    made = template.instantiate(prompt, completion, depth=depth)
+    return expanded(made, unit, (depth - shallow) // every), shallow, template.traces
+
+
+def cases(labels: list[str] | None) -> list[tuple[str, str, dict]]:
+    """(label, model, settings) of the grid points named (default: the hardest and the held-out windows)."""
+    grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
+    unknown = [label for label in labels or () if label not in grid]
+    if unknown:
+        raise SystemExit(f"not a grid point: {', '.join(unknown)}")
+    out = [(label, *grid[label]) for label in labels or HARDEST]
+    for sweep, name in () if labels else HELD_OUT_WINDOWS:
+        point = next(p for p in json.loads((RESULTS.parent / f"{sweep}.json").read_text()) if p["point"] == name)
+        out.append((f"{sweep.removeprefix('boundary-heldout-')} {name}", point["model"], point["settings"]))
+    return out
+
+
+def table(points_to_copy: list[tuple[str, str, dict]]) -> list[str]:
+    lines = [f"{'point':44} {'layers':>7} {'traces':>6} {'requests':>9} {'made':>9} {'aligned':>8} "
+             f"{'other size':>10} {'seconds':>8}"]
+    exact = 0
+    for label, model, settings in points_to_copy:
+        config = config_of(model)
+        prompt, completion, lengths = lengths_of(model, settings)
+        start = time.perf_counter()
+        try:
+            made, shallow, traces = copied(config, settings, prompt, completion, lengths)
+        except ValueError as exc:
+            lines.append(f"{label:44} no copy: {exc}")
+            print(lines[-1], file=sys.stderr)
+            continue
+        seconds = time.perf_counter() - start
+        made = renumbered(made)
+        fresh = renumbered(traced_events(config, {**settings, "max_prompt_length": prompt}))
+        aligned, other = request_for_request(made, fresh)
+        exact += aligned and not other
+        depth = text_config(config)["num_hidden_layers"]
+        lines.append(f"{label:44} {f'{shallow}->{depth}':>7} {traces:6d} {len(fresh):9d} {len(made):9d} "
+                     f"{'yes' if aligned else 'NO':>8} {other:10d} {seconds:8.0f}")
+        print(lines[-1], file=sys.stderr)
+    return [*lines, f"{exact} of {len(points_to_copy)} points' streams made exactly from shallow traces at short "
+                    "lengths"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", nargs="*",
+                        help="grid labels (default: the grid's window, its points > 1%% under, the held-out windows)")
+    args = parser.parse_args()
+    text = "\n".join(table(cases(args.points)))
+    print(text)
+    if not args.points:
+        RESULTS.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
