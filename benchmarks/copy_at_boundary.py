@@ -6,8 +6,9 @@ traces of the same model with a few layers at short lengths, held to the point's
 
 benchmarks/stream_copy.py holds the copy (the widths, the batch, the lengths and the layers at once) to fresh traces
 of tiny fixtures. The points where `check`'s analytic answer is furthest under the need (benchmarks/results/
-boundary.txt: the window and the points more than 1% under) are catalog models at real widths, up to 1,408 tokens
-and 512 sequences generated at once, 8-bit AdamW, eager attention, 64 micro-batches a generation. Here each is made
+boundary.txt: the window and the points more than 1% under), with the held-out sweeps' three windows, are catalog
+models at real widths, up to 1,408 tokens and 512 sequences generated at once, 8-bit AdamW, eager attention, 64
+micro-batches a generation. Here each is made
 from seven traces of its own model with 2p + 3 (+ the rest of the depth modulo p) layers, at its widths, batch and
 knobs, at the six lengths of benchmarks/stream_lengths.py (32 to 64 prompt tokens, 64 to 128 completion tokens) and
 once with the decoding steps grouped two tokens at a time (as a deeper trace groups them past MAX_CACHE_UPDATES): its
@@ -16,15 +17,22 @@ point's lengths and depth, its layers copied by their period up to the point's d
 trace at its longest prompt (the stream `check --exact` replays there): "exact" where every request agrees, in order, in
 size and in layer; an exact stream replays to the point's need through the allocator model by construction, so
 `check` replaying it would have no window there. The seconds are the seven traces' and the copy's (the trace of the
-point itself, and its need's bisection, aside). Writes benchmarks/results/copy_at_boundary.txt.
+point itself aside). What the copy would cost `check`, without torch: the template's size as gzipped JSON
+(LengthTemplate.document), the seconds to make the stream from it, and those of one replay through the allocator model
+on the point's committed need (cuBLAS workspaces included, as `check --exact` replays), where it must run, and one 2
+MiB granule below it, where it must run out unless the need is a shorter prompt's (`check --exact` also traces a
+batch of shorter prompts where the analytic model says it may need more). Writes
+benchmarks/results/copy_at_boundary.txt.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from boundary import CARD, MODELS, points
@@ -75,53 +83,92 @@ def lengths_of(model: str, settings: dict) -> tuple[int, int, tuple[tuple[int, i
     return prompt, completion, lengths
 
 
-def copied(config: dict, settings: dict, prompt: int, completion: int,
-           lengths: tuple[tuple[int, int], ...]) -> tuple[list[tuple], int, int]:
-    """(the point's stream made from a shallow model's traces, the shallow model's layers, its traces)."""
+@dataclass
+class Copy:
+    """A point's stream made from a shallow model's traces, and what making it took."""
+
+    events: list[tuple]
+    shallow_layers: int
+    traces: int
+    template_bytes: int  # the template as gzipped JSON (LengthTemplate.document)
+    make_seconds: float  # making the stream from the template, torch-free
+
+
+def copied(config: dict, settings: dict, prompt: int, completion: int, lengths: tuple[tuple[int, int], ...]) -> Copy:
     depth = text_config(config)["num_hidden_layers"]
     every = period(config)
     unit = copied_unit(every)
     shallow = unit.stop + 2 + (depth - unit.stop - 2) % every
     template = LengthTemplate(with_layers(config, shallow), settings, lengths)
-    made = template.instantiate(prompt, completion, depth=depth)
-    return expanded(made, unit, (depth - shallow) // every), shallow, template.traces
+    size = len(gzip.compress(json.dumps(template.document(), separators=(",", ":")).encode()))
+    start = time.perf_counter()
+    made = expanded(template.instantiate(prompt, completion, depth=depth), unit, (depth - shallow) // every)
+    return Copy(made, shallow, template.traces, size, time.perf_counter() - start)
 
 
-def cases(labels: list[str] | None) -> list[tuple[str, str, dict]]:
-    """(label, model, settings) of the grid points named (default: the hardest and the held-out windows)."""
+def verdicts(events: list[tuple], settings: dict, need_bytes: int) -> tuple[bool, bool, float]:
+    """(whether the allocator model replays the stream on the point's need, whether it runs out one granule below,
+    the seconds of one replay): `check`'s verdict from a copy, CUDA context aside, with the cuBLAS workspaces."""
+    from vram_planner.allocator import parse_allocator_conf
+    from vram_planner.allocator.need import granule_bytes
+    from vram_planner.allocator.replay import replay_events
+    from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.profiles import gpu_catalog
+    from vram_planner.tracing.events import ZERO_GRAD, Event, SteadyStream, with_workspaces
+
+    second = 1 + max(i for i, e in enumerate(events) if e[4] == ZERO_GRAD)
+    capability = gpu_catalog()[CARD].compute_capability
+    stream = with_workspaces(SteadyStream([Event(*e) for e in events], {}, second), workspace_bytes(capability))
+    requests = [(e.kind, e.block, e.size_bytes) for e in stream.events]
+    conf = parse_allocator_conf(settings.get("allocator_conf"))
+    start = time.perf_counter()
+    at_need = replay_events(requests, conf, need_bytes, series=False).out_of_memory is None
+    seconds = time.perf_counter() - start
+    below = replay_events(requests, conf, need_bytes - granule_bytes(conf), series=False).out_of_memory is not None
+    return at_need, below, seconds
+
+
+def cases(labels: list[str] | None) -> list[tuple[str, str, dict, int]]:
+    """(label, model, settings, the committed need) of the grid points named (default: the hardest and the held-out
+    windows)."""
     grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
     unknown = [label for label in labels or () if label not in grid]
     if unknown:
         raise SystemExit(f"not a grid point: {', '.join(unknown)}")
-    out = [(label, *grid[label]) for label in labels or HARDEST]
+    needs = json.loads((RESULTS.parent / "boundary-needs.json").read_text())["points"]
+    out = [(label, *grid[label], needs[label]["allocator_need_bytes"]) for label in labels or HARDEST]
+    held_out = json.loads((RESULTS.parent / "boundary-heldout-needs.json").read_text())["points"]
     for sweep, name in () if labels else HELD_OUT_WINDOWS:
         point = next(p for p in json.loads((RESULTS.parent / f"{sweep}.json").read_text()) if p["point"] == name)
-        out.append((f"{sweep.removeprefix('boundary-heldout-')} {name}", point["model"], point["settings"]))
+        out.append((f"{sweep.removeprefix('boundary-heldout-')} {name}", point["model"], point["settings"],
+                    held_out[f"{point['model']} {point['knobs']}"]["allocator_need_bytes"]))
     return out
 
 
-def table(points_to_copy: list[tuple[str, str, dict]]) -> list[str]:
-    lines = [f"{'point':44} {'layers':>7} {'traces':>6} {'requests':>9} {'made':>9} {'aligned':>8} "
-             f"{'other size':>10} {'seconds':>8}"]
+def table(points_to_copy: list[tuple[str, str, dict, int]]) -> list[str]:
+    lines = [f"{'point':40} {'layers':>6} {'traces':>6} {'requests':>9} {'aligned':>7} {'other':>6} {'seconds':>7} "
+             f"{'KiB':>5} {'make s':>6} {'replay s':>8}  on the need"]
     exact = 0
-    for label, model, settings in points_to_copy:
+    for label, model, settings, need_bytes in points_to_copy:
         config = config_of(model)
         prompt, completion, lengths = lengths_of(model, settings)
         start = time.perf_counter()
         try:
-            made, shallow, traces = copied(config, settings, prompt, completion, lengths)
+            copy = copied(config, settings, prompt, completion, lengths)
         except ValueError as exc:
-            lines.append(f"{label:44} no copy: {exc}")
+            lines.append(f"{label:40} no copy: {exc}")
             print(lines[-1], file=sys.stderr)
             continue
         seconds = time.perf_counter() - start
-        made = renumbered(made)
         fresh = renumbered(traced_events(config, {**settings, "max_prompt_length": prompt}))
-        aligned, other = request_for_request(made, fresh)
+        aligned, other = request_for_request(renumbered(copy.events), fresh)
         exact += aligned and not other
+        at_need, below, replay_seconds = verdicts(copy.events, settings, need_bytes)
+        need = ("runs" if at_need else "OUT") + (", out a granule below" if below else ", runs a granule below")
         depth = text_config(config)["num_hidden_layers"]
-        lines.append(f"{label:44} {f'{shallow}->{depth}':>7} {traces:6d} {len(fresh):9d} {len(made):9d} "
-                     f"{'yes' if aligned else 'NO':>8} {other:10d} {seconds:8.0f}")
+        lines.append(f"{label:40} {f'{copy.shallow_layers}->{depth}':>6} {copy.traces:6d} {len(fresh):9d} "
+                     f"{'yes' if aligned else 'NO':>7} {other:6d} {seconds:7.0f} {copy.template_bytes / 1024:5.0f} "
+                     f"{copy.make_seconds:6.2f} {replay_seconds:8.2f}  {need}")
         print(lines[-1], file=sys.stderr)
     return [*lines, f"{exact} of {len(points_to_copy)} points' streams made exactly from shallow traces at short "
                     "lengths"]

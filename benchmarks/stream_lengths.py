@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -155,6 +156,18 @@ class LengthTemplate:
         self.ordinal = {e[1]: k for k, e in enumerate(e for e in without_growth(self.base, self.spans)
                                                        if e[0] == "alloc")}
         self.regions = [self._region(start, end) for start, end in self.spans]
+
+    def document(self) -> dict:
+        """What a copy needs to make the stream, as JSON would carry it (what committing the template costs): the
+        base's events outside the growth, each request's polynomial (numerators over one denominator) and growth per
+        added token, and the growth's regions."""
+        rest = without_growth(self.base, self.spans)
+        names = sorted({e[3] for e in rest} | {e[4] for e in rest})
+        denominator = math.lcm(*(k.denominator for row in self.coefficients for k in row))
+        return {"names": names, "windows": self.windows, "prompt": self.prompt, "spans": self.spans,
+                "regions": self.regions, "per_added_token": self.per_added_token, "denominator": denominator,
+                "events": [[e[0] == "alloc", e[1], names.index(e[3]), names.index(e[4]), e[5]] for e in rest],
+                "coefficients": [[int(k * denominator) for k in row] for row in self.coefficients]}
 
     def _per_added_token(self, base: list[tuple], completion: int) -> list[int]:
         """Per request outside the growth, the bytes it grows by for each token the last decoding step adds beyond

@@ -1,17 +1,14 @@
-"""benchmarks/stream_template.py: a template of the traced step, made from traces of a tiny model, gives every request
-of a fresh trace at other sizes, in order and to the byte (the sizes a torch-free copy of the exact engine would
-replay)."""
+"""benchmarks/stream_template.py: a request's size through three prompt lengths, and its power of each width's ratio
+(the template's sizes; tests/tracing/test_stream_copy.py holds them, with the lengths and the layers, to a fresh
+trace at every size changed at once)."""
 
 from __future__ import annotations
 
-import json
 from fractions import Fraction
 
 import pytest
 
-from helpers import FIXTURES, benchmark_module
-
-pytestmark = pytest.mark.slow
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +30,3 @@ def test_a_size_that_grew_by_no_whole_power_or_a_stream_of_another_shape_is_refu
         bench.exponents(base, [("alloc", 0, 96, "p", "m"), base[1]], 2.0)
     with pytest.raises(ValueError, match="other requests"):
         bench.exponents(base, base[:1], 2.0)
-
-
-def test_the_template_gives_a_fresh_trace_at_other_sizes_request_for_request(bench):
-    config = json.loads((FIXTURES / "tiny-qwen3.json").read_text())
-    template = bench.Template(config, {**bench.BASE, **bench.KNOBS["lora-bf16"]})
-    allocations, aligned, other_size = bench.tried(template)
-    assert aligned and allocations > 3000 and other_size == 0
