@@ -146,8 +146,7 @@ class LengthTemplate:
         self.spans = growth_spans(self.base, self.layers, completion)
         rests = [with_free_runs_sorted(numbered(without_growth(t, growth_spans(t, self.layers, c))))
                  for t, (_, c) in zip(traces, lengths)]
-        if any(len(r) != len(rests[0]) or any(a[:2] != b[:2] or a[3:] != b[3:] for a, b in zip(r, rests[0]))
-               for r in rests):
+        if not all(request_for_request(r, rests[0])[0] for r in rests):
             raise ValueError("another length makes other requests outside the cache growth")
         sizes = [[e[2] for e in r if e[0] == "alloc"] for r in rests]
         self.coefficients = [solved(list(lengths), list(request)) for request in zip(*sizes)]
@@ -180,7 +179,7 @@ class LengthTemplate:
             rest = with_free_runs_sorted(numbered(without_growth(grouped, growth_spans(grouped, self.layers,
                                                                                        completion))))
         self.traces += 1
-        if len(rest) != len(base) or any(a[:2] != b[:2] or a[3:] != b[3:] for a, b in zip(rest, base)):
+        if not request_for_request(rest, base)[0]:
             raise ValueError("a last decoding step adding two tokens makes other requests")
         deltas = [(b[2] - a[2], a[4]) for a, b in zip(base, rest) if a[0] == "alloc"]
         if any(delta and moment != GROWTH for delta, moment in deltas):
@@ -202,6 +201,8 @@ class LengthTemplate:
         for (allocated, j, _), event in zip(requests, region[-unit:] if region else []):
             if allocated:
                 last[j] = event[1]
+        if any(made[b] % self.prompt for b in before if b >= 0):
+            raise ValueError("a prefill's cache storage holds no whole number of bytes per prompt token")
         per_token = [made[b] // self.prompt if b >= 0 else 0 for b in before]
         return before, per_token, last
 

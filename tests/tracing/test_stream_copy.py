@@ -46,6 +46,19 @@ def test_the_step_at_other_lengths_is_a_fresh_traces_with_its_own_number_of_deco
         template.lengths.instantiate(prompt, completion, [Fraction(1, 3)] * len(template.lengths.coefficients))
 
 
+def test_decoding_steps_grouped_several_tokens_at_a_time_are_made_as_a_deeper_models_trace_groups_them(bench, template):
+    lengths = benchmark_module("stream_lengths")
+    prompt, completion = 24, 152
+    # 40 recorded steps for 150 tokens: the last adds 4, three more than the traces the template was made from
+    with lengths.grouped_steps(40 * template.lengths.layers):
+        assert lengths.additions(completion - 2, template.lengths.layers)[-1] == 4
+        fresh = bench.renumbered(bench.traced_events(template.shallow, {
+            **template.settings, "max_prompt_length": prompt, "max_completion_length": completion}))
+        made = bench.renumbered(template.lengths.instantiate(prompt, completion))
+    assert made == fresh
+    assert any(template.lengths.per_added_token)
+
+
 def test_the_step_at_every_size_length_and_depth_changed_is_a_fresh_traces(bench, template):
     requests, aligned, other_size = bench.tried(template)
     assert aligned and other_size == 0 and requests > 15_000
