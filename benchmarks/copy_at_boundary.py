@@ -78,7 +78,7 @@ def lengths_of(model: str, settings: dict) -> tuple[int, int, tuple[tuple[int, i
         tile = context.release.lm_head_token_chunk
         if sequences * completion > tile:
             lengths = lattice(LENGTHS[0][0], 32 * -(-tile // (32 * sequences)))
-        elif sequences * max(c for _, c in LENGTHS) >= tile:
+        elif sequences * max(c for _, c in LENGTHS) > tile:
             raise ValueError("no short completions keep the fused head's tile below its token chunk")
     return prompt, completion, lengths
 
