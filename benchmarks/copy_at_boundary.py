@@ -134,7 +134,7 @@ def cases(labels: list[str] | None) -> list[tuple[str, str, dict, int]]:
     grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
     unknown = [label for label in labels or () if label not in grid]
     if unknown:
-        raise SystemExit(f"not a grid point: {', '.join(unknown)}")
+        raise ValueError(f"not a grid point: {', '.join(unknown)}")
     needs = json.loads((RESULTS.parent / "boundary-needs.json").read_text())["points"]
     out = [(label, *grid[label], needs[label]["allocator_need_bytes"]) for label in labels or HARDEST]
     held_out = json.loads((RESULTS.parent / "boundary-heldout-needs.json").read_text())["points"]
@@ -179,7 +179,11 @@ def main() -> int:
     parser.add_argument("--points", nargs="*",
                         help="grid labels (default: the grid's window, its points > 1%% under, the held-out windows)")
     args = parser.parse_args()
-    text = "\n".join(table(cases(args.points)))
+    try:
+        chosen = cases(args.points)
+    except ValueError as exc:
+        parser.error(str(exc))
+    text = "\n".join(table(chosen))
     print(text)
     if not args.points:
         RESULTS.write_text(text + "\n")
