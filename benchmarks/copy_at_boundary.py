@@ -62,10 +62,10 @@ def config_of(model: str) -> dict:
 
 def lengths_of(model: str, settings: dict) -> tuple[int, int, tuple[tuple[int, int], ...]]:
     """The point's prompt and completion lengths (TRL's defaults where it sets none) and the short lengths to trace,
-    on the same side as the point's of the fused LM head's token tile (TRL 1.15 on: a micro-batch's completion tokens
-    up to lm_head_token_chunk, a size that stops growing there). Past the tile the head loops over tiles, and where
-    a tile makes requests of its own (float32 weights cast under autocast) the short lengths make other requests:
-    that loop is not made yet."""
+    scored in as many of the fused LM head's token tiles as the point's (TRL 1.15 on: a micro-batch's completion
+    tokens lm_head_token_chunk at a time; the tile's size stops growing at one, and where a tile makes requests of its
+    own, float32 weights cast under autocast, each tile more makes more: that loop is not made yet, so the completions
+    traced are as long as the point's tiles need)."""
     from vram_planner import engine
     from vram_planner.model.lm_head import uses_fused_head
 
@@ -73,14 +73,15 @@ def lengths_of(model: str, settings: dict) -> tuple[int, int, tuple[tuple[int, i
     train = engine.make_training(context, settings)
     prompt, completion = train.max_prompt_length, train.max_completion_length
     sequences = train.per_device_train_batch_size
-    lengths = LENGTHS
-    if uses_fused_head(train, context.release):
-        tile = context.release.lm_head_token_chunk
-        if sequences * completion > tile:
-            lengths = lattice(LENGTHS[0][0], 32 * -(-tile // (32 * sequences)))
-        elif sequences * max(c for _, c in LENGTHS) > tile:
-            raise ValueError("no short completions keep the fused head's tile below its token chunk")
-    return prompt, completion, lengths
+    if not uses_fused_head(train, context.release):
+        return prompt, completion, LENGTHS
+    tile = context.release.lm_head_token_chunk
+    tiles = -(-sequences * completion // tile)
+    # the completions whose micro-batch the head scores in as many tiles as the point's
+    shortest, longest = max(LENGTHS[0][1], (tiles - 1) * tile // sequences + 1), tiles * tile // sequences
+    if shortest + 64 > longest:
+        raise ValueError("no three completion lengths 32 tokens apart make the fused head's tiles the point's")
+    return prompt, completion, lattice(LENGTHS[0][0], shortest)
 
 
 @dataclass
@@ -145,15 +146,28 @@ def cases(labels: list[str] | None) -> list[tuple[str, str, dict, int]]:
     return out
 
 
-def table(points_to_copy: list[tuple[str, str, dict, int]]) -> list[str]:
+def drawn(n: int, seed: int, largest_gib: float | None) -> list[tuple[str, str, dict, int | None]]:
+    """(label, model, settings, the committed need where a committed sweep has it) of the held-out sweep's first n
+    draws (benchmarks/boundary_heldout.py: the same seed draws the same configs in the same order)."""
+    import boundary_heldout as sweep
+
+    from vram_planner.units import GiB
+
+    needs = json.loads((RESULTS.parent / "boundary-heldout-needs.json").read_text())["points"]
+    largest = round(largest_gib * GiB) if largest_gib else sweep.largest_card()
+    return [(label, model, settings, needs.get(f"{model} {sweep.knobs(settings)}", {}).get("allocator_need_bytes"))
+            for label, model, settings in sweep.held_out(n, seed, largest)]
+
+
+def table(points_to_copy: list[tuple[str, str, dict, int | None]]) -> list[str]:
     lines = [f"{'point':40} {'layers':>6} {'traces':>6} {'requests':>9} {'aligned':>7} {'other':>6} {'seconds':>7} "
              f"{'KiB':>5} {'make s':>6} {'replay s':>8}  on the need"]
     exact = 0
     for label, model, settings, need_bytes in points_to_copy:
         config = config_of(model)
-        prompt, completion, lengths = lengths_of(model, settings)
         start = time.perf_counter()
         try:
+            prompt, completion, lengths = lengths_of(model, settings)
             copy = copied(config, settings, prompt, completion, lengths)
         except ValueError as exc:
             lines.append(f"{label:40} no copy: {exc}")
@@ -163,8 +177,11 @@ def table(points_to_copy: list[tuple[str, str, dict, int]]) -> list[str]:
         fresh = renumbered(traced_events(config, {**settings, "max_prompt_length": prompt}))
         aligned, other = request_for_request(renumbered(copy.events), fresh)
         exact += aligned and not other
-        at_need, below, replay_seconds = verdicts(copy.events, settings, need_bytes)
-        need = ("runs" if at_need else "OUT") + (", out a granule below" if below else ", runs a granule below")
+        if need_bytes is None:
+            replay_seconds, need = float("nan"), "no committed need"
+        else:
+            at_need, below, replay_seconds = verdicts(copy.events, settings, need_bytes)
+            need = ("runs" if at_need else "OUT") + (", out a granule below" if below else ", runs a granule below")
         depth = text_config(config)["num_hidden_layers"]
         lines.append(f"{label:40} {f'{copy.shallow_layers}->{depth}':>6} {copy.traces:6d} {len(fresh):9d} "
                      f"{'yes' if aligned else 'NO':>7} {other:6d} {seconds:7.0f} {copy.template_bytes / 1024:5.0f} "
@@ -178,14 +195,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", nargs="*",
                         help="grid labels (default: the grid's window, its points > 1%% under, the held-out windows)")
+    parser.add_argument("--held-out", type=int, metavar="N", help="instead, the first N draws of a held-out sweep")
+    parser.add_argument("--seed", type=int, default=0, help="the held-out sweep's seed")
+    parser.add_argument("--largest-gib", type=float, metavar="G", help="the held-out sweep's largest analytic peak")
     args = parser.parse_args()
     try:
-        chosen = cases(args.points)
+        chosen = drawn(args.held_out, args.seed, args.largest_gib) if args.held_out else cases(args.points)
     except ValueError as exc:
         parser.error(str(exc))
     text = "\n".join(table(chosen))
     print(text)
-    if not args.points:
+    if args.held_out:
+        from boundary_heldout import table_stem
+
+        stem = table_stem(args.seed, args.largest_gib).removeprefix("boundary-")
+        (RESULTS.parent / f"copy_at_boundary-{stem}-first{args.held_out}.txt").write_text(text + "\n")
+    elif not args.points:
         RESULTS.write_text(text + "\n")
     return 0
 

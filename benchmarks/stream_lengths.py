@@ -139,13 +139,15 @@ class LengthTemplate:
         self.config, self.settings = config, settings
         self.windows = windows(config)
         self.layers = len(self.windows)
-        traces = [traced_events(config, {**settings, "max_prompt_length": p, "max_completion_length": c})
-                  for p, c in lengths]
+        # every step of these traces adds one token (the polynomials' base), however long their completions
+        with grouped_steps(max(cache_growth.MAX_CACHE_UPDATES, self.layers * max(c for _, c in lengths))):
+            traces = [traced_events(config, {**settings, "max_prompt_length": p, "max_completion_length": c})
+                      for p, c in lengths]
+            (self.prompt, completion), self.base = lengths[0], traces[0]
+            self.spans = growth_spans(self.base, self.layers, completion)
+            rests = [with_free_runs_sorted(numbered(without_growth(t, growth_spans(t, self.layers, c))))
+                     for t, (_, c) in zip(traces, lengths)]
         self.traces = len(traces)
-        (self.prompt, completion), self.base = lengths[0], traces[0]
-        self.spans = growth_spans(self.base, self.layers, completion)
-        rests = [with_free_runs_sorted(numbered(without_growth(t, growth_spans(t, self.layers, c))))
-                 for t, (_, c) in zip(traces, lengths)]
         if not all(request_for_request(r, rests[0])[0] for r in rests):
             raise ValueError("another length makes other requests outside the cache growth")
         sizes = [[e[2] for e in r if e[0] == "alloc"] for r in rests]
@@ -174,17 +176,19 @@ class LengthTemplate:
         MAX_CACHE_UPDATES (the new tokens' states, a sliding-window layer's concatenation)."""
         steps = (completion - 2) // 2
         with grouped_steps(steps * self.layers):
+            last = additions(completion - 2, self.layers)[-1]  # 2, or 3 where the tokens are odd
             grouped = traced_events(self.config, {**self.settings, "max_prompt_length": self.prompt,
                                                   "max_completion_length": completion})
             rest = with_free_runs_sorted(numbered(without_growth(grouped, growth_spans(grouped, self.layers,
                                                                                        completion))))
         self.traces += 1
         if not request_for_request(rest, base)[0]:
-            raise ValueError("a last decoding step adding two tokens makes other requests")
+            raise ValueError("a last decoding step adding several tokens makes other requests")
         deltas = [(b[2] - a[2], a[4]) for a, b in zip(base, rest) if a[0] == "alloc"]
-        if any(delta and moment != GROWTH for delta, moment in deltas):
-            raise ValueError("decoding steps of two tokens change requests outside the decoding steps")
-        return [delta for delta, _ in deltas]
+        if any(delta and moment != GROWTH or delta % (last - 1) for delta, moment in deltas):
+            raise ValueError("decoding steps of several tokens change requests outside the decoding steps, or not "
+                             "by a whole number of bytes a token")
+        return [delta // (last - 1) for delta, _ in deltas]
 
     def _region(self, start: int, end: int) -> tuple[list[int], list[int], list[int]]:
         """(the blocks the prefill's cache storages hold, their bytes per token, the blocks the base's last step

@@ -68,16 +68,16 @@ def test_the_short_lengths_traced_lie_on_the_points_side_of_the_fused_heads_toke
     copy = benchmark_module("copy_at_boundary")
     lengths = benchmark_module("stream_lengths")
     settings = {"dtype": "bfloat16", "lora_r": 16, "max_prompt_length": 256}
-    # 16 x 1,024 completion tokens pass the 4,096-token tile: traced from 256 tokens (16 x 256 = 4,096) on
+    # 16 x 1,024 completion tokens make four 4,096-token tiles: traced from 769 tokens (16 x 769 in four tiles) on
     prompt, completion, short = copy.lengths_of("SmolLM2-135M", {**settings, "per_device_train_batch_size": 16,
                                                                  "num_generations": 16, "max_completion_length": 1024})
-    assert (prompt, completion) == (256, 1024) and short == lengths.lattice(32, 256)
-    assert min(c for _, c in short) * 16 >= 4096
+    assert (prompt, completion) == (256, 1024) and short == lengths.lattice(32, 769)
+    assert {-(-16 * c // 4096) for _, c in short} == {4}
     # 8 x 384 stay below it, and 8 x 512 fill one tile, as the lattice's 8 x 64 to 8 x 128 stay below
     for completion in (384, 512):
         assert copy.lengths_of("SmolLM2-135M", {**settings, "per_device_train_batch_size": 8, "num_generations": 8,
                                                 "max_completion_length": completion})[2] == lengths.LENGTHS
-    # 64 x 32 stay below it, where the lattice's 64 x 128 would not
-    with pytest.raises(ValueError, match="token chunk"):
+    # 64 x 32 make one tile, where the lattice's 64 x 128 would make two
+    with pytest.raises(ValueError, match="tiles"):
         copy.lengths_of("SmolLM2-135M", {**settings, "per_device_train_batch_size": 64, "num_generations": 64,
                                          "max_completion_length": 32})
