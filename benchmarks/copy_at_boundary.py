@@ -3,6 +3,7 @@ traces of the same model with a few layers at short lengths, held to the point's
 
     python benchmarks/copy_at_boundary.py          # the grid's window and points > 1% under, the held-out windows
     python benchmarks/copy_at_boundary.py --points "Qwen3-0.6B lora p1024 c384 B8 8bit"
+    python benchmarks/copy_at_boundary.py --held-out 8 --seed 7 --largest-gib 24   # a held-out sweep's first draws
 
 benchmarks/stream_copy.py holds the copy (the widths, the batch, the lengths and the layers at once) to fresh traces
 of tiny fixtures. The points where `check`'s analytic answer is furthest under the need (benchmarks/results/
