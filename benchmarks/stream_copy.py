@@ -29,18 +29,13 @@ from pathlib import Path
 
 from stream_layers import copied_unit, expanded, period, renumbered, with_layers
 from stream_lengths import LengthTemplate, growth_spans, without_growth
-from stream_shape import (BASE, KNOBS, fixture_main, numbered, request_for_request, text_config, traced_events,
-                          with_free_runs_sorted)
-from stream_template import BATCH_TRIED, BATCH_VARIANT, DIMENSIONS, exponents, scaled
+from stream_shape import BASE, KNOBS, fixture_main, numbered, request_for_request, traced_events, with_free_runs_sorted
+from stream_template import BATCH_TRIED, at_tried_sizes, batch_settings, dimension_powers
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "stream_copy.txt"
 COPIES = 2
 TRIED_LENGTHS = (40, 80)
-
-
-def batch(ratio: Fraction) -> dict:
-    return {key: int(BASE[key] * ratio) for key in ("per_device_train_batch_size", "num_generations")}
 
 
 class StepTemplate:
@@ -53,15 +48,10 @@ class StepTemplate:
         self.lengths = LengthTemplate(self.shallow, settings)
         self.traces = self.lengths.traces
         base = self._rest(self.lengths.base)
-        self.powers: dict[str, list[int]] = {}
-        self.widths: dict[str, int] = {}
-        for name, keys, ratio, _ in DIMENSIONS:
-            other = scaled(self.shallow, keys, ratio)
-            if other is not None:
-                self.powers[name] = self._allocations(exponents(base, self._traced(other, {}), ratio), base)
-                self.widths[name] = text_config(self.shallow)[keys[0]]
-        self.powers["batch"] = self._allocations(
-            exponents(base, self._traced(self.shallow, batch(BATCH_VARIANT)), float(BATCH_VARIANT)), base)
+        powers, self.widths = dimension_powers(self.shallow, base, self._traced)
+        # per request, as the length template orders them
+        self.powers = {name: [power for power, event in zip(each, base) if event[0] == "alloc"]
+                       for name, each in powers.items()}
 
     def _rest(self, events: list[tuple]) -> list[tuple]:
         """The stream outside the cache growth at the base lengths, as the length template orders its requests."""
@@ -72,10 +62,6 @@ class StepTemplate:
     def _traced(self, config: dict, changes: dict) -> list[tuple]:
         self.traces += 1
         return self._rest(traced_events(config, {**self.settings, **changes}))
-
-    @staticmethod
-    def _allocations(powers: list[int], stream: list[tuple]) -> list[int]:
-        return [power for power, event in zip(powers, stream) if event[0] == "alloc"]
 
     def instantiate(self, widths: dict[str, int], batch_ratio: Fraction, prompt: int, completion: int,
                     copies: int) -> list[tuple]:
@@ -94,13 +80,10 @@ class StepTemplate:
 def tried(template: StepTemplate) -> tuple[int, bool, int]:
     """(requests, aligned, requests of another size) against a fresh trace of the deeper model at every size
     changed."""
-    widths = {name: template.widths[name] * times for name, _, _, times in DIMENSIONS if name in template.widths}
-    config = with_layers(template.config, template.unit.stop + 2 + COPIES * len(template.unit))
-    for name, keys, _, times in DIMENSIONS:
-        if name in template.widths:
-            config = scaled(config, keys, times)
+    deep = with_layers(template.config, template.unit.stop + 2 + COPIES * len(template.unit))
+    widths, config = at_tried_sizes(deep, template.widths)
     prompt, completion = TRIED_LENGTHS
-    fresh = renumbered(traced_events(config, {**template.settings, **batch(BATCH_TRIED),
+    fresh = renumbered(traced_events(config, {**template.settings, **batch_settings(BATCH_TRIED),
                                               "max_prompt_length": prompt, "max_completion_length": completion}))
     made = renumbered(template.instantiate(widths, BATCH_TRIED, prompt, completion, COPIES))
     return len(fresh), *request_for_request(made, fresh)

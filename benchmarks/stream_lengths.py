@@ -198,7 +198,8 @@ class LengthTemplate:
         unit = 4 * self.layers
         before = [-1] * (2 * self.layers)
         last = [-1] * (2 * self.layers)
-        requests = list(growth_requests([[(0,) * 2 if w else (0,) for w in self.windows for _ in range(2 - bool(w))]]))
+        # one step's requests: which cache tensor each of a step's events allocates or frees
+        requests = list(growth_requests(growth([CacheLayer(k, 1, 1, 0, w) for k, w in enumerate(self.windows)], [1])))
         for (allocated, j, _), event in zip(requests, region[:unit]):
             if not allocated:
                 before[j] = event[1]

@@ -29,6 +29,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -88,17 +89,7 @@ class Template:
         self.config, self.settings = config, settings
         self.base = events(config, settings)
         self.traces = 1
-        self.powers: dict[str, list[int]] = {}
-        self.widths: dict[str, int] = {}
-        for name, keys, ratio, _ in DIMENSIONS:
-            other = scaled(config, keys, ratio)
-            if other is None:
-                continue
-            self.powers[name] = exponents(self.base, self._traced(other, {}), ratio)
-            self.widths[name] = text_config(config)[keys[0]]
-        batch = {"per_device_train_batch_size": int(BASE["per_device_train_batch_size"] * BATCH_VARIANT),
-                 "num_generations": int(BASE["num_generations"] * BATCH_VARIANT)}
-        self.powers["batch"] = exponents(self.base, self._traced(config, batch), float(BATCH_VARIANT))
+        self.powers, self.widths = dimension_powers(config, self.base, self._traced)
         by_prompt = [self.base] + [self._traced(config, {"max_prompt_length": p}) for p in PROMPTS[1:]]
         if any(len(s) != len(self.base) for s in by_prompt):
             raise ValueError("another prompt length makes other requests")
@@ -134,16 +125,41 @@ def _through(xs: tuple[int, ...], ys: list[int], x: int) -> Fraction:
     return total
 
 
+def batch_settings(ratio: Fraction) -> dict:
+    """The base's batch (sequences and generations) times `ratio`."""
+    return {key: int(BASE[key] * ratio) for key in ("per_device_train_batch_size", "num_generations")}
+
+
+def dimension_powers(config: dict, base: list[tuple],
+                     traced: Callable[[dict, dict], list[tuple]]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """(per dimension, each width the config names and the batch, the power of its variant's ratio each event of
+    `base` grew by in `traced(config changed, settings changed)`; each width as the config names it)."""
+    powers: dict[str, list[int]] = {}
+    widths: dict[str, int] = {}
+    for name, keys, ratio, _ in DIMENSIONS:
+        other = scaled(config, keys, ratio)
+        if other is not None:
+            powers[name] = exponents(base, traced(other, {}), ratio)
+            widths[name] = text_config(config)[keys[0]]
+    powers["batch"] = exponents(base, traced(config, batch_settings(BATCH_VARIANT)), float(BATCH_VARIANT))
+    return powers, widths
+
+
+def at_tried_sizes(config: dict, widths: dict[str, int]) -> tuple[dict[str, int], dict]:
+    """(the widths a template is tried at, the config with them): each width the fixture names times its tried
+    ratio."""
+    tried_widths = {}
+    for name, keys, _, times in DIMENSIONS:
+        if name in widths:
+            tried_widths[name] = widths[name] * times
+            config = scaled(config, keys, times)
+    return tried_widths, config
+
+
 def tried(template: Template) -> tuple[int, int, int]:
     """(allocations, aligned 0/1, allocations of another size) against a fresh trace at sizes no trace was made at."""
-    widths = {name: template.widths[name] * times for name, _, _, times in DIMENSIONS if name in template.widths}
-    config = template.config
-    for name, keys, _, times in DIMENSIONS:
-        if name in template.widths:
-            config = scaled(config, keys, times)
-    batch = {"per_device_train_batch_size": int(BASE["per_device_train_batch_size"] * BATCH_TRIED),
-             "num_generations": int(BASE["num_generations"] * BATCH_TRIED), "max_prompt_length": PROMPT_TRIED}
-    fresh = events(config, {**template.settings, **batch})
+    widths, config = at_tried_sizes(template.config, template.widths)
+    fresh = events(config, {**template.settings, **batch_settings(BATCH_TRIED), "max_prompt_length": PROMPT_TRIED})
     made = template.instantiate(widths, BATCH_TRIED, PROMPT_TRIED)
     allocations = sum(e[0] == "alloc" for e in fresh)
     if len(made) != len(fresh) or any(a[0] != b[0] or a[1] != b[1] or a[3:] != b[3:] for a, b in zip(made, fresh)):
