@@ -35,13 +35,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from boundary import CARD, MODELS, points
-from stream_layers import copied_unit, expanded, period, renumbered, with_layers
-from stream_lengths import LENGTHS, LengthTemplate, lattice
-from stream_shape import request_for_request, text_config, traced_events
+from stream_shape import text_config, traced_events
 
-from vram_planner.model.calibration import default_calibration
+from vram_planner.step_copy.make import make_copy
+from vram_planner.step_copy.replay import copied_stream, runs_on
+from vram_planner.step_copy.streams import renumbered, request_for_request
+from vram_planner.tracing.events import Event, SteadyStream, repeated_stream, with_workspaces
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "copy_at_boundary.txt"
@@ -61,73 +63,53 @@ def config_of(model: str) -> dict:
     return model_config(model)[0]
 
 
-def lengths_of(model: str, settings: dict) -> tuple[int, int, tuple[tuple[int, int], ...]]:
-    """The point's prompt and completion lengths (TRL's defaults where it sets none) and the short lengths to trace,
-    scored in as many of the fused LM head's token tiles as the point's (TRL 1.15 on: a micro-batch's completion
-    tokens lm_head_token_chunk at a time; the tile's size stops growing at one, and where a tile makes requests of its
-    own, float32 weights cast under autocast, each tile more makes more: that loop is not made yet, so the completions
-    traced are as long as the point's tiles need)."""
-    from vram_planner import engine
-    from vram_planner.model.lm_head import uses_fused_head
-
-    context = engine.make_context(model, CARD, calibration=default_calibration())
-    train = engine.make_training(context, settings)
-    prompt, completion = train.max_prompt_length, train.max_completion_length
-    sequences = train.per_device_train_batch_size
-    if not uses_fused_head(train, context.release):
-        return prompt, completion, LENGTHS
-    tile = context.release.lm_head_token_chunk
-    tiles = -(-sequences * completion // tile)
-    # the completions whose micro-batch the head scores in as many tiles as the point's
-    shortest, longest = max(LENGTHS[0][1], (tiles - 1) * tile // sequences + 1), tiles * tile // sequences
-    if shortest + 64 > longest:
-        raise ValueError("no three completion lengths 32 tokens apart make the fused head's tiles the point's")
-    return prompt, completion, lattice(LENGTHS[0][0], shortest)
-
-
 @dataclass
 class Copy:
     """A point's stream made from a shallow model's traces, and what making it took."""
 
-    events: list[tuple]
+    stream: SteadyStream  # with the cuBLAS workspaces, as `check --exact` replays a trace
     shallow_layers: int
     traces: int
-    template_bytes: int  # the template as gzipped JSON (LengthTemplate.document)
-    make_seconds: float  # making the stream from the template, torch-free
+    template_bytes: int  # the copy's document as gzipped JSON
+    make_seconds: float  # making the stream from the document, torch-free
 
 
-def copied(config: dict, settings: dict, prompt: int, completion: int, lengths: tuple[tuple[int, int], ...]) -> Copy:
-    depth = text_config(config)["num_hidden_layers"]
-    every = period(config)
-    unit = copied_unit(every)
-    shallow = unit.stop + 2 + (depth - unit.stop - 2) % every
-    template = LengthTemplate(with_layers(config, shallow), settings, lengths)
-    size = len(gzip.compress(json.dumps(template.document(), separators=(",", ":")).encode()))
+def training(config: dict, settings: dict) -> tuple[Any, Any]:
+    """(the point's TrainingConfig, its TRL release) as `check` makes them."""
+    from vram_planner import engine
+
+    context = engine.make_context(config, CARD)
+    return engine.make_training(context, settings), context.release
+
+
+def copied(config: dict, settings: dict) -> Copy:
+    train, release = training(config, settings)
+    copy = make_copy(config, train, release)
+    size = len(gzip.compress(copy.model_dump_json().encode()))
     start = time.perf_counter()
-    made = expanded(template.instantiate(prompt, completion, depth=depth), unit, (depth - shallow) // every)
-    return Copy(made, shallow, template.traces, size, time.perf_counter() - start)
+    stream = copied_stream(copy, train.max_prompt_length, train.max_completion_length,
+                           text_config(config)["num_hidden_layers"], workspace())
+    return Copy(stream, copy.layers, len(copy.lattice) + 1, size, time.perf_counter() - start)
 
 
-def verdicts(events: list[tuple], settings: dict, need_bytes: int) -> tuple[bool, bool, float]:
+def workspace() -> int:
+    from vram_planner.model.cublas import workspace_bytes
+    from vram_planner.profiles import gpu_catalog
+
+    return workspace_bytes(gpu_catalog()[CARD].compute_capability)
+
+
+def verdicts(stream: SteadyStream, settings: dict, need_bytes: int) -> tuple[bool, bool, float]:
     """(whether the allocator model replays the stream on the point's need, whether it runs out one granule below,
     the seconds of one replay): `check`'s verdict from a copy, CUDA context aside, with the cuBLAS workspaces."""
     from vram_planner.allocator import parse_allocator_conf
     from vram_planner.allocator.need import granule_bytes
-    from vram_planner.allocator.replay import replay_events
-    from vram_planner.model.cublas import workspace_bytes
-    from vram_planner.profiles import gpu_catalog
-    from vram_planner.tracing.events import ZERO_GRAD, Event, SteadyStream, with_workspaces
 
-    second = 1 + max(i for i, e in enumerate(events) if e[4] == ZERO_GRAD)
-    capability = gpu_catalog()[CARD].compute_capability
-    stream = with_workspaces(SteadyStream([Event(*e) for e in events], {}, second), workspace_bytes(capability))
-    requests = [(e.kind, e.block, e.size_bytes) for e in stream.events]
     conf = parse_allocator_conf(settings.get("allocator_conf"))
     start = time.perf_counter()
-    at_need = replay_events(requests, conf, need_bytes, series=False).out_of_memory is None
+    at_need = runs_on(stream, conf, need_bytes)
     seconds = time.perf_counter() - start
-    below = replay_events(requests, conf, need_bytes - granule_bytes(conf), series=False).out_of_memory is not None
-    return at_need, below, seconds
+    return at_need, not runs_on(stream, conf, need_bytes - granule_bytes(conf)), seconds
 
 
 def cases(labels: list[str] | None) -> list[tuple[str, str, dict, int]]:
@@ -168,23 +150,23 @@ def table(points_to_copy: list[tuple[str, str, dict, int | None]]) -> list[str]:
         config = config_of(model)
         start = time.perf_counter()
         try:
-            prompt, completion, lengths = lengths_of(model, settings)
-            copy = copied(config, settings, prompt, completion, lengths)
+            copy = copied(config, settings)
         except ValueError as exc:
             lines.append(f"{label:40} no copy: {exc}")
             print(lines[-1], file=sys.stderr)
             continue
         seconds = time.perf_counter() - start
-        fresh = renumbered(traced_events(config, {**settings, "max_prompt_length": prompt}))
-        aligned, other = request_for_request(renumbered(copy.events), fresh)
+        fresh = with_workspaces(repeated_stream([Event(*e) for e in traced_events(config, settings)]), workspace())
+        aligned, other = request_for_request(renumbered([tuple(e) for e in copy.stream.events]),
+                                             renumbered([tuple(e) for e in fresh.events]))
         exact += aligned and not other
         if need_bytes is None:
             replay_seconds, need = float("nan"), "no committed need"
         else:
-            at_need, below, replay_seconds = verdicts(copy.events, settings, need_bytes)
+            at_need, below, replay_seconds = verdicts(copy.stream, settings, need_bytes)
             need = ("runs" if at_need else "OUT") + (", out a granule below" if below else ", runs a granule below")
         depth = text_config(config)["num_hidden_layers"]
-        lines.append(f"{label:40} {f'{copy.shallow_layers}->{depth}':>6} {copy.traces:6d} {len(fresh):9d} "
+        lines.append(f"{label:40} {f'{copy.shallow_layers}->{depth}':>6} {copy.traces:6d} {len(fresh.events):9d} "
                      f"{'yes' if aligned else 'NO':>7} {other:6d} {seconds:7.0f} {copy.template_bytes / 1024:5.0f} "
                      f"{copy.make_seconds:6.2f} {replay_seconds:8.2f}  {need}")
         print(lines[-1], file=sys.stderr)

@@ -27,10 +27,13 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-from stream_layers import copied_unit, expanded, period, renumbered, with_layers
-from stream_lengths import LengthTemplate, growth_spans, without_growth
-from stream_shape import BASE, KNOBS, fixture_main, numbered, request_for_request, traced_events, with_free_runs_sorted
+from stream_lengths import LengthTemplate
+from stream_shape import BASE, KNOBS, fixture_main, traced_events
 from stream_template import BATCH_TRIED, at_tried_sizes, batch_settings, dimension_powers
+
+from vram_planner.step_copy.layers import copied_unit, expanded
+from vram_planner.step_copy.make import growth_spans, layer_period, with_layers, without_growth
+from vram_planner.step_copy.streams import numbered, renumbered, request_for_request, with_free_runs_sorted
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "stream_copy.txt"
@@ -43,7 +46,7 @@ class StepTemplate:
 
     def __init__(self, config: dict, settings: dict) -> None:
         self.config, self.settings = config, settings
-        self.unit = copied_unit(period(config))
+        self.unit = copied_unit(layer_period(config))
         self.shallow = with_layers(config, self.unit.stop + 2)
         self.lengths = LengthTemplate(self.shallow, settings)
         self.traces = self.lengths.traces

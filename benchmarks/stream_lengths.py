@@ -30,240 +30,46 @@ filled while decoding makes other requests in the last step). Writes benchmarks/
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import sys
 import time
-from collections.abc import Iterator
 from fractions import Fraction
-from itertools import count
 from pathlib import Path
 
-from stream_shape import (BASE, KNOBS, fixture_main, numbered, request_for_request, traced_events,
-                          with_free_runs_sorted)
+from stream_shape import BASE, KNOBS, fixture_main, traced_events
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vram_planner.tracing import cache_growth  # noqa: E402
-from vram_planner.tracing.cache_growth import (CacheLayer, additions, growth, growth_requests,  # noqa: E402
-                                               prefill_tokens)
+from vram_planner.step_copy.lengths import lattice, stream_at  # noqa: E402
+from vram_planner.step_copy.make import copy_from_traces  # noqa: E402
+from vram_planner.step_copy.streams import numbered, request_for_request, with_free_runs_sorted  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "stream_lengths.txt"
-GROWTH = "decoding steps"
-
-
-def lattice(prompt: int, completion: int) -> tuple[tuple[int, int], ...]:
-    """Six (prompt, completion) lengths on which a polynomial of degree two in both is one (the principal lattice),
-    the base first: prompts 16 tokens apart, completions 32."""
-    p, c = prompt, completion
-    return (p, c), (p + 16, c), (p + 32, c), (p, c + 32), (p, c + 64), (p + 16, c + 32)
-
-
 LENGTHS = lattice(32, 64)
 TRIED = ((40, 80), (24, 152))
 
 
-@contextlib.contextmanager
-def grouped_steps(updates: int) -> Iterator[None]:
-    """Traces inside group the decoding steps as past `updates` cache updates (cache_growth.MAX_CACHE_UPDATES)."""
-    saved = cache_growth.MAX_CACHE_UPDATES
-    cache_growth.MAX_CACHE_UPDATES = updates
-    try:
-        yield
-    finally:
-        cache_growth.MAX_CACHE_UPDATES = saved
-
-
-def windows(config: dict) -> list[int | None]:
-    """Each decoder layer's sliding window as the installed transformers lays out the layer types (None: full)."""
-    from transformers import CONFIG_MAPPING
-
-    built = CONFIG_MAPPING[config["model_type"]](**{k: v for k, v in config.items() if k != "model_type"})
-    text = built.get_text_config()
-    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    return [text.sliding_window if kind == "sliding_attention" else None for kind in types]
-
-
-def growth_spans(events: list[tuple], layers: int, completion: int) -> list[tuple[int, int]]:
-    """[start, end) of each run of recorded cache growth: the first steps of every run of the decoding steps' events
-    (the last step runs as itself), each step two requests for each of the layers' keys and values."""
-    recorded = (len(additions(completion - 2, layers)) - 1) * 4 * layers if completion >= 2 else 0
-    spans, i = [], 0
-    while i < len(events):
-        if events[i][4] == GROWTH and (i == 0 or events[i - 1][4] != GROWTH):
-            if any(e[4] != GROWTH or e[5] < 0 for e in events[i:i + recorded]):
-                raise ValueError("a decoding step's cache growth makes other requests than the cache layers'")
-            spans.append((i, i + recorded))
-            i += recorded
-        i += 1
-    return spans
-
-
-def without_growth(events: list[tuple], spans: list[tuple[int, int]]) -> list[tuple]:
-    keep = [True] * len(events)
-    for start, end in spans:
-        keep[start:end] = [False] * (end - start)
-    return [e for e, kept in zip(events, keep) if kept]
-
-
-def solved(points: list[tuple[int, int]], values: list[int]) -> list[Fraction]:
-    """The coefficients of the polynomial of degree two in (p, c) through the six points (Gaussian elimination)."""
-    rows = [[Fraction(m) for m in _monomials(p, c)] + [Fraction(v)] for (p, c), v in zip(points, values)]
-    for col in range(6):
-        pivot = next(r for r in range(col, 6) if rows[r][col] != 0)
-        rows[col], rows[pivot] = rows[pivot], rows[col]
-        for r in range(6):
-            if r != col and rows[r][col] != 0:
-                factor = rows[r][col] / rows[col][col]
-                rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col])]
-    return [rows[r][6] / rows[r][r] for r in range(6)]
-
-
-def _monomials(p: int, c: int) -> tuple[int, ...]:
-    return 1, p, c, p * p, p * c, c * c
-
-
-def _whole(value: Fraction) -> int:
-    if value.denominator != 1:
-        raise ValueError(f"a request of {value} bytes: the template's sizes are no whole number there")
-    return int(value)
-
-
 class LengthTemplate:
-    """A step's requests at any prompt and completion length: the stream outside the cache growth with each size a
-    polynomial in the lengths, the growth made by vram_planner.tracing.cache_growth."""
+    """A step's requests at any prompt and completion length (vram_planner.step_copy: its document and stream_at),
+    made from the traces of `config` under `settings` at `lengths`."""
 
     def __init__(self, config: dict, settings: dict, lengths: tuple[tuple[int, int], ...] = LENGTHS) -> None:
+        from vram_planner import engine
+
         self.config, self.settings = config, settings
-        self.windows = windows(config)
-        self.layers = len(self.windows)
-        # every step of these traces adds one token (the polynomials' base), however long their completions
-        with grouped_steps(max(cache_growth.MAX_CACHE_UPDATES, self.layers * max(c for _, c in lengths))):
-            traces = [traced_events(config, {**settings, "max_prompt_length": p, "max_completion_length": c})
-                      for p, c in lengths]
-            (self.prompt, completion), self.base = lengths[0], traces[0]
-            self.spans = growth_spans(self.base, self.layers, completion)
-            rests = [with_free_runs_sorted(numbered(without_growth(t, growth_spans(t, self.layers, c))))
-                     for t, (_, c) in zip(traces, lengths)]
-        self.traces = len(traces)
-        if not all(request_for_request(r, rests[0])[0] for r in rests):
-            raise ValueError("another length makes other requests outside the cache growth")
-        sizes = [[e[2] for e in r if e[0] == "alloc"] for r in rests]
-        self.coefficients = [solved(list(lengths), list(request)) for request in zip(*sizes)]
-        self.per_added_token = self._per_added_token(rests[0], completion)
-        # each request outside the growth by the block the base makes with it, in order (the rests' order)
-        self.ordinal = {e[1]: k for k, e in enumerate(e for e in without_growth(self.base, self.spans)
-                                                       if e[0] == "alloc")}
-        self.regions = [self._region(start, end) for start, end in self.spans]
+        context = engine.make_context(config, "h100-80gb")
+        self.copy, self.base = copy_from_traces(config, engine.make_training(context, settings), context.release,
+                                                lengths)
+        self.layers, self.traces, self.coefficients = self.copy.layers, len(lengths) + 1, self.copy.coefficients
 
     def document(self) -> dict:
-        """What a copy needs to make the stream, as JSON would carry it (what committing the template costs): the
-        base's events outside the growth, each request's polynomial (numerators over one denominator) and growth per
-        added token, and the growth's regions."""
-        rest = without_growth(self.base, self.spans)
-        names = sorted({e[3] for e in rest} | {e[4] for e in rest})
-        denominator = math.lcm(*(k.denominator for row in self.coefficients for k in row))
-        return {"names": names, "windows": self.windows, "prompt": self.prompt, "spans": self.spans,
-                "regions": self.regions, "per_added_token": self.per_added_token, "denominator": denominator,
-                "events": [[e[0] == "alloc", e[1], names.index(e[3]), names.index(e[4]), e[5]] for e in rest],
-                "coefficients": [[int(k * denominator) for k in row] for row in self.coefficients]}
-
-    def _per_added_token(self, base: list[tuple], completion: int) -> list[int]:
-        """Per request outside the growth, the bytes it grows by for each token the last decoding step adds beyond
-        one: traced with the steps grouped two tokens at a time, as a deeper model's trace groups them past
-        MAX_CACHE_UPDATES (the new tokens' states, a sliding-window layer's concatenation)."""
-        steps = (completion - 2) // 2
-        with grouped_steps(steps * self.layers):
-            last = additions(completion - 2, self.layers)[-1]  # 2, or 3 where the tokens are odd
-            grouped = traced_events(self.config, {**self.settings, "max_prompt_length": self.prompt,
-                                                  "max_completion_length": completion})
-            rest = with_free_runs_sorted(numbered(without_growth(grouped, growth_spans(grouped, self.layers,
-                                                                                       completion))))
-        self.traces += 1
-        if not request_for_request(rest, base)[0]:
-            raise ValueError("a last decoding step adding several tokens makes other requests")
-        deltas = [(b[2] - a[2], a[4]) for a, b in zip(base, rest) if a[0] == "alloc"]
-        if any(delta and moment != GROWTH or delta % (last - 1) for delta, moment in deltas):
-            raise ValueError("decoding steps of several tokens change requests outside the decoding steps, or not "
-                             "by a whole number of bytes a token")
-        return [delta // (last - 1) for delta, _ in deltas]
-
-    def _region(self, start: int, end: int) -> tuple[list[int], list[int], list[int]]:
-        """(the blocks the prefill's cache storages hold, their bytes per token, the blocks the base's last step
-        makes) of one run of cache growth, keys then values, layer by layer (cache_growth's order)."""
-        made = {e[1]: e[2] for e in self.base if e[0] == "alloc"}
-        region = self.base[start:end]
-        unit = 4 * self.layers
-        before = [-1] * (2 * self.layers)
-        last = [-1] * (2 * self.layers)
-        # one step's requests: which cache tensor each of a step's events allocates or frees
-        requests = list(growth_requests(growth([CacheLayer(k, 1, 1, 0, w) for k, w in enumerate(self.windows)], [1])))
-        for (allocated, j, _), event in zip(requests, region[:unit]):
-            if not allocated:
-                before[j] = event[1]
-        for (allocated, j, _), event in zip(requests, region[-unit:] if region else []):
-            if allocated:
-                last[j] = event[1]
-        if any(made[b] % self.prompt for b in before if b >= 0):
-            raise ValueError("a prefill's cache storage holds no whole number of bytes per prompt token")
-        per_token = [made[b] // self.prompt if b >= 0 else 0 for b in before]
-        return before, per_token, last
+        """What a copy needs to make the stream, as JSON carries it (what keeping the copy costs)."""
+        return self.copy.model_dump(mode="json")
 
     def instantiate(self, prompt: int, completion: int, factors: list[Fraction] | None = None,
                     depth: int | None = None) -> list[tuple]:
-        """The stream at these lengths: (kind, block, bytes, phase, moment, layer), as traced_events gives it; with
-        `factors`, each request outside the growth (in order) that many times its size at the traced widths, the
-        cache's bytes per token as the prefill's cache storage they come from. A stream whose layers will be copied
-        to `depth` layers (stream_layers.expanded) groups its decoding steps as that model's trace groups them."""
-        factors = factors or [Fraction(1)] * len(self.coefficients)
-        extra_tokens = additions(completion - 2, depth or self.layers)[-1] - 1 if completion >= 2 else 0
-        fresh = count(1 + max(e[1] for e in self.base))
-        renamed: dict[int, int] = {}
-        sizes: dict[int, int] = {}
-        out: list[tuple] = []
-        requests = iter(zip(self.coefficients, self.per_added_token, factors, strict=True))
-        i, spans = 0, dict(self.spans)
-        regions = dict(zip((s for s, _ in self.spans), self.regions))
-        while i < len(self.base):
-            if i in spans:
-                before, per_token, last = regions[i]
-                scaled = [_whole(n * factors[self.ordinal[b]]) if b >= 0 else 0 for n, b in zip(per_token, before)]
-                grown = self._growth((before, scaled, last), prompt, completion, depth or self.layers, fresh, renamed)
-                sizes.update((e[1], e[2]) for e in grown if e[0] == "alloc")
-                out += grown
-                i = spans[i]
-                continue
-            event = self.base[i]
-            block = renamed.get(event[1], event[1])
-            if event[0] == "alloc":
-                coefficients, per_added_token, factor = next(requests)
-                at_lengths = sum(k * m for k, m in zip(coefficients, _monomials(prompt, completion)))
-                sizes[block] = _whole(factor * (at_lengths + extra_tokens * per_added_token))
-            out.append((event[0], block, sizes.get(block, event[2]), *event[3:]))
-            i += 1
-        return out
-
-    def _growth(self, region: tuple[list[int], list[int], list[int]], prompt: int, completion: int, depth: int,
-                fresh: count, renamed: dict[int, int]) -> list[tuple]:
-        before, per_token, last = region
-        cache = [CacheLayer(k, per_token[2 * k], per_token[2 * k + 1], prefill_tokens(prompt, window), window)
-                 for k, window in enumerate(self.windows)]
-        steps = growth(cache, additions(completion - 2, depth)[:-1])
-        current = [(block, per_token[j] * prompt) for j, block in enumerate(before)]
-        made = list(current)
-        out = []
-        for allocated, j, size in growth_requests(steps):
-            layer = j // 2
-            if allocated:
-                made[j] = (next(fresh), size)
-                out.append(("alloc", made[j][0], size, "generation", GROWTH, layer))
-            else:
-                out.append(("free", *current[j], "generation", GROWTH, layer))
-                current[j] = made[j]
-        renamed.update({base: new for base, (new, _) in zip(last, current) if base >= 0})
-        return out
+        return stream_at(self.copy, prompt, completion, depth, factors)
 
 
 def table(fixtures: list[Path]) -> list[str]:

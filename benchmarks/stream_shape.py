@@ -40,6 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vram_planner.step_copy.make import text_config  # noqa: E402
+from vram_planner.step_copy.streams import numbered, with_free_runs_sorted  # noqa: E402
+
 FIXTURES = ROOT / "tests" / "fixtures"
 RESULTS = ROOT / "benchmarks" / "results" / "stream_shape.txt"
 BASE = {"per_device_train_batch_size": 8, "num_generations": 8, "max_prompt_length": 32, "max_completion_length": 64}
@@ -57,9 +62,6 @@ VARIANTS = (
 DECODING = ("decoding steps", "last decoding step")
 
 
-def text_config(config: dict) -> dict:
-    """The part of a config.json that holds the decoder's sizes (a multimodal config's text_config)."""
-    return config.get("text_config", config)
 
 
 def varied(config: dict, changes: dict) -> dict | None:
@@ -83,17 +85,12 @@ def traced_events(config: dict, settings: dict) -> list[tuple]:
     moment, layer). The step at the longest prompt, without the need's bisection (`check --exact` also traces a
     shorter prompt where the analytic model says it may need more, and answers with the step that needs more)."""
     from vram_planner import engine
-    from vram_planner.tracing.step import trace_step
+    from vram_planner.step_copy import make
 
     context = engine.make_context(config, "h100-80gb")
-    result = trace_step(config, engine.make_training(context, settings), context.release)
-    return numbered([tuple(e) for e in result.steady_stream().events])
+    return make.traced_events(config, engine.make_training(context, settings), context.release)
 
 
-def numbered(events: list[tuple]) -> list[tuple]:
-    """The events with their blocks numbered by their first event, as two traces number them apart."""
-    named: dict[int, int] = {}
-    return [(e[0], named.setdefault(e[1], len(named)), *e[2:]) for e in events]
 
 
 def outside_decoding(events: list[tuple]) -> list[tuple]:
@@ -102,26 +99,8 @@ def outside_decoding(events: list[tuple]) -> list[tuple]:
                      if e[4] not in DECODING and not e[4].startswith(tuple(f"{d}:" for d in DECODING))])
 
 
-def with_free_runs_sorted(events: list[tuple]) -> list[tuple]:
-    """The events with each run of frees in block order: a run frees the same blocks in whatever order Python's
-    garbage collection drops them, which leaves the allocator as it was."""
-    out: list[tuple] = []
-    run: list[tuple] = []
-    for event in [*events, ("end", -1, 0, "", "")]:
-        if event[0] == "free":
-            run.append(event)
-            continue
-        out += sorted(run, key=lambda e: e[1])
-        run = []
-        out.append(event)
-    return out[:-1]
 
 
-def request_for_request(made: list[tuple], fresh: list[tuple]) -> tuple[bool, int]:
-    """(whether a made stream makes a fresh trace's requests in its order, in the same blocks, phases, moments and
-    layers; how many are of another size, every one where they are not aligned)."""
-    aligned = len(made) == len(fresh) and all(a[:2] == b[:2] and a[3:] == b[3:] for a, b in zip(made, fresh))
-    return aligned, sum(a[2] != b[2] for a, b in zip(made, fresh)) if aligned else len(fresh)
 
 
 def compared(base: list[tuple], other: list[tuple], ratio: float) -> tuple[bool, int, int]:

@@ -1,8 +1,8 @@
 """The package's folders are its architecture: imports only point down the layers, and no modules (nor packages)
 import in a circle.
 
-cli | app -> api -> report -> engine | run | probe | advise -> tracing -> model, recipe -> profiles, local_gpu, hub,
-extras -> units, errors, files, profile_cache, validation, request.
+cli | app -> api -> report -> engine | run | probe | advise -> step_copy -> tracing -> model, recipe -> profiles,
+local_gpu, hub, extras -> units, errors, files, profile_cache, validation, request.
 engine, run, probe and advise sit side by side and do not import each other. The web app is a skin of its own over
 the library: it imports nothing of the command line's, and not click, and the command line nothing of its (`vram-plan
 app` starts it as a process). Every import counts: at the top of a module, inside a function, under TYPE_CHECKING.
@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("api", ["vram_planner.api"]),
     ("report", ["vram_planner.report"]),
     ("entry points", ["vram_planner.engine", "vram_planner.run", "vram_planner.probe", "vram_planner.advise"]),
+    # the exact engine's copy: made by tracing, replayed without torch (its events, the cache growth: pure Python)
+    ("copy", ["vram_planner.step_copy"]),
     ("tracing", ["vram_planner.tracing"]),
     # a TRL recipe (or TRL's command-line arguments, and the launcher's) read as the request's fields takes the
     # release's defaults, the model's config and TRL's accelerate configs

@@ -94,7 +94,7 @@ def test_a_changed_loader_loads_again(cache, tmp_path, monkeypatch):
 
 
 def test_two_keys_with_one_entry_name_never_read_each_other(cache, tmp_path, monkeypatch):
-    monkeypatch.setattr(profile_cache, "_digest", lambda text: "same")
+    monkeypatch.setattr(profile_cache, "digest", lambda text: "same")
     for name in ("a", "b", "a"):
         (tmp_path / name).mkdir(exist_ok=True)
         write_catalog(tmp_path / name / "gpus.toml", name)

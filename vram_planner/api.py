@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from vram_planner import engine
 from vram_planner.errors import ConfigError, VramPlanError, field_name
 from vram_planner.model import search
-from vram_planner.model import verdict as verdict_module
 from vram_planner.report.document import Report, plan_report, verdict_report
 from vram_planner.request import Request, request_fields
 
@@ -57,8 +56,9 @@ class Judged:
 
 def check(model: str | dict[str, Any] | Request, gpu: str | None = None, settings: Mapping[str, Any] | None = None, *,
           exact: bool = False, progress: Callable[[str], None] | None = None, reward_seconds: float = 0.0,
-          dataset_prompts: int | None = None, **fields: Any) -> Report:
-    """The verdict for exactly this configuration: `vram-plan check --json`'s document.
+          dataset_prompts: int | None = None, keep_copy: bool = False, **fields: Any) -> Report:
+    """The verdict for exactly this configuration: `vram-plan check --json`'s document. Near the boundary, a copy of
+    the exact engine kept for this model and these knobs (`keep_copy`) decides it (`.copy`).
 
     Args:
         model: a catalog name, a config.json path or folder, a hub id, a config.json's dict, or a whole Request.
@@ -68,6 +68,8 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
         progress: called with what the trace is doing (with `exact`).
         reward_seconds: seconds the reward functions take per completion, for the predicted step time.
         dataset_prompts: prompts in the dataset, for the predicted time of an epoch.
+        keep_copy: with `exact`, also make the step's copy and keep it in the user's cache (`check --exact
+            --keep-copy`; seconds to a minute more).
 
     Returns:
         The report: `.fits`, `.peak_bytes`, `.phases`, `.step_seconds`, ...; `.to_dict()` is the JSON document.
@@ -75,14 +77,17 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
     from vram_planner.report.speed import check_step_time
 
     request = _request(model, gpu, settings, fields)
+    if keep_copy and not exact:
+        raise ConfigError(["keep_copy keeps the copy that exact makes: pass both"])
     if exact:
         from vram_planner.report.document import exact_check_report
 
-        outcome = engine.check(*_engine_call(request), exact=True, progress=progress, **_options(request))
+        outcome = engine.check(*_engine_call(request), exact=True, progress=progress, keep_copy=keep_copy,
+                               **_options(request))
         report = check_step_time(exact_check_report(outcome), outcome.analytic, reward_seconds, dataset_prompts)
         return _judged(report, outcome.traced.context, outcome.traced.train, outcome, request)
     context, train, fewest = resolve_gpu_count(request)
-    verdict = verdict_module.judge(context, train)
+    verdict = engine.judged(context, train)
     report = check_step_time(_with_gpu_count(verdict_report(verdict), fewest, context), verdict, reward_seconds,
                              dataset_prompts)
     return _judged(report, context, train, verdict, request)

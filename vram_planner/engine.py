@@ -131,19 +131,65 @@ def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | Training
           **context_options: Any) -> Verdict: ...
 @overload
 def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
-          exact: Literal[True], progress: Callable[[str], None] | None = None,
+          exact: Literal[True], progress: Callable[[str], None] | None = None, keep_copy: bool = False,
           **context_options: Any) -> TraceOutcome: ...
 def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingConfig | None = None, *,
-          exact: bool = False, progress: Callable[[str], None] | None = None,
+          exact: bool = False, progress: Callable[[str], None] | None = None, keep_copy: bool = False,
           **context_options: Any) -> Verdict | TraceOutcome:
-    """The verdict for exactly this configuration. With `exact`, the step traced and judged by its need (`trace`'s
-    outcome: `.fits` is `need_bytes <= capacity`, `.analytic` the verdict without `exact`); needs the train extra,
-    and `progress` is called with what it is doing."""
+    """The verdict for exactly this configuration: the estimate's, or near the boundary a kept copy of the exact
+    engine's (`judged`). With `exact`, the step traced and judged by its need (`trace`'s outcome: `.fits` is
+    `need_bytes <= capacity`, `.analytic` the verdict without `exact`); needs the train extra, and `progress` is
+    called with what it is doing; with `keep_copy` too, the step's copy made and kept for later checks
+    (`keep_step_copy`)."""
+    if keep_copy and not exact:
+        raise ConfigError(["--keep-copy keeps the copy --exact makes: pass both"])
     if exact:
         _require_tracing("an exact verdict (--exact)")
     context = make_context(model, gpu, **context_options)
     train = make_training(context, settings)
-    return _traced(model, context, train, progress) if exact else judge(context, train)
+    if not exact:
+        return judged(context, train)
+    outcome = _traced(model, context, train, progress)
+    return replace(outcome, kept_copy=keep_step_copy(model, context, train, progress)) if keep_copy else outcome
+
+
+def judged(context: Context, train: TrainingConfig) -> Verdict:
+    """The estimate's verdict; near the boundary, where a copy of the exact engine is kept for this model and these
+    knobs (`keep_step_copy`), the copy's, replayed on the card at the config's lengths (and at a batch of shorter
+    prompts where the estimate says they may need more, as `check --exact` traces them) without torch."""
+    verdict = judge(context, train)
+    if not verdict.near_boundary:
+        return verdict
+    from vram_planner.step_copy.judge import replayed
+
+    shorter = heavier_prompt_length(context, train)
+    return replayed(verdict, [train.max_prompt_length] + ([shorter] if shorter is not None else []))
+
+
+def keep_step_copy(model: str | dict[str, Any], context: Context, train: TrainingConfig,
+                   progress: Callable[[str], None] | None = None) -> str:
+    """Make the copy of the step (vram_planner.step_copy.make: seven traces of a shallow copy of the model) and keep
+    it in the user's cache, where `judged` finds it for this model and these knobs at other lengths; what was done,
+    in words (why not, where the step cannot be copied)."""
+    import time
+
+    from vram_planner.step_copy.lengths import lengths_to_trace
+    from vram_planner.step_copy.make import make_copy
+    from vram_planner.step_copy.store import copy_key, keep
+
+    start = time.perf_counter()
+    try:
+        _, completion_range = lengths_to_trace(train, context.release)
+        config = model if isinstance(model, dict) else model_config(model)[0]
+        copy = make_copy(config, train, context.release, progress)
+    except ValueError as error:
+        return f"no copy of the step kept: {error}"
+    path = keep(copy, copy_key(context.arch, train, completion_range))
+    answers = ("any completion length" if completion_range is None else
+               f"completions of {completion_range[0]} to {completion_range[1]} tokens")
+    return (f"kept the exact engine's copy of this step in {path} ({len(copy.lattice) + 1} traces of "
+            f"{copy.layers} layers, {time.perf_counter() - start:.0f} s): `check` of this model and these knobs at "
+            f"other prompt lengths and {answers} replays it where the estimate lies near the boundary")
 
 
 @overload
@@ -183,6 +229,7 @@ class TraceOutcome:
     reserved: Any = None  # vram_planner.tracing.reserve.ReservedMemory: the allocator model's reserved bytes
     need: Any = None  # vram_planner.allocator.need.Need: the least capacity the step runs in, bisected
     elapsed_seconds: float | None = None  # the answer's wall time, every step traced for it included
+    kept_copy: str | None = None  # with keep_copy: the copy kept for later checks (or why none), in words
 
     @property
     def fits(self) -> bool:

@@ -49,7 +49,7 @@ def cached(path: Path, load: Callable[[Path], Loaded]) -> Loaded:
 def remembered(what: tuple[object, ...], version: tuple[object, ...], compute: Callable[[], Loaded]) -> Loaded:
     """`compute()`, kept under `what` for as long as `version` (the state of whatever it depends on) stays the same."""
     key = _text(FORMAT, *what), _text(*version)
-    entry = cache_home() / "validated" / f"{_digest(key[0])}-{_digest(key[1])}.pickle"
+    entry = cache_home() / "validated" / f"{digest(key[0])}-{digest(key[1])}.pickle"
     found, value = _read(entry, key)
     if found:
         return value  # type: ignore[return-value]
@@ -62,7 +62,7 @@ def _text(*parts: object) -> str:
     return "\0".join(map(str, parts))
 
 
-def _digest(text: str) -> str:
+def digest(text: str) -> str:
     """A short name for a key: the entry holds the whole key, so two keys with one name only cost a load (hashlib,
     which loads OpenSSL, would cost every start more than that ever will)."""
     data = text.encode("utf-8", "surrogateescape")

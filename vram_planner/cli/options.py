@@ -128,9 +128,15 @@ EXACT = click.option("--exact", is_flag=True,
                      help="Trace the step and judge by the least card it runs on, found by replaying it through "
                           "the caching allocator model (needs the train extra; seconds to a minute).")
 
+# `check --exact --keep-copy`: the exact engine's copy of the step kept for later checks (step_copy)
+KEEP_COPY = click.option("--keep-copy", is_flag=True,
+                         help="With --exact: also make the step's copy (seven traces of a shallow copy of the model, "
+                              "seconds to a minute) and keep it, so that check of this model and these knobs at other "
+                              "lengths answers from it near the boundary, without torch.")
+
 NOT_KNOBS = ("gpu", "model", "config_file", "json_output", "plot", "trl_version", "calibration", "safety_margin",
-             "maximize", "allow_savers", "exact", "optimize", "reward_seconds", "dataset_prompts", "recipe",
-             "trl_arguments")
+             "maximize", "allow_savers", "exact", "keep_copy", "optimize", "reward_seconds", "dataset_prompts",
+             "recipe", "trl_arguments")
 
 
 def settings_from(command: str, options: dict[str, Any],

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KNOBS, MAXIMIZE, REPORT,
-                                      request_from)
+from vram_planner.cli.options import (CONTEXT, EXACT, EXIT_DOES_NOT_FIT, EXIT_FITS, KEEP_COPY, KNOBS, MAXIMIZE,
+                                      REPORT, request_from)
 from vram_planner.cli.speed import CHECK_SPEED, PLAN_SPEED
 from vram_planner.cli.trl_arguments import TrlArgumentsCommand
 from vram_planner.errors import VramPlanError
@@ -29,7 +29,7 @@ plan = training_command("plan", "The best config that fits, the changes that lea
                                 "choice and the config ranked above it traced and judged by their needs.",
                         (*MAXIMIZE, EXACT, *PLAN_SPEED))
 check = training_command("check", "The verdict for exactly this config (with --exact: by the traced step's need).",
-                         (EXACT, *CHECK_SPEED))
+                         (EXACT, KEEP_COPY, *CHECK_SPEED))
 trace = training_command("trace", "Count this config's GRPO step tensor by tensor on the CPU, next to the analytic "
                                   "model, and what PyTorch's caching allocator reserves for it; judged by the least "
                                   "card the step runs on (needs the train extras; without --gpu: the local card, "
@@ -47,6 +47,8 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         check_plot_target(options["plot"])
     if command == "trace":
         _trace(options)
+    if options.get("keep_copy") and not options.get("exact"):
+        raise VramPlanError("--keep-copy keeps the copy that --exact makes: pass both")
     if options.get("exact"):
         _exact(command, options)
     if options.get("maximize") is not None or options.get("allow_savers"):
@@ -160,5 +162,8 @@ def _exact(command: str, options: dict[str, Any]) -> None:
                             "`vram-plan check --exact` with the value --maximize finds")
     request = request_from(command, options)
     with Console(stderr=True).status("resolving the model and the config") as status:
-        report = (api.plan if command == "plan" else api.check)(request, exact=True, progress=status.update)
+        if command == "plan":
+            report = api.plan(request, exact=True, progress=status.update)
+        else:
+            report = api.check(request, exact=True, progress=status.update, keep_copy=bool(options.get("keep_copy")))
     _emit(report, options, lambda: _render(report))

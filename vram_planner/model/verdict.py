@@ -136,19 +136,32 @@ class Context:
 
 
 @dataclass(frozen=True)
+class ReplayedCopy:
+    """The exact engine's copy of this step (vram_planner.step_copy), kept by `check --exact --keep-copy` for the
+    model and knobs at other lengths, replayed through the allocator model on the card: where the estimate lies near
+    the boundary, its answer is the verdict."""
+
+    runs: bool  # whether the step runs where cudaMalloc can hand out what the CUDA context leaves of the card
+    made: str  # when the copy was made (ISO 8601, UTC)
+    seconds: float  # making the step's stream from the copy and replaying it
+    requests: int  # the stream's allocations and frees, both steps
+
+
+@dataclass(frozen=True)
 class Verdict:
     """One configuration judged on one GPU."""
 
     context: Context
     train: TrainingConfig
     estimate: Estimate
+    replayed: ReplayedCopy | None = None  # a kept copy of the exact engine decided it (near the boundary)
 
     @property
     def fits(self) -> bool:
         # vLLM that cannot start in its budget stops the run, however much the trainer leaves spare
         vllm = self.estimate.vllm
-        return (self.estimate.peak_bytes <= self.context.budget_bytes and (vllm is None or vllm.problem is None)
-                and self.host_fits)
+        memory = self.estimate.peak_bytes <= self.context.budget_bytes if self.replayed is None else self.replayed.runs
+        return memory and (vllm is None or vllm.problem is None) and self.host_fits
 
     @property
     def fits_from_bytes(self) -> float:
@@ -181,7 +194,7 @@ class Verdict:
         """Whether the step's need could lie on the other side of the card than the verdict says, as far from the
         estimate as needs have been measured (`--exact` then decides); never for a vLLM that cannot start."""
         vllm = self.estimate.vllm
-        if (vllm is not None and vllm.problem is not None) or not self.host_fits:
+        if (vllm is not None and vllm.problem is not None) or not self.host_fits or self.replayed is not None:
             return False
         peak, capacity = self.estimate.peak_bytes, self.context.capacity_bytes
         if self.fits:

@@ -141,6 +141,17 @@ class ExactReport:
 
 
 @dataclass(kw_only=True)
+class CopyReport:
+    """`check` near the boundary: the verdict from a kept copy of the exact engine (`check --exact --keep-copy`),
+    replayed through the caching allocator model on the card."""
+
+    runs: bool  # the step runs where cudaMalloc can hand out what the CUDA context leaves of the card
+    made: str  # when the copy was made (ISO 8601, UTC)
+    seconds: float  # making the step's stream from the copy and replaying it
+    requests: int  # the allocations and frees replayed (two steps, and a batch of shorter prompts where traced)
+
+
+@dataclass(kw_only=True)
 class RungAboveReport:
     """`plan --exact`: the config ranked just above the analytic plan's choice, traced; it is the choice when it fits."""
 
@@ -238,6 +249,8 @@ class Report(Document):
     # safety margin); peak_bytes, spare_bytes and the phases stay the engine's own figures
     exact: ExactReport | None = None
     exact_rung_above: RungAboveReport | None = None  # `plan --exact` only
+    # `check` near the boundary with a kept copy of the exact engine: its replay decided `fits`
+    copy: CopyReport | None = None
     # the step's need could lie on the other side of the card than the estimate's verdict, as far from the estimate
     # as needs have been measured (Verdict.near_boundary): `--exact` decides; false where the need decided
     near_boundary: bool = False
@@ -312,11 +325,30 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
                      "nccl_buffers": ctx.nccl(train).source,
                      "vllm_communicators": ctx.vllm_comm(train).source or None},
         calibration=cal.name if cal.gpu is None else f"{cal.name} ({cal.gpu})",
-        cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version, notes=list(est.notes),
+        cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version,
+        notes=list(est.notes) + copy_notes(verdict),
         vllm=vllm_report(est.vllm), distributed=distributed_report(train, est.host_bytes),
         near_boundary=verdict.near_boundary, need_above_estimate=need_above_estimate(train),
-        first_micro_batch=first_micro_batch_report(verdict),
+        first_micro_batch=first_micro_batch_report(verdict), copy=copy_report(verdict),
     )
+
+
+def copy_notes(verdict: Verdict) -> list[str]:
+    replayed = verdict.replayed
+    if replayed is None:
+        return []
+    return [f"near the boundary, decided by the exact engine's copy of this step (kept {replayed.made} by `check "
+            f"--exact --keep-copy`): replayed through the caching allocator model, it "
+            f"{'runs' if replayed.runs else 'runs out'} on this card ({replayed.seconds:.2f} s); `--exact` traces it "
+            "for its need"]
+
+
+def copy_report(verdict: Verdict) -> CopyReport | None:
+    replayed = verdict.replayed
+    if replayed is None:
+        return None
+    return CopyReport(runs=replayed.runs, made=replayed.made, seconds=round(replayed.seconds, 2),
+                      requests=replayed.requests)
 
 
 def plan_report(plan: Plan) -> Report:
@@ -379,6 +411,8 @@ def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.engine.
     report = verdict_report(outcome.analytic)
     report.fits = outcome.fits
     _judged_exactly(report, outcome)
+    if outcome.kept_copy:
+        report.notes.append(outcome.kept_copy)
     return report
 
 

@@ -70,6 +70,19 @@ def steady_stream(events: Sequence[Event], gradients: Iterable[tuple[int, int]])
     return SteadyStream(stream, spans, start)
 
 
+def repeated_stream(events: Sequence[Event]) -> SteadyStream:
+    """The steady stream of events that already hold both steps (loading, step 1, zero_grad's frees, step 2), as
+    `steady_stream` lays them out: a copy of a traced step's (vram_planner.step_copy) made at other sizes."""
+    freed = [i for i, e in enumerate(events) if e.moment == ZERO_GRAD]
+    second = 1 + freed[-1] if freed else next((i for i, e in enumerate(events) if i and e.phase != OPTIMIZER
+                                              and events[i - 1].phase == OPTIMIZER), 0)
+    if not second:
+        raise ValueError("no optimizer step between the two steps")
+    spans = _spans(events[:freed[0] if freed else second], 0)
+    spans.update({phase: span for phase, span in _spans(events[second:], second).items() if phase != OPTIMIZER})
+    return SteadyStream(list(events), spans, second)
+
+
 def with_workspaces(stream: SteadyStream, size_bytes: int) -> SteadyStream:
     """The stream with the cuBLAS workspaces allocated where a real step allocates them (vram_planner.model.cublas):
     one at step 1's first matrix product (its first phase after loading), another at its first backward (the

@@ -1,0 +1,70 @@
+"""Copies kept in the user's cache folder, one per model, knob set and fused-head tile count, for `check` to replay
+near the boundary without torch ("exact once, then instant").
+
+A copy is the traces of the libraries installed when it was made: its key names the model's architecture, the
+training config with its lengths left out, the completions it answers for, and the versions of torch,
+transformers, TRL and PEFT and of the trace's and the copy's own code, so a copy made by other code is never read.
+Files are gzipped JSON (pydantic-validated on reading; a damaged one is passed by), written atomically.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import replace
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.spec import TrainingConfig
+from vram_planner.profile_cache import cache_home, digest, sources_version
+from vram_planner.step_copy.document import FORMAT, StepCopy
+
+FOLDER = "step-copies"
+LIBRARIES = ("torch", "transformers", "trl", "peft")
+
+
+def copy_key(arch: ModelArchitecture, train: TrainingConfig, completion_range: tuple[int, int] | None) -> str:
+    """What a copy is a copy of, as text."""
+    here = Path(__file__).parent
+    code = sources_version(here, here.parent / "tracing")
+    lengthless = replace(train, max_prompt_length=1, max_completion_length=1)
+    return "\n".join([f"format {FORMAT}", repr(arch), repr(lengthless), repr(completion_range), _installed(), code])
+
+
+def _installed() -> str:
+    versions = []
+    for name in LIBRARIES:
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{name} missing")
+    return ", ".join(versions)
+
+
+def copy_path(key: str) -> Path:
+    return cache_home() / FOLDER / f"{digest(key)}.json.gz"
+
+
+def keep(copy: StepCopy, key: str) -> Path:
+    """Write the copy under its key (atomically, replacing an older copy of the same key); the path written."""
+    from vram_planner.files import write_atomically
+
+    document = {"key": key, "made": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "copy": copy.model_dump(mode="json")}
+    return write_atomically(copy_path(key), gzip.compress(json.dumps(document, separators=(",", ":")).encode()))
+
+
+def kept(key: str) -> tuple[StepCopy, str] | None:
+    """(the copy kept under `key`, when it was made) or None: none kept, another key's, or damaged."""
+    path = copy_path(key)
+    try:
+        document = json.loads(gzip.decompress(path.read_bytes()))
+        if document["key"] != key:
+            return None
+        return StepCopy.model_validate(document["copy"]), str(document["made"])
+    except (OSError, EOFError, ValueError, KeyError, TypeError, ValidationError):
+        return None
