@@ -173,20 +173,22 @@ def keep_step_copy(model: str | dict[str, Any], context: Context, train: Trainin
     in words (why not, where the step cannot be copied)."""
     import time
 
-    from vram_planner.step_copy.lengths import lengths_to_trace
     from vram_planner.step_copy.make import make_copy
     from vram_planner.step_copy.store import copy_key, keep
 
     start = time.perf_counter()
     try:
-        _, completion_range = lengths_to_trace(train, context.release)
+        key = copy_key(context.arch, train, context.release)
         config = model if isinstance(model, dict) else model_config(model)[0]
         copy = make_copy(config, train, context.release, progress)
     except ValueError as error:
         return f"no copy of the step kept: {error}"
-    path = keep(copy, copy_key(context.arch, train, completion_range))
-    answers = ("any completion length" if completion_range is None else
-               f"completions of {completion_range[0]} to {completion_range[1]} tokens")
+    path = keep(copy, key)
+    answers = ("any completion length" if copy.completion_range is None else
+               f"completions of {copy.completion_range[0]} to {copy.completion_range[1]} tokens")
+    windows = sorted({w for w in copy.windows if w})
+    if windows:
+        answers += f" that fill the {windows[0]}-token sliding window as these do"
     return (f"kept the exact engine's copy of this step in {path} ({len(copy.lattice) + 1} traces of "
             f"{copy.layers} layers, {time.perf_counter() - start:.0f} s): `check` of this model and these knobs at "
             f"other prompt lengths and {answers} replays it where the estimate lies near the boundary")

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from vram_planner import engine
 from vram_planner.step_copy.document import StepCopy
-from vram_planner.step_copy.lengths import lattice, lengths_to_trace, monomials, refusal, stream_at
+from vram_planner.step_copy.lengths import lattice, lengths_to_trace, monomials, refusal, stream_at, window_regime
 from vram_planner.step_copy.make import solved
 
 
@@ -74,6 +74,36 @@ def test_a_copy_refuses_lengths_it_did_not_trace_the_regime_of():
     assert refusal(filled, 24, 152) is None and "sliding window" in refusal(filled, 8, 152)
     with pytest.raises(ValueError, match="token tiles"):
         stream_at(copy, 100, 100)
+
+
+@pytest.mark.parametrize(("prompt", "completion", "base"), [
+    (400, 300, (32, 483)),  # the decoding fills the 512-token window: so do the completions traced
+    (1024, 100, (515, 64)),  # the prompt fills it: so do the prompts traced
+    (200, 100, (32, 64)),  # neither: nor do the lengths traced
+])
+def test_the_lengths_traced_fill_a_sliding_window_as_the_configs_do(prompt, completion, base):
+    context = engine.make_context("Qwen3-0.6B", "h100-80gb")
+    train = engine.make_training(context, {"dtype": "bfloat16", "lora_r": 8, "max_prompt_length": prompt,
+                                           "max_completion_length": completion, "per_device_train_batch_size": 4,
+                                           "num_generations": 4})
+    traced, _ = lengths_to_trace(train, context.release, {512})
+    assert traced == lattice(*base)
+    assert {window_regime(p, c, 512) for p, c in traced} == {window_regime(prompt, completion, 512)}
+
+
+@given(st.integers(1, 2000), st.integers(4, 2000), st.integers(16, 1024))
+@settings(max_examples=200, deadline=None)
+def test_a_lattice_is_traced_in_the_configs_regime_or_refused_with_its_reason(prompt, completion, window):
+    context = engine.make_context("Qwen3-0.6B", "h100-80gb")
+    train = engine.make_training(context, {"dtype": "bfloat16", "lora_r": 8, "max_prompt_length": prompt,
+                                           "max_completion_length": completion})
+    try:
+        traced, _ = lengths_to_trace(train, context.release, {window})
+    except ValueError as error:
+        assert "sliding window" in str(error) or "tile" in str(error)
+        return
+    assert {window_regime(p, c, window) for p, c in traced} == {window_regime(prompt, completion, window)}
+    assert refusal(one_layer_copy(windows=[window], lattice=list(traced)), prompt, completion) is None
 
 
 def test_a_damaged_document_is_refused_whole():

@@ -25,8 +25,8 @@ DEPTH = 7  # two layers more than the five the copy traces (tiny-qwen3's layer t
 WORKSPACE = 4 << 20
 
 
-def training(**lengths):
-    context = engine.make_context(CONFIG, "h100-80gb")
+def training(config: dict | None = None, **lengths):
+    context = engine.make_context(config or CONFIG, "h100-80gb")
     return engine.make_training(context, {**SETTINGS, **lengths}), context.release
 
 
@@ -40,7 +40,7 @@ def copy():
 
 
 def fresh(config: dict, prompt: int, completion: int) -> list[tuple]:
-    return traced_events(config, *training(max_prompt_length=prompt, max_completion_length=completion))
+    return traced_events(config, *training(config, max_prompt_length=prompt, max_completion_length=completion))
 
 
 def test_the_step_at_other_lengths_is_a_fresh_traces_with_its_own_number_of_decoding_steps(copy):
@@ -77,3 +77,14 @@ def test_the_deeper_models_step_is_made_and_needs_what_its_trace_needs(copy):
     assert not runs_on(made, conf, need.capacity_bytes - (2 << 20))
     with pytest.raises(ValueError, match="multiple of 1"):
         copied_stream(copy, prompt, completion, 3, WORKSPACE)
+
+
+def test_a_step_whose_decoding_fills_the_sliding_window_is_made_from_traces_that_fill_it_too():
+    pytest.importorskip("trl")
+    config = {**json.loads((FIXTURES / "tiny-gemma2.json").read_text()), "sliding_window": 128}
+    copy = make_copy(config, *training(config, max_prompt_length=40, max_completion_length=120))
+    assert copy.lattice[0] == (32, 99) and 128 in copy.windows  # prompts short of it, sequences past it
+    for prompt, completion in ((40, 120), (56, 150)):
+        assert renumbered(stream_at(copy, prompt, completion)) == renumbered(fresh(config, prompt, completion))
+    with pytest.raises(ValueError, match="sliding window"):  # the prompt alone fills it: another prefill
+        stream_at(copy, 140, 64)

@@ -11,7 +11,6 @@ from dataclasses import replace
 from vram_planner.allocator import parse_allocator_conf
 from vram_planner.model.cublas import workspace_bytes
 from vram_planner.model.verdict import ReplayedCopy, Verdict
-from vram_planner.step_copy.lengths import lengths_to_trace
 from vram_planner.step_copy.replay import copied_stream, runs_on
 from vram_planner.step_copy.store import copy_key, kept
 
@@ -24,10 +23,10 @@ def replayed(verdict: Verdict, prompts: list[int]) -> Verdict:
         return verdict
     context, train = verdict.context, verdict.train
     try:
-        _, completion_range = lengths_to_trace(train, context.release)
+        key = copy_key(context.arch, train, context.release)
     except ValueError:  # no copy can be made of it
         return verdict
-    found = kept(copy_key(context.arch, train, completion_range))
+    found = kept(key)
     if found is None:
         return verdict
     copy, made = found

@@ -23,7 +23,8 @@ from vram_planner.tracing.cache_growth import CacheLayer, additions, growth, gro
 GROWTH = "decoding steps"  # the moment of the cache growth's events
 # The shortest lengths the copy answers for: a shorter completion leaves the decoding no step to record before its last
 SHORTEST_PROMPT, SHORTEST_COMPLETION = 1, 4
-BASE_PROMPT, BASE_COMPLETION = 32, 64  # the lattice's first lengths, where the fused head's tiles allow
+BASE_PROMPT, BASE_COMPLETION = 32, 64  # the lattice's first lengths, where the tiles and windows allow
+REGIME_MARGIN = 2  # tokens kept clear of a sliding window's edges (window_regime)
 
 
 def lattice(prompt: int, completion: int) -> tuple[tuple[int, int], ...]:
@@ -33,23 +34,40 @@ def lattice(prompt: int, completion: int) -> tuple[tuple[int, int], ...]:
     return (p, c), (p + 16, c), (p + 32, c), (p, c + 32), (p, c + 64), (p + 16, c + 32)
 
 
-def lengths_to_trace(train: TrainingConfig, release: TrlRelease | None
+def lengths_to_trace(train: TrainingConfig, release: TrlRelease | None, windows: set[int] | frozenset[int] = frozenset()
                      ) -> tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]:
     """(the lattice to trace, the completions the copy then answers for: None for any): scored in as many of the
     fused LM head's token tiles as `train`'s completions (TRL 1.15 on: a micro-batch's completion tokens
-    lm_head_token_chunk at a time). ValueError where no three completions 32 tokens apart share that many tiles."""
+    lm_head_token_chunk at a time), and filling each of the sliding `windows` as its lengths do (window_regime).
+    ValueError where no lattice does both."""
     from vram_planner.model.lm_head import uses_fused_head
 
-    if release is None or not uses_fused_head(train, release):
-        return lattice(BASE_PROMPT, BASE_COMPLETION), None
-    tile, sequences = release.lm_head_token_chunk, train.per_device_train_batch_size
-    tiles = -(-sequences * train.max_completion_length // tile)
-    low, high = (tiles - 1) * tile // sequences + 1, tiles * tile // sequences
-    shortest = max(BASE_COMPLETION, low)
-    if shortest + 64 > high:
-        raise ValueError(f"no three completion lengths 32 tokens apart make the fused LM head's {tiles} token "
-                         f"tile{'s' if tiles > 1 else ''} of {train.max_completion_length}-token completions")
-    return lattice(BASE_PROMPT, shortest), (low, high)
+    prompt, completion = train.max_prompt_length, train.max_completion_length
+    base_prompt, shortest, low, high = BASE_PROMPT, BASE_COMPLETION, 1, None
+    regimes = {window: window_regime(prompt, completion, window) for window in windows}
+    for window, regime in regimes.items():
+        if regime is None:
+            raise ValueError(f"{prompt} + {completion} tokens lie within {REGIME_MARGIN} tokens of filling the "
+                             f"{window}-token sliding window")
+        if regime[0]:  # the prompts traced fill it too
+            base_prompt = max(base_prompt, window + REGIME_MARGIN + 1)
+    for window, regime in regimes.items():
+        if regime[1]:  # the sequences traced fill it too
+            shortest = max(shortest, window + REGIME_MARGIN + 1 - base_prompt)
+    if release is not None and uses_fused_head(train, release):
+        tile, sequences = release.lm_head_token_chunk, train.per_device_train_batch_size
+        tiles = -(-sequences * completion // tile)
+        low, high = (tiles - 1) * tile // sequences + 1, tiles * tile // sequences
+        shortest = max(shortest, low)
+        if shortest + 64 > high:
+            raise ValueError(f"no three completion lengths 32 tokens apart are scored in as many of the fused LM "
+                             f"head's {tile}-token tiles as {completion}-token completions ({tiles})"
+                             + (" and fill the sliding window as they do" if windows else ""))
+    traced = lattice(base_prompt, shortest)
+    if any(window_regime(p, c, window) != regime for p, c in traced for window, regime in regimes.items()):
+        raise ValueError(f"no prompts 16 tokens apart and completions 32 apart fill the sliding window as "
+                         f"{prompt} + {completion} tokens do")
+    return traced, None if high is None else (low, high)
 
 
 def monomials(prompt: int, completion: int) -> tuple[int, ...]:
@@ -71,18 +89,20 @@ def refusal(copy: StepCopy, prompt: int, completion: int) -> str | None:
             return (f"the fused LM head scores {completion}-token completions in another number of token tiles than "
                     f"the copy traced ({low} to {high} tokens)")
     for window in sorted({w for w in copy.windows if w}):
-        traced = {window_regime(p, c, window) for p, c in copy.lattice}
-        if traced != {window_regime(prompt, completion, window)} or 1 in traced:
+        regime = window_regime(prompt, completion, window)
+        if regime is None or {window_regime(p, c, window) for p, c in copy.lattice} != {regime}:
             return (f"{prompt} + {completion} tokens fill the {window}-token sliding window otherwise than the "
                     "lengths the copy traced")
     return None
 
 
-def window_regime(prompt: int, completion: int, window: int) -> int:
-    """0: the sequence never fills the sliding window; 2: the prompt alone does; 1: the decoding fills it."""
-    if prompt + completion < window:
-        return 0
-    return 2 if prompt > window else 1
+def window_regime(prompt: int, completion: int, window: int) -> tuple[bool, bool] | None:
+    """(whether the prompt fills the sliding window, whether the prompt and the completion do): a step makes other
+    requests on either side of each (the prefill's cache is cut to the window, the decoding's concatenation drops a
+    token). None within REGIME_MARGIN tokens of an edge, where an off-by-one in what the cache keeps would decide."""
+    if abs(prompt - window) <= REGIME_MARGIN or abs(prompt + completion - window) <= REGIME_MARGIN:
+        return None
+    return prompt > window, prompt + completion > window
 
 
 def stream_at(copy: StepCopy, prompt: int, completion: int, depth: int | None = None,

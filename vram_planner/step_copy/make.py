@@ -230,6 +230,6 @@ def make_copy(config: dict, train: TrainingConfig, release: TrlRelease | None,
     cannot make)."""
     if train.num_gpus > 1:
         raise ValueError("the copy makes one GPU's step; this one runs on several")
-    lengths, completion_range = lengths_to_trace(train, release)
     shallow = with_layers(config, shallow_depth(config))
+    lengths, completion_range = lengths_to_trace(train, release, {w for w in windows(shallow) if w})
     return copy_from_traces(shallow, train, release, lengths, completion_range, progress)[0]

@@ -20,19 +20,26 @@ from pydantic import ValidationError
 
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.profile_cache import cache_home, digest, sources_version
 from vram_planner.step_copy.document import FORMAT, StepCopy
+from vram_planner.step_copy.lengths import lengths_to_trace
 
 FOLDER = "step-copies"
 LIBRARIES = ("torch", "transformers", "trl", "peft")
 
 
-def copy_key(arch: ModelArchitecture, train: TrainingConfig, completion_range: tuple[int, int] | None) -> str:
-    """What a copy is a copy of, as text."""
+def copy_key(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease | None) -> str:
+    """What a copy of `train`'s step is a copy of, as text: the lengths it would be traced at stand for the fused
+    head's tiles and the sliding windows' regime it answers for. ValueError where no copy can be made of it
+    (lengths.lengths_to_trace)."""
+    windows = frozenset([arch.sliding_window]) if arch.sliding_layers and arch.sliding_window else frozenset()
+    traced, completion_range = lengths_to_trace(train, release, windows)
     here = Path(__file__).parent
     code = sources_version(here, here.parent / "tracing")
     lengthless = replace(train, max_prompt_length=1, max_completion_length=1)
-    return "\n".join([f"format {FORMAT}", repr(arch), repr(lengthless), repr(completion_range), _installed(), code])
+    return "\n".join([f"format {FORMAT}", repr(arch), repr(lengthless), repr((traced[0], completion_range)),
+                      _installed(), code])
 
 
 def _installed() -> str:
