@@ -77,15 +77,14 @@ def test_a_copy_refuses_lengths_it_did_not_trace_the_regime_of():
 
 
 @pytest.mark.parametrize(("prompt", "completion", "base"), [
-    (400, 300, (32, 483)),  # the decoding fills the 512-token window: so do the completions traced
+    (400, 300, (477, 64)),  # the decoding fills the 512-token window: so do the prompts just short of it traced
     (1024, 100, (515, 64)),  # the prompt fills it: so do the prompts traced
     (200, 100, (32, 64)),  # neither: nor do the lengths traced
 ])
 def test_the_lengths_traced_fill_a_sliding_window_as_the_configs_do(prompt, completion, base):
     context = engine.make_context("Qwen3-0.6B", "h100-80gb")
     train = engine.make_training(context, {"dtype": "bfloat16", "lora_r": 8, "max_prompt_length": prompt,
-                                           "max_completion_length": completion, "per_device_train_batch_size": 4,
-                                           "num_generations": 4})
+                                           "max_completion_length": completion})
     traced, _ = lengths_to_trace(train, context.release, {512})
     assert traced == lattice(*base)
     assert {window_regime(p, c, 512) for p, c in traced} == {window_regime(prompt, completion, 512)}

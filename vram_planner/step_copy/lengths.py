@@ -43,16 +43,19 @@ def lengths_to_trace(train: TrainingConfig, release: TrlRelease | None, windows:
     from vram_planner.model.lm_head import uses_fused_head
 
     prompt, completion = train.max_prompt_length, train.max_completion_length
-    base_prompt, shortest, low, high = BASE_PROMPT, BASE_COMPLETION, 1, None
+    shortest, low, high = BASE_COMPLETION, 1, None
     regimes = {window: window_regime(prompt, completion, window) for window in windows}
-    for window, regime in regimes.items():
-        if regime is None:
-            raise ValueError(f"{prompt} + {completion} tokens lie within {REGIME_MARGIN} tokens of filling the "
-                             f"{window}-token sliding window")
-        if regime[0]:  # the prompts traced fill it too
-            base_prompt = max(base_prompt, window + REGIME_MARGIN + 1)
-    for window, regime in regimes.items():
-        if regime[1]:  # the sequences traced fill it too
+    if None in regimes.values():
+        raise ValueError(f"{prompt} + {completion} tokens lie within {REGIME_MARGIN} tokens of filling the sliding "
+                         "window")
+    # prompts past each window the prompt fills; where only the sequence fills one, prompts just short of it, so
+    # that the shortest completions fill it too
+    base_prompt = max([BASE_PROMPT] + [window + REGIME_MARGIN + 1 for window, (full, _) in regimes.items() if full])
+    if any(not full and filled for full, filled in regimes.values()):
+        base_prompt = max(base_prompt, min(window - REGIME_MARGIN - 33 for window, (full, _) in regimes.items()
+                                           if not full))
+    for window, (_, filled) in regimes.items():
+        if filled:
             shortest = max(shortest, window + REGIME_MARGIN + 1 - base_prompt)
     if release is not None and uses_fused_head(train, release):
         tile, sequences = release.lm_head_token_chunk, train.per_device_train_batch_size
