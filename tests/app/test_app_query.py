@@ -34,8 +34,8 @@ def test_every_flag_of_check_and_plan_but_the_files_and_the_output_is_a_query_pa
         flags = {p.name for p in command.params} - set(NOT_KNOBS)
         assert flags <= set(query_parameters())
     assert set(query_parameters()) - set(knob_fields()) == {"gpu", "model", "trl_version", "safety_margin", "exact",
-                                                            "maximize", "allow_savers", "optimize", "reward_seconds",
-                                                            "dataset_prompts"}
+                                                            "keep_copy", "maximize", "allow_savers", "optimize",
+                                                            "reward_seconds", "dataset_prompts"}
 
 
 def test_a_query_gives_the_request_its_flags_give():
@@ -235,6 +235,14 @@ def test_the_api_documents_are_the_clis_json(capsys):
     for command in ("check", "plan"):
         code, out, _ = run(capsys, command, "--gpu", "rtx3080-mobile", "--model", "Llama-3.2-1B", "--json")
         assert json.loads(to_json(query_report(command, LLAMA))) == json.loads(out)
+
+
+@pytest.mark.parametrize(("command", "questions"), [("check", [("keep_copy", "true")]),
+                                                   ("plan", [("exact", "true"), ("keep_copy", "true")])])
+def test_keep_copy_goes_with_exact_on_check_and_is_refused_elsewhere_in_one_line(command, questions):
+    with pytest.raises(VramPlanError) as refused:
+        query_report(command, [*LLAMA, *questions])
+    assert "keep_copy" in error_line(refused.value) and "exact" in error_line(refused.value)
 
 
 @pytest.mark.slow

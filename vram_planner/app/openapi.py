@@ -9,6 +9,8 @@ from vram_planner.app.query import QUESTION_PARAMETERS, SPEED_PARAMETERS, TIMING
 from vram_planner.request import Request
 
 QUESTIONS = {"exact": ("boolean", "Judge by the traced step's need (needs the train extra; seconds to a minute)."),
+             "keep_copy": ("boolean", "On /api/check with exact: also keep the step's copy, which later checks of the "
+                                      "model and knobs at other lengths replay near the boundary."),
              "maximize": ("string", "On /api/plan and /api/gpus: the largest value that fits of max_completion_length, "
                                     "max_prompt_length, num_generations, per_device_train_batch_size or lora_r."),
              "allow_savers": ("boolean", "With maximize: let the plan's savers make room."),
@@ -70,13 +72,15 @@ def openapi_document() -> dict[str, Any]:
                                 "`vram-plan <command> --json` prints, bytes as integers."},
         "paths": {
             "/api/check": _get("The verdict for exactly this config (`vram-plan check --json`).",
-                               (*fields, "exact", *TIMING_PARAMETERS), "The check document."),
+                               (*fields, "exact", "keep_copy", *TIMING_PARAMETERS), "The check document."),
             "/api/plan": _get("The best config that fits, or with maximize the largest value of one knob "
-                              "(`vram-plan plan --json`).", (*fields, *QUESTION_PARAMETERS), "The plan document."),
+                              "(`vram-plan plan --json`).",
+                              tuple(n for n in (*fields, *QUESTION_PARAMETERS) if n != "keep_copy"),
+                              "The plan document."),
             "/api/gpus": _get("The GPU catalog; with model (and knobs, maximize), every card's verdict, the smallest "
                               "fitting card first (`vram-plan gpus --model M --json`).",
                               tuple(n for n in (*fields, *QUESTION_PARAMETERS)
-                                    if n not in ("gpu", "exact", *SPEED_PARAMETERS)),
+                                    if n not in ("gpu", "exact", "keep_copy", *SPEED_PARAMETERS)),
                               "The cards."),
             "/api/models": {"get": {"summary": "The model catalog (`vram-plan models --json`).",
                                     "responses": {"200": {"description": "The models.",

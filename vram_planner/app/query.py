@@ -15,14 +15,14 @@ from vram_planner.report.speed import check_optimize
 from vram_planner.request import Request, request_fields
 
 COMMANDS = ("check", "plan")
-# What to ask besides the request: exact=true (the traced step's need decides, as with --exact), and on plan
-# maximize=FIELD with allow_savers. The command line's files (--config, --calibration, --plot) are not read or
+# What to ask besides the request: exact=true (the traced step's need decides, as with --exact; on check with
+# keep_copy=true the step's copy kept, as with --keep-copy), and on plan maximize=FIELD with allow_savers. The command line's files (--config, --calibration, --plot) are not read or
 # written over HTTP.
 # The step time's parameters: what the rewards take (reward_seconds) and the dataset's size (dataset_prompts), and on
 # /api/plan which config to recommend (optimize)
 TIMING_PARAMETERS = ("reward_seconds", "dataset_prompts")
 SPEED_PARAMETERS = ("optimize", *TIMING_PARAMETERS)
-QUESTION_PARAMETERS = ("exact", "maximize", "allow_savers", *SPEED_PARAMETERS)
+QUESTION_PARAMETERS = ("exact", "keep_copy", "maximize", "allow_savers", *SPEED_PARAMETERS)
 HINT = "(query parameters are spelled as GRPOConfig fields, e.g. max_completion_length=1024, plus gpu and model)"
 LOCAL_FILES_OFF = ("this server reads no files of its own: model takes a catalog name or a hub id; the app reads "
                    "config.json paths when started with --allow-local-files")
@@ -71,7 +71,7 @@ def without_local_files(model: Any) -> Any:
 
 def _questions(values: dict[str, str]) -> dict[str, Any]:
     questions: dict[str, Any] = {}
-    for name in ("exact", "allow_savers"):
+    for name in ("exact", "keep_copy", "allow_savers"):
         if name in values:
             questions[name] = _boolean(name, values[name])
     if values.get("maximize", "").strip():
@@ -129,11 +129,14 @@ def query_report(command: str, query: Iterable[tuple[str, str]], allow_local_fil
         return api.maximize(request, field=maximize, allow_savers=questions.get("allow_savers", False))
     speed = {name: questions[name] for name in TIMING_PARAMETERS if name in questions}
     if command == "plan":
+        if questions.get("keep_copy"):
+            raise ConfigError(["keep_copy goes with /api/check and exact=true"])
         return api.plan(request, exact=questions.get("exact", False), optimize=questions.get("optimize", "memory"),
                         **speed)
     if "optimize" in questions:
         raise ConfigError(["optimize goes with /api/plan"])
-    return api.check(request, exact=questions.get("exact", False), **speed)
+    return api.check(request, exact=questions.get("exact", False), keep_copy=questions.get("keep_copy", False),
+                     **speed)
 
 
 def error_line(exc: VramPlanError) -> str:

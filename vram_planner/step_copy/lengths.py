@@ -24,14 +24,15 @@ GROWTH = "decoding steps"  # the moment of the cache growth's events
 # The shortest lengths the copy answers for: a shorter completion leaves the decoding no step to record before its last
 SHORTEST_PROMPT, SHORTEST_COMPLETION = 1, 4
 BASE_PROMPT, BASE_COMPLETION = 32, 64  # the lattice's first lengths, where the tiles and windows allow
+PROMPT_SPAN, COMPLETION_SPAN = 32, 64  # how far the lattice's lengths reach past its first
 REGIME_MARGIN = 2  # tokens kept clear of a sliding window's edges (window_regime)
 
 
 def lattice(prompt: int, completion: int) -> tuple[tuple[int, int], ...]:
     """Six (prompt, completion) lengths on which a polynomial of degree two in both is one (the principal lattice),
     the base first: prompts 16 tokens apart, completions 32."""
-    p, c = prompt, completion
-    return (p, c), (p + 16, c), (p + 32, c), (p, c + 32), (p, c + 64), (p + 16, c + 32)
+    p, c, dp, dc = prompt, completion, PROMPT_SPAN // 2, COMPLETION_SPAN // 2
+    return (p, c), (p + dp, c), (p + 2 * dp, c), (p, c + dc), (p, c + 2 * dc), (p + dp, c + dc)
 
 
 def lengths_to_trace(train: TrainingConfig, release: TrlRelease | None, windows: set[int] | frozenset[int] = frozenset()
@@ -52,8 +53,8 @@ def lengths_to_trace(train: TrainingConfig, release: TrlRelease | None, windows:
     # that the shortest completions fill it too
     base_prompt = max([BASE_PROMPT] + [window + REGIME_MARGIN + 1 for window, (full, _) in regimes.items() if full])
     if any(not full and filled for full, filled in regimes.values()):
-        base_prompt = max(base_prompt, min(window - REGIME_MARGIN - 33 for window, (full, _) in regimes.items()
-                                           if not full))
+        base_prompt = max(base_prompt, min(window - REGIME_MARGIN - 1 - PROMPT_SPAN
+                                           for window, (full, _) in regimes.items() if not full))
     for window, (_, filled) in regimes.items():
         if filled:
             shortest = max(shortest, window + REGIME_MARGIN + 1 - base_prompt)
@@ -62,7 +63,7 @@ def lengths_to_trace(train: TrainingConfig, release: TrlRelease | None, windows:
         tiles = -(-sequences * completion // tile)
         low, high = (tiles - 1) * tile // sequences + 1, tiles * tile // sequences
         shortest = max(shortest, low)
-        if shortest + 64 > high:
+        if shortest + COMPLETION_SPAN > high:
             raise ValueError(f"no three completion lengths 32 tokens apart are scored in as many of the fused LM "
                              f"head's {tile}-token tiles as {completion}-token completions ({tiles})"
                              + (" and fill the sliding window as they do" if windows else ""))

@@ -1,0 +1,115 @@
+"""`check` from a kept copy of the exact engine, held to the exact engine on the same cards.
+
+    python benchmarks/kept_copy.py                  # the points below (~20 minutes on two cores)
+    python benchmarks/kept_copy.py --points "grid window"
+
+`vram-plan check --exact --keep-copy` keeps the step's copy (vram_planner.step_copy); `check` of the same model and
+knobs at other lengths then answers from it where the estimate lies near the boundary, torch-free. Here each point's
+copy is kept at its own lengths, and at each of two other lengths `check --exact` bisects the need on an H100; then
+on four cards around that need (two and one 2 MiB granules below it, at it, one above) `check` and `check --exact`
+judge the step side by side, with the estimate's own verdict beside them (what `check` said before the copy). The
+points: the boundary grid's window (Qwen3-0.6B LoRA with 8-bit AdamW, 8 x (1,024 + 384) tokens), gemma-3-1b-it's LoRA
+whose decoding fills its 512-token sliding window, and the held-out sweeps' two windows on laptop and desktop configs
+(benchmarks/results/boundary-heldout-rejudged.txt), each at other lengths on the same sides of its windows and in as
+many of the fused head's tiles. Writes benchmarks/results/kept_copy.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vram_planner import engine  # noqa: E402
+from vram_planner.model.verdict import judge  # noqa: E402
+from vram_planner.profiles import GpuProfile  # noqa: E402
+from vram_planner.units import GiB  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "kept_copy.txt"
+GRANULE = 2 << 20
+# (label, model, knobs with the lengths the copy is kept at, the other (prompt, completion) lengths checked)
+POINTS = (
+    ("grid window", "Qwen3-0.6B", {"dtype": "bfloat16", "lora_r": 16, "num_generations": 8,
+                                   "per_device_train_batch_size": 8, "max_prompt_length": 1024,
+                                   "max_completion_length": 384, "optim": "adamw_8bit"}, ((1024, 400), (900, 448))),
+    ("gemma-3 past its window", "gemma-3-1b-it", {"dtype": "bfloat16", "lora_r": 16, "num_generations": 8,
+                                                  "per_device_train_batch_size": 8, "max_prompt_length": 256,
+                                                  "max_completion_length": 400}, ((300, 350), (480, 250))),
+    ("24gib-seed2 h31", "SmolLM2-1.7B", None, ((960, 416), (1024, 320))),
+    ("24gib-seed7 h12", "SmolLM2-135M", None, ((1000, 120), (768, 160))),
+)
+H100 = GpuProfile.from_name("h100-80gb")
+
+
+def settings_of(label: str, settings: dict | None) -> dict:
+    """A point's knobs: its own, or a held-out sweep's point's as committed."""
+    if settings is not None:
+        return settings
+    stem, name = label.split(" ", 1)
+    points = json.loads((RESULTS.parent / f"boundary-heldout-{stem}.json").read_text())
+    return next(p for p in points if p["point"].startswith(name))["settings"]
+
+
+def card(capacity_bytes: int) -> GpuProfile:
+    return replace(H100, name=f"{capacity_bytes} bytes", total_memory_gib=capacity_bytes / GiB)
+
+
+def table(points: tuple) -> list[str]:
+    lines = [f"{'point':26} {'lengths':>10} {'card GiB':>9} {'exact':>6} {'check':>6} {'by':>8} {'estimate':>8} "
+             f"{'check s':>7} {'exact s':>7}"]
+    agree = decided = corrected = 0
+    for label, model, settings, others in points:
+        settings = settings_of(label, settings)
+        start = time.perf_counter()
+        kept = engine.check(model, H100, settings, exact=True, keep_copy=True).kept_copy
+        print(f"{label}: {kept} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        lines.append(f"{label}: {kept.split(' in /')[0]}")
+        for prompt, completion in others:
+            other = {**settings, "max_prompt_length": prompt, "max_completion_length": completion}
+            need = engine.check(model, H100, other, exact=True).need_bytes
+            for capacity in (need - 2 * GRANULE, need - GRANULE, need, need + GRANULE):
+                start = time.perf_counter()
+                exact = engine.check(model, card(capacity), other, exact=True)
+                exact_seconds = time.perf_counter() - start
+                start = time.perf_counter()
+                verdict = engine.check(model, card(capacity), other)
+                seconds = time.perf_counter() - start
+                estimate = judge(verdict.context, verdict.train).fits
+                agree += verdict.fits == exact.fits
+                decided += verdict.replayed is not None
+                corrected += verdict.replayed is not None and estimate != exact.fits
+                lines.append(f"{label:26} {f'{prompt}+{completion}':>10} {capacity / GiB:9.4f} "
+                             f"{'fits' if exact.fits else 'out':>6} {'fits' if verdict.fits else 'out':>6} "
+                             f"{'copy' if verdict.replayed else 'estimate':>8} {'fits' if estimate else 'out':>8} "
+                             f"{seconds:7.2f} {exact_seconds:7.1f}")
+                print(lines[-1], file=sys.stderr)
+    judged = sum(len(others) * 4 for *_, others in points)
+    return [*lines, f"{agree} of {judged} verdicts as the exact engine's; {decided} decided by the kept copy, "
+                    f"{corrected} of them where the estimate alone says otherwise"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", nargs="*", help="labels of the points (default: all)")
+    args = parser.parse_args()
+    chosen = tuple(p for p in POINTS if not args.points or p[0] in args.points)
+    if args.points and len(chosen) != len(args.points):
+        parser.error(f"known points: {', '.join(p[0] for p in POINTS)}")
+    os.environ["VRAM_PLAN_CACHE"] = tempfile.mkdtemp(prefix="kept-copy-")  # the user's own copies stay untouched
+    text = "\n".join(table(chosen))
+    print(text)
+    if not args.points:
+        RESULTS.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
