@@ -5,9 +5,10 @@
 
 `vram-plan check --exact --keep-copy` keeps the step's copy (vram_planner.step_copy); `check` of the same model and
 knobs at other lengths then answers from it where the estimate lies near the boundary, torch-free. Here each point's
-copy is kept at its own lengths, and at each of two other lengths `check --exact` bisects the need on an H100; then
-on four cards around that need (two and one 2 MiB granules below it, at it, one above) `check` and `check --exact`
-judge the step side by side, with the estimate's own verdict beside them (what `check` said before the copy). The
+copy is kept at its own lengths, and at each of two other lengths, on five cards from 1% below the estimate's peak
+to 7% above it (where steps' needs have been measured to lie, and where `check` says the estimate is near the
+boundary), `check` and `check --exact` judge the step side by side, with the estimate's own verdict beside them (what
+`check` said before the copy). The
 points: the boundary grid's window (Qwen3-0.6B LoRA with 8-bit AdamW, 8 x (1,024 + 384) tokens), gemma-3-1b-it's LoRA
 whose decoding fills its 512-token sliding window, and the held-out sweeps' two windows on laptop and desktop configs
 (benchmarks/results/boundary-heldout-rejudged.txt), each at other lengths on the same sides of its windows and in as
@@ -34,7 +35,7 @@ from vram_planner.profiles import GpuProfile  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "kept_copy.txt"
-GRANULE = 2 << 20
+CARDS = (0.99, 1.01, 1.03, 1.05, 1.07)  # the cards, as shares of the estimate's peak
 # (label, model, knobs with the lengths the copy is kept at, the other (prompt, completion) lengths checked)
 POINTS = (
     ("grid window", "Qwen3-0.6B", {"dtype": "bfloat16", "lora_r": 16, "num_generations": 8,
@@ -74,8 +75,8 @@ def table(points: tuple) -> list[str]:
         lines.append(f"{label}: {kept.split(' in /')[0]}")
         for prompt, completion in others:
             other = {**settings, "max_prompt_length": prompt, "max_completion_length": completion}
-            need = engine.check(model, H100, other, exact=True).need_bytes
-            for capacity in (need - 2 * GRANULE, need - GRANULE, need, need + GRANULE):
+            peak = engine.check(model, H100, other).estimate.peak_bytes
+            for capacity in (round(peak * share) for share in CARDS):
                 start = time.perf_counter()
                 exact = engine.check(model, card(capacity), other, exact=True)
                 exact_seconds = time.perf_counter() - start
@@ -91,7 +92,7 @@ def table(points: tuple) -> list[str]:
                              f"{'copy' if verdict.replayed else 'estimate':>8} {'fits' if estimate else 'out':>8} "
                              f"{seconds:7.2f} {exact_seconds:7.1f}")
                 print(lines[-1], file=sys.stderr)
-    judged = sum(len(others) * 4 for *_, others in points)
+    judged = sum(len(others) * len(CARDS) for *_, others in points)
     return [*lines, f"{agree} of {judged} verdicts as the exact engine's; {decided} decided by the kept copy, "
                     f"{corrected} of them where the estimate alone says otherwise"]
 

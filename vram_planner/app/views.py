@@ -12,7 +12,8 @@ from typing import Any
 from vram_planner.errors import spelled
 from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.plot import COMPONENT_COLOURS
-from vram_planner.report.words import change_effect, first_micro_batch_line, footer_lines, near_boundary_reason
+from vram_planner.report.words import (change_effect, copy_verdict, first_micro_batch_line, footer_lines,
+                                       near_boundary_reason)
 from vram_planner.model.accelerate_config import SCRIPT_FILE
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES, component_label
 from vram_planner.profiles import GpuProfile
@@ -80,6 +81,8 @@ def exact_markdown(report: Report) -> str:
 
 def _verdict(report: Report) -> str:
     peak = f"peak {gib(report.peak_bytes)} of {gib(report.capacity_bytes)} GiB in {_phase_title(report)}"
+    if report.copy is not None and report.fits == report.copy.runs:
+        return f"{'✔ Fits' if report.fits else '✘ Does not fit as given'}: {copy_verdict(report)}"
     if report.fits:
         return (f"✔ Fits: {peak}, {gib(report.spare_bytes)} GiB spare (a safety margin of "
                 f"{gib(report.safety_margin_bytes)} GiB is kept free)")

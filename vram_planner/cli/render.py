@@ -12,8 +12,8 @@ from rich.text import Text
 from vram_planner.cli.console import terminal
 from vram_planner.errors import flag, spelled
 from vram_planner.report.document import Report, per_gpu
-from vram_planner.report.words import (change_effect, first_micro_batch_line, footer_lines, near_boundary_reason,
-                                       small_amount)
+from vram_planner.report.words import (change_effect, copy_verdict, first_micro_batch_line, footer_lines,
+                                       near_boundary_reason, small_amount)
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import (COMPONENTS, OUTSIDE_ALLOCATOR, PHASE_TITLES, component_label,
                                        outside_allocator_names)
@@ -51,7 +51,10 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
     if report.exact is not None:
         return exact_headline(report, title)
     peak_phase = PHASE_TITLES.get(report.peak_phase, report.peak_phase)
-    if report.fits:
+    if report.copy is not None and report.fits == report.copy.runs:  # the copy decided, nothing else refused it
+        title.append("✔ fits: " if report.fits else "✘ does not fit: ", style="bold green" if report.fits else "bold red")
+        title.append(copy_verdict(report))
+    elif report.fits:
         title.append("✔ fits: ", style="bold green")
         title.append(f"peak {_g(report.peak_bytes)} GiB in {peak_phase}, {_g(report.spare_bytes)} GiB spare "
                      f"(a safety margin of {_g(report.safety_margin_bytes)} GiB is kept free)")

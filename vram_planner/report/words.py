@@ -26,6 +26,13 @@ def first_micro_batch_line(first) -> str:  # first: vram_planner.report.document
             f"{_g(first.peak_bytes)} GiB in {where}")
 
 
+def copy_verdict(report: Report) -> str:
+    """Why a verdict the kept copy of the exact engine decided says what it says (report.copy is set)."""
+    ran = "runs" if report.copy.runs else "runs out"
+    return (f"the exact engine's copy of this step {ran} on this card, replayed through the caching allocator model "
+            f"(estimated peak {_g(report.peak_bytes)} GiB; `--exact` traces it for its need)")
+
+
 def near_boundary_reason(report: Report) -> str:
     """Why the estimate's verdict could be the other way round (the web page says it too)."""
     if report.fits:

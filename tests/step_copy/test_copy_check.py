@@ -1,0 +1,51 @@
+"""`check` near the boundary with a kept copy: the copy's replay is the verdict, said as such in the headline, the
+notes and `--json`'s `copy`; away from the boundary, or for other knobs, the estimate's (torch-free: a copy written
+here, as `check --exact --keep-copy` writes one; tests/step_copy/test_kept_copy.py holds made copies to the exact
+engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import json_of, run
+from vram_planner import engine
+from vram_planner.step_copy import store
+from vram_planner.step_copy.document import StepCopy
+from vram_planner.step_copy.lengths import lattice
+from vram_planner.units import GiB
+
+KNOBS = {"dtype": "bfloat16", "lora_r": 16, "num_generations": 8, "per_device_train_batch_size": 8,
+         "max_prompt_length": 1024, "max_completion_length": 384, "optim": "adamw_8bit"}
+FLAGS = ["--model", "Qwen3-0.6B", "--dtype", "bfloat16", "--lora-r", "16", "--num-generations", "8",
+         "--per-device-train-batch-size", "8", "--max-prompt-length", "1024", "--max-completion-length", "384",
+         "--optim", "adamw_8bit"]
+NEAR, FAR = "3.66GiB", "8GiB"  # the estimate's peak is 3.48 GiB
+
+
+def kept_copy(weights_gib: float) -> None:
+    """A copy of the step whose weights take `weights_gib` (a step of 28 layers, as Qwen3-0.6B's), kept under the
+    knobs' key."""
+    names = ["loading", "weights", "optimizer", "step", "zero_grad(set_to_none=True)", "generation", "prefill"]
+    events = [(True, 0, 0, 1, -1), (True, 1, 2, 3, -1), (False, 1, 2, 4, -1), (True, 2, 5, 6, 0), (False, 2, 5, 6, 0)]
+    copy = StepCopy(windows=[None] * 28, unit=(1, 2), lattice=list(lattice(32, 64)), completion_range=(1, 512),
+                    names=names, events=events, next_block=3, growth_at=[], regions=[], denominator=1,
+                    coefficients=[(round(weights_gib * GiB), 0, 0, 0, 0, 0), (1 << 20, 0, 0, 0, 0, 0),
+                                  (0, 1 << 16, 0, 0, 0, 0)], per_added_token=[0, 0, 0])
+    context = engine.make_context("Qwen3-0.6B", NEAR)
+    store.keep(copy, store.copy_key(context.arch, engine.make_training(context, KNOBS), context.release))
+
+
+@pytest.mark.parametrize(("weights_gib", "fits"), [(1.0, True), (3.6, False)])
+def test_a_kept_copy_decides_check_near_the_boundary(capsys, weights_gib, fits):
+    kept_copy(weights_gib)
+    code, document = json_of(capsys, "check", "--gpu", NEAR, *FLAGS)
+    assert document["fits"] is fits and code == (0 if fits else 1)
+    assert document["copy"]["runs"] is fits and document["copy"]["requests"] > 5 and not document["near_boundary"]
+    assert any("decided by the exact engine's copy" in note for note in document["notes"])
+    _, out, _ = run(capsys, "check", "--gpu", NEAR, *FLAGS)
+    said = " ".join(out.split())
+    assert ("✔ fits: the exact engine's copy of this step runs on this card" if fits else
+            "✘ does not fit: the exact engine's copy of this step runs out on this card") in said
+    # away from the boundary, and for other knobs, the estimate decides
+    assert json_of(capsys, "check", "--gpu", FAR, *FLAGS)[1]["copy"] is None
+    assert json_of(capsys, "check", "--gpu", NEAR, *FLAGS, "--lora-r", "8")[1]["copy"] is None
