@@ -52,7 +52,8 @@ def headline(report: Report, gpu: GpuProfile) -> Text:
         return exact_headline(report, title)
     peak_phase = PHASE_TITLES.get(report.peak_phase, report.peak_phase)
     if report.copy is not None and report.fits == report.copy.runs:  # the copy decided, nothing else refused it
-        title.append("✔ fits: " if report.fits else "✘ does not fit: ", style="bold green" if report.fits else "bold red")
+        mark, style = ("✔ fits: ", "bold green") if report.fits else ("✘ does not fit: ", "bold red")
+        title.append(mark, style=style)
         title.append(copy_verdict(report))
     elif report.fits:
         title.append("✔ fits: ", style="bold green")
