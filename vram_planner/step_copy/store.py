@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from vram_planner.model.architecture import ModelArchitecture
-from vram_planner.model.spec import TrainingConfig
+from vram_planner.model.spec import TrainingConfig, as_settings
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.profile_cache import cache_home, digest, sources_version
 from vram_planner.step_copy.document import FORMAT, StepCopy
@@ -37,8 +36,9 @@ def copy_key(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     windows = frozenset([arch.sliding_window]) if arch.sliding_layers and arch.sliding_window else frozenset()
     traced, completion_range = lengths_to_trace(train, release, windows)
     here = Path(__file__).parent
-    lengthless = replace(train, max_prompt_length=1, max_completion_length=1)
-    what = "\n".join([f"format {FORMAT}", repr(arch), repr(lengthless), repr((traced[0], completion_range))])
+    knobs = sorted((name, value) for name, value in as_settings(train).items()
+                   if name not in ("max_prompt_length", "max_completion_length"))
+    what = "\n".join([f"format {FORMAT}", repr(arch), repr(knobs), repr((traced[0], completion_range))])
     return what, "\n".join([_installed(), sources_version(here, here.parent / "tracing")])
 
 
