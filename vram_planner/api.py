@@ -121,7 +121,7 @@ def plan(model: str | dict[str, Any] | Request, gpu: str | None = None, settings
         shown = result.plan.chosen or result.plan.smallest
         return _judged(exact_plan_report(result), result.plan.requested.context, shown.train, result, request)
     context, train, fewest = resolve_gpu_count(request)
-    result = search.best_plan(context, train)
+    result = engine.planned(context, train)
     report, shown = plan_step_times(_with_gpu_count(plan_report(result), fewest, context), result, context, train,
                                     optimize, reward_seconds, dataset_prompts)
     return _judged(report, context, shown, result, request)

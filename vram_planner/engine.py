@@ -211,7 +211,32 @@ def plan(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | TrainingC
         _require_tracing("an exact plan (--exact)")
     context = make_context(model, gpu, **context_options)
     user = make_training(context, settings)
-    return _exact_plan(model, context, user, progress) if exact else best_plan(context, user)
+    return _exact_plan(model, context, user, progress) if exact else planned(context, user)
+
+
+def planned(context: Context, user: TrainingConfig) -> Plan:
+    """best_plan, with the config as given judged as `check` judges it (`judged`): where a kept copy of the exact
+    engine decides it near the boundary, the plan follows the copy: the config as given where the copy runs it, else
+    the first config down the plan's ladder (a smaller micro-batch first) that fits as `check` judges it."""
+    from vram_planner.model.rung_above import ladder, plan_choosing
+    from vram_planner.model.search import micro_batch_sizes, with_micro_batch
+
+    plan = best_plan(context, user)
+    own = judged(context, user)
+    if own.replayed is None or own.fits == plan.requested.fits:
+        return replace(plan, requested=own, chosen=own if plan.chosen is plan.requested else plan.chosen)
+    rungs = ladder(context, user)
+    if own.fits:
+        return replace(plan_choosing(context, user, plan, rungs[0], 0, user), requested=own, chosen=own)
+    if plan.rank is not None and plan.rank[0] > 0:  # the estimate's choice is already below the config as given
+        return replace(plan, requested=own)
+    for index, rung in enumerate(rungs):
+        for size in micro_batch_sizes(rung)[1 if index == 0 else 0:]:
+            verdict = judged(context, with_micro_batch(rung, size))
+            if verdict.fits:
+                return replace(plan_choosing(context, user, plan, rung, index, verdict.train), requested=own,
+                               chosen=verdict)
+    return Plan(own, None, (), plan.smallest, None)
 
 
 # Without --gpu a trace judges against the local card, and on a machine without one (where traces usually run)

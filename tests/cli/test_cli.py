@@ -220,12 +220,12 @@ def test_debug_shows_the_traceback(llama_1b_file):
 @pytest.mark.parametrize("bug", [KeyError("gate_proj"), ValueError("first line\nsecond line"), RuntimeError()])
 def test_a_bug_is_one_line_without_the_exceptions_class_name(capsys, monkeypatch, llama_1b_file, bug):
     # The last resort: what no input should reach. A bug in the planner stands in for one.
-    from vram_planner.model import search
+    from vram_planner import engine
 
     def broken(*args, **kwargs):
         raise bug
 
-    monkeypatch.setattr(search, "best_plan", broken)
+    monkeypatch.setattr(engine, "best_plan", broken)
     err = one_line_error(capsys, "--gpu", "16GiB", "--model", str(llama_1b_file))
     assert err.startswith("error: internal error") and "--debug" in err
     assert type(bug).__name__ not in err and "Error:" not in err and "Exception" not in err

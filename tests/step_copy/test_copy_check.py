@@ -19,7 +19,8 @@ KNOBS = {"dtype": "bfloat16", "lora_r": 16, "num_generations": 8, "per_device_tr
 FLAGS = ["--model", "Qwen3-0.6B", "--dtype", "bfloat16", "--lora-r", "16", "--num-generations", "8",
          "--per-device-train-batch-size", "8", "--max-prompt-length", "1024", "--max-completion-length", "384",
          "--optim", "adamw_8bit"]
-NEAR, FAR = "3.66GiB", "8GiB"  # the estimate's peak is 3.48 GiB
+NEAR, FAR = "3.66GiB", "8GiB"  # the estimate's peak is 3.48 GiB: it does not fit the first, by its safety margin
+FITS_NEAR = "3.70GiB"  # the estimate fits it, near the boundary
 
 
 def kept_copy(weights_gib: float) -> None:
@@ -49,3 +50,19 @@ def test_a_kept_copy_decides_check_near_the_boundary(capsys, weights_gib, fits):
     # away from the boundary, and for other knobs, the estimate decides
     assert json_of(capsys, "check", "--gpu", FAR, *FLAGS)[1]["copy"] is None
     assert json_of(capsys, "check", "--gpu", NEAR, *FLAGS, "--lora-r", "8")[1]["copy"] is None
+
+
+@pytest.mark.parametrize(("gpu", "weights_gib"), [(NEAR, 1.0), (FITS_NEAR, 3.6), (FITS_NEAR, 1.0)])
+def test_plan_follows_the_kept_copy_of_the_config_as_given(capsys, gpu, weights_gib):
+    kept_copy(weights_gib)
+    runs = weights_gib < 2
+    _, document = json_of(capsys, "plan", "--gpu", gpu, *FLAGS)
+    assert document["fits"]
+    if runs:  # the config as given, as the copy runs it
+        assert document["changes"] == [] and document["copy"]["runs"]
+        assert document["config"]["per_device_train_batch_size"] == 8
+    else:  # the copy runs it out where the estimate fits it: a smaller micro-batch, judged by the estimate
+        assert [c["knob"] for c in document["changes"]] == ["per_device_train_batch_size"]
+        assert document["config"]["per_device_train_batch_size"] < 8 and document["copy"] is None
+    _, out, _ = run(capsys, "plan", "--gpu", gpu, *FLAGS)
+    assert ("Your config fits as it is" in out) is runs
