@@ -67,7 +67,7 @@ def run(**options: Any) -> None:
     from vram_planner.model.grpo_config import output_dir_name
 
     require_train_extra("vram-plan run")
-    from vram_planner.model.search import best_plan
+    from vram_planner.engine import planned
     from vram_planner.run.checks import clear_previous_run, prepare
     from vram_planner.run.interrupts import RunInterrupted, interrupted_message
     from vram_planner.run.launch import is_main_process, library_output, train
@@ -92,7 +92,7 @@ def run(**options: Any) -> None:
     recipe_note = None
     if options.get("recipe") is not None:  # a TRL recipe as --config: how it trains comes along
         settings["recipe_arguments"], recipe_note = RunSetup.recipe_arguments_of(options["recipe"])
-    setup = RunSetup.from_plan(best_plan(context, knobs), model_id=model_id, on_cpu=on_cpu, command=argv,
+    setup = RunSetup.from_plan(planned(context, knobs), model_id=model_id, on_cpu=on_cpu, command=argv,
                                dry_run=dry_run, **settings)
     if recipe_note:
         setup.notes.append(recipe_note)
