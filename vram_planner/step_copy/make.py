@@ -2,13 +2,14 @@
 torch, transformers, TRL and PEFT through the trace).
 
 The model keeps 2p + 3 layers (p the period of its layer types, plus the rest of its depth modulo p, so that copies of
-a period reach it), its widths, its batch and its knobs. Six traces on the principal lattice (the prompt at 32, 48, 64
-tokens, the completion at three lengths 32 apart) give each request outside the KV cache's growth as a polynomial of
-degree two in the two lengths, solved exactly; a seventh, its decoding steps grouped two tokens at a time (as a
-deeper model's trace groups them past MAX_CACHE_UPDATES), what the last decoding step's requests grow by per token it
-adds past one. The completions traced are scored in as many of the fused LM head's token tiles as the completion asked
-(a tile's size stops growing at one, and where a tile makes requests of its own, float32 weights cast under autocast,
-each tile more makes more), so the copy answers for the completions of that many tiles.
+a period reach it), its widths, its batch and its knobs. Six traces on the principal lattice (prompts 16 tokens
+apart, completions 32: lengths.lengths_to_trace places it) give each request outside the KV cache's growth as a
+polynomial of degree two in the two lengths, solved exactly; a seventh, its decoding steps grouped two tokens at a
+time (as a deeper model's trace groups them past MAX_CACHE_UPDATES), what the last decoding step's requests grow by
+per token it adds past one. The completions traced are scored in as many of the fused LM head's token tiles as the
+completion asked (a tile's size stops growing at one, and where a tile makes requests of its own, float32 weights
+cast under autocast, each tile more makes more), and the lengths fill each sliding window as the config's do, so the
+copy answers for the lengths of that many tiles on those sides of the windows.
 """
 
 from __future__ import annotations
