@@ -585,7 +585,7 @@ def fitting_gpus(model: str, settings: dict[str, Any] | None = None, maximize: s
             cards.append(CardFit(gpu, fewest.chosen or judge(context, train), fewest=fewest))
             continue
         if field is None:
-            cards.append(CardFit(gpu, judge(context, train)))
+            cards.append(CardFit(gpu, judged(context, train)))  # a kept copy decides near the boundary
             continue
         key = peak_memo_key(context, train)  # cards that give every config the same peaks share what was judged
         maximized = maximize_field(context, train, field, allow_savers, memos.setdefault(key, {}), answers.get(key),

@@ -5,6 +5,8 @@ engine)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers import json_of, run
@@ -16,24 +18,29 @@ from vram_planner.units import GiB
 
 KNOBS = {"dtype": "bfloat16", "lora_r": 16, "num_generations": 8, "per_device_train_batch_size": 8,
          "max_prompt_length": 1024, "max_completion_length": 384, "optim": "adamw_8bit"}
-FLAGS = ["--model", "Qwen3-0.6B", "--dtype", "bfloat16", "--lora-r", "16", "--num-generations", "8",
-         "--per-device-train-batch-size", "8", "--max-prompt-length", "1024", "--max-completion-length", "384",
-         "--optim", "adamw_8bit"]
+
+
+def flags_of(knobs: dict) -> list[str]:
+    return ["--model", "Qwen3-0.6B", *(part for name, value in knobs.items()
+                                       for part in (f"--{name.replace('_', '-')}", str(value)))]
+
+
+FLAGS = flags_of(KNOBS)
 NEAR, FAR = "3.66GiB", "8GiB"  # the estimate's peak is 3.48 GiB: it does not fit the first, by its safety margin
 FITS_NEAR = "3.70GiB"  # the estimate fits it, near the boundary
 
 
-def kept_copy(weights_gib: float) -> None:
+def kept_copy(weights_gib: float, knobs: dict = KNOBS, completions: tuple[int, int] = (1, 512)) -> None:
     """A copy of the step whose weights take `weights_gib` (a step of 28 layers, as Qwen3-0.6B's), kept under the
-    knobs' key."""
+    knobs' key, answering for `completions`."""
     names = ["loading", "weights", "optimizer", "step", "zero_grad(set_to_none=True)", "generation", "prefill"]
     events = [(True, 0, 0, 1, -1), (True, 1, 2, 3, -1), (False, 1, 2, 4, -1), (True, 2, 5, 6, 0), (False, 2, 5, 6, 0)]
-    copy = StepCopy(windows=[None] * 28, unit=(1, 2), lattice=list(lattice(32, 64)), completion_range=(1, 512),
+    copy = StepCopy(windows=[None] * 28, unit=(1, 2), lattice=list(lattice(32, 64)), completion_range=completions,
                     names=names, events=events, next_block=3, growth_at=[], regions=[], denominator=1,
                     coefficients=[(round(weights_gib * GiB), 0, 0, 0, 0, 0), (1 << 20, 0, 0, 0, 0, 0),
                                   (0, 1 << 16, 0, 0, 0, 0)], per_added_token=[0, 0, 0])
     context = engine.make_context("Qwen3-0.6B", NEAR)
-    store.keep(copy, store.copy_key(context.arch, engine.make_training(context, KNOBS), context.release))
+    store.keep(copy, store.copy_key(context.arch, engine.make_training(context, knobs), context.release))
 
 
 @pytest.mark.parametrize(("weights_gib", "fits"), [(1.0, True), (3.6, False)])
@@ -66,3 +73,15 @@ def test_plan_follows_the_kept_copy_of_the_config_as_given(capsys, gpu, weights_
         assert document["config"]["per_device_train_batch_size"] < 8 and document["copy"] is None
     _, out, _ = run(capsys, "plan", "--gpu", gpu, *FLAGS)
     assert ("Your config fits as it is" in out) is runs
+
+
+@pytest.mark.parametrize("weights_gib", [1.0, 5.6])
+def test_gpus_judges_the_cards_near_the_boundary_by_the_kept_copy(capsys, weights_gib):
+    # 16 x (1,024 + 500) tokens: 5.43 GiB estimated, near the boundary of a 6 GB laptop card only
+    knobs = {**KNOBS, "num_generations": 16, "per_device_train_batch_size": 16, "max_completion_length": 500}
+    kept_copy(weights_gib, knobs, completions=(257, 512))
+    _, out, _ = run(capsys, "gpus", *flags_of(knobs), "--json")
+    cards = {card["name"]: card for card in json.loads(out)}
+    assert cards["rtx3060-mobile-6gb"]["fits"] is (weights_gib < 5)
+    # the cards far from it are the estimate's: all that run bfloat16 fit
+    assert all(card["fits"] for card in cards.values() if card["capacity_bytes"] > 7 * GiB and not card["problem"])
