@@ -207,6 +207,9 @@ def build_page(allow_local_files: bool = True) -> gr.Blocks:
                 longest = gr.Markdown(elem_id="longest")
                 exact_button = gr.Button("Check exactly: trace the step (the train extra; seconds to a minute)",
                                          elem_id="exact_button", variant="secondary")
+                keep_copy = gr.Checkbox(False, elem_id="keep_copy",
+                                        label="…and keep the step's copy (seconds to a minute more): checks of this "
+                                              "model and knobs at other lengths then replay it near the boundary")
                 exact = gr.Markdown(elem_id="exact")
                 code = gr.Code(language="python", label="GRPOConfig to copy", elem_id="code")
                 notes = gr.Markdown(elem_id="notes")
@@ -223,10 +226,10 @@ def build_page(allow_local_files: bool = True) -> gr.Blocks:
         # a changed field makes the exact answer stale: it goes until asked for again
         gr.on([c.change for c in inputs], lambda: "", None, [exact], show_progress="hidden", api_visibility="private")
 
-        def evaluate_exactly(*values: Any) -> str:
-            return exact_output(knobs, allow_local_files, *values)
+        def evaluate_exactly(keep: bool, *values: Any) -> str:
+            return exact_output(knobs, allow_local_files, *values, keep_copy=keep)
 
-        exact_button.click(evaluate_exactly, inputs, [exact], api_visibility="private")
+        exact_button.click(evaluate_exactly, [keep_copy, *inputs], [exact], api_visibility="private")
 
         def fill(text: str) -> list[Any]:
             return recipe_fields(knobs, text)
@@ -308,11 +311,12 @@ def page_request(knobs: list[Knob], allow_local_files: bool, gpu: str, model: st
 
 
 def exact_output(knobs: list[Knob], allow_local_files: bool, gpu: str, model: str, pasted: str, release: str,
-                 margin: float | None, *values: Any) -> str:
-    """The exact verdict (`check` with exact) of the config the fields hold, or the one-line reason there is none."""
+                 margin: float | None, *values: Any, keep_copy: bool = False) -> str:
+    """The exact verdict (`check` with exact) of the config the fields hold, or the one-line reason there is none;
+    with `keep_copy`, the step's copy kept too (`check --exact --keep-copy`)."""
     try:
         request, _ = page_request(knobs, allow_local_files, gpu, model, pasted, release, margin, values)
-        return views.exact_markdown(api.check(request, exact=True))
+        return views.exact_markdown(api.check(request, exact=True, keep_copy=keep_copy))
     except VramPlanError as exc:
         return f"✘ error: {views.page_words(error_line(exc))}"
 

@@ -72,11 +72,12 @@ def exact_markdown(report: Report) -> str:
     """`check --exact`: what the traced step needs against the card, and what the allocator will hold there."""
     exact = report.exact
     mark = "✔ Fits exactly" if report.fits else "✘ Does not fit exactly"
+    kept = f" {exact.kept_copy[0].upper()}{exact.kept_copy[1:]}." if exact.kept_copy else ""
     return (f"**{mark}:** the traced step needs {gib(exact.need_bytes)} GiB of the card's "
             f"{gib(report.capacity_bytes)} GiB (no safety margin; estimated {gib(report.peak_bytes)} GiB); the "
             f"allocator will hold {gib(exact.reserved_peak_bytes)} GiB besides the CUDA context (and NCCL's "
             f"buffers on several GPUs), as it keeps freed blocks cached until the card runs out. Traced in "
-            f"{exact.seconds:.1f} s.")
+            f"{exact.seconds:.1f} s.{kept}")
 
 
 def _verdict(report: Report) -> str:

@@ -104,6 +104,8 @@ def exact_headline(report: Report, title: Text) -> Text:
         title.append(f"the step needs {_g(exact.need_bytes)} GiB, {_g(exact.need_bytes - capacity)} GiB more than "
                      f"the card's {_g(capacity)} GiB ({how})\n")
     title.append(held_line(report))
+    if report.exact.kept_copy:
+        title.append(f"\n{report.exact.kept_copy[0].upper()}{report.exact.kept_copy[1:]}.")
     if report.exact_rung_above is not None:
         title.append("\n" + rung_above_line(report))
     return title

@@ -138,6 +138,7 @@ class ExactReport:
     # CUDA context and NCCL's buffers left out (nvidia-smi shows them together)
     reserved_peak_bytes: int
     seconds: float  # the trace, the replay on this card and the need's bisection
+    kept_copy: str | None = None  # `--keep-copy`: the copy kept for later checks (where, what for), or why not
 
 
 @dataclass(kw_only=True)
@@ -396,7 +397,8 @@ TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as t
 
 def exact_report(outcome: Any) -> ExactReport:  # outcome: vram_planner.engine.TraceOutcome
     return ExactReport(need_bytes=outcome.need_bytes, tensor_peak_bytes=outcome.need.tensor_peak_bytes,
-                       reserved_peak_bytes=outcome.need.held_bytes, seconds=round(outcome.seconds, 2))
+                       reserved_peak_bytes=outcome.need.held_bytes, seconds=round(outcome.seconds, 2),
+                       kept_copy=outcome.kept_copy)
 
 
 def _judged_exactly(report: Report, outcome: Any) -> None:
@@ -411,8 +413,6 @@ def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.engine.
     report = verdict_report(outcome.analytic)
     report.fits = outcome.fits
     _judged_exactly(report, outcome)
-    if outcome.kept_copy:
-        report.notes.append(outcome.kept_copy)
     return report
 
 
