@@ -78,7 +78,7 @@ def check(model: str | dict[str, Any] | Request, gpu: str | None = None, setting
 
     request = _request(model, gpu, settings, fields)
     if keep_copy and not exact:
-        raise ConfigError(["keep_copy keeps the copy that exact makes: pass both"])
+        raise ConfigError([engine.KEEP_COPY_WITHOUT_EXACT])
     if exact:
         from vram_planner.report.document import exact_check_report
 

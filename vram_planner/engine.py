@@ -47,6 +47,8 @@ def make_context(model: str | dict[str, Any], gpu: str | GpuProfile, *, trl_vers
                    safety_margin=safety_margin, model_id=model if isinstance(model, str) else arch.name)
 
 
+# each face spells the two fields its own way (--keep-copy, keep_copy)
+KEEP_COPY_WITHOUT_EXACT = f"{field_name('keep_copy')} keeps the copy that {field_name('exact')} makes: pass both"
 GIVEN_CONFIG = "the given config.json"  # what a config passed as a dict is called where it names no hub id
 
 
@@ -142,7 +144,7 @@ def check(model: str, gpu: str | GpuProfile, settings: dict[str, Any] | Training
     called with what it is doing; with `keep_copy` too, the step's copy made and kept for later checks
     (`keep_step_copy`)."""
     if keep_copy and not exact:
-        raise ConfigError(["--keep-copy keeps the copy --exact makes: pass both"])
+        raise ConfigError([KEEP_COPY_WITHOUT_EXACT])
     if exact:
         _require_tracing("an exact verdict (--exact)")
     context = make_context(model, gpu, **context_options)

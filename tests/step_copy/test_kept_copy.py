@@ -32,7 +32,7 @@ def card(capacity_bytes: int) -> GpuProfile:
 def test_check_near_the_boundary_answers_from_the_kept_copy_as_the_exact_engine_does():
     pytest.importorskip("trl")
     report = api.check(CONFIG, "2GiB", SETTINGS, exact=True, keep_copy=True)
-    assert report.exact.kept_copy.startswith("kept the exact engine's copy of this step in ")
+    assert report.kept_copy.startswith("kept the exact engine's copy of this step in ")
     assert "Kept the exact engine's copy" in views.exact_markdown(report)  # the web page says it too
     other = {**SETTINGS, "max_prompt_length": 40, "max_completion_length": 80}
     need = engine.check(CONFIG, card(2 * GiB), other, exact=True).need_bytes

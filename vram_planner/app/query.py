@@ -16,8 +16,8 @@ from vram_planner.request import Request, request_fields
 
 COMMANDS = ("check", "plan")
 # What to ask besides the request: exact=true (the traced step's need decides, as with --exact; on check with
-# keep_copy=true the step's copy kept, as with --keep-copy), and on plan maximize=FIELD with allow_savers. The command line's files (--config, --calibration, --plot) are not read or
-# written over HTTP.
+# keep_copy=true the step's copy kept, as with --keep-copy), and on plan maximize=FIELD with allow_savers. The command
+# line's files (--config, --calibration, --plot) are not read or written over HTTP.
 # The step time's parameters: what the rewards take (reward_seconds) and the dataset's size (dataset_prompts), and on
 # /api/plan which config to recommend (optimize)
 TIMING_PARAMETERS = ("reward_seconds", "dataset_prompts")
@@ -121,6 +121,8 @@ def query_report(command: str, query: Iterable[tuple[str, str]], allow_local_fil
     maximize = questions.get("maximize")
     if maximize is not None and command != "plan":
         raise ConfigError(["maximize goes with /api/plan"])
+    if questions.get("keep_copy") and command != "check":
+        raise ConfigError(["keep_copy goes with /api/check and exact=true"])
     if maximize is not None:
         check_optimize(questions.get("optimize", "memory"), maximize=True)  # refused in the CLI's words, not ignored
         if questions.get("exact"):
@@ -129,8 +131,6 @@ def query_report(command: str, query: Iterable[tuple[str, str]], allow_local_fil
         return api.maximize(request, field=maximize, allow_savers=questions.get("allow_savers", False))
     speed = {name: questions[name] for name in TIMING_PARAMETERS if name in questions}
     if command == "plan":
-        if questions.get("keep_copy"):
-            raise ConfigError(["keep_copy goes with /api/check and exact=true"])
         return api.plan(request, exact=questions.get("exact", False), optimize=questions.get("optimize", "memory"),
                         **speed)
     if "optimize" in questions:

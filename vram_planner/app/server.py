@@ -52,7 +52,7 @@ def _gpus(query: list[tuple[str, str]], allow_local_files: bool) -> Any:
         return api.gpus()
     request, questions = query_request(query, allow_local_files)
     if questions.get("exact") or questions.get("keep_copy"):
-        raise ConfigError(["exact judges one card: ask /api/check with exact=true"])
+        raise ConfigError(["exact and keep_copy judge one card: ask /api/check with exact=true"])
     timed = [name for name in SPEED_PARAMETERS if name in questions]
     if timed:
         raise ConfigError([f"{timed[0]} goes with /api/plan and /api/check: /api/gpus judges memory on every card"])

@@ -13,7 +13,7 @@ from vram_planner.errors import spelled
 from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.plot import COMPONENT_COLOURS
 from vram_planner.report.words import (change_effect, copy_verdict, first_micro_batch_line, footer_lines,
-                                       near_boundary_reason)
+                                       near_boundary_reason, sentence)
 from vram_planner.model.accelerate_config import SCRIPT_FILE
 from vram_planner.model.phases import COMPONENTS, PHASE_TITLES, component_label
 from vram_planner.profiles import GpuProfile
@@ -72,7 +72,7 @@ def exact_markdown(report: Report) -> str:
     """`check --exact`: what the traced step needs against the card, and what the allocator will hold there."""
     exact = report.exact
     mark = "✔ Fits exactly" if report.fits else "✘ Does not fit exactly"
-    kept = f" {exact.kept_copy[0].upper()}{exact.kept_copy[1:]}." if exact.kept_copy else ""
+    kept = f" {sentence(report.kept_copy)}" if report.kept_copy else ""
     return (f"**{mark}:** the traced step needs {gib(exact.need_bytes)} GiB of the card's "
             f"{gib(report.capacity_bytes)} GiB (no safety margin; estimated {gib(report.peak_bytes)} GiB); the "
             f"allocator will hold {gib(exact.reserved_peak_bytes)} GiB besides the CUDA context (and NCCL's "

@@ -47,8 +47,6 @@ def _execute(command: str, options: dict[str, Any]) -> None:
         check_plot_target(options["plot"])
     if command == "trace":
         _trace(options)
-    if options.get("keep_copy") and not options.get("exact"):
-        raise VramPlanError("--keep-copy keeps the copy that --exact makes: pass both")
     if options.get("exact"):
         _exact(command, options)
     if options.get("maximize") is not None or options.get("allow_savers"):
@@ -59,7 +57,7 @@ def _execute(command: str, options: dict[str, Any]) -> None:
     if command == "plan":
         report = api.plan(request_from(command, options), optimize=options["optimize"], **speed)
     else:
-        report = api.check(request_from(command, options), **speed)
+        report = api.check(request_from(command, options), keep_copy=bool(options.get("keep_copy")), **speed)
 
     if command == "plan" and options.get("recipe") is not None:
         report.recipe_edits = api.recipe_edits(options["recipe"], report)

@@ -13,7 +13,7 @@ from vram_planner.cli.console import terminal
 from vram_planner.errors import flag, spelled
 from vram_planner.report.document import Report, per_gpu
 from vram_planner.report.words import (change_effect, copy_verdict, first_micro_batch_line, footer_lines,
-                                       near_boundary_reason, small_amount)
+                                       near_boundary_reason, sentence, small_amount)
 from vram_planner.model.grpo_config import python_snippet
 from vram_planner.model.phases import (COMPONENTS, OUTSIDE_ALLOCATOR, PHASE_TITLES, component_label,
                                        outside_allocator_names)
@@ -104,8 +104,8 @@ def exact_headline(report: Report, title: Text) -> Text:
         title.append(f"the step needs {_g(exact.need_bytes)} GiB, {_g(exact.need_bytes - capacity)} GiB more than "
                      f"the card's {_g(capacity)} GiB ({how})\n")
     title.append(held_line(report))
-    if report.exact.kept_copy:
-        title.append(f"\n{report.exact.kept_copy[0].upper()}{report.exact.kept_copy[1:]}.")
+    if report.kept_copy:
+        title.append(f"\n{sentence(report.kept_copy)}")
     if report.exact_rung_above is not None:
         title.append("\n" + rung_above_line(report))
     return title

@@ -138,7 +138,6 @@ class ExactReport:
     # CUDA context and NCCL's buffers left out (nvidia-smi shows them together)
     reserved_peak_bytes: int
     seconds: float  # the trace, the replay on this card and the need's bisection
-    kept_copy: str | None = None  # `--keep-copy`: the copy kept for later checks (where, what for), or why not
 
 
 @dataclass(kw_only=True)
@@ -252,6 +251,7 @@ class Report(Document):
     exact_rung_above: RungAboveReport | None = None  # `plan --exact` only
     # `check` near the boundary with a kept copy of the exact engine: its replay decided `fits`
     copy: CopyReport | None = None
+    kept_copy: str | None = None  # `check --exact --keep-copy`: the copy kept for later checks (where, what for)
     # the step's need could lie on the other side of the card than the estimate's verdict, as far from the estimate
     # as needs have been measured (Verdict.near_boundary): `--exact` decides; false where the need decided
     near_boundary: bool = False
@@ -397,8 +397,7 @@ TRACE_COUNTS = ("tensor_bytes are the live tensor bytes of the traced step, as t
 
 def exact_report(outcome: Any) -> ExactReport:  # outcome: vram_planner.engine.TraceOutcome
     return ExactReport(need_bytes=outcome.need_bytes, tensor_peak_bytes=outcome.need.tensor_peak_bytes,
-                       reserved_peak_bytes=outcome.need.held_bytes, seconds=round(outcome.seconds, 2),
-                       kept_copy=outcome.kept_copy)
+                       reserved_peak_bytes=outcome.need.held_bytes, seconds=round(outcome.seconds, 2))
 
 
 def _judged_exactly(report: Report, outcome: Any) -> None:
@@ -413,6 +412,7 @@ def exact_check_report(outcome: Any) -> Report:  # outcome: vram_planner.engine.
     report = verdict_report(outcome.analytic)
     report.fits = outcome.fits
     _judged_exactly(report, outcome)
+    report.kept_copy = outcome.kept_copy
     return report
 
 

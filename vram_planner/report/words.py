@@ -26,6 +26,11 @@ def first_micro_batch_line(first) -> str:  # first: vram_planner.report.document
             f"{_g(first.peak_bytes)} GiB in {where}")
 
 
+def sentence(words: str) -> str:
+    """Words that start lower-case in a list (notes, JSON) as a sentence of their own."""
+    return f"{words[:1].upper()}{words[1:]}."
+
+
 def copy_verdict(report: Report) -> str:
     """Why a verdict the kept copy of the exact engine decided says what it says (report.copy is set)."""
     ran = "runs" if report.copy.runs else "runs out"
