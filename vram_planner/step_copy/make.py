@@ -47,7 +47,7 @@ def _text_config_object(config: dict) -> Any:
     from transformers import CONFIG_MAPPING
 
     built = CONFIG_MAPPING[config["model_type"]](**{k: v for k, v in config.items() if k != "model_type"})
-    return built.get_text_config()
+    return built.get_text_config(decoder=True)
 
 
 def layer_period(config: dict) -> int:
@@ -57,10 +57,17 @@ def layer_period(config: dict) -> int:
 
 
 def windows(config: dict) -> list[int | None]:
-    """Each decoder layer's sliding window as the installed transformers lays out the layer types (None: full)."""
+    """Each decoder layer's sliding window (None: full) as the installed transformers' DynamicCache lays out its
+    layers: by the config's layer types, else every layer sliding where the config names a window (Phi-3's 2,047)."""
     text = _text_config_object(config)
-    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    return [text.sliding_window if kind == "sliding_attention" else None for kind in types]
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # transformers before 5.24 inferred the same from the config's own fields
+        types = getattr(text, "layer_types", None) or [
+            "sliding_attention" if getattr(text, "sliding_window", None) is not None else "full_attention"
+        ] * text.num_hidden_layers
+        return [text.sliding_window if kind == "sliding_attention" else None for kind in types]
+    return [kwargs.get("sliding_window") for kwargs in get_layer_types_and_kwargs(text)[1]]
 
 
 def shallow_depth(config: dict) -> int:
