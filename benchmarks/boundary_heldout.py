@@ -231,6 +231,20 @@ def table_stem(seed: int, largest_gib: float | None = None) -> str:
     return "boundary-heldout" if seed == 0 else f"boundary-heldout-seed{seed}"
 
 
+def add_draw_arguments(parser: argparse.ArgumentParser) -> None:
+    """--held-out N, --seed S and --largest-gib G: for the benchmarks that ask a sweep's first draws (copy_at_boundary,
+    kept_copy)."""
+    parser.add_argument("--held-out", type=int, metavar="N", help="instead, the first N draws of a held-out sweep")
+    parser.add_argument("--seed", type=int, default=0, help="the held-out sweep's seed")
+    parser.add_argument("--largest-gib", type=float, metavar="G", help="the held-out sweep's largest analytic peak")
+
+
+def write_draws_table(benchmark: str, args: argparse.Namespace, text: str) -> None:
+    """A table of a sweep's first draws beside the sweep's: <benchmark>-heldout-...-firstN.txt."""
+    stem = table_stem(args.seed, args.largest_gib).removeprefix("boundary-")
+    (RESULTS / f"{benchmark}-{stem}-first{args.held_out}.txt").write_text(text + "\n")
+
+
 def recheck(labels: list[str]) -> list[str]:
     """Each grid point's need with the current code beside the committed one."""
     committed = json.loads((RESULTS / "boundary-needs.json").read_text())

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from boundary import CARD, MODELS, points
+from boundary_heldout import add_draw_arguments, write_draws_table
 from stream_shape import text_config, traced_events
 
 from vram_planner.step_copy.make import make_copy
@@ -178,9 +179,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", nargs="*",
                         help="grid labels (default: the grid's window, its points > 1%% under, the held-out windows)")
-    parser.add_argument("--held-out", type=int, metavar="N", help="instead, the first N draws of a held-out sweep")
-    parser.add_argument("--seed", type=int, default=0, help="the held-out sweep's seed")
-    parser.add_argument("--largest-gib", type=float, metavar="G", help="the held-out sweep's largest analytic peak")
+    add_draw_arguments(parser)
     args = parser.parse_args()
     try:
         chosen = drawn(args.held_out, args.seed, args.largest_gib) if args.held_out else cases(args.points)
@@ -189,10 +188,7 @@ def main() -> int:
     text = "\n".join(table(chosen))
     print(text)
     if args.held_out:
-        from boundary_heldout import table_stem
-
-        stem = table_stem(args.seed, args.largest_gib).removeprefix("boundary-")
-        (RESULTS.parent / f"copy_at_boundary-{stem}-first{args.held_out}.txt").write_text(text + "\n")
+        write_draws_table("copy_at_boundary", args, text)
     elif not args.points:
         RESULTS.write_text(text + "\n")
     return 0

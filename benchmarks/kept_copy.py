@@ -32,6 +32,8 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from boundary_heldout import add_draw_arguments, write_draws_table
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -146,9 +148,7 @@ def table(points: tuple) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", nargs="*", help="labels of the points (default: all)")
-    parser.add_argument("--held-out", type=int, metavar="N", help="instead, the first N draws of a held-out sweep")
-    parser.add_argument("--seed", type=int, default=0, help="the held-out sweep's seed")
-    parser.add_argument("--largest-gib", type=float, metavar="G", help="the held-out sweep's largest analytic peak")
+    add_draw_arguments(parser)
     args = parser.parse_args()
     os.environ["VRAM_PLAN_CACHE"] = tempfile.mkdtemp(prefix="kept-copy-")  # the user's own copies stay untouched
     if args.held_out:
@@ -160,10 +160,7 @@ def main() -> int:
     text = "\n".join(table(chosen))
     print(text)
     if args.held_out:
-        from boundary_heldout import table_stem
-
-        stem = table_stem(args.seed, args.largest_gib).removeprefix("boundary-")
-        (RESULTS.parent / f"kept_copy-{stem}-first{args.held_out}.txt").write_text(text + "\n")
+        write_draws_table("kept_copy", args, text)
     elif not args.points:
         RESULTS.write_text(text + "\n")
     return 0
