@@ -49,7 +49,7 @@ def test_check_near_the_boundary_answers_from_the_kept_copy_as_the_exact_engine_
 
 
 def test_keep_copy_without_exact_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="--keep-copy"):
+    with pytest.raises(ConfigError, match="keep_copy keeps the copy that exact makes"):
         engine.check(CONFIG, H100, SETTINGS, keep_copy=True)
     run = subprocess.run([sys.executable, "-m", "vram_planner", "check", "--gpu", "h100-80gb", "--model",
                           "Qwen3-0.6B", "--keep-copy"], capture_output=True, text=True)
