@@ -71,6 +71,8 @@ def test_plan_follows_the_kept_copy_of_the_config_as_given(capsys, gpu, weights_
     else:  # the copy runs it out where the estimate fits it: a smaller micro-batch, judged by the estimate
         assert [c["knob"] for c in document["changes"]] == ["per_device_train_batch_size"]
         assert document["config"]["per_device_train_batch_size"] < 8 and document["copy"] is None
+        assert any(note.startswith("near the boundary, decided by the exact engine's copy of your config as given")
+                   and "it runs out on this card" in note for note in document["notes"])
     _, out, _ = run(capsys, "plan", "--gpu", gpu, *FLAGS)
     assert ("Your config fits as it is" in out) is runs
 

@@ -334,11 +334,11 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
     )
 
 
-def copy_notes(verdict: Verdict) -> list[str]:
+def copy_notes(verdict: Verdict, subject: str = "this step") -> list[str]:
     replayed = verdict.replayed
     if replayed is None:
         return []
-    return [f"near the boundary, decided by the exact engine's copy of this step (kept {replayed.made} by `check "
+    return [f"near the boundary, decided by the exact engine's copy of {subject} (kept {replayed.made} by `check "
             f"--exact --keep-copy`): replayed through the caching allocator model, it "
             f"{'runs' if replayed.runs else 'runs out'} on this card ({replayed.seconds:.2f} s); `--exact` traces it "
             "for its need"]
@@ -361,6 +361,8 @@ def plan_report(plan: Plan) -> Report:
                                    settings={name: plain_value(value) for name, value in c.settings.items()})
                       for c in plan.changes]
     report.requested_peak_bytes = round(plan.requested.estimate.peak_bytes)
+    if plan.requested is not shown:  # why the plan moved off a config the estimate alone would keep, or onto it
+        report.notes += copy_notes(plan.requested, "your config as given")
     if not plan.fits:
         report.smallest_config_peak_bytes = round(plan.smallest.estimate.peak_bytes)
         gpu = smallest_fitting_gpu(plan.requested.context, plan.requested.train)
