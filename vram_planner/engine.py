@@ -392,11 +392,8 @@ def steps_to_trace(model: str | dict[str, Any], context: Context, trains: list[T
 
     config = model if isinstance(model, dict) else model_config(model)[0]
     workspace = workspace_bytes(context.gpu.compute_capability)
-    # cudaMalloc hands out what the CUDA context leaves of the card (the context as `check` takes it: from the
-    # calibration when it measured one, else from the GPU catalog).
-    return [StepToTrace(config, train, context.release,
-                        max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0),
-                        workspace, _zero_rank(context, train))
+    return [StepToTrace(config, train, context.release, context.allocatable_bytes(train), workspace,
+                        _zero_rank(context, train))
             for train in trains]
 
 

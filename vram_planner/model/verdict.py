@@ -125,6 +125,11 @@ class Context:
         """The CUDA context the card holds: the calibration's measured figure, else the GPU catalog's."""
         return context_figure(self.calibration, self.gpu)
 
+    def allocatable_bytes(self, train: TrainingConfig) -> int:
+        """What cudaMalloc can hand out on the card: what the CUDA context (as `check` takes it) and NCCL's buffers
+        leave of it."""
+        return max(int(self.capacity_bytes - self.cuda_context.bytes - self.nccl(train).bytes), 0)
+
     def nccl(self, train: TrainingConfig) -> NcclFigure:
         """NCCL's own device memory on each rank of `train`'s GPUs (nothing on one GPU)."""
         return nccl_figure(self.gpu, train.num_gpus, train.distributed)

@@ -37,8 +37,7 @@ def replayed(verdict: Verdict, prompts: list[int]) -> Verdict:
                    for prompt in prompts]
     except ValueError:  # lengths or a depth the copy does not make
         return verdict
-    card_bytes = max(int(context.capacity_bytes - context.cuda_context.bytes - context.nccl(train).bytes), 0)
     conf = parse_allocator_conf(train.allocator_conf)
-    runs = all(runs_on(stream, conf, card_bytes) for stream in streams)
+    runs = all(runs_on(stream, conf, context.allocatable_bytes(train)) for stream in streams)
     return replace(verdict, replayed=ReplayedCopy(runs, made, time.perf_counter() - start,
                                                   sum(len(s.events) for s in streams)))

@@ -51,9 +51,9 @@ def _text_config_object(config: dict) -> Any:
 
 
 def layer_period(config: dict) -> int:
-    """The period of the decoder's layer types as the installed transformers lays them out (1 where it names none)."""
-    types = getattr(_text_config_object(with_layers(config, 24)), "layer_types", None) or ["layer"] * 24
-    return next(p for p in range(1, 25) if all(types[i] == types[i + p] for i in range(24 - p)))
+    """The period of the decoder's layers' sliding windows (`windows`): 1 where all are alike."""
+    kinds = windows(with_layers(config, 24))
+    return next(p for p in range(1, 25) if all(kinds[i] == kinds[i + p] for i in range(24 - p)))
 
 
 def windows(config: dict) -> list[int | None]:
