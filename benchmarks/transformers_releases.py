@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from vram_planner.files import write_atomically
+from vram_planner.model.architecture import FAMILIES, MODEL_TYPE_ALIASES
 from vram_planner.model.transformers_releases import transformers_release
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "transformers_releases.json"
 DEFAULT_WHEELS = Path.home() / ".cache" / "vram-plan" / "transformers-wheels"
 RELEASES = ("4.44.0", "4.45.0", "4.46.0", "4.48.2", "4.49.0", "4.50.0", "4.51.0", "4.52.0", "4.53.0", "4.54.0",
-            "4.55.0", "4.56.0", "4.57.6", "5.0.0", "5.20.0", "5.21.0", "5.22.0", "5.23.0", "5.24.0")
+            "4.55.0", "4.56.0", "4.57.6", "5.0.0", "5.20.0", "5.21.0", "5.22.0", "5.23.0", "5.24.0", "5.25.0")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3")
 NAMES = ("num_logits_to_keep", "logits_to_keep")
 
@@ -102,13 +103,38 @@ def rotary_buffers(source: str) -> int:
     return 2 if registered or assigned else 1
 
 
+def kernelizes_by_default(source: str) -> bool:
+    """Whether modeling_utils.py's from_pretrained kernelizes a model that names no use_kernels: the keyword's
+    default (`kwargs.pop("use_kernels", X)`) is True, or None made True (`elif use_kernels is None: use_kernels =
+    True`, 5.25 on)."""
+    tree = ast.parse(source)
+    defaults = [n.args[1].value for n in ast.walk(tree)
+                if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "pop" and len(n.args) == 2
+                and getattr(n.args[0], "value", None) == "use_kernels" and isinstance(n.args[1], ast.Constant)]
+    made_true = any(isinstance(n, ast.If) and isinstance(n.test, ast.Compare)
+                    and getattr(n.test.left, "id", None) == "use_kernels" and isinstance(n.test.ops[0], ast.Is)
+                    and any(isinstance(b, ast.Assign) and getattr(b.targets[0], "id", None) == "use_kernels"
+                            and getattr(b.value, "value", None) is True for b in n.body)
+                    for n in ast.walk(tree))
+    return bool(defaults) and (defaults[0] is True or (defaults[0] is None and made_true))
+
+
+def hub_decorated(source: str, layer: str) -> bool:
+    """Whether the modeling code decorates a class or function with use_kernel_forward_from_hub(layer)."""
+    definitions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.ClassDef, ast.FunctionDef))]
+    return any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "use_kernel_forward_from_hub" and d.args
+               and getattr(d.args[0], "value", None) == layer for n in definitions for d in n.decorator_list)
+
+
 SDPA_INTEGRATION = "transformers/integrations/sdpa_attention.py"  # shared by the models from 4.48
+MODELING_UTILS = "transformers/modeling_utils.py"
 
 
 def release_facts(path: Path) -> dict[str, dict[str, Any]]:
     with zipfile.ZipFile(path) as archive:
         members = set(archive.namelist())
         shared_sdpa = archive.read(SDPA_INTEGRATION).decode() if SDPA_INTEGRATION in members else None
+        kernelized = kernelizes_by_default(archive.read(MODELING_UTILS).decode())
         facts = {}
         for model_type in MODEL_TYPES:
             member = f"transformers/models/{model_type}/modeling_{model_type}.py"
@@ -124,7 +150,10 @@ def release_facts(path: Path) -> dict[str, dict[str, Any]]:
                                          # use_gqa_in_sdpa: k and v unrepeated where no mask is given (4.54 on)
                                          "sdpa_gqa_without_mask": shared and "use_gqa_in_sdpa(" in sdpa,
                                          # pack_gqa: a decoding step's single query on the key/value heads (5.23 on)
-                                         "sdpa_decoding_gqa": shared and "pack_gqa(" in sdpa}
+                                         "sdpa_decoding_gqa": shared and "pack_gqa(" in sdpa,
+                                         # what the Hub's kernels replace when from_pretrained kernelizes by default
+                                         "kernelized_rms_norm": kernelized and hub_decorated(source, "RMSNorm"),
+                                         "kernelized_rotary": kernelized and hub_decorated(source, "rotary_pos_emb")}
                     if model_type == "llama":
                         facts[model_type]["rotary_buffers"] = rotary_buffers(source)
         return facts
@@ -133,7 +162,8 @@ def release_facts(path: Path) -> dict[str, dict[str, Any]]:
 def extract(folder: Path) -> dict[str, Any]:
     return {"made": date.today().isoformat(),
             "source": "pip download --no-deps transformers==X; models/<type>/modeling_<type>.py: ...ForCausalLM.forward, "
-                      "_supports_sdpa, the mask it builds",
+                      "_supports_sdpa, the mask it builds, its use_kernel_forward_from_hub decorations; "
+                      "modeling_utils.py: from_pretrained's use_kernels default",
             "releases": {v: release_facts(wheel(v, folder)) for v in RELEASES}}
 
 
@@ -147,7 +177,10 @@ def disagreements(facts: dict[str, Any]) -> list[str]:
                  "sdpa_gqa_without_mask": row.sdpa_gqa_without_mask, "sdpa_decoding_gqa": row.sdpa_decoding_gqa,
                  "rotary_buffers": row.rotary_buffers}
         for model_type, read in types.items():
-            said = {**table, "supports_sdpa": row.supports_sdpa(model_type)}
+            family = FAMILIES[MODEL_TYPE_ALIASES.get(model_type, model_type)]
+            said = {**table, "supports_sdpa": row.supports_sdpa(model_type),
+                    "kernelized_rms_norm": row.hub_kernels and family.hub_rms_norm,
+                    "kernelized_rotary": row.hub_kernels and family.hub_rotary}
             lines += [f"transformers {version} {model_type}: {column} table {said[column]}, wheel {value}"
                       for column, value in read.items() if said[column] != value]
     return lines

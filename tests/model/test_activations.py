@@ -7,10 +7,12 @@ read off `vram-plan trace` runs of the real modeling code (see vram_planner/mode
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+import vram_planner.model.spec as spec
 from vram_planner.model import activations as act
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.spec import training_config
@@ -136,9 +138,9 @@ def test_gemma_norms_keep_the_normalised_tensor_in_fp32():
     from vram_planner.model.resolve import resolve_model
 
     gemma = resolve_model("gemma-3-1b-it")
-    assert act.norm_saved_bytes(gemma, 1152, 2, trainable=True) == 4 * 1152 + 4 + 4 * 1152
+    assert act.norm_saved_bytes(gemma, cfg(), 1152, 2, trainable=True) == 4 * 1152 + 4 + 4 * 1152
     llama = resolve_model("Llama-3.2-1B")
-    assert act.norm_saved_bytes(llama, 2048, 2, trainable=True) == 4 * 2048 + 4 + 2 * 2048
+    assert act.norm_saved_bytes(llama, cfg(), 2048, 2, trainable=True) == 4 * 2048 + 4 + 2 * 2048
 
 
 def _phi3_and_its_llama_twin():
@@ -354,3 +356,14 @@ def test_lora_checkpointing_peaks_in_the_recomputed_forward(model, tolerance):
     knobs = {"lora_r": 16, "dtype": "bfloat16", "per_device_train_batch_size": 16, "num_generations": 16,
              "max_completion_length": 256}
     _assert_close(*_trace_against_analytic(config, **knobs), tolerance=tolerance)
+
+
+def test_the_hub_rms_norm_kernel_keeps_the_input_as_it_came_and_a_float32_rstd(llama_1b, monkeypatch):
+    """transformers 5.25 kernelizes by default: LigerRMSNorm keeps its input (bf16 here, not a float32 copy) and a
+    float32 rstd per row, and never the normalised tensor, whether or not the weight trains."""
+    torch_code = act.layer_saved_bytes(llama_1b, cfg(dtype="bfloat16"), 10)
+    kernelized = replace(spec.transformers_release(None, 5), hub_kernels=True)
+    monkeypatch.setattr(spec, "transformers_release", lambda version, major: kernelized)
+    assert act.norm_saved_bytes(llama_1b, cfg(dtype="bfloat16"), H, 2, trainable=True) == 2 * H + 4
+    assert act.norm_saved_bytes(llama_1b, cfg(), H, 4, trainable=True) == 4 * H + 4
+    assert torch_code - act.layer_saved_bytes(llama_1b, cfg(dtype="bfloat16"), 10) == 10 * 2 * (4 * H + 2 * H - 2 * H)

@@ -129,6 +129,13 @@ def test_the_rows_agree_with_every_wheel_read():
     assert not read("5.22.0", "llama", "sdpa_decoding_gqa") and read("5.23.0", "llama", "sdpa_decoding_gqa")
     # self.original_inv_freq = self.inv_freq up to 4.57; register_buffer("original_inv_freq", inv_freq.clone()) in 5.0
     assert read("4.57.6", "llama", "rotary_buffers") == 1 and read("5.0.0", "llama", "rotary_buffers") == 2
+    # modeling_utils.py from_pretrained: use_kernels = kwargs.pop("use_kernels", False) up to 5.24; from 5.25 None,
+    # made True unless USE_HUB_KERNELS says no. What the Hub's kernels then replace is the decorated code:
+    # use_kernel_forward_from_hub("RMSNorm") on llama's RMSNorm but not Gemma's; "rotary_pos_emb" on every
+    # apply_rotary_pos_emb but phi3's
+    assert not read("5.24.0", "llama", "kernelized_rms_norm") and read("5.25.0", "llama", "kernelized_rms_norm")
+    assert read("5.25.0", "gemma2", "kernelized_rotary") and not read("5.25.0", "gemma2", "kernelized_rms_norm")
+    assert read("5.25.0", "phi3", "kernelized_rms_norm") and not read("5.25.0", "phi3", "kernelized_rotary")
     assert all(set(types) >= {"llama", "qwen2", "mistral", "gemma2", "phi3"} for types in releases.values())
     # a disagreement is reported, one line per column
     broken = {"releases": {"4.52.0": {"llama": {"logits_to_keep_names": ["num_logits_to_keep", "logits_to_keep"],
@@ -209,3 +216,23 @@ def test_a_masked_decoding_step_copies_a_layer_of_the_cache_to_every_query_head_
     flash = engine.check("Llama-3.2-1B-Instruct", "a100-80gb", {**knobs, "transformers_version": "5.22.0",
                                                                 "attn_implementation": "flash_attention_2"})
     assert {p.name: p for p in flash.estimate.phases}["generation"].components["activations"] == 0
+
+
+@pytest.mark.parametrize(("source", "kernelizes"), [
+    ('def from_pretrained(**kwargs):\n    use_kernels = kwargs.pop("use_kernels", False)\n', False),
+    ('def from_pretrained(**kwargs):\n    use_kernels = kwargs.pop("use_kernels", None)\n'
+     '    if not enabled():\n        use_kernels = False\n'
+     '    elif use_kernels is None:\n        use_kernels = True\n', True),
+    ('def from_pretrained(**kwargs):\n    use_kernels = kwargs.pop("use_kernels", None)\n', False),
+    ('def from_pretrained(**kwargs):\n    pass\n', False),
+])
+def test_the_wheel_reader_finds_whether_from_pretrained_kernelizes_by_default(source, kernelizes):
+    assert _facts_script().kernelizes_by_default(source) is kernelizes
+
+
+def test_the_wheel_reader_finds_what_the_hub_kernels_replace():
+    script = _facts_script()
+    source = ('@use_kernel_forward_from_hub("RMSNorm")\nclass LlamaRMSNorm(nn.Module):\n    pass\n\n'
+              '@use_kernel_forward_from_hub("rotary_pos_emb")\ndef apply_rotary_pos_emb(q, k, cos, sin):\n    pass\n')
+    assert script.hub_decorated(source, "RMSNorm") and script.hub_decorated(source, "rotary_pos_emb")
+    assert not script.hub_decorated("class GemmaRMSNorm(nn.Module):\n    pass\n", "RMSNorm")

@@ -64,15 +64,25 @@ def _lora_targets(arch: ModelArchitecture, train: TrainingConfig) -> set[str]:
     return arch.resolve_lora_targets(train.lora_targets) if train.uses_lora else set()
 
 
-def norm_saved_bytes(arch: ModelArchitecture, width: int, input_bytes: int, trainable: bool, rows: int = 1) -> float:
+def hub_rms_norm(arch: ModelArchitecture, train: TrainingConfig) -> bool:
+    """Whether the Hub's RMSNorm kernel (LigerRMSNorm) runs the model's RMSNorms: transformers kernelizes by default
+    (profiles/transformers.toml hub_kernels) and the model type's RMSNorm is decorated for it."""
+    return train.transformers.hub_kernels and arch.family.hub_rms_norm
+
+
+def norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, width: int, input_bytes: int, trainable: bool,
+                     rows: int = 1) -> float:
     """RMSNorm over `width` elements: its float32 input (or upcast copy), rsqrt per row, the normalised tensor.
 
     Llama-style norms cast the normalised tensor back to the input's dtype before the weight multiplies it; Gemma's
     multiply in float32. LayerNorm (phi) keeps its input, a mean and a reciprocal deviation per row, and never the
-    normalised tensor (its backward recomputes it); the input as float32, as CUDA's autocast casts it.
+    normalised tensor (its backward recomputes it); the input as float32, as CUDA's autocast casts it. The Hub's
+    RMSNorm kernel keeps its input as it came and a float32 rstd per row (`hub_rms_norm`).
     """
     if arch.family.layer_norm_bias:
         return FP32_BYTES * width + 2 * FP32_BYTES * rows
+    if hub_rms_norm(arch, train):
+        return input_bytes * width + FP32_BYTES * rows
     normed_bytes = FP32_BYTES if arch.family.fp32_norm_scale else input_bytes
     return FP32_BYTES * width + FP32_BYTES * rows + (normed_bytes * width if trainable else 0)
 
@@ -138,8 +148,8 @@ def _qk_norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> floa
     if not arch.family.qk_norm:
         return 0
     c, a, k, full = sizes(train).compute, arch.num_attention_heads, arch.num_kv_heads, not train.uses_lora
-    return (norm_saved_bytes(arch, a * arch.head_dim, c, full, rows=a)
-            + norm_saved_bytes(arch, k * arch.head_dim, c, full, rows=k))
+    return (norm_saved_bytes(arch, train, a * arch.head_dim, c, full, rows=a)
+            + norm_saved_bytes(arch, train, k * arch.head_dim, c, full, rows=k))
 
 
 def eager_scores_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -174,7 +184,7 @@ def eager_softmax_backward_bytes(arch: ModelArchitecture, train: TrainingConfig,
     linears = {lin.name: lin for lin in arch.layer_linears()}
     attention_in = [lin for lin in linears.values()
                     if lin.name in ("qkv_proj", "q_proj", "k_proj", "v_proj")] or [linears["q_proj"]]
-    per_token = norm_saved_bytes(arch, arch.hidden_size, s.residual, not train.uses_lora)
+    per_token = norm_saved_bytes(arch, train, arch.hidden_size, s.residual, not train.uses_lora)
     per_token += linear_inputs_saved_bytes(arch, train, attention_in, s.residual)
     per_token += _qk_norm_saved_bytes(arch, train) + c * q_width + _key_saved_bytes(arch, train)
     per_token += a * train.sequence_length * (eager_scores_saved_bytes(arch, train) - _probabilities_cast_bytes(train)
@@ -259,7 +269,7 @@ def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: in
     i = arch.intermediate_size
 
     parallel = f.norms_per_layer == 1  # phi: attention and MLP read the output of the layer's one norm
-    per_token = (1 if parallel else 2) * norm_saved_bytes(arch, arch.hidden_size, r, full)
+    per_token = (1 if parallel else 2) * norm_saved_bytes(arch, train, arch.hidden_size, r, full)
     if parallel:
         per_token += linear_inputs_saved_bytes(arch, train, attention_in + mlp_in, r)
     else:
@@ -269,7 +279,7 @@ def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: in
     if train.uses_lora:  # fully trained, o_proj keeps the attention output that the attention kept already
         per_token += linear_inputs_saved_bytes(arch, train, [out_proj], c)
     if f.norms_per_layer == 4:  # Gemma 2/3 also normalise each sublayer's compute-dtype output
-        per_token += 2 * norm_saved_bytes(arch, arch.hidden_size, c, full)
+        per_token += 2 * norm_saved_bytes(arch, train, arch.hidden_size, c, full)
     if arch.resid_dropout:  # phi: dropout on the attention's and the MLP's outputs keeps its noise (CPU kernel)
         per_token += 2 * arch.hidden_size * c
     # what the activation keeps of the gate's (plain: fc1's) output; gated: also the up projection and the
@@ -337,7 +347,8 @@ def decoder_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Cal
 
 def rotary_saved_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """The loss forward's rotary cos and sin, kept for backward by every layer's `q * cos + rotate_half(q) * sin`
-    (under checkpointing by the arguments each layer's recomputation runs with), each a storage in whole blocks."""
+    (under checkpointing by the arguments each layer's recomputation runs with; by the Hub's rotary kernel, whose
+    backward needs them, too), each a storage in whole blocks."""
     return inference.rotary_tables(arch) * blocks(inference.rotary_table_bytes(arch, train, train.sequence_length))
 
 
@@ -364,7 +375,7 @@ def first_layer_unkept_bytes(arch: ModelArchitecture, train: TrainingConfig, tok
     (`first_layer_input_without_grad`): its input norm, frozen on a frozen input, keeps nothing for backward."""
     if not first_layer_input_without_grad(train):
         return 0
-    return tokens * norm_saved_bytes(arch, arch.hidden_size, sizes(train).residual, trainable=False)
+    return tokens * norm_saved_bytes(arch, train, arch.hidden_size, sizes(train).residual, trainable=False)
 
 
 def first_layer_unkept_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -384,7 +395,7 @@ def first_layer_unkept_cast_bytes(arch: ModelArchitecture, train: TrainingConfig
 
 
 def final_norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: int) -> float:
-    return tokens * norm_saved_bytes(arch, arch.hidden_size, sizes(train).residual, not train.uses_lora)
+    return tokens * norm_saved_bytes(arch, train, arch.hidden_size, sizes(train).residual, not train.uses_lora)
 
 
 def one_layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, cal: Calibration, tokens: int) -> float:

@@ -51,6 +51,11 @@ class Family:
     fp32_norm_scale: bool = False  # Gemma's RMSNorm scales by (1 + weight) in fp32 and casts back at the end
     attention_out_name: str = "o_proj"
     mlp_names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    # the modeling code decorates its RMSNorm class with use_kernel_forward_from_hub("RMSNorm") and its
+    # apply_rotary_pos_emb with use_kernel_forward_from_hub("rotary_pos_emb"): what the Hub's kernels replace where
+    # transformers kernelizes (profiles/transformers.toml hub_kernels)
+    hub_rms_norm: bool = True
+    hub_rotary: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,13 +63,14 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(qkv_bias=False),
     "qwen2": Family(qkv_bias=True, o_bias=False),
     "qwen3": Family(qk_norm=True),
-    "gemma": Family(fp32_norm_scale=True),
-    "gemma2": Family(norms_per_layer=4, fp32_norm_scale=True),
-    "gemma3_text": Family(norms_per_layer=4, qk_norm=True, fp32_norm_scale=True),
-    "phi3": Family(fused_qkv=True, fused_gate_up=True, qkv_bias=False, mlp_names=("gate_up_proj", "down_proj")),
+    "gemma": Family(fp32_norm_scale=True, hub_rms_norm=False),
+    "gemma2": Family(norms_per_layer=4, fp32_norm_scale=True, hub_rms_norm=False),
+    "gemma3_text": Family(norms_per_layer=4, qk_norm=True, fp32_norm_scale=True, hub_rms_norm=False),
+    "phi3": Family(fused_qkv=True, fused_gate_up=True, qkv_bias=False, mlp_names=("gate_up_proj", "down_proj"),
+                   hub_rotary=False),
     "phi": Family(
         gated_mlp=False, qkv_bias=True, norms_per_layer=1, layer_norm_bias=True, lm_head_bias=True, partial_rotary=True,
-        attention_out_name="dense", mlp_names=("fc1", "fc2"),
+        attention_out_name="dense", mlp_names=("fc1", "fc2"), hub_rms_norm=False,
     ),
 }
 # Configs whose text model is one of the families above.

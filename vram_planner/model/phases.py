@@ -573,8 +573,10 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
         arch, train)
     layer_backward_casts = layer_casts + m.adapter_cast_bytes(arch, train) / max(arch.num_layers, 1)
     if train.gradient_checkpointing:
-        # the recomputed layer's first norm keeps the checkpointed input itself when it is float32
-        recompute = one_layer - (layer_input if s.residual == m.FP32_BYTES else 0)
+        # the recomputed layer's first norm keeps the checkpointed input itself when it is float32 (the Hub's RMSNorm
+        # kernel keeps its input as it came, whatever its dtype)
+        kept_as_is = s.residual == m.FP32_BYTES or act.hub_rms_norm(arch, train)
+        recompute = one_layer - (layer_input if kept_as_is else 0)
         last_layer = saved - final_norm + mask + recompute + working
         first_layer = layer_input + mask + recompute + working
         last_layer_casts = layer_backward_casts
@@ -868,6 +870,11 @@ def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) 
                      f"completion's {train.max_completion_length + 1}")
     if (host := offload.host_note(arch, train)) is not None:
         notes.append(host)
+    if act.hub_rms_norm(arch, train):
+        notes.append(f"kernels: transformers {train.transformers.version} kernelizes the model by default, and on CUDA "
+                     f"the Hub's RMSNorm kernel (LigerRMSNorm) keeps each norm's input and a float32 rstd per row for "
+                     "backward where the torch code keeps a float32 copy; a run with model_init_kwargs "
+                     "{'use_kernels': False} or USE_HUB_KERNELS=NO keeps more")
     if not arch.exact:
         notes.append(f"model_type {arch.model_type!r} is not one vram-plan knows; it was read as a Llama-style "
                      "decoder, so counts may be off")

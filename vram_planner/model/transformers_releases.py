@@ -45,6 +45,9 @@ class TransformersRelease:
     # (4.56 on: DynamicSlidingWindowLayer keeps a view of the prompt's concatenated keys and values until the first
     # decoding step replaces it)
     sliding_prefill_storage: Literal["window", "prompt"] = "window"
+    # from_pretrained kernelizes by default (5.25 on): on CUDA the Hub's RMSNorm and rotary kernels replace the
+    # torch code where the modeling code is decorated for them (Family.hub_rms_norm, Family.hub_rotary)
+    hub_kernels: bool = False
     version: str = ""  # the release planned for, filled in by `transformers_release`
 
     def supports_sdpa(self, model_type: str) -> bool:

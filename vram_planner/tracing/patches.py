@@ -29,14 +29,17 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
       each call is asked for.
     - The fused LM head's loops over its tiles run their representative iterations only (`_representative_range`),
       so the trace's time does not grow with the tokens of a micro-batch.
+    - Where transformers kernelizes by default (5.25 on), the Hub's RMSNorm and rotary kernels replace the torch
+      code on CUDA: stand-ins that allocate and keep what they do (`tracing.hub_kernels`).
     """
     import transformers.generation.utils as gen_utils
 
+    from vram_planner.tracing.hub_kernels import hub_kernel_patches
     from vram_planner.tracing.session import uses_fused_lm_head
     from vram_planner.tracing.shims import one_step_generation
 
     fused = uses_fused_lm_head(session.train)
-    patches = [one_step_generation(gen_utils), *_logprob_kernel_patches(fused)]
+    patches = [one_step_generation(gen_utils), *_logprob_kernel_patches(fused), *hub_kernel_patches(session)]
     if fused:  # TRL 1.15 and later
         import trl.kernels.chunked_logprob as chunked
         import trl.trainer.utils as trl_utils
