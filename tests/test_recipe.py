@@ -154,6 +154,9 @@ def test_trls_names_become_the_requests_fields():
     # TRL's script lays model_init_kwargs over ModelConfig's dtype
     assert read_recipe({"model_name_or_path": "Llama-3.2-1B", "torch_dtype": "float32",
                         "model_init_kwargs": {"dtype": "bfloat16"}}).settings["dtype"] == "bfloat16"
+    # the Hub's kernels, which transformers 5.25 turns on by default
+    assert read_recipe({"model_name_or_path": "Llama-3.2-1B",
+                        "model_init_kwargs": {"use_kernels": False}}).settings["use_kernels"] is False
 
 
 @pytest.mark.parametrize("recipe,problem", [

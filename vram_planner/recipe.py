@@ -301,6 +301,8 @@ def _model_init(given: dict[str, Any], settings: dict[str, Any]) -> list[str]:
             settings["dtype"] = value
         elif key == "attn_implementation" and value is not None:
             settings["attn_implementation"] = value
+        elif key == "use_kernels" and value is not None:
+            settings["use_kernels"] = value
         elif key not in ("revision", "trust_remote_code", "use_cache") or (key == "use_cache" and value):
             problems.append(f"model_init_kwargs {key}: {value!r} is not planned")
     return problems

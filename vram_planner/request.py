@@ -55,6 +55,7 @@ class Request:
     gradient_checkpointing: bool | None = None
     use_reentrant: bool | None = None  # gradient_checkpointing_kwargs' (default: as the release runs it)
     use_liger_kernel: bool | None = None
+    use_kernels: bool | None = None  # from_pretrained's (model_init_kwargs): the Hub's kernels (default from 5.25)
     cast_lm_head_to_fp32: bool | None = None  # the LM head of the policy and reference in float32 (TRL 0.25+)
     use_vllm: bool | None = None
     vllm_mode: str | None = None  # colocate or server

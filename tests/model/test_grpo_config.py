@@ -27,7 +27,7 @@ def build_real(kwargs, tmp_path):
                                         "gradient_accumulation_steps": 2},
                                        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
                                         "repetition_penalty": 1.05},
-                                       {"use_reentrant": True}])
+                                       {"use_reentrant": True}, {"use_kernels": False}])
 def test_every_plan_builds_a_real_grpo_config(tmp_path, llama_1b_file, gib, settings_):
     gpu = GpuProfile(name="card", total_memory_gib=gib, bf16=True, flash_attention_2=True)
     result = engine.plan(str(llama_1b_file), gpu, settings_)
@@ -41,6 +41,8 @@ def test_every_plan_builds_a_real_grpo_config(tmp_path, llama_1b_file, gib, sett
     assert all(getattr(config, knob) == value for knob, value in settings_.items() if knob in sampling)
     if "use_reentrant" in settings_ and verdict.train.gradient_checkpointing:
         assert config.gradient_checkpointing_kwargs == {"use_reentrant": True}
+    # from_pretrained's keyword, which TRL passes on: left out where unset (the release's default)
+    assert config.model_init_kwargs.get("use_kernels") == settings_.get("use_kernels")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

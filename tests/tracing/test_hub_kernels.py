@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import vram_planner.model.spec as spec
-from helpers import FIXTURES
+from helpers import FIXTURES, one_line_error
 from vram_planner.model import activations as act
 from vram_planner.model.architecture import FAMILIES
 
@@ -103,3 +103,44 @@ def test_the_analytic_model_moves_with_the_trace_where_the_hub_kernels_run(monke
     unkept, counted_unkept = (traced[False][i] - traced[True][i] for i in (0, 1))
     assert unkept == counted_unkept
     assert (unkept > 0) is act.hub_rms_norm(context.arch, train)
+
+
+def test_use_kernels_is_the_releases_default_unless_given_and_liger_takes_the_norms_first():
+    from vram_planner.model.spec import training_config
+
+    assert training_config({"transformers_version": "5.25"}).hub_kernel_layers == ("RMSNorm", "rotary_pos_emb")
+    assert training_config({"transformers_version": "5.25", "use_kernels": False}).hub_kernel_layers == ()
+    # 5.24 kernelizes only when asked, and then its rotary kernel for inference only
+    assert training_config({"transformers_version": "5.24"}).hub_kernel_layers == ()
+    assert training_config({"transformers_version": "5.24", "use_kernels": True}).hub_kernel_layers == ("RMSNorm",)
+    assert training_config({"transformers_version": "5.25", "use_liger_kernel": True}).hub_kernel_layers == ()
+
+
+def test_use_kernels_where_vram_plan_has_not_read_the_kernels_is_one_line_and_exit_2(capsys):
+    message = one_line_error(capsys, "check", "--gpu", "rtx-4090", "--model", "Qwen2.5-0.5B",
+                             "--transformers-version", "5.23", "--use-kernels")
+    assert message == ("error: --use-kernels is planned from transformers 5.24 on, whose Hub kernels vram-plan has "
+                       "read, not for transformers 5.23.0: leave it unset, or plan for 5.24 or later "
+                       "(--transformers-version)\n")
+
+
+@pytest.mark.slow
+def test_use_kernels_on_the_installed_release_traces_the_kernelized_norms_as_check_counts_them():
+    """No stand-in row: the knob itself, on the installed transformers (5.24 in the tested set, which kernelizes
+    RMSNorm for training when asked)."""
+    from vram_planner import engine
+    from vram_planner.tracing.step import compare_with_estimate, trace_step
+
+    fixture = FIXTURES / "tiny-llama-headdim.json"
+    settings = {"per_device_train_batch_size": 4, "num_generations": 4, "max_prompt_length": 48,
+                "max_completion_length": 80, "gradient_checkpointing": False, "dtype": "bfloat16"}
+    kept = {}
+    for use_kernels in (False, True):
+        context = engine.make_context(str(fixture), "h100-80gb")
+        train = engine.make_training(context, {**settings, "use_kernels": use_kernels})
+        result = trace_step(json.loads(fixture.read_text()), train, context.release)
+        rows = {row.name: row for row in compare_with_estimate(result, engine.judge(context, train).estimate)}
+        kept[use_kernels] = rows["training"].components["activations"]
+        assert all(abs(row.relative_error) < 0.005 for row in rows.values())
+    assert "RMSNorm" in train.hub_kernel_layers
+    assert kept[True][0] < kept[False][0] and kept[False][0] - kept[True][0] == kept[False][1] - kept[True][1]

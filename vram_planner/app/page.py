@@ -30,8 +30,8 @@ DEFAULT_GPU, DEFAULT_MODEL = "rtx3080-mobile", "Llama-3.2-1B"  # the command-lin
 PASTED = "pasted config.json"
 # The knobs' fields, grouped as people look for them; the knobs not named here open the list.
 KNOB_GROUPS = (("Precision and memory", ("optim", "gradient_checkpointing", "use_reentrant", "dtype", "mixed_precision",
-                                          "attn_implementation", "use_liger_kernel", "cast_lm_head_to_fp32",
-                                          "transformers_version")),
+                                          "attn_implementation", "use_liger_kernel", "use_kernels",
+                                          "cast_lm_head_to_fp32", "transformers_version")),
                ("Sampling", SAMPLING_KNOBS),
                ("LoRA and 4-bit weights", ("lora_", "load_in_4bit", "bnb_")),
                ("vLLM", ("use_vllm", "vllm_")),

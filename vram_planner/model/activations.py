@@ -65,9 +65,9 @@ def _lora_targets(arch: ModelArchitecture, train: TrainingConfig) -> set[str]:
 
 
 def hub_rms_norm(arch: ModelArchitecture, train: TrainingConfig) -> bool:
-    """Whether the Hub's RMSNorm kernel (LigerRMSNorm) runs the model's RMSNorms: transformers kernelizes by default
-    (profiles/transformers.toml hub_kernels) and the model type's RMSNorm is decorated for it."""
-    return train.transformers.hub_kernels and arch.family.hub_rms_norm
+    """Whether the Hub's RMSNorm kernel (LigerRMSNorm) runs the model's RMSNorms: the model is kernelized (by
+    transformers' default or use_kernels, `TrainingConfig.hub_kernel_layers`) and its RMSNorm is decorated for it."""
+    return "RMSNorm" in train.hub_kernel_layers and arch.family.hub_rms_norm
 
 
 def norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, width: int, input_bytes: int, trainable: bool,

@@ -20,6 +20,8 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
     model_init: dict[str, Any] = {"dtype" if release.transformers_major >= 5 else "torch_dtype": train.dtype}
     if train.attn_implementation != "sdpa":
         model_init["attn_implementation"] = train.attn_implementation
+    if train.use_kernels is not None:
+        model_init["use_kernels"] = train.use_kernels
     kwargs: dict[str, Any] = {
         "per_device_train_batch_size": train.per_device_train_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,

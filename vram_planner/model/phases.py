@@ -871,10 +871,12 @@ def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) 
     if (host := offload.host_note(arch, train)) is not None:
         notes.append(host)
     if act.hub_rms_norm(arch, train):
-        notes.append(f"kernels: transformers {train.transformers.version} kernelizes the model by default, and on CUDA "
-                     f"the Hub's RMSNorm kernel (LigerRMSNorm) keeps each norm's input and a float32 rstd per row for "
-                     "backward where the torch code keeps a float32 copy; a run with model_init_kwargs "
-                     "{'use_kernels': False} or USE_HUB_KERNELS=NO keeps more")
+        how = ("use_kernels kernelizes the model" if train.use_kernels else
+               f"transformers {train.transformers.version} kernelizes the model by default")
+        notes.append(f"kernels: {how}, and on CUDA the Hub's RMSNorm kernel (LigerRMSNorm) keeps each norm's input and "
+                     "a float32 rstd per row for backward where the torch code keeps a float32 copy"
+                     + ("" if train.use_kernels else "; a run with use_kernels false (model_init_kwargs) or "
+                        "USE_HUB_KERNELS=NO keeps more"))
     if not arch.exact:
         notes.append(f"model_type {arch.model_type!r} is not one vram-plan knows; it was read as a Llama-style "
                      "decoder, so counts may be off")

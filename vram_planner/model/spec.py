@@ -193,6 +193,8 @@ class TrainingConfig:
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     use_liger_kernel: bool = False
+    # from_pretrained's use_kernels (model_init_kwargs): None, the transformers release's default (true from 5.25)
+    use_kernels: bool | None = None
     cast_lm_head_to_fp32: bool = False
     use_vllm: bool = False
     vllm_mode: Literal["colocate", "server"] = "colocate"
@@ -268,6 +270,16 @@ class TrainingConfig:
     def transformers(self) -> TransformersRelease:
         """The transformers release the run's model code comes from."""
         return transformers_release(self.transformers_version, self.release.transformers_major)
+
+    @property
+    def hub_kernel_layers(self) -> tuple[str, ...]:
+        """What the Hub's kernels replace in training on CUDA: kernelized by use_kernels or the release's default
+        (profiles/transformers.toml hub_kernels, hub_training_kernels). With use_liger_kernel, Liger's own layer
+        kernels are counted instead (the calibration's coefficients, `activations.liger_layer_saved_bytes`): its
+        RMSNorm is the same kernel the Hub builds."""
+        row = self.transformers
+        kernelized = row.hub_kernels if self.use_kernels is None else self.use_kernels
+        return tuple(row.hub_training_kernels) if kernelized and not self.use_liger_kernel else ()
 
     @property
     def steps_per_generation_resolved(self) -> int:
@@ -436,6 +448,10 @@ def cross_field_problems(c: TrainingConfig) -> list[str]:
     problems.extend(vllm_problems(c))
     problems.extend(cast_lm_head_problems(c))
     problems.extend(sampling_problems(c))
+    if c.use_kernels and not c.transformers.hub_training_kernels:
+        problems.append(f"{field_name('use_kernels')} is planned from transformers 5.24 on, whose Hub kernels vram-plan "
+                        f"has read, not for transformers {c.transformers.version}: leave it unset, or plan for 5.24 or "
+                        f"later ({field_name('transformers_version')})")
     return problems
 
 

@@ -48,6 +48,9 @@ class TransformersRelease:
     # from_pretrained kernelizes by default (5.25 on): on CUDA the Hub's RMSNorm and rotary kernels replace the
     # torch code where the modeling code is decorated for them (Family.hub_rms_norm, Family.hub_rotary)
     hub_kernels: bool = False
+    # what kernelizing (by default, or use_kernels=True) replaces in training on CUDA, read from the release's
+    # integrations/hub_kernels.py; empty where it was not read, so use_kernels=True is not planned there
+    hub_training_kernels: tuple[Literal["RMSNorm", "rotary_pos_emb"], ...] = ()
     version: str = ""  # the release planned for, filled in by `transformers_release`
 
     def supports_sdpa(self, model_type: str) -> bool:

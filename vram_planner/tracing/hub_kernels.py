@@ -1,9 +1,10 @@
 """The Hub's kernels that transformers swaps in on CUDA, as stand-ins that allocate and keep what the kernels do.
 
-From transformers 5.25 `from_pretrained` kernelizes the model by default (profiles/transformers.toml hub_kernels):
-on CUDA, each class or function its modeling code decorates with `use_kernel_forward_from_hub(name)` runs the Hub
-kernel mapped to `name` instead of its torch code. The trace builds its models from a config on the CPU, where
-nothing is kernelized, so it puts these stand-ins where kernelize would put the kernels:
+From transformers 5.25 `from_pretrained` kernelizes the model by default (profiles/transformers.toml hub_kernels;
+before, with use_kernels=True): on CUDA, each class or function its modeling code decorates with
+`use_kernel_forward_from_hub(name)` runs the Hub kernel mapped to `name` for training (hub_training_kernels) instead
+of its torch code. The trace builds its models from a config on the CPU, where nothing is kernelized, so it puts
+these stand-ins where kernelize would put the kernels:
 
 - "RMSNorm": kernels-community/liger-kernels' LigerRMSNorm (`LigerRMSNormFunction`, casting mode "llama", in
   place): forward makes the output in the input's dtype and a float32 rstd per row, and keeps the input (made
@@ -53,8 +54,9 @@ def most_sms() -> int:
 
 def hub_kernel_patches(session: Session) -> list[tuple[Any, str, Any]]:
     """(owner, attribute, stand-in) for every kernelized class and function of the session's models; none where the
-    transformers release does not kernelize by default."""
-    if not session.train.transformers.hub_kernels:
+    model is not kernelized (`TrainingConfig.hub_kernel_layers`)."""
+    layers = session.train.hub_kernel_layers
+    if not layers:
         return []
     patches: dict[tuple[int, str], tuple[Any, str, Any]] = {}
     for top in (session.model, session.ref_model):
@@ -63,10 +65,10 @@ def hub_kernel_patches(session: Session) -> list[tuple[Any, str, Any]]:
         for module in top.modules():
             cls = type(module)
             names = decorated_names(cls.__module__)
-            if names.get(cls.__name__) == RMS_NORM:
+            if names.get(cls.__name__) == RMS_NORM and RMS_NORM in layers:
                 patches[(id(cls), "forward")] = (cls, "forward", _rms_norm_forward)
             modeling = sys.modules.get(cls.__module__)
-            if names.get("apply_rotary_pos_emb") == ROTARY and modeling is not None:
+            if names.get("apply_rotary_pos_emb") == ROTARY and ROTARY in layers and modeling is not None:
                 patches[(id(modeling), "apply_rotary_pos_emb")] = (
                     modeling, "apply_rotary_pos_emb", _rotary_stand_in(modeling.apply_rotary_pos_emb))
     return list(patches.values())
