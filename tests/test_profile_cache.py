@@ -210,3 +210,27 @@ def test_a_sources_version_changes_with_each_python_file_it_names(tmp_path):
         change()
         assert version() not in seen
         seen.append(version())
+
+
+def test_a_sources_content_is_what_the_files_say_whenever_they_were_written(tmp_path):
+    """A kept step copy survives a reinstall or a fresh clone of the same code (new files, new times), and no change
+    of the code."""
+    import os
+
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "a.py").write_text("A = 1\n")
+
+    def content() -> str:
+        profile_cache.sources_content.cache_clear()
+        return profile_cache.sources_content(package)
+
+    before = content()
+    os.utime(package / "a.py", ns=(1, 1))
+    (package / "notes.txt").write_text("not code\n")
+    assert content() == before
+    (package / "a.py").write_text("A = 10\n")
+    assert content() != before
+    (package / "a.py").write_text("A = 1\n")
+    (package / "b.py").write_text("")
+    assert content() != before

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.spec import TrainingConfig, as_settings
 from vram_planner.model.trl_releases import TrlRelease
-from vram_planner.profile_cache import cache_home, digest, sources_version
+from vram_planner.profile_cache import cache_home, digest, sources_content
 from vram_planner.step_copy.document import FORMAT, StepCopy
 from vram_planner.step_copy.lengths import lengths_to_trace
 
@@ -39,7 +39,7 @@ def copy_key(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     knobs = sorted((name, value) for name, value in as_settings(train).items()
                    if name not in ("max_prompt_length", "max_completion_length"))
     what = "\n".join([f"format {FORMAT}", repr(arch), repr(knobs), repr((traced[0], completion_range))])
-    return what, "\n".join([_installed(), sources_version(here, here.parent / "tracing")])
+    return what, "\n".join([_installed(), sources_content(here, here.parent / "tracing")])
 
 
 def _installed() -> str:
