@@ -292,3 +292,15 @@ def test_a_pasted_config_nested_100000_deep_is_one_line():
 
     with pytest.raises(VramPlanError, match="the pasted config.json is nested more than 64 levels deep"):
         pasted_config("[" * 100_000 + "]" * 100_000)
+
+
+def test_the_page_says_whether_the_release_kernelizes_where_use_kernels_is_left_unset():
+    pytest.importorskip("gradio")
+    from vram_planner.app import page
+    from vram_planner.model.spec import training_config
+
+    assert page.default_text(training_config({"transformers_version": "5.25"}), "use_kernels") == \
+        "on in transformers 5.25.0"
+    assert page.default_text(training_config({"transformers_version": "5.24"}), "use_kernels") == \
+        "off in transformers 5.24.0"
+    assert page.default_text(training_config({"use_kernels": False}), "use_kernels") == "off"

@@ -90,6 +90,8 @@ def default_text(train: TrainingConfig, name: str) -> str:
         return "all-linear"
     if name in ("temperature", "top_k") and value is None:
         return str(getattr(train, f"sampling_{name}"))
+    if name == "use_kernels" and value is None:  # as from_pretrained loads the model in this release
+        return f"{'on' if train.transformers.hub_kernels else 'off'} in transformers {train.transformers.version}"
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, Enum):
