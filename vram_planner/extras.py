@@ -71,6 +71,18 @@ def require_bitsandbytes(why: str) -> None:
                             f"{TRAIN_EXTRA}")
 
 
+def require_kernels(why: str) -> None:
+    """The kernels package, at the releases the installed transformers loads the Hub's kernels with, for `why`
+    ('--use-kernels'): from_pretrained refuses use_kernels=True without it (a dependency of transformers 5.25 on)."""
+    from transformers import __version__ as transformers_version
+    from transformers.utils.import_utils import KERNELS_MAX_VERSION, KERNELS_MIN_VERSION, is_kernels_available
+
+    if not is_kernels_available():
+        raise VramPlanError(f"{why} needs the kernels package ({KERNELS_MIN_VERSION} or newer, below "
+                            f"{KERNELS_MAX_VERSION}), which transformers {transformers_version} loads the Hub's kernels "
+                            f"with: pip install 'kernels>={KERNELS_MIN_VERSION},<{KERNELS_MAX_VERSION}'")
+
+
 def require_vllm(why: str) -> None:
     """vLLM must be installed at a release TRL 1.16 accepts (VLLM_RANGE) for `why` (e.g. '--use-vllm'). Found, not
     imported: importing vLLM takes seconds and initialises CUDA."""

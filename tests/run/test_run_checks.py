@@ -517,3 +517,21 @@ def test_warnings_of_a_logger_with_its_own_handler_show_only_with_verbose():
                 "    logger.handlers = [logging.StreamHandler(sys.stdout)]\n"
                 "    return logger\n")
     assert lines_logged("imported()", "imported()", "stdout", imported) == QUIET_UNLESS_VERBOSE
+
+
+def test_use_kernels_needs_the_kernels_package_that_transformers_loads_the_hubs_kernels_with(monkeypatch):
+    import transformers.utils.import_utils as import_utils
+
+    from vram_planner.errors import VramPlanError
+    from vram_planner.model.spec import training_config
+    from vram_planner.run.checks import check_dependencies
+
+    low, high = import_utils.KERNELS_MIN_VERSION, import_utils.KERNELS_MAX_VERSION
+    monkeypatch.setattr(import_utils, "is_kernels_available", lambda *args, **kwargs: False)
+    with pytest.raises(VramPlanError) as refused:
+        check_dependencies(training_config({"use_kernels": True}))
+    assert str(refused.value).startswith(f"--use-kernels needs the kernels package ({low} or newer, below {high})")
+    assert str(refused.value).endswith(f"pip install 'kernels>={low},<{high}'")
+    check_dependencies(training_config({"use_kernels": False}))  # the torch code needs nothing more
+    monkeypatch.setattr(import_utils, "is_kernels_available", lambda *args, **kwargs: True)
+    check_dependencies(training_config({"use_kernels": True}))

@@ -12,7 +12,7 @@ from typing import Any
 
 from vram_planner.errors import VramPlanError, first_line
 from vram_planner.allocator import parse_allocator_conf
-from vram_planner.extras import require_bitsandbytes, require_vllm
+from vram_planner.extras import require_bitsandbytes, require_kernels, require_vllm
 from vram_planner.files import check_writable
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.run.memory_history import OOM_SNAPSHOT_NAME
@@ -159,7 +159,8 @@ def check_chat_template(model_id: str, dataset: Any) -> Any:
 
 def check_dependencies(train: TrainingConfig, dry_run: bool = False, notes: list[str] | None = None) -> None:
     """The optional packages the plan's config needs (bitsandbytes for 8-bit optimizers and 4-bit weights,
-    accelerate for several GPUs and DeepSpeed for ZeRO), and a torch that reads its allocator settings. A dry run
+    accelerate for several GPUs, DeepSpeed for ZeRO, kernels for use_kernels), and a torch that reads its allocator
+    settings. A dry run
     notes the launcher's packages it lacks and the settings torch would refuse instead: it only prints the config
     and the launch line."""
     problem = missing_launcher(train)
@@ -174,6 +175,8 @@ def check_dependencies(train: TrainingConfig, dry_run: bool = False, notes: list
         require_bitsandbytes("--load-in-4bit")
     if train.use_vllm:
         require_vllm("--use-vllm")
+    if train.use_kernels:
+        require_kernels("--use-kernels")
     problem = torch_refusal(train.allocator_conf, "--allocator-conf")
     if problem is not None:
         if not dry_run:
