@@ -105,7 +105,7 @@ def test_the_analytic_model_moves_with_the_trace_where_the_hub_kernels_run(monke
     assert (unkept > 0) is act.hub_rms_norm(context.arch, train)
 
 
-def test_use_kernels_is_the_releases_default_unless_given_and_liger_takes_the_norms_first():
+def test_use_kernels_is_the_releases_default_unless_given_and_liger_is_counted_by_its_own_coefficients():
     from vram_planner.model.spec import training_config
 
     assert training_config({"transformers_version": "5.25"}).hub_kernel_layers == ("RMSNorm", "rotary_pos_emb")
