@@ -29,6 +29,7 @@ from typing import Any
 from vram_planner.files import write_atomically
 from vram_planner.model.architecture import FAMILIES, MODEL_TYPE_ALIASES
 from vram_planner.model.transformers_releases import transformers_release
+from vram_planner.tracing.hub_kernels import decorated_in
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "transformers_releases.json"
@@ -120,10 +121,9 @@ def kernelizes_by_default(source: str) -> bool:
 
 
 def hub_decorated(source: str, layer: str) -> bool:
-    """Whether the modeling code decorates a class or function with use_kernel_forward_from_hub(layer)."""
-    definitions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.ClassDef, ast.FunctionDef))]
-    return any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "use_kernel_forward_from_hub" and d.args
-               and getattr(d.args[0], "value", None) == layer for n in definitions for d in n.decorator_list)
+    """Whether the modeling code decorates a class or function with use_kernel_forward_from_hub(layer), as the trace
+    reads it."""
+    return layer in decorated_in(source).values()
 
 
 SDPA_INTEGRATION = "transformers/integrations/sdpa_attention.py"  # shared by the models from 4.48

@@ -160,9 +160,8 @@ def check_chat_template(model_id: str, dataset: Any) -> Any:
 def check_dependencies(train: TrainingConfig, dry_run: bool = False, notes: list[str] | None = None) -> None:
     """The optional packages the plan's config needs (bitsandbytes for 8-bit optimizers and 4-bit weights,
     accelerate for several GPUs, DeepSpeed for ZeRO, kernels for use_kernels), and a torch that reads its allocator
-    settings. A dry run
-    notes the launcher's packages it lacks and the settings torch would refuse instead: it only prints the config
-    and the launch line."""
+    settings. A dry run notes the launcher's packages it lacks and the settings torch would refuse instead: it only
+    prints the config and the launch line."""
     problem = missing_launcher(train)
     if problem is not None:
         if not dry_run:

@@ -20,28 +20,37 @@ these stand-ins where kernelize would put the kernels:
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
-import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vram_planner.tracing.session import Session
+if TYPE_CHECKING:
+    from vram_planner.tracing.session import Session
 
 RMS_NORM, ROTARY = "RMSNorm", "rotary_pos_emb"
-_DECORATED = re.compile(r'@use_kernel_forward_from_hub\("([^"]+)"\)\s*\n(?:\s*@.*\n)*\s*(?:class|def) (\w+)')
+
+
+def decorated_in(source: str) -> dict[str, str]:
+    """{class or function name: the Hub layer name} for each definition in `source` decorated with
+    `use_kernel_forward_from_hub(name)`."""
+    return {node.name: decorator.args[0].value for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) for decorator in node.decorator_list
+            if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "use_kernel_forward_from_hub"
+            and decorator.args and isinstance(decorator.args[0], ast.Constant)}
 
 
 @functools.lru_cache(maxsize=64)
 def decorated_names(module_name: str) -> dict[str, str]:
-    """{class or function name: the Hub layer name it is decorated for} in a modeling module, read from its source
-    (without the kernels package the decorator leaves no mark on the object)."""
+    """`decorated_in` a loaded module, read from its source (without the kernels package the decorator leaves no
+    mark on the object)."""
     module = sys.modules.get(module_name)
     try:
         source = inspect.getsource(module) if module is not None else ""
     except (OSError, TypeError):
         source = ""
-    return {name: layer for layer, name in _DECORATED.findall(source)}
+    return decorated_in(source)
 
 
 def most_sms() -> int:
