@@ -73,7 +73,8 @@ def _kernelized(monkeypatch, on: bool) -> None:
 
 
 KNOBS = {"bf16 full": {"dtype": "bfloat16"}, "bf16 LoRA": {"dtype": "bfloat16", "lora_r": 8},
-         "float32 weights, full": {}, "bf16 full, checkpointing": {"dtype": "bfloat16", "gradient_checkpointing": True}}
+         "float32 weights, full": {}, "bf16 full, checkpointing": {"dtype": "bfloat16", "gradient_checkpointing": True},
+         "bf16 LoRA, checkpointing": {"dtype": "bfloat16", "lora_r": 8, "gradient_checkpointing": True}}
 
 
 @pytest.mark.slow

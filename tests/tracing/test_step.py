@@ -207,7 +207,8 @@ def fused_head_peaks(tokens: int, vocab: int, hidden: int = 64) -> tuple[int, in
     from vram_planner.tracing.patches import cuda_like_behaviour
 
     tracker = LiveBytes()
-    session = types.SimpleNamespace(tracker=tracker, train=TrainingConfig())  # the installed TRL: the fused head
+    # the installed TRL: the fused head; no model (nothing for the Hub's kernels to replace)
+    session = types.SimpleNamespace(tracker=tracker, train=TrainingConfig(), model=None, ref_model=None)
     with FakeTensorMode(), tracker, cuda_like_behaviour(session):
         states = torch.empty(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
         weight = torch.empty(vocab, hidden, requires_grad=True)

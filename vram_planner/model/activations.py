@@ -296,7 +296,8 @@ def recomputed_forward_bytes(arch: ModelArchitecture, train: TrainingConfig, tok
     of SmolLM2 with LoRA, where it decides the loss phase).
 
     The residual stream after attention waits for the layer's last addition (phi's parallel layer adds to its
-    input, kept already), the output projection's result waits for its adapter's, and with frozen base layers (LoRA)
+    input, kept already; the Hub's RMSNorm kernel keeps it as the post-attention norm's input, counted there), the
+    output projection's result waits for its adapter's, and with frozen base layers (LoRA)
     the MLP's input (the norm's output) and the output projection's input are held by the forward's own references
     only, until the MLP returns; a trained linear keeps its input anyway. PEFT's float32 copy of that input for a
     float32 adapter exists while the adapter runs (`components._adapter_input_copy_bytes` counts it in the
@@ -307,7 +308,8 @@ def recomputed_forward_bytes(arch: ModelArchitecture, train: TrainingConfig, tok
     s = sizes(train)
     r, c, hidden = s.residual, s.compute, arch.hidden_size
     mlp_out = arch.layer_linears()[-1]
-    per_token = c * hidden + (0 if arch.family.norms_per_layer == 1 else r * hidden)
+    kept_by_the_norm = arch.family.norms_per_layer == 1 or hub_rms_norm(arch, train)
+    per_token = c * hidden + (0 if kept_by_the_norm else r * hidden)
     if train.uses_lora:
         per_token += r * hidden + c * mlp_out.in_features
         adapted = mlp_out.name in _lora_targets(arch, train)
