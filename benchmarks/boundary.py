@@ -5,6 +5,7 @@
     python benchmarks/boundary.py --models Qwen3-0.6B phi-2
     python benchmarks/boundary.py --from-needs   # the analytic side only, against the committed needs
     python benchmarks/boundary.py --add          # the committed needs, bisecting only the points they lack
+    python benchmarks/boundary.py --suffix transformers-5.25 --models Qwen3-0.6B   # a table of its own (below)
 
 For every point the step is traced and its need bisected with the caching allocator model (`check --exact`: the
 least card capacity, CUDA context and cuBLAS workspaces included, on which the step runs), and printed beside the
@@ -24,7 +25,14 @@ boundary.txt (the table and the summary) and boundary.json next to the cache whe
 --from-needs traces nothing: it takes the committed needs as they are, whatever code they came from (the table's
 last line names it), and recomputes the analytic side, so that a change to the analytic model alone is judged in
 seconds. A point without a committed need is left out and said. --add bisects those points with the current code and
-adds them to the committed needs, each with the key of the code that made it.
+adds them to the committed needs, each with the key of the code that made it. The analytic side plans for the
+transformers release the needs were traced under (the needs' key names it), so a table traced under another release
+than the installed one is rejudged as that release runs.
+
+--suffix NAME keeps a table apart from the tested set's: its needs in boundary-needs-NAME.json, the table in
+boundary-NAME.txt and .json, written for whatever models ran. Run under another library release (a newer
+transformers in its own environment), it shows that release at the boundary beside the grid
+(results/boundary-transformers-5.25.txt: the Hub's kernels, which 5.25 loads by default).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -139,10 +148,9 @@ def need_key() -> str:
     return f"{trace_key()} / allocator {digest.hexdigest()[:12]} / needs without the context, phases"
 
 
-def committed_needs(from_needs: bool) -> tuple[dict, str]:
-    """The cached needs and the key they were made under: those of the current code, or with `from_needs` the
-    committed ones whatever code made them."""
-    path = RESULTS / "boundary-needs.json"
+def committed_needs(from_needs: bool, path: Path) -> tuple[dict, str]:
+    """The cached needs in `path` and the key they were made under: those of the current code, or with `from_needs`
+    the committed ones whatever code made them."""
     if not from_needs:
         key = need_key()
         return load_cache(path, key), key
@@ -213,6 +221,16 @@ def shorter_need(label: str, model: str, settings: dict, cache: dict, prompt: in
     return prompt, exact(model, {**settings, "max_prompt_length": prompt}, cache, shorter_label(label, prompt))
 
 
+def traced_release(key: str) -> dict:
+    """The setting that plans for the transformers release a needs' key names, where it is not the installed one."""
+    import transformers
+
+    found = re.search(r"transformers (\S+?)/", key)
+    if found is None or found.group(1) == transformers.__version__:
+        return {}
+    return {"transformers_version": found.group(1)}
+
+
 def row(label: str, model: str, settings: dict, traced: dict, shorter: tuple[int, dict] | None = None) -> dict:
     """The default calibration's estimate (what `check` answers until a probe measures the card) beside the run's
     need, both with the CUDA context the GPU catalog gives the card: the step's with prompts of max_prompt_length,
@@ -268,9 +286,13 @@ def main() -> int:
                         help="trace nothing: the committed needs, whatever code made them")
     parser.add_argument("--add", action="store_true",
                         help="the committed needs, whatever code made them; bisect the points they lack")
+    parser.add_argument("--suffix", metavar="NAME", help="needs and table of their own (boundary-needs-NAME.json, "
+                        "boundary-NAME.txt), written for whatever models ran")
     args = parser.parse_args()
-    cache_path = RESULTS / "boundary-needs.json"
-    cache, key = committed_needs(args.from_needs or args.add)
+    tail = f"-{args.suffix}" if args.suffix else ""
+    cache_path = RESULTS / f"boundary-needs{tail}.json"
+    cache, key = committed_needs(args.from_needs or args.add, cache_path)
+    release = traced_release(key)
     rows = []
     grid = points(args.models, args.quick)
     for n, (label, model, settings) in enumerate(grid, 1):
@@ -280,12 +302,12 @@ def main() -> int:
         known = set(cache)
         try:
             traced = exact(model, settings, cache, label)
-            prompt = heaviest_prompt(model, settings)
+            prompt = heaviest_prompt(model, {**settings, **release})
             shorter = shorter_need(label, model, settings, cache, prompt, trace=not args.from_needs)
             if args.from_needs and prompt is not None and shorter is None:
                 print(f"[{n}/{len(grid)}] {label}: no committed need at the shorter prompt that may need more",
                       file=sys.stderr, flush=True)
-            rows.append(row(label, model, settings, traced, shorter))
+            rows.append(row(label, model, {**settings, **release}, traced, shorter))
         except Exception as exc:  # a point the engines cannot run is reported, not fatal to the grid
             print(f"[{n}/{len(grid)}] {label}: {exc}", file=sys.stderr, flush=True)
             continue
@@ -298,9 +320,9 @@ def main() -> int:
             save_atomically(cache_path, json.dumps({"key": key, "points": cache}, indent=1))
     lines = table(rows) + summary(rows) + [f"needs from {key}"]
     print("\n".join(lines))
-    if not args.quick and args.models == list(MODELS):
-        save_atomically(RESULTS / "boundary.txt", "\n".join(lines) + "\n")
-        save_atomically(RESULTS / "boundary.json", json.dumps(rows, indent=1))
+    if args.suffix or (not args.quick and args.models == list(MODELS)):
+        save_atomically(RESULTS / f"boundary{tail}.txt", "\n".join(lines) + "\n")
+        save_atomically(RESULTS / f"boundary{tail}.json", json.dumps(rows, indent=1))
     return 0
 
 

@@ -348,7 +348,7 @@ def main() -> int:
                         help="store the shipped coefficients under torch's default allocator (the loss phase's and "
                              "generation's) as they are, refitting expandable segments' only")
     args = parser.parse_args()
-    cache, key = committed_needs(args.from_needs)
+    cache, key = committed_needs(args.from_needs, RESULTS / "boundary-needs.json")
     grid = rows(cache)
     if not grid:
         print("no cached need decided in the loss phase: run benchmarks/boundary.py first", file=sys.stderr)

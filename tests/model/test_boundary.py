@@ -133,6 +133,38 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
     assert {r["point"] for r in rows if r["error"] < -UNDER_TARGET} == set(KNOWN_SHORT)
 
 
+@pytest.mark.slow  # the estimate of 109 points: a few seconds
+def test_the_kernelized_release_holds_at_the_boundary_too():
+    """benchmarks/boundary.py --suffix transformers-5.25: the families whose layers the Hub's kernels replace (and the
+    fixtures), traced under transformers 5.25, which kernelizes by default, and judged with the analytic model
+    planned for that release against their committed needs: the committed table, no window, every point inside the
+    measured band, and no more points more than 1% under their need than the tested release's table has."""
+    import json
+    import statistics
+
+    from vram_planner.model.spec import training_config
+
+    boundary = benchmark_module("boundary")
+    data = json.loads((boundary.RESULTS / "boundary-needs-transformers-5.25.json").read_text())
+    assert "transformers 5.25.0/" in data["key"]
+    needs, release = data["points"], boundary.traced_release(data["key"])
+    rows = []
+    for label, model, settings in boundary.points(list(boundary.MODELS), quick=False):
+        if label in needs:
+            settings = {**settings, **release}
+            shorter = boundary.shorter_need(label, model, settings, needs, boundary.heaviest_prompt(model, settings))
+            rows.append((boundary.row(label, model, settings, needs[label], shorter), settings))
+    committed = json.loads((boundary.RESULTS / "boundary-transformers-5.25.json").read_text())
+    assert [(r["point"], r["analytic_bytes"]) for r, _ in rows] == [(r["point"], r["analytic_bytes"])
+                                                                     for r in committed]
+    assert len(rows) > 100 and not [r["point"] for r, _ in rows if r["window"]]
+    for row, settings in rows:
+        ratio = row["need_bytes"] / row["analytic_bytes"] - 1
+        assert -NEED_BELOW_ESTIMATE <= ratio <= need_above_estimate(training_config(settings)), row["point"]
+    assert statistics.median(abs(r["error"]) for r, _ in rows) < 0.02
+    assert len([r for r, _ in rows if r["error"] < -UNDER_TARGET]) <= len(KNOWN_SHORT)
+
+
 @pytest.mark.slow  # the estimate of every held-out point: a few seconds
 def test_the_committed_held_out_tables_are_the_analytic_model_as_it_is():
     """benchmarks/boundary_heldout.py --from-results: every committed sweep's points, judged with the analytic model
