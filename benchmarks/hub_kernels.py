@@ -26,6 +26,13 @@ POINTS = (
     ("Qwen3-0.6B", "bf16 full B8 p256 c1024",
      {"dtype": "bfloat16", "per_device_train_batch_size": 8, "num_generations": 8, "max_prompt_length": 256,
       "max_completion_length": 1024}),
+    # LoRA with checkpointing, what a laptop runs: the recomputed layer's norms as the kernel keeps them
+    ("Llama-3.2-1B", "bf16 lora16 B8 G16 A2 p512 c2048",
+     {"dtype": "bfloat16", "lora_r": 16, "per_device_train_batch_size": 8, "num_generations": 16,
+      "gradient_accumulation_steps": 2, "max_prompt_length": 512, "max_completion_length": 2048}),
+    ("Qwen2.5-0.5B", "bf16 lora16 B16 p256 c256",
+     {"dtype": "bfloat16", "lora_r": 16, "per_device_train_batch_size": 16, "num_generations": 16,
+      "max_prompt_length": 256, "max_completion_length": 256}),
     ("SmolLM2-360M", "fp32 lora16 B16 p512 c256 nogc",
      {"lora_r": 16, "per_device_train_batch_size": 16, "num_generations": 16, "max_prompt_length": 512,
       "max_completion_length": 256, "gradient_checkpointing": False}),
