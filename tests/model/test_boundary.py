@@ -155,6 +155,7 @@ def test_the_kernelized_release_holds_at_the_boundary_too():
             shorter = boundary.shorter_need(label, model, settings, needs, boundary.heaviest_prompt(model, settings))
             rows.append((boundary.row(label, model, settings, needs[label], shorter), settings))
     committed = json.loads((boundary.RESULTS / "boundary-transformers-5.25.json").read_text())
+    # after a change to the analytic model: python benchmarks/boundary.py --from-needs --suffix transformers-5.25
     assert [(r["point"], r["analytic_bytes"]) for r, _ in rows] == [(r["point"], r["analytic_bytes"])
                                                                      for r in committed]
     assert len(rows) > 100 and not [r["point"] for r, _ in rows if r["window"]]
