@@ -66,6 +66,25 @@ def test_the_rotary_stand_in_clones_keeping_cos_and_sin_where_the_kernel_runs_an
     assert rotary(q, k, cos, cos)[0].dtype == torch.float32
 
 
+@pytest.mark.parametrize("model", ["Qwen2.5-0.5B", "Llama-3.2-1B", "gemma-2-2b", "Phi-3-mini-4k-instruct"])
+@pytest.mark.parametrize("knobs", [{}, {"dtype": "bfloat16"}, {"use_kernels": False}, {"mixed_precision": "no"},
+                                   {"transformers_version": "5.24", "use_kernels": True}])
+def test_check_says_where_the_rotary_kernel_refuses_float32_weights_under_autocast(model, knobs):
+    """Where the trace's rotary stand-in runs the torch code because the kernel's dtype check would refuse (float32
+    weights under mixed precision: TRL's default weights), check says so in a note, naming both ways out."""
+    from vram_planner import engine
+
+    verdict = engine.check(model, "rtx-4060-laptop", {"transformers_version": "5.25", **knobs})
+    notes = [note for note in verdict.estimate.notes if "rotary kernel" in note]
+    train, arch = verdict.train, verdict.context.arch
+    refuses = ("rotary_pos_emb" in train.hub_kernel_layers and arch.family.hub_rotary and train.dtype == "float32"
+               and train.mixed_precision != "no")
+    assert act.hub_rotary_refuses(arch, train) == refuses == bool(notes)
+    assert refuses == (model != "Phi-3-mini-4k-instruct" and knobs == {})
+    if notes:
+        assert "--dtype bfloat16" in notes[0] and "use_kernels false" in notes[0]
+
+
 def _kernelized(monkeypatch, on: bool) -> None:
     """The installed release's row, kernelizing by default or not."""
     monkeypatch.setattr(spec, "transformers_release", lambda version, major: replace(

@@ -70,6 +70,14 @@ def hub_rms_norm(arch: ModelArchitecture, train: TrainingConfig) -> bool:
     return "RMSNorm" in train.hub_kernel_layers and arch.family.hub_rms_norm
 
 
+def hub_rotary_refuses(arch: ModelArchitecture, train: TrainingConfig) -> bool:
+    """Whether the model is kernelized with the Hub's rotary kernel where its op's dtype check
+    (`x1.dtype() == cos.dtype()`) meets autocast's 16-bit q beside the float32 stream's cos: float32 weights under
+    mixed precision (vram_planner.tracing.hub_kernels traces the torch code there)."""
+    s = sizes(train)
+    return "rotary_pos_emb" in train.hub_kernel_layers and arch.family.hub_rotary and s.residual != s.compute
+
+
 def norm_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, width: int, input_bytes: int, trainable: bool,
                      rows: int = 1) -> float:
     """RMSNorm over `width` elements: its float32 input (or upcast copy), rsqrt per row, the normalised tensor.

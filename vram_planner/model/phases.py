@@ -877,6 +877,13 @@ def _notes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease) 
                      "a float32 rstd per row for backward where the torch code keeps a float32 copy"
                      + ("" if train.use_kernels else "; a run with use_kernels false (model_init_kwargs) or "
                         "USE_HUB_KERNELS=NO keeps more"))
+    if act.hub_rotary_refuses(arch, train):
+        notes.append(f"kernels: transformers {train.transformers.version} swaps in the Hub's rotary kernel "
+                     "(kernels-community/rotary) for training, whose op takes q and cos in one dtype; float32 weights "
+                     "under mixed precision give a 16-bit q beside a float32 cos, which its source refuses (not yet "
+                     "run on a GPU by vram-plan): should the first step fail there, load 16-bit weights (--dtype "
+                     "bfloat16) or turn the kernels off (use_kernels false in model_init_kwargs, or "
+                     "USE_HUB_KERNELS=NO); counted as the torch code runs")
     if not arch.exact:
         notes.append(f"model_type {arch.model_type!r} is not one vram-plan knows; it was read as a Llama-style "
                      "decoder, so counts may be off")
