@@ -231,6 +231,18 @@ def traced_release(key: str) -> dict:
     return {"transformers_version": found.group(1)}
 
 
+def rejudged(needs: dict, release: dict) -> list[tuple[dict, dict]]:
+    """(row, settings) of every grid point `needs` holds, the analytic side planned for `release` (traced_release),
+    as --from-needs judges them; silent on the points it leaves out."""
+    out = []
+    for label, model, settings in points(list(MODELS), quick=False):
+        if label in needs:
+            settings = {**settings, **release}
+            shorter = shorter_need(label, model, settings, needs, heaviest_prompt(model, settings))
+            out.append((row(label, model, settings, needs[label], shorter), settings))
+    return out
+
+
 def row(label: str, model: str, settings: dict, traced: dict, shorter: tuple[int, dict] | None = None) -> dict:
     """The default calibration's estimate (what `check` answers until a probe measures the card) beside the run's
     need, both with the CUDA context the GPU catalog gives the card: the step's with prompts of max_prompt_length,

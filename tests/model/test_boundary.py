@@ -123,9 +123,7 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
 
     boundary = benchmark_module("boundary")
     needs = json.loads((boundary.RESULTS / "boundary-needs.json").read_text())["points"]
-    rows = [boundary.row(label, model, settings, needs[label], boundary.shorter_need(
-                label, model, settings, needs, boundary.heaviest_prompt(model, settings)))
-            for label, model, settings in boundary.points(list(boundary.MODELS), quick=False) if label in needs]
+    rows = [row for row, _ in boundary.rejudged(needs, {})]
     committed = json.loads((boundary.RESULTS / "boundary.json").read_text())
     assert [(r["point"], r["analytic_bytes"]) for r in rows] == [(r["point"], r["analytic_bytes"]) for r in committed]
     assert {r["point"] for r in rows if r["window"]} == {p for p, what in KNOWN_SHORT.items() if what == "a window"}
@@ -147,13 +145,7 @@ def test_the_kernelized_release_holds_at_the_boundary_too():
     boundary = benchmark_module("boundary")
     data = json.loads((boundary.RESULTS / "boundary-needs-transformers-5.25.json").read_text())
     assert "transformers 5.25.0/" in data["key"]
-    needs, release = data["points"], boundary.traced_release(data["key"])
-    rows = []
-    for label, model, settings in boundary.points(list(boundary.MODELS), quick=False):
-        if label in needs:
-            settings = {**settings, **release}
-            shorter = boundary.shorter_need(label, model, settings, needs, boundary.heaviest_prompt(model, settings))
-            rows.append((boundary.row(label, model, settings, needs[label], shorter), settings))
+    rows = boundary.rejudged(data["points"], boundary.traced_release(data["key"]))
     committed = json.loads((boundary.RESULTS / "boundary-transformers-5.25.json").read_text())
     # after a change to the analytic model: python benchmarks/boundary.py --from-needs --suffix transformers-5.25
     assert [(r["point"], r["analytic_bytes"]) for r, _ in rows] == [(r["point"], r["analytic_bytes"])
