@@ -43,7 +43,8 @@ import re
 import sys
 
 from accuracy import load_cache, save_atomically
-from boundary import MODELS, RESULTS, exact, heaviest_prompt, need_key, points, row, shorter_need, summary, table
+from boundary import (MODELS, RESULTS, exact, heaviest_prompt, need_key, points, row, shorter_need, summary, table,
+                      traced_release)
 
 from vram_planner.model.spec import training_config
 from vram_planner.units import GiB, MiB
@@ -201,13 +202,15 @@ def sweep(n: int, seed: int, largest_gib: float | None = None) -> list[str]:
     return save_sweep(rows, n, seed, largest_gib, key)
 
 
-def judged(point: str, model: str, settings: dict, cache: dict, trace: bool) -> dict:
+def judged(point: str, model: str, settings: dict, cache: dict, trace: bool, release: dict | None = None) -> dict:
     """A drawn point's row: the run's need (a shorter prompt's where that needs more, as on the grid) beside the
-    analytic peak, with its knobs; its needs bisected into `cache` where it lacks them and `trace`, else read there."""
+    analytic peak, with its knobs; its needs bisected into `cache` where it lacks them and `trace`, else read there;
+    the analytic side planned for `release` (boundary.traced_release: the release the needs were traced under)."""
     label = point_label(model, settings)
     traced = exact(model, settings, cache, label) if trace else cache[label]
-    shorter = shorter_need(label, model, settings, cache, heaviest_prompt(model, settings), trace=trace)
-    return {**row(point, model, settings, traced, shorter), "knobs": knobs(settings), "model": model,
+    planned = {**settings, **(release or {})}
+    shorter = shorter_need(label, model, settings, cache, heaviest_prompt(model, planned), trace=trace)
+    return {**row(point, model, planned, traced, shorter), "knobs": knobs(settings), "model": model,
             "settings": settings, "binding_phase": traced["binding_phase"]}
 
 
@@ -275,10 +278,10 @@ def rejudged_sweeps() -> tuple[dict[tuple[int, float | None], list[dict]], str]:
     """Every committed sweep's rows judged with the current analytic model against their committed needs, by (seed,
     largest GiB); and the key of the code the needs came from."""
     data = json.loads((RESULTS / "boundary-heldout-needs.json").read_text())
-    cache, sweeps = data["points"], {}
+    cache, sweeps, release = data["points"], {}, traced_release(data["key"])
     for found, committed in committed_sweeps().items():
-        sweeps[found] = [judged(before["point"], before["model"], before["settings"], cache, trace=False)
-                         for before in committed]
+        sweeps[found] = [judged(before["point"], before["model"], before["settings"], cache, trace=False,
+                                release=release) for before in committed]
     return sweeps, data["key"]
 
 

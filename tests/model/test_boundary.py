@@ -122,8 +122,8 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
     import statistics
 
     boundary = benchmark_module("boundary")
-    needs = json.loads((boundary.RESULTS / "boundary-needs.json").read_text())["points"]
-    rows = [row for row, _ in boundary.rejudged(needs, {})]
+    data = json.loads((boundary.RESULTS / "boundary-needs.json").read_text())
+    rows = [row for row, _ in boundary.rejudged(data["points"], boundary.traced_release(data["key"]))]
     committed = json.loads((boundary.RESULTS / "boundary.json").read_text())
     assert [(r["point"], r["analytic_bytes"]) for r in rows] == [(r["point"], r["analytic_bytes"]) for r in committed]
     assert {r["point"] for r in rows if r["window"]} == {p for p, what in KNOWN_SHORT.items() if what == "a window"}
