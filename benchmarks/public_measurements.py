@@ -110,7 +110,9 @@ def compare(row: dict[str, Any]) -> Comparison:
     except VramPlanError as exc:
         return Comparison(row, problem=str(exc), headline="model not available")
     try:
-        verdict = engine.check(row["model"], row["gpu"], dict(row["settings"]), trl_version=row["trl_version"])
+        # the transformers release the source shows, where it shows one; else the newest of the TRL release's time
+        known = {"transformers_version": row["transformers_version"]} if row.get("transformers_version") else {}
+        verdict = engine.check(row["model"], row["gpu"], {**row["settings"], **known}, trl_version=row["trl_version"])
     except VramPlanError as exc:
         return Comparison(row, problem=str(exc), headline="error")
     except Exception as exc:  # noqa: BLE001 - the planner changes under this script; one row must not end the table

@@ -3,6 +3,8 @@ the catalog, and the verdict agreeing with what happened on the rows whose setti
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helpers import benchmark_module
@@ -35,3 +37,16 @@ def test_catalog_rows_are_planned(row):
     assert comparison.problem is None and comparison.predicted_gib > 0
     if row.get("confidence") == "high":  # the settings are the source's own: the verdict must agree
         assert comparison.predicted_fits is (row["outcome"] == "fits")
+
+
+def test_the_readme_shows_the_table_as_planned_today():
+    # The README's accuracy section is read as today's answer: a model change that moves a row moves the README too
+    # (`python benchmarks/public_measurements.py --markdown`). Rows whose model needs the hub are left to the script.
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    comparisons = [SCRIPT_MODULE.compare(row) for row in ROWS]
+    table = SCRIPT_MODULE.markdown_table(comparisons).splitlines()
+    stale = [line for line, c in zip(table[2:], comparisons) if not c.problem and line not in readme]
+    assert not stale, ("README's public-measurements table is not what the planner says today; paste "
+                       "`python benchmarks/public_measurements.py --markdown` over it:\n" + "\n".join(stale))
+    summary = SCRIPT_MODULE.summary(comparisons)
+    assert summary[0].upper() + summary[1:] in readme
