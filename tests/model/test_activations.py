@@ -243,7 +243,7 @@ def test_phi_layer_one_layernorm_gelu_new_and_residual_dropout():
     readers = 4 * 2 * h  # q, k, v and fc1 read one normalised tensor; each lora_A keeps a bf16 copy
     sdpa = 2 * h + 2 * h + 2 * h + 2 * h + 4 * heads + 2 * L  # q and k casts, v, output; lse; float mask row
     dense = 2 * h  # dense's lora_A copy
-    dropout = 2 * 2 * h  # noise of the attention's and the MLP's output dropout
+    dropout = 2 * 1 * h  # the bool masks of the attention's and the MLP's output dropout (CUDA's fused kernel)
     mlp = 4 * 2 * i + 2 * i  # gelu_new: fc1's output, tanh, 0.5 x, 1 + tanh; fc2's lora_A copy
     rank = 6 * 16 * 2
     assert act.layer_saved_bytes(phi, cfg(lora_r=16), 10) == 10 * (norm + readers + sdpa + dense + dropout + mlp

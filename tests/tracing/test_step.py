@@ -133,6 +133,43 @@ def test_lora_trains_the_adapters_and_scores_the_reference_with_them_disabled(lo
     assert 2 * lora.trainable_params * 4 <= states <= 2 * lora.trainable_params * 4 + adapters * 3 * BLOCK
 
 
+def test_lora_dropout_keeps_the_bool_mask_cudas_fused_kernel_keeps():
+    # at::dropout takes the fused kernel on CUDA (a bool mask kept for backward); on the CPU it would keep a noise
+    # tensor of the input's dtype, 4 bytes an element beside a float32 adapter input
+    base = TrainingConfig(**SHORT, lora_r=8, gradient_checkpointing=False)
+    dropped = TrainingConfig(**SHORT, lora_r=8, gradient_checkpointing=False, lora_dropout=0.05)
+    arch = ModelArchitecture.from_config(TINY)
+
+    def activations(train, traced):
+        phase = traced.phase("training") if traced else next(
+            p for p in estimate(arch, train, trl_release(), Calibration(), 80 * GiB).phases if p.name == "training")
+        return phase.components["activations"]
+
+    traced_extra = activations(dropped, trace_step(TINY, dropped)) - activations(base, trace_step(TINY, base))
+    analytic_extra = activations(dropped, None) - activations(base, None)
+    assert analytic_extra > 0
+    # a byte an element of every adapted linear's input, each mask its own storage rounded up to the allocator's
+    # 512-byte blocks (the CPU path's float32 noise would be four); the training peak may come after the last
+    # layer's masks are freed
+    assert 0 < traced_extra <= analytic_extra + 7 * arch.num_layers * BLOCK
+
+
+def test_the_patched_dropout_saves_a_bool_mask_and_no_noise():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vram_planner.tracing.patches import _fused_dropout
+
+    dropout = _fused_dropout(torch.nn.functional.dropout)
+    with FakeTensorMode():
+        x = torch.empty(64, 32, requires_grad=True)
+        saved = [getattr(dropout(x, 0.05).grad_fn, name) for name in dir(dropout(x, 0.05).grad_fn)
+                 if name.startswith("_saved_")]
+        kept = [t.dtype for t in saved if isinstance(t, torch.Tensor)]
+        assert kept == [torch.bool]
+        assert dropout(x, 0.05, training=False) is x and dropout(x, 0.0) is x  # as the CPU path: no copy
+
+
 def test_beta_without_lora_loads_a_second_copy():
     result = trace_step(TINY, TrainingConfig(**SHORT, beta=0.04))
     optimizer = result.phase("optimizer").components

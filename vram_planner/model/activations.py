@@ -27,9 +27,9 @@ Counted from the autograd graph that transformers 5.x builds for a Llama-style l
   as wide as the MLP (`ACTIVATION_SAVED_TENSORS`).
 - phi runs attention and MLP side by side on one LayerNorm's output (four readers of one tensor). LayerNorm's
   kernel keeps its input, a mean and a reciprocal deviation per row, and recomputes the normalised tensor.
-  phi-2's resid_pdrop puts dropout on both outputs: the trace runs the CPU kernel, which keeps a noise tensor in the
-  input's dtype (CUDA's fused kernel keeps a one-byte mask). Partial rotary changes nothing kept: q and k leave
-  rotary as one concatenated tensor, which SDPA's casts replace as before.
+  phi-2's resid_pdrop puts dropout on both outputs: CUDA's fused kernel keeps a one-byte mask of each (the trace
+  takes that kernel; the CPU's keeps a noise tensor in the input's dtype). Partial rotary changes nothing kept: q
+  and k leave rotary as one concatenated tensor, which SDPA's casts replace as before.
 - phi3 fuses q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`): each norm output has one reader, and the v that SDPA
   keeps is a slice of the fused output, which keeps all of it alive. (The CPU flash kernel lays its output out like
   its query, which phi3's rotary makes head-major, so with full fine-tuning the trace also counts o_proj's contiguous
@@ -288,8 +288,8 @@ def layer_saved_bytes(arch: ModelArchitecture, train: TrainingConfig, tokens: in
         per_token += linear_inputs_saved_bytes(arch, train, [out_proj], c)
     if f.norms_per_layer == 4:  # Gemma 2/3 also normalise each sublayer's compute-dtype output
         per_token += 2 * norm_saved_bytes(arch, train, arch.hidden_size, c, full)
-    if arch.resid_dropout:  # phi: dropout on the attention's and the MLP's outputs keeps its noise (CPU kernel)
-        per_token += 2 * arch.hidden_size * c
+    if arch.resid_dropout:  # phi: dropout on the attention's and the MLP's outputs keeps its bool mask
+        per_token += 2 * arch.hidden_size * BOOL_BYTES
     # what the activation keeps of the gate's (plain: fc1's) output; gated: also the up projection and the
     # activation's output, the product's factors
     per_token += c * i * (activation_saved_tensors(arch) + (2 if f.gated_mlp else 0))
