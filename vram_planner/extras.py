@@ -63,12 +63,13 @@ def _errors_only(record: logging.LogRecord) -> bool:
 def require_bitsandbytes(why: str) -> None:
     """bitsandbytes must be installed, at a version transformers accepts, for `why` (e.g. '--optim adamw_8bit')."""
     from packaging.version import Version
-    from transformers.utils.import_utils import BITSANDBYTES_MIN_VERSION
+    from transformers.utils import import_utils
 
+    # the transformers 4 releases TRL 0.14 ran with (4.48, 4.52) name no least bitsandbytes: any installed one is taken
+    least = getattr(import_utils, "BITSANDBYTES_MIN_VERSION", None)
     version = _installed_version("bitsandbytes", f"{why} needs bitsandbytes, which is not installed: {TRAIN_EXTRA}")
-    if version is not None and Version(version) < Version(BITSANDBYTES_MIN_VERSION):
-        raise VramPlanError(f"{why} needs bitsandbytes {BITSANDBYTES_MIN_VERSION} or newer (installed: {version}): "
-                            f"{TRAIN_EXTRA}")
+    if version is not None and least is not None and Version(version) < Version(least):
+        raise VramPlanError(f"{why} needs bitsandbytes {least} or newer (installed: {version}): {TRAIN_EXTRA}")
 
 
 def require_kernels(why: str) -> None:
