@@ -7,10 +7,10 @@ card (what nvidia-smi or W&B's GPU memory read there), beside the published numb
 
 A row is traced under the installed TRL and transformers, so run this in the environment of the rows' TRL release
 (benchmarks/trl_matrix.py --build-only --pair 0.14.0/4.48.2 makes it; its adamw_8bit rows need bitsandbytes there
-too: `pip install --no-deps bitsandbytes`); rows of other releases are listed as not
-traced. The analytic answer beside it is planned for the installed transformers too. On a card with room the
-allocator keeps what it freed until cudaMalloc fails, so a number read there is the held figure, not the need; this
-says which of the two a published number matches. Writes benchmarks/results/public_traced.txt.
+too: `pip install --no-deps bitsandbytes`); rows of other releases are listed as not traced. The analytic answer
+beside it is planned for the installed transformers too. On a card with room the allocator keeps what it freed until
+cudaMalloc fails, so a number read there is the held figure, not the need; this says which of the two a published
+number matches. Writes benchmarks/results/public_traced.txt.
 """
 
 from __future__ import annotations
