@@ -346,15 +346,18 @@ def test_gemma3_sliding_and_full_masks_match_the_trace(knobs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "tolerance"), [("SmolLM2-135M", 0.002), ("Qwen2.5-0.5B", 0.01)])
-def test_lora_checkpointing_peaks_in_the_recomputed_forward(model, tolerance):
+@pytest.mark.parametrize(("model", "tolerance", "dropout"),
+                         [("SmolLM2-135M", 0.002, 0.0), ("Qwen2.5-0.5B", 0.01, 0.0), ("Qwen2.5-0.5B", 0.002, 0.05)])
+def test_lora_checkpointing_peaks_in_the_recomputed_forward(model, tolerance, dropout):
     # Under checkpointing with LoRA the loss phase peaks while the last layer's forward runs again, at its MLP's
     # output projection (residual stream, the MLP's input and output, PEFT's float32 copy, the incoming gradient):
     # without that moment the analytic model was a hidden tensor short (SmolLM2: -1.3% here, -1.8% at 128
-    # sequences). Qwen2.5's peak is that moment too; the backward's fitted working set lies 0.9% above it.
+    # sequences). Qwen2.5's peak is that moment too; the backward's fitted working set lies 0.9% above it. With
+    # PEFT's dropout the dropout's float32 output of the adapter's input copy is beside that copy (Qwen2.5: -9.5% of
+    # the activations without it).
     config = json.loads((MODELS / f"{model}.json").read_text())
     knobs = {"lora_r": 16, "dtype": "bfloat16", "per_device_train_batch_size": 16, "num_generations": 16,
-             "max_completion_length": 256}
+             "max_completion_length": 256, "lora_dropout": dropout}
     _assert_close(*_trace_against_analytic(config, **knobs), tolerance=tolerance)
 
 

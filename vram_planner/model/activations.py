@@ -309,7 +309,8 @@ def recomputed_forward_bytes(arch: ModelArchitecture, train: TrainingConfig, tok
     the MLP's input (the norm's output) and the output projection's input are held by the forward's own references
     only, until the MLP returns; a trained linear keeps its input anyway. PEFT's float32 copy of that input for a
     float32 adapter exists while the adapter runs (`components._adapter_input_copy_bytes` counts it in the
-    backward's working set, where it is the adapter input's gradient).
+    backward's working set, where it is the adapter input's gradient); with `lora_dropout` the dropout's output of
+    that copy is beside it until lora_A's autocast cast is made (its mask is kept, counted with the saved tensors).
     """
     if not train.gradient_checkpointing:
         return 0.0
@@ -322,7 +323,7 @@ def recomputed_forward_bytes(arch: ModelArchitecture, train: TrainingConfig, tok
         per_token += r * hidden + c * mlp_out.in_features
         adapted = mlp_out.name in _lora_targets(arch, train)
         if adapted and _autocast(train) and s.trainable != c:
-            per_token += FP32_BYTES * mlp_out.in_features
+            per_token += FP32_BYTES * mlp_out.in_features * (2 if train.lora_dropout else 1)
     elif r != c:  # autocast casts the float32 norm output once per reader; the output itself is the forward's
         per_token += r * hidden
     return tokens * per_token
