@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             errors.append((row["measured_gib"] - held_gib) / held_gib)
             label = pm.short_settings(row["settings"]) + ("*" if stand_in(row["settings"]) != row["settings"] else "")
             lines.append(f"{row['id']:28s}{label:66s}{row['measured_gib']:9.2f}"
-                         f"{check_gib:8.2f}{need_gib:8.2f}{held_gib:8.2f}"
-                         f"{(row['measured_gib'] - held_gib) / held_gib:+15.1%}{seconds:6.0f}")
+                         f"{check_gib:8.2f}{need_gib:8.2f}{held_gib:8.2f}{errors[-1]:+15.1%}{seconds:6.0f}")
         print(lines[-1], flush=True)
     if errors:
         lines.append(f"measured against held: median |error| {statistics.median(abs(e) for e in errors):.1%} over "

@@ -163,8 +163,8 @@ def test_the_patched_dropout_saves_a_bool_mask_and_no_noise():
     dropout = _fused_dropout(torch.nn.functional.dropout)
     with FakeTensorMode():
         x = torch.empty(64, 32, requires_grad=True)
-        saved = [getattr(dropout(x, 0.05).grad_fn, name) for name in dir(dropout(x, 0.05).grad_fn)
-                 if name.startswith("_saved_")]
+        node = dropout(x, 0.05).grad_fn
+        saved = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
         kept = [t.dtype for t in saved if isinstance(t, torch.Tensor)]
         assert kept == [torch.bool]
         assert dropout(x, 0.05, training=False) is x and dropout(x, 0.0) is x  # as the CPU path: no copy
