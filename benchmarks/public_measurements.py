@@ -29,9 +29,11 @@ from rich.table import Table
 from vram_planner import engine
 from vram_planner.errors import VramPlanError
 from vram_planner.model.resolve import resolve_model
+from vram_planner.model.trl_releases import trl_release
 from vram_planner.units import gib
 
 DATA = Path(__file__).resolve().parent / "data" / "public_measurements.toml"
+TESTED_SET = Path(__file__).resolve().parent.parent / "constraints.txt"
 REQUIRED = ("id", "source", "model", "gpu", "trl_version", "settings", "measured_gib", "outcome")
 OUTCOMES = ("fits", "oom")
 COLUMNS = ("source", "model", "GPU", "TRL", "settings", "measured GiB", "predicted GiB", "error", "verdict")
@@ -110,8 +112,8 @@ def compare(row: dict[str, Any]) -> Comparison:
     except VramPlanError as exc:
         return Comparison(row, problem=str(exc), headline="model not available")
     try:
-        # the transformers release the source shows, where it shows one; else the newest of the TRL release's time
-        known = {"transformers_version": row["transformers_version"]} if row.get("transformers_version") else {}
+        assumed = transformers_for(row)
+        known = {"transformers_version": assumed} if assumed else {}
         verdict = engine.check(row["model"], row["gpu"], {**row["settings"], **known}, trl_version=row["trl_version"])
     except VramPlanError as exc:
         return Comparison(row, problem=str(exc), headline="error")
@@ -119,6 +121,29 @@ def compare(row: dict[str, Any]) -> Comparison:
         return Comparison(row, problem=f"{type(exc).__name__}: {exc}", headline="internal error")
     return Comparison(row, predicted_gib=gib(verdict.estimate.peak_bytes),
                       capacity_gib=gib(verdict.context.capacity_bytes), predicted_fits=verdict.fits)
+
+
+def transformers_for(row: dict[str, Any]) -> str | None:
+    """The transformers release a row is planned under: the one its source shows; else the tested set's
+    (constraints.txt) when that is of the TRL release's generation, so the table is one answer whichever release is
+    installed here; else None (the newest of the TRL release's time)."""
+    if row.get("transformers_version"):
+        return row["transformers_version"]
+    pinned = tested_transformers()
+    if pinned and int(pinned.split(".")[0]) == trl_release(row["trl_version"]).transformers_major:
+        return pinned
+    return None
+
+
+def tested_transformers() -> str | None:
+    """transformers' version in the tested set, None where the file or the pin is missing (an installed package)."""
+    if not TESTED_SET.is_file():
+        return None
+    for line in TESTED_SET.read_text().splitlines():
+        name, _, version = line.partition("==")
+        if name.strip().lower() == "transformers" and version.strip():
+            return version.strip()
+    return None
 
 
 def source_label(url: str) -> str:

@@ -50,3 +50,14 @@ def test_the_readme_shows_the_table_as_planned_today():
                        "`python benchmarks/public_measurements.py --markdown` over it:\n" + "\n".join(stale))
     summary = SCRIPT_MODULE.summary(comparisons)
     assert summary[0].upper() + summary[1:] in readme
+
+
+def test_a_row_without_its_transformers_is_planned_under_the_tested_set():
+    # One table whatever is installed here: the source's release, else constraints.txt's when of the TRL release's
+    # generation (TRL 0.14 runs on transformers 4, which the tested set does not pin: its own time's newest)
+    pinned = SCRIPT_MODULE.tested_transformers()
+    assert pinned and pinned.split(".")[0] == "5"
+    newest = {"trl_version": "1.4.0"}
+    assert SCRIPT_MODULE.transformers_for(newest) == pinned
+    assert SCRIPT_MODULE.transformers_for({**newest, "transformers_version": "5.23.0"}) == "5.23.0"
+    assert SCRIPT_MODULE.transformers_for({"trl_version": "0.14.0"}) is None
