@@ -3,12 +3,13 @@
     python benchmarks/public_measurements.py              # a table in the terminal
     python benchmarks/public_measurements.py --markdown   # the same table in Markdown, for the README
 
-Reads benchmarks/data/public_measurements.toml (one row per published number, with its source, settings and what
-was assumed) and runs `vram_planner.engine.check` on each row under the row's TRL release. A run that trained is
-compared by relative error, (predicted - measured) / measured. A run that crashed for memory only gives a floor
-(allocated + requested at the OOM, or the card's capacity): its error is shown only when the prediction falls
-below that floor, and the verdict column says whether vram-plan also calls it "does not fit". A row that cannot be
-planned (its model is not in the catalog and the hub cannot be reached, say) says so, and why under the table.
+Reads benchmarks/data/public_measurements.toml (one row per published number, with its source, settings and what was
+assumed) and runs `vram_planner.engine.check` on each row under the row's TRL release (and its transformers release,
+or the tested set's: `transformers_for`). A run that trained is compared by relative error, (predicted - measured) /
+measured. A run that crashed for memory only gives a floor (allocated + requested at the OOM, or the card's
+capacity): its error is shown only when the prediction falls below that floor, and the verdict column says whether
+vram-plan also calls it "does not fit". A row that cannot be planned (its model is not in the catalog and the hub
+cannot be reached, say) says so, and why under the table.
 """
 
 from __future__ import annotations
