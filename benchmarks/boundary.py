@@ -6,6 +6,7 @@
     python benchmarks/boundary.py --from-needs   # the analytic side only, against the committed needs
     python benchmarks/boundary.py --add          # the committed needs, bisecting only the points they lack
     python benchmarks/boundary.py --suffix transformers-5.25 --models Qwen3-0.6B   # a table of its own (below)
+    python benchmarks/boundary.py --configs "full c1024 B8" "lora c8192 B4"     # some configs only
 
 For every point the step is traced and its need bisected with the caching allocator model (`check --exact`: the
 least card capacity, CUDA context and cuBLAS workspaces included, on which the step runs), and printed beside the
@@ -26,13 +27,15 @@ boundary.txt (the table and the summary) and boundary.json next to the cache whe
 last line names it), and recomputes the analytic side, so that a change to the analytic model alone is judged in
 seconds. A point without a committed need is left out and said. --add bisects those points with the current code and
 adds them to the committed needs, each with the key of the code that made it. The analytic side plans for the
-transformers release the needs were traced under (the needs' key names it), so a table traced under another release
-than the installed one is rejudged as that release runs.
+transformers and TRL releases the needs were traced under (the needs' key names them), so a table traced under
+other releases than the installed ones is rejudged as those releases run.
 
 --suffix NAME keeps a table apart from the tested set's: its needs in boundary-needs-NAME.json, the table in
 boundary-NAME.txt and .json, written for whatever models ran. Run under another library release (a newer
 transformers in its own environment), it shows that release at the boundary beside the grid
-(results/boundary-transformers-5.25.txt: the Hub's kernels, which 5.25 loads by default).
+(results/boundary-transformers-5.25.txt: the Hub's kernels, which 5.25 loads by default); run in an old TRL
+release's environment (benchmarks/trl_matrix.py --build-only --pair 0.14.0/4.48.2), that release
+(results/boundary-trl-0.14.0.txt). A point the release cannot run (a knob it lacks) is said and left out.
 """
 
 from __future__ import annotations
@@ -132,11 +135,14 @@ FIXTURE_CONFIGS = {
 }
 
 
-def points(models: list[str], quick: bool) -> list[tuple[str, str, dict]]:
-    """(label, model, settings): the fixture architectures, then the catalog grid."""
+def points(models: list[str], quick: bool, names: list[str] | None = None) -> list[tuple[str, str, dict]]:
+    """(label, model, settings): the fixture architectures, then the catalog grid (of the configs `names`, where
+    given, and then without the fixtures)."""
     out = [(f"{path.stem} {name}", str(path), settings) for path in sorted(FIXTURES.glob("tiny-*.json"))
-           for name, settings in FIXTURE_CONFIGS.items()]
+           for name, settings in FIXTURE_CONFIGS.items()] if names is None else []
     configs = {name: CONFIGS[name] for name in QUICK_CONFIGS} if quick else CONFIGS
+    if names is not None:
+        configs = {name: CONFIGS[name] for name in names}
     return out + [(f"{model} {name}", model, settings) for model in models for name, settings in configs.items()]
 
 
@@ -198,13 +204,13 @@ def below_need(outcome):
     return stream, conf, outcome.need.capacity_bytes - granule_bytes(conf)
 
 
-def heaviest_prompt(model: str, settings: dict) -> int | None:
+def heaviest_prompt(model: str, settings: dict, trl_version: str | None = None) -> int | None:
     """The shorter prompt at which the analytic model says the step may need more (the batches of a run are as long
     as their longest prompt: every length up to max_prompt_length comes), as `check --exact` traces it
     (engine.heavier_prompt_length); None where the longest needs the most."""
     from vram_planner import engine
 
-    context = engine.make_context(model, CARD, calibration=default_calibration())
+    context = engine.make_context(model, CARD, trl_version=trl_version, calibration=default_calibration())
     return engine.heavier_prompt_length(context, engine.make_training(context, settings))
 
 
@@ -231,25 +237,33 @@ def traced_release(key: str) -> dict:
     return {"transformers_version": found.group(1)}
 
 
-def rejudged(needs: dict, release: dict) -> list[tuple[dict, dict]]:
-    """(row, settings) of every grid point `needs` holds, the analytic side planned for `release` (traced_release),
-    as --from-needs judges them; silent on the points it leaves out."""
+def traced_trl(key: str) -> str | None:
+    """The TRL release a needs' key names (None: none named, as the installed one is planned)."""
+    found = re.search(r"trl (\S+?)/", key)
+    return None if found is None else found.group(1)
+
+
+def rejudged(needs: dict, release: dict, trl_version: str | None = None) -> list[tuple[dict, dict]]:
+    """(row, settings) of every grid point `needs` holds, the analytic side planned for `release` (traced_release)
+    and `trl_version`, as --from-needs judges them; silent on the points it leaves out."""
     out = []
     for label, model, settings in points(list(MODELS), quick=False):
         if label in needs:
             settings = {**settings, **release}
-            shorter = shorter_need(label, model, settings, needs, heaviest_prompt(model, settings))
-            out.append((row(label, model, settings, needs[label], shorter), settings))
+            shorter = shorter_need(label, model, settings, needs, heaviest_prompt(model, settings, trl_version))
+            out.append((row(label, model, settings, needs[label], shorter, trl_version), settings))
     return out
 
 
-def row(label: str, model: str, settings: dict, traced: dict, shorter: tuple[int, dict] | None = None) -> dict:
+def row(label: str, model: str, settings: dict, traced: dict, shorter: tuple[int, dict] | None = None,
+        trl_version: str | None = None) -> dict:
     """The default calibration's estimate (what `check` answers until a probe measures the card) beside the run's
     need, both with the CUDA context the GPU catalog gives the card: the step's with prompts of max_prompt_length,
-    or `shorter`'s, (prompt length, traced), where that needs more."""
+    or `shorter`'s, (prompt length, traced), where that needs more. Planned for `trl_version` (None: the installed
+    TRL, which traced the needs)."""
     from vram_planner import engine
 
-    verdict = engine.check(model, CARD, settings, calibration=default_calibration())
+    verdict = engine.check(model, CARD, settings, trl_version=trl_version, calibration=default_calibration())
     context = verdict.context.cuda_context.bytes
     need_prompt = None
     if shorter is not None and shorter[1]["allocator_need_bytes"] > traced["allocator_need_bytes"]:
@@ -300,13 +314,15 @@ def main() -> int:
                         help="the committed needs, whatever code made them; bisect the points they lack")
     parser.add_argument("--suffix", metavar="NAME", help="needs and table of their own (boundary-needs-NAME.json, "
                         "boundary-NAME.txt), written for whatever models ran")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), metavar="CONFIG",
+                        help="these configs of the grid only (no fixtures)")
     args = parser.parse_args()
     tail = f"-{args.suffix}" if args.suffix else ""
     cache_path = RESULTS / f"boundary-needs{tail}.json"
     cache, key = committed_needs(args.from_needs or args.add, cache_path)
-    release = traced_release(key)
+    release, trl_version = traced_release(key), traced_trl(key)
     rows = []
-    grid = points(args.models, args.quick)
+    grid = points(args.models, args.quick, args.configs)
     for n, (label, model, settings) in enumerate(grid, 1):
         if args.from_needs and label not in cache:
             print(f"[{n}/{len(grid)}] {label}: no committed need", file=sys.stderr, flush=True)
@@ -314,12 +330,12 @@ def main() -> int:
         known = set(cache)
         try:
             traced = exact(model, settings, cache, label)
-            prompt = heaviest_prompt(model, {**settings, **release})
+            prompt = heaviest_prompt(model, {**settings, **release}, trl_version)
             shorter = shorter_need(label, model, settings, cache, prompt, trace=not args.from_needs)
             if args.from_needs and prompt is not None and shorter is None:
                 print(f"[{n}/{len(grid)}] {label}: no committed need at the shorter prompt that may need more",
                       file=sys.stderr, flush=True)
-            rows.append(row(label, model, {**settings, **release}, traced, shorter))
+            rows.append(row(label, model, {**settings, **release}, traced, shorter, trl_version))
         except Exception as exc:  # a point the engines cannot run is reported, not fatal to the grid
             print(f"[{n}/{len(grid)}] {label}: {exc}", file=sys.stderr, flush=True)
             continue
@@ -332,7 +348,7 @@ def main() -> int:
             save_atomically(cache_path, json.dumps({"key": key, "points": cache}, indent=1))
     lines = table(rows) + summary(rows) + [f"needs from {key}"]
     print("\n".join(lines))
-    if args.suffix or (not args.quick and args.models == list(MODELS)):
+    if args.suffix or (not args.quick and args.models == list(MODELS) and args.configs is None):
         save_atomically(RESULTS / f"boundary{tail}.txt", "\n".join(lines) + "\n")
         save_atomically(RESULTS / f"boundary{tail}.json", json.dumps(rows, indent=1))
     return 0
