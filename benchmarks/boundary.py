@@ -126,6 +126,31 @@ CONFIGS = {
     "lora c1024 B16 nogc": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,
                             "max_completion_length": 1024, "gradient_checkpointing": False},
 }
+# For the releases whose per_device_train_batch_size counts prompts (TRL 0.14: each micro-batch is B prompts' G
+# completions, its loss merged with the reference's log-probs), the grid's batches would be G times larger: these are
+# theirs, as the recipes of the time ran them (bf16 weights under accelerate's bf16 autocast, or TRL 0.14's own
+# float32 without it; its LoRA with checkpointing fails, which `check` says), each within the card; run them with
+# --configs in that release's environment.
+AMP = {"dtype": "bfloat16", "mixed_precision": "bf16"}
+PROMPT_BATCH_CONFIGS = {
+    "amp full B1 G4 c786": {**AMP, "num_generations": 4, "gradient_accumulation_steps": 4,
+                            "max_prompt_length": 256, "max_completion_length": 786},
+    "amp lora B1 G4 c786": {**AMP, "lora_r": 16, "num_generations": 4, "gradient_accumulation_steps": 4,
+                            "max_prompt_length": 256, "max_completion_length": 786},
+    "amp 8bit gc B1 G4 c786": {**AMP, "optim": "adamw_8bit", "gradient_checkpointing": True, "num_generations": 4,
+                               "gradient_accumulation_steps": 4, "max_prompt_length": 256,
+                               "max_completion_length": 786},
+    "amp lora B2 G4 c512": {**AMP, "lora_r": 16, "per_device_train_batch_size": 2, "num_generations": 4,
+                            "gradient_accumulation_steps": 2, "max_completion_length": 512},
+    "amp full gc B1 G8 c1024": {**AMP, "gradient_checkpointing": True, "num_generations": 8,
+                                "max_completion_length": 1024},
+    "amp lora B1 G16 c256": {**AMP, "lora_r": 16, "num_generations": 16, "max_completion_length": 256},
+    "amp lora B1 G2 c2048": {**AMP, "lora_r": 16, "num_generations": 2, "max_completion_length": 2048},
+    "bf16 full B1 G8 c1024": {"dtype": "bfloat16", "num_generations": 8, "max_completion_length": 1024},
+    "fp32 defaults": {},
+    "fp32 lora eager B1 G4 c1024": {"lora_r": 16, "attn_implementation": "eager", "num_generations": 4,
+                                    "max_completion_length": 1024},
+}
 QUICK_CONFIGS = ("full c1024 B8",)
 FIXTURE_CONFIGS = {
     "full beta": {"per_device_train_batch_size": 4, "num_generations": 4, "max_prompt_length": 32,
@@ -142,7 +167,7 @@ def points(models: list[str], quick: bool, names: list[str] | None = None) -> li
            for name, settings in FIXTURE_CONFIGS.items()] if names is None else []
     configs = {name: CONFIGS[name] for name in QUICK_CONFIGS} if quick else CONFIGS
     if names is not None:
-        configs = {name: CONFIGS[name] for name in names}
+        configs = {name: {**CONFIGS, **PROMPT_BATCH_CONFIGS}[name] for name in names}
     return out + [(f"{model} {name}", model, settings) for model in models for name, settings in configs.items()]
 
 
@@ -247,7 +272,7 @@ def rejudged(needs: dict, release: dict, trl_version: str | None = None) -> list
     """(row, settings) of every grid point `needs` holds, the analytic side planned for `release` (traced_release)
     and `trl_version`, as --from-needs judges them; silent on the points it leaves out."""
     out = []
-    for label, model, settings in points(list(MODELS), quick=False):
+    for label, model, settings in points(list(MODELS), False) + points(list(MODELS), False, [*PROMPT_BATCH_CONFIGS]):
         if label in needs:
             settings = {**settings, **release}
             shorter = shorter_need(label, model, settings, needs, heaviest_prompt(model, settings, trl_version))
@@ -314,8 +339,8 @@ def main() -> int:
                         help="the committed needs, whatever code made them; bisect the points they lack")
     parser.add_argument("--suffix", metavar="NAME", help="needs and table of their own (boundary-needs-NAME.json, "
                         "boundary-NAME.txt), written for whatever models ran")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), metavar="CONFIG",
-                        help="these configs of the grid only (no fixtures)")
+    parser.add_argument("--configs", nargs="+", choices=[*CONFIGS, *PROMPT_BATCH_CONFIGS], metavar="CONFIG",
+                        help="these configs only (no fixtures): the grid's, or PROMPT_BATCH_CONFIGS")
     args = parser.parse_args()
     tail = f"-{args.suffix}" if args.suffix else ""
     cache_path = RESULTS / f"boundary-needs{tail}.json"
