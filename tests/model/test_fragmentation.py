@@ -18,9 +18,9 @@ from vram_planner.model.fragmentation import (EAGER_OVERFLOW, EAGER_SCORES, LATE
                                               prefill_state_bytes,
                                               reserve_patterns, states_in_head_tile_bytes, stranded_by_gradients)
 from vram_planner.model.generation_patterns import GENERATION_PATTERNS
-from vram_planner.model.lm_head import fused_tile_bytes
+from vram_planner.model.lm_head import fused_tile_bytes, logit_positions
 from vram_planner.model.spec import Optimizer, TrainingConfig
-from vram_planner.model.stranding import stranded_by_kept_inputs
+from vram_planner.model.stranding import reference_logits_stranded_bytes, stranded_by_kept_inputs
 from vram_planner.units import MiB
 
 
@@ -397,3 +397,42 @@ def test_what_the_first_steps_states_strand_never_falls_as_the_tokens_or_the_bat
 
     assert stranded(tokens + more, batch) >= stranded(tokens, batch)
     assert stranded(tokens, batch + 1) >= stranded(tokens, batch)
+
+
+def merged_loss_log_probs(logits_bytes: int, one_row_bytes: int, rows: int) -> tuple[CachingAllocator, int]:
+    """TRL 0.14's log-prob passes in its loss as the allocator sees them, from an empty cache: the policy's logits,
+    accelerate's float32 copy, the logits freed, each sequence's float32 log_softmax kept, the copy freed; then the
+    reference's logits. Returns the allocator and the free block beside the reference's logits when its own copy is
+    asked for (0: they lie in a block of their own size)."""
+    allocator = CachingAllocator()
+    logits = allocator.malloc(logits_bytes)
+    copy = allocator.malloc(2 * logits_bytes)
+    allocator.free(logits)
+    for _ in range(rows):
+        allocator.malloc(one_row_bytes)
+    allocator.free(copy)
+    reference = allocator.malloc(logits_bytes)
+    after = reference + allocator.block_size(reference)
+    beside = [size for address, size in allocator.free_blocks() if address == after]
+    return allocator, beside[0] if beside else 0
+
+
+@pytest.mark.parametrize("completions", [1, 2, 4, 8])
+def test_trl_014s_reference_logits_strand_what_the_allocator_strands(completions):
+    # oxen.ai's Qwen2.5-0.5B runs: bf16 weights under bf16 autocast, 786-token completions, TRL 0.14 and transformers
+    # 4.48 (which honours num_logits_to_keep: 787 positions)
+    arch = catalog_architecture("Qwen2.5-0.5B")
+    train = TrainingConfig(trl_version="0.14.0", transformers_version="4.48.2", dtype="bfloat16",
+                           mixed_precision="bf16", per_device_train_batch_size=1, num_generations=completions,
+                           max_completion_length=786)
+    assert train.micro_batch_completions == completions
+    positions = logit_positions(train, train.release)
+    logits_bytes = completions * positions * arch.vocab_size * 2
+    one_row = (positions - 1) * arch.vocab_size * 4
+    _, stranded = merged_loss_log_probs(logits_bytes, one_row, completions)
+    counted = reference_logits_stranded_bytes(arch, train, positions)
+    assert counted == pytest.approx(stranded, abs=2 * MiB)  # the segment's rounding
+    assert (counted > 0) == (completions > 1)  # one sequence's row is larger than its logits' block
+    assert reference_logits_stranded_bytes(arch, replace(train, mixed_precision="no"), positions) == 0  # no copy
+    later = replace(train, trl_version="0.15.0")  # the reference scored before the loss
+    assert reference_logits_stranded_bytes(arch, later, logit_positions(later, later.release)) == 0

@@ -27,7 +27,7 @@ from vram_planner.model.fragmentation import reserve_patterns
 from vram_planner.model.generation_patterns import PREFILL_PATTERNS
 from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, logit_positions
 from vram_planner.model.spec import TrainingConfig, allocator_conf_notes
-from vram_planner.model.stranding import loaded_weight_segment_bytes
+from vram_planner.model.stranding import loaded_weight_segment_bytes, reference_logits_stranded_bytes
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
 from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure
@@ -51,6 +51,9 @@ OUTSIDE_ALLOCATOR_NAMES = {"cuda_context": "the CUDA context", "nccl_buffers": "
 # TRL 0.14's policy forward as its logits leave the model: under mixed precision accelerate's float32 copy of them
 # (convert_outputs_to_fp32) is made while the model's own are alive
 POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy"
+# Then the reference's: its logits cut from the block the policy's copy freed
+# (stranding.reference_logits_stranded_bytes)
+REFERENCE_LOGITS_MOMENT = "reference log-probs while the policy's graph is alive"
 # The phases of the first micro-batch of the first step run before any optimizer state exists (and before any
 # gradient, when gradients accumulate): they are judged on their own, as a run can die there
 FIRST_MICRO_BATCH_PHASES = ("generation", "scoring", "training")
@@ -361,6 +364,8 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
         exact += zero12_step_stranded_bytes(arch, train, workspace) + zero3_step_stranded_bytes(arch, train, workspace)
     elif arch is not None and phase.name == "training" and steady:
         exact += zero12_loss_stranded_bytes(arch, train, workspace)
+    if arch is not None and phase.moment == REFERENCE_LOGITS_MOMENT:
+        exact += reference_logits_stranded_bytes(arch, train, logit_positions(train, train.release))
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns, exact)
 
 
@@ -779,8 +784,7 @@ def _merged_log_prob_moments(arch: ModelArchitecture, train: TrainingConfig, rel
                            "activations": reference["activations"] + decoder, "lm_head_buffers": rows},
               "reference forward while the policy's graph is alive"),
         Phase("training", {**persistent, **reference, "kv_cache": reference.get("kv_cache", 0) + cache,
-                           "lm_head_buffers": rows + converting},
-              "reference log-probs while the policy's graph is alive"),
+                           "lm_head_buffers": rows + converting}, REFERENCE_LOGITS_MOMENT),
         # the loop's `log_probs` still holds the previous row's log_softmax while the next is made (no graph keeps
         # the reference's)
         Phase("training", {**persistent, **reference, "lm_head_buffers": rows + logits * logit + 2 * one_row},

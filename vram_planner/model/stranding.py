@@ -44,6 +44,35 @@ def loaded_weight_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) 
     return float(_loaded_rest_bytes(arch, m.sizes(train).weight, copies))
 
 
+def reference_logits_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, positions: int) -> float:
+    """What the reference's logits strand as accelerate copies them to float32, inside TRL 0.14's loss (the release's
+    step_structure "loss_merged": the reference's log-probs are computed after the policy's forward, while its graph
+    is alive): a pattern the allocator's rules make exactly, added at that moment as it is (phases._reserve).
+
+    The policy's pass asks for its logits in the compute dtype (L bytes), for accelerate's float32 copy of them (2L),
+    frees the logits, makes each sequence's log_softmax in float32 (kept for backward, R bytes each, about 2L / B for
+    B sequences), and frees the copy. Best fit cuts the log_softmax rows from the logits' freed block of L, the
+    smallest that holds one, so that block is taken when the reference asks for its own logits of L; the smallest
+    free block that holds them is then the copy's of 2L, and what they leave of it, L, is too short for the
+    reference's float32 copy, which takes a segment of its own. At the need of Qwen2.5-0.5B's LoRA with 4 x 787
+    completion logits (TRL 0.14, bf16 weights under bf16 autocast, oxen.ai's settings) two of the policy's 456 MiB
+    rows lay in a 914 MiB segment, and the reference's 912 MiB logits in the copy's 1,826 MiB one beside 914 MiB free
+    when its 1,825 MiB copy ran out.
+
+    Nothing without autocast (no copy: the logits' own block is free again when the reference asks for the same
+    size), where a row is larger than the logits' block (one sequence: it stays free for the reference's logits), or
+    in releases that score the reference before the loss. `positions`: the logits' positions per sequence
+    (lm_head.logit_positions)."""
+    if train.release.step_structure != "loss_merged" or train.mixed_precision == "no":
+        return 0.0
+    compute = m.sizes(train).compute
+    if compute >= m.FP32_BYTES:
+        return 0.0
+    logits = train.micro_batch_completions * positions * arch.vocab_size * compute
+    one_row = (positions - 1) * arch.vocab_size * m.FP32_BYTES
+    return float(logits) if one_row <= logits else 0.0
+
+
 @functools.lru_cache(maxsize=256)
 def _loaded_rest_bytes(arch: ModelArchitecture, element_bytes: float, copies: int) -> int:
     # plan's searches estimate one model thousands of times: the loading is replayed once per model and dtype
