@@ -47,7 +47,7 @@ def loaded_weight_segment_bytes(arch: ModelArchitecture, train: TrainingConfig) 
 def reference_logits_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig, positions: int) -> float:
     """What the reference's logits strand as accelerate copies them to float32, inside TRL 0.14's loss (the release's
     step_structure "loss_merged": the reference's log-probs are computed after the policy's forward, while its graph
-    is alive): a pattern the allocator's rules make exactly, added at that moment as it is (phases._reserve).
+    is alive): added at that moment as it is, not weighed by a fit (phases._reserve).
 
     The policy's pass asks for its logits in the compute dtype (L bytes), for accelerate's float32 copy of them (2L),
     frees the logits, makes each sequence's log_softmax in float32 (kept for backward, R bytes each, about 2L / B for
@@ -58,6 +58,14 @@ def reference_logits_stranded_bytes(arch: ModelArchitecture, train: TrainingConf
     completion logits (TRL 0.14, bf16 weights under bf16 autocast, oxen.ai's settings) two of the policy's 456 MiB
     rows lay in a 914 MiB segment, and the reference's 912 MiB logits in the copy's 1,826 MiB one beside 914 MiB free
     when its 1,825 MiB copy ran out.
+
+    What the allocator does with this at a step's need varies with what came before, and one half is what it strands
+    most often (benchmarks/results/boundary-trl-0.14.0.txt): where the card is tight enough that cudaMalloc fails
+    during the reference's forward, the copy's wholly free segment is released first, and the reference's logits take
+    a segment of their size (Llama-3.2-1B's checkpointed step with 8-bit AdamW: nothing stranded at its need, the
+    estimate 8.5% over it); where the policy's rows that the logits' block cannot hold took half of a segment the
+    previous backward freed, and the reference's forward cut a few MiB from the other half, both segments strand a
+    half (Qwen2.5-0.5B's checkpointed full fine-tuning, 8 x 1,025 logits: 9.1% under, in TRL 0.14's own band).
 
     Nothing without autocast (no copy: the logits' own block is free again when the reference asks for the same
     size), where a row is larger than the logits' block (one sequence: it stays free for the reference's logits), or

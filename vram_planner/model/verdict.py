@@ -11,6 +11,7 @@ from vram_planner.model.architecture import FAMILIES, ModelArchitecture
 from vram_planner.model import offload
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.cuda_context import ContextFigure, context_figure
+from vram_planner.model.lm_head import uses_fused_head
 from vram_planner.model.nccl import NcclFigure, nccl_figure, nccl_note
 from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.spec import TrainingConfig, with_changes
@@ -64,17 +65,20 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # their own, 7%, until then). ZeRO-3's step is replayed too (a sub-group's flat 16-bit copy and fp32 copy beside the
 # start-up's bucket and gradient buffer): its configs need at most 3.0% more than the estimate (Qwen2.5-0.5B's LoRA on
 # 8 with a 2e8 prefetch bucket); 5.4% before the replay (Llama-3.2-1B on 2 with DeepSpeed's 5e8 bucket).
-# TRL 0.14, whose loss scores the reference after the policy's forward (step_structure "loss_merged"), a band of its
-# own: 10.0% above (benchmarks/results/boundary-trl-0.14.0.txt, traced under that release and transformers 4.48:
-# Qwen2.5-0.5B's bfloat16 full fine-tuning under autocast with checkpointing, 8 x 1,025 completion logits of 2.3 GiB,
-# whose overflowing log_softmax rows took half of the previous backward's 4.6 GiB float32 copy segment, and the
-# reference's logits, a few MiB too large for the half they left, half of the policy's copy segment: two halves
-# stranded where stranding.reference_logits_stranded_bytes counts one; and SmolLM2-135M's LoRA with two 2,048-token
-# completions, 8.9%, the forward's kept tensors cut from the previous backward's row segments). 24.2% before the
-# reference's logits in the copy's segment were counted (2026-12-03), the oxen.ai runs' windows among them.
+# The releases that make the whole logits (profiles/trl.toml lm_head "full_logits": TRL 0.14 to 1.14, which recipes
+# pin) have a band of their own, traced in their environments (benchmarks/boundary.py --suffix trl-X): 10.0% above
+# (boundary-trl-0.14.0.txt, under transformers 4.48: Qwen2.5-0.5B's bfloat16 full fine-tuning under autocast with
+# checkpointing, 8 x 1,025 completion logits of 2.3 GiB, whose overflowing log_softmax rows took half of the previous
+# backward's 4.6 GiB float32 copy segment, and the reference's logits, a few MiB too large for the half they left,
+# half of the policy's copy segment: two halves stranded where stranding.reference_logits_stranded_bytes counts one;
+# 24.2% before that pattern was counted, 2026-12-03, the oxen.ai runs' windows among them); 9.7% above
+# (boundary-trl-0.19.1.txt, under transformers 4.53: Qwen2.5-0.5B's bfloat16 full fine-tuning, 8 x 1,024 tokens a
+# micro-batch, whose loss forward cut its last layer's kept tensors from a free 4.6 GiB float32 logits segment, 4.3 GiB
+# beside them when the LM head's backward asked for a block of that size; no pattern counts that yet: 13 windows of
+# 30 points, all flagged near the boundary by this band, where `check --exact` decides).
 NEED_ABOVE_ESTIMATE = 0.08
 NEED_ABOVE_ESTIMATE_DECODING_SEGMENTS = 0.09
-NEED_ABOVE_ESTIMATE_MERGED_LOSS = 0.11
+NEED_ABOVE_ESTIMATE_FULL_LOGITS = 0.11
 NEED_BELOW_ESTIMATE = 0.17
 
 
@@ -83,8 +87,8 @@ def need_above_estimate(train: TrainingConfig) -> float:
     bands = [NEED_ABOVE_ESTIMATE]
     if kept_tensors_in_decoding_segments(train):
         bands.append(NEED_ABOVE_ESTIMATE_DECODING_SEGMENTS)
-    if train.release.step_structure == "loss_merged":
-        bands.append(NEED_ABOVE_ESTIMATE_MERGED_LOSS)
+    if not uses_fused_head(train, train.release):
+        bands.append(NEED_ABOVE_ESTIMATE_FULL_LOGITS)
     return max(bands)
 
 
