@@ -422,3 +422,28 @@ def test_a_step_whose_kept_tensors_meet_the_decodings_segments_is_flagged_within
         code, out, _ = run(capsys, "check", "--gpu", f"{other_peak * (1 + between) / 2**30:.3f}GiB", *other_flags,
                            "--json")
         assert json.loads(out)["fits"] is True and json.loads(out)["near_boundary"] is False, other_flags
+
+
+def test_a_step_of_a_release_that_makes_the_whole_logits_is_flagged_within_its_band(capsys):
+    """TRL 0.14 to 1.14 make the whole logits, whose float32 blocks the exact engine has needed more room beside than
+    the fused head's (benchmarks/results/boundary-trl-0.19.1.txt): a "fits" past the other steps' band but within
+    theirs is flagged, and the line names those releases; TRL 1.16's same step on the same card is not flagged."""
+    from vram_planner import engine
+    from vram_planner.model.verdict import NEED_ABOVE_ESTIMATE, NEED_ABOVE_ESTIMATE_FULL_LOGITS, need_above_estimate
+
+    flags = ["--model", "Qwen2.5-0.5B", "--dtype", "bfloat16"]
+    verdict = engine.check("Qwen2.5-0.5B", "80GiB", {"dtype": "bfloat16"}, trl_version="0.19.1")
+    assert need_above_estimate(verdict.train) == NEED_ABOVE_ESTIMATE_FULL_LOGITS > NEED_ABOVE_ESTIMATE
+    between = (NEED_ABOVE_ESTIMATE + NEED_ABOVE_ESTIMATE_FULL_LOGITS) / 2
+    card = f"{verdict.estimate.peak_bytes * (1 + between) / 2**30:.3f}GiB"
+    code, out, _ = run(capsys, "check", "--gpu", card, *flags, "--trl-version", "0.19.1", "--json")
+    checked = json.loads(out)
+    assert code == 0 and checked["fits"] is True and checked["near_boundary"] is True
+    assert checked["need_above_estimate"] == NEED_ABOVE_ESTIMATE_FULL_LOGITS
+    code, out, _ = run(capsys, "check", "--gpu", card, *flags, "--trl-version", "0.19.1")
+    said = " ".join(out.split())
+    assert ("Near the boundary: steps of the TRL releases that make the whole logits (before 1.15) have needed up to "
+            f"{NEED_ABOVE_ESTIMATE_FULL_LOGITS:.0%} more than the estimate") in said, said
+    newest = engine.check("Qwen2.5-0.5B", "80GiB", {"dtype": "bfloat16"}).estimate.peak_bytes
+    code, out, _ = run(capsys, "check", "--gpu", f"{newest * (1 + between) / 2**30:.3f}GiB", *flags, "--json")
+    assert json.loads(out)["fits"] is True and json.loads(out)["near_boundary"] is False

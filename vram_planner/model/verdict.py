@@ -84,12 +84,19 @@ NEED_BELOW_ESTIMATE = 0.17
 
 def need_above_estimate(train: TrainingConfig) -> float:
     """The most a step of this kind has been measured to need above its estimate."""
-    bands = [NEED_ABOVE_ESTIMATE]
+    return need_above_band(train)[0]
+
+
+def need_above_band(train: TrainingConfig) -> tuple[float, str]:
+    """need_above_estimate, and the steps it was measured on, in words ("steps" where no kind has a band of its own)."""
+    bands = [(NEED_ABOVE_ESTIMATE, "steps")]
     if kept_tensors_in_decoding_segments(train):
-        bands.append(NEED_ABOVE_ESTIMATE_DECODING_SEGMENTS)
+        bands.append((NEED_ABOVE_ESTIMATE_DECODING_SEGMENTS,
+                      "steps without gradient checkpointing that generate for several micro-batches at once"))
     if not uses_fused_head(train, train.release):
-        bands.append(NEED_ABOVE_ESTIMATE_FULL_LOGITS)
-    return max(bands)
+        bands.append((NEED_ABOVE_ESTIMATE_FULL_LOGITS,
+                      "steps of the TRL releases that make the whole logits (before 1.15)"))
+    return max(bands, key=lambda band: band[0])
 
 
 def kept_tensors_in_decoding_segments(train: TrainingConfig) -> bool:

@@ -15,7 +15,7 @@ from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_prob
 from vram_planner.model.phases import COMPONENTS, Phase
 from vram_planner.model.search import Plan, smallest_config, vllm_fallback_note, vllm_tuned
 from vram_planner.model.spec import plain_value
-from vram_planner.model.verdict import Context, Verdict, judge, need_above_estimate
+from vram_planner.model.verdict import Context, Verdict, judge, need_above_band
 from vram_planner.profiles import GpuProfile, gpus
 from vram_planner.units import GiB
 
@@ -255,8 +255,10 @@ class Report(Document):
     # the step's need could lie on the other side of the card than the estimate's verdict, as far from the estimate
     # as needs have been measured (Verdict.near_boundary): `--exact` decides; false where the need decided
     near_boundary: bool = False
-    # the most a step of this kind has been measured to need above its estimate (the band near_boundary reads)
+    # the most a step of this kind has been measured to need above its estimate (the band near_boundary reads), and
+    # the steps it was measured on, in words
     need_above_estimate: float | None = None
+    need_above_steps: str | None = None
     # the first micro-batch of the first step judged on its own: its phases run before any optimizer state exists
     first_micro_batch: FirstMicroBatchReport | None = None
     # Predicted seconds per optimizer step of the config shown, per GPU (vram_planner/cli/speed.py); null where
@@ -311,6 +313,7 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
     kwargs = grpo_config_kwargs(train)
     problems = grpo_config_problems(kwargs, num_processes=train.num_gpus, release=train.release)
     cal = ctx.calibration
+    above, above_steps = need_above_band(train)
     return Report(
         command=command, fits=verdict.fits, model=ctx.model_id or ctx.arch.name, gpu=ctx.gpu.name,
         capacity_bytes=ctx.capacity_bytes, safety_margin_bytes=round(ctx.margin_bytes),
@@ -329,7 +332,7 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
         cuda_context_source=ctx.cuda_context.source, trl_version=ctx.release.version,
         notes=list(est.notes) + copy_notes(verdict),
         vllm=vllm_report(est.vllm), distributed=distributed_report(train, est.host_bytes),
-        near_boundary=verdict.near_boundary, need_above_estimate=need_above_estimate(train),
+        near_boundary=verdict.near_boundary, need_above_estimate=above, need_above_steps=above_steps,
         first_micro_batch=first_micro_batch_report(verdict), copy=copy_report(verdict),
     )
 

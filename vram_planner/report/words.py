@@ -42,8 +42,7 @@ def near_boundary_reason(report: Report) -> str:
     """Why the estimate's verdict could be the other way round (the web page says it too)."""
     if report.fits:
         above = report.need_above_estimate or NEED_ABOVE_ESTIMATE
-        steps = ("steps without gradient checkpointing that generate for several micro-batches at once"
-                 if above > NEED_ABOVE_ESTIMATE else "steps")
+        steps = report.need_above_steps or "steps"
         return (f"{steps} have needed up to {above:.0%} more than the estimate (the most measured), and this card "
                 "would not hold that")
     return (f"steps have needed up to {NEED_BELOW_ESTIMATE:.0%} less than the estimate (the most measured), and "
