@@ -123,3 +123,6 @@ def test_a_published_lora_run_holds_what_the_trace_holds_on_its_card():
     measured, check, need, held = (float(v) for v in row.split()[-6:-2])
     assert measured == 13.0 and need <= held
     assert abs(measured - held) / held < 0.10
+    # and `check` within 1% of the need or above it: 13.15 GiB against 13.94, a window, before the reference's logits
+    # in the policy's float32 copy segment were counted (stranding.reference_logits_stranded_bytes)
+    assert check >= need * 0.99
