@@ -49,15 +49,15 @@ def reference_logits_stranded_bytes(arch: ModelArchitecture, train: TrainingConf
     step_structure "loss_merged": the reference's log-probs are computed after the policy's forward, while its graph
     is alive): added at that moment as it is, not weighed by a fit (phases._reserve).
 
-    The policy's pass asks for its logits in the compute dtype (L bytes), for accelerate's float32 copy of them (2L),
-    frees the logits, makes each sequence's log_softmax in float32 (kept for backward, R bytes each, about 2L / B for
-    B sequences), and frees the copy. Best fit cuts the log_softmax rows from the logits' freed block of L, the
-    smallest that holds one, so that block is taken when the reference asks for its own logits of L; the smallest
-    free block that holds them is then the copy's of 2L, and what they leave of it, L, is too short for the
-    reference's float32 copy, which takes a segment of its own. At the need of Qwen2.5-0.5B's LoRA with 4 x 787
-    completion logits (TRL 0.14, bf16 weights under bf16 autocast, oxen.ai's settings) two of the policy's 456 MiB
-    rows lay in a 914 MiB segment, and the reference's 912 MiB logits in the copy's 1,826 MiB one beside 914 MiB free
-    when its 1,825 MiB copy ran out.
+    The policy's pass asks for its logits in the compute dtype (L bytes), for accelerate's float32 copy of them
+    (2L), frees the logits, makes each sequence's log_softmax in float32 (kept for backward, R bytes each, about 2L
+    / B for B sequences), and frees the copy. Best fit cuts the log_softmax rows from the logits' freed block of L,
+    the smallest that holds one, so that block is taken when the reference asks for its own logits of L; the
+    smallest free block that holds them is then the copy's of 2L, and what they leave of it, L, is too short for the
+    reference's float32 copy, which takes a segment of its own. One granule below the need of Qwen2.5-0.5B's LoRA
+    with 4 x 787 completion logits (TRL 0.14, bf16 weights under bf16 autocast, oxen.ai's settings) two of the
+    policy's 456 MiB rows lay in a 914 MiB segment, and the reference's 912 MiB logits in the copy's 1,826 MiB one
+    beside 914 MiB free when its 1,825 MiB copy ran out.
 
     What the allocator does with this at a step's need varies with what came before, and one half is what it strands
     most often (benchmarks/results/boundary-trl-0.14.0.txt): where the card is tight enough that cudaMalloc fails
