@@ -31,10 +31,10 @@ transformers and TRL releases the needs were traced under (the needs' key names 
 other releases than the installed ones is rejudged as those releases run.
 
 --suffix NAME keeps a table apart from the tested set's: its needs in boundary-needs-NAME.json, the table in
-boundary-NAME.txt and .json, written for whatever models ran. Run under another library release (a newer
-transformers in its own environment), it shows that release at the boundary beside the grid
-(results/boundary-transformers-5.25.txt: the Hub's kernels, which 5.25 loads by default); run in an old TRL
-release's environment (benchmarks/trl_matrix.py --build-only --pair 0.14.0/4.48.2), that release
+boundary-NAME.txt and .json, written when the points that ran are all those its needs hold. Run under another library
+release (a newer transformers in its own environment), it shows that release at the boundary beside the grid
+(results/boundary-transformers-5.25.txt: the Hub's kernels, which 5.25 loads by default); run in an old TRL release's
+environment (benchmarks/trl_matrix.py --build-only --pair 0.14.0/4.48.2), that release
 (results/boundary-trl-0.14.0.txt). A point the release cannot run (a knob it lacks) is said and left out.
 """
 
@@ -338,7 +338,7 @@ def main() -> int:
     parser.add_argument("--add", action="store_true",
                         help="the committed needs, whatever code made them; bisect the points they lack")
     parser.add_argument("--suffix", metavar="NAME", help="needs and table of their own (boundary-needs-NAME.json, "
-                        "boundary-NAME.txt), written for whatever models ran")
+                        "boundary-NAME.txt, written when every point its needs hold ran)")
     parser.add_argument("--configs", nargs="+", choices=[*CONFIGS, *PROMPT_BATCH_CONFIGS], metavar="CONFIG",
                         help="these configs only (no fixtures): the grid's, or PROMPT_BATCH_CONFIGS")
     args = parser.parse_args()
@@ -373,7 +373,13 @@ def main() -> int:
             save_atomically(cache_path, json.dumps({"key": key, "points": cache}, indent=1))
     lines = table(rows) + summary(rows) + [f"needs from {key}"]
     print("\n".join(lines))
-    if args.suffix or (not args.quick and args.models == list(MODELS) and args.configs is None):
+    whole = not args.quick and args.models == list(MODELS) and args.configs is None
+    if args.suffix:  # a table of its own is every point its needs hold: a subset would overwrite it with less
+        whole = {r["point"] for r in rows} >= {label for label in cache if not re.search(r" at p\d+$", label)}
+        if not whole:
+            print(f"boundary{tail}.txt not written: these points are a part of the {len(cache)} its needs hold "
+                  "(run the models and configs it holds to write it)", file=sys.stderr)
+    if whole:
         save_atomically(RESULTS / f"boundary{tail}.txt", "\n".join(lines) + "\n")
         save_atomically(RESULTS / f"boundary{tail}.json", json.dumps(rows, indent=1))
     return 0
