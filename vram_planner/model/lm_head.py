@@ -127,6 +127,15 @@ def logit_positions(train: TrainingConfig, release: TrlRelease) -> int:
     return train.sequence_length
 
 
+def backward_block_bytes(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, sequences: int) -> float:
+    """The largest single block the LM head's backward asks for where TRL makes the whole logits: one gradient of the
+    logits (profiles/trl.toml full_logits_log_probs "kernel"), else of the completion's scored positions (the gather's,
+    the logsumexp rows' and their sum are each that size), in the logits' dtype from accelerate's copy on."""
+    positions = logit_positions(train, release) if release.full_logits_log_probs == "kernel" else (
+        train.max_completion_length)
+    return float(sequences * positions * arch.vocab_size * _logit_bytes(train)[0])
+
+
 def drops_logits_to_keep(train: TrainingConfig, release: TrlRelease) -> bool:
     """Whether this TRL release's logits cover the whole sequence because transformers ignores its keyword."""
     return release.lm_head == "full_logits" and not uses_fused_head(train, release) and not (

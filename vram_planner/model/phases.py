@@ -27,7 +27,8 @@ from vram_planner.model.fragmentation import reserve_patterns
 from vram_planner.model.generation_patterns import PREFILL_PATTERNS
 from vram_planner.model.lm_head import drops_logits_to_keep, lm_head_memory, logit_positions
 from vram_planner.model.spec import TrainingConfig, allocator_conf_notes
-from vram_planner.model.stranding import loaded_weight_segment_bytes, reference_logits_stranded_bytes
+from vram_planner.model.stranding import (head_block_stranded_bytes, loaded_weight_segment_bytes,
+                                          reference_logits_stranded_bytes)
 from vram_planner.model.trl_releases import TrlRelease
 from vram_planner.model.trl_semantics import release_assumptions
 from vram_planner.model.vllm_comm import NO_COMMUNICATORS, VllmCommFigure
@@ -54,6 +55,8 @@ POLICY_LOGITS_MOMENT = "policy forward: the logits and accelerate's float32 copy
 # Then the reference's: its logits cut from the block the policy's copy freed
 # (stranding.reference_logits_stranded_bytes)
 REFERENCE_LOGITS_MOMENT = "reference log-probs while the policy's graph is alive"
+# Where the releases that make the whole logits ask for a step's largest block (stranding.head_block_stranded_bytes)
+LM_HEAD_BACKWARD_MOMENT = "LM head backward"
 # The phases of the first micro-batch of the first step run before any optimizer state exists (and before any
 # gradient, when gradients accumulate): they are judged on their own, as a run can die there
 FIRST_MICRO_BATCH_PHASES = ("generation", "scoring", "training")
@@ -366,6 +369,8 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
         exact += zero12_loss_stranded_bytes(arch, train, workspace)
     if arch is not None and phase.moment == REFERENCE_LOGITS_MOMENT:
         exact += reference_logits_stranded_bytes(arch, train, logit_positions(train, train.release))
+    if arch is not None and phase.moment == LM_HEAD_BACKWARD_MOMENT and steady:
+        exact += head_block_stranded_bytes(arch, train)
     return allocator_reserve_bytes(cal, phase.name, tensors, train.expandable_segments, patterns, exact)
 
 
@@ -530,7 +535,7 @@ def _with_zero12_bucket(moment: Phase, arch: ModelArchitecture, train: TrainingC
     left_by_earlier = train.zero_stage == 1 and train.gradient_accumulation_steps > 1 and not first
     head_waits = arch.tie_word_embeddings or train.uses_lora
     if not left_by_earlier and (moment.moment.startswith("forward")
-                                or (moment.moment == "LM head backward" and head_waits)):
+                                or (moment.moment == LM_HEAD_BACKWARD_MOMENT and head_waits)):
         return moment
     gradients = moment.components.get("gradients", 0.0) + zero.reduce_bucket_bytes(arch, train)
     return Phase(moment.name, {**moment.components, "gradients": gradients}, moment.moment)
@@ -609,7 +614,7 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
             Phase("training", {**persistent, **after_forward, "lm_head_buffers": head.forward_transient},
                   "forward: LM head"),
             Phase("training", {**persistent, **after_forward,
-                               "lm_head_buffers": head.saved + head.backward_transient}, "LM head backward"),
+                               "lm_head_buffers": head.saved + head.backward_transient}, LM_HEAD_BACKWARD_MOMENT),
         ]
     if train.fsdp:
         # The layer being differentiated and the next one gathered ahead of it (FSDP2's prefetch); the tail is

@@ -12,6 +12,7 @@ from vram_planner.allocator.sizes import K_MIN_LARGE_ALLOC, K_SMALL_SIZE
 from vram_planner.model import blocks
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.lm_head import backward_block_bytes, uses_fused_head
 from vram_planner.model.spec import Optimizer, TrainingConfig
 
 if TYPE_CHECKING:
@@ -79,6 +80,47 @@ def reference_logits_stranded_bytes(arch: ModelArchitecture, train: TrainingConf
     logits = train.micro_batch_completions * positions * arch.vocab_size * compute
     one_row = (positions - 1) * arch.vocab_size * m.FP32_BYTES
     return float(logits) if one_row <= logits else 0.0
+
+
+def scores_whole_logits_apart(train: TrainingConfig) -> bool:
+    """Whether the release makes the whole logits and scores them in a loss of their own (profiles/trl.toml lm_head
+    "full_logits", step_structure "phased": TRL 0.15 to 1.14), under torch's default allocator."""
+    release = train.release
+    return (release.lm_head == "full_logits" and release.step_structure == "phased"
+            and not uses_fused_head(train, release) and not train.expandable_segments)
+
+
+def head_block_counted(train: TrainingConfig) -> bool:
+    """Whether head_block_stranded_bytes counts the block: not for LoRA under gradient checkpointing, where what
+    strands it is one tensor that lands there by chance (verdict.need_above_band gives those steps a band)."""
+    return scores_whole_logits_apart(train) and not (train.gradient_checkpointing and train.uses_lora)
+
+
+def head_block_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What the previous backward's freed logits blocks strand when the LM head's backward asks for its largest block
+    (lm_head.backward_block_bytes, B), in the releases that make the whole logits and score them in a loss of their
+    own (scores_whole_logits_apart): added at that moment of a step after the first as it is, not weighed by a fit
+    (phases._reserve).
+
+    The previous step's (or micro-batch's) LM head backward leaves segments of B cached, the largest blocks there are.
+    The next loss forward keeps its tensors in the blocks of their sizes the previous backward freed; those no such
+    block is left for (some went to generation, to the optimizer step's gradients) are cut from the smallest free
+    block that holds them, one of B, and what they leave of it is too short when the LM head's backward asks for B
+    again: a segment of B more. One granule below the need of Qwen2.5-0.5B's bfloat16 full fine-tuning without
+    checkpointing, 8 x 1,024 completions (TRL 0.19.1, transformers 4.53.1), its last layer's three 114 MiB MLP tensors
+    and the final norm's output lay in a 4,748 MiB segment, 4,364 MiB free beside them, when the backward asked for
+    4,748 MiB; every point of boundary-trl-0.19.1.txt and boundary-trl-1.0.0.txt runs out there.
+
+    The whole of B is counted, the bound rather than the mean: what the forward cuts is small beside it, and how much
+    more the backward's row blocks use varies with what came before (Llama-3.2-1B's bfloat16 full fine-tuning, same
+    batch, stranded 0.65 B at its need under TRL 0.19). Under gradient checkpointing with LoRA the forward keeps only
+    the layers' inputs, which find the blocks the previous forward left, and the block is free again for the backward
+    unless the one tensor kept after them, the final norm's output, lands in it (head_block_counted): not counted, as
+    counting it would put those steps up to 24% over their need under TRL 1.0, where 5 of 15 such points stranded it
+    (SmolLM2-135M's LoRA with 128 x 256 completions 16.2% under its need; verdict.need_above_band)."""
+    if not head_block_counted(train):
+        return 0.0
+    return backward_block_bytes(arch, train, train.release, train.micro_batch_completions)
 
 
 @functools.lru_cache(maxsize=256)
