@@ -170,7 +170,7 @@ OLD_RELEASE_TABLES = {
     "trl-0.19.1": (set(), 3),
     "trl-1.0.0": ({"Qwen2.5-0.5B lora p512 c2048 G16 S2 beta", "SmolLM2-135M lora c256 B128",
                    "SmolLM2-135M lora p512 c2048 G16 S2 beta", "SmolLM2-135M fp32 lora c1024 eager",
-                   "Llama-3.2-1B lora p1024 c384 B8 8bit"}, 9),
+                   "Llama-3.2-1B lora p1024 c384 B8 8bit"}, 8),
 }
 
 

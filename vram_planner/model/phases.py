@@ -375,11 +375,14 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
 
 
 def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig,
-              colocated: VllmBudget | None = None, arch: ModelArchitecture | None = None) -> Phase:
+              colocated: VllmBudget | None = None, arch: ModelArchitecture | None = None,
+              steady: bool = True) -> Phase:
     """The moment that needs the most with the allocator's reserve on it (and what colocated vLLM holds then): its
     tensors alone could pick a moment of fewer bytes but a smaller reserve, and a longer completion would then seem
-    to need less. Generation's moments are weighed with its patterns (`arch`), which the prefill has not."""
-    return max(moments, key=lambda moment: (moment.tensor_bytes + _reserve(moment, cal, train, arch)
+    to need less. Generation's moments are weighed with its patterns (`arch`), which the prefill has not, and the
+    loss's with what the allocator strands at one moment only (the LM head's backward, the reference's logits in
+    TRL 0.14's loss), as with_overheads will count it (`steady`)."""
+    return max(moments, key=lambda moment: (moment.tensor_bytes + _reserve(moment, cal, train, arch, steady)
                                             + _reservation(colocated, moment)))
 
 
@@ -517,7 +520,8 @@ def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlReleas
               persistent: dict[str, float], all_grads: float, first: bool = False) -> Phase:
     """The largest moment of one micro-batch's forward and backward (`first`: the first micro-batch of the run)."""
     moments = training_moments(arch, train, release, cal, persistent, all_grads, first)
-    return _heaviest([_with_zero12_bucket(p, arch, train, first) for p in moments], cal, train)
+    return _heaviest([_with_zero12_bucket(p, arch, train, first) for p in moments], cal, train, arch=arch,
+                     steady=not first)
 
 
 def _with_zero12_bucket(moment: Phase, arch: ModelArchitecture, train: TrainingConfig, first: bool) -> Phase:
