@@ -101,9 +101,17 @@ def analytic_phases(model: str, settings: dict, trl: str, transformers: str) -> 
     """The analytic model's phases under the pair's releases (pure Python: runs in any environment)."""
     from vram_planner import engine
 
+    from vram_planner.model.phases import micro_batch_moments
+
     context = engine.make_context(model, "rtx3080-mobile", trl_version=trl)
     train = engine.make_training(context, {**settings, "transformers_version": transformers})
-    return {p.name: p for p in engine.judge(context, train).estimate.phases}
+    phases = {p.name: p for p in engine.judge(context, train).estimate.phases}
+    if "training" in phases:
+        # the moment of the most tensors, as the trace's peak is: the estimate's is the one that needs the most,
+        # which may be another where the allocator strands a block at it (the LM head's backward of TRL 0.15-1.14)
+        moments = micro_batch_moments(context.arch, train, context.release, context.calibration, first=False)
+        phases["training"] = max(moments, key=lambda moment: moment.tensor_bytes)
+    return phases
 
 
 def phase_figures(trace_bytes: int, moment: str, components: dict, analytic) -> dict:
