@@ -432,7 +432,8 @@ def test_a_step_of_a_release_that_makes_the_whole_logits_is_flagged_within_its_b
     from vram_planner import engine
     from vram_planner.model.verdict import (NEED_ABOVE_ESTIMATE, NEED_ABOVE_ESTIMATE_HEAD_BLOCK_UNCOUNTED,
                                             NEED_ABOVE_ESTIMATE_KERNEL_HEAD_BLOCK_UNCOUNTED,
-                                            NEED_ABOVE_ESTIMATE_MERGED_LOSS, need_above_estimate)
+                                            NEED_ABOVE_ESTIMATE_MERGED_LOSS, need_above_band,
+                                            need_above_estimate)
 
     settings = {"dtype": "bfloat16", "lora_r": 16, "gradient_checkpointing": True}
     flags = ["--model", "Qwen2.5-0.5B", "--dtype", "bfloat16", "--lora-r", "16", "--gradient-checkpointing"]
@@ -452,6 +453,8 @@ def test_a_step_of_a_release_that_makes_the_whole_logits_is_flagged_within_its_b
     # TRL 1.14's kernel asks for blocks of the whole logits: a band of its own
     kernel = engine.check("Qwen2.5-0.5B", "80GiB", settings, trl_version="1.14.0")
     assert need_above_estimate(kernel.train) == NEED_ABOVE_ESTIMATE_KERNEL_HEAD_BLOCK_UNCOUNTED > band
+    assert need_above_band(kernel.train)[1] == ("LoRA steps with gradient checkpointing of TRL 1.14 (its log-prob "
+                                                "kernel's backward asks for blocks of the whole logits)")
     for other, trl_version in (({**settings, "gradient_checkpointing": False}, "1.0.0"), (settings, "1.16.0")):
         assert need_above_estimate(engine.check("Qwen2.5-0.5B", "80GiB", other, trl_version=trl_version).train) < band
     newest = engine.check("Qwen2.5-0.5B", "80GiB", settings).estimate.peak_bytes

@@ -108,8 +108,8 @@ def need_above_band(train: TrainingConfig) -> tuple[float, str]:
     if scores_whole_logits_apart(train) and not head_block_counted(train):
         if train.release.full_logits_log_probs == "kernel":
             bands.append((NEED_ABOVE_ESTIMATE_KERNEL_HEAD_BLOCK_UNCOUNTED,
-                          "LoRA steps with gradient checkpointing of TRL 1.14, whose log-prob kernel's backward asks "
-                          "for blocks of the whole logits"))
+                          "LoRA steps with gradient checkpointing of TRL 1.14 (its log-prob kernel's backward asks "
+                          "for blocks of the whole logits)"))
         else:
             bands.append((NEED_ABOVE_ESTIMATE_HEAD_BLOCK_UNCOUNTED,
                           "LoRA steps with gradient checkpointing of the TRL releases that make the whole logits "
