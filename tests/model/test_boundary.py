@@ -183,9 +183,9 @@ OLD_RELEASE_TABLES = {
 @pytest.mark.slow  # the estimate of 90 points: a few seconds
 def test_old_releases_steps_hold_at_the_boundary_in_their_own_band():
     """benchmarks/boundary.py --suffix trl-X: steps traced under TRL 0.14 (transformers 4.48), 0.19 (4.53), 1.0 (5.4)
-    and 1.14 (5.19), judged with the analytic model planned for those releases: the committed tables, every need inside the band
-    of its kind of step, the bands of their own reached (not padded), and the windows and the points under their need
-    OLD_RELEASE_TABLES names: a window that joins or leaves is a change to say."""
+    and 1.14 (5.19), judged with the analytic model planned for those releases: the committed tables, every need
+    inside the band of its kind of step, the bands of their own reached (not padded), and the windows and the points
+    under their need OLD_RELEASE_TABLES names: a window that joins or leaves is a change to say."""
     import json
 
     boundary = benchmark_module("boundary")
