@@ -75,7 +75,7 @@ MAX_SAFETY_MARGIN = 0.5  # keeping more than half the card free is a typo, not a
 # stranding.reference_logits_stranded_bytes counts one; 24.2% before that pattern was counted, 2026-12-03, the oxen.ai
 # runs' windows among them). TRL 0.15 to 1.14 strand a logits block at the LM head's backward
 # (stranding.head_block_stranded_bytes; before it was counted 13 windows of 30 points under TRL 0.19 and 13 under 1.0,
-# 9.7% and 19.3% above): since, 4.4% above at most under 0.19 (SmolLM2-135M's float32 full fine-tuning) and 2.2%
+# 9.7% and 19.3% above): since, 4.4% above at most under 0.19 (SmolLM2-135M's float32 full fine-tuning) and 0.7%
 # under 1.0 outside LoRA with checkpointing, inside the band of every step; LoRA with checkpointing, where the block is
 # stranded only when the final norm's output lands in it and is not counted, 19.3% above (boundary-trl-1.0.0.txt,
 # under transformers 5.4: SmolLM2-135M's LoRA with 128 x 256 completions; 5 windows of its 15 points, each flagged
