@@ -100,7 +100,6 @@ def point_settings(name: str, settings: dict, trl: str) -> dict:
 def analytic_phases(model: str, settings: dict, trl: str, transformers: str) -> dict:
     """The analytic model's phases under the pair's releases (pure Python: runs in any environment)."""
     from vram_planner import engine
-
     from vram_planner.model.phases import micro_batch_moments
 
     context = engine.make_context(model, "rtx3080-mobile", trl_version=trl)
