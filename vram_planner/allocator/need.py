@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vram_planner.allocator.conf import AllocatorConf
+from vram_planner.allocator.own_stack import on_own_stack
 from vram_planner.allocator.replay import ALLOC, FREE, ReplayResult, Replays
 from vram_planner.allocator.sizes import K_MIN_BLOCK_SIZE, K_ROUND_LARGE, K_SMALL_BUFFER
 
@@ -38,6 +39,7 @@ def granule_bytes(conf: AllocatorConf) -> int:
     return math.gcd(K_SMALL_BUFFER, K_ROUND_LARGE, conf.large_segment_size_bytes)
 
 
+@on_own_stack  # its replays' calls, thousands of them, at no edge of the frame stack's chunks (own_stack.py)
 def least_capacity(events: Iterable[tuple[str, int, int]], conf: AllocatorConf = AllocatorConf(),
                    card_bytes: int | None = None, replays: Replays | None = None) -> Need:
     """The least capacity (a multiple of `granule_bytes`) on which `events` replay through the allocator model

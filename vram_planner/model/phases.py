@@ -151,13 +151,13 @@ def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         # TRL 0.14-0.16 generate (and score) inside every micro-batch: from the second on, next to the gradients the
         # earlier ones accumulated (the trace runs them again after a backward; benchmarks/trl_matrix.py)
         raw = [Phase(p.name, {**p.components, "gradients": all_grads}, p.moment) for p in raw]
-    raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch))
+    workspaces = cublas_workspace_bytes(compute_capability)
+    raw.append(_training(arch, train, release, cal, persistent, all_grads, first_micro_batch, workspaces))
     if not first_micro_batch:
         raw.append(_optimizer(arch, train, cal, persistent))
     raw = [_with_zero_buffers(p, arch, train) for p in raw]
     if not first_micro_batch:
         raw[-1] = _at_least_deepspeeds_estimate(raw[-1], arch, train)
-    workspaces = cublas_workspace_bytes(compute_capability)
     comm = vllm_comm.bytes if colocated is not None else 0.0  # they stay through sleep mode: not in its pool
     phases = tuple(with_overheads(p, cal, _reservation(colocated, p), train, context, workspaces, arch, nccl_bytes,
                                   comm, steady=not first_micro_batch) for p in raw)
@@ -376,13 +376,15 @@ def _reserve(phase: Phase, cal: Calibration, train: TrainingConfig, arch: ModelA
 
 def _heaviest(moments: list[Phase], cal: Calibration, train: TrainingConfig,
               colocated: VllmBudget | None = None, arch: ModelArchitecture | None = None,
-              steady: bool = True) -> Phase:
+              steady: bool = True, workspace_bytes: float = 0.0) -> Phase:
     """The moment that needs the most with the allocator's reserve on it (and what colocated vLLM holds then): its
     tensors alone could pick a moment of fewer bytes but a smaller reserve, and a longer completion would then seem
     to need less. Generation's moments are weighed with its patterns (`arch`), which the prefill has not, and the
     loss's with what the allocator strands at one moment only (the LM head's backward, the reference's logits in
-    TRL 0.14's loss), as with_overheads will count it (`steady`)."""
-    return max(moments, key=lambda moment: (moment.tensor_bytes + _reserve(moment, cal, train, arch, steady)
+    TRL 0.14's loss), as with_overheads will count it (`steady`, `workspace_bytes`: the replays of DeepSpeed's
+    buffers, which take the workspaces, then run once per layout)."""
+    return max(moments, key=lambda moment: (moment.tensor_bytes + _reserve(moment, cal, train, arch, steady,
+                                                                            workspace_bytes)
                                             + _reservation(colocated, moment)))
 
 
@@ -517,11 +519,13 @@ def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, 
 
 
 def _training(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
-              persistent: dict[str, float], all_grads: float, first: bool = False) -> Phase:
-    """The largest moment of one micro-batch's forward and backward (`first`: the first micro-batch of the run)."""
+              persistent: dict[str, float], all_grads: float, first: bool = False,
+              workspace_bytes: float = 0.0) -> Phase:
+    """The largest moment of one micro-batch's forward and backward (`first`: the first micro-batch of the run), weighed
+    with the cuBLAS workspaces (`workspace_bytes`) as with_overheads will count it."""
     moments = training_moments(arch, train, release, cal, persistent, all_grads, first)
     return _heaviest([_with_zero12_bucket(p, arch, train, first) for p in moments], cal, train, arch=arch,
-                     steady=not first)
+                     steady=not first, workspace_bytes=workspace_bytes)
 
 
 def _with_zero12_bucket(moment: Phase, arch: ModelArchitecture, train: TrainingConfig, first: bool) -> Phase:
