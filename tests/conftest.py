@@ -13,6 +13,7 @@ import pytest
 from helpers import FIXTURES, LLAMA_1B
 from vram_planner import profiles
 from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.tracing import step_need
 
 
 @pytest.fixture(scope="session")
@@ -23,16 +24,18 @@ def _session_cache(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path_factory, monkeypatch, _session_cache):
     """Keep every test away from the user's own calibrations, profiles and cache (one cache for the session: the
-    catalogs are parsed once)."""
+    catalogs are parsed once), and from the traces an earlier test made in this process."""
     home = tmp_path_factory.mktemp("vram-plan-home")
     monkeypatch.setenv("VRAM_PLAN_HOME", str(home))
     monkeypatch.setenv("VRAM_PLAN_CACHE", str(_session_cache))
     monkeypatch.delenv("VRAM_PLAN_PROFILES", raising=False)
     profiles.gpu_catalog.cache_clear()
     profiles.model_catalog.cache_clear()
+    step_need.forget_traces()  # a test that patches what a trace runs traces afresh
     yield home
     profiles.gpu_catalog.cache_clear()
     profiles.model_catalog.cache_clear()
+    step_need.forget_traces()
 
 
 @pytest.fixture

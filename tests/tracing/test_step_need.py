@@ -54,6 +54,7 @@ def test_steps_traced_alongside_are_those_traced_one_after_another(monkeypatch):
     monkeypatch.setattr(module, "usable_cores", lambda: 2)  # the processes, even on one core
     wanted = steps(48, 40)
     alone = [step_need(step) for step in wanted]
+    module.forget_traces()  # else both are this process's traces, and nothing is traced alongside
     here = []
     original = module.step_need
     monkeypatch.setattr(module, "step_need", lambda step, progress=None: here.append(step) or original(step, progress))
@@ -88,6 +89,7 @@ def test_steps_are_traced_one_after_another_without_a_core_or_a_process_for_each
     monkeypatch.setattr(module.subprocess, "Popen", no_processes)
     wanted = steps(48, 40)
     needs = step_needs(wanted)
+    module.forget_traces()
     assert [measured(n) for n in needs] == [measured(step_need(step)) for step in wanted]
     assert needs[0].need.capacity_bytes >= needs[1].need.tensor_peak_bytes
 
@@ -108,3 +110,35 @@ print(len(module.step_needs(steps(48, 40))), "steps")
                           cwd=FIXTURES.parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "ran\n2 steps\n"
+
+
+def test_the_same_step_on_another_card_replays_the_trace_this_process_made(monkeypatch):
+    # the web page's card picker and a notebook's loop over cards ask for one step on several cards: the trace does
+    # not depend on the card, its replays do
+    from vram_planner.tracing import step as tracing_step
+
+    first, = steps(48)
+    traced = []
+    original = tracing_step.trace_step
+    monkeypatch.setattr(tracing_step, "trace_step", lambda *args, **kwargs: traced.append(args) or
+                        original(*args, **kwargs))
+    roomy = step_need(first)
+    smaller = replace(first, card_bytes=roomy.need.capacity_bytes - (4 << 20))  # a card the step runs out on
+    said = []
+    kept = step_need(smaller, said.append)
+    assert len(traced) == 1 and "using the trace this process made of the same step" in said
+    module.forget_traces()
+    fresh = step_need(smaller)
+    assert len(traced) == 2
+    assert measured(kept) == measured(fresh)
+    assert kept.reserved.out_of_memory and not roomy.reserved.out_of_memory  # the replays are the card's own
+    # another step is traced: the knobs, the model's config and the TRL release are the key
+    step_need(replace(first, train=replace(first.train, max_completion_length=16)))
+    assert len(traced) == 3
+
+
+def test_a_process_keeps_the_latest_traces_only():
+    for length in range(module.TRACES_KEPT + 1):
+        module.keep_trace(replace(steps(48)[0], zero_rank=length), length)
+    kept = [module.traced_before(replace(steps(48)[0], zero_rank=length)) for length in range(module.TRACES_KEPT + 1)]
+    assert kept == [None, *range(1, module.TRACES_KEPT + 1)]

@@ -5,11 +5,14 @@ core for each (a trace and its replays are one Python thread's work, so two step
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,13 @@ from typing import Any
 
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.trl_releases import TrlRelease
+
+# A step's trace does not depend on the card, only its replays do: a process that asks for the same step on another
+# card (the web page's card picker, a notebook's loop over cards) replays the trace it already made instead of
+# tracing again (seconds to a minute). The latest few are kept: a large model's trace holds a million events.
+TRACES_KEPT = 4
+_traces: OrderedDict[bytes, Any] = OrderedDict()
+_traces_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,12 @@ def step_need(step: StepToTrace, progress: Callable[[str], None] | None = None) 
     say = progress or (lambda what: None)
     conf = parse_allocator_conf(step.train.allocator_conf, "--allocator-conf")
     with collection_paused():
-        result = trace_step(step.config, step.train, step.release, progress, step.zero_rank)
+        result = traced_before(step)
+        if result is None:
+            result = trace_step(step.config, step.train, step.release, progress, step.zero_rank)
+            keep_trace(step, result)
+        else:
+            say("using the trace this process made of the same step")
         say("replaying the allocations through the caching allocator model")
         stream = with_workspaces(result.steady_stream(), step.workspace_bytes)
         # the card's replay and the unlimited one serve both: the reserved figures and the need's bisection
@@ -65,11 +80,49 @@ def step_need(step: StepToTrace, progress: Callable[[str], None] | None = None) 
     return StepNeed(result, reserved, need)
 
 
+def _trace_key(step: StepToTrace) -> bytes | None:
+    """What a trace depends on, the card apart; None where it cannot be told (the step is then traced again)."""
+    try:
+        return pickle.dumps((json.dumps(step.config, sort_keys=True), step.train, step.release, step.zero_rank))
+    except (TypeError, ValueError, pickle.PicklingError):
+        return None
+
+
+def traced_before(step: StepToTrace) -> Any:
+    """The trace this process made of the same step (vram_planner.tracing.step.TraceResult), or None."""
+    key = _trace_key(step)
+    with _traces_lock:
+        if key is None or key not in _traces:
+            return None
+        _traces.move_to_end(key)
+        return _traces[key]
+
+
+def keep_trace(step: StepToTrace, result: Any) -> None:
+    """Keep a step's trace for traced_before, the TRACES_KEPT latest."""
+    key = _trace_key(step)
+    if key is None:
+        return
+    with _traces_lock:
+        _traces[key] = result
+        _traces.move_to_end(key)
+        while len(_traces) > TRACES_KEPT:
+            _traces.popitem(last=False)
+
+
+def forget_traces() -> None:
+    """Drop the traces kept (a test that patches the libraries a trace runs wants its own)."""
+    with _traces_lock:
+        _traces.clear()
+
+
 def step_needs(steps: Sequence[StepToTrace], progress: Callable[[str], None] | None = None) -> list[StepNeed]:
     """step_need of each step, in order: the first here (it reports `progress`), each other in a Python process of
-    its own, started before it, where the machine has a core for each; one after another where it has not. A process
+    its own, started before it, where the machine has a core for each step still to trace; one after another where
+    it has not, or where this process traced all but one of them before (traced_before). A process
     that fails or dies costs only time: its step is traced here again, where any error is raised as it would be."""
-    if len(steps) < 2 or usable_cores() < len(steps):
+    to_trace = sum(traced_before(step) is None for step in steps)
+    if to_trace < 2 or usable_cores() < to_trace:
         return [step_need(step, progress) for step in steps]
     with tempfile.TemporaryDirectory(prefix="vram-plan-trace-") as folder:
         started = []
@@ -83,6 +136,8 @@ def step_needs(steps: Sequence[StepToTrace], progress: Callable[[str], None] | N
                 progress(f"waiting for the {'step' if len(started) == 1 else f'{len(started)} steps'} traced alongside")
             for (process, answered), step in zip(started, steps[1:]):
                 answer = _read(answered) if process is not None and process.wait() == 0 else None
+                if isinstance(answer, StepNeed):
+                    keep_trace(step, answer.result)
                 needs.append(answer if isinstance(answer, StepNeed) else step_need(step, progress))
             return needs
         finally:
