@@ -1,4 +1,4 @@
-"""What a new release of transformers, TRL, PEFT or torch changes in the trace, before it reaches users or CI.
+"""What a new release of transformers, TRL, PEFT, accelerate or torch changes in the trace, before users or CI meet it.
 
     python benchmarks/release_drift.py            # trace the fixture configs, compare with the tested set's figures
     python benchmarks/release_drift.py --record   # make the installed versions the reference (the tested set's)

@@ -15,7 +15,8 @@ from helpers import CLASS_NAME, json_of, one_line_error
 from vram_planner import api
 from vram_planner.errors import VramPlanError
 from vram_planner.files import MAX_NESTING
-from vram_planner.launcher import (DEEPSPEED_ZERO_DEFAULTS, LAUNCH_FLAGS, LAUNCH_OPTIONS, NEUTRAL_OPTIONS,
+from vram_planner.launcher import (DEEPSPEED_ZERO_DEFAULTS, EARLIER_RELEASES_OPTIONS, LAUNCH_FLAGS, LAUNCH_OPTIONS,
+                                   NEUTRAL_OPTIONS,
                                    PREFIXED_WITH_THEIR_SWITCH, READ_OPTIONS, TORCHRUN_OPTIONS,
                                    TORCHRUN_SWITCHES, UNPLANNED_OPTIONS, launch_settings, read_deepspeed_config)
 from vram_planner.model.accelerate_config import TRL_CONFIGS, TRL_EXAMPLE_CONFIGS
@@ -51,7 +52,9 @@ def _accelerate_options():
 def test_every_option_of_accelerate_launch_is_read_neutral_or_refused_and_its_switches_take_no_value():
     names, switches = _accelerate_options()
     own = {name for name in names if not name.startswith(PREFIXED_WITH_THEIR_SWITCH)}
-    assert own - LAUNCH_OPTIONS == set() and LAUNCH_OPTIONS - own == {"accelerate_config"}
+    # the installed release's options, and those of the releases before it that it dropped
+    assert own - LAUNCH_OPTIONS == set() and LAUNCH_OPTIONS - own - EARLIER_RELEASES_OPTIONS == {"accelerate_config"}
+    assert EARLIER_RELEASES_OPTIONS <= NEUTRAL_OPTIONS
     assert LAUNCH_FLAGS == switches
     assert not READ_OPTIONS & set(UNPLANNED_OPTIONS) and not (READ_OPTIONS | set(UNPLANNED_OPTIONS)) & (
         NEUTRAL_OPTIONS - LAUNCH_FLAGS)

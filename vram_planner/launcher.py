@@ -3,13 +3,13 @@ to it, TRL's `--accelerate_config zero3` among them), an accelerate config file,
 `deepspeed_config_file`, TrainingArguments' `--deepspeed`), as the request's fields: num_gpus, zero_stage, fsdp,
 offload_optimizer, offload_param and the mixed precision. Pure Python; the files named are read where they are.
 
-accelerate 1.15's rules (accelerate/commands/launch.py): the launch options win over the config file's values, which
-fill the rest (`_validate_launch_command`: `fsdp_config`'s keys as `fsdp_*`, `deepspeed_config`'s as they are); the
-config's `distributed_type` decides the launcher (NO: one process, whatever num_processes says); without a config
-file, num_processes above 1 turns multi-GPU training on, and without num_processes accelerate starts one process per
-visible GPU, which only the machine knows. `--use_deepspeed` without a stage is ZeRO-2 (DeepSpeedPlugin's default,
-accelerate/utils/dataclasses.py). A DeepSpeed config's stage and offload devices win over accelerate's
-(`DeepSpeedPlugin.__post_init__` fills the plugin from the file).
+accelerate 1.15's and 1.16's rules (accelerate/commands/launch.py): the launch options win over the config file's
+values, which fill the rest (`_validate_launch_command`: `fsdp_config`'s keys as `fsdp_*`, `deepspeed_config`'s as
+they are); the config's `distributed_type` decides the launcher (NO: one process, whatever num_processes says);
+without a config file, num_processes above 1 turns multi-GPU training on, and without num_processes accelerate
+starts one process per visible GPU, which only the machine knows. `--use_deepspeed` without a stage is ZeRO-2
+(DeepSpeedPlugin's default, accelerate/utils/dataclasses.py). A DeepSpeed config's stage and offload devices win
+over accelerate's (`DeepSpeedPlugin.__post_init__` fills the plugin from the file).
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ NEUTRAL_OPTIONS = frozenset({
     "fp8_use_autocast_during_eval", "fp8_margin", "fp8_interval", "fp8_format", "fp8_amax_history_len",
     "fp8_amax_compute_algo", "fp8_override_linear_precision", "fp8_opt_level", "fp8_enable_fsdp_float8_all_gather",
     "fp8_pad_inner_dim"})
+# Options of earlier accelerate releases that later ones dropped, still read as those releases read them: MS-AMP's
+# --fp8_opt_level went with MS-AMP in 1.16
+EARLIER_RELEASES_OPTIONS = frozenset({"fp8_opt_level"})
 # Megatron-LM's and the parallelism config's options: used only with use_megatron_lm / use_parallelism_config
 PREFIXED_WITH_THEIR_SWITCH = ("megatron_lm_", "parallelism_config_")
 LAUNCH_OPTIONS = READ_OPTIONS | frozenset(UNPLANNED_OPTIONS) | NEUTRAL_OPTIONS | LAUNCH_FLAGS

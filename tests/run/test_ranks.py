@@ -241,3 +241,35 @@ def test_the_launch_line_spells_out_what_num_gpus_auto_chose(capsys, tmp_path):
     # the ranks plan the same run from the spelled-out flags: the same config file, the same launch line
     spelled = run(capsys, *base, "--num-gpus", count, *chosen, "--dry-run")[1]
     assert spelled.split(f"{out}/accelerate_config.yaml:")[1] == stdout.split(f"{out}/accelerate_config.yaml:")[1]
+
+
+def _signalled(sigval):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return SignalException(f"Process got signal: {sigval}", sigval)
+
+
+@pytest.mark.parametrize(("ending", "code"), [
+    (lambda: _signalled(2), 130),  # accelerate up to 1.15: torch's launcher's exception passes through
+    (lambda: SystemExit(130), 130),  # accelerate 1.16 on: its launcher exits 128 + the signal itself
+    (lambda: SystemExit(143), 143),
+    (lambda: SystemExit(1), 2),
+], ids=["ctrl-c-1.15", "ctrl-c-1.16", "sigterm-1.16", "launcher-failed"])
+def test_the_launchers_own_ending_is_the_commands_exit_code(capsys, monkeypatch, tiny_model_folder, tmp_path, ending,
+                                                            code):
+    # the ranks stopped at a signal said where their checkpoint is and how to resume; the command exits as they did,
+    # not with "code vram-plan ran for you called sys.exit" (what accelerate 1.16's own exit read as until 2026-12-04)
+    import accelerate.commands.launch
+
+    def launched(args):
+        raise ending()
+
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched)
+    args = ["run", "--model", str(tiny_model_folder), "--dataset", "math-sample", "--output-dir",
+            str(tmp_path / "run"), *SMALL, "--num-gpus", "2"]
+    exit_code, out, err = run(capsys, *args)
+    assert exit_code == code and "accelerate launch --config_file" in out, err
+    if code == 2:
+        assert err == "error: accelerate's launcher stopped with exit code 1; --verbose shows its report\n"
+    else:
+        assert "error" not in err, err

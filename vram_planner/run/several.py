@@ -112,6 +112,8 @@ LAUNCHER_ENV = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600"}
 
 # The exit codes of a rank that said why it stopped, in its own line above: refused (2), Ctrl+C (130), SIGTERM (143)
 RANK_SAID_WHY = (2, 130, 143)
+# The launcher's own exit once Ctrl+C (130) or SIGTERM (143) reached it and it passed the signal to the ranks
+SIGNALLED_LAUNCHER = (130, 143)
 
 
 def launch(setup: Any, argv: list[str], verbose: bool = False) -> int:
@@ -148,6 +150,11 @@ def launch(setup: Any, argv: list[str], verbose: bool = False) -> int:
         accelerate_launch(args)
     except SignalException as stop:  # Ctrl+C or SIGTERM reached the launcher, which passed it to every rank
         return 128 + stop.sigval  # the ranks saved their checkpoint and rank 0 said where, and how to resume
+    except SystemExit as stop:  # accelerate 1.16 on ends the launch itself: 128 + the signal's number, as above
+        if stop.code in SIGNALLED_LAUNCHER:  # (commands/launch.py _run_torchrun: SignalException, KeyboardInterrupt)
+            return stop.code
+        raise VramPlanError(f"accelerate's launcher stopped with exit code {stop.code!r}; --verbose shows its "
+                            "report") from None
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         if failure.exitcode in RANK_SAID_WHY:

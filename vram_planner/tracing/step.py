@@ -256,10 +256,11 @@ def _largest_per_phase(peaks: list[Any]) -> list[Any]:
 
 
 def engine_versions() -> dict[str, str]:
-    """The installed versions of what a trace (or a probe) runs, by package name."""
+    """The installed versions of what a trace (or a probe) runs, by package name: accelerate too, which prepares the
+    model (autocast, the float32 copy of the outputs, FSDP's sharding) for TRL's trainer."""
     import importlib.metadata as md
 
-    return {package: md.version(package) for package in ("torch", "transformers", "trl", "peft")}
+    return {package: md.version(package) for package in ("torch", "transformers", "trl", "peft", "accelerate")}
 
 
 def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
