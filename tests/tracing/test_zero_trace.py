@@ -12,6 +12,7 @@ import pytest
 from helpers import FIXTURES
 from vram_planner.cli import main
 from vram_planner.model import zero
+from vram_planner.tracing.step_need import forget_traces
 
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed", reason="the ZeRO trace runs DeepSpeed's own engine: pip install 'vram-plan[deepspeed]'")
@@ -318,6 +319,7 @@ def test_the_loss_finds_zero3s_coordinator_as_an_earlier_step_left_it(monkeypatc
     layered = _component(_trace("--zero-stage", "3"), "training", "weights")
     assert layered < 2 * PARAMS / GPUS + PARAMS
     monkeypatch.setattr(trl.models.utils, "add_hooks", _add_hooks_keeping_the_trace(trl.models.utils.add_hooks))
+    forget_traces()  # the same step, traced again under the patch
     kept = _component(_trace("--zero-stage", "3"), "training", "weights")
     assert kept >= 2 * PARAMS / GPUS + 2 * PARAMS
 
@@ -386,7 +388,9 @@ def test_the_trace_turns_deepspeeds_shared_memory_all_reduce_off_and_back(monkey
     assert seen == [False]
     assert deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] == "as found"
     monkeypatch.delitem(deepspeed.ops.__compatible_ops__, ShareMemCommBuilder.NAME)
+    forget_traces()  # the same step, traced again
     _trace("--zero-stage", "1")
+    assert len(seen) == 2
     assert ShareMemCommBuilder.NAME not in deepspeed.ops.__compatible_ops__
 
 
