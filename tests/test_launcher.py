@@ -16,8 +16,7 @@ from vram_planner import api
 from vram_planner.errors import VramPlanError
 from vram_planner.files import MAX_NESTING
 from vram_planner.launcher import (DEEPSPEED_ZERO_DEFAULTS, EARLIER_RELEASES_OPTIONS, LAUNCH_FLAGS, LAUNCH_OPTIONS,
-                                   NEUTRAL_OPTIONS,
-                                   PREFIXED_WITH_THEIR_SWITCH, READ_OPTIONS, TORCHRUN_OPTIONS,
+                                   NEUTRAL_OPTIONS, PREFIXED_WITH_THEIR_SWITCH, READ_OPTIONS, TORCHRUN_OPTIONS,
                                    TORCHRUN_SWITCHES, UNPLANNED_OPTIONS, launch_settings, read_deepspeed_config)
 from vram_planner.model.accelerate_config import TRL_CONFIGS, TRL_EXAMPLE_CONFIGS
 from vram_planner.model.spec import TrainingConfig
@@ -377,7 +376,10 @@ def test_the_analytic_model_holds_what_deepspeeds_engine_holds_with_each_configs
                                   "num_processes": row["settings"]["num_gpus"]})
         assert not launch.problems
         rest = {k: v for k, v in row["settings"].items() if k not in launch.settings}
-        verdict = engine.check(row["model"], "h100", {**row.get("base", results["base"]), **launch.settings, **rest})
+        # as the transformers release the table was traced under runs the step (5.25's kernelized norms keep less)
+        traced_under = {"transformers_version": results["versions"]["transformers"]}
+        verdict = engine.check(row["model"], "h100", {**row.get("base", results["base"]), **launch.settings, **rest,
+                                                      **traced_under})
         for phase in verdict.estimate.phases:
             analytic = phase.tensor_bytes - zero_rank_excess_bytes(verdict.context.arch, verdict.train, phase.name,
                                                                    row["rank"])
