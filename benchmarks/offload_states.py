@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from public_measurements import tested_transformers  # noqa: E402
+
 from vram_planner import engine  # noqa: E402
 from vram_planner.model import offload, zero  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
@@ -54,17 +56,27 @@ def _gib(n_bytes: float | None) -> str:
     return "-" if n_bytes is None else f"{n_bytes / GiB:.2f}"
 
 
+# the tested set's transformers (constraints.txt): one table whichever release is installed (the analytic model
+# follows the installed one; 5.25's kernelized norms keep less in the loss)
+TRANSFORMERS = tested_transformers()
+
+
+def _planned_under() -> str:
+    return f"transformers {TRANSFORMERS}, the tested set" if TRANSFORMERS else "the installed transformers"
+
+
 def table_rows() -> list[str]:
     """The table's lines, its last saying whether DeepSpeed's own functions were compared."""
     rows = [f"{'model':<13} {'N':>1} {'strategy':<10} {'DS gpu':>7} {'states':>7} {'peak':>6} {'DS host':>8} "
-            f"{'buffers':>8} {'loading':>8} {'planned':>8}  (GiB: GPU per rank, host per node)"]
+            f"{'buffers':>8} {'loading':>8} {'planned':>8}  (GiB: GPU per rank, host per node; {_planned_under()})"]
     checked = 0
     for name in MODELS:
         context = engine.make_context(name, "h200")
         arch = context.arch
         for gpus in (1, 2, 4, 8):
             for label, knobs in STRATEGIES.items():
-                train = engine.make_training(context, {"num_gpus": gpus, "dtype": "bfloat16", **knobs})
+                train = engine.make_training(context, {"transformers_version": TRANSFORMERS, "num_gpus": gpus,
+                                                       "dtype": "bfloat16", **knobs})
                 estimate = engine.judge(context, train).estimate
                 step = next(p for p in estimate.phases if p.name == "optimizer")
                 states = sum(step.components[c] for c in MODEL_STATES)

@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from public_measurements import tested_transformers  # noqa: E402
+
 from vram_planner import engine  # noqa: E402
 from vram_planner.model import zero  # noqa: E402
 from vram_planner.units import GiB  # noqa: E402
@@ -45,10 +47,19 @@ def _version() -> str:
     return str(deepspeed.__version__).strip()
 
 
+# the tested set's transformers (constraints.txt): one table whichever release is installed (the analytic model
+# follows the installed one; 5.25's kernelized norms keep less in the loss)
+TRANSFORMERS = tested_transformers()
+
+
+def _planned_under() -> str:
+    return f"transformers {TRANSFORMERS}, the tested set" if TRANSFORMERS else "the installed transformers"
+
+
 def table_rows() -> list[str]:
     """The table's lines, its last saying whether DeepSpeed's own functions were compared."""
     rows = [f"{'model':<14} {'N':>2} {'stage':>5} {'DeepSpeed':>10} {'planner':>9} {'diff':>6} {'peak':>7}"
-            "  (GiB per GPU)"]
+            f"  (GiB per GPU; {_planned_under()})"]
     checked = 0
     for name in MODELS:
         context = engine.make_context(name, "h200")
@@ -57,7 +68,8 @@ def table_rows() -> list[str]:
         for gpus in (2, 4, 8):
             own = deepspeeds_own(arch.params, largest, gpus)
             for stage in (2, 3):
-                train = engine.make_training(context, {"num_gpus": gpus, "zero_stage": stage, "dtype": "bfloat16"})
+                train = engine.make_training(context, {"transformers_version": TRANSFORMERS, "num_gpus": gpus,
+                                                       "zero_stage": stage, "dtype": "bfloat16"})
                 estimate = engine.judge(context, train).estimate
                 step = next(p for p in estimate.phases if p.name == "optimizer")
                 ours = sum(step.components[c] for c in MODEL_STATES)

@@ -79,6 +79,29 @@ def test_the_fit_recovers_the_coefficients_a_device_behaves_by():
     assert all(abs(row.error) < 1e-3 for row in fit_quality(record, fitted))
 
 
+def test_a_record_is_modelled_under_the_transformers_release_it_ran():
+    # The analytic model follows the installed transformers; a record names the one its steps ran under (5.23's
+    # KV cache is larger than 5.24's, 5.25's kernelized norms keep less), and the fit holds the steps to that one
+    truth = Calibration(inference_hidden_bytes=5, inference_mlp_bytes=3, backward_hidden_bytes=6,
+                        backward_mlp_bytes=7, allocator_reserve=default_calibration().allocator_reserve)
+    points = [ProbePoint(model, TrainingConfig(per_device_train_batch_size=b, num_generations=b, max_prompt_length=p,
+                                               max_completion_length=512, lora_r=16, dtype="bfloat16",
+                                               transformers_version="5.23.0"))
+              for model in ("Qwen2.5-0.5B", "Llama-3.2-1B") for b, p in [(4, 128), (16, 2048), (8, 1024)]]
+    made = synthetic_record(truth, points, reserve_scale=1.3, context=300 * 2**20)
+    as_recorded = made.model_copy(update={"device": {"gpu": "h100-80gb", "transformers": "5.23.0"}, "points": [
+        p.model_copy(update={"settings": {k: v for k, v in p.settings.items() if k != "transformers_version"}})
+        for p in made.points]})
+    fitted = fit_calibration(as_recorded, "h100-80gb")
+    assert all(getattr(fitted, c) == pytest.approx(getattr(truth, c), abs=0.01) for c in FITTED_COEFFICIENTS)
+    assert all(abs(row.error) < 1e-3 for row in fit_quality(as_recorded, fitted))
+    assert fitted == replace(fit_calibration(made, "h100-80gb"), measured=as_recorded.device)
+    # the same bytes said to come from 5.25, whose kernelized norms keep less in the loss: other coefficients
+    elsewhere = as_recorded.model_copy(update={"device": {"gpu": "h100-80gb", "transformers": "5.25.0"}})
+    moved = fit_calibration(elsewhere, "h100-80gb")
+    assert any(getattr(moved, c) != pytest.approx(getattr(truth, c), abs=0.01) for c in FITTED_COEFFICIENTS)
+
+
 def test_lora_generation_measured_under_autocast_is_left_out_of_the_fit():
     # Probes before 2026-11-23 generated LoRA under autocast (TRL never does): such a point's generation peak, and the
     # reserved bytes of every phase after it (the cache it left), do not describe TRL's step.

@@ -27,6 +27,7 @@ from vram_planner.model.phases import Estimate, estimate
 from vram_planner.model.resolve import resolve_model
 from vram_planner.model.spec import TrainingConfig, changed_settings
 from vram_planner.model.stranding import loaded_weight_segment_bytes
+from vram_planner.model.transformers_releases import known_transformers_version
 from vram_planner.model.trl_releases import trl_release
 from vram_planner.profiles import HOME_ENV, GpuProfile, data_home, read_json
 from vram_planner.units import GiB
@@ -261,6 +262,19 @@ def _as_trl_runs(record: ProbeRecord) -> ProbeRecord:
                                                 for point in record.points]})
 
 
+def _under_its_transformers(record: ProbeRecord) -> ProbeRecord:
+    """The record with each point planned under the transformers release it ran (the device's, where the release
+    table knows it and the point names none): the analytic model follows the installed transformers, and a record
+    made under another (5.23's KV cache is larger than 5.24's) is held to its own."""
+    try:
+        ran = known_transformers_version(record.device.get("transformers") or "")
+    except ValueError:
+        return record
+    return record.model_copy(update={"points": [
+        point.model_copy(update={"settings": {"transformers_version": ran, **point.settings}})
+        for point in record.points]})
+
+
 def _reserved_as_trl_runs(record: ProbeRecord) -> ProbeRecord:
     """The points whose reserved bytes are TRL's: after LoRA generation under autocast, every later phase's reserved
     bytes still hold what that generation left cached."""
@@ -290,6 +304,7 @@ def fit_calibration(record: ProbeRecord, gpu_name: str, base: Calibration | None
     base = base or default_calibration()
     if not any(point.phases for point in record.points):
         raise VramPlanError("the probe has no measured points to fit")
+    record = _under_its_transformers(record)
     capability = compute_capability(gpu_name)
     fitted = replace(base, **_fit_coefficients(_as_trl_runs(record), base, cublas_workspace_bytes(capability)))
     ran_under = parse_allocator_conf(_ran_under(record), "the probe's PYTORCH_CUDA_ALLOC_CONF")
@@ -407,7 +422,8 @@ class FitQuality(BaseModel):
 
 def fit_quality(record: ProbeRecord, cal: Calibration) -> list[FitQuality]:
     """Per point whose reserved bytes are TRL's, the peak over its phases."""
-    rows, capability, record = [], compute_capability(cal.gpu or ""), _reserved_as_trl_runs(record)
+    rows, capability = [], compute_capability(cal.gpu or "")
+    record = _reserved_as_trl_runs(_under_its_transformers(record))
     for point in record.points:
         measured = max(p.reserved_bytes for p in point.phases) + record.context_bytes
         predicted = max(p.total_bytes for p in _estimated_phases(point, cal, capability, _ran_under(record)))
