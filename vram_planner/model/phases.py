@@ -684,14 +684,18 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
                                            "gradients": all_grads + held + (0 if accumulating else unreduced),
                                            "activations": _head_gradient_bytes(arch, train) + layer_input},
                              "embedding backward"))
-    elif tied and train.zero_stage == 2 and not train.optimizer_offloaded and _reduces_in_backward(arch, train):
-        # ZeRO-2 reducing inside the backward: the partition buffer, the output projection's gradient waiting, and
-        # the embedding's dense gradient made beside it (the sharded trace of Qwen2.5-0.5B on 2 with "auto" buckets)
+    elif tied and train.zero_stage == 2 and not train.optimizer_offloaded:
+        # ZeRO-2: the output projection's gradient waiting, the embedding's dense gradient made beside it, the bucket
+        # (`_with_zero12_bucket`), and where a reduction inside the backward reached the rank's partition, its buffer
+        # (the sharded trace of Qwen2.5-0.5B on 2 with "auto" buckets). Where the trainable parameters fit one bucket
+        # it is reduced after the backward, and this moment can outweigh that one: Qwen2.5-0.5B's widths at 4 layers
+        # on 8 (1.96e8 parameters, 70% of them the embedding) held 1,214 MiB of gradients and the embedding's 260 MiB
+        # one here, 147 MiB above the bucket's reduction
         dense = _head_gradient_bytes(arch, train)
         # under accumulation the earlier micro-batches' buffer (`grads_before`) holds the embedding's gradient too
         rank = m.zero_heaviest_rank(arch, train, "training")
-        made = zero.partition_reduced_before_embedding(arch, train.num_gpus, rank,
-                                                       zero.reduce_bucket_elements(arch, train))
+        made = _reduces_in_backward(arch, train) and zero.partition_reduced_before_embedding(
+            arch, train.num_gpus, rank, zero.reduce_bucket_elements(arch, train))
         kept = grads_before + (m.zero2_accumulated_gradient_bytes(arch, train) if made else 0)
         moments.append(Phase("training", {**persistent, "gradients": kept + dense,
                                            "activations": dense + layer_input}, "embedding backward"))
