@@ -306,7 +306,9 @@ def test_a_1b_model_traces_without_real_memory():
 
 
 # The referee: the analytic model of plan/check against the trace, tensor bytes only. Relative error is
-# (analytic - trace) / trace; benchmarks/accuracy.py runs the whole grid (results in benchmarks/results/).
+# (analytic - trace) / trace; benchmarks/accuracy.py runs the whole grid (results in benchmarks/results/). SmolLM2-135M's
+# widths at 6 of its 30 layers: the per-layer terms as the whole model's (each point within 0.01% of its trace at 30
+# layers as at 6, 2026-12-04), in a fifth of the time
 REFEREE_POINTS = {
     "full, checkpointing": {"per_device_train_batch_size": 2, "num_generations": 2},
     "full, no checkpointing, accumulating": {"per_device_train_batch_size": 1, "num_generations": 2,
@@ -321,16 +323,16 @@ REFEREE_POINTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(REFEREE_POINTS))
-def test_analytic_model_stays_within_5_percent_of_the_trace(name):
-    config = json.loads((MODELS / "SmolLM2-135M.json").read_text())
+def test_analytic_model_stays_within_half_a_percent_of_the_trace(name):
+    config = json.loads((MODELS / "SmolLM2-135M.json").read_text()) | {"num_hidden_layers": 6}
     train = TrainingConfig(max_prompt_length=64, max_completion_length=128, **REFEREE_POINTS[name])
     arch = ModelArchitecture.from_config(config)
     analytic = estimate(arch, train, trl_release(), Calibration(), 80 * GiB)
     traced = trace_step(config, train)
     errors = {row.name: row.relative_error for row in compare_with_estimate(traced, analytic)}
     assert set(errors) == {p.name for p in analytic.phases}
-    assert all(abs(e) < 0.05 for e in errors.values()), errors
-    assert abs(analytic.tensor_peak_bytes - traced.peak_bytes) / traced.peak_bytes < 0.05
+    assert all(abs(e) < 0.005 for e in errors.values()), errors
+    assert abs(analytic.tensor_peak_bytes - traced.peak_bytes) / traced.peak_bytes < 0.005
     assert traced.params == analytic.params and traced.trainable_params == analytic.trainable_params
 
 
