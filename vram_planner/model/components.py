@@ -220,7 +220,7 @@ def zero3_prefetched_weight_bytes(arch: ModelArchitecture, train: TrainingConfig
         first_prefetching = 1 if trace_kept and train.ds3_gather_for_generation else 2
     if train.gradient_accumulation_steps < first_prefetching:
         return 0
-    return _zero3_prefetched_bytes(arch, train)
+    return zero3_whole_prefetch_bytes(arch, train)
 
 
 def zero3_follows_generation_trace(train: TrainingConfig) -> bool:
@@ -234,7 +234,7 @@ def zero3_follows_generation_trace(train: TrainingConfig) -> bool:
     return train.zero_stage == 3 and not train.ds3_gather_for_generation and not train.uses_lora
 
 
-def _zero3_prefetched_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+def zero3_whole_prefetch_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     """ZeRO-3's prefetch up to max_live_parameters gathered in 16 bits (model/zero.py), beyond the largest layer."""
     params = arch.params + (trainable_params(arch, train) if train.uses_lora else 0)
     largest = zero.largest_after_embedding(zero.forward_params(arch, train.lora_r, train.lora_targets))

@@ -479,6 +479,9 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
         layers = (m.inference_working_bytes(arch, train, cal, b * length, length)
                   + m.padded_mask_bytes(train, b, length))
     casts = _scoring_casts(arch, train)
+    prefetched = _zero3_scoring_prefetch_bytes(arch, train)
+    if prefetched:
+        casts = {**casts, "weights": casts.get("weights", persistent["weights"]) + prefetched}
     # Before TRL 0.22 the log-prob forward keeps the model's use_cache (off only under gradient checkpointing): the
     # chunk's keys and values of every layer stay in a cache its output holds until the forward returns, which
     # the logits and accelerate's copy of them meet, not the log-softmax work after it (a temperature-scaled copy)
@@ -499,6 +502,29 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
                Phase("scoring", {**persistent, **gathered, "activations": kept_logps,
                                  "lm_head_buffers": head.forward_transient}, "LM head of a chunk")]
     return _heaviest(moments, cal, train)
+
+
+def _zero3_scoring_prefetch_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What ZeRO-3 holds gathered while the log-probs are scored, beyond the weights every phase counts (the
+    partitions and the largest layer): each engine's coordinator records the modules' order in its first forward
+    after the generation and from the next on prefetches up to max_live_parameters, keeping them gathered through
+    the passes after it, and the pass running holds a prefetch round's flat buffer beside them. An engine that runs
+    one forward gathers layer by layer. The policy runs the old log-probs' chunks (and, under LoRA, the reference's,
+    its adapters off); a full fine-tune's reference is an engine of its own (TRL's prepare_deepspeed). The sharded
+    trace of Qwen3-0.6B's widths at 4 layers on 2 (417 MiB in 16 bits, a 95 MiB round): 721 MiB of weights in four
+    chunks of old log-probs, or two of the reference's, 1,138 MiB with both (the policy's and the reference's whole
+    model, one round), counted as weights by the trace."""
+    if train.zero_stage != 3 or train.num_gpus == 1:  # on one GPU a parameter's gather is a view of its partition
+        return 0.0
+    chunks = -(-train.local_generation_batch_size // train.micro_batch_completions)
+    old, ref = int(train.computes_old_logps), int(train.computes_ref_logps)
+    forwards = [chunks * (old + ref)] if train.uses_lora else [chunks * old, chunks * ref]
+    engines = sum(1 for count in forwards if count > 1)
+    if not engines:
+        return 0.0
+    largest = zero.largest_layer_params(arch) * zero.GATHERED_PARAM_BYTES
+    whole = m.zero3_whole_prefetch_bytes(arch, train) + largest
+    return engines * whole - largest + zero.prefetch_bucket_elements(arch, train) * zero.GATHERED_PARAM_BYTES
 
 
 def _scoring_casts(arch: ModelArchitecture, train: TrainingConfig) -> dict[str, float]:
