@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from public_measurements import tested_transformers  # noqa: E402
+from public_measurements import planned_under, tested_transformers  # noqa: E402
 
 from vram_planner import engine  # noqa: E402
 from vram_planner.model import offload, zero  # noqa: E402
@@ -61,14 +61,11 @@ def _gib(n_bytes: float | None) -> str:
 TRANSFORMERS = tested_transformers()
 
 
-def _planned_under() -> str:
-    return f"transformers {TRANSFORMERS}, the tested set" if TRANSFORMERS else "the installed transformers"
-
-
 def table_rows() -> list[str]:
     """The table's lines, its last saying whether DeepSpeed's own functions were compared."""
     rows = [f"{'model':<13} {'N':>1} {'strategy':<10} {'DS gpu':>7} {'states':>7} {'peak':>6} {'DS host':>8} "
-            f"{'buffers':>8} {'loading':>8} {'planned':>8}  (GiB: GPU per rank, host per node; {_planned_under()})"]
+            f"{'buffers':>8} {'loading':>8} {'planned':>8}  (GiB: GPU per rank, host per node; "
+            f"{planned_under(TRANSFORMERS)})"]
     checked = 0
     for name in MODELS:
         context = engine.make_context(name, "h200")

@@ -136,6 +136,11 @@ def transformers_for(row: dict[str, Any]) -> str | None:
     return None
 
 
+def planned_under(version: str | None) -> str:
+    """How a table says which transformers release it plans under (`version`: tested_transformers())."""
+    return f"transformers {version}, the tested set" if version else "the installed transformers"
+
+
 def tested_transformers() -> str | None:
     """transformers' version in the tested set, None where the file or the pin is missing (an installed package)."""
     if not TESTED_SET.is_file():

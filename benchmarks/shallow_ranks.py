@@ -19,7 +19,6 @@ benchmarks/results/shallow_ranks.txt.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,52 +26,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vram_planner import engine  # noqa: E402
-from vram_planner.model.phases import estimate  # noqa: E402
-from vram_planner.tracing.step import trace_phases_on_their_ranks  # noqa: E402
+from sharded import MODELS as CATALOG  # noqa: E402
+from sharded import measure  # noqa: E402
+
 from vram_planner.units import MiB  # noqa: E402
 
 TABLE = ROOT / "benchmarks" / "results" / "shallow_ranks.txt"
 MODELS = ("Qwen3-0.6B", "gemma-3-1b-it", "Llama-3.2-1B")
 LAYERS = 4
 GPUS = (2, 8)
-STRATEGIES = {"ZeRO-1": {"zero_stage": 1}, "ZeRO-2": {"zero_stage": 2}, "ZeRO-3": {"zero_stage": 3},
-              "FSDP2": {"fsdp": True}}
+STAGES = {"ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3, "FSDP2": None}  # None: sharded.py's FSDP2
 KNOBS = {"step": {}, "LoRA": {"lora_r": 16},
          "old log-probs": {"steps_per_generation": 4, "gradient_accumulation_steps": 2},
          "reference": {"beta": 0.04, "gradient_accumulation_steps": 2}}
-LAYERED = ("ZeRO-3", "layer by layer", {"zero_stage": 3, "ds3_gather_for_generation": False})
-SHORT = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
-         "max_completion_length": 32, "dtype": "bfloat16"}
+LAYERED = ("ZeRO-3", "layer by layer", {"ds3_gather_for_generation": False})
 OVER = 0.02
 # below the trace by more than its rounding of every block to 512 bytes (ZeRO's many partitions and buffers: the
 # bound tests/tracing/test_zero_trace.py holds the analytic model to)
 UNDER_BYTES = 2**18
 
 
-def shallow(name: str) -> dict:
-    """The catalog model's config at LAYERS layers (its per-layer attention types cut to them)."""
-    config = json.loads((ROOT / "profiles" / "models" / f"{name}.json").read_text())
-    text = config.get("text_config", config)
-    text["num_hidden_layers"] = LAYERS
-    if isinstance(text.get("layer_types"), list):
-        text["layer_types"] = text["layer_types"][:LAYERS]
-    return config
-
-
-def rows(config: dict, name: str, gpus: int, strategy: str, knob: str, settings: dict) -> list[str]:
-    context = engine.make_context(config, "h100-80gb")
-    train = engine.make_training(context, {**SHORT, **settings, "num_gpus": gpus})
-    analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
-                                            context.capacity_bytes).phases}
+def rows(name: str, gpus: int, strategy: str, knob: str, knobs: dict) -> list[str]:
+    row = measure(str(CATALOG / f"{name}.json"), knobs, gpus, STAGES[strategy], layers=LAYERS)
     out = []
-    for rank, phase in trace_phases_on_their_ranks(config, train, context.release):
-        planned = analytic[phase.name].tensor_bytes
-        error = (planned - phase.peak_bytes) / phase.peak_bytes
-        flag = "UNDER" if phase.peak_bytes - planned > UNDER_BYTES else "OVER" if error > OVER else ""
-        out.append(f"{name:<14} {gpus:>2} {strategy:<7} {knob:<15} {phase.name:<10} {rank:>4} "
-                   f"{phase.peak_bytes / MiB:>10.1f} {planned / MiB:>10.1f} {error:>+8.2%} {flag:<5}  "
-                   f"{phase.moment} | {analytic[phase.name].moment}")
+    for p in row["phases"]:
+        traced, planned = p["trace_bytes"], p["analytic_bytes"]
+        error = (planned - traced) / traced
+        flag = "UNDER" if traced - planned > UNDER_BYTES else "OVER" if error > OVER else ""
+        out.append(f"{name:<14} {gpus:>2} {strategy:<7} {knob:<15} {p['phase']:<10} {p['rank']:>4} "
+                   f"{traced / MiB:>10.1f} {planned / MiB:>10.1f} {error:>+8.2%} {flag:<5}  "
+                   f"{p['trace_moment']} | {p['analytic_moment']}")
     return out
 
 
@@ -80,11 +63,10 @@ def main() -> None:
     start = time.perf_counter()
     lines = [f"{'model (4 layers)':<14} {'N':>2} {'engine':<7} {'knobs':<15} {'phase':<10} {'rank':>4} "
              f"{'trace MiB':>10} {'analytic':>10} {'error':>8} {'flag':<5}  trace's moment | analytic's moment"]
-    grid = [(s, k, {**STRATEGIES[s], **KNOBS[k]}) for s, k in itertools.product(STRATEGIES, KNOBS)] + [LAYERED]
+    grid = [(s, k, KNOBS[k]) for s, k in itertools.product(STAGES, KNOBS)] + [LAYERED]
     for name, gpus in itertools.product(MODELS, GPUS):
-        config = shallow(name)
-        for strategy, knob, settings in grid:
-            found = rows(config, name, gpus, strategy, knob, settings)
+        for strategy, knob, knobs in grid:
+            found = rows(name, gpus, strategy, knob, knobs)
             lines += found
             print("\n".join(found), flush=True)
     flagged = [line for line in lines[1:] if " UNDER " in line or " OVER " in line]

@@ -101,11 +101,25 @@ ZERO_RESULTS = ROOT / "benchmarks" / "results" / "sharded.zero.json"
 ZERO_TABLE = ROOT / "benchmarks" / "results" / "sharded.zero.txt"
 
 
-def measure(model: str, knobs: dict, gpus: int, stage: int | None = None) -> dict:
-    context = engine.make_context(model, "h100-80gb")
+def at_depth(config: dict, layers: int) -> dict:
+    """The config cut to `layers` decoder layers, its per-layer attention types with them."""
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    text["num_hidden_layers"] = layers
+    if isinstance(text.get("layer_types"), list):
+        text["layer_types"] = text["layer_types"][:layers]
+    return config
+
+
+def measure(model: str, knobs: dict, gpus: int, stage: int | None = None, layers: int | None = None) -> dict:
+    """One config's phases, each traced on its rank beside the analytic model; `layers`: the model cut to that depth
+    (benchmarks/shallow_ranks.py)."""
+    config = json.loads(Path(model).read_text())
+    if layers is not None:
+        config = at_depth(config, layers)
+    context = engine.make_context(model if layers is None else config, "h100-80gb")
     strategy = {"fsdp": False, "zero_stage": stage} if stage is not None else {}
     train = engine.make_training(context, {**SHORT, **knobs, "num_gpus": gpus, **strategy})
-    config = json.loads(Path(model).read_text())
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                              context.capacity_bytes).phases}
     start = time.perf_counter()

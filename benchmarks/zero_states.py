@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from public_measurements import tested_transformers  # noqa: E402
+from public_measurements import planned_under, tested_transformers  # noqa: E402
 
 from vram_planner import engine  # noqa: E402
 from vram_planner.model import zero  # noqa: E402
@@ -52,14 +52,10 @@ def _version() -> str:
 TRANSFORMERS = tested_transformers()
 
 
-def _planned_under() -> str:
-    return f"transformers {TRANSFORMERS}, the tested set" if TRANSFORMERS else "the installed transformers"
-
-
 def table_rows() -> list[str]:
     """The table's lines, its last saying whether DeepSpeed's own functions were compared."""
     rows = [f"{'model':<14} {'N':>2} {'stage':>5} {'DeepSpeed':>10} {'planner':>9} {'diff':>6} {'peak':>7}"
-            f"  (GiB per GPU; {_planned_under()})"]
+            f"  (GiB per GPU; {planned_under(TRANSFORMERS)})"]
     checked = 0
     for name in MODELS:
         context = engine.make_context(name, "h200")

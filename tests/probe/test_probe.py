@@ -80,8 +80,8 @@ def test_the_fit_recovers_the_coefficients_a_device_behaves_by():
 
 
 def test_a_record_is_modelled_under_the_transformers_release_it_ran():
-    # The analytic model follows the installed transformers; a record names the one its steps ran under (5.23's
-    # KV cache is larger than 5.24's, 5.25's kernelized norms keep less), and the fit holds the steps to that one
+    # The analytic model follows the installed transformers; a record names the one its steps ran under (5.25's
+    # kernelized norms keep less in the loss than 5.23 and 5.24), and the fit holds the steps to that one
     truth = Calibration(inference_hidden_bytes=5, inference_mlp_bytes=3, backward_hidden_bytes=6,
                         backward_mlp_bytes=7, allocator_reserve=default_calibration().allocator_reserve)
     points = [ProbePoint(model, TrainingConfig(per_device_train_batch_size=b, num_generations=b, max_prompt_length=p,

@@ -265,7 +265,7 @@ def _as_trl_runs(record: ProbeRecord) -> ProbeRecord:
 def _under_its_transformers(record: ProbeRecord) -> ProbeRecord:
     """The record with each point planned under the transformers release it ran (the device's, where the release
     table knows it and the point names none): the analytic model follows the installed transformers, and a record
-    made under another (5.23's KV cache is larger than 5.24's) is held to its own."""
+    made under another (5.25's kernelized norms keep less in the loss than 5.24) is held to its own."""
     try:
         ran = known_transformers_version(record.device.get("transformers") or "")
     except ValueError:
