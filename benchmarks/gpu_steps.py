@@ -323,6 +323,7 @@ TIMED = [{"name": f"{model} {label}", "model": model, "allocator_conf": "", "sna
                                                "num_generations": 16}),
              ("Llama-3.2-1B", "full B8 G8", {"per_device_train_batch_size": 8, "num_generations": 8}),
              ("Qwen2.5-1.5B", "full", {}),
+             ("Llama-3.2-1B", "qlora16", {"lora_r": 16, "load_in_4bit": True}),
              ("SmolLM2-135M", "lora16 B16 G16 c256", {"lora_r": 16, "per_device_train_batch_size": 16,
                                                       "num_generations": 16, "max_completion_length": 256}),
          )]
@@ -411,10 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.timing:
         run_in_process(configs, args.models, args.out, summary, summary_path)
         return 0
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for config, result in zip(configs, pool.map(lambda c: run_subprocess(c, args), configs)):
+        # saved as each ends, not in order: a call cut by its timeout keeps every run that finished
+        futures = {pool.submit(run_subprocess, config, args): config for config in configs}
+        for future in as_completed(futures):
+            config, result = futures[future], future.result()
             summary["configs"].append(result)
             save(summary, summary_path)
             reserved_gib = result.get("max_reserved_bytes", 0) / 2**30
