@@ -31,7 +31,8 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', 
 python3 - "$POINTS" <<'EOF'
 import json, sys
 points = json.load(open(sys.argv[1]))["points"]
-first = [p["name"] for p in points if p["model"].endswith(".json") or (p.get("placement") and p["model"] == "SmolLM2-135M")]
+first = [p["name"] for p in points
+         if p["model"].endswith(".json") or (p.get("placement") and p["model"] == "SmolLM2-135M")]
 catalog = [p["name"] for p in points if not p["model"].endswith(".json") and not p.get("placement")]
 open("/tmp/first.txt", "w").write("\n".join(first) + "\n")
 open("/tmp/catalog.txt", "w").write("\n".join(catalog) + "\n")
@@ -68,7 +69,8 @@ tar -C "$OUT" -czf "$OUT/boundary.tgz" boundary && rm -rf "$OUT/boundary"
 
 # 2. timed, alone on the GPU
 timeout 230 python3 benchmarks/gpu_steps.py --timing --out "$OUT/timing" --models "$MODELS" --only \
-  "Qwen2.5-0.5B full" "Qwen2.5-0.5B full no-checkpointing" "Llama-3.2-1B lora16" "Llama-3.2-1B lora16 no-checkpointing" \
+  "Qwen2.5-0.5B full" "Qwen2.5-0.5B full no-checkpointing" "Llama-3.2-1B lora16" \
+  "Llama-3.2-1B lora16 no-checkpointing" \
   "Llama-3.2-1B lora16 B2 GA2" "Qwen2.5-0.5B full B8 G8 c256" "Qwen2.5-0.5B fp32 full" "Llama-3.2-1B qlora16" \
   "SmolLM2-135M lora16 B16 G16 c256" > "$OUT/timing/log.txt" 2>&1
 elapsed "timing done"; grep -E "steps \[|Error|error" "$OUT/timing/log.txt" | cut -c1-300 | tail -n 12
