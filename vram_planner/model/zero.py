@@ -89,14 +89,14 @@ REDUCE_BUCKET_ELEMENT_BYTES = 2
 # ends only at the first parameter that takes it past its count (`while ... numel_prefetching <
 # max_params_to_prefetch`, :457-476), and the module being fetched gathers what it needs beyond the limit (:381); the
 # sharded trace holds 1.026e9 of Llama-3.2-1B's 1.236e9 there, 1e7 above the coordinator's count.
-# Each prefetch round is one coalesced all-gather into one flat buffer of the round's parameters
-# (`_all_gather_dtype`, partition_parameters.py:1343-1346). Its wait copies every one of them out into a tensor of its
-# own (`AllGatherCoalescedHandle.wait`, partition_parameters.py:795, reached from the coordinator's wait of an
-# in-flight parameter, partitioned_param_coordinator.py:406), but the coordinator's registry keeps the handle, and the
-# buffer with it, for each of the round's parameters until that parameter's module is fetched: while a round is used,
-# its parameters exist twice (`prefetching_forward_params`); the rounds submitted after it hold their parameters once, in
-# their buffers. The sharded trace of Qwen2.5-0.5B with LoRA in its second micro-batch: the whole model gathered, a
-# 99.4 MiB round twice.
+# Each prefetch round of several parameters is one coalesced all-gather into one flat buffer of the round's parameters
+# (`_all_gather_dtype`, partition_parameters.py:1343-1346; a round of one parameter is gathered into its own). Its wait
+# copies every one of them out into a tensor of its own (`AllGatherCoalescedHandle.wait`, partition_parameters.py:795,
+# reached from the coordinator's wait of an in-flight parameter, partitioned_param_coordinator.py:406), but the
+# coordinator's registry keeps the handle, and the buffer with it, for each of the round's parameters until that
+# parameter's module is fetched: while a round is used, its parameters exist twice (`prefetching_forward_params`); the
+# rounds submitted after it hold their parameters once, in their buffers. The sharded trace of Qwen2.5-0.5B with LoRA in
+# its second micro-batch: the whole model gathered, a 99.4 MiB round twice.
 # The prefetch bucket is the config's `stage3_prefetch_bucket_size` (TrainingConfig's; "auto": transformers fills
 # int(0.9 x hidden_size^2), integrations/deepspeed.py:234-238), DeepSpeed's default 5e7.
 MAX_LIVE_PARAMETERS = 1_000_000_000
@@ -171,25 +171,28 @@ def largest_after_embedding(order: list[int]) -> int:
     return max(order[1:], default=0)
 
 
-def _prefetch_rounds(order: list[int], prefetch: int) -> list[int]:
-    """The parameters of each prefetch round of a forward whose coordinator has a complete trace, from its first
-    fetch on. Each module's fetch submits a round of up to `min(max_live_parameters - n_available,
-    prefetch_bucket_size)`, the bucket `prefetch` elements (partitioned_param_coordinator.py:452-484), that adds
-    parameters while it holds fewer, so it
-    ends past that by part of its last one; the rounds run ahead of the fetches, back to back. Once the limit is
-    reached each round has the room a module's release left (at most the largest parameter after the embedding, which
-    is gathered first): one more round, past that by as much, stands for them."""
+def _prefetch_rounds(order: list[int], prefetch: int) -> list[tuple[int, int]]:
+    """Each prefetch round of a forward whose coordinator has a complete trace, from its first fetch on: its
+    parameters, and the second copy it holds while it is used (its flat buffer beside what was copied out of it; none
+    for a round of one parameter, which DeepSpeed all-gathers into that parameter's own buffer,
+    `_all_gather_sequential`, partition_parameters.py:1598). Each module's fetch submits a round of up to
+    `min(max_live_parameters - n_available, prefetch_bucket_size)`, the bucket `prefetch` elements
+    (partitioned_param_coordinator.py:452-484), that adds parameters while it holds fewer, so it ends past that by
+    part of its last one; the rounds run ahead of the fetches, back to back. Once the limit is reached each round has
+    the room a module's release left (at most the largest parameter after the embedding, which is gathered first): one
+    more round, past that by as much, stands for them."""
     available, rounds, i = 0, [], 0
     largest = largest_after_embedding(order)
     while i < len(order):
         limit = min(MAX_LIVE_PARAMETERS - available, prefetch)
         if limit <= 0:
-            return [*rounds, min(prefetch, largest) + largest]
-        numel = 0
+            last = min(prefetch, largest) + largest
+            return [*rounds, (last, last)]
+        numel, start = 0, i
         while i < len(order) and numel < limit:
             numel += order[i]
             i += 1
-        rounds.append(numel)
+        rounds.append((numel, numel if i - start > 1 else 0))
         available += numel
     return rounds
 
@@ -200,13 +203,22 @@ def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora
     max_live_parameters, which the last round submitted passes by part of its last parameter (the module being run
     is always in flight already, so no fetch passes it further), and the round in use twice, in its buffer and
     copied out, while the rounds after it wait in theirs. The first round (the embedding first) is waited on by the
-    forward's first fetch before any other is submitted: it holds only itself twice. The sharded traces: Qwen2.5-0.5B
-    with LoRA on 8, its second micro-batch the whole model and a 99 MiB round twice; Llama-3.2-1B with LoRA, 1.064e9
-    parameters' worth."""
+    forward's first fetch before any other is submitted: it holds only itself, twice unless it is the embedding
+    alone. The sharded traces: Qwen2.5-0.5B with LoRA on 8, its second micro-batch the whole model and a 99 MiB round
+    twice; Llama-3.2-1B with LoRA, 1.064e9 parameters' worth; Qwen3-0.6B's widths at 4 layers, whose embedding is
+    three rounds' worth and gathered alone, the whole model and a 96 MiB round twice."""
     order = forward_params(arch, lora_r, lora_targets)
     window = min(sum(order), MAX_LIVE_PARAMETERS + largest_after_embedding(order))
-    first, *later = _prefetch_rounds(order, prefetch)
-    return max(window + max(later, default=0), 2 * first)
+    (first, first_copy), *_ = _prefetch_rounds(order, prefetch)
+    return max(window + round_in_use_params(arch, lora_r, lora_targets, prefetch), first + first_copy)
+
+
+def round_in_use_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None,
+                        prefetch: int = PREFETCH_BUCKET_ELEMENTS) -> int:
+    """The second copy a prefetch round after the first holds while it is used, the largest of them, in parameters:
+    the bucket passed by part of the round's last parameter (Llama-3.2-1B's rounds of 6.08e7 under a 5e7 bucket)."""
+    _, *later = _prefetch_rounds(forward_params(arch, lora_r, lora_targets), prefetch)
+    return max((copy for _, copy in later), default=0)
 
 
 # transformers' fill of a DeepSpeed config's "auto" sizes from the model's hidden size (`trainer_config_finalize`,
