@@ -505,16 +505,16 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
 
 
 def _zero3_scoring_prefetch_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """What ZeRO-3 holds gathered while the log-probs are scored, beyond the weights every phase counts (the
-    partitions and the largest layer): each engine's coordinator records the modules' order in its first forward
-    after the generation and from the next on prefetches up to max_live_parameters, keeping them gathered through
-    the passes after it, and the pass running holds the flat buffer of the round in use beside them (the bucket
-    passed by part of its last parameter: `zero.round_in_use_params`; Llama-3.2-1B's widths at 4 layers on 8 were
-    0.7% under the trace counting the bucket). An engine that runs one forward gathers layer by layer. The policy runs the old log-probs' chunks (and, under LoRA, the reference's,
-    its adapters off); a full fine-tune's reference is an engine of its own (TRL's prepare_deepspeed). The sharded
-    trace of Qwen3-0.6B's widths at 4 layers on 2 (417 MiB in 16 bits, a 95 MiB round): 721 MiB of weights in four
-    chunks of old log-probs, or two of the reference's, 1,138 MiB with both (the policy's and the reference's whole
-    model, one round), counted as weights by the trace."""
+    """What ZeRO-3 holds gathered while the log-probs are scored, beyond the weights every phase counts (the partitions
+    and the largest layer): each engine's coordinator records the modules' order in its first forward after the
+    generation and from the next on prefetches up to max_live_parameters, keeping them gathered through the passes after
+    it, and the pass running holds the flat buffer of the round in use beside them (the bucket passed by part of its
+    last parameter: `zero.round_in_use_params`; Llama-3.2-1B's widths at 4 layers on 8 were 0.7% under the trace
+    counting the bucket). An engine that runs one forward gathers layer by layer. The policy runs the old log-probs'
+    chunks (and, under LoRA, the reference's, its adapters off); a full fine-tune's reference is an engine of its own
+    (TRL's prepare_deepspeed). The sharded trace of Qwen3-0.6B's widths at 4 layers on 2 (417 MiB in 16 bits, a 95 MiB
+    round): 721 MiB of weights in four chunks of old log-probs, or two of the reference's, 1,138 MiB with both (the
+    policy's and the reference's whole model, one round), counted as weights by the trace."""
     if train.zero_stage != 3 or train.num_gpus == 1:  # on one GPU a parameter's gather is a view of its partition
         return 0.0
     chunks = -(-train.local_generation_batch_size // train.micro_batch_completions)

@@ -199,18 +199,18 @@ def _prefetch_rounds(order: list[int], prefetch: int) -> list[tuple[int, int]]:
 
 def prefetching_forward_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None,
                                prefetch: int = PREFETCH_BUCKET_ELEMENTS) -> int:
-    """What a forward whose coordinator prefetches holds gathered at its peak, in parameters: up to
-    max_live_parameters, which the last round submitted passes by part of its last parameter (the module being run
-    is always in flight already, so no fetch passes it further), and the round in use twice, in its buffer and
-    copied out, while the rounds after it wait in theirs. The first round (the embedding first) is waited on by the
-    forward's first fetch before any other is submitted: it holds only itself, twice unless it is the embedding
-    alone. The sharded traces: Qwen2.5-0.5B with LoRA on 8, its second micro-batch the whole model and a 99 MiB round
-    twice; Llama-3.2-1B with LoRA, 1.064e9 parameters' worth; Qwen3-0.6B's widths at 4 layers, whose embedding is
-    three rounds' worth and gathered alone, the whole model and a 96 MiB round twice."""
+    """What a forward whose coordinator prefetches holds gathered at its peak, in parameters: up to max_live_parameters,
+    which the last round submitted passes by part of its last parameter (the module being run is always in flight
+    already, so no fetch passes it further), and the round in use twice, in its buffer and copied out, while the rounds
+    after it wait in theirs. The first round (the embedding first) is waited on by the forward's first fetch before any
+    other is submitted: it holds only itself, twice unless it is one parameter (a large embedding alone). The sharded
+    traces: Qwen2.5-0.5B with LoRA on 8, its second micro-batch the whole model and a 99 MiB round twice; Llama-3.2-1B
+    with LoRA, 1.064e9 parameters' worth; Qwen3-0.6B's widths at 4 layers, whose embedding is three rounds' worth and
+    gathered alone, the whole model and a 96 MiB round twice."""
     order = forward_params(arch, lora_r, lora_targets)
     window = min(sum(order), MAX_LIVE_PARAMETERS + largest_after_embedding(order))
-    (first, first_copy), *_ = _prefetch_rounds(order, prefetch)
-    return max(window + round_in_use_params(arch, lora_r, lora_targets, prefetch), first + first_copy)
+    (first, first_copy), *later = _prefetch_rounds(order, prefetch)
+    return max(window + _largest_copy(later), first + first_copy)
 
 
 def round_in_use_params(arch: ModelArchitecture, lora_r: int | None, lora_targets: list[str] | None,
@@ -218,7 +218,11 @@ def round_in_use_params(arch: ModelArchitecture, lora_r: int | None, lora_target
     """The second copy a prefetch round after the first holds while it is used, the largest of them, in parameters:
     the bucket passed by part of the round's last parameter (Llama-3.2-1B's rounds of 6.08e7 under a 5e7 bucket)."""
     _, *later = _prefetch_rounds(forward_params(arch, lora_r, lora_targets), prefetch)
-    return max((copy for _, copy in later), default=0)
+    return _largest_copy(later)
+
+
+def _largest_copy(rounds: list[tuple[int, int]]) -> int:
+    return max((copy for _, copy in rounds), default=0)
 
 
 # transformers' fill of a DeepSpeed config's "auto" sizes from the model's hidden size (`trainer_config_finalize`,
