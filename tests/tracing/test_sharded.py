@@ -170,6 +170,7 @@ def test_the_analytic_fsdp_model_stays_within_1_percent_of_the_sharded_trace(gpu
         assert abs(error) < 0.01, (phase.name, error)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", [{}, {"lora_r": 16}], ids=["full", "lora"])
 def test_the_old_log_probs_gather_as_a_decoding_step_with_the_tied_tail_kept_since_generation(knobs):
     # Qwen3-0.6B's widths at 4 layers on 8: the tied tail (embedding, final norm and head: most of the model) is
