@@ -399,6 +399,29 @@ def test_the_scoring_holds_what_each_engines_coordinator_prefetched(knobs):
     assert traced.peak_bytes - 2**20 <= analytic.tensor_bytes <= traced.peak_bytes * 1.01
 
 
+@pytest.mark.slow
+def test_the_third_loss_micro_batch_of_a_generation_round_prefetches_the_whole_model():
+    # LoRA's old log-probs leave the coordinator a forward-only trace, which the loss's first micro-batch follows and
+    # its backward invalidates; the second records, the third prefetches (tracing.zero.loss_micro_batches), here in
+    # the third optimizer step a generation round of three micro-batches serves. With two micro-batches traced the
+    # trace never held it, and the analytic model, counting by gradient_accumulation_steps, was 10% under
+    from vram_planner import engine
+    from vram_planner.model.phases import estimate
+    from vram_planner.tracing.step import trace_step
+
+    context = engine.make_context(SHALLOW_QWEN, "h100-80gb")
+    train = engine.make_training(context, {"per_device_train_batch_size": 2, "num_generations": 2,
+                                           "max_prompt_length": 32, "max_completion_length": 32, "dtype": "bfloat16",
+                                           "num_gpus": 2, "zero_stage": 3, "steps_per_generation": 3,
+                                           "gradient_accumulation_steps": 1, "lora_r": 16})
+    traced = trace_step(SHALLOW_QWEN, train).phase("training")
+    assert traced.moment == "forward, micro-batch 3"
+    assert traced.components["weights"] >= 2 * context.arch.params  # the whole model gathered, partitions beside
+    analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
+                                            context.capacity_bytes).phases}["training"]
+    assert traced.peak_bytes - 2**20 <= analytic.tensor_bytes <= traced.peak_bytes * 1.01
+
+
 def test_the_trace_turns_deepspeeds_shared_memory_all_reduce_off_and_back(monkeypatch):
     # DeepSpeed's CPU backend compiles its shared-memory all-reduce as it starts unless DeepSpeed's own switch marks it
     # incompatible (deepspeed/comm/torch.py build_shm_op); the trace marks it off while it runs and puts the entry

@@ -218,7 +218,9 @@ def zero3_prefetched_weight_bytes(arch: ModelArchitecture, train: TrainingConfig
         first_prefetching = 3
     else:
         first_prefetching = 1 if trace_kept and train.ds3_gather_for_generation else 2
-    if train.gradient_accumulation_steps < first_prefetching:
+    # counted in the micro-batches a generation round serves, which may span optimizer steps (the coordinator's trace
+    # outlives them): steps_per_generation 3 with one micro-batch a step prefetches in the third step's loss
+    if train.steps_per_generation_resolved < first_prefetching:
         return 0
     return zero3_whole_prefetch_bytes(arch, train)
 

@@ -241,7 +241,8 @@ def _generation_traced_apart(session: Session) -> Iterator[None]:
 
 
 def run_training(session: Session) -> PhasePeak:
-    """The release's own compute_loss and its backward on one micro-batch (two when gradients accumulate)."""
+    """The release's own compute_loss and its backward on one micro-batch (two when gradients accumulate, three where
+    ZeRO-3's coordinator may first prefetch in the third: `zero.loss_micro_batches`)."""
     from vram_planner.tracing import zero
     from vram_planner.tracing.phases import loss_phase
 
@@ -249,7 +250,7 @@ def run_training(session: Session) -> PhasePeak:
     merged = train.release.step_structure == "loss_merged"
     with loss_phase(session):
         with accelerate_prepared(session), _generation_traced_apart(session) if merged else contextlib.nullcontext():
-            last = 2 if train.gradient_accumulation_steps > 1 else 1
+            last = zero.loss_micro_batches(train)
             for micro_batch in range(1, last + 1):
                 # The first micro-batch runs before any gradient exists (a run can die there, before its first
                 # optimizer step); from the second on, every gradient exists before the forward starts.
