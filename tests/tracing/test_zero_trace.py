@@ -30,6 +30,8 @@ BUCKET = zero.REDUCE_BUCKET_ELEMENTS * zero.REDUCE_BUCKET_ELEMENT_BYTES
 # real model makes them (the embedding a large part of the flat buffer), in a fifth of the full model's trace
 QWEN = json.loads((FIXTURES.parent.parent / "profiles" / "models" / "Qwen2.5-0.5B.json").read_text())
 SHALLOW_QWEN = QWEN | {"num_hidden_layers": 4}
+SHALLOW_QWEN_STEP = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
+                     "max_completion_length": 32, "dtype": "bfloat16"}
 
 
 def _trace(*flags: str) -> dict:
@@ -235,9 +237,7 @@ def test_the_analytic_model_is_held_to_the_trace(stage, gather):
     from vram_planner.tracing.step import trace_phases_on_their_ranks
 
     context = engine.make_context(SHALLOW_QWEN, "h100-80gb")
-    train = engine.make_training(context, {"per_device_train_batch_size": 2, "num_generations": 2,
-                                           "max_prompt_length": 32, "max_completion_length": 32, "dtype": "bfloat16",
-                                           "num_gpus": 8, "zero_stage": stage,
+    train = engine.make_training(context, {**SHALLOW_QWEN_STEP, "num_gpus": 8, "zero_stage": stage,
                                            **({} if gather else {"ds3_gather_for_generation": False})})
     traced = {phase.name: phase for _, phase in trace_phases_on_their_ranks(SHALLOW_QWEN, train)}
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
@@ -350,8 +350,7 @@ def test_later_micro_batches_are_held_to_the_trace(stage):
     from vram_planner.tracing.step import trace_step
 
     context = engine.make_context(SHALLOW_QWEN, "h100-80gb")
-    knobs = {"per_device_train_batch_size": 2, "num_generations": 2, "max_prompt_length": 32,
-             "max_completion_length": 32, "dtype": "bfloat16", "num_gpus": 8, "zero_stage": stage}
+    knobs = {**SHALLOW_QWEN_STEP, "num_gpus": 8, "zero_stage": stage}
     train = engine.make_training(context, {**knobs, "gradient_accumulation_steps": 2})
     result = trace_step(SHALLOW_QWEN, train)
     traced = result.phase("training")
@@ -386,10 +385,8 @@ def test_the_scoring_holds_what_each_engines_coordinator_prefetched(knobs):
     from vram_planner.tracing.step import trace_step
 
     context = engine.make_context(SHALLOW_QWEN, "h100-80gb")
-    train = engine.make_training(context, {"per_device_train_batch_size": 2, "num_generations": 2,
-                                           "max_prompt_length": 32, "max_completion_length": 32, "dtype": "bfloat16",
-                                           "num_gpus": 2, "zero_stage": 3, "steps_per_generation": 4,
-                                           "gradient_accumulation_steps": 2, **knobs})
+    train = engine.make_training(context, {**SHALLOW_QWEN_STEP, "num_gpus": 2, "zero_stage": 3,
+                                           "steps_per_generation": 4, "gradient_accumulation_steps": 2, **knobs})
     traced = trace_step(SHALLOW_QWEN, train).phase("scoring")
     analytic = {p.name: p for p in estimate(context.arch, train, context.release, context.calibration,
                                             context.capacity_bytes).phases}["scoring"]
@@ -410,10 +407,8 @@ def test_the_third_loss_micro_batch_of_a_generation_round_prefetches_the_whole_m
     from vram_planner.tracing.step import trace_step
 
     context = engine.make_context(SHALLOW_QWEN, "h100-80gb")
-    train = engine.make_training(context, {"per_device_train_batch_size": 2, "num_generations": 2,
-                                           "max_prompt_length": 32, "max_completion_length": 32, "dtype": "bfloat16",
-                                           "num_gpus": 2, "zero_stage": 3, "steps_per_generation": 3,
-                                           "gradient_accumulation_steps": 1, "lora_r": 16})
+    train = engine.make_training(context, {**SHALLOW_QWEN_STEP, "num_gpus": 2, "zero_stage": 3,
+                                           "steps_per_generation": 3, "gradient_accumulation_steps": 1, "lora_r": 16})
     traced = trace_step(SHALLOW_QWEN, train).phase("training")
     assert traced.moment == "forward, micro-batch 3"
     assert traced.components["weights"] >= 2 * context.arch.params  # the whole model gathered, partitions beside
