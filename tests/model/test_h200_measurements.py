@@ -50,3 +50,53 @@ def test_the_need_holds_what_the_gpu_allocated_and_more_than_it_ran_out_under(po
 
 def test_no_point_ran_out_of_memory_above_its_need():
     assert all(run["ran"] for run in MEASURED if run["factor"] > 1)
+
+
+# 2026-12-04's calls (h200-boundary-2026-12-04.json): the fixtures again (the same outcomes), two placement runs of
+# SmolLM2's eager point and the catalog points. Where the GPU ran out of memory above today's need, the engine is
+# short and a "fits" there would crash: known until the next GPU call's out-of-memory snapshots show what the allocator
+# model misses (benchmarks/device_session.sh brackets them at +5% to +20%).
+LATER = json.loads((RESULTS / "h200-boundary-2026-12-04.json").read_text())["configs"]
+SHORT_OF_THE_GPU = {
+    # ran out at +2% (4602 MiB) asking the tied embedding's 260 MiB gradient in step 2's LM head backward, where the
+    # allocator model runs it; at -2% the GPU ran out on the 256 MiB before it, the model on that gradient
+    "Qwen2.5-0.5B full c512 B8": "ran out at 4602 MiB, need 4512",
+    # ran out in step 1's loss asking eager attention's 320 MiB score gradient, at 2499 and 2750 MiB; the GPU's
+    # generation reserved 1206 MiB where the allocator model reserves 1108
+    "SmolLM2-135M fp32 lora c1024 eager": "ran out at 2750 MiB, need 2450",
+}
+
+
+def _later_configs() -> dict[str, list[dict]]:
+    """The runs of 2026-12-04 that ran out of memory, by config (both placement points are one config on the GPU)."""
+    grouped: dict[str, list[dict]] = {}
+    for run in LATER:
+        if not run["model"].endswith(".json") and any(not r["ran"] for r in LATER if r["point"] == run["point"]):
+            grouped.setdefault(run["point"].split(" (")[0], []).append(run)
+    return grouped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [pytest.param(name, marks=pytest.mark.xfail(
+    name in SHORT_OF_THE_GPU, reason=SHORT_OF_THE_GPU.get(name, ""), strict=True)) for name in sorted(_later_configs())])
+def test_the_need_is_above_every_limit_the_h200_ran_out_under_on_2026_12_04(config):
+    runs = _later_configs()[config]
+    need = engine.check(runs[0]["model"], "h100-80gb", runs[0]["settings"], exact=True,
+                        calibration=default_calibration()).need.capacity_bytes
+    assert all(need > run["limit_bytes"] for run in runs if not run["ran"]), need
+    assert all(need <= run["limit_bytes"] * 1.02 / 0.98 for run in runs if run["ran"] and run["factor"] > 1)
+
+
+def test_the_2026_12_04_fixture_runs_repeat_the_2026_11_26_outcomes():
+    """The fixtures ran again on another H200 machine a week later: each run's outcome and its allocated peaks are
+    the same, so the GPU side of these points is reproducible (the vision fixture's, which failed to load on
+    2026-11-26, ran and bracketed its need)."""
+    earlier = {run["name"]: run for run in MEASURED}
+    repeated = [run for run in LATER if run["model"].endswith(".json") and run["name"] in earlier]
+    assert len(repeated) == 20
+    for run in repeated:
+        first = earlier[run["name"]]
+        assert run["ran"] == first["ran"], run["name"]
+        if run["ran"]:
+            assert [p["allocated_peak_bytes"] for p in run["phases"]] == \
+                [p["allocated_peak_bytes"] for p in first["phases"]], run["name"]
