@@ -16,6 +16,7 @@ Without CUDA the same path runs on the CPU with nothing measured, to test the sc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +204,7 @@ def run_one(config: dict[str, Any], folder: Path, out: Path, meter: PhaseMeter |
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.reset_peak_memory_stats()
     used_before_mib = float(_nvidia_smi("memory.used") or 0) if cuda else 0.0
-    if cuda and config.get("snapshot", True):
-        torch.cuda.memory._record_memory_history(context=None, max_entries=50_000_000)
+    recorded: list[dict[str, Any]] = []
     from transformers import AutoTokenizer
 
     settings = dict(config["settings"])
@@ -234,13 +236,16 @@ def run_one(config: dict[str, Any], folder: Path, out: Path, meter: PhaseMeter |
     else:
         dataset = longest_first(prepared_dataset(setup), rows)
     start = time.perf_counter()
-    oom_note = None
+    oom_note = oom_snapshot = None
     try:
-        start_run(setup, dataset, smoke=True)  # smoke: full-length completions, nothing saved
+        with run_history(recorded) if cuda and config.get("snapshot", True) else contextlib.nullcontext():
+            start_run(setup, dataset, smoke=True)  # smoke: full-length completions, nothing saved
         ran = True
     except RunOutOfMemory as exc:
         ran = False
         oom_note = str(exc)[:400]
+        if exc.snapshot is not None and Path(exc.snapshot).is_file():
+            oom_snapshot = save_oom_snapshot(Path(exc.snapshot), out / f"{config['name']}.oom.pkl.gz")
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {**config, "ran": ran, "fits": verdict.fits, "limit_bytes": limit if cuda else None,
                               "train": changed_settings(verdict.train),
@@ -248,14 +253,45 @@ def run_one(config: dict[str, Any], folder: Path, out: Path, meter: PhaseMeter |
                               "seconds": round(seconds, 1), "step_seconds": meter.step_seconds}
     if oom_note:
         result["out_of_memory"] = oom_note
+    if oom_snapshot:
+        result["oom_snapshot"] = oom_snapshot
     if cuda:
         free, total = torch.cuda.mem_get_info()
         result.update(capacity_bytes=total, max_reserved_bytes=torch.cuda.max_memory_reserved(),
                       context_bytes=int(total - free - used_before_mib * 2**20 - torch.cuda.memory_reserved()),
                       used_before_bytes=int(used_before_mib * 2**20))
-        if config.get("snapshot", True):
-            result["snapshot"] = save_snapshot(torch.cuda.memory._snapshot(), out / f"{config['name']}.pkl.gz")
+        if recorded:
+            result["snapshot"] = save_snapshot(recorded[-1], out / f"{config['name']}.pkl.gz")
     return result
+
+
+# A whole history: a fixture's run makes a few hundred thousand events, a catalog model's 512-token generation
+# millions (vram_planner/run/memory_history.py: ~180 per layer per decoding step)
+WHOLE_HISTORY_ENTRIES = 50_000_000
+
+
+@contextlib.contextmanager
+def run_history(recorded: list[dict[str, Any]]) -> Iterator[None]:
+    """While the block runs, `vram-plan run`'s own recording of the allocator's history keeps every event and hands
+    its snapshot to `recorded` just before the run stops it (stopping clears it: a snapshot taken after the run is
+    empty, as the 2026-12-04 call's were)."""
+    import torch
+
+    from vram_planner.run import launch, memory_history
+
+    recording = memory_history.memory_history
+
+    @contextlib.contextmanager
+    def kept(target: Path, frames: bool = False) -> Iterator[Any]:
+        with recording(target, frames) as history:
+            try:
+                yield history
+            finally:
+                recorded.append(torch.cuda.memory._snapshot())
+
+    with unittest.mock.patch.object(memory_history, "MAX_ENTRIES", WHOLE_HISTORY_ENTRIES), \
+            unittest.mock.patch.object(launch, "memory_history", kept):
+        yield
 
 
 def save_snapshot(snapshot: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -269,6 +305,28 @@ def save_snapshot(snapshot: dict[str, Any], path: Path) -> dict[str, Any]:
     path.write_bytes(gzip.compress(pickle.dumps(small, protocol=4), compresslevel=9))
     return {"file": path.name, "keys": sorted(snapshot), "events": sum(len(t) for t in small["device_traces"]),
             "bytes": path.stat().st_size}
+
+
+# The events an out-of-memory snapshot keeps: its segments' blocks show the card at the failed request, and the last
+# events how it came to be (a catalog model's run makes millions, more than a GPU call brings back)
+OOM_SNAPSHOT_EVENTS = 300_000
+BLOCK_KEYS = ("address", "size", "requested_size", "state")
+
+
+def save_oom_snapshot(path: Path, out: Path) -> dict[str, Any]:
+    """The snapshot `run` wrote when memory ran out, with its segments' blocks and its last OOM_SNAPSHOT_EVENTS
+    events (action, address, size, stream and CUDA's free bytes), gzip-compressed."""
+    snapshot = pickle.loads(gzip.decompress(path.read_bytes()))
+    small = {"device_traces": [[{k: e[k] for k in (*TRACE_KEYS, "device_free") if k in e}
+                                for e in trace[-OOM_SNAPSHOT_EVENTS:]] for trace in snapshot.get("device_traces", [])],
+             "segments": [{**{k: s[k] for k in SEGMENT_KEYS if k in s},
+                           "blocks": [{k: b[k] for k in BLOCK_KEYS if k in b} for b in s.get("blocks", [])]}
+                          for s in snapshot.get("segments", [])]}
+    for key, value in snapshot.items():
+        if key not in small and len(repr(value)) < 20_000:
+            small[key] = value
+    out.write_bytes(gzip.compress(pickle.dumps(small, protocol=4), compresslevel=6))
+    return {"file": out.name, "events": sum(len(t) for t in small["device_traces"]), "bytes": out.stat().st_size}
 
 
 def replay_check(path: Path, conf_text: str) -> dict[str, Any]:
@@ -326,6 +384,12 @@ TIMED = [{"name": f"{model} {label}", "model": model, "allocator_conf": "", "sna
              ("Llama-3.2-1B", "qlora16", {"lora_r": 16, "load_in_4bit": True}),
              ("SmolLM2-135M", "lora16 B16 G16 c256", {"lora_r": 16, "per_device_train_batch_size": 16,
                                                       "num_generations": 16, "max_completion_length": 256}),
+             # held out from the 4-bit linear's host crossings (step_work.BNB_4BIT_CALL_OPS): more rows decoding, a
+             # wider model
+             ("Llama-3.2-1B", "qlora16 B16 G16 c256", {"lora_r": 16, "load_in_4bit": True,
+                                                       "per_device_train_batch_size": 16, "num_generations": 16,
+                                                       "max_completion_length": 256}),
+             ("Qwen2.5-1.5B", "qlora16", {"lora_r": 16, "load_in_4bit": True}),
          )]
 
 

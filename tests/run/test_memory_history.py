@@ -179,3 +179,48 @@ def test_auto_fallback_answers_fragmentation_with_expandable_segments_not_a_smal
     assert "-> expandable_segments:True" in err and "fragmentation decided it" in err
     assert "per_device_train_batch_size" not in err.split("falling back:")[1].split("\n")[0]
     assert (out / "final" / "config.json").is_file()
+
+
+def test_the_gpu_benchmark_takes_the_runs_own_history_before_the_run_stops_it(cuda, tmp_path, monkeypatch):
+    """benchmarks/gpu_steps.py's snapshots: stopping the recording clears torch's history, so the snapshot must be
+    taken inside the run's recording (the 2026-12-04 H200 call's, taken after it, came back empty)."""
+    from helpers import benchmark_module
+    from vram_planner.run import launch
+
+    gpu_steps = benchmark_module("gpu_steps")
+    taken_while_recording: list[bool] = []
+    snapshot = torch.cuda.memory._snapshot
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None, augment_with_fx_traces=False: (
+        taken_while_recording.append(cuda.history[-1]["enabled"] is not None), snapshot())[1])
+    recorded: list[dict] = []
+    with gpu_steps.run_history(recorded):
+        with launch.memory_history(tmp_path / memory_history.OOM_SNAPSHOT_NAME):
+            cuda.recorder.malloc(30 * MiB)
+    assert taken_while_recording == [True] and cuda.history[-1]["enabled"] is None
+    assert cuda.history[0]["max_entries"] == gpu_steps.WHOLE_HISTORY_ENTRIES > memory_history.MAX_ENTRIES
+    assert [e["size"] for e in recorded[0]["device_traces"][0] if e["action"] == "alloc"] == [30 * MiB]
+    assert launch.memory_history is memory_history.memory_history  # a run after it records as `run` does
+
+
+def test_the_gpu_benchmark_keeps_an_out_of_memory_snapshot_small_and_readable(cuda, tmp_path, monkeypatch):
+    """A catalog model's run makes millions of events, more than a GPU call brings back: the benchmark keeps the
+    segments' blocks and the last events, and advise still reads the card at the failed request from them."""
+    import gzip
+    import pickle
+
+    from helpers import benchmark_module
+    from vram_planner.allocator.snapshot import load_snapshot
+    from vram_planner.allocator.snapshot_moment import moment_of
+
+    gpu_steps = benchmark_module("gpu_steps")
+    target = tmp_path / memory_history.OOM_SNAPSHOT_NAME
+    with memory_history.memory_history(target):
+        requested = cuda.run_out_of_memory()
+    whole = pickle.loads(gzip.decompress(target.read_bytes()))
+    monkeypatch.setattr(gpu_steps, "OOM_SNAPSHOT_EVENTS", 40)
+    kept = gpu_steps.save_oom_snapshot(target, tmp_path / "small.pkl.gz")
+    assert kept["events"] == 40 < len(whole["device_traces"][0])
+    full, small = (moment_of(s, 0) for s in (load_snapshot(target), load_snapshot(tmp_path / "small.pkl.gz")))
+    assert small.requested_bytes == full.requested_bytes == requested
+    assert small.block_sizes == full.block_sizes and small.free_block_sizes == full.free_block_sizes
+    assert small.fragmentation_decided and small.device_free_bytes == full.device_free_bytes
