@@ -12,12 +12,13 @@ Inputs, all measured before the step-time model existed (none of its constants w
    phases (generation there is the prefill and one decoding step; vram_planner/tracing/phases.py), model building
    included; the first point also warmed the process up (Triton's kernels compiled).
 3. benchmarks/results/gpu/h200-step-times.json: TRL GRPO runs of three optimizer steps on an H200 (gpu_steps.py
-   --timing, one process, every completion at full length), the last, warm step of each; five kept each phase's
-   seconds (generation, training, optimizer). Compared with the priors, then with the factors probe/step_fit.py fits
-   to the other configs' times (leave-one-out: a config's own times never set the factors it is judged with). The
-   factors fitted to the phases of call 4's runs, what a probe measures, are the H200's calibration
-   (profiles/calibrations/h200.json); call 1's whole steps, taken in the wake of other runs, check it, and so do
-   two 32-step `vram-plan run`s on the same H200 (results/gpu/h200-runs/*/vram-plan-log.jsonl, their median step).
+   --timing, one process, every completion at full length), the last, warm step of each; those of calls 4 and 5
+   kept each phase's seconds (generation, training, optimizer). Compared with the priors, then with the factors
+   probe/step_fit.py fits to the other configs' times (leave-one-out: a config's own times never set the factors it
+   is judged with). The factors fitted to the phases of calls 4 and 5, each run alone on the GPU as a probe measures,
+   are the H200's calibration (profiles/calibrations/h200.json); call 1's whole steps, taken in the wake of other
+   runs, check it, and so do two 32-step `vram-plan run`s on the same H200 (results/gpu/h200-runs/*/vram-plan-log.jsonl,
+   their median step).
 4. A public decoding throughput: gpt-fast's README (github.com/pytorch-labs/gpt-fast, "Benchmarks"): Llama-3.1-8B
    in bf16, batch 1, on an A100-80GB power-limited to 330 W, 93.89 tokens/s, against the model's decoding in a
    CUDA-graph engine (its vLLM path; the priors' decode bandwidth efficiency cites gpt-fast's blog, so this row checks
@@ -153,13 +154,13 @@ def summary(runs: list[dict], predicted: list[dict]) -> str:
 
 def h200_calibration(factors: dict[str, float]) -> str:
     """The H200's calibration: the defaults' memory coefficients (no probe has fitted them on an H200) with the
-    step-time factors fitted to call 4's phases, as JSON."""
+    step-time factors fitted to the phases of calls 4 and 5, as JSON."""
     cal = json.loads((CALIBRATIONS / "default.json").read_text())
     device = json.loads((GPU_RESULTS / "h200-step-times.json").read_text())["device"]
     cal.update(name="h200-step-times", gpu=H200, measured={k: str(v) for k, v in device.items()}, step_time=factors,
                source="The defaults' memory coefficients; the step-time factors that vram_planner/probe/step_fit.py "
                       "fits to the phases of TRL GRPO steps timed on an H200 (benchmarks/step_time.py, "
-                      "benchmarks/results/gpu/h200-step-times.json, call 4)")
+                      "benchmarks/results/gpu/h200-step-times.json, calls 4 and 5)")
     return json.dumps(cal, indent=2) + "\n"
 
 
@@ -180,7 +181,7 @@ def h200_tables(calibration: Path | None = None) -> list[str]:
     # its Qwen2.5-0.5B full took 3.11 s where call 4's took 2.57 s
     kept = [r for r in runs if r["last_phases"]]
     alone = h200_predictions(kept)
-    lines += [f"The {len(kept)} runs of call 4 alone (phases kept, steady steps): before calibration "
+    lines += [f"The {len(kept)} runs of calls 4 and 5 alone (phases kept, steady steps): before calibration "
               f"{summary(kept, alone['priors'])}; after, leave-one-out among them {summary(kept, alone['leave-one-out'])}"]
     prompts = {r["model"]: r["config"].max_prompt_length for r in runs}
     lines.append("")
@@ -190,7 +191,7 @@ def h200_tables(calibration: Path | None = None) -> list[str]:
     if calibration is not None:
         write_atomically(calibration, h200_calibration(alone["all"][0]["factors"]))
     lines.append("Factors fitted to every H200 run: " + ", ".join(f"{k}={v:g}" for k, v in factors.items())
-                 + "; to call 4's phases (profiles/calibrations/h200.json): "
+                 + "; to the phases of calls 4 and 5 (profiles/calibrations/h200.json): "
                  + ", ".join(f"{k}={v:g}" for k, v in alone["all"][0]["factors"].items()) + "; priors: "
                  + ", ".join(f"{k}={getattr(Efficiency(), k):g}" for k in factors))
     return [*lines, ""]

@@ -48,14 +48,26 @@ LORA_CAST_OPS_PER_LINEAR = 2
 # leaf that requires grad; torch's autocast_mode.cpp, cached_cast), and the output's cast back is then a no-op:
 # two more kernels per adapted linear.
 LORA_AUTOCAST_OPS_PER_LINEAR = 2
-# bitsandbytes' 4-bit Linear dequantizes its weight before the matmul at every use (bnb.matmul_4bit: MatMul4Bit
-# for more than one token, generate()'s batched decoding included; only a single token of a single sequence without
-# grad takes the fused gemv_4bit): one kernel reading the packed weight and writing a 16-bit copy that the matmul then
-# reads; with double quantization (bnb_4bit_use_double_quant, vram-plan's default) F.dequantize_4bit first
-# dequantizes the absmax and adds its offset (bitsandbytes/functional.py): two more.
+# bitsandbytes 0.50's 4-bit Linear multiplies through its custom op bitsandbytes::gemm_4bit, with or without grad
+# (bnb.matmul_4bit, MatMul4Bit.forward; autograd/_functions.py): up to BNB_FUSED_MAX_ROWS rows (tokens of the batch)
+# in one fused kernel that reads the packed weight, above them by dequantizing the weight and calling F.linear
+# (backends/cuda/ops.py, _gemm_4bit_use_custom_cuda: "custom wins up to M=512" for weights of 4M elements or more, the
+# other shapes and sm100 with tighter bounds, a simplification here; _dequant_linear_fallback): one kernel reading the
+# packed weight and writing a 16-bit copy that the matmul then reads; with double quantization
+# (bnb_4bit_use_double_quant, vram-plan's default) the absmax is dequantized and its offset added first: two more.
+# MatMul4Bit.backward dequantizes the same way for the input's gradient.
+BNB_FUSED_MAX_ROWS = 512
 DEQUANT_OPS_PER_LINEAR = 1
 DOUBLE_QUANT_OPS_PER_LINEAR = 2
 DEQUANT_BYTES_PER_PARAM = 2 + 2  # the 16-bit copy written, then read by the matmul (besides the 4-bit read)
+# Each call of a 4-bit Linear dispatches, around its matmul (bitsandbytes 0.50: nn/modules.py Linear4bit.forward,
+# autograd/_functions.py matmul_4bit, backends/cuda/ops.py gemm_4bit and _gemm_4bit_kernel_impl): the input's cast
+# to the compute dtype, the weight's view through Params4bit's Python __torch_function__ (two crossings), the custom
+# op's dispatch to its Python kernel, A.contiguous(), the output's torch.empty, the absmax offset's cast to float32
+# and the output's cast back: eight host crossings of about an eager op's cost each, where a 16-bit Linear makes one.
+# Decoding is launch-bound, so they set QLoRA's generation time: the H200 decoded Llama-3.2-1B with 4-bit weights
+# 60% slower than with 16-bit ones (benchmarks/results/gpu/h200-step-times.json, call 5).
+BNB_4BIT_CALL_OPS = 8
 # Autocast casts each float32 weight to the compute dtype at every use: one more kernel per linear (torch's
 # autocast, cached_cast), besides the bytes `weight_pass_bytes` counts.
 CAST_OPS_PER_LINEAR = 1
@@ -169,23 +181,24 @@ def _norm_casts(train: TrainingConfig) -> int:
     return NORM_CAST_OPS if m.sizes(train).residual < 4 else 0
 
 
-def layer_ops(arch: ModelArchitecture, train: TrainingConfig, cache: bool = True) -> float:
-    """Eager ops of one forward: every decoder layer's and the model's own around them (`cache`: the forward
-    concatenates each layer's keys and values to a cache, as generate() does)."""
+def layer_ops(arch: ModelArchitecture, train: TrainingConfig, cache: bool = True, rows: int = 1) -> float:
+    """Eager ops of one forward of `rows` tokens in all: every decoder layer's and the model's own around them
+    (`cache`: the forward concatenates each layer's keys and values to a cache, as generate() does)."""
     family = arch.family
     linears = len(arch.layer_linears())
     # a LayerNorm is one fused kernel (native_layer_norm)
     norm_ops = 1 if family.layer_norm_bias else NORM_OPS + _norm_casts(train)
     per_layer = (_norms(arch) * norm_ops + linears + ROTARY_OPS + (CACHE_UPDATE_OPS if cache else 0)
                  + ATTENTION_OPS + RESIDUAL_OPS + (GATED_MLP_OPS if family.gated_mlp else 1))
-    per_layer += _layer_extras(arch, train, REPEAT_KV_OPS, LORA_OPS_PER_LINEAR)
+    per_layer += _layer_extras(arch, train, REPEAT_KV_OPS, LORA_OPS_PER_LINEAR, rows)
     return arch.num_layers * per_layer + MODEL_OPS_PER_FORWARD
 
 
-def _layer_extras(arch: ModelArchitecture, train: TrainingConfig, repeat_kv: int, lora_per_linear: int) -> float:
+def _layer_extras(arch: ModelArchitecture, train: TrainingConfig, repeat_kv: int, lora_per_linear: int,
+                  rows: int | None) -> float:
     """A layer's kernels for SDPA's repeat_kv, PEFT's adapters and the weights' dequantization or autocast casts: a
-    forward's or, with the backward's counts for the first two, its backward's (a cast's backward is a cast, and
-    bitsandbytes' backward dequantizes again)."""
+    forward's of `rows` tokens or (`rows` None), with the backward's counts for the first two, its backward's (a
+    cast's backward is a cast, and bitsandbytes' backward dequantizes again)."""
     linears = len(arch.layer_linears())
     extras = 0
     if arch.num_attention_heads > arch.num_kv_heads and train.attn_implementation != "flash_attention_2":
@@ -193,7 +206,8 @@ def _layer_extras(arch: ModelArchitecture, train: TrainingConfig, repeat_kv: int
     if train.uses_lora:
         extras += (lora_per_linear + _lora_casts(train)) * len(arch.lora_linears(train.lora_targets))
     if train.load_in_4bit:
-        extras += dequant_ops(train) * linears
+        calls = 0 if rows is None else BNB_4BIT_CALL_OPS - 1  # the matmul itself is the layer's linear op
+        extras += (calls + (0 if fused_4bit(rows) else dequant_ops(train))) * linears
     elif m.autocast_casts_weights(train):
         extras += CAST_OPS_PER_LINEAR * linears
     return extras
@@ -205,14 +219,21 @@ def dequant_ops(train: TrainingConfig) -> int:
                                      else 0)
 
 
-def weight_pass_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """Bytes one forward moves to use every weight once: the weights as stored, plus autocast's 16-bit copy of each
-    float32 linear weight (written, then read by the matmul) or bitsandbytes' dequantized copy of each 4-bit one."""
+def fused_4bit(rows: int | None) -> bool:
+    """Whether bitsandbytes multiplies `rows` tokens by a 4-bit weight in its fused kernel (None: a backward, which
+    dequantizes)."""
+    return rows is not None and rows <= BNB_FUSED_MAX_ROWS
+
+
+def weight_pass_bytes(arch: ModelArchitecture, train: TrainingConfig, rows: int | None = None) -> float:
+    """Bytes one forward of `rows` tokens (None: more than bitsandbytes' fused kernel takes) moves to use every
+    weight once: the weights as stored, plus autocast's 16-bit copy of each float32 linear weight (written, then read
+    by the matmul) or bitsandbytes' dequantized copy of each 4-bit one where it dequantizes."""
     linear = arch.linear_params
     if train.load_in_4bit:
         packed = m.NF4_BYTES_PER_PARAM + m.NF4_ABSMAX_BYTES_PER_PARAM
         rest = (arch.params - linear) * m.sizes(train).weight
-        return linear * (packed + DEQUANT_BYTES_PER_PARAM) + rest
+        return linear * (packed + (0 if fused_4bit(rows) else DEQUANT_BYTES_PER_PARAM)) + rest
     s = m.sizes(train)
     cast = linear * 2 * s.compute if m.autocast_casts_weights(train) else 0
     adapters = m.trainable_params(arch, train) * s.trainable if train.uses_lora else 0
@@ -228,7 +249,8 @@ def forward_work(arch: ModelArchitecture, train: TrainingConfig, sequences: int,
     head = logit_tokens * 2 * arch.hidden_size * arch.vocab_size
     attention = attention_flops(arch, tokens, context)
     flops = sequences * (tokens * per_token + attention + head)
-    return Work(flops=flops, bytes_moved=weight_pass_bytes(arch, train), ops=layer_ops(arch, train))
+    rows = sequences * tokens
+    return Work(flops=flops, bytes_moved=weight_pass_bytes(arch, train, rows), ops=layer_ops(arch, train, rows=rows))
 
 
 def kv_read_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, context: float) -> float:
@@ -261,7 +283,7 @@ def backward_ops(arch: ModelArchitecture, train: TrainingConfig) -> float:
     per_layer = (_norms(arch) * norm + linears * (LINEAR_BACKWARD_OPS + (0 if frozen else WEIGHT_GRAD_OPS))
                  + ROTARY_BACKWARD_OPS + ATTENTION_BACKWARD_OPS + RESIDUAL_BACKWARD_OPS
                  + (GATED_MLP_BACKWARD_OPS if family.gated_mlp else 1))
-    per_layer += _layer_extras(arch, train, REPEAT_KV_BACKWARD_OPS, LORA_BACKWARD_OPS_PER_LINEAR)
+    per_layer += _layer_extras(arch, train, REPEAT_KV_BACKWARD_OPS, LORA_BACKWARD_OPS_PER_LINEAR, None)
     final_norm = 1 if family.layer_norm_bias else NORM_BACKWARD_OPS + _norm_casts(train)
     return arch.num_layers * per_layer + final_norm + (0 if frozen else EMBEDDING_BACKWARD_OPS)
 
@@ -326,7 +348,7 @@ def training_passes(arch: ModelArchitecture, train: TrainingConfig, sequences: i
     fused = train.release.lm_head == "fused_chunked"
     backbone = forward_work(arch, train, sequences, length, length / 2, 0 if fused else completion)
     activations = sequences * length * elementwise_bytes_per_token(arch, train)
-    backbone = replace(backbone, ops=layer_ops(arch, train, cache=False),
+    backbone = replace(backbone, ops=layer_ops(arch, train, cache=False, rows=sequences * length),
                        bytes_moved=backbone.bytes_moved + activations)
     frozen = train.uses_lora
     multiplier = FROZEN_BACKWARD_FLOPS_PER_FORWARD if frozen else BACKWARD_FLOPS_PER_FORWARD
