@@ -196,9 +196,9 @@ def layer_ops(arch: ModelArchitecture, train: TrainingConfig, cache: bool = True
 
 def _layer_extras(arch: ModelArchitecture, train: TrainingConfig, repeat_kv: int, lora_per_linear: int,
                   rows: int | None) -> float:
-    """A layer's kernels for SDPA's repeat_kv, PEFT's adapters and the weights' dequantization or autocast casts: a
-    forward's of `rows` tokens or (`rows` None), with the backward's counts for the first two, its backward's (a
-    cast's backward is a cast, and bitsandbytes' backward dequantizes again)."""
+    """A layer's kernels for SDPA's repeat_kv, PEFT's adapters and the 4-bit weights' calls or autocast casts: a
+    forward's of `rows` tokens in all or, with `rows` None and the backward's counts for the first two, its
+    backward's (a cast's backward is a cast, and bitsandbytes' backward dequantizes again)."""
     linears = len(arch.layer_linears())
     extras = 0
     if arch.num_attention_heads > arch.num_kv_heads and train.attn_implementation != "flash_attention_2":

@@ -59,8 +59,6 @@ def card_as_it_was(context: Any, train: Any, moment: Any) -> tuple[Any, str]:
     where CUDA had less free than the request, the card ended at reserved + free; where CUDA had more, a
     per-process cap (torch.cuda.set_per_process_memory_fraction) lies between reserved and reserved + the request,
     so reserved, the side that does not overrate it."""
-    from dataclasses import replace as replaced
-
     from vram_planner.allocator.sizes import round_size
 
     free = moment.device_free_bytes
@@ -72,8 +70,8 @@ def card_as_it_was(context: Any, train: Any, moment: Any) -> tuple[Any, str]:
     if held >= CARD_AS_PLANNED_SHARE * planned:
         return context, ""
     outside = context.capacity_bytes - planned  # the CUDA context (and NCCL's buffers) as the plan counts them
-    card = replaced(context.gpu, total_memory_gib=(held + outside) / 2**30)
-    return replaced(context, gpu=card), (
+    card = replace(context.gpu, total_memory_gib=(held + outside) / 2**30)
+    return replace(context, gpu=card), (
         f"the card let PyTorch hold {held / 2**30:.2f} GiB, not the {planned / 2**30:.2f} GiB the plan counted on "
         f"(another process holds memory, or the card is smaller than {context.gpu.label}), so the configs are "
         "judged on what it had; ")
