@@ -57,8 +57,10 @@ PLANNED += [{**c, "name": c["name"] + "-at-prediction", "limit": "prediction"} f
 QUICK = [{"name": "SmolLM2-135M-lora16", "model": "SmolLM2-135M", "allocator_conf": "",
           "settings": {"per_device_train_batch_size": 2, "num_generations": 2, "gradient_accumulation_steps": 1,
                        "max_completion_length": 32, "gradient_checkpointing": True, "lora_r": 16}}]
-TRACE_KEYS, SEGMENT_KEYS = ("action", "addr", "size", "stream"), ("device", "address", "total_size", "stream",
-                                                                   "segment_type", "is_expandable")
+# an out-of-memory event also says what CUDA still had free (device_free)
+TRACE_KEYS = ("action", "addr", "size", "stream", "device_free")
+SEGMENT_KEYS = ("device", "address", "total_size", "stream", "segment_type", "is_expandable")
+BLOCK_KEYS = ("address", "size", "requested_size", "state")
 
 
 def model_folder(model: str, cache: Path) -> Path:
@@ -294,11 +296,19 @@ def run_history(recorded: list[dict[str, Any]]) -> Iterator[None]:
         yield
 
 
-def save_snapshot(snapshot: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The snapshot in torch's format, without stack frames or blocks (a replay reads neither), gzip-compressed."""
-    small = {"device_traces": [[{k: e[k] for k in TRACE_KEYS if k in e} for e in trace]
-                               for trace in snapshot.get("device_traces", [])],
-             "segments": [{k: s[k] for k in SEGMENT_KEYS if k in s} for s in snapshot.get("segments", [])]}
+def save_snapshot(snapshot: dict[str, Any], path: Path, last_events: int | None = None,
+                  blocks: bool = False) -> dict[str, Any]:
+    """The snapshot in torch's format, without stack frames (a replay reads none), its segments' blocks only if
+    `blocks` (what the card held at an out-of-memory), its last `last_events` events if given, gzip-compressed."""
+    def segment(s: dict[str, Any]) -> dict[str, Any]:
+        kept = {k: s[k] for k in SEGMENT_KEYS if k in s}
+        if blocks:
+            kept["blocks"] = [{k: b[k] for k in BLOCK_KEYS if k in b} for b in s.get("blocks", [])]
+        return kept
+
+    traces = [trace if last_events is None else trace[-last_events:] for trace in snapshot.get("device_traces", [])]
+    small = {"device_traces": [[{k: e[k] for k in TRACE_KEYS if k in e} for e in trace] for trace in traces],
+             "segments": [segment(s) for s in snapshot.get("segments", [])]}
     for key, value in snapshot.items():  # allocator settings and the like: small plain data, kept as recorded
         if key not in small and len(repr(value)) < 20_000:
             small[key] = value
@@ -310,23 +320,12 @@ def save_snapshot(snapshot: dict[str, Any], path: Path) -> dict[str, Any]:
 # The events an out-of-memory snapshot keeps: its segments' blocks show the card at the failed request, and the last
 # events how it came to be (a catalog model's run makes millions, more than a GPU call brings back)
 OOM_SNAPSHOT_EVENTS = 300_000
-BLOCK_KEYS = ("address", "size", "requested_size", "state")
 
 
 def save_oom_snapshot(path: Path, out: Path) -> dict[str, Any]:
     """The snapshot `run` wrote when memory ran out, with its segments' blocks and its last OOM_SNAPSHOT_EVENTS
-    events (action, address, size, stream and CUDA's free bytes), gzip-compressed."""
-    snapshot = pickle.loads(gzip.decompress(path.read_bytes()))
-    small = {"device_traces": [[{k: e[k] for k in (*TRACE_KEYS, "device_free") if k in e}
-                                for e in trace[-OOM_SNAPSHOT_EVENTS:]] for trace in snapshot.get("device_traces", [])],
-             "segments": [{**{k: s[k] for k in SEGMENT_KEYS if k in s},
-                           "blocks": [{k: b[k] for k in BLOCK_KEYS if k in b} for b in s.get("blocks", [])]}
-                          for s in snapshot.get("segments", [])]}
-    for key, value in snapshot.items():
-        if key not in small and len(repr(value)) < 20_000:
-            small[key] = value
-    out.write_bytes(gzip.compress(pickle.dumps(small, protocol=4), compresslevel=6))
-    return {"file": out.name, "events": sum(len(t) for t in small["device_traces"]), "bytes": out.stat().st_size}
+    events."""
+    return save_snapshot(pickle.loads(gzip.decompress(path.read_bytes())), out, OOM_SNAPSHOT_EVENTS, blocks=True)
 
 
 def replay_check(path: Path, conf_text: str) -> dict[str, Any]:
