@@ -10,9 +10,11 @@ import pytest
 from snapshot_builder import Recorder, fragmented_until_oom
 
 from vram_planner.allocator.caching import OutOfMemory
-from vram_planner.model.search import micro_batch_variants, rungs
+from vram_planner.model.search import ladder_below
 from vram_planner.model.verdict import judge
+from vram_planner.profiles import GpuProfile
 from vram_planner.run.fallback import fallback_setup
+from vram_planner.run.out_of_memory import advise_command
 
 MiB = 2**20
 
@@ -56,9 +58,7 @@ def fragmented(tmp_path, setup, share: float, device_free: int | None = None):
 
 def test_the_rung_saves_at_least_what_the_card_lacked_skipping_smaller_ones(setup, tmp_path):
     train, context = setup.train, setup.verdict.context
-    ladder = [v for v in micro_batch_variants(train)
-              if v.per_device_train_batch_size < train.per_device_train_batch_size]
-    ladder += list(rungs(train, context.gpu.bf16, context.arch))[1:]
+    ladder = list(ladder_below(train, context.gpu.bf16, context.arch))
     savings = [setup.predicted_peak_bytes - judge(context, c).estimate.peak_bytes for c in ladder]
     lacked = (round(max(savings[:2])) // (2 * MiB) + 1) * 2 * MiB  # more than either of the next two rungs saves
     chosen, why = fallback_setup(setup, lacking(tmp_path, setup, lacked))
@@ -99,6 +99,15 @@ def test_a_card_that_held_less_than_planned_is_judged_as_it_was(setup, tmp_path,
     assert chosen.verdict.context.capacity_bytes == pytest.approx(reserved + outside, abs=1)
     assert chosen.predicted_peak_bytes <= chosen.verdict.context.budget_bytes
     assert setup.predicted_peak_bytes > chosen.verdict.context.budget_bytes  # the planned config would not have
+    # what the run says and prints after the fallback names the card as it was, as --gpu takes it
+    size = chosen.verdict.context.gpu.name
+    assert size.endswith("GiB") and context.gpu.label not in chosen.describe()
+    assert f"(on {size};" in chosen.describe()
+    named = GpuProfile.from_name(size)
+    assert chosen.verdict.context.capacity_bytes - 0.01 * 2**30 <= named.capacity_bytes
+    assert named.capacity_bytes <= chosen.verdict.context.capacity_bytes
+    advise = advise_command(chosen, snapshot)
+    assert advise[advise.index("--gpu") + 1] == size
 
 
 def test_a_card_that_held_what_was_planned_is_judged_as_planned(setup, tmp_path):

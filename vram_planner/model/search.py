@@ -15,6 +15,7 @@ vram_planner/model/divisors.py), and bisection finds the largest that fits.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -284,6 +285,14 @@ def with_micro_batch(train: TrainingConfig, size: int) -> TrainingConfig:
 def micro_batch_variants(train: TrainingConfig) -> Iterator[TrainingConfig]:
     """The same generation and optimizer batches with micro-batches from the largest down to 1."""
     return (with_micro_batch(train, size) for size in micro_batch_sizes(train))
+
+
+def ladder_below(train: TrainingConfig, gpu_bf16: bool, arch: ModelArchitecture) -> Iterator[TrainingConfig]:
+    """The configs a run falls back to, nearest first: smaller micro-batches with the same generation and optimizer
+    batches, then the ladder's rungs below the config itself."""
+    yield from (v for v in micro_batch_variants(train)
+                if v.per_device_train_batch_size < train.per_device_train_batch_size)
+    yield from itertools.islice(rungs(train, gpu_bf16, arch), 1, None)
 
 
 def smallest_config(user: TrainingConfig, gpu_bf16: bool, arch: ModelArchitecture) -> TrainingConfig:

@@ -3,6 +3,7 @@ failed allocation shows (else the next rung down the plan's ladder, as before th
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ def fallback_setup(setup: Any, snapshot: Path | None) -> tuple[Any, str]:
     alone where the same config then fits; otherwise the first config down the ladder that fits and whose predicted
     peak is lower by at least the bytes the card lacked (the request less what CUDA and the largest cached block
     still had); without a readable snapshot, the next rung."""
-    from vram_planner.model.search import micro_batch_variants, rungs, with_expandable_segments
+    from vram_planner.model.search import ladder_below, with_expandable_segments
     from vram_planner.model.spec import with_changes
     from vram_planner.model.verdict import judge
 
@@ -35,10 +36,7 @@ def fallback_setup(setup: Any, snapshot: Path | None) -> tuple[Any, str]:
                 f"cached, no block of {moment.requested_bytes / 2**30:.2f} GiB): expandable segments, the same "
                 "config")
     lacked = moment.requested_bytes - (moment.device_free_bytes or 0) - moment.largest_free_block_bytes
-    smaller = [v for v in micro_batch_variants(train)
-               if v.per_device_train_batch_size < train.per_device_train_batch_size]
-    ladder = smaller + list(rungs(train, context.gpu.bf16, context.arch))[1:]
-    for candidate in ladder:
+    for candidate in ladder_below(train, context.gpu.bf16, context.arch):
         verdict = judge(context, candidate)
         if verdict.fits and setup.predicted_peak_bytes - verdict.estimate.peak_bytes >= lacked:
             return replace(setup, verdict=verdict), as_it_was + (
@@ -70,7 +68,12 @@ def card_as_it_was(context: Any, train: Any, moment: Any) -> tuple[Any, str]:
     if held >= CARD_AS_PLANNED_SHARE * planned:
         return context, ""
     outside = context.capacity_bytes - planned  # the CUDA context (and NCCL's buffers) as the plan counts them
-    card = replace(context.gpu, total_memory_gib=(held + outside) / 2**30)
+    gib = (held + outside) / 2**30
+    # named by its size, as --gpu takes one, so the lines after the fallback and the advise command they print
+    # speak of the card as it was (to the hundredth of a GiB below: advise then judges no larger a card)
+    card = replace(context.gpu, name=f"{math.floor(gib * 100) / 100:.2f}GiB", aliases=[], cuda_name="",
+                   total_memory_gib=gib, capacity_source="measured",
+                   source=f"{context.gpu.label} as the out-of-memory snapshot showed it")
     return replace(context, gpu=card), (
         f"the card let PyTorch hold {held / 2**30:.2f} GiB, not the {planned / 2**30:.2f} GiB the plan counted on "
         f"(another process holds memory, or the card is smaller than {context.gpu.label}), so the configs are "

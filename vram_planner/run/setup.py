@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 from vram_planner.errors import VramPlanError
 from vram_planner.model.grpo_config import call_args, grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
 from vram_planner.model.phases import OUTSIDE_ALLOCATOR, outside_allocator_names
-from vram_planner.model.search import Plan, micro_batch_variants, rungs
+from vram_planner.model.search import Plan, ladder_below
 from vram_planner.model.spec import TrainingConfig
 from vram_planner.model.verdict import Verdict, judge
 from vram_planner.run.step_memory import predicted_reserved_bytes
@@ -97,15 +96,9 @@ class RunSetup:
     def one_rung_down(self) -> RunSetup | None:
         """The same run with the next smaller config of the plan's ladder: a smaller micro-batch with the same
         generation and optimizer batches, else the next saver."""
-        train = self.train
-        smaller = next((v for v in micro_batch_variants(train)
-                        if v.per_device_train_batch_size < train.per_device_train_batch_size), None)
-        if smaller is None:
-            context = self.verdict.context
-            smaller = next(itertools.islice(rungs(train, context.gpu.bf16, context.arch), 1, None), None)
-        if smaller is None:
-            return None
-        return replace(self, verdict=judge(self.verdict.context, smaller))
+        context = self.verdict.context
+        smaller = next(ladder_below(self.train, context.gpu.bf16, context.arch), None)
+        return None if smaller is None else replace(self, verdict=judge(context, smaller))
 
     def grpo_kwargs(self, on_this_machine: bool = True) -> dict[str, Any]:
         """GRPOConfig's keywords for the run; `on_this_machine`: adapted to a machine without CUDA, as the run
