@@ -135,3 +135,36 @@ def test_scoring_phase_by_hand(llama_1b):
         - (8 * llama_1b.params + STEPS) == kept_ref_logps + max(decoder, fused_head)
     # the reference's weights require grad, so autocast caches their casts as the policy's
     assert scoring.components["reference_weights"] == 4 * llama_1b.params + ROTARY + 2 * llama_1b.linear_params
+
+def test_four_bit_layers_hold_bitsandbytes_dequantized_weight_where_it_dequantizes(llama_1b):
+    """bitsandbytes writes a 16-bit copy of a 4-bit weight to multiply more rows than its fused kernel takes, and in
+    every backward: the largest (Llama-3.2-1B's 2,048 x 8,192 MLP weights, 32 MiB in bfloat16) is there inside a
+    layer, beside the layer's tensors; decoding's few rows multiply from the packed weight, and the LM head is
+    16-bit."""
+    from vram_planner.model.phases import generation_moments, persistent_bytes, training_moments
+
+    kw = {"dtype": "bfloat16", "lora_r": 16, "per_device_train_batch_size": 4, "num_generations": 4,
+          "max_prompt_length": 256, "max_completion_length": 128, "load_in_4bit": True}
+    qlora, largest = training_config(kw), 2048 * 8192 * 2
+    assert m.dequantized_weight_bytes(llama_1b, qlora, m.BNB_FUSED_MAX_ROWS) == 0
+    assert m.dequantized_weight_bytes(llama_1b, qlora, m.BNB_FUSED_MAX_ROWS + 1) == largest
+    assert m.dequantized_weight_bytes(llama_1b, qlora, None) == largest
+    assert m.dequantized_weight_bytes(llama_1b, training_config({**kw, "load_in_4bit": False}), None) == 0
+    release, cal = trl_release("1.16.0"), Calibration()
+    persistent = persistent_bytes(llama_1b, qlora, False)
+
+    def weights() -> dict[str, float]:
+        found = [*generation_moments(llama_1b, qlora, cal, persistent),
+                 *training_moments(llama_1b, qlora, release, cal, persistent, m.gradient_bytes(llama_1b, qlora))]
+        return {p.moment: p.components["weights"] for p in found}
+
+    counted = weights()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(m, "dequantized_weight_bytes", lambda *args: 0)
+        uncounted = weights()
+    added = {moment: counted[moment] - uncounted[moment] for moment in counted}
+    # the prefill's 4 x 256 rows and every layer's backward dequantize; decoding's 4 rows and the LM head do not
+    layers = ["backward through the last layer", "backward through the first layer"]
+    assert {moment for moment, extra in added.items() if extra} == {
+        "prefill", *layers, *(f"{moment}: its forward recomputed" for moment in layers)}
+    assert set(added.values()) == {0, largest}

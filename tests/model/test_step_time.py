@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from vram_planner.errors import ConfigError, ProfileError
 from vram_planner.model import optimizer_work as o
 from vram_planner.model import step_work as w
+from vram_planner.model.components import BNB_FUSED_MAX_ROWS
 from vram_planner.model.spec import Optimizer, training_config, with_changes
 from vram_planner.model.step_time import (Card, Efficiency, NoSpeedFigures, card_tflops, efficiency_from,
                                           optimizer_step_seconds, step_time)
@@ -175,7 +176,7 @@ def test_four_bit_weights_move_their_dequantized_copy_where_bitsandbytes_dequant
     """Up to 512 rows, bitsandbytes 0.50 multiplies in its fused kernel from the packed weight (decoding's batches);
     above them it writes and reads a 16-bit copy (the prefill, the log-prob passes and the loss)."""
     qlora, lora = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16"), cfg(lora_r=16, dtype="bfloat16")
-    decoding, loss = w.BNB_FUSED_MAX_ROWS, w.BNB_FUSED_MAX_ROWS + 1
+    decoding, loss = BNB_FUSED_MAX_ROWS, BNB_FUSED_MAX_ROWS + 1
     assert w.weight_pass_bytes(llama_1b, qlora, loss) > w.weight_pass_bytes(llama_1b, lora, loss)
     assert w.weight_pass_bytes(llama_1b, qlora, decoding) < w.weight_pass_bytes(llama_1b, lora, decoding) / 2
     assert w.weight_pass_bytes(llama_1b, qlora, loss) - w.weight_pass_bytes(llama_1b, qlora, decoding) == \
@@ -216,7 +217,7 @@ def test_four_bit_weights_are_dequantized_at_every_use_above_the_fused_kernels_r
     double = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16")
     single = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16", bnb_4bit_use_double_quant=False)
     linears = 7 * llama_1b.num_layers
-    many = w.BNB_FUSED_MAX_ROWS + 1
+    many = BNB_FUSED_MAX_ROWS + 1
     assert w.layer_ops(llama_1b, double, rows=many) - w.layer_ops(llama_1b, single, rows=many) == 2 * linears
     assert w.layer_ops(llama_1b, double, rows=8) == w.layer_ops(llama_1b, single, rows=8)
     assert w.backward_ops(llama_1b, double) - w.backward_ops(llama_1b, single) == 2 * linears
@@ -286,3 +287,13 @@ def test_eager_decoding_moves_the_cache_several_times(llama_1b):
     sdpa = step_time(llama_1b, long, H100).seconds["generation"]
     flash = step_time(llama_1b, with_changes(long, attn_implementation="flash_attention_2"), H100)
     assert flash.seconds["generation"] < sdpa
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"]], ids=["hashable", "a-list-of-targets"])
+def test_remembered_work_is_the_work_worked_out_afresh(llama_1b, targets):
+    """The passes' work is remembered per model and config (a probe's fit weighs it under thousands of factor sets);
+    a config holding a list, which cannot be a key, is worked out each time."""
+    train = cfg(lora_r=16, lora_target_modules=targets)
+    for work, args in ((w.training_passes, (llama_1b, train, 4, 64, 128)),
+                       (w.forward_work, (llama_1b, train, 16, 1, 96.0, 1)), (o.optimizer_work, (llama_1b, train))):
+        assert work(*args) == work(*args) == work.__wrapped__(*args)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from vram_planner.model import blocks, fsdp, sampling, zero
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.calibration import Calibration
+from vram_planner.model.memo import remembered_work
 from vram_planner.model.spec import DTYPE_BYTES, Optimizer, TrainingConfig
 
 FP32_BYTES = 4
@@ -20,6 +21,12 @@ FP32_BYTES = 4
 NF4_BYTES_PER_PARAM = 0.5
 NF4_ABSMAX_BYTES_PER_PARAM = 4 / 64
 NF4_DOUBLE_QUANT_ABSMAX_BYTES_PER_PARAM = 1 / 64 + 4 / (64 * 256)
+# bitsandbytes 0.50's 4-bit Linear multiplies through its custom op bitsandbytes::gemm_4bit, with or without grad
+# (bnb.matmul_4bit, MatMul4Bit.forward; autograd/_functions.py): up to BNB_FUSED_MAX_ROWS rows (tokens of the batch)
+# in one fused kernel that reads the packed weight, above them by dequantizing the weight and calling F.linear
+# (backends/cuda/ops.py, _gemm_4bit_use_custom_cuda: "custom wins up to M=512" for weights of 4M elements or more, the
+# other shapes and sm100 with tighter bounds, a simplification here; _dequant_linear_fallback).
+BNB_FUSED_MAX_ROWS = 512
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors smaller than this (min_8bit_size).
 BNB_MIN_8BIT_SIZE = 4096
 # Blockwise 8-bit state: one fp32 absmax per 256 values (bitsandbytes optim, block size 256).
@@ -63,6 +70,23 @@ def autocast_casts_weights(train: TrainingConfig) -> bool:
     s = sizes(train)
     return (train.mixed_precision != "no" and s.weight != s.compute and not train.load_in_4bit
             and not train.fsdp and train.zero_stage is None)
+
+
+def fused_4bit(rows: int | None) -> bool:
+    """Whether bitsandbytes multiplies `rows` tokens by a 4-bit weight in its fused kernel (None: a backward, which
+    dequantizes)."""
+    return rows is not None and rows <= BNB_FUSED_MAX_ROWS
+
+
+def dequantized_weight_bytes(arch: ModelArchitecture, train: TrainingConfig, rows: int | None) -> float:
+    """bitsandbytes' copy of the largest 4-bit weight where it dequantizes one to multiply `rows` tokens (None: a
+    backward, whose input gradient always dequantizes, MatMul4Bit.backward): F.dequantize_4bit writes the whole
+    weight in the dtype it was loaded in (the quant state's), the matmul reads it, and it is freed when the call
+    returns, so one is alive at a time, beside the layer's own tensors (a Llama-3.1-8B MLP weight: 112 MiB in
+    bfloat16). The LM head stays 16-bit (transformers leaves the output embedding unquantized)."""
+    if not train.load_in_4bit or fused_4bit(rows):
+        return 0
+    return max(lin.in_features * lin.out_features for lin in arch.layer_linears()) * sizes(train).weight
 
 
 def layer_weight_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
@@ -545,6 +569,7 @@ def generation_logits_bytes(arch: ModelArchitecture, train: TrainingConfig, sequ
     return logits + sampling.sampling_bytes(train, sequences, arch.vocab_size, train.sequence_length - 1)
 
 
+@remembered_work  # the step-time model asks for it in every generation round it weighs
 def as_generated(train: TrainingConfig) -> TrainingConfig:
     """`train` as generate() runs it. accelerate wraps the forward of the model it prepares in autocast, and a
     transformers model's generate() calls that forward; PEFT's generate() calls the base model's generate() and its

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.memo import remembered_work
 from vram_planner.model.spec import Optimizer, TrainingConfig
 
 # Bytes an optimizer moves per trainable parameter per step, by the passes its implementation makes over parameter,
@@ -116,6 +117,7 @@ def optimizer_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     return work.step_bytes + work.clip_bytes
 
 
+@remembered_work
 def optimizer_work(arch: ModelArchitecture, train: TrainingConfig) -> OptimizerWork:
     """The step's, the clip's and zero_grad's bytes, launches and host visits on one GPU (ZeRO and FSDP step their
     shard: a rank's shard is a share of every tensor's elements, its tensors as many)."""

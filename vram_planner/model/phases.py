@@ -432,6 +432,9 @@ def generation_moments(arch: ModelArchitecture, train: TrainingConfig, cal: Cali
     # ... and the output projection is cast at the LM head, cached or not.
     head_weights = with_casts["weights"] + m.lm_head_cast_bytes(arch, run)
     decoding, prefilling, in_layer, gathers = dict(with_casts), dict(with_casts), dict(with_casts), []
+    # inside a layer, bitsandbytes' dequantized copy of a 4-bit weight where the rows are more than its fused kernel's
+    prefilling["weights"] += m.dequantized_weight_bytes(arch, train, tokens)
+    in_layer["weights"] += m.dequantized_weight_bytes(arch, train, sequences)
     if train.fsdp and not train.load_in_4bit:
         # The prefill's first gathers hold the most (the tail's all-gather output too), before any layer has run;
         # after them, FSDP2 holds at a decoding step's gathers what it holds at every step (model/fsdp.py); inside a
@@ -493,7 +496,10 @@ def _scoring(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease
     head_cast = m.lm_head_cast_bytes(arch, train) if head.projecting is not None else 0
     projecting = {name: value + head_cast for name, value in casts.items()}
     gathered = casts if train.fsdp and not train.load_in_4bit else {}  # FSDP2's gathers are no casts: they stay
-    moments = [Phase("scoring", {**persistent, **casts, **cache, "activations": kept_logps + layers},
+    dequantized = m.dequantized_weight_bytes(arch, train, b * length)
+    in_layers = ({**casts, "weights": casts.get("weights", persistent["weights"]) + dequantized} if dequantized
+                 else casts)
+    moments = [Phase("scoring", {**persistent, **in_layers, **cache, "activations": kept_logps + layers},
                      "decoder forward"),
                Phase("scoring", {**persistent, **projecting, **cache, "activations": kept_logps,
                                  "lm_head_buffers": head.at_projection}, "LM head of a chunk, projecting"),
@@ -621,7 +627,9 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     held = _head_gradient_bytes(arch, train) if tied and accumulating else 0.0
     head_grads = (grads_before if train.zero_stage == 3 else all_grads) if accumulating else _head_gradient_bytes(
         arch, train)
-    layer_backward_casts = layer_casts + m.adapter_cast_bytes(arch, train) / max(arch.num_layers, 1)
+    # a layer's backward dequantizes each 4-bit weight for its input's gradient, one at a time
+    layer_backward_casts = (layer_casts + m.adapter_cast_bytes(arch, train) / max(arch.num_layers, 1)
+                            + m.dequantized_weight_bytes(arch, train, None))
     if train.gradient_checkpointing:
         # the recomputed layer's first norm keeps the checkpointed input itself when it is float32 (the Hub's RMSNorm
         # kernel keeps its input as it came, whatever its dtype)
@@ -633,7 +641,7 @@ def training_moments(arch: ModelArchitecture, train: TrainingConfig, release: Tr
     else:
         last_layer = saved - final_norm + mask + working
         first_layer = one_layer + mask + working
-        last_layer_casts = backward_casts
+        last_layer_casts = backward_casts + m.dequantized_weight_bytes(arch, train, None)
     policy_graph = {"weights": weights + forward_casts, "gradients": grads_before, "activations": saved + mask}
     if release.step_structure == "loss_merged":
         cached = _policy_cache_saved_bytes(arch, train, release)

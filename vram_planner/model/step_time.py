@@ -280,7 +280,7 @@ def generation_round_seconds(arch: ModelArchitecture, train: TrainingConfig, car
     # (transformers' generation/utils.py, StopCheck), so the host never runs ahead into the next step; within a step
     # the device runs each kernel as the host launches it (launches are asynchronous), and the step lasts the longer
     # of the two
-    device, bound = card.seconds(replace(step, ops=0), eff.decode_bandwidth, 0.0)
+    device, bound = card.seconds(w.Work(step.flops, step.bytes_moved), eff.decode_bandwidth, 0.0)
     launches = step.ops * eff.op_seconds
     return prefill + (c - 1) * max(device, launches), "launch" if launches > device else bound
 

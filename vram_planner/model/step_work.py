@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from vram_planner.model import components as m
 from vram_planner.model.architecture import ModelArchitecture
+from vram_planner.model.memo import remembered_work
 from vram_planner.model.spec import TrainingConfig
 
 # Eager operations (kernels launched) of a decoder layer's forward in transformers' Llama-style code
@@ -48,15 +49,11 @@ LORA_CAST_OPS_PER_LINEAR = 2
 # leaf that requires grad; torch's autocast_mode.cpp, cached_cast), and the output's cast back is then a no-op:
 # two more kernels per adapted linear.
 LORA_AUTOCAST_OPS_PER_LINEAR = 2
-# bitsandbytes 0.50's 4-bit Linear multiplies through its custom op bitsandbytes::gemm_4bit, with or without grad
-# (bnb.matmul_4bit, MatMul4Bit.forward; autograd/_functions.py): up to BNB_FUSED_MAX_ROWS rows (tokens of the batch)
-# in one fused kernel that reads the packed weight, above them by dequantizing the weight and calling F.linear
-# (backends/cuda/ops.py, _gemm_4bit_use_custom_cuda: "custom wins up to M=512" for weights of 4M elements or more, the
-# other shapes and sm100 with tighter bounds, a simplification here; _dequant_linear_fallback): one kernel reading the
+# bitsandbytes 0.50's 4-bit Linear multiplies up to m.BNB_FUSED_MAX_ROWS rows in one fused kernel that reads the
+# packed weight, above them by dequantizing the weight and calling F.linear (m.fused_4bit): one kernel reading the
 # packed weight and writing a 16-bit copy that the matmul then reads; with double quantization
 # (bnb_4bit_use_double_quant, vram-plan's default) the absmax is dequantized and its offset added first: two more.
 # MatMul4Bit.backward dequantizes the same way for the input's gradient.
-BNB_FUSED_MAX_ROWS = 512
 DEQUANT_OPS_PER_LINEAR = 1
 DOUBLE_QUANT_OPS_PER_LINEAR = 2
 DEQUANT_BYTES_PER_PARAM = 2 + 2  # the 16-bit copy written, then read by the matmul (besides the 4-bit read)
@@ -207,7 +204,7 @@ def _layer_extras(arch: ModelArchitecture, train: TrainingConfig, repeat_kv: int
         extras += (lora_per_linear + _lora_casts(train)) * len(arch.lora_linears(train.lora_targets))
     if train.load_in_4bit:
         calls = 0 if rows is None else BNB_4BIT_CALL_OPS - 1  # the matmul itself is the layer's linear op
-        extras += (calls + (0 if fused_4bit(rows) else dequant_ops(train))) * linears
+        extras += (calls + (0 if m.fused_4bit(rows) else dequant_ops(train))) * linears
     elif m.autocast_casts_weights(train):
         extras += CAST_OPS_PER_LINEAR * linears
     return extras
@@ -219,12 +216,6 @@ def dequant_ops(train: TrainingConfig) -> int:
                                      else 0)
 
 
-def fused_4bit(rows: int | None) -> bool:
-    """Whether bitsandbytes multiplies `rows` tokens by a 4-bit weight in its fused kernel (None: a backward, which
-    dequantizes)."""
-    return rows is not None and rows <= BNB_FUSED_MAX_ROWS
-
-
 def weight_pass_bytes(arch: ModelArchitecture, train: TrainingConfig, rows: int | None = None) -> float:
     """Bytes one forward of `rows` tokens (None: more than bitsandbytes' fused kernel takes) moves to use every
     weight once: the weights as stored, plus autocast's 16-bit copy of each float32 linear weight (written, then read
@@ -233,13 +224,14 @@ def weight_pass_bytes(arch: ModelArchitecture, train: TrainingConfig, rows: int 
     if train.load_in_4bit:
         packed = m.NF4_BYTES_PER_PARAM + m.NF4_ABSMAX_BYTES_PER_PARAM
         rest = (arch.params - linear) * m.sizes(train).weight
-        return linear * (packed + (0 if fused_4bit(rows) else DEQUANT_BYTES_PER_PARAM)) + rest
+        return linear * (packed + (0 if m.fused_4bit(rows) else DEQUANT_BYTES_PER_PARAM)) + rest
     s = m.sizes(train)
     cast = linear * 2 * s.compute if m.autocast_casts_weights(train) else 0
     adapters = m.trainable_params(arch, train) * s.trainable if train.uses_lora else 0
     return arch.params * s.weight + cast + adapters
 
 
+@remembered_work
 def forward_work(arch: ModelArchitecture, train: TrainingConfig, sequences: int, tokens: int, context: float,
                  logit_tokens: int) -> Work:
     """One forward of `sequences` sequences of `tokens` new tokens each, attending to `context` keys on average,
@@ -253,6 +245,7 @@ def forward_work(arch: ModelArchitecture, train: TrainingConfig, sequences: int,
     return Work(flops=flops, bytes_moved=weight_pass_bytes(arch, train, rows), ops=layer_ops(arch, train, rows=rows))
 
 
+@remembered_work
 def kv_read_bytes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, context: float) -> float:
     """Keys and values one decoding step reads: every cached token of every sequence."""
     return m.kv_cache_bytes(arch, train, sequences, 1) * context
@@ -339,6 +332,7 @@ def elementwise_bytes_per_token(arch: ModelArchitecture, train: TrainingConfig) 
     return arch.num_layers * per_layer
 
 
+@remembered_work
 def training_passes(arch: ModelArchitecture, train: TrainingConfig, sequences: int, prompt: int,
                     completion: int) -> tuple[Work, Work]:
     """The loss forward of one micro-batch (the backbone, the LM head over the completions and TRL's loss), and its
