@@ -136,6 +136,7 @@ def test_scoring_phase_by_hand(llama_1b):
     # the reference's weights require grad, so autocast caches their casts as the policy's
     assert scoring.components["reference_weights"] == 4 * llama_1b.params + ROTARY + 2 * llama_1b.linear_params
 
+
 def test_four_bit_layers_hold_bitsandbytes_dequantized_weight_where_it_dequantizes(llama_1b):
     """bitsandbytes writes a 16-bit copy of a 4-bit weight to multiply more rows than its fused kernel takes, and in
     every backward: the largest (Llama-3.2-1B's 2,048 x 8,192 MLP weights, 32 MiB in bfloat16) is there inside a
