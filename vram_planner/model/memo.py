@@ -11,8 +11,9 @@ T = TypeVar("T")
 
 def remembered_work(function: Callable[..., T]) -> Callable[..., T]:
     """`function`, remembered for the 4,096 sets of arguments it met last (a config with a list of LoRA targets,
-    which cannot be a key, is worked out afresh). The work of a pass depends on the model and the config alone, not on the card's factors: a
-    probe's fit weighs the same samples' work under thousands of factor sets, and plan ranks many configs."""
+    which cannot be a key, is worked out afresh). The work of a pass depends on the model and the config alone, not
+    on the card's factors: a probe's fit weighs the same samples' work under thousands of factor sets, and plan ranks
+    many configs."""
     cached = functools.lru_cache(maxsize=4096)(function)
 
     @functools.wraps(function)
