@@ -88,8 +88,11 @@ def prepare(out: Path) -> None:
     out.write_text(json.dumps(document, indent=1) + "\n")
 
 
-def traced_peaks(point: dict) -> tuple[int, int]:
-    """The traced step's allocated peak and what the allocator model holds for it on a roomy card (bytes)."""
+def traced_peaks(point: dict) -> tuple[int, int | None]:
+    """The traced step's allocated peak and what the allocator model holds for it under the run's limit (bytes): on a
+    card with room it would hold far more (a decoding step's larger cache cannot reuse the last one's block, so the
+    cache grows until cudaMalloc fails), which the GPU, capped at the limit, could not. None where the model runs out
+    under the limit (a point whose need came from another commit's code)."""
     from vram_planner import engine
     from vram_planner.allocator import parse_allocator_conf
     from vram_planner.allocator.replay import replay_events
@@ -101,8 +104,16 @@ def traced_peaks(point: dict) -> tuple[int, int]:
     capability = outcome.traced.context.gpu.compute_capability
     stream = with_workspaces(outcome.result.steady_stream(), workspace_bytes(capability))
     replay = replay_events([(e.kind, e.block, e.size_bytes) for e in stream.events],
-                           parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf"))
-    return replay.max_allocated_bytes, replay.max_reserved_bytes
+                           parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf"),
+                           point["limit_bytes"])
+    return replay.max_allocated_bytes, None if replay.out_of_memory is not None else replay.max_reserved_bytes
+
+
+def gpu_last_step_peaks(run: dict) -> tuple[int, int]:
+    """What PyTorch had allocated and reserved at the peaks of the last step the GPU ran (bytes)."""
+    last = max(row["step"] for row in run["phases"])
+    rows = [row for row in run["phases"] if row["step"] == last]
+    return max(row["allocated_peak_bytes"] for row in rows), max(row["reserved_peak_bytes"] for row in rows)
 
 
 def table(measured: Path) -> list[str]:
@@ -113,7 +124,8 @@ def table(measured: Path) -> list[str]:
     lines = [f"{device.get('gpu')}, driver {device.get('driver')}, CUDA {device.get('cuda')}, torch {device.get('torch')}, "
              f"transformers {device.get('transformers')}, TRL {device.get('trl')}, PEFT {device.get('peft')}", "",
              "Each point's step run with the allocator limited to the exact need -2% and +2% (MiB; allocated and "
-             "reserved: the GPU's last step of the +2% run beside the trace's and the allocator model's replay)",
+             "reserved: the GPU's last step of the +2% run beside the trace's and the allocator model's replay under the "
+             "same limit)",
              f"{'point':30} {'need':>6} {'x0.98':>5} {'x1.02':>5} {'ok':>3} {'alloc':>6} {'trace':>6} {'err':>6} "
              f"{'reserv':>6} {'model':>6} {'err':>6}"]
     by_point: dict[str, dict] = {}
@@ -124,6 +136,7 @@ def table(measured: Path) -> list[str]:
             by_point[run["point"]]["run"] = run
     bracketed = ran_below = out_above = 0
     errors: list[float] = []
+    held_errors: list[float] = []
     for point, seen in by_point.items():
         run = seen["run"]
         ok = seen.get(0.98) == "OOM" and seen.get(1.02) == "ran"
@@ -132,21 +145,23 @@ def table(measured: Path) -> list[str]:
         out_above += seen.get(1.02) == "OOM"
         cells = f"{point[:30]:30} {run['need_bytes'] / 2**20:6.0f} {seen.get(0.98, '-'):>5} {seen.get(1.02, '-'):>5} " \
                 f"{'yes' if ok else 'no':>3}"
-        last = [row for row in run.get("phases", []) if row["step"] == max(r["step"] for r in run["phases"])] \
-            if run.get("phases") else []
-        if last and seen.get(1.02) == "ran":
-            gpu_allocated = max(row["allocated_peak_bytes"] for row in last)
-            gpu_reserved = max(row["reserved_peak_bytes"] for row in last)
+        if run.get("phases") and seen.get(1.02) == "ran":
+            gpu_allocated, gpu_reserved = gpu_last_step_peaks(run)
             traced_allocated, held = traced_peaks(run)
             errors.append(traced_allocated / gpu_allocated - 1)
+            if held is not None:
+                held_errors.append(held / gpu_reserved - 1)
             cells += f" {gpu_allocated / 2**20:6.0f} {traced_allocated / 2**20:6.0f} " \
-                     f"{traced_allocated / gpu_allocated - 1:+6.1%} {gpu_reserved / 2**20:6.0f} {held / 2**20:6.0f} " \
-                     f"{held / gpu_reserved - 1:+6.1%}"
+                     f"{traced_allocated / gpu_allocated - 1:+6.1%} {gpu_reserved / 2**20:6.0f} " + (
+                         f"{'OOM':>6}" if held is None else f"{held / 2**20:6.0f} {held / gpu_reserved - 1:+6.1%}")
         lines.append(cells)
     lines += ["", f"bracketed: {bracketed} of {len(by_point)} points; ran below the need: {ran_below}; out of memory "
                   f"above it: {out_above}",
               f"traced allocated peak against the GPU's: median {sorted(errors)[len(errors) // 2]:+.1%}, "
-              f"from {min(errors):+.1%} to {max(errors):+.1%} over {len(errors)} points" if errors else ""]
+              f"from {min(errors):+.1%} to {max(errors):+.1%} over {len(errors)} points" if errors else "",
+              f"the allocator model's reserved peak under the same limit against the GPU's: median "
+              f"{sorted(held_errors)[len(held_errors) // 2]:+.1%}, from {min(held_errors):+.1%} to "
+              f"{max(held_errors):+.1%} over {len(held_errors)} points" if held_errors else ""]
     return lines
 
 
