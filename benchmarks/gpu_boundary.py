@@ -89,23 +89,29 @@ def prepare(out: Path) -> None:
 
 
 def traced_peaks(point: dict) -> tuple[int, int | None]:
-    """The traced step's allocated peak and what the allocator model holds for it under the run's limit (bytes): on a
-    card with room it would hold far more (a decoding step's larger cache cannot reuse the last one's block, so the
-    cache grows until cudaMalloc fails), which the GPU, capped at the limit, could not. None where the model runs out
-    under the limit (a point whose need came from another commit's code)."""
+    """The traced step's allocated peak and what the allocator model holds for it under the run's limit (bytes):
+    replayed_peaks of the point's exact check."""
     from vram_planner import engine
+    from vram_planner.model.calibration import default_calibration
+
+    outcome = engine.check(point["model"], CARD, point["settings"], exact=True, calibration=default_calibration())
+    return replayed_peaks(outcome, point["limit_bytes"])
+
+
+def replayed_peaks(outcome, limit_bytes: int) -> tuple[int, int | None]:
+    """An exact check's traced step replayed under `limit_bytes`: its allocated peak and what the allocator model
+    holds (bytes). On a card with room it would hold far more (a decoding step's larger cache cannot reuse the last
+    one's block, so the cache grows until cudaMalloc fails), which the GPU, capped at the limit, could not. None where
+    the model runs out under the limit (a point whose need came from another commit's code)."""
     from vram_planner.allocator import parse_allocator_conf
     from vram_planner.allocator.replay import replay_events
-    from vram_planner.model.calibration import default_calibration
     from vram_planner.model.cublas import workspace_bytes
     from vram_planner.tracing.events import with_workspaces
 
-    outcome = engine.check(point["model"], CARD, point["settings"], exact=True, calibration=default_calibration())
     capability = outcome.traced.context.gpu.compute_capability
     stream = with_workspaces(outcome.result.steady_stream(), workspace_bytes(capability))
     replay = replay_events([(e.kind, e.block, e.size_bytes) for e in stream.events],
-                           parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf"),
-                           point["limit_bytes"])
+                           parse_allocator_conf(outcome.traced.train.allocator_conf, "--allocator-conf"), limit_bytes)
     return replay.max_allocated_bytes, None if replay.out_of_memory is not None else replay.max_reserved_bytes
 
 
