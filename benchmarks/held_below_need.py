@@ -9,7 +9,11 @@ vram_planner/model/fragmentation.py and generation_patterns.py were read off thi
 Points are named as in benchmarks/results/boundary.txt; each is traced (seconds to a minute). `--segments` adds the
 segments that hold the cached memory: each one's size, the request that made it (a cudaMalloc, in which phase), and
 the live blocks that keep it from being released, the largest first. `--pool` adds, as each phase of the step begins,
-the cached blocks it starts from (those a pattern cuts its requests from), by size.
+the cached blocks it starts from (those a pattern cuts its requests from), by size. `--placements PHASE` adds, for
+each request of that phase from --least-mib up, each time the phase runs, the segment it was cut from (its size and
+the request that cudaMalloc'd it) and where in it, and what a new segment's cudaMalloc released first:
+
+    python benchmarks/held_below_need.py --placements training --least-mib 64 "SmolLM2-135M lora c256 B128"
 """
 
 from __future__ import annotations
@@ -31,16 +35,20 @@ from vram_planner.units import MiB
 SHOWN = 12  # the largest groups of each kind
 
 
-def held(model: str, settings: dict, segments: bool = False, pool: bool = False) -> list[str]:
+def held(model: str, settings: dict, segments: bool = False, pool: bool = False, placements: str | None = None,
+         least_bytes: int = 0) -> list[str]:
     outcome = engine.check(model, CARD, settings, exact=True, calibration=default_calibration())
     stream, conf, capacity = below_need(outcome)
     allocator = CachingAllocator(conf, capacity)
     made: dict[int, tuple[int, object]] = {}  # block -> (address, its event)
     made_segment: dict[int, object] = {}  # a segment's address -> the event whose request cudaMalloc'd it
     pools: list[str] = []
+    begun: Counter = Counter()  # how many times each phase has begun (the step, for the phases every step runs once)
     for index, event in enumerate(stream.events):
-        if pool and (index == 0 or event.phase != stream.events[index - 1].phase):
-            pools.append(_pool_described(allocator, event, index))
+        if index == 0 or event.phase != stream.events[index - 1].phase:
+            begun[event.phase] += 1
+            if pool:
+                pools.append(_pool_described(allocator, event, index))
         if event.kind != "alloc":
             allocator.free(made.pop(event.block)[0])
             continue
@@ -50,9 +58,26 @@ def held(model: str, settings: dict, segments: bool = False, pool: bool = False)
         except OutOfMemory as failed:
             lines = pools + _described(allocator, made, failed, event, index, outcome.need.capacity_bytes)
             return lines + (_segments_described(allocator, made, made_segment) if segments else [])
-        made_segment.update({address: event for action, address, _ in allocator.segment_log[logged:]
-                             if action == "segment_alloc"})
+        log = allocator.segment_log[logged:]
+        made_segment.update({address: event for action, address, _ in log if action == "segment_alloc"})
+        if event.phase == placements and event.size_bytes >= least_bytes:
+            pools.append(_placement_described(allocator, made[event.block][0], event, index, begun[event.phase],
+                                              made_segment, log))
     return [f"runs {capacity / MiB:.0f} MiB: the allocator is not monotone in the capacity here"]
+
+
+def _placement_described(allocator: CachingAllocator, address: int, event, index: int, time: int,
+                         made_segment: dict, log: list) -> str:
+    """Where one request landed: the segment it was cut from (what made it), where in it, and what its cudaMalloc
+    released first."""
+    first, size = next((segment[0][0], sum(n_bytes for _, n_bytes, _ in segment))
+                       for segment in allocator.segment_blocks() if any(block == address for block, _, _ in segment))
+    maker = made_segment[first]
+    released = [n_bytes for action, _, n_bytes in log if action == "segment_free"]
+    return (f"  {event.phase} {time}, event {index} ({event.moment}): {event.size_bytes / MiB:.1f} MiB at "
+            f"{(address - first) / MiB:.1f} in a {size / MiB:.1f} MiB segment made in {maker.phase}, {maker.moment}"
+            + (f" (new, after releasing {len(released)} cached segments of {sum(released) / MiB:.0f} MiB)"
+               if released else " (new)" if maker is event else ""))
 
 
 def _pool_described(allocator: CachingAllocator, event, index: int) -> str:
@@ -111,6 +136,10 @@ def main() -> int:
     parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt or boundary-heldout.txt")
     parser.add_argument("--segments", action="store_true", help="also the segments that hold the cached memory")
     parser.add_argument("--pool", action="store_true", help="also the cached blocks each phase begins from")
+    parser.add_argument("--placements", metavar="PHASE", help="also where each request of that phase (training, "
+                        "generation, ...) landed: the segment it was cut from and what made it, each time it runs")
+    parser.add_argument("--least-mib", type=float, default=32.0, metavar="M",
+                        help="--placements' smallest request shown (MiB; default 32)")
     parser.add_argument("--seed", type=int, default=0, help="the held-out sweep whose labels these are")
     parser.add_argument("--largest-gib", type=float, metavar="G", help="that sweep's bound on the analytic peak")
     args = parser.parse_args()
@@ -125,7 +154,9 @@ def main() -> int:
               file=sys.stderr)
         return 2
     for label in args.points:
-        print("\n".join([f"== {label}", *held(*grid[label], segments=args.segments, pool=args.pool)]), flush=True)
+        print("\n".join([f"== {label}", *held(*grid[label], segments=args.segments, pool=args.pool,
+                                               placements=args.placements, least_bytes=int(args.least_mib * MiB))]),
+              flush=True)
     return 0
 
 

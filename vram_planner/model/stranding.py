@@ -117,7 +117,15 @@ def head_block_stranded_bytes(arch: ModelArchitecture, train: TrainingConfig) ->
     the layers' inputs, which find the blocks the previous forward left, and the block is free again for the backward
     unless the one tensor kept after them, the final norm's output, lands in it (head_block_counted): not counted, as
     counting it would put those steps up to 24% over their need under TRL 1.0, where 5 of 15 such points stranded it
-    (SmolLM2-135M's LoRA with 128 x 256 completions 16.2% under its need; verdict.need_above_band)."""
+    (SmolLM2-135M's LoRA with 128 x 256 completions 16.2% under its need; verdict.need_above_band). How it lands
+    there (benchmarks/held_below_need.py --placements training, that point under TRL 1.14): at the need the first
+    step's LM head backward cannot cudaMalloc its block and releases every whole cached segment (12, 10,308 MiB), so
+    of the forward's MLP segments only those the checkpointed inputs pin survive; the second forward fills them with
+    its inputs, two 72 MiB ones to each 192 MiB segment, and the last layers' working tensors (192 and 384 MiB) and
+    the final norm's float32 144 MiB input are cut from the free logits segment instead. Where a larger segment that
+    an input pins survives beside them (SmolLM2-135M's LoRA with 16 x 4,096 completions: a 578 MiB one), the working
+    tensors and that input land there and nothing strands: which segments survive depends on the moment of the
+    release, which no closed form here follows."""
     if not head_block_counted(train):
         return 0.0
     return backward_block_bytes(arch, train, train.release, train.micro_batch_completions)
