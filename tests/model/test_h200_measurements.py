@@ -129,8 +129,8 @@ def _bracketed_runs() -> list[dict]:
 def test_the_allocator_model_reserves_what_the_gpu_reserved_under_the_same_limit(run):
     """Where the GPU bracketed the need, the caching allocator model, replaying the traced step under the limit the
     GPU ran under (its need plus 2%), holds what the GPU reserved in its last step within 2%. On a card with room it
-    would hold more (up to 4.2 times as much for Qwen3-0.6B's LoRA with a reference model, which ran too: a decoding
-    step's larger cache cannot reuse the last step's block), so only the same limit compares the two."""
+    would hold more (4.2 times what the GPU held for Qwen3-0.6B's LoRA with a reference model: a decoding step's
+    larger cache cannot reuse the last step's block), so only the same limit compares the two."""
     from helpers import benchmark_module
 
     gpu_boundary = benchmark_module("gpu_boundary")
