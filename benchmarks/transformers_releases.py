@@ -128,6 +128,7 @@ def hub_decorated(source: str, layer: str) -> bool:
 
 SDPA_INTEGRATION = "transformers/integrations/sdpa_attention.py"  # shared by the models from 4.48
 MODELING_UTILS = "transformers/modeling_utils.py"
+TRAINING_ARGS = "transformers/training_args.py"
 
 
 def release_facts(path: Path) -> dict[str, dict[str, Any]]:
@@ -159,12 +160,25 @@ def release_facts(path: Path) -> dict[str, dict[str, Any]]:
         return facts
 
 
+def training_arguments_facts(path: Path) -> dict[str, str]:
+    """What TrainingArguments (GRPOConfig's base) calls gradient checkpointing: "activation_checkpointing" where it
+    has a field of that name (5.23 on; the old name an alias), else "gradient_checkpointing"."""
+    with zipfile.ZipFile(path) as archive:
+        tree = ast.parse(archive.read(TRAINING_ARGS).decode())
+    fields = {node.target.id for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) and cls.name == "TrainingArguments"
+              for node in cls.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    return {"checkpointing_argument": "activation_checkpointing" if "activation_checkpointing" in fields
+            else "gradient_checkpointing"}
+
+
 def extract(folder: Path) -> dict[str, Any]:
     return {"made": date.today().isoformat(),
             "source": "pip download --no-deps transformers==X; models/<type>/modeling_<type>.py: ...ForCausalLM.forward, "
                       "_supports_sdpa, the mask it builds, its use_kernel_forward_from_hub decorations; "
-                      "modeling_utils.py: from_pretrained's use_kernels default",
-            "releases": {v: release_facts(wheel(v, folder)) for v in RELEASES}}
+                      "modeling_utils.py: from_pretrained's use_kernels default; training_args.py: TrainingArguments' "
+                      "fields",
+            "releases": {v: release_facts(wheel(v, folder)) for v in RELEASES},
+            "training_arguments": {v: training_arguments_facts(wheel(v, folder)) for v in RELEASES}}
 
 
 def disagreements(facts: dict[str, Any]) -> list[str]:
@@ -183,6 +197,10 @@ def disagreements(facts: dict[str, Any]) -> list[str]:
                     "kernelized_rotary": row.hub_kernels and family.hub_rotary}
             lines += [f"transformers {version} {model_type}: {column} table {said[column]}, wheel {value}"
                       for column, value in read.items() if said[column] != value]
+    for version, read in facts.get("training_arguments", {}).items():
+        row = transformers_release(version, int(version.split(".")[0]))
+        lines += [f"transformers {version} TrainingArguments: {column} table {getattr(row, column)}, wheel {value}"
+                  for column, value in read.items() if getattr(row, column) != value]
     return lines
 
 

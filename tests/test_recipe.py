@@ -313,6 +313,23 @@ def test_the_fields_of_older_releases_are_those_their_wheels_had():
     assert {name for name in every if name in OLDER_NAMES} - set(request_fields()) <= set(LAST_RELEASE_WITH)
 
 
+@pytest.mark.parametrize(("spelled", "transformers_version", "edited"), [
+    ("gradient_checkpointing", "5.24.0", "gradient_checkpointing"),  # both names work until transformers 6.0
+    ("activation_checkpointing", "5.24.0", "activation_checkpointing"),
+    (None, "5.24.0", "activation_checkpointing"),  # the name of the release planned (5.23 on)
+    (None, "5.22.0", "gradient_checkpointing"),
+])
+def test_the_edits_spell_checkpointing_as_the_recipe_does_else_as_the_release_does(spelled, transformers_version,
+                                                                                   edited):
+    from vram_planner.model.spec import TrainingConfig, with_changes
+    from vram_planner.recipe import recipe_edits
+
+    reading = read_recipe({"model_name_or_path": "Qwen2.5-0.5B", **({spelled: False} if spelled else {})})
+    requested = TrainingConfig(transformers_version=transformers_version, gradient_checkpointing=False)
+    chosen = with_changes(requested, gradient_checkpointing=True, use_reentrant=False)
+    assert recipe_edits(reading, requested, chosen) == {edited: True, f"{edited}_kwargs": {"use_reentrant": False}}
+
+
 @pytest.mark.parametrize("gpu", ["rtx4090", "rtx4060-laptop", "rtx3080-mobile"])
 def test_the_plans_edits_to_the_recipe_make_the_recipe_of_the_plans_choice(capsys, tmp_path, gpu):
     # the lines `plan --config recipe.yaml` prints, laid over the recipe, are the config the plan chose

@@ -394,9 +394,14 @@ _UNSET = object()
 def _recipe_arguments(recipe: Recipe, train: Any) -> dict[str, Any]:
     """The recipe's arguments that give TRL this config (GRPOConfig's, then ModelConfig's for the model's loading,
     LoRA and 4-bit weights)."""
-    from vram_planner.model.grpo_config import grpo_config_kwargs, lora_config_kwargs, quantization_config_kwargs
+    from vram_planner.model.grpo_config import (CHECKPOINTING_SPELLINGS, grpo_config_kwargs, lora_config_kwargs,
+                                                quantization_config_kwargs)
 
     arguments = grpo_config_kwargs(train)
+    # the recipe's spelling of gradient checkpointing (transformers 5.23 renamed it; both names work until 6.0)
+    spelled = [name for name in arguments if name in CHECKPOINTING_SPELLINGS]
+    if any(CHECKPOINTING_SPELLINGS[name] in recipe.given for name in spelled) and not recipe.given & set(spelled):
+        arguments.update({CHECKPOINTING_SPELLINGS[name]: arguments.pop(name) for name in spelled})
     loading = arguments.pop("model_init_kwargs", {})
     dtype_key = "torch_dtype" if "torch_dtype" in recipe.given or "torch_dtype" in loading else "dtype"
     arguments[dtype_key] = loading.get("dtype", loading.get("torch_dtype"))

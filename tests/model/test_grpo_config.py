@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vram_planner import engine
-from vram_planner.model.grpo_config import grpo_config_kwargs, grpo_config_problems, python_snippet
-from vram_planner.model.spec import training_config
+from vram_planner.model.grpo_config import (CHECKPOINTING_SPELLINGS, grpo_config_kwargs, grpo_config_problems,
+                                            python_snippet)
+from vram_planner.model.spec import TrainingConfig, training_config
+from vram_planner.model.transformers_releases import transformers_releases
 from vram_planner.profiles import GpuProfile
 
 pytestmark = pytest.mark.slow
@@ -43,6 +47,28 @@ def test_every_plan_builds_a_real_grpo_config(tmp_path, llama_1b_file, gib, sett
         assert config.gradient_checkpointing_kwargs == {"use_reentrant": True}
     # from_pretrained's keyword, which TRL passes on: left out where unset (the release's default)
     assert config.model_init_kwargs.get("use_kernels") == settings_.get("use_kernels")
+
+
+def test_the_config_names_checkpointing_as_each_transformers_release_does():
+    # transformers 5.23 renamed TrainingArguments' gradient_checkpointing(_kwargs) activation_checkpointing(_kwargs);
+    # the old names warn until 6.0 drops them (benchmarks/transformers_releases.py reads each wheel's fields)
+    rows = transformers_releases()
+    assert {row.checkpointing_argument for row in rows} == {"gradient_checkpointing", "activation_checkpointing"}
+    for row in rows:
+        kwargs = grpo_config_kwargs(TrainingConfig(transformers_version=row.min_version, use_reentrant=True))
+        name = row.checkpointing_argument
+        assert kwargs[name] is True and kwargs[f"{name}_kwargs"] == {"use_reentrant": True}, row.min_version
+        assert not (set(CHECKPOINTING_SPELLINGS) - {name, f"{name}_kwargs"}) & set(kwargs), row.min_version
+
+
+def test_the_printed_config_builds_without_a_deprecation_warning(tmp_path, llama_1b_file):
+    gpu = GpuProfile(name="card", total_memory_gib=24, bf16=True, flash_attention_2=True)
+    kwargs = grpo_config_kwargs(engine.plan(str(llama_1b_file), gpu, {"use_reentrant": False}).chosen.train)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = build_real(kwargs, tmp_path)
+    assert [str(w.message) for w in caught if "checkpointing" in str(w.message)] == []
+    assert config.gradient_checkpointing and config.gradient_checkpointing_kwargs == {"use_reentrant": False}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

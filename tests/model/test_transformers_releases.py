@@ -137,6 +137,10 @@ def test_the_rows_agree_with_every_wheel_read():
     assert read("5.25.0", "gemma2", "kernelized_rotary") and not read("5.25.0", "gemma2", "kernelized_rms_norm")
     assert read("5.25.0", "phi3", "kernelized_rms_norm") and not read("5.25.0", "phi3", "kernelized_rotary")
     assert all(set(types) >= {"llama", "qwen2", "mistral", "gemma2", "phi3"} for types in releases.values())
+    # training_args.py: TrainingArguments' activation_checkpointing field from 5.23 (gradient_checkpointing its alias)
+    arguments = facts["training_arguments"]
+    assert arguments["5.22.0"]["checkpointing_argument"] == "gradient_checkpointing"
+    assert arguments["5.23.0"]["checkpointing_argument"] == "activation_checkpointing"
     # a disagreement is reported, one line per column
     broken = {"releases": {"4.52.0": {"llama": {"logits_to_keep_names": ["num_logits_to_keep", "logits_to_keep"],
                                                 "supports_sdpa": True, "attention_mask": "per_layer",

@@ -30,13 +30,13 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
         "max_completion_length": train.max_completion_length,
         "beta": train.beta,
         "optim": train.optim.value,
-        "gradient_checkpointing": train.gradient_checkpointing,
+        train.transformers.checkpointing_argument: train.gradient_checkpointing,
         "bf16": train.mixed_precision == "bf16",
         "fp16": train.mixed_precision == "fp16",
         "model_init_kwargs": model_init,
     }
     if train.gradient_checkpointing and train.use_reentrant is not None:
-        kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": train.use_reentrant}
+        kwargs[f"{train.transformers.checkpointing_argument}_kwargs"] = {"use_reentrant": train.use_reentrant}
     if train.steps_per_generation is not None:
         kwargs["steps_per_generation"] = train.steps_per_generation
     if train.num_iterations != 1:
@@ -61,6 +61,13 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
             if train.vllm_max_model_length is not None:  # server mode: trl vllm-serve's --max_model_len instead
                 kwargs["vllm_max_model_length"] = train.vllm_max_model_length
     return kwargs
+
+
+# TrainingArguments' two spellings of the same arguments (profiles/transformers.toml checkpointing_argument), for a
+# recipe's edits in the recipe's own
+CHECKPOINTING_SPELLINGS = {"gradient_checkpointing": "activation_checkpointing",
+                           "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
+CHECKPOINTING_SPELLINGS.update({new: old for old, new in CHECKPOINTING_SPELLINGS.items()})
 
 
 def sampling_kwargs(train: TrainingConfig) -> dict[str, Any]:

@@ -51,6 +51,9 @@ class TransformersRelease:
     # what kernelizing (by default, or use_kernels=True) replaces in training on CUDA, read from the release's
     # integrations/hub_kernels.py; empty where it was not read, so use_kernels=True is not planned there
     hub_training_kernels: tuple[Literal["RMSNorm", "rotary_pos_emb"], ...] = ()
+    # what TrainingArguments (so GRPOConfig) calls gradient checkpointing and its kwargs: "activation_checkpointing"
+    # from 5.23, where "gradient_checkpointing" became an alias that warns and goes in 6.0
+    checkpointing_argument: Literal["gradient_checkpointing", "activation_checkpointing"] = "gradient_checkpointing"
     version: str = ""  # the release planned for, filled in by `transformers_release`
 
     def supports_sdpa(self, model_type: str) -> bool:
