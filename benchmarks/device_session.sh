@@ -3,7 +3,8 @@
 # OUT set to the folder that comes back and, in .whl/, the Python 3.12 wheels the machine's image lacks: trl 1.16.0,
 # datasets 5.2.0, dill, multiprocess, fsspec, pydantic with pydantic_core, annotated-types and typing-inspection,
 # typing_extensions, regex, accelerate, bitsandbytes (its CPU and CUDA 13.0 libraries alone), and the transformers,
-# tokenizers and peft releases to measure; about 27 MB). What the H200 calls of 2026-12-04 left owed:
+# tokenizers and peft releases to measure; about 27 MB: `bash benchmarks/device_wheels.sh` builds it from
+# constraints.txt). What the H200 calls of 2026-12-04 left owed:
 #   1. memory, side by side: the three boundary points that ran out of memory above their exact need (Qwen2.5-0.5B
 #      full c512 B8 at +2%; SmolLM2-135M's eager point under both cuBLAS-workspace placements at +2%), each at +5%,
 #      +10%, +15% and +20%, keeping the snapshot of each failed request (its segments' blocks and last events:
