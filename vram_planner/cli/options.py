@@ -47,7 +47,8 @@ KNOBS = [
     click.option("--optim", help="transformers optimizer name, e.g. adamw_torch_fused, adamw_8bit."),
     click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None),
     click.option("--use-reentrant/--no-use-reentrant", default=None,
-                 help="gradient_checkpointing_kwargs' use_reentrant (default: as the TRL release runs it)."),
+                 help="use_reentrant of gradient_checkpointing_kwargs (activation_checkpointing_kwargs from "
+                      "transformers 5.23; default: as the TRL release runs it)."),
     click.option("--dtype", help="Weights' dtype: float32 (TRL's default), bfloat16, float16."),
     click.option("--mixed-precision", help="bf16 (default), fp16 or no."),
     click.option("--attn-implementation", help="sdpa (default), eager or flash_attention_2."),
