@@ -63,8 +63,8 @@ def grpo_config_kwargs(train: TrainingConfig) -> dict[str, Any]:
     return kwargs
 
 
-# TrainingArguments' two spellings of the same arguments (profiles/transformers.toml checkpointing_argument), for a
-# recipe's edits in the recipe's own
+# TrainingArguments' two spellings of the same arguments (profiles/transformers.toml checkpointing_argument): a
+# recipe's edits keep the recipe's
 CHECKPOINTING_SPELLINGS = {"gradient_checkpointing": "activation_checkpointing",
                            "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
 CHECKPOINTING_SPELLINGS.update({new: old for old, new in CHECKPOINTING_SPELLINGS.items()})
