@@ -8,7 +8,10 @@ assumed) and runs `vram_planner.engine.check` on each row under the row's TRL re
 or the tested set's: `transformers_for`). A run that trained is compared by relative error, (predicted - measured) /
 measured. A run that crashed for memory only gives a floor (allocated + requested at the OOM, or the card's
 capacity): its error is shown only when the prediction falls below that floor, and the verdict column says whether
-vram-plan also calls it "does not fit". A row that cannot be planned (its model is not in the catalog and the hub
+vram-plan also calls it "does not fit". Most sources give the process's device memory (nvidia-smi, an OOM's figures),
+set beside the need `check` predicts; a row whose number is torch.cuda.max_memory_allocated()
+(`measured_quantity = "allocated"`) is set beside the allocated peak the estimate predicts (its tensors and cuBLAS
+workspaces: no allocator reserve, no CUDA context), and the two kinds are summed up apart. A row that cannot be planned (its model is not in the catalog and the hub
 cannot be reached, say) says so, and why under the table.
 """
 
@@ -37,6 +40,8 @@ DATA = Path(__file__).resolve().parent / "data" / "public_measurements.toml"
 TESTED_SET = Path(__file__).resolve().parent.parent / "constraints.txt"
 REQUIRED = ("id", "source", "model", "gpu", "trl_version", "settings", "measured_gib", "outcome")
 OUTCOMES = ("fits", "oom")
+# What a row's number measured: the process's device memory (the default), or torch.cuda.max_memory_allocated()
+QUANTITIES = ("device", "allocated")
 COLUMNS = ("source", "model", "GPU", "TRL", "settings", "measured GiB", "predicted GiB", "error", "verdict")
 
 # Knob -> how the settings column writes it; a knob missing here is written knob=value.
@@ -63,6 +68,10 @@ class Comparison:
     @property
     def measured_gib(self) -> float:
         return float(self.row["measured_gib"])
+
+    @property
+    def quantity(self) -> str:
+        return self.row.get("measured_quantity", "device")
 
     @property
     def is_oom(self) -> bool:
@@ -98,6 +107,8 @@ def row_problems(row: dict[str, Any]) -> str | None:
         return f"outcome must be one of {', '.join(OUTCOMES)} (got {row['outcome']!r})"
     if not isinstance(row["settings"], dict):
         return "settings must be a table of knobs"
+    if row.get("measured_quantity", "device") not in QUANTITIES:
+        return f"measured_quantity must be one of {', '.join(QUANTITIES)} (got {row['measured_quantity']!r})"
     if not isinstance(row["measured_gib"], (int, float)) or row["measured_gib"] <= 0:
         return f"measured_gib must be a positive number (got {row['measured_gib']!r})"
     return None
@@ -120,7 +131,9 @@ def compare(row: dict[str, Any]) -> Comparison:
         return Comparison(row, problem=str(exc), headline="error")
     except Exception as exc:  # noqa: BLE001 - the planner changes under this script; one row must not end the table
         return Comparison(row, problem=f"{type(exc).__name__}: {exc}", headline="internal error")
-    return Comparison(row, predicted_gib=gib(verdict.estimate.peak_bytes),
+    allocated = row.get("measured_quantity") == "allocated"
+    predicted = verdict.estimate.allocated_peak_bytes if allocated else verdict.estimate.peak_bytes
+    return Comparison(row, predicted_gib=gib(predicted),
                       capacity_gib=gib(verdict.context.capacity_bytes), predicted_fits=verdict.fits)
 
 
@@ -153,11 +166,14 @@ def tested_transformers() -> str | None:
 
 
 def source_label(url: str) -> str:
-    """'trl#3456' for a GitHub issue, 'trl PR 5759' for a pull request, else the site's name."""
+    """'trl#3456' for a GitHub issue, 'trl PR 5759' for a pull request, the repository's name for a file in one,
+    else the site's name."""
     parsed = urlparse(url)
     parts = parsed.path.strip("/").split("/")
     if parsed.netloc.endswith("github.com") and len(parts) >= 4 and parts[2] in ("issues", "pull"):
         return f"{parts[1]}#{parts[3]}" if parts[2] == "issues" else f"{parts[1]} PR {parts[3]}"
+    if parsed.netloc.endswith("github.com") and len(parts) >= 2:
+        return parts[1]
     return parsed.netloc.removeprefix("www.") or url
 
 
@@ -179,6 +195,8 @@ def short_settings(settings: dict[str, Any]) -> str:
             words.append("GC" if value else "no GC")
         elif knob == "optim":
             words.append(str(value))
+        elif knob == "load_in_4bit":
+            words.append("4-bit" if value else "no 4-bit")
         elif isinstance(value, bool):
             words.append(knob if value else f"no {knob}")
         else:
@@ -187,7 +205,9 @@ def short_settings(settings: dict[str, Any]) -> str:
 
 
 def measured_text(c: Comparison) -> str:
-    return f">={c.measured_gib:.2f} (OOM)" if c.is_oom else f"{c.measured_gib:.2f}"
+    if c.is_oom:
+        return f">={c.measured_gib:.2f} (OOM)"
+    return f"{c.measured_gib:.2f}" + (" allocated" if c.quantity == "allocated" else "")
 
 
 def error_text(c: Comparison) -> str:
@@ -224,13 +244,16 @@ def cells(c: Comparison, markdown: bool) -> list[str]:
 
 def summary(comparisons: list[Comparison]) -> str:
     """Median and worst absolute error over the runs that trained, and how often the verdict matched."""
-    errors = [abs(c.error_pct) for c in comparisons if not c.is_oom and c.error_pct is not None]
     judged = [c for c in comparisons if c.verdict_agrees is not None]
     unplanned = len(comparisons) - len(judged)
     parts = []
-    if errors:
-        parts.append(f"runs that trained: median |error| {statistics.median(errors):.1f}%, "
-                     f"worst {max(errors):.1f}% over {len(errors)}")
+    for quantity, what in (("device", "device memory of runs that trained"),
+                          ("allocated", "allocated peaks (torch.cuda.max_memory_allocated)")):
+        errors = [abs(c.error_pct) for c in comparisons
+                  if not c.is_oom and c.error_pct is not None and c.quantity == quantity]
+        if errors:
+            parts.append(f"{what}: median |error| {statistics.median(errors):.1f}%, "
+                         f"worst {max(errors):.1f}% over {len(errors)}")
     if judged:
         parts.append(f"verdict matches the outcome in {sum(bool(c.verdict_agrees) for c in judged)} of {len(judged)}")
     if unplanned:

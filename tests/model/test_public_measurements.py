@@ -61,3 +61,38 @@ def test_a_row_without_its_transformers_is_planned_under_the_tested_set():
     assert SCRIPT_MODULE.transformers_for(newest) == pinned
     assert SCRIPT_MODULE.transformers_for({**newest, "transformers_version": "5.23.0"}) == "5.23.0"
     assert SCRIPT_MODULE.transformers_for({"trl_version": "0.14.0"}) is None
+
+
+ALLOCATED = [row for row in ROWS if row.get("measured_quantity") == "allocated"]
+
+
+@pytest.mark.parametrize("row", ALLOCATED[:1], ids=lambda row: row["id"])
+def test_a_row_of_allocated_memory_is_set_beside_the_estimates_allocated_peak(row):
+    # torch.cuda.max_memory_allocated() counts what the caching allocator hands out: the tensors and the cuBLAS
+    # workspaces, never the allocator's reserve or the CUDA context, which the need beside device memory includes
+    from vram_planner import engine
+    from vram_planner.units import gib
+
+    comparison = SCRIPT_MODULE.compare(row)
+    estimate = engine.check(row["model"], row["gpu"], row["settings"], trl_version=row["trl_version"]).estimate
+    phase = max(estimate.phases, key=lambda p: p.tensor_bytes + p.components["cublas_workspaces"])
+    assert comparison.predicted_gib == gib(estimate.allocated_peak_bytes)
+    assert estimate.allocated_peak_bytes == phase.tensor_bytes + phase.components["cublas_workspaces"]
+    assert estimate.tensor_peak_bytes < estimate.allocated_peak_bytes < estimate.peak_bytes
+    assert SCRIPT_MODULE.measured_text(comparison).endswith(" allocated")
+
+
+def test_a_row_measuring_something_else_is_refused_in_one_line():
+    row = {**ALLOCATED[0], "measured_quantity": "nvidia-smi"}
+    assert SCRIPT_MODULE.row_problems(row) == "measured_quantity must be one of device, allocated (got 'nvidia-smi')"
+
+
+# The CoursIA probe's runs of 2026-10-06, each a QLoRA step whose allocated peak the source read with
+# torch.cuda.max_memory_allocated(): no allocator reserve in the number, so the estimate's tensors meet it closely
+SAME_DAY = [row for row in ALLOCATED if "2026-10-06" in row["source"]]
+
+
+@pytest.mark.parametrize("row", SAME_DAY, ids=lambda row: row["id"])
+def test_the_estimate_meets_published_allocated_peaks_within_a_percent(row):
+    comparison = SCRIPT_MODULE.compare(row)
+    assert comparison.problem is None and abs(comparison.error_pct) < 1.0, comparison.error_pct

@@ -119,6 +119,13 @@ class Estimate:
     def tensor_peak_bytes(self) -> float:
         return max(p.tensor_bytes for p in self.phases)
 
+    @property
+    def allocated_peak_bytes(self) -> float:
+        """What torch.cuda.max_memory_allocated() reads after the step: the tensors and the cuBLAS workspaces, which
+        the caching allocator hands out too, at the phase where they peak; neither the allocator's reserve nor
+        what lies outside it (the CUDA context, NCCL's buffers), nor colocated vLLM's budget."""
+        return max(p.tensor_bytes + p.components.get("cublas_workspaces", 0.0) for p in self.phases)
+
 
 def estimate(arch: ModelArchitecture, train: TrainingConfig, release: TrlRelease, cal: Calibration,
              capacity_bytes: int, context_bytes: float | None = None, gpu_label: str = "",
