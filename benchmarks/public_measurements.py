@@ -111,6 +111,9 @@ def row_problems(row: dict[str, Any]) -> str | None:
         return f"measured_quantity must be one of {', '.join(QUANTITIES)} (got {row['measured_quantity']!r})"
     if not isinstance(row["measured_gib"], (int, float)) or row["measured_gib"] <= 0:
         return f"measured_gib must be a positive number (got {row['measured_gib']!r})"
+    seconds = row.get("measured_step_seconds", 1)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        return f"measured_step_seconds must be a positive number (got {seconds!r})"
     return None
 
 

@@ -23,6 +23,9 @@ Inputs, all measured before the step-time model existed (none of its constants w
    in bf16, batch 1, on an A100-80GB power-limited to 330 W, 93.89 tokens/s, against the model's decoding in a
    CUDA-graph engine (its vLLM path; the priors' decode bandwidth efficiency cites gpt-fast's blog, so this row checks
    the bytes per token and the per-step overhead, not that factor).
+5. Published GRPO runs that give seconds per optimizer step (benchmarks/data/public_measurements.toml rows with
+   `measured_step_seconds`: jsboige/CoursIA's QLoRA probe on laptop and desktop cards, whose figure is the wall time
+   of building the trainer and three steps, divided by three), planned on their cards with the priors.
 Targets (issue 30): Spearman >= 0.9 over a measured set, median |error| < 15% before calibration, < 10% after.
 """
 
@@ -235,6 +238,21 @@ def public_rows() -> list[dict]:
              "predicted": 1 / (two - one)}]
 
 
+def public_step_rows() -> list[dict]:
+    """The published runs that give seconds per optimizer step (benchmarks/data/public_measurements.toml
+    `measured_step_seconds`), each planned as `check` plans it on its card, with the priors."""
+    from public_measurements import DATA, load_rows
+
+    rows = []
+    for row in load_rows(DATA):
+        if "measured_step_seconds" not in row:
+            continue
+        verdict = engine.check(row["model"], row["gpu"], row["settings"], trl_version=row["trl_version"])
+        rows.append({"name": row["id"], "measured": row["measured_step_seconds"],
+                     "predicted": timed(verdict).step_seconds})
+    return rows
+
+
 def table(title: str, rows: list[dict], unit: str) -> list[str]:
     lines = [title, f"{'config':<62} {'measured':>9} {'predicted':>9} {'error':>8}"]
     for row in rows:
@@ -259,6 +277,9 @@ def main(out: Path = OUT, calibration: Path = CALIBRATIONS / f"{H200}.json") -> 
                    "the model)", probe_rows(), " s"),
             *h200_tables(calibration),
             *table(f"Public decoding throughput ({GPT_FAST['source']})", public_rows(), "  "),
+            *table("Published GRPO runs' seconds per optimizer step (benchmarks/data/public_measurements.toml; "
+                   "measured: the run's wall time, trainer start-up included, over its steps), priors",
+                   public_step_rows(), " s"),
             "Efficiency factors of the H100 and public tables: the priors (the H100's probe record kept no phase "
             "times to fit)."]
     output = "\n".join(text) + "\n"

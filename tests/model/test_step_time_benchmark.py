@@ -59,3 +59,11 @@ def test_the_committed_results_are_what_the_script_prints(bench, capsys, tmp_pat
     default = default_calibration()
     assert written.allocator_reserve == default.allocator_reserve
     assert written.backward_mlp_bytes == default.backward_mlp_bytes
+
+
+def test_every_published_run_that_gives_its_step_time_is_compared(bench):
+    public = benchmark_module("public_measurements")
+    timed = [row for row in public.load_rows(public.DATA) if "measured_step_seconds" in row]
+    rows = bench.public_step_rows()
+    assert len(timed) >= 10 and [r["name"] for r in rows] == [row["id"] for row in timed]
+    assert all(r["predicted"] > 0 and r["measured"] == row["measured_step_seconds"] for r, row in zip(rows, timed))
