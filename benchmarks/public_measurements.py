@@ -9,10 +9,10 @@ or the tested set's: `transformers_for`). A run that trained is compared by rela
 measured. A run that crashed for memory only gives a floor (allocated + requested at the OOM, or the card's
 capacity): its error is shown only when the prediction falls below that floor, and the verdict column says whether
 vram-plan also calls it "does not fit". Most sources give the process's device memory (nvidia-smi, an OOM's figures),
-set beside the need `check` predicts; a row whose number is torch.cuda.max_memory_allocated()
-(`measured_quantity = "allocated"`) is set beside the allocated peak the estimate predicts (its tensors and cuBLAS
-workspaces: no allocator reserve, no CUDA context), and the two kinds are summed up apart. A row that cannot be planned (its model is not in the catalog and the hub
-cannot be reached, say) says so, and why under the table.
+set beside the need `check` predicts; a row whose number is torch.cuda.max_memory_allocated() (`measured_quantity =
+"allocated"`) is set beside the allocated peak the estimate predicts (its tensors and cuBLAS workspaces: no allocator
+reserve, no CUDA context), and the two kinds are summed up apart. A row that cannot be planned (its model is not in the
+catalog and the hub cannot be reached, say) says so, and why under the table.
 """
 
 from __future__ import annotations

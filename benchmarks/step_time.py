@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from public_measurements import DATA as PUBLIC_DATA
+from public_measurements import load_rows
 
 from vram_planner import engine
 from vram_planner.files import write_atomically
@@ -241,10 +243,8 @@ def public_rows() -> list[dict]:
 def public_step_rows() -> list[dict]:
     """The published runs that give seconds per optimizer step (benchmarks/data/public_measurements.toml
     `measured_step_seconds`), each planned as `check` plans it on its card, with the priors."""
-    from public_measurements import DATA, load_rows
-
     rows = []
-    for row in load_rows(DATA):
+    for row in load_rows(PUBLIC_DATA):
         if "measured_step_seconds" not in row:
             continue
         verdict = engine.check(row["model"], row["gpu"], row["settings"], trl_version=row["trl_version"])
