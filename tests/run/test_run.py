@@ -50,10 +50,16 @@ def test_run_trains_two_steps_and_logs_memory_per_step(tiny_model_folder, tmp_pa
 
     assert record["versions"]["trl"] == installed_version("trl") and record["versions"]["torch"]
     assert record["outcome"]["status"] == "finished" and record["outcome"]["steps"] == 2
+    # torch's allocated peak is set beside the plan's tensors and workspaces, its reserved one beside those with the
+    # allocator's reserve, its device memory beside the need with the CUDA context
+    outcome = record["outcome"]
+    assert 0 < outcome["predicted_peak_allocated_bytes"] < outcome["predicted_peak_reserved_bytes"] \
+        < outcome["predicted_peak_bytes"]
     steps = [json.loads(line) for line in (out / "vram-plan-log.jsonl").read_text().splitlines()]
     trained = [s for s in steps if "reward" in s]
     assert [s["step"] for s in trained] == [1, 2]
     assert all(s["predicted_peak_bytes"] > 0 and "rewards/format_reward/mean" in s for s in trained)
+    assert all(s["predicted_peak_allocated_bytes"] == outcome["predicted_peak_allocated_bytes"] for s in trained)
 
 
 def test_dry_run_prints_the_config_and_starts_nothing(capsys, tiny_model_folder, tmp_path):

@@ -201,10 +201,11 @@ def test_off_cuda_the_log_has_both_predictions_and_no_measurement(tmp_path):
 
     from vram_planner.run.progress import JsonlLog
 
-    log = JsonlLog(tmp_path / "log.jsonl", 5e9, predicted_reserved_bytes=4.4e9)
+    log = JsonlLog(tmp_path / "log.jsonl", 5e9, predicted_reserved_bytes=4.4e9, predicted_allocated_bytes=4.1e9)
     log.on_log(None, TrainerState(global_step=1, is_world_process_zero=True), TrainerControl(), logs={"reward": 1})
     line = json.loads((tmp_path / "log.jsonl").read_text())
     assert line["predicted_peak_bytes"] == 5e9 and line["predicted_peak_reserved_bytes"] == 4.4e9
+    assert line["predicted_peak_allocated_bytes"] == 4.1e9
     assert not [key for key in line if key.startswith("measured_peak")]
 
 

@@ -140,7 +140,7 @@ def start_run(setup: RunSetup, dataset: Any, resume_from: Path | None = None, sm
     resumed_at = int(resume_from.name.partition("-")[2]) if resume_from is not None else None
     memory = StepMemory.start()
     log = JsonlLog(setup.output_dir / LOG_NAME, setup.predicted_peak_bytes, resumed_at, setup.predicted_step_seconds,
-                   setup.predicted_reserved_bytes, memory)
+                   setup.predicted_reserved_bytes, memory, setup.predicted_allocated_bytes)
     progress = RichProgress(setup.predicted_reserved_bytes, transient=smoke, memory=memory)
 
     def on_log(*args: Any, **kwargs: Any) -> None:
@@ -243,6 +243,7 @@ def _train_recorded(setup: RunSetup, args: Any, peft_config: Any, dataset: Any, 
                                           "measured_peak_reserved_bytes": summary.measured_peak_reserved_bytes,
                                           "predicted_peak_bytes": round(setup.predicted_peak_bytes),
                                           "predicted_peak_reserved_bytes": round(setup.predicted_reserved_bytes),
+                                          "predicted_peak_allocated_bytes": round(setup.predicted_allocated_bytes),
                                           "measured_reserved_growth": growth.to_dict() if growth else None,
                                           **several})
     return summary

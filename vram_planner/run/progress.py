@@ -22,9 +22,10 @@ class JsonlLog:
 
     def __init__(self, path: Path, predicted_peak_bytes: float, resumed_at_step: int | None = None,
                  predicted_step_seconds: float | None = None, predicted_reserved_bytes: float | None = None,
-                 memory: StepMemory | None = None) -> None:
+                 memory: StepMemory | None = None, predicted_allocated_bytes: float | None = None) -> None:
         self.path, self.predicted = path, predicted_peak_bytes
         self.predicted_reserved = predicted_peak_bytes if predicted_reserved_bytes is None else predicted_reserved_bytes
+        self.predicted_allocated = predicted_allocated_bytes
         self.predicted_step_seconds = predicted_step_seconds
         self.memory = memory or StepMemory.start()
         self.started = time.perf_counter()
@@ -47,6 +48,8 @@ class JsonlLog:
         record = {"step": state.global_step, "seconds": round(now - self.started, 3),
                   **(logs or {}), "predicted_peak_bytes": round(self.predicted),
                   "predicted_peak_reserved_bytes": round(self.predicted_reserved)}
+        if self.predicted_allocated is not None:
+            record["predicted_peak_allocated_bytes"] = round(self.predicted_allocated)
         if self.last_logged is not None and state.global_step > self.last_logged[0]:
             # the first line's steps include the model's loading and the trainer's start: no step time there
             steps = state.global_step - self.last_logged[0]

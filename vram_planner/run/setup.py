@@ -70,6 +70,12 @@ class RunSetup:
         return predicted_reserved_bytes(self.verdict.estimate)
 
     @property
+    def predicted_allocated_bytes(self) -> float:
+        """The plan's allocated peak (its tensors and cuBLAS workspaces, Estimate.allocated_peak_bytes): the figure
+        set beside the measured peak allocated, with no allocator reserve on either side."""
+        return self.verdict.estimate.allocated_peak_bytes
+
+    @property
     def predicted_outside_allocator_bytes(self) -> dict[str, int]:
         """The plan's CUDA context and NCCL buffers on each rank, beside which a CUDA run records what its cards held
         outside the allocator."""
