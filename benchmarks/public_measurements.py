@@ -71,7 +71,7 @@ class Comparison:
 
     @property
     def quantity(self) -> str:
-        return self.row.get("measured_quantity", "device")
+        return measured_quantity(self.row)
 
     @property
     def is_oom(self) -> bool:
@@ -98,6 +98,11 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def measured_quantity(row: dict[str, Any]) -> str:
+    """What the row's number measured (QUANTITIES): the process's device memory unless the row says otherwise."""
+    return row.get("measured_quantity", "device")
+
+
 def row_problems(row: dict[str, Any]) -> str | None:
     """What makes a row unusable, in one line, or None."""
     missing = [key for key in REQUIRED if key not in row]
@@ -107,7 +112,7 @@ def row_problems(row: dict[str, Any]) -> str | None:
         return f"outcome must be one of {', '.join(OUTCOMES)} (got {row['outcome']!r})"
     if not isinstance(row["settings"], dict):
         return "settings must be a table of knobs"
-    if row.get("measured_quantity", "device") not in QUANTITIES:
+    if measured_quantity(row) not in QUANTITIES:
         return f"measured_quantity must be one of {', '.join(QUANTITIES)} (got {row['measured_quantity']!r})"
     if not isinstance(row["measured_gib"], (int, float)) or row["measured_gib"] <= 0:
         return f"measured_gib must be a positive number (got {row['measured_gib']!r})"
@@ -127,17 +132,23 @@ def compare(row: dict[str, Any]) -> Comparison:
     except VramPlanError as exc:
         return Comparison(row, problem=str(exc), headline="model not available")
     try:
-        assumed = transformers_for(row)
-        known = {"transformers_version": assumed} if assumed else {}
-        verdict = engine.check(row["model"], row["gpu"], {**row["settings"], **known}, trl_version=row["trl_version"])
+        verdict = planned(row)
     except VramPlanError as exc:
         return Comparison(row, problem=str(exc), headline="error")
     except Exception as exc:  # noqa: BLE001 - the planner changes under this script; one row must not end the table
         return Comparison(row, problem=f"{type(exc).__name__}: {exc}", headline="internal error")
-    allocated = row.get("measured_quantity") == "allocated"
+    allocated = measured_quantity(row) == "allocated"
     predicted = verdict.estimate.allocated_peak_bytes if allocated else verdict.estimate.peak_bytes
     return Comparison(row, predicted_gib=gib(predicted),
                       capacity_gib=gib(verdict.context.capacity_bytes), predicted_fits=verdict.fits)
+
+
+def planned(row: dict[str, Any]) -> Any:
+    """`check`'s verdict on the row's run (vram_planner.model.verdict.Verdict): under its TRL release and the
+    transformers release transformers_for gives it."""
+    assumed = transformers_for(row)
+    known = {"transformers_version": assumed} if assumed else {}
+    return engine.check(row["model"], row["gpu"], {**row["settings"], **known}, trl_version=row["trl_version"])
 
 
 def transformers_for(row: dict[str, Any]) -> str | None:

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from public_measurements import DATA as PUBLIC_DATA
-from public_measurements import load_rows
+from public_measurements import load_rows, planned
 
 from vram_planner import engine
 from vram_planner.files import write_atomically
@@ -242,14 +242,14 @@ def public_rows() -> list[dict]:
 
 def public_step_rows() -> list[dict]:
     """The published runs that give seconds per optimizer step (benchmarks/data/public_measurements.toml
-    `measured_step_seconds`), each planned as `check` plans it on its card, with the priors."""
+    `measured_step_seconds`), each planned as the memory table plans it (public_measurements.planned: the tested
+    set's transformers where the source names none), with the priors."""
     rows = []
     for row in load_rows(PUBLIC_DATA):
         if "measured_step_seconds" not in row:
             continue
-        verdict = engine.check(row["model"], row["gpu"], row["settings"], trl_version=row["trl_version"])
         rows.append({"name": row["id"], "measured": row["measured_step_seconds"],
-                     "predicted": timed(verdict).step_seconds})
+                     "predicted": timed(planned(row)).step_seconds})
     return rows
 
 

@@ -63,7 +63,7 @@ def test_a_row_without_its_transformers_is_planned_under_the_tested_set():
     assert SCRIPT_MODULE.transformers_for({"trl_version": "0.14.0"}) is None
 
 
-ALLOCATED = [row for row in ROWS if row.get("measured_quantity") == "allocated"]
+ALLOCATED = [row for row in ROWS if SCRIPT_MODULE.measured_quantity(row) == "allocated"]
 
 
 @pytest.mark.parametrize("row", ALLOCATED[:1], ids=lambda row: row["id"])
