@@ -70,11 +70,10 @@ ALLOCATED = [row for row in ROWS if SCRIPT_MODULE.measured_quantity(row) == "all
 def test_a_row_of_allocated_memory_is_set_beside_the_estimates_allocated_peak(row):
     # torch.cuda.max_memory_allocated() counts what the caching allocator hands out: the tensors and the cuBLAS
     # workspaces, never the allocator's reserve or the CUDA context, which the need beside device memory includes
-    from vram_planner import engine
     from vram_planner.units import gib
 
     comparison = SCRIPT_MODULE.compare(row)
-    estimate = engine.check(row["model"], row["gpu"], row["settings"], trl_version=row["trl_version"]).estimate
+    estimate = SCRIPT_MODULE.planned(row).estimate  # under the tested set's transformers, whichever is installed
     phase = max(estimate.phases, key=lambda p: p.tensor_bytes + p.components["cublas_workspaces"])
     assert comparison.predicted_gib == gib(estimate.allocated_peak_bytes)
     assert estimate.allocated_peak_bytes == phase.tensor_bytes + phase.components["cublas_workspaces"]
