@@ -126,6 +126,15 @@ CONFIGS = {
     "lora c1024 B16 nogc": {**BF16_LORA, "num_generations": 16, "per_device_train_batch_size": 16,
                             "max_completion_length": 1024, "gradient_checkpointing": False},
 }
+# QLoRA, the 16 GB card's config: 4-bit NF4 weights, double-quantized, bf16 adapters (TRL casts them), at a long
+# completion and at a short one for a large micro-batch. A table of their own (--suffix qlora --configs ...): the
+# reserve's patterns were read off and fitted on 16-bit steps, and these are not in that fit.
+QLORA_CONFIGS = {
+    "qlora c1024 B8": {**BF16_LORA, "load_in_4bit": True, "max_completion_length": 1024},
+    "qlora p256 c256 B32 G16": {**BF16_LORA, "load_in_4bit": True, "num_generations": 16,
+                                "per_device_train_batch_size": 32, "max_prompt_length": 256,
+                                "max_completion_length": 256},
+}
 # For the releases whose per_device_train_batch_size counts prompts (TRL 0.14: each micro-batch is B prompts' G
 # completions, its loss merged with the reference's log-probs), the grid's batches would be G times larger: these are
 # theirs, as the recipes of the time ran them (bf16 weights under accelerate's bf16 autocast, or TRL 0.14's own
@@ -157,6 +166,8 @@ FIXTURE_CONFIGS = {
                   "max_completion_length": 256, "beta": 0.04},
     "lora B32": {"lora_r": 8, "per_device_train_batch_size": 32, "num_generations": 8, "max_prompt_length": 32,
                  "max_completion_length": 128},
+    "qlora B16": {"lora_r": 8, "load_in_4bit": True, "dtype": "bfloat16", "per_device_train_batch_size": 16,
+                  "num_generations": 8, "max_prompt_length": 32, "max_completion_length": 128},
 }
 
 
@@ -167,7 +178,7 @@ def points(models: list[str], quick: bool, names: list[str] | None = None) -> li
            for name, settings in FIXTURE_CONFIGS.items()] if names is None else []
     configs = {name: CONFIGS[name] for name in QUICK_CONFIGS} if quick else CONFIGS
     if names is not None:
-        configs = {name: {**CONFIGS, **PROMPT_BATCH_CONFIGS}[name] for name in names}
+        configs = {name: {**CONFIGS, **PROMPT_BATCH_CONFIGS, **QLORA_CONFIGS}[name] for name in names}
     return out + [(f"{model} {name}", model, settings) for model in models for name, settings in configs.items()]
 
 
@@ -272,7 +283,8 @@ def rejudged(needs: dict, release: dict, trl_version: str | None = None) -> list
     """(row, settings) of every grid point `needs` holds, the analytic side planned for `release` (traced_release)
     and `trl_version`, as --from-needs judges them; silent on the points it leaves out."""
     out = []
-    for label, model, settings in points(list(MODELS), False) + points(list(MODELS), False, [*PROMPT_BATCH_CONFIGS]):
+    for label, model, settings in (points(list(MODELS), False) + points(list(MODELS), False, [*PROMPT_BATCH_CONFIGS])
+                                   + points(list(MODELS), False, [*QLORA_CONFIGS])):
         if label in needs:
             settings = {**settings, **release}
             shorter = shorter_need(label, model, settings, needs, heaviest_prompt(model, settings, trl_version))
@@ -339,8 +351,9 @@ def main() -> int:
                         help="the committed needs, whatever code made them; bisect the points they lack")
     parser.add_argument("--suffix", metavar="NAME", help="needs and table of their own (boundary-needs-NAME.json, "
                         "boundary-NAME.txt, written when every point its needs hold ran)")
-    parser.add_argument("--configs", nargs="+", choices=[*CONFIGS, *PROMPT_BATCH_CONFIGS], metavar="CONFIG",
-                        help="these configs only (no fixtures): the grid's, or PROMPT_BATCH_CONFIGS")
+    parser.add_argument("--configs", nargs="+", choices=[*CONFIGS, *PROMPT_BATCH_CONFIGS, *QLORA_CONFIGS],
+                        metavar="CONFIG",
+                        help="these configs only (no fixtures): the grid's, PROMPT_BATCH_CONFIGS or QLORA_CONFIGS")
     args = parser.parse_args()
     tail = f"-{args.suffix}" if args.suffix else ""
     cache_path = RESULTS / f"boundary-needs{tail}.json"

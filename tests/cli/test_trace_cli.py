@@ -60,7 +60,7 @@ def test_a_trace_that_does_not_fit_exits_1(capsys):
     assert code == 1 and not json.loads(out)["fits"]
 
 
-@pytest.mark.parametrize("flags", [["--use-vllm"], ["--load-in-4bit", "--lora-r", "8"], ["--optim", "paged_adamw_8bit"],
+@pytest.mark.parametrize("flags", [["--use-vllm"], ["--optim", "paged_adamw_8bit"],
                                    ["--num-gpus", "2", "--zero-stage", "0"], ["--num-gpus", "2", "--zero-stage", "2",
                                     "--offload-optimizer", "cpu"]])
 def test_what_the_cpu_cannot_trace_is_one_line(capsys, flags):

@@ -213,7 +213,7 @@ def test_notes_say_what_fake_tensors_could_not_tell(full):
 
 
 @pytest.mark.parametrize("changes", [
-    {"load_in_4bit": True, "lora_r": 8}, {"use_vllm": True}, {"num_gpus": 2},
+    {"use_vllm": True}, {"num_gpus": 2},
     {"use_liger_kernel": True}, {"attn_implementation": "flash_attention_2"}, {"optim": "paged_adamw_8bit"},
 ])
 def test_what_the_cpu_trace_cannot_run_is_a_clear_error(changes):

@@ -27,6 +27,9 @@ NF4_DOUBLE_QUANT_ABSMAX_BYTES_PER_PARAM = 1 / 64 + 4 / (64 * 256)
 # (backends/cuda/ops.py, _gemm_4bit_use_custom_cuda: "custom wins up to M=512" for weights of 4M elements or more, the
 # other shapes and sm100 with tighter bounds, a simplification here; _dequant_linear_fallback).
 BNB_FUSED_MAX_ROWS = 512
+# ... and only where a weight's rows are whole quantization blocks (in_features a multiple of the blocksize, 64 as
+# transformers quantizes): else it warns and dequantizes at any number of rows.
+BNB_4BIT_BLOCKSIZE = 64
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors smaller than this (min_8bit_size).
 BNB_MIN_8BIT_SIZE = 4096
 # Blockwise 8-bit state: one fp32 absmax per 256 values (bitsandbytes optim, block size 256).
@@ -72,10 +75,11 @@ def autocast_casts_weights(train: TrainingConfig) -> bool:
             and not train.fsdp and train.zero_stage is None)
 
 
-def fused_4bit(rows: int | None) -> bool:
-    """Whether bitsandbytes multiplies `rows` tokens by a 4-bit weight in its fused kernel (None: a backward, which
-    dequantizes)."""
-    return rows is not None and rows <= BNB_FUSED_MAX_ROWS
+def fused_4bit(rows: int | None, in_features: int | None = None) -> bool:
+    """Whether bitsandbytes multiplies `rows` tokens by a 4-bit weight of `in_features` columns in its fused kernel
+    (rows None: a backward, which dequantizes; in_features None: a weight of whole blocks)."""
+    whole_blocks = in_features is None or in_features % BNB_4BIT_BLOCKSIZE == 0
+    return rows is not None and rows <= BNB_FUSED_MAX_ROWS and whole_blocks
 
 
 def dequantized_weight_bytes(arch: ModelArchitecture, train: TrainingConfig, rows: int | None) -> float:
@@ -84,9 +88,11 @@ def dequantized_weight_bytes(arch: ModelArchitecture, train: TrainingConfig, row
     weight in the dtype it was loaded in (the quant state's), the matmul reads it, and it is freed when the call
     returns, so one is alive at a time, beside the layer's own tensors (a Llama-3.1-8B MLP weight: 112 MiB in
     bfloat16). The LM head stays 16-bit (transformers leaves the output embedding unquantized)."""
-    if not train.load_in_4bit or fused_4bit(rows):
+    if not train.load_in_4bit:
         return 0
-    return max(lin.in_features * lin.out_features for lin in arch.layer_linears()) * sizes(train).weight
+    dequantized = [lin.in_features * lin.out_features for lin in arch.layer_linears()
+                   if not fused_4bit(rows, lin.in_features)]
+    return max(dequantized, default=0) * sizes(train).weight
 
 
 def layer_weight_cast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

@@ -33,6 +33,8 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
       code on CUDA: stand-ins that allocate and keep what they do (`tracing.hub_kernels`).
     - Dropout (PEFT's `lora_dropout`, TRL's default 0.05 for its scripts' adapters) takes CUDA's fused kernel, which
       keeps a bool mask for backward where the CPU path keeps a noise tensor of the input's dtype (`_fused_dropout`).
+    - bitsandbytes' 4-bit matmul dequantizes the whole weight where its CUDA kernel would not fuse
+      (`_matmul_4bit_as_cuda`).
     """
     import torch.nn.functional as F
     import transformers.generation.utils as gen_utils
@@ -44,6 +46,10 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
     fused = uses_fused_lm_head(session.train)
     patches = [one_step_generation(gen_utils), *_logprob_kernel_patches(fused), *hub_kernel_patches(session),
                (F, "dropout", _fused_dropout(F.dropout))]
+    if session.train.load_in_4bit:
+        import bitsandbytes
+
+        patches.append((bitsandbytes, "matmul_4bit", _matmul_4bit_as_cuda(bitsandbytes.matmul_4bit)))
     if fused:  # TRL 1.15 and later
         import trl.kernels.chunked_logprob as chunked
         import trl.trainer.utils as trl_utils
@@ -69,6 +75,34 @@ def cuda_like_behaviour(session: Session) -> Iterator[None]:
 
 
 _ABSENT = object()
+
+
+def _matmul_4bit_as_cuda(matmul_4bit: Callable[..., Any]) -> Callable[..., Any]:
+    """`bnb.matmul_4bit` as its CUDA kernel for `bitsandbytes::gemm_4bit` allocates (backends/cuda/ops.py 0.50.2),
+    where the fake kernel only makes the output. The fused kernel (`_gemm_4bit_kernel_impl`) reads A contiguous;
+    above its rows, or where the inner dimension is not a whole number of blocks, `_dequant_linear_fallback`
+    dequantizes the double-quantized absmax and adds its offset, then the whole weight in A's dtype, and holds them
+    while F.linear writes the output. Which rows fuse is calibrated per GPU there; the planner's bound
+    (model.components.fused_4bit) stands for it."""
+    import torch
+
+    from vram_planner.model.components import fused_4bit
+
+    def as_cuda(A: Any, B: Any, quant_state: Any, out: Any = None, bias: Any = None) -> Any:
+        inner = A.shape[-1]
+        if fused_4bit(A.numel() // inner, inner):
+            held = [A.contiguous()]  # the kernel's copy of a strided A
+        else:
+            held = []
+            if quant_state.nested:
+                dequantized_absmax = torch.empty_like(quant_state.absmax, dtype=torch.float32)
+                held += [dequantized_absmax, dequantized_absmax + quant_state.offset]
+            held.append(torch.empty(tuple(quant_state.shape), dtype=A.dtype, device=A.device))
+        result = matmul_4bit(A, B, quant_state, out=out, bias=bias)  # the fake kernel makes the output
+        del held
+        return result
+
+    return as_cuda
 
 
 def _fused_dropout(cpu_dropout: Callable[..., Any]) -> Callable[..., Any]:

@@ -70,26 +70,31 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
     session = Session(train=train, fake_mode=FakeTensorMode(allow_non_fake_inputs=True), tracker=LiveBytes())
     with torch.device("meta"):
         model = _build_model(arch_config, train)
+        if train.load_in_4bit:
+            _quantize_on_load(model, train)
         if train.uses_lora:
             model = _add_lora(model, train)
+        if train.load_in_4bit:
+            _adapters_to_bf16(model)
         if train.computes_ref_logps and not train.uses_lora:
             session.ref_model = _build_model(arch_config, train)
         cast_heads(model, session.ref_model, train)
-    session.model = _on_fake_tensors(model, session.fake_mode)
+    session.model = _on_fake_tensors(model, session.fake_mode, getattr(torch, train.dtype))
     with session.tracker.tagged(WEIGHTS, "loading the model"):  # the moment of their allocation events
         _track_in_layers(session.tracker, session.model, WEIGHTS)
         if session.ref_model is not None:
-            session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode)
+            session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode, getattr(torch, train.dtype))
             _track_in_layers(session.tracker, session.ref_model, REFERENCE)
     add_fused_heads(session)
     return session
 
 
 def _track_in_layers(tracker: LiveBytes, model: Any, tag: str) -> None:
-    """Count the model's parameters and buffers as `tag`, each in its decoder layer (`Event.layer`)."""
+    """Count the model's parameters, buffers and 4-bit quantization states as `tag`, each in its decoder layer
+    (`Event.layer`)."""
     layer_of = {id(t): index for index, layer in enumerate(decoder_layers(model))
-                for t in [*layer.parameters(), *layer.buffers()]}
-    for t in [*model.parameters(), *model.buffers()]:
+                for t in [*layer.parameters(), *layer.buffers(), *_quant_state_tensors(layer)]}
+    for t in [*model.parameters(), *model.buffers(), *_quant_state_tensors(model)]:
         tracker.layer = layer_of.get(id(t), -1)
         tracker.track(t, tag)
     tracker.layer = -1
@@ -160,12 +165,17 @@ def _add_lora(model: Any, train: TrainingConfig) -> Any:
     return get_peft_model(model, config)  # adapters upcast to fp32 (autocast_adapter_dtype=True), as in TRL
 
 
-def _on_fake_tensors(model: Any, fake_mode: Any) -> Any:
-    """Replace every meta tensor of `model` (parameters, buffers, tensor attributes) by a fake CPU tensor."""
+def _on_fake_tensors(model: Any, fake_mode: Any, dtype: torch.dtype) -> Any:
+    """Replace every meta tensor of `model` (parameters, buffers, tensor attributes) by a fake CPU tensor; a 4-bit
+    weight by the packed weight and quantization state bitsandbytes makes of a `dtype` checkpoint
+    (`_quantized_on_fake_tensors`)."""
     made: dict[int, Any] = {}
 
     def fake(t: torch.Tensor) -> Any:
         if id(t) not in made:
+            if _is_4bit_weight(t):
+                made[id(t)] = _quantized_on_fake_tensors(t, fake_mode, dtype)
+                return made[id(t)]
             with fake_mode:
                 data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
             made[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
@@ -179,7 +189,69 @@ def _on_fake_tensors(model: Any, fake_mode: Any) -> Any:
         for name, value in vars(module).items():  # e.g. rotary embeddings' original_inv_freq
             if isinstance(value, torch.Tensor) and value.is_meta:
                 setattr(module, name, fake(value))
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # a bitsandbytes Linear4bit
+            module.quant_state = module.weight.quant_state
+            module.support_avx512bf16_for_cpu = False  # its CPU-only inference repacking, which CUDA never runs
     return model
+
+
+def _quantize_on_load(model: Any, train: TrainingConfig) -> None:
+    """What `from_pretrained(..., quantization_config=BitsAndBytesConfig(...))` does to the model's skeleton, by
+    transformers' own quantizer: its linear layers, but the output embedding and what the model keeps in float32,
+    become bitsandbytes Linear4bit (quantized when their weights are loaded: `_quantized_on_fake_tensors`), and the
+    model is marked loaded in 4 bits, which PEFT reads to wrap them in its 4-bit LoRA layers."""
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+
+    from vram_planner.model.grpo_config import quantization_config_kwargs
+
+    quantizer = AutoHfQuantizer.from_config(BitsAndBytesConfig(**quantization_config_kwargs(train)),
+                                            pre_quantized=False)
+    quantizer.preprocess_model(model, device_map=None)
+    quantizer.postprocess_model(model)
+
+
+def _adapters_to_bf16(model: Any) -> None:
+    """GRPOTrainer.__init__'s QLoRA cast (TRL 0.26 on; grpo_trainer.py 1.16.0:538-541): over a quantized model every
+    trainable parameter but DoRA's magnitude vector goes to bfloat16, whatever the mixed precision."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_magnitude_vector" not in name:
+            param.data = param.data.to(torch.bfloat16)
+
+
+def _is_4bit_weight(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "Params4bit" and not getattr(t, "bnb_quantized", True)
+
+
+def _quantized_on_fake_tensors(weight: Any, fake_mode: Any, dtype: torch.dtype) -> Any:
+    """A Linear4bit's weight as bitsandbytes leaves it on the GPU: `quantize_4bit` of the `dtype` checkpoint's weight,
+    run on fake tensors (the packed uint8 weight, and the quantization state that keeps the absmax, the code and,
+    double-quantized, the absmax's own state). A fake tensor cannot be a Params4bit (a tensor subclass of its own):
+    the packed weight is a Parameter carrying the state, which Linear4bit reads first
+    (`fix_4bit_weight_quant_state_from_module`)."""
+    import bitsandbytes.functional as bnb_functional
+
+    # Made from Python lists, which fake tensors cannot give: once, outside the fake world, as bitsandbytes caches it
+    bnb_functional.name2qmap.setdefault("dynamic", bnb_functional.create_dynamic_map())
+    with fake_mode:
+        checkpoint_weight = torch.empty(weight.shape, dtype=dtype, device="cpu")
+        packed, state = bnb_functional.quantize_4bit(
+            checkpoint_weight, blocksize=weight.blocksize, compress_statistics=weight.compress_statistics,
+            quant_type=weight.quant_type, quant_storage=weight.quant_storage)
+    parameter = torch.nn.Parameter(packed, requires_grad=False)
+    parameter.quant_state = state
+    return parameter
+
+
+def _quant_state_tensors(model: Any) -> list[torch.Tensor]:
+    """The tensors of every 4-bit weight's quantization state: they live on the GPU beside the packed weight."""
+    tensors = []
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        while state is not None:
+            tensors += [t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor)]
+            state = state.state2
+    return tensors
 
 
 def _add_fused_head(model: Any, outputs: tuple[str, ...], cast_lm_head_to_fp32: bool) -> None:

@@ -272,7 +272,7 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
         problems.append(f"prompt + completion ({train.sequence_length} tokens) is longer than the model's "
                         f"max_position_embeddings ({max_position_embeddings}), so it has no positions for them")
     if train.load_in_4bit:
-        problems.append(f"4-bit weights ({field_name('load_in_4bit')}) need bitsandbytes' CUDA kernels")
+        require_bitsandbytes(f"tracing 4-bit weights ({field_name('load_in_4bit')})")
     if train.use_vllm:
         problems.append(f"vLLM generation ({field_name('use_vllm')}) runs outside torch")
     if train.zero_stage is not None:
