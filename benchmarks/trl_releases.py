@@ -710,6 +710,20 @@ def peft_zero3_reentrant(trainer: ast.ClassDef) -> bool:
     return _use_reentrant_set(method(trainer, "__init__"), True)
 
 
+def qlora_setup(src: WheelSource, trainer: ast.ClassDef) -> str:
+    """How the trainer sets a 4-bit model up for LoRA: through PEFT's `prepare_model_for_kbit_training` (trl/models/
+    utils.py's prepare_peft_model, 0.22-0.25), by casting the parameters' data to bfloat16 itself
+    (`param.data = param.data.to(torch.bfloat16)` in __init__, 0.26 on), or neither."""
+    if calls_through(src, TRAINER[0], trainer, "prepare_model_for_kbit_training"):
+        return "prepare_kbit_training"
+    for node in ast.walk(method(trainer, "__init__")):
+        to_data = isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "data"
+                                                       for t in node.targets)
+        if to_data and calls(node.value, "to") and mentions(node.value, "bfloat16"):
+            return "bf16_adapters"
+    return "peft_default"
+
+
 def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
     """The markers of grpo_trainer.py that decide memory."""
     compute_loss = method(trainer, "compute_loss")
@@ -737,6 +751,7 @@ def behaviour(src: WheelSource, trainer: ast.ClassDef) -> dict[str, Any]:
         "enables_input_require_grads": checkpointing_input_grads(src, trainer),
         "non_reentrant_by_default": non_reentrant_by_default(src, trainer),
         "peft_zero3_reentrant": peft_zero3_reentrant(trainer),
+        "qlora_setup": qlora_setup(src, trainer),
     }
 
 
@@ -894,6 +909,7 @@ COLUMNS: dict[str, Callable[[dict], Any]] = {
     "checkpointing_reentrant": lambda f: (f["transformers"]["major"] == 4
                                           and not f["behaviour"]["non_reentrant_by_default"]),
     "peft_zero3_reentrant": lambda f: f["behaviour"]["peft_zero3_reentrant"],
+    "qlora_setup": lambda f: f["behaviour"]["qlora_setup"],
 }
 
 

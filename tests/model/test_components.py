@@ -85,6 +85,33 @@ def test_qlora_base_is_half_a_byte_per_linear_weight_plus_constants(llama_1b):
     assert m.weight_bytes(llama_1b, fp32_rest) == pytest.approx(linear * per_weight + (P - linear) * 4 + 2 * t)
 
 
+@pytest.mark.parametrize(("trl_version", "adapter_bytes"), [("0.19.1", 4), ("0.23.1", 4), ("0.26.2", 2), ("1.16.0", 2)])
+def test_qlora_adapters_are_float32_until_trl_casts_them(llama_1b, trl_version, adapter_bytes):
+    """Before 0.26 TRL leaves the adapters as PEFT makes them over a 4-bit model (float32); from 0.26 it casts every
+    trainable parameter to bfloat16: the adapters, their gradients and AdamW's two states alike."""
+    train = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16", trl_version=trl_version)
+    t = llama_1b.lora_params(16, None)
+    assert m.sizes(train).trainable == adapter_bytes
+    assert m.gradient_bytes(llama_1b, train) == adapter_bytes * t
+
+
+def test_trl_022_to_025_prepare_the_unquantized_weights_in_float32(llama_1b):
+    """PEFT's prepare_model_for_kbit_training casts every weight left unquantized to float32; under bf16 TRL puts the
+    embedding (tied to the LM head) back to bfloat16 and leaves the norms float32; without it everything stays float32
+    and so are the activations a 4-bit linear hands back (its output in its input's dtype)."""
+    linear = llama_1b.linear_params
+    per_weight = 0.5 + 1 / 64 + 4 / (64 * 256)
+    adapters = 4 * llama_1b.lora_params(16, None)
+    norms = P - linear - V * H
+    bf16 = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16", trl_version="0.23.1", mixed_precision="bf16")
+    assert m.weight_bytes(llama_1b, bf16) == pytest.approx(linear * per_weight + V * H * 2 + norms * 4 + adapters)
+    plain = cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16", trl_version="0.23.1", mixed_precision="no")
+    assert m.weight_bytes(llama_1b, plain) == pytest.approx(linear * per_weight + (P - linear) * 4 + adapters)
+    assert (m.sizes(plain).compute, m.sizes(plain).residual) == (4, 4)
+    assert m.sizes(cfg(lora_r=16, load_in_4bit=True, dtype="bfloat16", trl_version="0.26.2",
+                       mixed_precision="no")).compute == 2
+
+
 def test_reference_model_only_with_beta_and_without_peft(llama_1b):
     assert m.reference_weight_bytes(llama_1b, cfg()) == 0  # beta 0: no reference model
     assert m.reference_weight_bytes(llama_1b, cfg(beta=0.04)) == 4 * P + ROTARY

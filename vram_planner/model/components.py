@@ -54,10 +54,15 @@ def sizes(train: TrainingConfig) -> Sizes:
     # unquantised.
     weight = 2 if train.zero_stage is not None else DTYPE_BYTES[train.dtype]
     compute = weight if train.mixed_precision == "no" else 2
+    if kbit_prepared_in_float32(train):
+        # every unquantized weight float32, and a 4-bit linear's output cast back to its float32 input's dtype
+        weight = compute = FP32_BYTES
     # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); DeepSpeed's bf16 engine casts them with the module
-    # (the sharded trace holds them in 2 bytes under ZeRO-2 and 3), TRL casts them to bf16 over a 4-bit base.
+    # (the sharded trace holds them in 2 bytes under ZeRO-2 and 3), TRL 0.26 and later cast them to bf16 over a 4-bit
+    # base (TrlRelease.qlora_setup).
     if train.uses_lora:
-        trainable = 2 if (train.load_in_4bit or train.zero_stage is not None) else FP32_BYTES
+        bf16_over_4bit = train.load_in_4bit and train.release.qlora_setup == "bf16_adapters"
+        trainable = 2 if (bf16_over_4bit or train.zero_stage is not None) else FP32_BYTES
     else:
         trainable = weight
     if train.fsdp and train.mixed_precision != "no":
@@ -183,7 +188,7 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
         absmax = (NF4_DOUBLE_QUANT_ABSMAX_BYTES_PER_PARAM if train.bnb_4bit_use_double_quant is not False
                   else NF4_ABSMAX_BYTES_PER_PARAM)
         base = arch.linear_params * (NF4_BYTES_PER_PARAM + absmax) + (arch.params - arch.linear_params) * s.weight
-        base += head_upcast_bytes(arch, train, s.weight)
+        base += head_upcast_bytes(arch, train, s.weight) + kbit_prepared_upcast_bytes(arch, train)
     elif train.zero_stage is not None:
         base = arch.params * 2  # DeepSpeed's bf16 engine casts the module to bf16
     else:
@@ -193,6 +198,27 @@ def weight_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
     if train.uses_lora:
         adapters = trainable_params(arch, train) * s.trainable + _trainable_rounding(arch, train, s.trainable)
     return shard_bytes(train, base, 3) + shard_bytes(train, adapters, 3) + _zero3_gathered_bytes(arch, train)
+
+
+def kbit_prepared_in_float32(train: TrainingConfig) -> bool:
+    """A 4-bit model as TRL 0.22-0.25 set it up without bf16: PEFT's prepare_model_for_kbit_training leaves every
+    unquantized weight float32 (the embedding and LM head too), so the norms' outputs, the residual stream and each
+    4-bit linear's output (bitsandbytes casts it back to its input's dtype) are float32 (TrlRelease.qlora_setup)."""
+    return (train.load_in_4bit and train.release.qlora_setup == "prepare_kbit_training"
+            and train.mixed_precision != "bf16")
+
+
+def kbit_prepared_upcast_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
+    """What TRL 0.22-0.25's set-up of a 4-bit model adds to its unquantized weights: PEFT's
+    prepare_model_for_kbit_training casts every one to float32, then under bf16 TRL puts the embedding and the LM head
+    back to bfloat16 and leaves the norms (and the linears' biases) float32 (TrlRelease.qlora_setup)."""
+    weight = sizes(train).weight
+    if not train.load_in_4bit or train.release.qlora_setup != "prepare_kbit_training" or weight >= FP32_BYTES:
+        return 0
+    upcast = arch.params - arch.linear_params
+    if train.mixed_precision == "bf16":
+        upcast -= arch.embedding_params + arch.lm_head_params
+    return upcast * (FP32_BYTES - weight)
 
 
 def _zero3_gathered_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:

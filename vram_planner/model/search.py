@@ -25,7 +25,7 @@ from vram_planner.errors import ConfigError
 from vram_planner.model.architecture import ModelArchitecture
 from vram_planner.model.divisors import divisors, prime_factors
 from vram_planner.model.spec import MAX_COUNT, Optimizer, TrainingConfig, knob_names, plain_value, with_changes
-from vram_planner.model.verdict import Context, Verdict, cast_lm_head_arch_problems, judge
+from vram_planner.model.verdict import Context, Verdict, cast_lm_head_arch_problems, judge, qlora_generation_problems
 from vram_planner.units import GiB
 
 if TYPE_CHECKING:
@@ -164,7 +164,8 @@ def ladder_runs(user: TrainingConfig, gpu_bf16: bool, arch: ModelArchitecture) -
         steps.append({"load_in_4bit": True, "dtype": "bfloat16" if gpu_bf16 else "float16"})
     for step in steps:
         candidate = _try(current, step)
-        if candidate is not None and candidate != current and not cast_lm_head_arch_problems(candidate, arch):
+        if (candidate is not None and candidate != current and not cast_lm_head_arch_problems(candidate, arch)
+                and not qlora_generation_problems(candidate)):
             current = candidate
             yield [current]
     yield from _semantic_runs(current)

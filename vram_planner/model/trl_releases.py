@@ -84,6 +84,11 @@ class TrlRelease:
     checkpointing_input_grads: bool = True
     checkpointing_reentrant: bool = False
     peft_zero3_reentrant: bool = False
+    # how the trainer sets a 4-bit model up for LoRA: PEFT's float32 adapters as get_peft_model makes them (before
+    # 0.22), PEFT's prepare_model_for_kbit_training first (0.22-0.25: the unquantized weights to float32, under bf16
+    # the embedding and LM head back to bfloat16, the norms left float32), or the trainable parameters cast to
+    # bfloat16 (0.26 on)
+    qlora_setup: Literal["peft_default", "prepare_kbit_training", "bf16_adapters"] = "bf16_adapters"
     version: str = ""  # the release asked for, filled in by `trl_release`
     note: str = ""  # why this row was chosen when it is not the installed TRL's own (for the verdict's notes)
 

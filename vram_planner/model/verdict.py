@@ -350,6 +350,22 @@ def cast_lm_head_arch_problems(train: TrainingConfig, arch: ModelArchitecture) -
     return []
 
 
+def qlora_generation_problems(train: TrainingConfig) -> list[str]:
+    """Where TRL 0.22-0.25 fail at the first generation of a 4-bit model under bf16: their set-up (PEFT's
+    prepare_model_for_kbit_training, then peft_module_casting_to_bf16; TrlRelease.qlora_setup) leaves the norms
+    float32 and puts the LM head back to bfloat16, and generate() runs the model outside autocast (PEFT's generate()
+    calls the base model's, whose forward accelerate does not wrap), so the head multiplies the final norm's float32
+    output by bfloat16 weights: 'expected mat1 and mat2 to have the same dtype' (peft#1515; the trace of TRL 0.23.1
+    with transformers 4.56.2 stops there). vLLM generates apart from the training model."""
+    if not (train.load_in_4bit and train.release.qlora_setup == "prepare_kbit_training"
+            and train.mixed_precision == "bf16" and not train.use_vllm):
+        return []
+    return [f"{field_name('load_in_4bit')} under bf16 fails at the first generation in TRL "
+            f"{train.release.version or '0.22-0.25'}: its set-up leaves the final norm float32 and the LM head "
+            "bfloat16, which generate() multiplies outside autocast ('expected mat1 and mat2 to have the same "
+            f"dtype'); use TRL 0.26 or later, or generate with vLLM ({field_name('use_vllm')})"]
+
+
 def _vllm_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:
     if not train.use_vllm:  # vLLM's model loads only for a config that starts one
         return []
@@ -362,6 +378,6 @@ def check_training(train: TrainingConfig, context: Context) -> None:
     """Refuse settings this GPU cannot run or this model does not have, all problems at once."""
     problems = (gpu_problems(train, context.gpu) + attention_problems(train, context.arch)
                 + lora_target_problems(train, context.arch) + cast_lm_head_arch_problems(train, context.arch)
-                + _vllm_problems(train, context.arch))
+                + qlora_generation_problems(train) + _vllm_problems(train, context.arch))
     if problems:
         raise ConfigError(problems)

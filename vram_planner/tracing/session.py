@@ -72,9 +72,17 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
         model = _build_model(arch_config, train)
         if train.load_in_4bit:
             _quantize_on_load(model, train)
+        qlora_setup = train.release.qlora_setup if train.load_in_4bit else None
+        if qlora_setup == "prepare_kbit_training":
+            from peft import prepare_model_for_kbit_training
+
+            # its checkpointing and input-gradient hook are the phases' (set_checkpointing, input_grads)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         if train.uses_lora:
             model = _add_lora(model, train)
-        if train.load_in_4bit:
+        if qlora_setup == "prepare_kbit_training" and train.mixed_precision == "bf16":
+            _peft_module_casting_to_bf16(model)
+        if qlora_setup == "bf16_adapters":
             _adapters_to_bf16(model)
         if train.computes_ref_logps and not train.uses_lora:
             session.ref_model = _build_model(arch_config, train)
@@ -213,10 +221,23 @@ def _quantize_on_load(model: Any, train: TrainingConfig) -> None:
 
 def _adapters_to_bf16(model: Any) -> None:
     """GRPOTrainer.__init__'s QLoRA cast (TRL 0.26 on; grpo_trainer.py 1.16.0:538-541): over a quantized model every
-    trainable parameter but DoRA's magnitude vector goes to bfloat16, whatever the mixed precision."""
+    trainable parameter but DoRA's magnitude vector goes to bfloat16, whatever the mixed precision. Before 0.26 the
+    adapters stay as PEFT makes them, float32 (TrlRelease.qlora_setup)."""
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_magnitude_vector" not in name:
             param.data = param.data.to(torch.bfloat16)
+
+
+def _peft_module_casting_to_bf16(model: Any) -> None:
+    """TRL 0.22-0.25's cast after PEFT's prepare_model_for_kbit_training under bf16 (trl/models/utils.py 0.22.0-0.25.0
+    `peft_module_casting_to_bf16`, gone from the releases after), written out as those releases run it: a module
+    named like a norm to float32, the embedding and the LM head back to bfloat16."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.LayerNorm) or "norm" in name:
+            module.to(torch.float32)
+        elif any(x in name for x in ["lm_head", "embed_tokens", "wte", "wpe"]):
+            if hasattr(module, "weight") and module.weight.dtype == torch.float32:
+                module.to(torch.bfloat16)
 
 
 def _is_4bit_weight(t: torch.Tensor) -> bool:
