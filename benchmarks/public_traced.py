@@ -3,6 +3,7 @@ with the least card it runs on (the need, what `check` predicts) and what the ca
 card (what nvidia-smi or W&B's GPU memory read there), beside the published number.
 
     .release-venvs/trl-0.14.0-transformers-4.48.2/bin/python benchmarks/public_traced.py   # the TRL 0.14 rows
+    .release-venvs/trl-1.12.0-transformers-5.16.1/bin/python benchmarks/public_traced.py   # the TRL 1.12 rows
     python benchmarks/public_traced.py --rows oxen-h100-0.5b-full oxen-h100-1b-full      # some rows only
 
 A row is traced under the installed TRL and transformers, so run this in the environment of the rows' TRL release
@@ -10,7 +11,10 @@ A row is traced under the installed TRL and transformers, so run this in the env
 too: `pip install --no-deps bitsandbytes`); rows of other releases are listed as not traced. The analytic answer
 beside it is planned for the installed transformers too. On a card with room the allocator keeps what it freed until
 cudaMalloc fails, so a number read there is the held figure, not the need; this says which of the two a published
-number matches. Writes benchmarks/results/public_traced.txt.
+number matches. A row that measured torch.cuda.max_memory_allocated() (measured_quantity "allocated": the tensors
+alone, cuBLAS's workspaces among them) is set beside the trace's allocated peak instead: each phase's traced tensor
+peak with the estimate's workspaces of that phase, the most of them. Writes benchmarks/results/public_traced.txt for
+TRL 0.14, public_traced-trl-X.txt for another release X.
 """
 
 from __future__ import annotations
@@ -34,15 +38,26 @@ def stand_in(settings: dict) -> dict:
     return settings
 
 
+def results_path(trl_version: str) -> Path:
+    return RESULTS if trl_version == "0.14.0" else RESULTS.with_name(f"public_traced-trl-{trl_version}.txt")
+
+
 def traced_row(row: dict, transformers_version: str) -> tuple[float, float, float, float]:
-    """(check's peak, the traced need, what the allocator holds on the row's card, seconds), GiB but the last."""
+    """(check's peak, the traced need, what the allocator holds on the row's card or, for a row that measured the
+    allocated peak, the trace's allocated peak, seconds), GiB but the last."""
+    import public_measurements as pm
+
     from vram_planner import engine
     from vram_planner.units import gib
 
     settings = {**stand_in(row["settings"]), "transformers_version": transformers_version}
     started = time.perf_counter()
     outcome = engine.check(row["model"], row["gpu"], settings, trl_version=row["trl_version"], exact=True)
-    return (gib(outcome.analytic.estimate.peak_bytes), gib(outcome.need_bytes), gib(outcome.held_bytes),
+    compared = outcome.held_bytes
+    if pm.measured_quantity(row) == "allocated":
+        workspaces = {p.name: p.components.get("cublas_workspaces", 0) for p in outcome.analytic.estimate.phases}
+        compared = max(p.peak_bytes + workspaces.get(p.name, 0) for p in outcome.result.phases)
+    return (gib(outcome.analytic.estimate.peak_bytes), gib(outcome.need_bytes), gib(compared),
             time.perf_counter() - started)
 
 
@@ -62,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in pm.load_rows(pm.DATA) if r["outcome"] == "fits" and (not args.rows or r["id"] in args.rows)]
     lines = [f"torch {torch.__version__} / transformers {transformers.__version__} / trl {trl.__version__}: the "
              "published runs that trained, traced (GiB)",
-             f"{'row':28s}{'settings':66s}{'measured':>9s}{'check':>8s}{'need':>8s}{'held':>8s}"
+             f"{'row':34s}{'settings':80s}{'measured':>9s}{'check':>8s}{'need':>8s}{'held':>8s}"
              f"{'measured/held':>15s}{'s':>6s}"]
     print("\n".join(lines), flush=True)
     skipped, errors = [], []
@@ -73,11 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_gib, need_gib, held_gib, seconds = traced_row(row, transformers.__version__)
         except Exception as exc:  # noqa: BLE001 - one row that does not trace must not end the table
-            lines.append(f"{row['id']:28s}not traced: {str(exc).splitlines()[0][:150]}")
+            lines.append(f"{row['id']:34s}not traced: {str(exc).splitlines()[0][:150]}")
         else:
             errors.append((row["measured_gib"] - held_gib) / held_gib)
             label = pm.short_settings(row["settings"]) + ("*" if stand_in(row["settings"]) != row["settings"] else "")
-            lines.append(f"{row['id']:28s}{label:66s}{row['measured_gib']:9.2f}"
+            label += " (allocated)" if pm.measured_quantity(row) == "allocated" else ""
+            lines.append(f"{row['id']:34s}{label:80s}{row['measured_gib']:9.2f}"
                          f"{check_gib:8.2f}{need_gib:8.2f}{held_gib:8.2f}{errors[-1]:+15.1%}{seconds:6.0f}")
         print(lines[-1], flush=True)
     if errors:
@@ -85,11 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{len(errors)} rows, from {min(errors):+.1%} to {max(errors):+.1%}")
     lines.append("* FlashAttention-2 traced (and planned) as SDPA, which has a CPU kernel and keeps the same tensors "
                  "for backward")
+    lines.append("(allocated): the row measured torch.cuda.max_memory_allocated(); its 'held' is the trace's allocated "
+                 "peak (tensors and cuBLAS workspaces)")
     if skipped:
         lines.append(f"not traced here (another TRL release; run this in its environment): {', '.join(skipped)}")
         print(lines[-1])
     if not args.rows:
-        write_atomically(RESULTS, "\n".join(lines) + "\n")
+        write_atomically(results_path(installed), "\n".join(lines) + "\n")
     return 0
 
 

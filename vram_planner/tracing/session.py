@@ -72,26 +72,17 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
         model = _build_model(arch_config, train)
         if train.load_in_4bit:
             _quantize_on_load(model, train)
-        qlora_setup = train.release.qlora_setup if train.load_in_4bit else None
-        if qlora_setup == "prepare_kbit_training":
-            from peft import prepare_model_for_kbit_training
-
-            # its checkpointing and input-gradient hook are the phases' (set_checkpointing, input_grads)
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         if train.uses_lora:
-            model = _add_lora(model, train)
-        if qlora_setup == "prepare_kbit_training" and train.mixed_precision == "bf16":
-            _peft_module_casting_to_bf16(model)
-        if qlora_setup == "bf16_adapters":
-            _adapters_to_bf16(model)
+            model = _with_adapters(model, train)
         if train.computes_ref_logps and not train.uses_lora:
             session.ref_model = _build_model(arch_config, train)
         cast_heads(model, session.ref_model, train)
-    session.model = _on_fake_tensors(model, session.fake_mode, getattr(torch, train.dtype))
+    checkpoint_dtype = getattr(torch, train.dtype)
+    session.model = _on_fake_tensors(model, session.fake_mode, checkpoint_dtype)
     with session.tracker.tagged(WEIGHTS, "loading the model"):  # the moment of their allocation events
         _track_in_layers(session.tracker, session.model, WEIGHTS)
         if session.ref_model is not None:
-            session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode, getattr(torch, train.dtype))
+            session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode, checkpoint_dtype)
             _track_in_layers(session.tracker, session.ref_model, REFERENCE)
     add_fused_heads(session)
     return session
@@ -164,6 +155,23 @@ def _build_model(arch_config: dict[str, Any], train: TrainingConfig) -> Any:
     return model
 
 
+def _with_adapters(model: Any, train: TrainingConfig) -> Any:
+    """The LoRA adapters over the model as the release's GRPOTrainer puts them there, a 4-bit model as the release
+    sets it up (TrlRelease.qlora_setup)."""
+    qlora_setup = train.release.qlora_setup if train.load_in_4bit else None
+    if qlora_setup == "prepare_kbit_training":
+        from peft import prepare_model_for_kbit_training
+
+        # its checkpointing and input-gradient hook are the phases' (set_checkpointing, input_grads)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = _add_lora(model, train)
+    if qlora_setup == "prepare_kbit_training" and train.mixed_precision == "bf16":
+        _peft_module_casting_to_bf16(model)
+    if qlora_setup == "bf16_adapters":
+        _adapters_to_bf16(model)
+    return model
+
+
 def _add_lora(model: Any, train: TrainingConfig) -> Any:
     from peft import LoraConfig, get_peft_model
 
@@ -173,16 +181,16 @@ def _add_lora(model: Any, train: TrainingConfig) -> Any:
     return get_peft_model(model, config)  # adapters upcast to fp32 (autocast_adapter_dtype=True), as in TRL
 
 
-def _on_fake_tensors(model: Any, fake_mode: Any, dtype: torch.dtype) -> Any:
+def _on_fake_tensors(model: Any, fake_mode: Any, checkpoint_dtype: torch.dtype) -> Any:
     """Replace every meta tensor of `model` (parameters, buffers, tensor attributes) by a fake CPU tensor; a 4-bit
-    weight by the packed weight and quantization state bitsandbytes makes of a `dtype` checkpoint
+    weight by the packed weight and quantization state bitsandbytes makes of it loaded in `checkpoint_dtype`
     (`_quantized_on_fake_tensors`)."""
     made: dict[int, Any] = {}
 
     def fake(t: torch.Tensor) -> Any:
         if id(t) not in made:
             if _is_4bit_weight(t):
-                made[id(t)] = _quantized_on_fake_tensors(t, fake_mode, dtype)
+                made[id(t)] = _quantized_on_fake_tensors(t, fake_mode, checkpoint_dtype)
                 return made[id(t)]
             with fake_mode:
                 data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
