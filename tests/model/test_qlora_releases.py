@@ -36,12 +36,17 @@ def test_4bit_under_bf16_is_refused_where_the_release_cannot_generate_it(release
 
 
 def test_plan_under_trl_0_23_never_recommends_qlora_it_cannot_run():
-    """The plan's ladder offers QLoRA last; under TRL 0.23 with bf16 it is left out, under 0.26 it is the answer."""
+    """The plan's ladder offers QLoRA last; under TRL 0.23 with bf16 it is left out, and a plan that finds nothing
+    says why and what would run it; under 0.26 it is the answer."""
+    from vram_planner.report.document import plan_report
+
     knobs = {"max_completion_length": 1024}
     for trl_version, offered in (("0.23.1", False), ("0.26.2", True)):
         plan = engine.plan("Qwen2.5-7B", "16GiB", knobs, trl_version=trl_version)
         chosen = plan.chosen.train if plan.chosen is not None else None
         assert (chosen is not None and chosen.load_in_4bit) == offered, trl_version
+        notes = plan_report(plan).notes
+        assert any("QLoRA) are left out: TRL 0.23.1" in n and "--use-vllm" in n for n in notes) == (not offered)
 
 
 @pytest.mark.slow  # the analytic side of 16 traced points: a few seconds

@@ -357,13 +357,28 @@ def qlora_generation_problems(train: TrainingConfig) -> list[str]:
     calls the base model's, whose forward accelerate does not wrap), so the head multiplies the final norm's float32
     output by bfloat16 weights: 'expected mat1 and mat2 to have the same dtype' (peft#1515; the trace of TRL 0.23.1
     with transformers 4.56.2 stops there). vLLM generates apart from the training model."""
-    if not (train.load_in_4bit and train.release.qlora_setup == "prepare_kbit_training"
-            and train.mixed_precision == "bf16" and not train.use_vllm):
+    if not (train.load_in_4bit and generates_no_4bit_model(train)):
         return []
     return [f"{field_name('load_in_4bit')} under bf16 fails at the first generation in TRL "
             f"{train.release.version or '0.22-0.25'}: its set-up leaves the final norm float32 and the LM head "
             "bfloat16, which generate() multiplies outside autocast ('expected mat1 and mat2 to have the same "
             f"dtype'); use TRL 0.26 or later, or generate with vLLM ({field_name('use_vllm')})"]
+
+
+def generates_no_4bit_model(train: TrainingConfig) -> bool:
+    """Whether this release, precision and generation could not generate with a 4-bit model
+    (qlora_generation_problems)."""
+    return (train.release.qlora_setup == "prepare_kbit_training" and train.mixed_precision == "bf16"
+            and not train.use_vllm)
+
+
+def qlora_left_out_note(train: TrainingConfig) -> str | None:
+    """Why a plan that found nothing offers no 4-bit weights (QLoRA, the ladder's last saver), where that is why."""
+    if train.load_in_4bit or not generates_no_4bit_model(train):
+        return None
+    return (f"4-bit weights (QLoRA) are left out: TRL {train.release.version} cannot generate with them under bf16 "
+            "(its set-up leaves the final norm float32 and the LM head bfloat16); TRL 0.26 or later can, or vLLM's "
+            "generation (--use-vllm)")  # a note: the document's words, as notes are
 
 
 def _vllm_problems(train: TrainingConfig, arch: ModelArchitecture) -> list[str]:

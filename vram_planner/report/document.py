@@ -15,7 +15,7 @@ from vram_planner.model.grpo_config import (grpo_config_kwargs, grpo_config_prob
 from vram_planner.model.phases import COMPONENTS, Phase
 from vram_planner.model.search import Plan, smallest_config, vllm_fallback_note, vllm_tuned
 from vram_planner.model.spec import plain_value
-from vram_planner.model.verdict import Context, Verdict, judge, need_above_band
+from vram_planner.model.verdict import Context, Verdict, judge, need_above_band, qlora_left_out_note
 from vram_planner.profiles import GpuProfile, gpus
 from vram_planner.units import GiB
 
@@ -372,6 +372,8 @@ def plan_report(plan: Plan) -> Report:
         report.smallest_fitting_gpu = gpu.name if gpu else None
         if (offer := vllm_fallback_note(plan)) is not None:  # vLLM's share is what the card lacks
             report.notes.append(offer)
+        if (left_out := qlora_left_out_note(plan.requested.train)) is not None:
+            report.notes.append(left_out)
     return report
 
 
