@@ -421,9 +421,9 @@ def _outcome(context: Context, train: TrainingConfig, step: Any, notes: tuple[st
 @dataclass(frozen=True)
 class ExactPlan:
     """`plan(exact=True)`: the analytic plan, its choice moved one rank up where the config there runs by its
-    traced need, and the traced outcomes that decided it. The trace cannot run every config the ladder offers (8-bit
-    optimizers, 4-bit weights): where it cannot trace the shown one, `outcome` is None, `problem` says why, and the
-    verdict is the estimate's."""
+    traced need, and the traced outcomes that decided it. The trace cannot run every config the ladder offers (vLLM's
+    generation, a paged optimizer): where it cannot trace the shown one, `outcome` is None, `problem` says why, and
+    the verdict is the estimate's."""
 
     plan: Plan  # what is shown: the analytic plan, or the same with the config ranked above it as its choice
     analytic: Plan  # best_plan's answer

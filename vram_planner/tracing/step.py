@@ -126,7 +126,7 @@ def trace_step(arch_config: dict[str, Any], train: TrainingConfig, release: TrlR
         engine (vram_planner.tracing.zero).
 
     Raises:
-        VramPlanError: for what the trace cannot run on the CPU (4-bit weights, vLLM, DDP over several GPUs, ZeRO
+        VramPlanError: for what the trace cannot run on the CPU (vLLM, DDP over several GPUs, ZeRO
             stage 0 or offload or without DeepSpeed, Liger kernels, FlashAttention-2, paged optimizers), a TRL release
             other than the installed one's behaviour, or sequences longer than the model's max_position_embeddings;
             before the model is built.
