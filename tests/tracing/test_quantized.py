@@ -121,3 +121,12 @@ def test_without_bitsandbytes_tracing_4bit_weights_says_how_to_install_it(monkey
                         lambda name, *a: None if name == "bitsandbytes" else found(name, *a))
     with pytest.raises(VramPlanError, match=r"tracing 4-bit weights \(load_in_4bit\) needs bitsandbytes.*pip install"):
         check_traceable(TrainingConfig(**QLORA))
+
+
+@pytest.mark.parametrize("sharding", [{"zero_stage": 2}, {"zero_stage": 3}, {"fsdp": True}])
+def test_sharded_4bit_weights_are_refused_in_one_line(sharding):
+    from vram_planner.errors import VramPlanError
+    from vram_planner.tracing.step import check_traceable
+
+    with pytest.raises(VramPlanError, match="4-bit weights .* are traced on one GPU, not sharded"):
+        check_traceable(TrainingConfig(**QLORA, num_gpus=2, **sharding))

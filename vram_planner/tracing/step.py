@@ -273,6 +273,9 @@ def check_traceable(train: TrainingConfig, release: TrlRelease | None = None,
                         f"max_position_embeddings ({max_position_embeddings}), so it has no positions for them")
     if train.load_in_4bit:
         require_bitsandbytes(f"tracing 4-bit weights ({field_name('load_in_4bit')})")
+        if train.zero_stage is not None or train.fsdp:  # DeepSpeed and FSDP flatten the packed weights apart
+            problems.append(f"4-bit weights ({field_name('load_in_4bit')}) are traced on one GPU, not sharded under "
+                            "DeepSpeed ZeRO or FSDP")
     if train.use_vllm:
         problems.append(f"vLLM generation ({field_name('use_vllm')}) runs outside torch")
     if train.zero_stage is not None:
