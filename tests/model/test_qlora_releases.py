@@ -14,12 +14,10 @@ from vram_planner.errors import ConfigError
 from vram_planner.model.trl_releases import trl_releases
 
 QLORA = {"lora_r": 16, "load_in_4bit": True, "dtype": "bfloat16", "mixed_precision": "bf16"}
-# The traced steps the estimate is more than 2% over, all without mixed precision in the releases that score full
-# logits: the log-probs' backward is counted as three logit-sized gradients in the logits' dtype, and the trace of
-# 16-bit LoRA without mixed precision holds less there too (Qwen2.5-0.5B under TRL 0.26: 1.27 GiB of LM-head buffers
-# traced, 2.32 estimated), so it is the full-logits path's, not QLoRA's
-KNOWN_OVER = {(pair, f"{model}/qlora-fp32", "training") for pair in ("0.21.0/4.55.0", "0.26.2/4.57.3")
-              for model in ("tiny-qwen2", "Qwen2.5-0.5B")}
+# The traced steps the estimate is more than 2% over: a fixture's recomputed last layer without mixed precision, 0.6
+# of 15 MiB (before the 16-bit logits' per-sequence log_softmax was counted, the full-logits releases' steps without
+# mixed precision were up to 56% over: Qwen2.5-0.5B under TRL 0.26, 3.00 GiB estimated against 1.92 traced)
+KNOWN_OVER = {("0.26.2/4.57.3", "tiny-qwen2/qlora-fp32", "training")}
 
 
 @pytest.mark.parametrize("release", trl_releases(), ids=lambda row: row.min_version)

@@ -83,14 +83,20 @@ def _scaled_copy_memory(arch: ModelArchitecture, train: TrainingConfig, release:
     """The loss pass of "scaled_copy" releases: `logits[:, :-1][:, -c:] / temperature` is a copy of the completion's
     c positions only (the model's c + 1, or all, are freed once it is made, but for 1.10-1.13, whose loop keeps the
     model's output): the logsumexp rows keep it, and backward holds three gradients of its size (the gather's, the
-    rows', their sum). The entropies (0.20 on) are computed beside it."""
+    rows', their sum). The entropies (0.20 on) are computed beside it. 16-bit logits (no mixed precision) take
+    selective_log_softmax's other path (trl/trainer/utils.py): a log_softmax per sequence, whose outputs, their size
+    in all, are made beside the copy and kept for backward in its stead; backward makes each sequence's gradient and
+    stacks them, one more of that size (the trace of Qwen2.5-0.5B's LoRA without mixed precision under TRL 0.21,
+    0.26 and 1.12 peaks in the forward, at the copy, the outputs and the entropies' chunk)."""
     logit = _logit_bytes(train)[0]
     scored = sequences * train.max_completion_length * arch.vocab_size
+    per_sequence = logit < FP32_BYTES
     beside = logits * logit if release.full_logits_log_probs == "scaled_copy_beside_output" else 0
-    scaling = logits * logit + scored * logit  # the float32 output and its scaled copy
-    entropy = beside + scored * logit + _entropy_bytes(arch, train, release, sequences, viewed=False)
+    scaling = logits * logit + scored * logit  # the output and its scaled copy
+    kept = (2 if per_sequence else 1) * scored * logit  # the copy, and the per-sequence log_softmax outputs
+    entropy = beside + kept + _entropy_bytes(arch, train, release, sequences, viewed=False)
     return LmHeadMemory(forward_transient=max(logits * inside, scaling, entropy), saved=scored * logit,
-                        backward_transient=3 * scored * logit, in_forward=logits * inside,
+                        backward_transient=(1 if per_sequence else 3) * scored * logit, in_forward=logits * inside,
                         projecting=logits * (inside - (FP32_BYTES if train.mixed_precision != "no" else 0)))
 
 
