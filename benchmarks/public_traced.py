@@ -12,8 +12,8 @@ too: `pip install --no-deps bitsandbytes`); rows of other releases are listed as
 beside it is planned for the installed transformers too. On a card with room the allocator keeps what it freed until
 cudaMalloc fails, so a number read there is the held figure, not the need; this says which of the two a published
 number matches. A row that measured torch.cuda.max_memory_allocated() (measured_quantity "allocated": the tensors
-alone, cuBLAS's workspaces among them) is set beside the trace's allocated peak instead: each phase's traced tensor
-peak with the estimate's workspaces of that phase, the most of them. Writes benchmarks/results/public_traced.txt for
+alone, cuBLAS's workspaces among them) is set beside the trace's allocated peak instead (the traced phases'
+Estimate.allocated_peak_bytes). Writes benchmarks/results/public_traced.txt for
 TRL 0.14, public_traced-trl-X.txt for another release X.
 """
 
@@ -53,10 +53,8 @@ def traced_row(row: dict, transformers_version: str) -> tuple[float, float, floa
     settings = {**stand_in(row["settings"]), "transformers_version": transformers_version}
     started = time.perf_counter()
     outcome = engine.check(row["model"], row["gpu"], settings, trl_version=row["trl_version"], exact=True)
-    compared = outcome.held_bytes
-    if pm.measured_quantity(row) == "allocated":
-        workspaces = {p.name: p.components.get("cublas_workspaces", 0) for p in outcome.analytic.estimate.phases}
-        compared = max(p.peak_bytes + workspaces.get(p.name, 0) for p in outcome.result.phases)
+    allocated = pm.measured_quantity(row) == "allocated"
+    compared = outcome.traced.estimate.allocated_peak_bytes if allocated else outcome.held_bytes
     return (gib(outcome.analytic.estimate.peak_bytes), gib(outcome.need_bytes), gib(compared),
             time.perf_counter() - started)
 

@@ -71,11 +71,12 @@ def measure_installed() -> dict:
     for name, model, settings in POINTS:
         print(f"  tracing {name}", file=sys.stderr, flush=True)
         settings = {**settings, "transformers_version": transformers}
-        point = {"refused": refusal(model, settings, trl)}
         context = engine.make_context(model, "rtx3080-mobile", trl_version=trl)
+        point: dict = {"refused": None}
         try:
             train = engine.make_training(context, settings)
-        except ConfigError:  # what check refuses is traced all the same: the run it stands for, as TRL runs it
+        except ConfigError as error:  # what check refuses is traced all the same: the run, as TRL runs it
+            point["refused"] = str(error)
             train = training_config({**release_defaults(context.release), **settings, "trl_version": trl})
         try:
             traced = trace_step(model_config(model)[0], train, context.release)
