@@ -11,7 +11,8 @@ capacity): its error is shown only when the prediction falls below that floor, a
 vram-plan also calls it "does not fit". Most sources give the process's device memory (nvidia-smi, an OOM's figures),
 set beside the need `check` predicts; a row whose number is torch.cuda.max_memory_allocated() (`measured_quantity =
 "allocated"`) is set beside the allocated peak the estimate predicts (its tensors and cuBLAS workspaces: no allocator
-reserve, no CUDA context), and the two kinds are summed up apart. A row that cannot be planned (its model is not in the
+reserve, no CUDA context), and the two kinds are summed up apart. Such a row may give torch.cuda.max_memory_reserved()
+too (`measured_reserved_gib`), which benchmarks/public_traced.py sets beside what the allocator model holds. A row that cannot be planned (its model is not in the
 catalog and the hub cannot be reached, say) says so, and why under the table.
 """
 
@@ -116,9 +117,10 @@ def row_problems(row: dict[str, Any]) -> str | None:
         return f"measured_quantity must be one of {', '.join(QUANTITIES)} (got {row['measured_quantity']!r})"
     if not isinstance(row["measured_gib"], (int, float)) or row["measured_gib"] <= 0:
         return f"measured_gib must be a positive number (got {row['measured_gib']!r})"
-    seconds = row.get("measured_step_seconds", 1)
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-        return f"measured_step_seconds must be a positive number (got {seconds!r})"
+    for field in ("measured_step_seconds", "measured_reserved_gib"):
+        value = row.get(field, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            return f"{field} must be a positive number (got {value!r})"
     return None
 
 

@@ -13,8 +13,10 @@ beside it is planned for the installed transformers too. On a card with room the
 cudaMalloc fails, so a number read there is the held figure, not the need; this says which of the two a published
 number matches. A row that measured torch.cuda.max_memory_allocated() (measured_quantity "allocated": the tensors
 alone, cuBLAS's workspaces among them) is set beside the trace's allocated peak instead (the traced phases'
-Estimate.allocated_peak_bytes). Writes benchmarks/results/public_traced.txt for
-TRL 0.14, public_traced-trl-X.txt for another release X.
+Estimate.allocated_peak_bytes). A row that gives torch.cuda.max_memory_reserved() too (`measured_reserved_gib`: the
+allocator's segments, no CUDA context) is set beside what the allocator model holds on the row's card, without the
+context, in a table of its own below. Writes benchmarks/results/public_traced.txt for TRL 0.14,
+public_traced-trl-X.txt for another release X.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def results_path(trl_version: str) -> Path:
     return RESULTS if trl_version == "0.14.0" else RESULTS.with_name(f"public_traced-trl-{trl_version}.txt")
 
 
-def traced_row(row: dict, transformers_version: str) -> tuple[float, float, float, float]:
+def traced_row(row: dict, transformers_version: str) -> tuple[float, float, float, float, float]:
     """(check's peak, the traced need, what the allocator holds on the row's card or, for a row that measured the
-    allocated peak, the trace's allocated peak, seconds), GiB but the last."""
+    allocated peak, the trace's allocated peak, seconds, what the allocator model reserves at most on the row's card
+    without the CUDA context), GiB but the seconds."""
     import public_measurements as pm
 
     from vram_planner import engine
@@ -56,7 +59,7 @@ def traced_row(row: dict, transformers_version: str) -> tuple[float, float, floa
     allocated = pm.measured_quantity(row) == "allocated"
     compared = outcome.traced.estimate.allocated_peak_bytes if allocated else outcome.held_bytes
     return (gib(outcome.analytic.estimate.peak_bytes), gib(outcome.need_bytes), gib(compared),
-            time.perf_counter() - started)
+            time.perf_counter() - started, gib(outcome.need.held_bytes))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
              f"{'row':34s}{'settings':80s}{'measured':>9s}{'check':>8s}{'need':>8s}{'held':>8s}"
              f"{'measured/held':>15s}{'s':>6s}"]
     print("\n".join(lines), flush=True)
-    skipped, errors = [], []
+    skipped, errors, reserved = [], [], []
     for row in rows:
         if trl_release(row["trl_version"]).version != installed:
             skipped.append(f"{row['id']} (TRL {row['trl_version']})")
             continue
         try:
-            check_gib, need_gib, held_gib, seconds = traced_row(row, transformers.__version__)
+            check_gib, need_gib, held_gib, seconds, reserved_gib = traced_row(row, transformers.__version__)
         except Exception as exc:  # noqa: BLE001 - one row that does not trace must not end the table
             lines.append(f"{row['id']:34s}not traced: {str(exc).splitlines()[0][:150]}")
         else:
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             label += " (allocated)" if pm.measured_quantity(row) == "allocated" else ""
             lines.append(f"{row['id']:34s}{label:80s}{row['measured_gib']:9.2f}"
                          f"{check_gib:8.2f}{need_gib:8.2f}{held_gib:8.2f}{errors[-1]:+15.1%}{seconds:6.0f}")
+            if "measured_reserved_gib" in row:
+                reserved.append((row["id"], row["measured_reserved_gib"], reserved_gib))
         print(lines[-1], flush=True)
     if errors:
         lines.append(f"measured against held: median |error| {statistics.median(abs(e) for e in errors):.1%} over "
@@ -101,6 +106,15 @@ def main(argv: list[str] | None = None) -> int:
                  "for backward")
     lines.append("(allocated): the row measured torch.cuda.max_memory_allocated(); its 'held' is the trace's allocated "
                  "peak (tensors and cuBLAS workspaces)")
+    if reserved:
+        lines += ["", "torch.cuda.max_memory_reserved() against what the allocator model holds at most on the row's card "
+                  "(GiB, neither with the CUDA context)", f"{'row':34s}{'measured':>9s}{'held':>8s}{'measured/held':>15s}"]
+        ratios = [measured / held - 1 for _, measured, held in reserved]
+        lines += [f"{row_id:34s}{measured:9.2f}{held:8.2f}{ratio:+15.1%}"
+                  for (row_id, measured, held), ratio in zip(reserved, ratios)]
+        lines.append(f"median |error| {statistics.median(abs(r) for r in ratios):.1%} over {len(ratios)} rows, from "
+                     f"{min(ratios):+.1%} to {max(ratios):+.1%}")
+        print("\n".join(lines[-len(reserved) - 4:]))
     if skipped:
         lines.append(f"not traced here (another TRL release; run this in its environment): {', '.join(skipped)}")
         print(lines[-1])

@@ -219,7 +219,10 @@ def test_old_releases_steps_hold_at_the_boundary_in_their_own_band():
 # their need. The reserve's patterns were read off and fitted on 16-bit steps; refitted with these points the loss
 # phase's median |error| rose from 2.7% to 3.8%, so they stay apart until a pattern of the 4-bit layers' own (PEFT's
 # defensive clone of each base output, the dropout masks' segments the checkpointed inputs are cut from) is counted.
-QLORA_WINDOWS = {"Qwen2.5-0.5B qlora p256 c256 B32 G16"}
+# The steps load their weights as transformers quantizes them on the card (each 16-bit checkpoint copy freed among
+# the packed weights cut beside it): that moved the needs by -94 to +222 MiB, with no relation to what the loading
+# leaves cached, and Qwen2.5-0.5B's long completions (+38 MiB) into a window of their own.
+QLORA_WINDOWS = {"Qwen2.5-0.5B qlora p256 c256 B32 G16", "Qwen2.5-0.5B qlora c1024 B8"}
 QLORA_UNDER = 8
 
 
@@ -227,7 +230,7 @@ QLORA_UNDER = 8
 def test_qlora_steps_hold_at_the_boundary_in_the_band():
     """4-bit steps traced as bitsandbytes runs them on CUDA, judged with the analytic model against their committed
     needs: the committed table, every need inside the measured band (so a verdict near them says so and names
-    --exact), and the window and the points under their need that QLORA_WINDOWS and QLORA_UNDER name."""
+    --exact), and the windows and the points under their need that QLORA_WINDOWS and QLORA_UNDER name."""
     import json
 
     from vram_planner.model.spec import training_config

@@ -86,6 +86,20 @@ def test_a_row_measuring_something_else_is_refused_in_one_line():
     assert SCRIPT_MODULE.row_problems(row) == "measured_quantity must be one of device, allocated (got 'nvidia-smi')"
 
 
+@pytest.mark.parametrize("value", [0, -1.5, "8.6", True])
+def test_a_reserved_figure_that_is_no_positive_number_is_refused_in_one_line(value):
+    row = {**ALLOCATED[0], "measured_reserved_gib": value}
+    assert SCRIPT_MODULE.row_problems(row) == f"measured_reserved_gib must be a positive number (got {value!r})"
+
+
+@pytest.mark.parametrize("row", [row for row in ROWS if "measured_reserved_gib" in row], ids=lambda row: row["id"])
+def test_a_reserved_figure_is_the_sources_own_and_at_least_its_allocated_peak(row):
+    """measured_reserved_gib is torch.cuda.max_memory_reserved() as the quoted line gives it, and the allocator never
+    reserves less than it hands out."""
+    assert f'"max_vram_reserved_gb": {row["measured_reserved_gib"]}' in row["quote"]
+    assert row["measured_quantity"] == "allocated" and row["measured_reserved_gib"] >= row["measured_gib"]
+
+
 # The CoursIA probe's runs of 2026-10-06, each a QLoRA step whose allocated peak the source read with
 # torch.cuda.max_memory_allocated(): no allocator reserve in the number, so the estimate's tensors meet it closely
 SAME_DAY = [row for row in ALLOCATED if "2026-10-06" in row["source"]]

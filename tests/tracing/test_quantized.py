@@ -54,7 +54,8 @@ def test_the_loaded_model_is_what_bitsandbytes_quantizes_beside_bfloat16_adapter
     frequencies stay as loaded, and TRL casts the adapters to bfloat16 over a quantized model."""
     train = TrainingConfig(**QLORA, per_device_train_batch_size=4)
     loading = [e for e in trace_step(TINY, train).events if e.phase == "loading"]
-    assert all(e.kind == "alloc" for e in loading)
+    freed = {e.block for e in loading if e.kind == "free"}
+    kept = [e for e in loading if e.kind == "alloc" and e.block not in freed]
     shapes = linear_shapes(TINY)
     hidden, head_dim, layers = TINY["hidden_size"], TINY["head_dim"], TINY["num_hidden_layers"]
     quantized = sum(quantized_bytes(o, i) for o, i in shapes)
@@ -62,7 +63,37 @@ def test_the_loaded_model_is_what_bitsandbytes_quantizes_beside_bfloat16_adapter
     norms = layers * (2 * rounded(hidden * 2) + 2 * rounded(head_dim * 2)) + rounded(hidden * 2)
     rotary = 2 * rounded(head_dim // 2 * 4)  # inv_freq and original_inv_freq, float32
     as_loaded = rounded(TINY["vocab_size"] * hidden * 2) + norms + rotary
-    assert sum(rounded(e.size_bytes) for e in loading) == quantized + adapters + as_loaded
+    assert sum(rounded(e.size_bytes) for e in kept) == quantized + adapters + as_loaded
+
+
+def test_each_weight_is_quantized_on_the_card_from_its_checkpoint_copy_one_at_a_time():
+    """transformers puts each 4-bit layer's weight on the card in the checkpoint's dtype, bitsandbytes packs it there,
+    and the copy is freed before the next weight comes: one 16-bit copy per linear layer, never two alive at once,
+    in the checkpoint's key order (the embedding first, then layer by layer: within one, the MLP's projections before
+    the attention's, each group by name), every adapter after the whole model."""
+    train = TrainingConfig(**QLORA, per_device_train_batch_size=4)
+    loading = [e for e in trace_step(TINY, train).events if e.phase == "loading"]
+    freed = {e.block for e in loading if e.kind == "free"}
+    hidden, inter = TINY["hidden_size"], TINY["intermediate_size"]
+    copies = [e for e in loading if e.kind == "alloc" and e.block in freed and e.size_bytes >= hidden * hidden]
+    shapes = linear_shapes(TINY)
+    assert sorted(e.size_bytes for e in copies) == sorted(o * i * 2 for o, i in shapes)
+    alive, most = 0, 0
+    for e in loading:
+        if e.block in {c.block for c in copies}:
+            alive += 1 if e.kind == "alloc" else -1
+            most = max(most, alive)
+    assert most == 1
+    assert loading[0].size_bytes == TINY["vocab_size"] * hidden * 2
+    q, kv = TINY["num_attention_heads"] * TINY["head_dim"], TINY["num_key_value_heads"] * TINY["head_dim"]
+    # down, gate, up; then k, o, q, v
+    layer_order = [inter * hidden * 2] * 3 + [kv * hidden * 2, q * hidden * 2, q * hidden * 2, kv * hidden * 2]
+    assert [e.size_bytes for e in copies] == layer_order * TINY["num_hidden_layers"]
+    assert [e.layer for e in copies] == [i for i in range(TINY["num_hidden_layers"]) for _ in layer_order]
+    after = loading[1 + max(i for i, e in enumerate(loading) if e.kind == "free"):]
+    adapters = sum(rounded(8 * i * 2) + rounded(o * 8 * 2) for o, i in shapes)
+    rotary = 2 * rounded(TINY["head_dim"] // 2 * 4)
+    assert sum(rounded(e.size_bytes) for e in after) == rounded(hidden * 2) + adapters + rotary  # the final norm
 
 
 def _dequantized_mlp_weights(settings: dict, config: dict = TINY) -> Counter:

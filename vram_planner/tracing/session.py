@@ -77,12 +77,14 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
         if train.computes_ref_logps and not train.uses_lora:
             session.ref_model = _build_model(arch_config, train)
         cast_heads(model, session.ref_model, train)
-    checkpoint_dtype = getattr(torch, train.dtype)
-    session.model = _on_fake_tensors(model, session.fake_mode, checkpoint_dtype)
     with session.tracker.tagged(WEIGHTS, "loading the model"):  # the moment of their allocation events
+        if train.load_in_4bit:
+            session.model = _loaded_in_4bit(model, session, getattr(torch, train.dtype))
+        else:
+            session.model = _on_fake_tensors(model, session.fake_mode)
         _track_in_layers(session.tracker, session.model, WEIGHTS)
         if session.ref_model is not None:
-            session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode, checkpoint_dtype)
+            session.ref_model = _on_fake_tensors(session.ref_model, session.fake_mode)
             _track_in_layers(session.tracker, session.ref_model, REFERENCE)
     add_fused_heads(session)
     return session
@@ -181,17 +183,15 @@ def _add_lora(model: Any, train: TrainingConfig) -> Any:
     return get_peft_model(model, config)  # adapters upcast to fp32 (autocast_adapter_dtype=True), as in TRL
 
 
-def _on_fake_tensors(model: Any, fake_mode: Any, checkpoint_dtype: torch.dtype) -> Any:
-    """Replace every meta tensor of `model` (parameters, buffers, tensor attributes) by a fake CPU tensor; a 4-bit
-    weight by the packed weight and quantization state bitsandbytes makes of it loaded in `checkpoint_dtype`
-    (`_quantized_on_fake_tensors`)."""
+def _on_fake_tensors(model: Any, fake_mode: Any) -> Any:
+    """Replace every meta tensor of `model` (parameters, buffers, tensor attributes) by a fake CPU tensor, but 4-bit
+    weights, which `_loaded_in_4bit` quantizes."""
     made: dict[int, Any] = {}
 
     def fake(t: torch.Tensor) -> Any:
+        if _is_4bit_weight(t):
+            return t
         if id(t) not in made:
-            if _is_4bit_weight(t):
-                made[id(t)] = _quantized_on_fake_tensors(t, fake_mode, checkpoint_dtype)
-                return made[id(t)]
             with fake_mode:
                 data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
             made[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
@@ -205,10 +205,54 @@ def _on_fake_tensors(model: Any, fake_mode: Any, checkpoint_dtype: torch.dtype) 
         for name, value in vars(module).items():  # e.g. rotary embeddings' original_inv_freq
             if isinstance(value, torch.Tensor) and value.is_meta:
                 setattr(module, name, fake(value))
-        if hasattr(module, "support_avx512bf16_for_cpu"):  # a bitsandbytes Linear4bit
+    return model
+
+
+def _loaded_in_4bit(model: Any, session: Session, checkpoint_dtype: torch.dtype) -> Any:
+    """`_on_fake_tensors` for a model quantized on load, its allocations and frees counted as the GPU sees them.
+
+    transformers quantizes on the card (bitsandbytes' `Params4bit._quantize`): each checkpoint weight of a 4-bit
+    layer is put there in `checkpoint_dtype`, `quantize_4bit` makes the packed weight and its state from it (and frees
+    its float32 absmax once double quantization has packed it), and the checkpoint weight is freed before the next
+    one comes. The weights come in the checkpoint's key order (transformers 5: `core_model_loading`, keys sorted by
+    `dot_natural_key`, loaded one at a time when quantizing on the fly; 4.x: the shards' sorted keys, the same order
+    but for the layers' numbers, which changes nothing here as every layer is alike), the LM head and the embedding
+    first; PEFT's adapters come after the whole model. So the freed 16-bit blocks lie among the packed weights cut
+    from them, which the step's requests find."""
+    model = _on_fake_tensors(model, session.fake_mode)
+    layer_of = {id(module): index for index, layer in enumerate(decoder_layers(model)) for module in layer.modules()}
+    tracker = session.tracker
+    for _, module, key in sorted(_base_parameter_slots(model), key=lambda slot: _natural_key(slot[0])):
+        tracker.layer = layer_of.get(id(module), -1)
+        t = module._parameters[key]
+        if _is_4bit_weight(t):  # a bitsandbytes Linear4bit's
+            module._parameters[key] = _quantized_on_fake_tensors(t, session.fake_mode, checkpoint_dtype, tracker)
             module.quant_state = module.weight.quant_state
             module.support_avx512bf16_for_cpu = False  # its CPU-only inference repacking, which CUDA never runs
+        else:
+            tracker.track(t)
+    tracker.layer = -1
     return model
+
+
+def _base_parameter_slots(model: Any) -> list[tuple[str, Any, str]]:
+    """(checkpoint name, module, name in the module) of every parameter of the model under PEFT's wrapper but the
+    adapters' (a tied weight once)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    slots, seen = [], set()
+    for module_name, module in base.named_modules():
+        for key, t in module._parameters.items():
+            if t is None or id(t) in seen or "lora_" in module_name:
+                continue
+            seen.add(id(t))
+            name = f"{module_name}.{key}".replace(".base_layer", "")
+            slots.append((name, module, key))
+    return slots
+
+
+def _natural_key(name: str) -> list[tuple[int, int | str]]:
+    """transformers' `dot_natural_key`: a name's parts, numbers as numbers, sorting before words."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
 
 
 def _quantize_on_load(model: Any, train: TrainingConfig) -> None:
@@ -252,17 +296,17 @@ def _is_4bit_weight(t: torch.Tensor) -> bool:
     return type(t).__name__ == "Params4bit" and not getattr(t, "bnb_quantized", True)
 
 
-def _quantized_on_fake_tensors(weight: Any, fake_mode: Any, dtype: torch.dtype) -> Any:
+def _quantized_on_fake_tensors(weight: Any, fake_mode: Any, dtype: torch.dtype, tracker: LiveBytes) -> Any:
     """A Linear4bit's weight as bitsandbytes leaves it on the GPU: `quantize_4bit` of the `dtype` checkpoint's weight,
     run on fake tensors (the packed uint8 weight, and the quantization state that keeps the absmax, the code and,
     double-quantized, the absmax's own state). A fake tensor cannot be a Params4bit (a tensor subclass of its own):
     the packed weight is a Parameter carrying the state, which Linear4bit reads first
-    (`fix_4bit_weight_quant_state_from_module`)."""
+    (`fix_4bit_weight_quant_state_from_module`). The `tracker` counts what it allocates and frees."""
     import bitsandbytes.functional as bnb_functional
 
     # Made from Python lists, which fake tensors cannot give: once, outside the fake world, as bitsandbytes caches it
     bnb_functional.name2qmap.setdefault("dynamic", bnb_functional.create_dynamic_map())
-    with fake_mode:
+    with fake_mode, tracker:
         checkpoint_weight = torch.empty(weight.shape, dtype=dtype, device="cpu")
         packed, state = bnb_functional.quantize_4bit(
             checkpoint_weight, blocksize=weight.blocksize, compress_statistics=weight.compress_statistics,
