@@ -23,7 +23,7 @@ import json
 import sys
 from collections import Counter
 
-from boundary import CARD, MODELS, RESULTS, below_need, points
+from boundary import CARD, MODELS, QLORA_CONFIGS, RESULTS, below_need, points
 from boundary_heldout import table_stem
 
 from vram_planner import engine
@@ -133,7 +133,8 @@ def _described(allocator: CachingAllocator, made: dict, failed: OutOfMemory, eve
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt or boundary-heldout.txt")
+    parser.add_argument("points", nargs="+", help="labels of benchmarks/results/boundary.txt, boundary-qlora.txt or "
+                        "boundary-heldout.txt")
     parser.add_argument("--segments", action="store_true", help="also the segments that hold the cached memory")
     parser.add_argument("--pool", action="store_true", help="also the cached blocks each phase begins from")
     parser.add_argument("--placements", metavar="PHASE", help="also where each request of that phase (training, "
@@ -143,7 +144,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the held-out sweep whose labels these are")
     parser.add_argument("--largest-gib", type=float, metavar="G", help="that sweep's bound on the analytic peak")
     args = parser.parse_args()
-    grid = {label: (model, settings) for label, model, settings in points(list(MODELS), quick=False)}
+    grid = {label: (model, settings) for label, model, settings in [*points(list(MODELS), quick=False),
+                                                                     *points(list(MODELS), False, [*QLORA_CONFIGS])]}
     # benchmarks/boundary_heldout.py's points, as its table for that seed names them
     held_out = RESULTS / f"{table_stem(args.seed, args.largest_gib)}.json"
     grid.update({r["point"]: (r["model"], r["settings"]) for r in json.loads(held_out.read_text())}
