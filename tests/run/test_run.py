@@ -400,3 +400,41 @@ def test_a_recipes_training_arguments_come_along_and_the_config_is_trls(capsys, 
     carried, _ = RunSetup.recipe_arguments_of(read_recipe(load_yaml(recipe.read_text(), "recipe")))
     args = GRPOConfig(output_dir=str(out), use_cpu=True, report_to="none", **carried)
     assert (args.learning_rate, args.lr_scheduler_type, args.seed) == (2e-05, "cosine", 42)
+
+
+def _carried(text: str) -> dict:
+    from vram_planner.files import load_yaml
+    from vram_planner.recipe import read_recipe
+    from vram_planner.run.setup import RunSetup
+
+    return RunSetup.recipe_arguments_of(read_recipe(load_yaml(text, "recipe")))[0]
+
+
+def test_a_recipes_numbers_written_as_yaml_text_are_read_as_trls_parser_reads_them():
+    """YAML reads `5e-6` (no dot) as text; `trl grpo --config` trains at 5e-06 all the same (argparse converts a
+    default given as text with the argument's type), and so does the run, where the text once reached the optimizer
+    and the run died in an internal error."""
+    carried = _carried("learning_rate: 5e-6\nseed: '7'\nscale_rewards: false\nlr_scheduler_type: cosine\n")
+    assert carried == {"learning_rate": 5e-06, "seed": 7, "scale_rewards": False, "lr_scheduler_type": "cosine"}
+    assert isinstance(carried["learning_rate"], float) and isinstance(carried["seed"], int)
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("learning_rate: abc", "learning_rate 'abc': TRL's parser does not read it as a number"),
+    ("seed: 1.5e3", "seed '1.5e3': TRL's parser does not read it as a whole number"),
+    ("max_grad_norm: .nan", "max_grad_norm nan: GRPOConfig takes a finite number there"),
+    ("learning_rate: [1, 2]", "learning_rate [1, 2]: GRPOConfig takes a finite number there"),
+])
+def test_a_recipes_value_trl_cannot_read_is_refused_in_one_line(capsys, tiny_model_folder, tmp_path, text, said):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text + "\n")
+    err = bad_run(capsys, tmp_path, tiny_model_folder, "--config", str(recipe), "--dataset", "math-sample")
+    assert err == f"error: {said}\n"
+
+
+def test_trls_own_flags_on_the_command_line_are_read_as_its_parser_reads_them(capsys, tiny_model_folder, tmp_path):
+    err = bad_run(capsys, tmp_path, tiny_model_folder, "--dataset", "math-sample", "--learning_rate", "abc")
+    assert err == "error: learning_rate 'abc': TRL's parser does not read it as a number\n"
+    code, stdout, _ = run(capsys, "run", "--model", str(tiny_model_folder), "--dataset", "math-sample",
+                          "--output-dir", str(tmp_path / "run"), "--dry-run", "--learning_rate", "3e-6", *SMALL)
+    assert code == 0 and "learning_rate=3e-06," in stdout.split("GRPOConfig(")[1]

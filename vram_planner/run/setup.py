@@ -128,7 +128,7 @@ class RunSetup:
 
         fields = {f.name for f in dataclasses.fields(GRPOConfig)}
         wanted = recipe.run_arguments
-        carried = {key: value for key, value in wanted.items() if key in fields}
+        carried = as_trl_parses({key: value for key, value in wanted.items() if key in fields})
         note = f"from the recipe: {', '.join(carried) or 'nothing'} carried into the GRPOConfig"
         if missing := [key for key in wanted if key not in fields]:
             note += f"; {', '.join(missing)} left out (not a field of the installed TRL's GRPOConfig)"
@@ -148,3 +148,31 @@ class RunSetup:
         if quantization:
             lines.append(f"BitsAndBytesConfig({call_args(quantization)})")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def as_trl_parses(values: dict[str, Any]) -> dict[str, Any]:
+    """A recipe's GRPOConfig values (or TRL's flags on the command line) as `trl grpo --config recipe.yaml` reads them: TrlParser sets them as its argparse
+    parser's defaults, and argparse converts a default given as text with the argument's type, so YAML's
+    `learning_rate: 5e-6` (text to YAML, which wants a dot in a float) trains at 5e-06; text no such type reads, or a
+    value that is no number where the argument is one, is refused in one line, as TRL refuses it."""
+    import math
+
+    from transformers import HfArgumentParser
+    from trl import GRPOConfig
+
+    actions = {action.dest: action for action in HfArgumentParser(GRPOConfig)._actions}
+    parsed = {}
+    for key, value in values.items():
+        action = actions.get(key)
+        reads = getattr(action, "type", None)
+        if isinstance(value, str) and reads is not None:
+            try:
+                value = reads(value)
+            except (TypeError, ValueError):
+                wanted = {float: "a number", int: "a whole number"}.get(reads, "a value of its type")
+                raise VramPlanError(f"{key} {value!r}: TRL's parser does not read it as {wanted}")
+        if reads in (float, int) and value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise VramPlanError(f"{key} {value!r}: GRPOConfig takes a finite number there")
+        parsed[key] = value
+    return parsed
