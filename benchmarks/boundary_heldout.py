@@ -2,6 +2,7 @@
 
     python benchmarks/boundary_heldout.py --held-out 32 --seed 0    # a trace and a bisection each: ~10 minutes
     python benchmarks/boundary_heldout.py --held-out 32 --seed 0 --largest-gib 24   # where most users train
+    python benchmarks/boundary_heldout.py --held-out 16 --seed 1 --largest-gib 24 --qlora   # LoRA over 4-bit weights
     python benchmarks/boundary_heldout.py --recheck "SmolLM2-135M fp32 full" "phi-2 lora c256 B128"
     python benchmarks/boundary_heldout.py --from-results   # every committed sweep's points, the analytic side only
 
@@ -41,6 +42,7 @@ import json
 import random
 import re
 import sys
+from pathlib import Path
 
 from accuracy import load_cache, save_atomically
 from boundary import (MODELS, RESULTS, exact, heaviest_prompt, need_key, points, row, shorter_need, summary, table,
@@ -69,8 +71,9 @@ LORA_RANKS = (8, 16, 32, 64)
 MAX_DRAWS = 1000  # per point: a generator that cannot find a valid config is a bug, not a long wait
 
 
-def draw(rng: random.Random, large_allowed: bool) -> tuple[str, dict]:
-    """One (model, settings) with every knob set; TRL's divisibility rule holds by construction."""
+def draw(rng: random.Random, large_allowed: bool, qlora: bool = False) -> tuple[str, dict]:
+    """One (model, settings) with every knob set; TRL's divisibility rule holds by construction. `qlora`: LoRA over
+    4-bit weights, every other knob drawn as before."""
     model = LARGE if large_allowed and rng.random() < LARGE_SHARE else rng.choice(SMALL)
     batch, accumulation = rng.choice(BATCHES), rng.choice(ACCUMULATION)
     spg = rng.choice((None, 2 * accumulation))  # None: one generation per optimizer step, TRL's default
@@ -88,6 +91,8 @@ def draw(rng: random.Random, large_allowed: bool) -> tuple[str, dict]:
                 "gradient_checkpointing": rng.random() < 0.5,
                 "attn_implementation": rng.choice(("sdpa", "eager")),
                 "allocator_conf": rng.choice(("", "expandable_segments:True"))}
+    if qlora:
+        settings.update(lora_r=rng.choice(LORA_RANKS), load_in_4bit=True)
     return model, settings
 
 
@@ -95,6 +100,7 @@ def knobs(settings: dict) -> str:
     """The settings in a few words, the point's name in the table and the cache."""
     s = settings
     words = ["fp32" if s["dtype"] == "float32" else "bf16", f"lora{s['lora_r']}" if s["lora_r"] else "full",
+             *(["4bit"] if s.get("load_in_4bit") else []),
              f"B{s['per_device_train_batch_size']}", f"G{s['num_generations']}",
              f"A{s['gradient_accumulation_steps']}"]
     words += [f"S{s['steps_per_generation']}"] if s["steps_per_generation"] else []
@@ -141,15 +147,17 @@ def _comparable(config) -> str:
     return repr(config)  # every field, defaults included; a TrainingConfig is not hashable (its lists)
 
 
-def held_out(n: int, seed: int, largest_card_bytes: int | None = None) -> list[tuple[str, str, dict]]:
-    """(label, model, settings) for n configs drawn with `seed`: valid for TRL, off the grid, and (with
-    `largest_card_bytes`) on some card by the analytic peak, none whose trace would exceed MAX_TRACE_SECONDS."""
+def held_out(n: int, seed: int, largest_card_bytes: int | None = None,
+             qlora: bool = False) -> list[tuple[str, str, dict]]:
+    """(label, model, settings) for n configs drawn with `seed` (`qlora`: over 4-bit weights): valid for TRL, off the
+    grid, and (with `largest_card_bytes`) on some card by the analytic peak, none whose trace would exceed
+    MAX_TRACE_SECONDS."""
     from vram_planner.errors import ConfigError
 
     rng, grid, out, large = random.Random(seed), grid_configs(), [], 0
     for _ in range(n):
         for _ in range(MAX_DRAWS):
-            model, settings = draw(rng, large < MAX_LARGE)
+            model, settings = draw(rng, large < MAX_LARGE, qlora)
             label = point_label(model, settings)
             try:  # TRL's rules, then the model's (gemma-2 has no SDPA attention in transformers 5)
                 config = training_config(settings)
@@ -183,11 +191,16 @@ def largest_card() -> int:
     return max(gpu.capacity_bytes for gpu in gpu_catalog().values())
 
 
-def sweep(n: int, seed: int, largest_gib: float | None = None) -> list[str]:
-    path = RESULTS / "boundary-heldout-needs.json"
+def needs_path(qlora: bool = False) -> Path:
+    """The held-out sweeps' needs: the 4-bit sweeps' apart, as their tables are (their reserve is not fitted)."""
+    return RESULTS / ("boundary-heldout-qlora-needs.json" if qlora else "boundary-heldout-needs.json")
+
+
+def sweep(n: int, seed: int, largest_gib: float | None = None, qlora: bool = False) -> list[str]:
+    path = needs_path(qlora)
     key = need_key()
     cache = load_cache(path, key)
-    rows, chosen = [], held_out(n, seed, round(largest_gib * GiB) if largest_gib else largest_card())
+    rows, chosen = [], held_out(n, seed, round(largest_gib * GiB) if largest_gib else largest_card(), qlora)
     for i, (label, model, settings) in enumerate(chosen, 1):
         known = set(cache)
         try:
@@ -199,7 +212,7 @@ def sweep(n: int, seed: int, largest_gib: float | None = None) -> list[str]:
             print(f"[{i}/{n}] {name}: need bisected in {cache[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
         if set(cache) != known:
             save_atomically(path, json.dumps({"key": key, "points": cache}, indent=1))
-    return save_sweep(rows, n, seed, largest_gib, key)
+    return save_sweep(rows, n, seed, largest_gib, key, qlora)
 
 
 def judged(point: str, model: str, settings: dict, cache: dict, trace: bool, release: dict | None = None) -> dict:
@@ -214,21 +227,25 @@ def judged(point: str, model: str, settings: dict, cache: dict, trace: bool, rel
             "settings": settings, "binding_phase": traced["binding_phase"]}
 
 
-def save_sweep(rows: list[dict], n: int, seed: int, largest_gib: float | None, key: str) -> list[str]:
+def save_sweep(rows: list[dict], n: int, seed: int, largest_gib: float | None, key: str,
+               qlora: bool = False) -> list[str]:
     """Write a sweep's table and rows (table_stem names them); returns the table's lines."""
     lines = table(rows)
     lines = [lines[0] + "  knobs", lines[1]] + [f"{line:107}  {r['knobs']}" for line, r in zip(lines[2:], rows)]
-    drawn = f"held-out: {n} configs drawn with seed {seed}"
+    drawn = f"held-out: {n} configs{' over 4-bit weights' if qlora else ''} drawn with seed {seed}"
     drawn += f", analytic peaks up to {largest_gib:g} GiB" if largest_gib else ""
     lines += summary(rows) + [drawn, f"needs from {key}"]
-    save_atomically(RESULTS / f"{table_stem(seed, largest_gib)}.txt", "\n".join(lines) + "\n")
-    save_atomically(RESULTS / f"{table_stem(seed, largest_gib)}.json", json.dumps(rows, indent=1))
+    save_atomically(RESULTS / f"{table_stem(seed, largest_gib, qlora)}.txt", "\n".join(lines) + "\n")
+    save_atomically(RESULTS / f"{table_stem(seed, largest_gib, qlora)}.json", json.dumps(rows, indent=1))
     return lines
 
 
-def table_stem(seed: int, largest_gib: float | None = None) -> str:
+def table_stem(seed: int, largest_gib: float | None = None, qlora: bool = False) -> str:
     """Seed 0's table keeps its name (the sweep whose points the patterns of 2026-11-28 were read off); another seed's
-    sits beside it, a hold-out nothing was read from, and a sweep bounded to consumer cards names its bound."""
+    sits beside it, a hold-out nothing was read from, and a sweep bounded to consumer cards names its bound; a sweep
+    over 4-bit weights says so first."""
+    if qlora:
+        return f"boundary-heldout-qlora{f'-{largest_gib:g}gib' if largest_gib else ''}-seed{seed}"
     if largest_gib:
         return f"boundary-heldout-{largest_gib:g}gib-seed{seed}"
     return "boundary-heldout" if seed == 0 else f"boundary-heldout-seed{seed}"
@@ -308,6 +325,7 @@ def main() -> int:
     parser.add_argument("--recheck", nargs="+", metavar="POINT", help="grid points to re-bisect instead")
     parser.add_argument("--from-results", action="store_true",
                         help="judge the committed sweeps' points against their committed needs, tracing nothing")
+    parser.add_argument("--qlora", action="store_true", help="draw LoRA over 4-bit weights (a table of their own)")
     args = parser.parse_args()
     if args.from_results:
         lines = rejudged()
@@ -316,7 +334,7 @@ def main() -> int:
         lines = recheck(args.recheck)
         save_atomically(RESULTS / "boundary-recheck.txt", "\n".join(lines) + "\n")
     else:
-        lines = sweep(args.held_out, args.seed, args.largest_gib)
+        lines = sweep(args.held_out, args.seed, args.largest_gib, args.qlora)
     print("\n".join(lines))
     return 0
 

@@ -39,6 +39,20 @@ def test_every_sampled_config_is_valid_runnable_on_a_card_and_off_the_grid(heldo
         assert heldout.trace_seconds(model, settings) <= heldout.MAX_TRACE_SECONDS
 
 
+def test_a_qlora_sweep_draws_lora_over_4bit_weights_into_tables_and_needs_of_its_own(heldout):
+    """--qlora: every draw is LoRA over 4-bit weights, valid and within the bound, the other knobs drawn as before
+    (both dtypes, with and without checkpointing); its table and needs are named apart from the 16-bit sweeps'."""
+    from vram_planner.units import GiB
+
+    sample = heldout.held_out(12, seed=1, largest_card_bytes=24 * GiB, qlora=True)
+    assert all(s["load_in_4bit"] and s["lora_r"] in heldout.LORA_RANKS and "4bit" in label for label, _, s in sample)
+    assert {s["dtype"] for _, _, s in sample} == {"float32", "bfloat16"}
+    for label, model, settings in sample:
+        assert engine.check(model, "24GiB", settings).estimate.peak_bytes <= 24 * GiB, label
+    assert heldout.table_stem(1, 24, qlora=True) == "boundary-heldout-qlora-24gib-seed1"
+    assert heldout.needs_path(qlora=True).name == "boundary-heldout-qlora-needs.json" != heldout.needs_path().name
+
+
 def test_a_sweep_bounded_to_consumer_cards_draws_only_configs_under_its_bound(heldout):
     """--largest-gib: the sweep of the cards most users have keeps the draws whose analytic peak is within the bound,
     as the sampler judges it, and its tables are named by the bound beside the whole catalog's."""
@@ -64,5 +78,5 @@ def test_a_draw_equal_to_a_grid_point_is_drawn_again(heldout, monkeypatch):
             "max_completion_length": 512, "beta": 0.0, "optim": "adamw_torch_fused", "gradient_checkpointing": True,
             "attn_implementation": "sdpa", "allocator_conf": ""}  # TRL's defaults spelt out: the grid's "fp32 full"
     draws = iter([(model, full), (model, {**full, **off_grid})])
-    monkeypatch.setattr(heldout, "draw", lambda rng, large_allowed: next(draws))
+    monkeypatch.setattr(heldout, "draw", lambda rng, large_allowed, qlora=False: next(draws))
     assert heldout.held_out(1, seed=0) == [(f"{model} fp32 full B8 G8 A1 p256 c640", model, {**full, **off_grid})]
