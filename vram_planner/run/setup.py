@@ -151,10 +151,11 @@ class RunSetup:
 
 
 def as_trl_parses(values: dict[str, Any]) -> dict[str, Any]:
-    """A recipe's GRPOConfig values (or TRL's flags on the command line) as `trl grpo --config recipe.yaml` reads them: TrlParser sets them as its argparse
-    parser's defaults, and argparse converts a default given as text with the argument's type, so YAML's
-    `learning_rate: 5e-6` (text to YAML, which wants a dot in a float) trains at 5e-06; text no such type reads, or a
-    value that is no number where the argument is one, is refused in one line, as TRL refuses it."""
+    """A recipe's GRPOConfig values (or TRL's flags on the command line) as `trl grpo --config recipe.yaml` reads
+    them: TrlParser sets them as its argparse parser's defaults, and argparse converts a default given as text with
+    the argument's type, so YAML's `learning_rate: 5e-6` (text to YAML, which wants a dot in a float) trains at 5e-06;
+    text no such type reads, or a value that is no number where the argument is one, is refused in one line, as TRL
+    refuses it."""
     import math
 
     from transformers import HfArgumentParser
