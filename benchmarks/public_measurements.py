@@ -12,8 +12,9 @@ vram-plan also calls it "does not fit". Most sources give the process's device m
 set beside the need `check` predicts; a row whose number is torch.cuda.max_memory_allocated() (`measured_quantity =
 "allocated"`) is set beside the allocated peak the estimate predicts (its tensors and cuBLAS workspaces: no allocator
 reserve, no CUDA context), and the two kinds are summed up apart. Such a row may give torch.cuda.max_memory_reserved()
-too (`measured_reserved_gib`), which benchmarks/public_traced.py sets beside what the allocator model holds. A row that cannot be planned (its model is not in the
-catalog and the hub cannot be reached, say) says so, and why under the table.
+too (`measured_reserved_gib`), which benchmarks/public_traced.py sets beside what the allocator model holds. A row
+that cannot be planned (its model is not in the catalog and the hub cannot be reached, say) says so, and why under
+the table.
 """
 
 from __future__ import annotations

@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     lines.append("(allocated): the row measured torch.cuda.max_memory_allocated(); its 'held' is the trace's allocated "
                  "peak (tensors and cuBLAS workspaces)")
     if reserved:
-        lines += ["", "torch.cuda.max_memory_reserved() against what the allocator model holds at most on the row's card "
-                  "(GiB, neither with the CUDA context)", f"{'row':34s}{'measured':>9s}{'held':>8s}{'measured/held':>15s}"]
+        lines += ["", "torch.cuda.max_memory_reserved() against what the allocator model holds at most on the row's "
+                  "card (GiB, neither with the CUDA context)",
+                  f"{'row':34s}{'measured':>9s}{'held':>8s}{'measured/held':>15s}"]
         ratios = [measured / held - 1 for _, measured, held in reserved]
         lines += [f"{row_id:34s}{measured:9.2f}{held:8.2f}{ratio:+15.1%}"
                   for (row_id, measured, held), ratio in zip(reserved, ratios)]

@@ -171,7 +171,7 @@ def as_trl_parses(values: dict[str, Any]) -> dict[str, Any]:
                 value = reads(value)
             except (TypeError, ValueError):
                 wanted = {float: "a number", int: "a whole number"}.get(reads, "a value of its type")
-                raise VramPlanError(f"{key} {value!r}: TRL's parser does not read it as {wanted}")
+                raise VramPlanError(f"{key} {value!r}: TRL's parser does not read it as {wanted}") from None
         if reads in (float, int) and value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
             raise VramPlanError(f"{key} {value!r}: GRPOConfig takes a finite number there")
