@@ -91,11 +91,11 @@ def build_session(arch_config: dict[str, Any], train: TrainingConfig) -> Session
 
 
 def _track_in_layers(tracker: LiveBytes, model: Any, tag: str) -> None:
-    """Count the model's parameters, buffers and 4-bit quantization states as `tag`, each in its decoder layer
-    (`Event.layer`)."""
+    """Count the model's parameters and buffers as `tag`, each in its decoder layer (`Event.layer`); 4-bit weights'
+    quantization states are counted as `_loaded_in_4bit` makes them."""
     layer_of = {id(t): index for index, layer in enumerate(decoder_layers(model))
-                for t in [*layer.parameters(), *layer.buffers(), *_quant_state_tensors(layer)]}
-    for t in [*model.parameters(), *model.buffers(), *_quant_state_tensors(model)]:
+                for t in [*layer.parameters(), *layer.buffers()]}
+    for t in [*model.parameters(), *model.buffers()]:
         tracker.layer = layer_of.get(id(t), -1)
         tracker.track(t, tag)
     tracker.layer = -1
@@ -314,17 +314,6 @@ def _quantized_on_fake_tensors(weight: Any, fake_mode: Any, dtype: torch.dtype, 
     parameter = torch.nn.Parameter(packed, requires_grad=False)
     parameter.quant_state = state
     return parameter
-
-
-def _quant_state_tensors(model: Any) -> list[torch.Tensor]:
-    """The tensors of every 4-bit weight's quantization state: they live on the GPU beside the packed weight."""
-    tensors = []
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        while state is not None:
-            tensors += [t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor)]
-            state = state.state2
-    return tensors
 
 
 def _add_fused_head(model: Any, outputs: tuple[str, ...], cast_lm_head_to_fp32: bool) -> None:
