@@ -5,6 +5,7 @@ vram_planner/model/fragmentation.py and generation_patterns.py were read off thi
     python benchmarks/held_below_need.py "Llama-3.2-1B fp32 full adamw_8bit" "Mistral-7B-v0.3 full c1024 B8"
     python benchmarks/held_below_need.py --segments "Phi-3-mini-4k-instruct lora p512 c2048 G16 S2 beta"
     python benchmarks/held_below_need.py --pool --seed 3 "h17 Qwen3-1.7B"
+    python benchmarks/held_below_need.py --segments --qlora --seed 1 --largest-gib 24 "h10 SmolLM2-360M"
 
 Points are named as in benchmarks/results/boundary.txt; each is traced (seconds to a minute). `--segments` adds the
 segments that hold the cached memory: each one's size, the request that made it (a cudaMalloc, in which phase), and
@@ -143,11 +144,12 @@ def main() -> int:
                         help="--placements' smallest request shown (MiB; default 32)")
     parser.add_argument("--seed", type=int, default=0, help="the held-out sweep whose labels these are")
     parser.add_argument("--largest-gib", type=float, metavar="G", help="that sweep's bound on the analytic peak")
+    parser.add_argument("--qlora", action="store_true", help="that sweep was over 4-bit weights")
     args = parser.parse_args()
     grid = {label: (model, settings) for label, model, settings in [*points(list(MODELS), quick=False),
                                                                      *points(list(MODELS), False, [*QLORA_CONFIGS])]}
     # benchmarks/boundary_heldout.py's points, as its table for that seed names them
-    held_out = RESULTS / f"{table_stem(args.seed, args.largest_gib)}.json"
+    held_out = RESULTS / f"{table_stem(args.seed, args.largest_gib, args.qlora)}.json"
     grid.update({r["point"]: (r["model"], r["settings"]) for r in json.loads(held_out.read_text())}
                 if held_out.is_file() else {})
     unknown = [label for label in args.points if label not in grid]

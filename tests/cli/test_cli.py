@@ -424,6 +424,43 @@ def test_a_step_whose_kept_tensors_meet_the_decodings_segments_is_flagged_within
         assert json.loads(out)["fits"] is True and json.loads(out)["near_boundary"] is False, other_flags
 
 
+def test_a_generation_under_expandable_segments_is_flagged_within_what_its_growing_cache_can_strand(capsys):
+    """Under expandable segments the decoding's growing keys and values strand up to a page a layer beyond the
+    estimate (benchmarks/results/decoding_holes.txt): held-out QLoRA seed 1's SmolLM2-360M, 10.2% under its need, is
+    flagged on a card past the share band of its peak but short of its generation plus that, and the line says why;
+    under torch's default allocator (whose decoding segments the estimate counts) the same card is not flagged."""
+    from vram_planner import engine
+    from vram_planner.model.verdict import need_above_estimate
+
+    knobs = {"dtype": "bfloat16", "lora_r": 64, "load_in_4bit": True, "per_device_train_batch_size": 8,
+             "num_generations": 16, "gradient_accumulation_steps": 4, "steps_per_generation": 8,
+             "max_prompt_length": 64, "max_completion_length": 384, "beta": 0.01, "attn_implementation": "eager",
+             "allocator_conf": "expandable_segments:True"}
+    flags = ["--model", "SmolLM2-360M", "--dtype", "bfloat16", "--lora-r", "64", "--load-in-4bit",
+             "--per-device-train-batch-size", "8", "--num-generations", "16", "--gradient-accumulation-steps", "4",
+             "--steps-per-generation", "8", "--max-prompt-length", "64", "--max-completion-length", "384",
+             "--beta", "0.01", "--attn-implementation", "eager"]
+    verdict = engine.check("SmolLM2-360M", "80GiB", knobs)
+    peak, holes = verdict.estimate.peak_bytes, verdict.decoding_holes_bytes
+    assert verdict.estimate.peak_phase.name == "generation" and holes == 32 * 64 * 447 * 640
+    card = f"{peak * (1 + need_above_estimate(verdict.train)) + holes / 2:.0f}"  # past the share band, short of this
+    code, out, _ = run(capsys, "check", "--gpu", f"{int(card) / 2**30:.4f}GiB", *flags, "--allocator-conf",
+                       "expandable_segments:True", "--json")
+    checked = json.loads(out)
+    assert code == 0 and checked["fits"] is True and checked["near_boundary"] is True, checked["peak_bytes"]
+    assert checked["decoding_holes_bytes"] == holes
+    code, out, _ = run(capsys, "check", "--gpu", f"{int(card) / 2**30:.4f}GiB", *flags, "--allocator-conf",
+                       "expandable_segments:True")
+    said = " ".join(out.split())
+    assert ("Near the boundary: generation's growing keys and values under expandable segments can leave up to "
+            f"{holes / 2**30:.2f} GiB mapped beyond the estimate") in said, said
+    code, out, _ = run(capsys, "check", "--gpu", f"{int(card) / 2**30:.4f}GiB", *flags, "--json")
+    default = json.loads(out)
+    assert default["decoding_holes_bytes"] is None
+    assert default["near_boundary"] == (default["peak_bytes"] * (1 + default["need_above_estimate"])
+                                        > default["capacity_bytes"])
+
+
 def test_a_step_of_a_release_that_makes_the_whole_logits_is_flagged_within_its_band(capsys):
     """TRL 0.15 to 1.14 make the whole logits, and under LoRA with checkpointing the logits block their LM head's
     backward may find stranded is not counted (benchmarks/results/boundary-trl-1.0.0.txt): a "fits" past the other

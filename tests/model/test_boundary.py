@@ -7,6 +7,7 @@ import pytest
 
 from helpers import benchmark_module, family_fixture_files
 from vram_planner import engine
+from vram_planner.model.calibration import default_calibration
 from vram_planner.model.verdict import (NEED_ABOVE_ESTIMATE_HEAD_BLOCK_UNCOUNTED,
                                        NEED_ABOVE_ESTIMATE_KERNEL_HEAD_BLOCK_UNCOUNTED, NEED_ABOVE_ESTIMATE_MERGED_LOSS,
                                        NEED_BELOW_ESTIMATE, need_above_estimate)
@@ -268,12 +269,14 @@ def test_the_committed_held_out_tables_are_the_analytic_model_as_it_is():
 
 # The QLoRA held-out sweeps (benchmarks/boundary_heldout.py --held-out 16 --seed S --largest-gib 24 --qlora: every
 # knob drawn, LoRA over 4-bit weights), by seed: their windows, and the points whose need lies outside the band of
-# their kind of step. Found by seed 1, 2026-12-05: float32 weights in 4 bits keep the MLP's tensors in float32 (the
-# estimate was up to 26.7% short, activations.mlp_activation_bytes); and under expandable segments the KV cache's
-# growth by concatenation (generation's reserve is a share of its tensors there) is not counted: SmolLM2-360M, 64
-# sequences of 448 tokens, 10.2% under its need, as with 16-bit weights (8.1%) and with SDPA (9.5%); the cache's
-# growth replayed alone through the allocator model keeps 283 MiB mapped beside 1,120 MiB of keys and values.
-QLORA_HELD_OUT = {1: ({"h10 SmolLM2-360M"}, {"h10 SmolLM2-360M"}),
+# their kind of step (the share of the peak, or under expandable segments the generation phase with what its growing
+# cache can strand, Verdict.generation_band_bytes). Found by seed 1, 2026-12-05: float32 weights in 4 bits keep the
+# MLP's tensors in float32 (the estimate was up to 26.7% short, activations.mlp_activation_bytes); and under expandable
+# segments the KV cache's growth by concatenation (generation's reserve is a share of its tensors there) strands what
+# no closed form follows: SmolLM2-360M, 64 sequences of 448 tokens, 10.2% under its need, as with 16-bit weights
+# (8.1%) and with SDPA (9.5%); the cache's growth replayed alone keeps 265 MiB mapped beside 1,118 MiB of keys and
+# values, 35 MiB with 30 layers (benchmarks/decoding_holes.py), so its window is flagged near the boundary instead.
+QLORA_HELD_OUT = {1: ({"h10 SmolLM2-360M"}, set()),
                   2: ({"h01 Qwen2.5-0.5B"}, set())}
 
 
@@ -298,7 +301,10 @@ def test_the_qlora_held_out_sweeps_are_the_analytic_model_as_it_is_and_in_the_ba
     assert {r["point"] for r in rows if r["window"]} == windows
     outside = set()
     for r in rows:
-        ratio = r["need_bytes"] / r["analytic_bytes"] - 1
-        if not -NEED_BELOW_ESTIMATE <= ratio <= need_above_estimate(training_config(r["settings"])):
+        verdict = engine.check(r["model"], boundary.CARD, r["settings"], calibration=default_calibration())
+        assert verdict.estimate.peak_bytes == r["analytic_bytes"]
+        above = r["analytic_bytes"] * (1 + need_above_estimate(training_config(r["settings"])))
+        if not r["analytic_bytes"] * (1 - NEED_BELOW_ESTIMATE) <= r["need_bytes"] <= max(
+                above, verdict.generation_band_bytes):
             outside.add(r["point"])
     assert outside == outside_band

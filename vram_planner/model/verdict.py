@@ -9,6 +9,7 @@ from functools import cached_property
 from vram_planner.errors import ConfigError, closest_names, field_name
 from vram_planner.model.architecture import FAMILIES, ModelArchitecture
 from vram_planner.model import offload
+from vram_planner.model.expandable_pages import decoding_cache_hole_bytes
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.cuda_context import ContextFigure, context_figure
 from vram_planner.model.lm_head import uses_fused_head
@@ -235,6 +236,20 @@ class Verdict:
         return self.context.capacity_bytes - self.estimate.peak_bytes
 
     @property
+    def decoding_holes_bytes(self) -> float:
+        """What generate()'s growing keys and values may keep mapped beyond the estimate under expandable segments
+        (expandable_pages.decoding_cache_hole_bytes; 0 elsewhere)."""
+        return decoding_cache_hole_bytes(self.context.arch, self.train)
+
+    @property
+    def generation_band_bytes(self) -> float:
+        """The generation phase's estimate with the decoding's holes on it: the most its need has come to in the
+        allocator model's replays (0 where the decoding strands none beyond the estimate)."""
+        holes = self.decoding_holes_bytes
+        generation = next((p for p in self.estimate.phases if p.name == "generation"), None)
+        return 0.0 if generation is None or not holes else generation.total_bytes + holes
+
+    @property
     def near_boundary(self) -> bool:
         """Whether the step's need could lie on the other side of the card than the verdict says, as far from the
         estimate as needs have been measured (`--exact` then decides); never for a vLLM that cannot start."""
@@ -244,7 +259,7 @@ class Verdict:
         peak, capacity = self.estimate.peak_bytes, self.context.capacity_bytes
         if self.fits:
             above = need_above_estimate(self.train)
-            return peak * (1 + above) > capacity
+            return peak * (1 + above) > capacity or self.generation_band_bytes > capacity
         return peak * (1 - NEED_BELOW_ESTIMATE) <= capacity
 
 

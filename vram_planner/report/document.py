@@ -259,6 +259,9 @@ class Report(Document):
     # the steps it was measured on, in words
     need_above_estimate: float | None = None
     need_above_steps: str | None = None
+    # generation in this process under expandable segments: the most its growing keys and values have kept mapped
+    # beyond the estimate in the allocator model's replays (bytes; a band of its own, on the generation phase)
+    decoding_holes_bytes: int | None = None
     # the first micro-batch of the first step judged on its own: its phases run before any optimizer state exists
     first_micro_batch: FirstMicroBatchReport | None = None
     # Predicted seconds per optimizer step of the config shown, per GPU (vram_planner/cli/speed.py); null where
@@ -333,6 +336,7 @@ def verdict_report(verdict: Verdict, command: str = "check") -> Report:
         notes=list(est.notes) + copy_notes(verdict),
         vllm=vllm_report(est.vllm), distributed=distributed_report(train, est.host_bytes),
         near_boundary=verdict.near_boundary, need_above_estimate=above, need_above_steps=above_steps,
+        decoding_holes_bytes=round(verdict.decoding_holes_bytes) or None,
         first_micro_batch=first_micro_batch_report(verdict), copy=copy_report(verdict),
     )
 

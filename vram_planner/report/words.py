@@ -40,6 +40,10 @@ def copy_verdict(report: Report) -> str:
 
 def near_boundary_reason(report: Report) -> str:
     """Why the estimate's verdict could be the other way round (the web page says it too)."""
+    if report.fits and report.decoding_holes_bytes and not _within_band_of_peak(report):
+        return (f"generation's growing keys and values under expandable segments can leave up to "
+                f"{saving(report.decoding_holes_bytes)} mapped beyond the estimate (at most a page a layer in the "
+                "allocator model's replays), and this card would not hold that")
     if report.fits:
         above = report.need_above_estimate or NEED_ABOVE_ESTIMATE
         steps = report.need_above_steps or "steps"
@@ -47,6 +51,12 @@ def near_boundary_reason(report: Report) -> str:
                 "would not hold that")
     return (f"steps have needed up to {NEED_BELOW_ESTIMATE:.0%} less than the estimate (the most measured), and "
             "this card would hold that")
+
+
+def _within_band_of_peak(report: Report) -> bool:
+    """Whether the share band on the peak flags the step on its own (Verdict.near_boundary's first reason)."""
+    above = report.need_above_estimate or NEED_ABOVE_ESTIMATE
+    return report.peak_bytes * (1 + above) > report.capacity_bytes
 
 
 # Why the allocator holds more than the step needs, as nvidia-smi shows it: the question users ask.
