@@ -51,6 +51,7 @@ from pathlib import Path
 from accuracy import _code_only, load_cache, save_atomically, trace_key
 
 from vram_planner.model.calibration import default_calibration
+from vram_planner.model.verdict import need_above_estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -308,11 +309,13 @@ def row(label: str, model: str, settings: dict, traced: dict, shorter: tuple[int
     need, held = traced["allocator_need_bytes"] + context, traced["allocator_held_bytes"] + context
     peak = verdict.estimate.peak_bytes
     fits_from = verdict.fits_from_bytes
+    # check flags a "fits" near the boundary on every card below the need where its band reaches the need
+    band = max(peak * (1 + need_above_estimate(verdict.train)), verdict.generation_band_bytes)
     return {"point": label, "attn_implementation": verdict.train.attn_implementation,
             "gradient_checkpointing": verdict.train.gradient_checkpointing,
             "analytic_bytes": peak, "fits_from_bytes": fits_from, "need_bytes": need,
             "held_bytes": held, "error": (peak - need) / need, "window": fits_from < need,
-            "seconds": traced["seconds"], "need_prompt": need_prompt}
+            "flagged": fits_from < need <= band, "seconds": traced["seconds"], "need_prompt": need_prompt}
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -322,7 +325,7 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         lines.append(f"{r['point']:50} {r['analytic_bytes'] / gib:9.2f} {r['fits_from_bytes'] / gib:9.2f} "
                      f"{r['need_bytes'] / gib:9.2f} {r['held_bytes'] / gib:9.2f} {r['error']:+7.1%}  "
-                     + ("WINDOW " if r["window"] else "")
+                     + (("flagged " if r.get("flagged") else "WINDOW ") if r["window"] else "")
                      + (f"(needs the most at p{r['need_prompt']})" if r.get("need_prompt") else ""))
     return lines
 
@@ -332,11 +335,14 @@ def summary(rows: list[dict]) -> list[str]:
         return ["", "no point ran"]
     errors = [r["error"] for r in rows]
     windows = [r for r in rows if r["window"]]
+    flagged = [r for r in windows if r.get("flagged")]
     under = [r for r in rows if r["error"] < -0.01]
     worst = min(rows, key=lambda r: r["error"])
     return ["",
             f"{len(rows)} points: {len(windows)} window(s) (check says fits below the need); "
             f"{len(under)} with the analytic peak more than 1% below the need",
+            f"windows flagged near the boundary (\"flagged\": check names --exact there): {len(flagged)} of "
+            f"{len(windows)}; silent (\"WINDOW\"): {len(windows) - len(flagged)}",
             f"|analytic - need| / need: median {statistics.median(abs(e) for e in errors):.2%}, "
             f"worst under {worst['error']:+.1%} ({worst['point']}), worst over {max(errors):+.1%}"]
 

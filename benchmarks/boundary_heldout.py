@@ -27,8 +27,9 @@ boundary-heldout-seedS.txt and .json; with --largest-gib G, boundary-heldout-Ggi
 boundary-needs.json, whose key may name older tracing and allocator code (boundary.py --from-needs uses it as it is);
 writes boundary-recheck.txt.
 
---from-results traces nothing: it judges the points of every committed sweep (boundary-heldout*.json) against their
-committed needs with the current analytic model, as boundary.py --from-needs judges the grid, so that a change to the
+--from-results traces nothing: it judges the points of every committed sweep (boundary-heldout*.json; those over
+4-bit weights against their own needs file, with a summary of their own) against their committed needs with the
+current analytic model, as boundary.py --from-needs judges the grid, so that a change to the
 analytic model is judged on the held-out points in seconds (a new draw of the same seed may name other points: the
 skips depend on the analytic peaks). It writes each sweep's table again, and boundary-heldout-rejudged.txt: each
 sweep's summary, all of them together, and the points more than 1% under their needs.
@@ -231,7 +232,7 @@ def save_sweep(rows: list[dict], n: int, seed: int, largest_gib: float | None, k
                qlora: bool = False) -> list[str]:
     """Write a sweep's table and rows (table_stem names them); returns the table's lines."""
     lines = table(rows)
-    lines = [lines[0] + "  knobs", lines[1]] + [f"{line:107}  {r['knobs']}" for line, r in zip(lines[2:], rows)]
+    lines = [lines[0] + "   knobs", lines[1]] + [f"{line:108}  {r['knobs']}" for line, r in zip(lines[2:], rows)]
     drawn = f"held-out: {n} configs{' over 4-bit weights' if qlora else ''} drawn with seed {seed}"
     drawn += f", analytic peaks up to {largest_gib:g} GiB" if largest_gib else ""
     lines += summary(rows) + [drawn, f"needs from {key}"]
@@ -280,40 +281,45 @@ def recheck(labels: list[str]) -> list[str]:
     return lines
 
 
-def committed_sweeps() -> dict[tuple[int, float | None], list[dict]]:
-    """The committed sweeps' rows by (seed, largest GiB), as table_stem names their files."""
+def committed_sweeps(qlora: bool = False) -> dict[tuple[int, float | None], list[dict]]:
+    """The committed sweeps' rows by (seed, largest GiB), as table_stem names their files: the 16-bit sweeps', or
+    with `qlora` those over 4-bit weights."""
     sweeps = {}
     for path in sorted(RESULTS.glob("boundary-heldout*.json")):
-        found = re.fullmatch(r"boundary-heldout(?:-([0-9.]+)gib)?(?:-seed(\d+))?", path.stem)
-        if found:
-            largest, seed = found.groups()
+        found = re.fullmatch(r"boundary-heldout(-qlora)?(?:-([0-9.]+)gib)?(?:-seed(\d+))?", path.stem)
+        if found and bool(found.group(1)) == qlora:
+            _, largest, seed = found.groups()
             sweeps[(int(seed or 0), float(largest) if largest else None)] = json.loads(path.read_text())
     return sweeps
 
 
-def rejudged_sweeps() -> tuple[dict[tuple[int, float | None], list[dict]], str]:
-    """Every committed sweep's rows judged with the current analytic model against their committed needs, by (seed,
-    largest GiB); and the key of the code the needs came from."""
-    data = json.loads((RESULTS / "boundary-heldout-needs.json").read_text())
+def rejudged_sweeps(qlora: bool = False) -> tuple[dict[tuple[int, float | None], list[dict]], str]:
+    """Every committed sweep's rows (`qlora`: those over 4-bit weights) judged with the current analytic model against
+    their committed needs, by (seed, largest GiB); and the key of the code the needs came from."""
+    data = json.loads(needs_path(qlora).read_text())
     cache, sweeps, release = data["points"], {}, traced_release(data["key"])
-    for found, committed in committed_sweeps().items():
+    for found, committed in committed_sweeps(qlora).items():
         sweeps[found] = [judged(before["point"], before["model"], before["settings"], cache, trace=False,
                                 release=release) for before in committed]
     return sweeps, data["key"]
 
 
 def rejudged() -> list[str]:
-    """rejudged_sweeps, each sweep's table written again with its rows; returns the summary's lines."""
-    sweeps, key = rejudged_sweeps()
-    lines, every = [], []
-    for (seed, largest_gib), rows in sweeps.items():
-        stem = table_stem(seed, largest_gib)
-        save_sweep(rows, len(rows), seed, largest_gib, key)
-        every += [{**r, "point": f"{stem} {r['point']}"} for r in rows]
-        lines += [stem] + summary(rows)[1:] + [""]
-    under = [r for r in every if r["error"] < -0.01 or r["window"]]
-    return (lines + ["all committed sweeps"] + summary(every)[1:] + ["", "more than 1% under, or a window:"]
-            + table(under) + [f"needs from {key}"])
+    """rejudged_sweeps, each sweep's table written again with its rows, the 16-bit sweeps' and then those over
+    4-bit weights (whose reserve was not fitted: a summary of their own); returns the summary's lines."""
+    lines = []
+    for qlora, title in ((False, "all committed sweeps"), (True, "all committed sweeps over 4-bit weights")):
+        sweeps, key = rejudged_sweeps(qlora)
+        every = []
+        for (seed, largest_gib), rows in sweeps.items():
+            stem = table_stem(seed, largest_gib, qlora)
+            save_sweep(rows, len(rows), seed, largest_gib, key, qlora)
+            every += [{**r, "point": f"{stem} {r['point']}"} for r in rows]
+            lines += [stem] + summary(rows)[1:] + [""]
+        under = [r for r in every if r["error"] < -0.01 or r["window"]]
+        lines += ([title] + summary(every)[1:] + ["", "more than 1% under, or a window:"] + table(under)
+                  + [f"needs from {key}", ""])
+    return lines[:-1]
 
 
 def main() -> int:

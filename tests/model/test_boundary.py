@@ -133,6 +133,7 @@ def test_the_estimates_against_the_committed_needs_are_the_committed_table_and_m
     committed = json.loads((boundary.RESULTS / "boundary.json").read_text())
     assert [(r["point"], r["analytic_bytes"]) for r in rows] == [(r["point"], r["analytic_bytes"]) for r in committed]
     assert {r["point"] for r in rows if r["window"]} == {p for p, what in KNOWN_SHORT.items() if what == "a window"}
+    assert all(r["flagged"] for r in rows if r["window"])  # no silent window: check flags each near the boundary
     assert statistics.median(abs(r["error"]) for r in rows) < 0.02
     assert {r["point"] for r in rows if r["error"] < -UNDER_TARGET} == set(KNOWN_SHORT)
 
@@ -210,6 +211,7 @@ def test_old_releases_steps_hold_at_the_boundary_in_their_own_band():
             ratios.setdefault(need_above_estimate(train), []).append(ratio)
             assert -NEED_BELOW_ESTIMATE <= ratio <= need_above_estimate(train), row["point"]
         assert {r["point"] for r, _ in rows if r["window"]} == windows
+        assert all(r["flagged"] for r, _ in rows if r["window"])
         assert len([r for r, _ in rows if r["error"] < -UNDER_TARGET]) == under
     for band in (NEED_ABOVE_ESTIMATE_MERGED_LOSS, NEED_ABOVE_ESTIMATE_HEAD_BLOCK_UNCOUNTED,
                  NEED_ABOVE_ESTIMATE_KERNEL_HEAD_BLOCK_UNCOUNTED):
@@ -248,23 +250,29 @@ def test_qlora_steps_hold_at_the_boundary_in_the_band():
         ratio = row["need_bytes"] / row["analytic_bytes"] - 1
         assert -NEED_BELOW_ESTIMATE <= ratio <= need_above_estimate(training_config(settings)), row["point"]
     assert {r["point"] for r, _ in rows if r["window"]} == QLORA_WINDOWS
+    assert all(r["flagged"] for r, _ in rows if r["window"])
     assert len([r for r, _ in rows if r["error"] < -UNDER_TARGET]) == QLORA_UNDER
 
 
 @pytest.mark.slow  # the estimate of every held-out point: a few seconds
 def test_the_committed_held_out_tables_are_the_analytic_model_as_it_is():
-    """benchmarks/boundary_heldout.py --from-results: every committed sweep's points, judged with the analytic model
-    as it is against their committed needs, are the committed tables, so the band above is held to the estimates
-    `check` gives today, not to those of the code that drew the points."""
+    """benchmarks/boundary_heldout.py --from-results: every committed sweep's points (16-bit and over 4-bit weights),
+    judged with the analytic model as it is against their committed needs, are the committed tables, so the band
+    above is held to the estimates `check` gives today, not to those of the code that drew the points; and each
+    window among them is flagged near the boundary."""
     import json
 
     heldout = benchmark_module("boundary_heldout")
-    sweeps, _ = heldout.rejudged_sweeps()
-    assert len(sweeps) >= 2
-    for (seed, largest_gib), rows in sweeps.items():
-        committed = json.loads((heldout.RESULTS / f"{heldout.table_stem(seed, largest_gib)}.json").read_text())
-        assert [(r["point"], r["analytic_bytes"], r["need_bytes"]) for r in rows] == [
-            (r["point"], r["analytic_bytes"], r["need_bytes"]) for r in committed], (seed, largest_gib)
+    for qlora in (False, True):
+        sweeps, _ = heldout.rejudged_sweeps(qlora)
+        assert len(sweeps) >= 2
+        for (seed, largest_gib), rows in sweeps.items():
+            stem = heldout.table_stem(seed, largest_gib, qlora)
+            committed = json.loads((heldout.RESULTS / f"{stem}.json").read_text())
+            assert [(r["point"], r["analytic_bytes"], r["need_bytes"]) for r in rows] == [
+                (r["point"], r["analytic_bytes"], r["need_bytes"]) for r in committed], (seed, largest_gib)
+            # no silent window: check flags each near the boundary, where --exact (or a kept copy) decides
+            assert all(r["flagged"] for r in rows if r["window"]), (seed, largest_gib, qlora)
 
 
 # The QLoRA held-out sweeps (benchmarks/boundary_heldout.py --held-out 16 --seed S --largest-gib 24 --qlora: every
@@ -299,6 +307,7 @@ def test_the_qlora_held_out_sweeps_are_the_analytic_model_as_it_is_and_in_the_ba
     assert len(rows) == 16 and all(r["settings"]["load_in_4bit"] and r["settings"]["lora_r"] for r in rows)
     windows, outside_band = QLORA_HELD_OUT[seed]
     assert {r["point"] for r in rows if r["window"]} == windows
+    assert all(r["flagged"] for r in rows if r["window"])
     outside = set()
     for r in rows:
         verdict = engine.check(r["model"], boundary.CARD, r["settings"], calibration=default_calibration())
