@@ -105,10 +105,10 @@ def checkpointed_input_run_bytes(arch: ModelArchitecture, train: TrainingConfig)
 
 
 def decoding_cache_hole_bytes(arch: ModelArchitecture, train: TrainingConfig) -> float:
-    """The most generate()'s growing keys and values have kept mapped beyond the live tensors under expandable
-    segments, in the allocator model's replays of the decoding alone: a page a layer, or the layer's block of keys (or
-    values) at the last step where shorter. Not a pattern the reserve weighs but the band the verdict reads
-    (verdict.Verdict.near_boundary): what the decoding strands there has no closed form.
+    """A bound on what generate()'s growing keys and values keep mapped beyond the live tensors under expandable
+    segments: a page a layer, or the layer's block of keys (or values) at the last step where shorter; the allocator
+    model's replays of the decoding alone reached at most 0.69 of it. Not a pattern the reserve weighs but the band
+    the verdict reads (verdict.Verdict.near_boundary): what the decoding strands there has no closed form.
 
     Each decoding step concatenates every layer's keys and values into blocks a token longer than the ones it frees,
     so no freed block fits the next step's request; best fit places the new blocks in free runs that merged or in new
@@ -117,7 +117,7 @@ def decoding_cache_hole_bytes(arch: ModelArchitecture, train: TrainingConfig) ->
     layers of 17.5 MiB blocks) 16 of them, 13.8 to 16.3 MiB each, lay between pairs of live blocks: 339 MiB mapped and
     free where a 52 MiB request failed, the estimate 10.2% under the need. How many such runs the decoding leaves
     depends on every size before them: 265 MiB replayed for that shape, 35 MiB with 30 layers, 24 MiB with 96-token
-    prompts (benchmarks/decoding_holes.py, which replays random shapes beside this bound: at most 0.69 of it).
+    prompts (benchmarks/decoding_holes.py, which replays random shapes beside this bound).
     Nothing where vLLM generates or under torch's default allocator (generation_patterns counts its segments)."""
     if not train.expandable_segments or train.use_vllm:
         return 0.0

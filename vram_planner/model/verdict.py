@@ -9,9 +9,9 @@ from functools import cached_property
 from vram_planner.errors import ConfigError, closest_names, field_name
 from vram_planner.model.architecture import FAMILIES, ModelArchitecture
 from vram_planner.model import offload
-from vram_planner.model.expandable_pages import decoding_cache_hole_bytes
 from vram_planner.model.calibration import Calibration
 from vram_planner.model.cuda_context import ContextFigure, context_figure
+from vram_planner.model.expandable_pages import decoding_cache_hole_bytes
 from vram_planner.model.lm_head import uses_fused_head
 from vram_planner.model.nccl import NcclFigure, nccl_figure, nccl_note
 from vram_planner.model.phases import Estimate, estimate
@@ -243,8 +243,8 @@ class Verdict:
 
     @property
     def generation_band_bytes(self) -> float:
-        """The generation phase's estimate with the decoding's holes on it: the most its need has come to in the
-        allocator model's replays (0 where the decoding strands none beyond the estimate)."""
+        """The generation phase's estimate with the decoding's holes on it: a bound on its need (0 where the
+        decoding strands nothing beyond the estimate)."""
         holes = self.decoding_holes_bytes
         generation = next((p for p in self.estimate.phases if p.name == "generation"), None)
         return 0.0 if generation is None or not holes else generation.total_bytes + holes

@@ -259,8 +259,8 @@ class Report(Document):
     # the steps it was measured on, in words
     need_above_estimate: float | None = None
     need_above_steps: str | None = None
-    # generation in this process under expandable segments: the most its growing keys and values have kept mapped
-    # beyond the estimate in the allocator model's replays (bytes; a band of its own, on the generation phase)
+    # generation in this process under expandable segments: a bound on what its growing keys and values keep mapped
+    # beyond the estimate (bytes; a band of its own, on the generation phase)
     decoding_holes_bytes: int | None = None
     # the first micro-batch of the first step judged on its own: its phases run before any optimizer state exists
     first_micro_batch: FirstMicroBatchReport | None = None

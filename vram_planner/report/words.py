@@ -42,8 +42,8 @@ def near_boundary_reason(report: Report) -> str:
     """Why the estimate's verdict could be the other way round (the web page says it too)."""
     if report.fits and report.decoding_holes_bytes and not _within_band_of_peak(report):
         return (f"generation's growing keys and values under expandable segments can leave up to "
-                f"{saving(report.decoding_holes_bytes)} mapped beyond the estimate (at most a page a layer in the "
-                "allocator model's replays), and this card would not hold that")
+                f"{saving(report.decoding_holes_bytes)} mapped beyond the estimate (a page a layer; the allocator "
+                "model's replays of the decoding stay under it), and this card would not hold that")
     if report.fits:
         above = report.need_above_estimate or NEED_ABOVE_ESTIMATE
         steps = report.need_above_steps or "steps"
