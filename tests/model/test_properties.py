@@ -271,6 +271,32 @@ def test_more_tokens_a_bigger_batch_more_generations_or_sampling_filters_never_n
     assert _peak(context, more) >= _peak(context, less) * (1 - FLOAT_NOISE)
 
 
+@settings(QUICK, max_examples=60)
+@given(law=st.sampled_from(MORE_NEEDS_MORE), **VALID)
+@example(law=_longer_completion, model="SmolLM2-360M", card="h100-80gb", trl_version="1.16.0",
+         knobs={"dtype": "bfloat16", "lora_r": 64, "load_in_4bit": True, "per_device_train_batch_size": 8,
+                "num_generations": 16, "gradient_accumulation_steps": 4, "steps_per_generation": 8,
+                "max_prompt_length": 64, "max_completion_length": 384, "attn_implementation": "eager"})
+def test_the_decoding_band_never_falls_with_more_tokens_or_sequences_and_flags_every_smaller_card(law, model, card,
+                                                                                                 trl_version, knobs):
+    """Under expandable segments generation in this process has a band of its own (what its growing cache can
+    strand): never less for more tokens or sequences, none under torch's default allocator or where vLLM generates,
+    and a "fits" it flags stays flagged on every smaller card that still fits it."""
+    context, train = _valid(model, card, trl_version, {**knobs, "allocator_conf": "expandable_segments:True"})
+    less, more = law(train)
+    assert judge(context, more).decoding_holes_bytes >= judge(context, less).decoding_holes_bytes
+    verdict = judge(context, train)
+    assert (verdict.decoding_holes_bytes > 0) == (not train.use_vllm)
+    assert judge(context, _changed(train, allocator_conf="")).decoding_holes_bytes == 0
+    # cards given by size share one CUDA context figure, so one estimate holds on all of them
+    roomy = judge(engine.make_context(model, "100000GiB", trl_version=trl_version), train)
+    band, fits_from = roomy.generation_band_bytes, roomy.fits_from_bytes
+    for share in (0.95, 0.5, 0.05) if band > fits_from else ():
+        capacity = fits_from + share * (band - fits_from)
+        at = judge(engine.make_context(model, f"{capacity / 2**30:.6f}GiB", trl_version=trl_version), train)
+        assert at.estimate.peak_bytes == roomy.estimate.peak_bytes and at.fits and at.near_boundary, capacity
+
+
 # Each saver: (the config without it, the config with it, the bytes it may add); assume() keeps each to the configs
 # it applies to.
 def _checkpointing(context, t: TrainingConfig):
