@@ -104,7 +104,8 @@ BAD_KNOBS = [
     ["--attn-implementation", "flash3"], ["--use-vllm", "--vllm-mode", "remote"],
     ["--lora-r", "8", "--load-in-4bit", "--bnb-4bit-quant-type", "nf5"], ["--load-in-4bit"],
     ["--no-such-flag"], ["--lora-alpha", "16"], ["--zero-stage", "2", "--fsdp", "--num-gpus", "2"],
-    ["--gpu", "t4", "--dtype", "float16"], ["--gpu", "v100", "--dtype", "float16"],
+    ["--gpu", "t4", "--dtype", "float16", "--mixed-precision", "fp16"],
+    ["--gpu", "v100", "--attn-implementation", "flash_attention_2"],
 ]
 # Far beyond any card, still well-formed: a verdict or a refusal, never minutes.
 EXTREME_KNOBS = [

@@ -39,7 +39,7 @@ def test_the_answer_fits_and_one_gpu_fewer_fits_under_no_strategy(model, card, k
     try:
         user = engine.make_training(context, knobs)
     except ConfigError:
-        return  # a setting this card cannot run (no bf16): not a question of the count
+        return  # a setting this card cannot run (FlashAttention-2 before Ampere): not a question of the count
     found = auto.fewest_gpus(context, user)
     if found.chosen is None:
         assert not any(_fits_under(context, user, count, strategy)

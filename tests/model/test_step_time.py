@@ -297,3 +297,22 @@ def test_remembered_work_is_the_work_worked_out_afresh(llama_1b, targets):
     for work, args in ((w.training_passes, (llama_1b, train, 4, 64, 128)),
                        (w.forward_work, (llama_1b, train, 16, 1, 96.0, 1)), (o.optimizer_work, (llama_1b, train))):
         assert work(*args) == work(*args) == work.__wrapped__(*args)
+
+
+@pytest.mark.parametrize("card", ["t4", "v100-16gb", "rtx2080-ti"])
+def test_bf16_on_a_card_without_it_is_judged_emulated_at_float32_speed(card):
+    """torch emulates bf16 before Ampere (is_bf16_supported() is True there; transformers and TRL run it): the config
+    is judged, with a note, its matmuls at the card's float32 throughput; fp16 at its tensor cores' rate."""
+    from vram_planner import engine
+    from vram_planner.model.step_time import card_tflops
+    from vram_planner.profiles import GpuProfile
+
+    gpu = GpuProfile.from_name(card)
+    bf16 = engine.check("Llama-3.2-1B", card, {"dtype": "bfloat16", "lora_r": 16, "mixed_precision": "bf16"})
+    assert bf16.train.mixed_precision == "bf16" and not gpu.bf16
+    assert any("no native bf16: torch emulates it" in note for note in bf16.estimate.notes)
+    assert card_tflops(gpu, bf16.train) == gpu.fp32_tflops
+    fp16 = engine.check("Llama-3.2-1B", card, {"dtype": "float16", "lora_r": 16})  # the default becomes fp16 there
+    assert fp16.train.mixed_precision == "fp16" and card_tflops(gpu, fp16.train) == gpu.fp16_tflops
+    assert not any("no native bf16" in note for note in fp16.estimate.notes)
+    assert fp16.estimate.peak_bytes == pytest.approx(bf16.estimate.peak_bytes, rel=0.01)  # two bytes either way

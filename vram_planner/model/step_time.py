@@ -140,6 +140,8 @@ def card_tflops(gpu: GpuProfile, train: TrainingConfig) -> float:
         dtype = "bfloat16" if train.mixed_precision == "bf16" or train.zero_stage is not None else "float16"
     else:
         dtype = train.dtype
+    if dtype == "bfloat16" and not gpu.bf16:
+        dtype = "float32"  # torch emulates bf16 there in float32 arithmetic, without tensor cores
     figure = {"bfloat16": gpu.bf16_tflops, "float16": gpu.fp16_tflops, "float32": gpu.fp32_tflops}[dtype]
     if figure is None or gpu.memory_bandwidth_gb_s is None:
         raise NoSpeedFigures(f"{gpu.label} has no memory bandwidth or {dtype} throughput in the GPU catalog: name a "

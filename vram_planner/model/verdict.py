@@ -277,7 +277,7 @@ def _estimate(context: Context, train: TrainingConfig, first_micro_batch: bool =
         est = replace(est, notes=est.notes + (nccl_note(nccl),))
     if vllm_comm.bytes:
         est = replace(est, notes=est.notes + (vllm_comm.source,))
-    for note in (context.release.note, context.gpu.note):
+    for note in (context.release.note, context.gpu.note, emulated_bf16_note(train, context.gpu)):
         if note:
             est = replace(est, notes=est.notes + (note,))
     return est
@@ -290,22 +290,35 @@ def gpu_problems(train: TrainingConfig, gpu: GpuProfile) -> list[str]:
     if train.attn_implementation == "flash_attention_2" and not gpu.flash_attention_2:
         problems.append(f"{field_name('attn_implementation')} flash_attention_2 does not run on {gpu.label}{cc}; "
                         "use sdpa")
-    if not gpu.bf16 and train.mixed_precision == "bf16":
-        problems.append(f"{gpu.label}{cc} has no bf16: use {field_name('mixed_precision')} fp16")
-    if not gpu.bf16 and (train.dtype == "bfloat16" or train.load_in_4bit and train.mixed_precision == "bf16"):
-        problems.append(f"{gpu.label}{cc} has no bf16: load float16 (with LoRA) or float32")
     return problems
 
 
+def uses_bf16(train: TrainingConfig) -> bool:
+    """Whether the step computes or keeps anything in bfloat16: autocast's, the weights', or 4-bit weights' compute."""
+    return train.mixed_precision == "bf16" or train.dtype == "bfloat16"
+
+
+def emulated_bf16_note(train: TrainingConfig, gpu: GpuProfile) -> str | None:
+    """A pre-Ampere card runs bfloat16 all the same: torch emulates it in float32 arithmetic (torch.cuda.
+    is_bf16_supported() answers True there, so transformers' TrainingArguments accepts bf16=True and TRL's default
+    runs), as fast as float32 at best; its tensor cores run float16."""
+    if gpu.bf16 or not uses_bf16(train):
+        return None
+    cc = f" (compute capability {gpu.compute_capability})" if gpu.compute_capability else ""
+    return (f"{gpu.label}{cc} has no native bf16: torch emulates it in float32 arithmetic, so the bf16 step runs (the "
+            "memory is the same) at float32 speed at best; fp16 autocast (fp16=True) with float16 (LoRA) or float32 "
+            "weights runs on its tensor cores")
+
+
 def adapt_to_gpu(train: TrainingConfig, gpu: GpuProfile, explicit: set[str]) -> TrainingConfig:
-    """Defaults the user did not set that this GPU cannot honour (bf16 autocast on a pre-Ampere card)."""
+    """Defaults the user did not set that this GPU runs better otherwise: fp16 autocast in place of bf16 on a
+    pre-Ampere card, which only emulates bf16; bf16 (emulated) stays where fp16 cannot train the config (float16
+    weights in full: the grad scaler refuses their gradients)."""
     if not gpu.bf16 and train.mixed_precision == "bf16" and "mixed_precision" not in explicit:
         try:
             train = with_changes(train, mixed_precision="fp16")
-        except ConfigError as exc:
-            cc = f", compute capability {gpu.compute_capability}" if gpu.compute_capability else ""
-            raise ConfigError([f"{gpu.label} has no bf16{cc}, so mixed precision is fp16 there, and then "
-                               f"{problem}" for problem in exc.problems]) from exc
+        except ConfigError:
+            pass
     return train
 
 
