@@ -294,7 +294,7 @@ def gpu_problems(train: TrainingConfig, gpu: GpuProfile) -> list[str]:
 
 
 def uses_bf16(train: TrainingConfig) -> bool:
-    """Whether the step computes or keeps anything in bfloat16: autocast's, the weights', or 4-bit weights' compute."""
+    """Whether the step computes or keeps anything in bfloat16: autocast's or the weights'."""
     return train.mixed_precision == "bf16" or train.dtype == "bfloat16"
 
 
