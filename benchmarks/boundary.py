@@ -51,7 +51,6 @@ from pathlib import Path
 from accuracy import _code_only, load_cache, save_atomically, trace_key
 
 from vram_planner.model.calibration import default_calibration
-from vram_planner.model.verdict import need_above_estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -309,13 +308,13 @@ def row(label: str, model: str, settings: dict, traced: dict, shorter: tuple[int
     need, held = traced["allocator_need_bytes"] + context, traced["allocator_held_bytes"] + context
     peak = verdict.estimate.peak_bytes
     fits_from = verdict.fits_from_bytes
-    # check flags a "fits" near the boundary on every card below the need where its band reaches the need
-    band = max(peak * (1 + need_above_estimate(verdict.train)), verdict.generation_band_bytes)
     return {"point": label, "attn_implementation": verdict.train.attn_implementation,
             "gradient_checkpointing": verdict.train.gradient_checkpointing,
             "analytic_bytes": peak, "fits_from_bytes": fits_from, "need_bytes": need,
             "held_bytes": held, "error": (peak - need) / need, "window": fits_from < need,
-            "flagged": fits_from < need <= band, "seconds": traced["seconds"], "need_prompt": need_prompt}
+            # check flags a "fits" near the boundary on every card below the need where its band reaches the need
+            "flagged": fits_from < need <= verdict.need_bound_bytes,
+            "seconds": traced["seconds"], "need_prompt": need_prompt}
 
 
 def table(rows: list[dict]) -> list[str]:

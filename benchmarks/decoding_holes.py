@@ -27,8 +27,8 @@ from accuracy import save_atomically
 
 from vram_planner.allocator.conf import parse_allocator_conf
 from vram_planner.allocator.need import least_capacity, live_peak_bytes
-from vram_planner.allocator.sizes import K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE
 from vram_planner.model.calibration import default_calibration
+from vram_planner.model.expandable_pages import islands_bytes
 from vram_planner.units import MiB
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,10 +68,9 @@ def stranded_bytes(layers: int, sequences: int, token_bytes: int, prompt: int, c
     return least_capacity(events, parse_allocator_conf(EXPANDABLE)).capacity_bytes - live_peak_bytes(events)
 
 
-def bound_bytes(layers: int, sequences: int, token_bytes: int, prompt: int, completion: int) -> int:
+def bound_bytes(layers: int, sequences: int, token_bytes: int, prompt: int, completion: int) -> float:
     """decoding_cache_hole_bytes for this shape: a page a layer, or a layer's block where shorter."""
-    block = sequences * (prompt + completion - 1) * token_bytes
-    return layers * min(K_SMALL_BUFFER if block <= K_SMALL_SIZE else K_LARGE_BUFFER, block)
+    return islands_bytes(layers, sequences * (prompt + completion - 1) * token_bytes)
 
 
 def _row(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, float]:

@@ -312,8 +312,7 @@ def test_the_qlora_held_out_sweeps_are_the_analytic_model_as_it_is_and_in_the_ba
     for r in rows:
         verdict = engine.check(r["model"], boundary.CARD, r["settings"], calibration=default_calibration())
         assert verdict.estimate.peak_bytes == r["analytic_bytes"]
-        above = r["analytic_bytes"] * (1 + need_above_estimate(training_config(r["settings"])))
-        if not r["analytic_bytes"] * (1 - NEED_BELOW_ESTIMATE) <= r["need_bytes"] <= max(
-                above, verdict.generation_band_bytes):
+        assert need_above_estimate(verdict.train) == need_above_estimate(training_config(r["settings"]))
+        if not r["analytic_bytes"] * (1 - NEED_BELOW_ESTIMATE) <= r["need_bytes"] <= verdict.need_bound_bytes:
             outside.add(r["point"])
     assert outside == outside_band

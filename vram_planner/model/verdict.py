@@ -250,6 +250,12 @@ class Verdict:
         return 0.0 if generation is None or not holes else generation.total_bytes + holes
 
     @property
+    def need_bound_bytes(self) -> float:
+        """The most this step's need has been measured above its estimate: the share band of its kind of step on the
+        peak, or under expandable segments generation with what its growing cache can strand, whichever is more."""
+        return max(self.estimate.peak_bytes * (1 + need_above_estimate(self.train)), self.generation_band_bytes)
+
+    @property
     def near_boundary(self) -> bool:
         """Whether the step's need could lie on the other side of the card than the verdict says, as far from the
         estimate as needs have been measured (`--exact` then decides); never for a vLLM that cannot start."""
@@ -258,8 +264,7 @@ class Verdict:
             return False
         peak, capacity = self.estimate.peak_bytes, self.context.capacity_bytes
         if self.fits:
-            above = need_above_estimate(self.train)
-            return peak * (1 + above) > capacity or self.generation_band_bytes > capacity
+            return self.need_bound_bytes > capacity
         return peak * (1 - NEED_BELOW_ESTIMATE) <= capacity
 
 
